@@ -1,0 +1,3 @@
+from dropless.cli.main import main
+
+raise SystemExit(main())

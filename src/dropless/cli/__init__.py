@@ -1,0 +1,1 @@
+"""The `dropless` command line: one module per subcommand, imported when used."""

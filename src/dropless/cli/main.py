@@ -1,0 +1,53 @@
+"""`dropless <command>`: each subcommand lives in its own module under `dropless.cli`
+with `add_arguments(parser)` and `run(args) -> int`, imported only when it runs so
+`dropless --help` stays fast and optional extras stay optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .. import __version__
+
+# command -> (module, one-line help)
+COMMANDS = {
+    "train": ("dropless.cli.train", "train or fine-tune a MoE model (no arguments: a CPU demo run)"),
+    "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
+    "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
+    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, jax"),
+    "demo": ("dropless.cli.demo", "run the MoE layer on random data and show what it did"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dropless", description="Dropless Mixture-of-Experts training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"dropless {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"dropless {args.command}: not available in this version", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""Dispatchers move routed tokens to their experts and back; the MoE layer holds none
+of that logic. `LocalDispatcher` runs every expert in this process; the
+expert-parallel one (all-to-all over a mesh axis) lives in `dropless.parallel`.
+"""
+
+# T tokens, D model dim, E experts, K top-k
+
+from __future__ import annotations
+
+import torch
+
+
+class LocalDispatcher:
+    """All experts live here: permute, grouped MLP, combine, in one process.
+
+    A dispatcher is called as `dispatcher(x_TD, ids_TK, weights_TK, experts, keep_TK)`
+    and returns (out_TD, tokens_per_expert_E, global_counts_E, global_tokens): the
+    last two feed the global balancing loss (here they are the local ones).
+    """
+
+    def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
+        out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
+        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=experts.num_experts)
+        return out_TD, sp.counts_E, counts_E, x_TD.shape[0]

@@ -1,0 +1,166 @@
+"""MoE: router + grouped experts + optional shared expert, dropless by default."""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..ops.losses import load_balancing_loss_global, z_loss
+from ..ops.routing import capacity_keep_mask, expert_capacity
+from .dispatcher import LocalDispatcher
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+@dataclass
+class MoEAux:
+    """What a MoE forward reports besides its output.
+
+    lb_loss: Switch-style load-balancing loss (global when the dispatcher reduced the
+    counts); z_loss: router z-loss; tokens_per_expert [E]: pairs each expert computed;
+    dropped: pairs dropped by a capacity limit (0 when dropless).
+    """
+
+    lb_loss: torch.Tensor
+    z_loss: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    dropped: int
+    router_logits: torch.Tensor | None = None
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token goes through, with an optional sigmoid gate."""
+
+    def __init__(self, hidden_size, intermediate_size, *, gate: bool = False, dtype=None, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.gate = nn.Linear(hidden_size, 1, **kw) if gate else None
+
+    def forward(self, x_TD):
+        y = self.down_proj(nn.functional.silu(self.gate_proj(x_TD)) * self.up_proj(x_TD))
+        if self.gate is not None:
+            y = torch.sigmoid(self.gate(x_TD)) * y
+        return y
+
+
+class MoE(nn.Module):
+    """A dropless Mixture-of-Experts layer: `out, aux = moe(x)` with x [..., D].
+
+    Args:
+        hidden_size: D. moe_intermediate_size: F (per expert). num_experts: E. top_k: K.
+        score_func, renormalize, scaling_factor, n_group, topk_group, expert_bias:
+            routing, see `TopKRouter`.
+        shared_expert_intermediate_size: width of a shared expert (0: none);
+            shared_expert_gate: scale it by sigmoid(x @ w) as Qwen2-MoE does.
+        bias: biases on the expert projections (the routing weight scales the down
+            bias too). activation: "swiglu" or "gpt_oss".
+        capacity_factor: None (default) is dropless; a float > 0 limits each expert to
+            ceil(cf * T * K / E) pairs and drops the lowest-weight overflow (for
+            comparison runs only; counted in `aux.dropped`).
+        dispatcher: moves tokens to experts (default `LocalDispatcher`; the
+            expert-parallel one comes from `dropless.parallel`).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: str = "softmax",
+        renormalize: bool = True,
+        scaling_factor: float = 1.0,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        expert_bias: bool = False,
+        shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+        bias: bool = False,
+        activation: str = "swiglu",
+        capacity_factor: float | None = None,
+        dispatcher=None,
+        backend: str | None = None,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
+        super().__init__()
+        for name, v in (
+            ("hidden_size", hidden_size),
+            ("moe_intermediate_size", moe_intermediate_size),
+            ("num_experts", num_experts),
+        ):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        if capacity_factor is not None and not (capacity_factor > 0):
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be None (dropless) or > 0")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.capacity_factor = capacity_factor
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            renormalize=renormalize,
+            scaling_factor=scaling_factor,
+            n_group=n_group,
+            topk_group=topk_group,
+            expert_bias=expert_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.experts = GroupedExperts(
+            num_experts,
+            hidden_size,
+            moe_intermediate_size,
+            bias=bias,
+            activation=activation,
+            backend=backend,
+            dtype=dtype,
+            device=device,
+        )
+        self.shared_expert = (
+            SharedExpert(
+                hidden_size, shared_expert_intermediate_size, gate=shared_expert_gate, dtype=dtype, device=device
+            )
+            if shared_expert_intermediate_size
+            else None
+        )
+        self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
+            raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        self._check_input(x)
+        lead = x.shape[:-1]
+        x_TD = x.reshape(-1, self.hidden_size)
+        r = self.router(x_TD)
+        keep_TK = None
+        if self.capacity_factor is not None:
+            cap = expert_capacity(x_TD.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            keep_TK = capacity_keep_mask(r.ids_TK, r.weights_TK, self.num_experts, cap)
+        weights_TK = r.weights_TK.to(x.dtype) if x.dtype != torch.float64 else r.weights_TK.double()
+        out_TD, tokens_per_expert, counts_E, n_tokens = self.dispatcher(
+            x_TD, r.ids_TK, weights_TK, self.experts, keep_TK
+        )
+        if self.shared_expert is not None:
+            out_TD = out_TD + self.shared_expert(x_TD)
+        aux = MoEAux(
+            lb_loss=load_balancing_loss_global(r.scores_TE, counts_E, n_tokens),
+            z_loss=z_loss(r.logits_TE),
+            tokens_per_expert=tokens_per_expert,
+            dropped=int(r.ids_TK.numel() - int(tokens_per_expert.sum())),
+            router_logits=r.logits_TE,
+        )
+        return out_TD.view(*lead, self.hidden_size), aux

@@ -1,0 +1,54 @@
+"""Functional MoE ops with autograd; each has a pure-torch reference in `reference.py`.
+
+The grouped-GEMM backend registry and the active low-precision recipe live in
+`dispatch.py`.
+"""
+
+from .dispatch import (
+    GemmBackend,
+    gemm_backends,
+    get_recipe,
+    register_gemm_backend,
+    register_recipe_gemm,
+    reset_recipe,
+    set_recipe,
+)
+from .expert_mlp import expert_mlp, grouped_mlp
+from .grouped_gemm import grouped_gemm
+from .losses import (
+    load_balancing_loss,
+    load_balancing_loss_global,
+    sequence_aux_loss,
+    update_expert_bias,
+    z_loss,
+)
+from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
+from .routing import capacity_keep_mask, expert_capacity, route
+from .swiglu import swiglu
+
+__all__ = [
+    "GemmBackend",
+    "SortedPairs",
+    "capacity_keep_mask",
+    "expert_capacity",
+    "expert_mlp",
+    "gather_sum",
+    "gemm_backends",
+    "get_recipe",
+    "grouped_gemm",
+    "grouped_mlp",
+    "load_balancing_loss",
+    "load_balancing_loss_global",
+    "permute",
+    "register_gemm_backend",
+    "register_recipe_gemm",
+    "reset_recipe",
+    "route",
+    "sequence_aux_loss",
+    "set_recipe",
+    "sort_by_expert",
+    "swiglu",
+    "unpermute",
+    "update_expert_bias",
+    "z_loss",
+]

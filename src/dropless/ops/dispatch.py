@@ -1,0 +1,104 @@
+"""Backend registry for the grouped GEMM, and the active low-precision recipe.
+
+A backend computes raw (non-autograd) grouped products; the single autograd Function
+in `grouped_gemm.py` calls it for forward and both backward GEMMs. Backends register
+under a name with a priority; `auto` picks the highest-priority one that supports the
+operands. Naming a backend that cannot run raises; it never silently falls back.
+
+The active recipe (FP8 / MXFP8, see `dropless.quant`) is a context variable here, so
+every caller of the grouped GEMM gets it without importing `quant`: `quant` registers
+its quantized GEMM under the recipe's `kind`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemmBackend:
+    """A grouped GEMM implementation.
+
+    mm(a_SK, b_E.., counts, trans_b) -> [S, N]: rows of group e times b[e]^T (trans_b)
+    or b[e]; wgrad(a_SM, b_SN, counts) -> [E, M, N]: per group a_e^T @ b_e.
+    supports(a, b) says whether it can run on these operands (device, dtype, strides).
+    """
+
+    name: str
+    mm: Callable
+    wgrad: Callable
+    supports: Callable[[torch.Tensor, torch.Tensor], bool]
+    priority: int = 0
+
+
+_BACKENDS: dict[str, GemmBackend] = {}
+
+
+def register_gemm_backend(backend: GemmBackend) -> None:
+    _BACKENDS[backend.name] = backend
+
+
+def gemm_backends() -> list[str]:
+    """Names of the registered grouped-GEMM backends, best first."""
+    return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: -b.priority)]
+
+
+def pick_gemm_backend(name: str | None, a: torch.Tensor, b: torch.Tensor) -> GemmBackend:
+    """The backend to use: `name` if given (error if it cannot run), else the best one."""
+    if name not in (None, "auto"):
+        if name not in _BACKENDS:
+            raise ValueError(
+                f"backend={name!r} is not a grouped-GEMM backend; known: {gemm_backends()}"
+            )
+        backend = _BACKENDS[name]
+        if not backend.supports(a, b):
+            raise ValueError(
+                f"grouped-GEMM backend {name!r} cannot run on {a.dtype} tensors on "
+                f"{a.device.type}; use backend='auto' or one of {gemm_backends()}"
+            )
+        return backend
+    for cand in sorted(_BACKENDS.values(), key=lambda b: -b.priority):
+        if cand.supports(a, b):
+            return cand
+    raise AssertionError("the 'loop' backend supports everything")
+
+
+# --- the active low-precision recipe ------------------------------------------------
+
+_ACTIVE_RECIPE: contextvars.ContextVar = contextvars.ContextVar("dropless_recipe", default=None)
+_RECIPE_GEMMS: dict[str, Callable] = {}
+
+
+def get_recipe():
+    """The low-precision recipe active in this context (None: full precision)."""
+    return _ACTIVE_RECIPE.get()
+
+
+def set_recipe(recipe) -> contextvars.Token:
+    return _ACTIVE_RECIPE.set(recipe)
+
+
+def reset_recipe(token: contextvars.Token) -> None:
+    _ACTIVE_RECIPE.reset(token)
+
+
+def register_recipe_gemm(kind: str, fn: Callable) -> None:
+    """Register fn(x_SD, w, counts, bias, trans_w, recipe) -> y for recipes of `kind`."""
+    _RECIPE_GEMMS[kind] = fn
+
+
+def recipe_gemm(recipe) -> Callable:
+    kind = getattr(recipe, "kind", None)
+    if kind not in _RECIPE_GEMMS:
+        # quant registers its GEMMs on import; import it here so `ops` needs no import of it
+        import dropless.quant  # noqa: F401
+    if kind not in _RECIPE_GEMMS:
+        raise ValueError(
+            f"no grouped GEMM is registered for recipe kind {kind!r}; "
+            f"known kinds: {sorted(_RECIPE_GEMMS)}"
+        )
+    return _RECIPE_GEMMS[kind]

@@ -1,0 +1,177 @@
+"""Grouped GEMM: y[s] = x[s] @ w[e(s)]^T for contiguous groups of rows, with autograd.
+
+One autograd Function owns forward and backward (never autograd through per-expert
+slices: that builds a full-size zero gradient per expert, measured 10x slower). The
+raw products come from a registered backend (see `dispatch.py`):
+
+- `grouped_mm`: torch._grouped_mm where it is correct for this device/dtype/strides;
+- `loop`: a per-expert torch.mm into preallocated outputs (runs everywhere, fp64 too);
+- `triton`: registered by `dropless.kernels` on CUDA machines with triton.
+"""
+
+# S rows (sorted pairs), D in features, N out features, E groups (experts)
+
+from __future__ import annotations
+
+import torch
+
+from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_gemm, register_gemm_backend
+
+
+def _bounds(counts: list[int]):
+    start = 0
+    for e, n in enumerate(counts):
+        yield e, start, start + n
+        start += n
+
+
+# --- loop backend -------------------------------------------------------------------
+
+
+def _loop_mm(a_SK, b, counts, trans_b, out=None):
+    n_out = b.shape[1] if trans_b else b.shape[2]
+    y = out if out is not None else a_SK.new_empty(a_SK.shape[0], n_out)
+    for e, lo, hi in _bounds(counts):
+        if hi > lo:
+            torch.mm(a_SK[lo:hi], b[e].t() if trans_b else b[e], out=y[lo:hi])
+    return y
+
+
+def _loop_wgrad(a_SM, b_SN, counts):
+    out = a_SM.new_empty(len(counts), a_SM.shape[1], b_SN.shape[1])
+    for e, lo, hi in _bounds(counts):
+        if hi > lo:
+            torch.mm(a_SM[lo:hi].t(), b_SN[lo:hi], out=out[e])
+        else:
+            out[e].zero_()
+    return out
+
+
+register_gemm_backend(
+    GemmBackend("loop", _loop_mm, _loop_wgrad, supports=lambda a, b: True, priority=0)
+)
+
+
+# --- torch._grouped_mm backend ------------------------------------------------------
+
+
+def _offsets(counts, device):
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
+        return False
+    if a.device.type == "cpu":
+        ok_dtype = a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    elif a.device.type == "cuda":
+        ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
+    else:
+        ok_dtype = False
+    # its kernels need 16-byte aligned row strides
+    align = 16 // a.element_size()
+    return ok_dtype and a.shape[-1] % align == 0 and b.shape[-1] % align == 0 and b.shape[-2] % align == 0
+
+
+def _gmm_mm(a_SK, b, counts, trans_b, out=None):
+    b_ekn = b.transpose(1, 2) if trans_b else b
+    y = torch._grouped_mm(a_SK.contiguous(), b_ekn, offs=_offsets(counts, a_SK.device))
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def _gmm_wgrad(a_SM, b_SN, counts):
+    if a_SM.shape[0] == 0:
+        return a_SM.new_zeros(len(counts), a_SM.shape[1], b_SN.shape[1])
+    out = torch._grouped_mm(
+        a_SM.t().contiguous(), b_SN.contiguous(), offs=_offsets(counts, a_SM.device)
+    )
+    return out
+
+
+register_gemm_backend(GemmBackend("grouped_mm", _gmm_mm, _gmm_wgrad, _gmm_supports, priority=10))
+
+
+# --- autograd -----------------------------------------------------------------------
+
+
+class _GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_SD, w, bias_EN, counts, trans_w, backend):
+        be = pick_gemm_backend(backend, x_SD, w)
+        y = be.mm(x_SD, w, counts, trans_w)
+        if bias_EN is not None:
+            y += _expand_bias(bias_EN, counts)
+        ctx.save_for_backward(x_SD, w)
+        ctx.counts, ctx.trans_w, ctx.be, ctx.has_bias = counts, trans_w, be, bias_EN is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_SN):
+        x_SD, w = ctx.saved_tensors
+        be, counts = ctx.be, ctx.counts
+        grad_SN = grad_SN.contiguous()  # an expanded gradient (e.g. from .sum()) breaks gmm
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            # y = x w^T  ->  dx = dy w ;  y = x w  ->  dx = dy w^T
+            gx = be.mm(grad_SN, w, counts, not ctx.trans_w)
+        if ctx.needs_input_grad[1]:
+            gw = be.wgrad(grad_SN, x_SD, counts) if ctx.trans_w else be.wgrad(x_SD, grad_SN, counts)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = _group_sum(grad_SN, counts)
+        return gx, gw, gb, None, None, None
+
+
+def _expand_bias(bias_EN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    idx = torch.repeat_interleave(
+        torch.arange(len(counts), device=bias_EN.device),
+        torch.tensor(counts, device=bias_EN.device),
+    )
+    return bias_EN.index_select(0, idx)
+
+
+def _group_sum(g_SN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out = g_SN.new_zeros(len(counts), g_SN.shape[1])
+    for e, lo, hi in _bounds(counts):
+        if hi > lo:
+            torch.sum(g_SN[lo:hi], dim=0, out=out[e])
+    return out
+
+
+def _check_counts(x_SD: torch.Tensor, w: torch.Tensor, counts) -> list[int]:
+    if isinstance(counts, torch.Tensor):
+        if counts.dim() != 1 or counts.dtype.is_floating_point:
+            raise TypeError("counts must be a 1-D integer tensor or a list of ints")
+        counts = counts.tolist()
+    counts = [int(c) for c in counts]
+    if len(counts) != w.shape[0]:
+        raise ValueError(f"counts has {len(counts)} groups but the weight has {w.shape[0]}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"counts must be >= 0, got {counts}")
+    if sum(counts) != x_SD.shape[0]:
+        raise ValueError(f"counts sum to {sum(counts)} but x has {x_SD.shape[0]} rows")
+    return counts
+
+
+def grouped_gemm(
+    x_SD: torch.Tensor,
+    w: torch.Tensor,
+    counts,
+    bias_EN: torch.Tensor | None = None,
+    *,
+    trans_w: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over contiguous groups of `counts` rows.
+
+    w is [E, N, D] (out, in: the nn.Linear and Transformers v5 layout) when trans_w,
+    else [E, D, N]. counts: list of ints or 1-D integer tensor (read on the host once).
+    Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
+    """
+    counts = _check_counts(x_SD, w, counts)
+    recipe = get_recipe()
+    if recipe is not None:
+        return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w, recipe)
+    return _GroupedGemm.apply(x_SD, w, bias_EN, counts, trans_w, backend)

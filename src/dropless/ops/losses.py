@@ -1,0 +1,70 @@
+"""Router losses and the aux-loss-free expert-bias update.
+
+The layer holds no communication code: the global balancing loss takes counts that
+the caller (dispatcher or trainer) already reduced across processes.
+"""
+
+# T tokens, E experts, K top-k, B sequences, L tokens per sequence
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
+    """Switch-style loss of one micro-batch: E * sum_e (c_e / T) * mean_t p[t, e].
+
+    c_e counts the pairs routed to e (so c_e / T sums to K), p are the routing scores
+    normalised per token (softmax scores as they are). Equals Transformers'
+    `load_balancing_loss_func` on the same router logits.
+    """
+    T, E = scores_TE.shape
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+    return load_balancing_loss_global(scores_TE, counts_E, T)
+
+
+def load_balancing_loss_global(
+    scores_TE: torch.Tensor, counts_E: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """The same loss with token counts from the whole batch (all processes).
+
+    counts_E and num_tokens are already summed over processes by the caller; the
+    gradient flows through this process's scores only.
+    """
+    E = scores_TE.shape[1]
+    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+    frac_E = counts_E.to(probs_TE.dtype) / max(int(num_tokens), 1)
+    return E * (frac_E * probs_TE.mean(0)).sum()
+
+
+def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3 sequence-wise balance loss, averaged over sequences (no alpha).
+
+    f_e = E / (K * L) * #{t : e in topk(t)};  P_e = mean_t s'[t, e] with s' the scores
+    normalised per token;  loss = sum_e f_e * P_e.
+    """
+    B, L, E = scores_BLE.shape
+    K = ids_BLK.shape[-1]
+    hits_BE = torch.zeros(B, E, device=scores_BLE.device, dtype=scores_BLE.dtype)
+    hits_BE.scatter_add_(1, ids_BLK.reshape(B, L * K), torch.ones_like(ids_BLK.reshape(B, -1), dtype=scores_BLE.dtype))
+    f_BE = hits_BE * (E / (K * L))
+    p_BE = (scores_BLE / scores_BLE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(1)
+    return (f_BE * p_BE).sum(-1).mean()
+
+
+def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Router z-loss: mean over tokens of logsumexp(logits)^2 (computed in fp32)."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
+    """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean(c) - c_e), in place.
+
+    Call after each optimizer step with the step's counts (summed over layers' micro
+    batches and processes by the caller). Overloaded experts get a lower bias, so the
+    router picks them less; the routing weights are not affected.
+    """
+    counts = counts_E.to(torch.float32)
+    bias_E.add_(rate * torch.sign(counts.mean() - counts).to(bias_E.dtype))
+    return bias_E

@@ -1,0 +1,151 @@
+"""Sort (token, expert) pairs by expert, gather tokens into that order, and combine back.
+
+Both directions are gathers: permute's backward and unpermute's forward are a
+gather-and-sum over each token's K slots (never scatter-add with atomics), so the
+same input gives the same bits on every backend.
+"""
+
+# T tokens, D model dim, N features, E experts, K top-k, S sorted (kept) pairs
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SortedPairs:
+    """Where each (token, k) pair sits once the pairs are sorted by expert.
+
+    token_S: the token of each slot; pair_S: its flat pair index t*K+k;
+    slot_TK: the slot of each pair (S for a pair dropped by a capacity limit);
+    counts_E: kept pairs per expert (device tensor); counts: the same on the host.
+    """
+
+    token_S: torch.Tensor
+    pair_S: torch.Tensor
+    slot_TK: torch.Tensor
+    counts_E: torch.Tensor
+    counts: list[int]
+    num_dropped: int = 0
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.token_S.shape[0])
+
+
+def sort_by_expert(
+    ids_TK: torch.Tensor, num_experts: int, keep_TK: torch.Tensor | None = None
+) -> SortedPairs:
+    """Stable sort of the T*K pairs by expert id (ties keep (token, k) order).
+
+    keep_TK (bool) marks pairs kept under a capacity limit; others are left out of the
+    slots. The host copy of counts is the one device->host sync of a layer.
+    """
+    T, K = ids_TK.shape
+    flat = ids_TK.reshape(-1)
+    if keep_TK is not None:
+        # dropped pairs get the sentinel id E so they sort after every kept pair
+        flat = torch.where(keep_TK.reshape(-1), flat, torch.full_like(flat, num_experts))
+    order = torch.argsort(flat, stable=True)
+    counts_all = torch.bincount(flat, minlength=num_experts + 1)
+    counts_E = counts_all[:num_experts]
+    counts = counts_E.tolist()  # host sync, once per layer
+    S = sum(counts)
+    pair_S = order[:S]
+    slot_flat = torch.empty_like(order)
+    slot_flat[order] = torch.arange(order.numel(), device=order.device)
+    slot_flat = slot_flat.clamp_max(S)  # dropped pairs point one past the last slot
+    return SortedPairs(
+        token_S=pair_S // K,
+        pair_S=pair_S,
+        slot_TK=slot_flat.view(T, K),
+        counts_E=counts_E,
+        counts=counts,
+        num_dropped=T * K - S,
+    )
+
+
+def gather_sum(rows_SN: torch.Tensor, slot_TK: torch.Tensor, weights_TK=None) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * rows[slot[t,k]], rows past the end read as zero.
+
+    Summed in k order, one [T, N] gather at a time, so memory stays O(T*N).
+    """
+    T, K = slot_TK.shape
+    S, N = rows_SN.shape
+    if S < T * K and bool((slot_TK >= S).any()):  # capacity mode only: dropped pairs
+        rows_SN = torch.cat([rows_SN, rows_SN.new_zeros(1, N)])
+    out = None
+    for k in range(K):
+        part = rows_SN.index_select(0, slot_TK[:, k])
+        if weights_TK is not None:
+            part = part * weights_TK[:, k : k + 1].to(part.dtype)
+        out = part if out is None else out.add_(part)
+    if out is None:
+        out = rows_SN.new_zeros(T, N)
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, token_S, slot_TK):
+        ctx.save_for_backward(slot_TK)
+        ctx.num_slots = token_S.shape[0]
+        return x_TD.index_select(0, token_S)
+
+    @staticmethod
+    def backward(ctx, grad_SD):
+        (slot_TK,) = ctx.saved_tensors
+        return gather_sum(grad_SD.contiguous(), slot_TK), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_SN, weights_TK, token_S, pair_S, slot_TK):
+        ctx.save_for_backward(y_SN, weights_TK, token_S, pair_S, slot_TK)
+        return gather_sum(y_SN, slot_TK, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TN):
+        y_SN, weights_TK, token_S, pair_S, slot_TK = ctx.saved_tensors
+        grad_TN = grad_TN.contiguous()
+        g_SN = grad_TN.index_select(0, token_S)
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_S = weights_TK.reshape(-1).index_select(0, pair_S).to(g_SN.dtype)
+            grad_y = g_SN * w_S.unsqueeze(1)
+        if ctx.needs_input_grad[1]:
+            dot_S = (g_SN * y_SN).sum(-1).to(weights_TK.dtype)
+            grad_w_flat = weights_TK.new_zeros(weights_TK.numel())
+            grad_w_flat[pair_S] = dot_S  # each pair has at most one slot: no accumulation
+            grad_w = grad_w_flat.view_as(weights_TK)
+        return grad_y, grad_w, None, None, None
+
+
+def permute(x_TD: torch.Tensor, sp: SortedPairs) -> torch.Tensor:
+    """Gather tokens into expert order: x_SD[s] = x_TD[token_S[s]]."""
+    return _Permute.apply(x_TD, sp.token_S, sp.slot_TK)
+
+
+def unpermute(
+    y_SN: torch.Tensor, sp: SortedPairs, weights_TK: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Combine expert outputs back into token order, weighted by weights_TK (or 1)."""
+    if weights_TK is None:
+        return _Permute_T.apply(y_SN, sp.token_S, sp.slot_TK)
+    return _Unpermute.apply(y_SN, weights_TK, sp.token_S, sp.pair_S, sp.slot_TK)
+
+
+class _Permute_T(torch.autograd.Function):
+    """Unweighted combine: the transpose of permute (its backward is permute's forward)."""
+
+    @staticmethod
+    def forward(ctx, y_SN, token_S, slot_TK):
+        ctx.save_for_backward(token_S)
+        return gather_sum(y_SN, slot_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TN):
+        (token_S,) = ctx.saved_tensors
+        return grad_TN.contiguous().index_select(0, token_S), None, None

@@ -1,0 +1,160 @@
+"""Pure-torch references: the specification of every op in `dropless.ops`.
+
+Written for clarity, not speed: plain loops and autograd through torch ops. Every
+fast path (custom autograd Functions, grouped_mm, Triton kernels) is tested against
+these, forward and backward, and these pass an fp64 gradcheck at tiny sizes.
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs (<= T*K),
+# N output features of a grouped GEMM, G expert groups (n_group)
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_reference(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    renormalize: bool = False,
+    scaling_factor: float = 1.0,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    expert_bias_E: torch.Tensor | None = None,
+):
+    """Top-k routing. Returns (weights_TK fp32, ids_TK int64, scores_TE fp32).
+
+    Scores are computed in fp32. The expert bias only changes which experts are
+    chosen; the weights are the unbiased scores of the chosen experts. Group-limited
+    selection (DeepSeek-V3): a group's score is the sum of its top-2 biased scores
+    (top-1 when a group holds one expert); only the best `topk_group` groups compete.
+    """
+    T, E = logits_TE.shape
+    logits = logits_TE.float()
+    if score_func == "softmax":
+        scores_TE = logits.softmax(dim=-1)
+    else:
+        scores_TE = logits.sigmoid()
+    choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.float()
+    if n_group is not None and n_group > 1:
+        per = E // n_group
+        grouped = choice_TE.view(T, n_group, per)
+        group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
+        keep_groups = group_scores.topk(topk_group, dim=-1).indices
+        mask = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+        mask[torch.arange(T).unsqueeze(1), keep_groups] = True
+        mask_TE = mask.unsqueeze(-1).expand(T, n_group, per).reshape(T, E)
+        choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
+    ids_TK = choice_TE.topk(top_k, dim=-1).indices
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if renormalize:
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+    weights_TK = weights_TK * scaling_factor
+    return weights_TK, ids_TK, scores_TE
+
+
+def permute_reference(x_TD: torch.Tensor, ids_TK: torch.Tensor, num_experts: int):
+    """Gather tokens into expert order. Returns (x_SD, token_S, counts_E).
+
+    Pairs are ordered by expert, and within an expert by (token, k): a stable sort of
+    the flattened (token, k) pairs.
+    """
+    T, K = ids_TK.shape
+    rows, tokens = [], []
+    for e in range(num_experts):
+        for t in range(T):
+            for k in range(K):
+                if int(ids_TK[t, k]) == e:
+                    rows.append(x_TD[t])
+                    tokens.append(t)
+    counts_E = torch.bincount(ids_TK.reshape(-1), minlength=num_experts)
+    token_S = torch.tensor(tokens, dtype=torch.long)
+    x_SD = torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])
+    return x_SD, token_S, counts_E
+
+
+def unpermute_reference(
+    y_SN: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor | None,
+    num_experts: int,
+):
+    """Weighted sum back into token order: out[t] = sum_k w[t,k] * y[slot of (t,k)]."""
+    T, K = ids_TK.shape
+    slot = 0
+    slot_of = {}
+    for e in range(num_experts):
+        for t in range(T):
+            for k in range(K):
+                if int(ids_TK[t, k]) == e:
+                    slot_of[(t, k)] = slot
+                    slot += 1
+    out = []
+    for t in range(T):
+        acc = y_SN.new_zeros(y_SN.shape[1])
+        for k in range(K):
+            w = 1.0 if weights_TK is None else weights_TK[t, k].to(y_SN.dtype)
+            acc = acc + w * y_SN[slot_of[(t, k)]]
+        out.append(acc)
+    return torch.stack(out)
+
+
+def grouped_gemm_reference(
+    x_SD: torch.Tensor,
+    w_END: torch.Tensor,
+    counts_E,
+    bias_EN: torch.Tensor | None = None,
+    *,
+    trans_w: bool = True,
+):
+    """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) for contiguous groups of counts_E rows.
+
+    trans_w=True: w is [E, N, D] (nn.Linear layout); False: w is [E, D, N].
+    """
+    outs = []
+    start = 0
+    for e, n in enumerate([int(c) for c in counts_E]):
+        w = w_END[e].t() if trans_w else w_END[e]
+        y = x_SD[start : start + n] @ w
+        if bias_EN is not None:
+            y = y + bias_EN[e]
+        outs.append(y)
+        start += n
+    return torch.cat(outs) if outs else x_SD.new_zeros(0, w_END.shape[1 if trans_w else 2])
+
+
+def swiglu_reference(h_S2F: torch.Tensor, prob_S: torch.Tensor | None = None):
+    """silu(gate) * up (* prob): gate = columns [0, F), up = columns [F, 2F)."""
+    gate, up = h_S2F.chunk(2, dim=-1)
+    out = F.silu(gate) * up
+    if prob_S is not None:
+        out = out * prob_S.unsqueeze(-1).to(out.dtype)
+    return out
+
+
+def expert_mlp_reference(
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    gate_up_E2FD: torch.Tensor,
+    down_EDF: torch.Tensor,
+    down_bias_ED: torch.Tensor | None = None,
+):
+    """The routed expert MLP by its definition: a loop over tokens and their experts."""
+    T, K = ids_TK.shape
+    out = []
+    for t in range(T):
+        acc = x_TD.new_zeros(down_EDF.shape[1])
+        for k in range(K):
+            e = int(ids_TK[t, k])
+            h = gate_up_E2FD[e] @ x_TD[t]
+            a = swiglu_reference(h.unsqueeze(0))[0]
+            y = down_EDF[e] @ a
+            if down_bias_ED is not None:
+                y = y + down_bias_ED[e]
+            acc = acc + weights_TK[t, k].to(x_TD.dtype) * y
+        out.append(acc)
+    return torch.stack(out)

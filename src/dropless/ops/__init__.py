@@ -10,6 +10,7 @@ from .dispatch import (
     get_recipe,
     register_gemm_backend,
     register_recipe_gemm,
+    register_recipe_mlp,
     reset_recipe,
     set_recipe,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "permute",
     "register_gemm_backend",
     "register_recipe_gemm",
+    "register_recipe_mlp",
     "reset_recipe",
     "route",
     "sequence_aux_loss",

@@ -102,3 +102,18 @@ def recipe_gemm(recipe) -> Callable:
             f"known kinds: {sorted(_RECIPE_GEMMS)}"
         )
     return _RECIPE_GEMMS[kind]
+
+
+_RECIPE_MLPS: dict[str, Callable] = {}
+
+
+def register_recipe_mlp(kind: str, fn: Callable) -> None:
+    """Register a fused expert MLP for recipes of `kind` (same signature as
+    `ops.grouped_mlp` plus a trailing `recipe` keyword). Optional: without one, the
+    MLP is composed from the recipe's grouped GEMMs."""
+    _RECIPE_MLPS[kind] = fn
+
+
+def recipe_mlp(recipe) -> Callable | None:
+    recipe_gemm(recipe)  # imports quant and validates the kind
+    return _RECIPE_MLPS.get(getattr(recipe, "kind", None))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import get_recipe, recipe_mlp
 from .grouped_gemm import _expand_bias, grouped_gemm
 from .permute import SortedPairs, permute, sort_by_expert, unpermute
 from .swiglu import swiglu
@@ -39,6 +40,14 @@ def grouped_mlp(
     """
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
+    recipe = get_recipe()
+    fused = recipe_mlp(recipe) if recipe is not None else None
+    if fused is not None:
+        return fused(
+            x_SD, counts, prob_S, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias,
+            activation=activation, interleaved=interleaved, trans_w=trans_w, alpha=alpha,
+            limit=limit, backend=backend, recipe=recipe,
+        )
     h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
     a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `dropless bench ...`: layer, e2e, fp8, jax. Not part of the tests."""

@@ -1,0 +1,34 @@
+"""`dropless bench NAME`: each benchmark is a module in `dropless.bench` with
+`add_arguments(parser)` and `run(args)`; results append to benchmarks/history.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "layer": ("dropless.bench.layer", "one MoE layer fwd+bwd vs the dense bound and Hugging Face v5"),
+    "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
+    "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
+    "jax": ("dropless.bench.jax_bench", "the JAX layer vs ragged_dot, capacity einsum, dense bound"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, (module, help_) in BENCHES.items():
+        q = sub.add_parser(name, help=help_, description=help_)
+        q.set_defaults(_bench_module=module)
+        try:
+            importlib.import_module(module).add_arguments(q)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            q.set_defaults(_bench_missing=True)
+
+
+def run(args) -> int:
+    if getattr(args, "_bench_missing", False):
+        print(f"dropless bench {args.bench}: not available in this version")
+        return 2
+    return int(importlib.import_module(args._bench_module).run(args) or 0)

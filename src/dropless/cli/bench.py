@@ -7,10 +7,16 @@ import argparse
 import importlib
 
 BENCHES = {
-    "layer": ("dropless.bench.layer", "one MoE layer fwd+bwd vs the dense bound and Hugging Face v5"),
+    "layer": (
+        "dropless.bench.layer",
+        "one MoE layer fwd+bwd vs the dense bound and Hugging Face v5",
+    ),
     "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
-    "jax": ("dropless.bench.jax_bench", "the JAX layer vs ragged_dot, capacity einsum, dense bound"),
+    "jax": (
+        "dropless.bench.jax_bench",
+        "the JAX layer vs ragged_dot, capacity einsum, dense bound",
+    ),
 }
 
 

@@ -28,10 +28,16 @@ def run(args) -> int:
     (out.square().mean() + 0.01 * aux.lb_loss).backward()
     ms = (time.perf_counter() - t0) * 1e3
     counts = aux.tokens_per_expert.tolist()
-    print(f"MoE layer: T={args.tokens} D={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}")
+    print(
+        f"MoE layer: T={args.tokens} D={args.hidden} F={args.ffn} E={args.experts} K={args.top_k}"
+    )
     print(f"forward+backward: {ms:.1f} ms on {x.device.type}, output {tuple(out.shape)}")
     print(f"pairs computed: {sum(counts)} of {args.tokens * args.top_k}, dropped: {aux.dropped}")
-    print(f"tokens per expert: min {min(counts)}, max {max(counts)}, mean {sum(counts) / len(counts):.1f}")
-    print(f"load-balancing loss {aux.lb_loss.item():.4f} (K={args.top_k} when perfectly balanced), z-loss {aux.z_loss.item():.3f}")
+    print(
+        f"tokens per expert: min {min(counts)}, max {max(counts)}, mean {sum(counts) / len(counts):.1f}"
+    )
+    print(
+        f"load-balancing loss {aux.lb_loss.item():.4f} (K={args.top_k} when perfectly balanced), z-loss {aux.z_loss.item():.3f}"
+    )
     print(f"grad norm of the expert weights: {moe.experts.gate_up_proj.grad.norm():.4f}")
     return 0

@@ -13,7 +13,10 @@ from .. import __version__
 
 # command -> (module, one-line help)
 COMMANDS = {
-    "train": ("dropless.cli.train", "train or fine-tune a MoE model (no arguments: a CPU demo run)"),
+    "train": (
+        "dropless.cli.train",
+        "train or fine-tune a MoE model (no arguments: a CPU demo run)",
+    ),
     "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
     "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
     "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, jax"),
@@ -22,7 +25,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dropless", description="Dropless Mixture-of-Experts training for PyTorch.")
+    parser = argparse.ArgumentParser(
+        prog="dropless", description="Dropless Mixture-of-Experts training for PyTorch."
+    )
     parser.add_argument("--version", action="version", version=f"dropless {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():

@@ -32,13 +32,21 @@ class GroupedLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
+        for name, v in (
+            ("num_gemms", num_gemms),
+            ("in_features", in_features),
+            ("out_features", out_features),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(num_gemms, out_features, in_features, dtype=dtype, device=device)
+        )
         self.bias = (
-            nn.Parameter(torch.empty(num_gemms, out_features, dtype=dtype, device=device)) if bias else None
+            nn.Parameter(torch.empty(num_gemms, out_features, dtype=dtype, device=device))
+            if bias
+            else None
         )
         self.reset_parameters()
 
@@ -52,14 +60,18 @@ class GroupedLinear(nn.Module):
         if not torch.is_floating_point(x):
             raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
         if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x must be [rows, in_features={self.in_features}], got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must be [rows, in_features={self.in_features}], got {tuple(x.shape)}"
+            )
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dim() != 1 or torch.is_floating_point(m_splits):
                 raise TypeError("m_splits must be a list of ints or a 1-D integer tensor")
             m_splits = m_splits.tolist()
         m_splits = list(m_splits)
         if len(m_splits) != self.num_gemms:
-            raise ValueError(f"m_splits has {len(m_splits)} entries; expected num_gemms={self.num_gemms}")
+            raise ValueError(
+                f"m_splits has {len(m_splits)} entries; expected num_gemms={self.num_gemms}"
+            )
         if any((not isinstance(m, int)) or m < 0 for m in m_splits):
             raise ValueError(f"m_splits must be non-negative ints, got {m_splits}")
         if sum(m_splits) != x.shape[0]:

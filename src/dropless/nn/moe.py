@@ -35,7 +35,9 @@ class MoEAux:
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP every token goes through, with an optional sigmoid gate."""
 
-    def __init__(self, hidden_size, intermediate_size, *, gate: bool = False, dtype=None, device=None):
+    def __init__(
+        self, hidden_size, intermediate_size, *, gate: bool = False, dtype=None, device=None
+    ):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -128,7 +130,11 @@ class MoE(nn.Module):
         )
         self.shared_expert = (
             SharedExpert(
-                hidden_size, shared_expert_intermediate_size, gate=shared_expert_gate, dtype=dtype, device=device
+                hidden_size,
+                shared_expert_intermediate_size,
+                gate=shared_expert_gate,
+                dtype=dtype,
+                device=device,
             )
             if shared_expert_intermediate_size
             else None
@@ -137,9 +143,13 @@ class MoE(nn.Module):
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
-            raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+            raise TypeError(
+                f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}"
+            )
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x must be [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}")
+            raise ValueError(
+                f"x must be [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}"
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         self._check_input(x)

@@ -52,12 +52,20 @@ class TopKRouter(nn.Module):
         super().__init__()
         check_routing_args(num_experts, top_k, score_func, n_group, topk_group)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.score_func, self.renormalize, self.scaling_factor = score_func, renormalize, scaling_factor
+        self.score_func, self.renormalize, self.scaling_factor = (
+            score_func,
+            renormalize,
+            scaling_factor,
+        )
         self.n_group, self.topk_group = n_group, topk_group
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=dtype, device=device)
+        )
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
         if expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer(
+                "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+            )
         else:
             self.expert_bias = None
 

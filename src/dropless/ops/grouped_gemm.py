@@ -83,8 +83,8 @@ def _gmm_mm(a_SK, b, counts, trans_b, out=None):
 
 
 def _gmm_wgrad(a_SM, b_SN, counts):
-    if a_SM.shape[0] == 0:
-        return a_SM.new_zeros(len(counts), a_SM.shape[1], b_SN.shape[1])
+    if a_SM.shape[0] % (16 // a_SM.element_size()):
+        return _loop_wgrad(a_SM, b_SN, counts)  # a^T's row stride (S) must be 16-byte aligned
     out = torch._grouped_mm(
         a_SM.t().contiguous(), b_SN.contiguous(), offs=_offsets(counts, a_SM.device)
     )

@@ -46,7 +46,11 @@ def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.
     B, L, E = scores_BLE.shape
     K = ids_BLK.shape[-1]
     hits_BE = torch.zeros(B, E, device=scores_BLE.device, dtype=scores_BLE.dtype)
-    hits_BE.scatter_add_(1, ids_BLK.reshape(B, L * K), torch.ones_like(ids_BLK.reshape(B, -1), dtype=scores_BLE.dtype))
+    hits_BE.scatter_add_(
+        1,
+        ids_BLK.reshape(B, L * K),
+        torch.ones_like(ids_BLK.reshape(B, -1), dtype=scores_BLE.dtype),
+    )
     f_BE = hits_BE * (E / (K * L))
     p_BE = (scores_BLE / scores_BLE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(1)
     return (f_BE * p_BE).sum(-1).mean()
@@ -58,7 +62,9 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_expert_bias(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
+def update_expert_bias(
+    bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float = 1e-3
+) -> torch.Tensor:
     """Aux-loss-free balancing (DeepSeek-V3): b_e += rate * sign(mean(c) - c_e), in place.
 
     Call after each optimizer step with the step's counts (summed over layers' micro

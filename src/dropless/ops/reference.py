@@ -25,7 +25,8 @@ def route_reference(
     topk_group: int | None = None,
     expert_bias_E: torch.Tensor | None = None,
 ):
-    """Top-k routing. Returns (weights_TK fp32, ids_TK int64, scores_TE fp32).
+    """Top-k routing. Returns (weights_TK, ids_TK int64, scores_TE), scores and weights in
+    fp32 (fp64 for fp64 logits).
 
     Scores are computed in fp32. The expert bias only changes which experts are
     chosen; the weights are the unbiased scores of the chosen experts. Group-limited
@@ -33,12 +34,15 @@ def route_reference(
     (top-1 when a group holds one expert); only the best `topk_group` groups compete.
     """
     T, E = logits_TE.shape
-    logits = logits_TE.float()
+    # at least fp32 whatever the input dtype (fp64 stays fp64, for gradchecks)
+    logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     if score_func == "softmax":
         scores_TE = logits.softmax(dim=-1)
     else:
         scores_TE = logits.sigmoid()
-    choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.float()
+    choice_TE = (
+        scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.to(scores_TE.dtype)
+    )
     if n_group is not None and n_group > 1:
         per = E // n_group
         grouped = choice_TE.view(T, n_group, per)

@@ -1,0 +1,129 @@
+"""Triton kernels for the expert path on CUDA GPUs.
+
+Importing this package never imports Triton: the kernel modules load on first use
+(attribute access such as `dropless.kernels.permute`). `available(t)` says whether the
+kernels can run on a tensor (a CUDA tensor and an importable triton); CPU tensors are
+never routed here at run time. Tests run the kernels on CPU under `TRITON_INTERPRET=1`
+(set before triton is imported), calling the functions below directly.
+
+Public functions (each raw kernel wrapper has no autograd; the autograd wrappers own
+their backward and save only what it needs):
+
+- `permute(x_TD, token_S, slot_TK) -> x_SD` (autograd); `gather_rows(x_TD, index_S,
+  scale=None, scale_index_S=None) -> x_SD` (raw);
+- `unpermute(y_SN, token_S, pair_S, slot_TK, weights_TK=None) -> out_TN` (autograd);
+  `gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN` and
+  `pair_dot(g_TN, y_SN, slot_TK) -> dots_TK` (raw);
+- `swiglu(h_S2F, prob_S=None, *, interleaved=False) -> a_SF` (autograd);
+  `swiglu_fwd(...)`, `swiglu_bwd(...)` (raw, with optional recompute of the activation);
+- `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw), also
+  registered as the "triton" grouped-GEMM backend by `register_backend()`.
+"""
+
+# T tokens, D model dim, N features, F expert hidden dim, S sorted pairs, K top-k
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+import torch
+
+_EXPORTS = {
+    "permute": "permute_kernels",
+    "unpermute": "permute_kernels",
+    "gather_rows": "permute_kernels",
+    "gather_sum": "permute_kernels",
+    "pair_dot": "permute_kernels",
+    "swiglu": "swiglu_kernels",
+    "swiglu_fwd": "swiglu_kernels",
+    "swiglu_bwd": "swiglu_kernels",
+    "grouped_mm": "gemm_kernels",
+    "grouped_wgrad": "gemm_kernels",
+}
+
+_TRITON_OK: bool | None = None
+
+
+def triton_importable() -> bool:
+    """Whether `import triton` works here (checked once, on first call)."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        if importlib.util.find_spec("triton") is None:
+            _TRITON_OK = False
+        else:
+            try:
+                import triton  # noqa: F401
+                import triton.language  # noqa: F401
+
+                _TRITON_OK = True
+            except Exception:  # a broken install is as good as none
+                _TRITON_OK = False
+    return _TRITON_OK
+
+
+def available(t: torch.Tensor | None = None) -> bool:
+    """Whether the Triton kernels can run on tensor `t` (default: on this machine's GPU).
+
+    True only for CUDA tensors (or, with t=None, when CUDA is available) and an
+    importable triton. Always False for CPU tensors, even under TRITON_INTERPRET=1:
+    the interpreter is for tests, never picked at run time.
+    """
+    on_cuda = torch.cuda.is_available() if t is None else t.is_cuda
+    return bool(on_cuda) and triton_importable()
+
+
+def _supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.is_cuda
+        and b.is_cuda
+        and a.dtype == b.dtype
+        and a.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and a.dim() == 2
+        and b.dim() == 3
+        and triton_importable()
+    )
+
+
+def _mm(a, b, counts, trans_b, out=None):
+    from .gemm_kernels import grouped_mm
+
+    return grouped_mm(a, b, counts, trans_b, out=out)
+
+
+def _wgrad(a, b, counts):
+    from .gemm_kernels import grouped_wgrad
+
+    return grouped_wgrad(a, b, counts)
+
+
+# below torch._grouped_mm ("grouped_mm", 10) where that runs, above the per-expert loop
+TRITON_PRIORITY = 5
+
+
+def register_backend() -> None:
+    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent).
+
+    Does not import triton: `supports` checks for it, and only for CUDA operands.
+    """
+    from dropless.ops.dispatch import GemmBackend, register_gemm_backend
+
+    register_gemm_backend(
+        GemmBackend("triton", _mm, _wgrad, supports=_supports, priority=TRITON_PRIORITY)
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        if not triton_importable():
+            raise ImportError(
+                f"dropless.kernels.{name} needs Triton, which is not installed here; "
+                "install it with `pip install 'dropless[triton]'` (GPU machines only)"
+            )
+        module = importlib.import_module(f"{__name__}.{_EXPORTS[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["available", "register_backend", "triton_importable", *sorted(_EXPORTS)]

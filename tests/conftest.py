@@ -21,3 +21,27 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# Per-folder time budgets from DESIGN.md (seconds on 2 cores), reported at the end of
+# every run so a slow folder shows up in CI before it eats the whole budget.
+BUDGETS = {"ops+nn": 120, "triton": 60, "hf": 120, "parallel": 180, "quant": 120, "train": 180, "jax": 90}
+_spent: dict[str, float] = {}
+
+
+def _folder(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    name = parts[1] if len(parts) > 2 else "other"
+    return "ops+nn" if name in ("ops", "nn") else name
+
+
+def pytest_runtest_logreport(report):
+    _spent[_folder(report.nodeid)] = _spent.get(_folder(report.nodeid), 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.section("time per folder vs budget (DESIGN.md)")
+    for name, spent in sorted(_spent.items()):
+        budget = BUDGETS.get(name)
+        flag = "" if budget is None or spent <= budget else "  OVER BUDGET"
+        terminalreporter.write_line(f"{name:10s} {spent:7.1f} s" + (f" / {budget} s{flag}" if budget else ""))

@@ -1,0 +1,206 @@
+"""`patch()` / `patch_model()` / `unpatch()`: make Transformers v5 MoE models use dropless.
+
+How "dropless" becomes the default (the one place that does it: `_install_default`):
+Transformers resolves a model's experts implementation in
+`PreTrainedModel.get_correct_experts_implementation(requested)`, called from `post_init`
+for every model built (`from_config`, `__init__`) or loaded (`from_pretrained`), and from
+`set_experts_implementation`; a `None` request becomes "grouped_mm" there. `patch()`
+replaces that method on the `PreTrainedModel` class with a wrapper that turns a `None`
+request into "dropless" for models whose experts use the interface and hands everything
+else to the original. `unpatch()` puts the original function object back, removes
+"dropless" from `ExpertsInterface`, and switches every live model dropless changed back
+to the implementation it had (removing any expert bias buffers it added).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from torch import nn
+
+from ._compat import require_transformers
+from .experts import SUPPORTED_FAMILIES, dropless_experts_forward, family_of
+from .layers import moe_layers
+from .routers import add_expert_bias, remove_expert_bias
+
+IMPLEMENTATION = "dropless"
+
+_state: dict = {"registered": False, "prior": None, "original_get_correct": None}
+# model -> experts implementation to restore on unpatch (get_experts_implementation() form)
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    if _state["registered"]:
+        return
+    mapping = ExpertsInterface._global_mapping
+    _state["prior"] = (IMPLEMENTATION in mapping, mapping.get(IMPLEMENTATION))
+    mapping[IMPLEMENTATION] = dropless_experts_forward
+    _state["registered"] = True
+
+
+def _unregister() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    if not _state["registered"]:
+        return
+    had, value = _state["prior"]
+    if had:
+        ExpertsInterface._global_mapping[IMPLEMENTATION] = value
+    else:
+        ExpertsInterface._global_mapping.pop(IMPLEMENTATION, None)
+    _state["registered"] = False
+    _state["prior"] = None
+
+
+def _check_family(model) -> None:
+    family = getattr(model.config, "model_type", None)
+    if not type(model)._can_set_experts_implementation():
+        raise ValueError(
+            f"experts_implementation='dropless' asked for {type(model).__name__} ({family}), "
+            "which has no Mixture-of-Experts layers using Transformers' experts interface; "
+            "dropless only changes MoE models. Leave experts_implementation unset for it."
+        )
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(
+            f"experts_implementation='dropless' asked for model family {family!r}, which dropless "
+            f"does not support. Supported: {', '.join(SUPPORTED_FAMILIES)}. Use "
+            "experts_implementation='grouped_mm' (the stock default) for this model."
+        )
+
+
+def _install_default() -> None:
+    """THE place where dropless becomes the default experts implementation (see module doc)."""
+    from transformers import PreTrainedModel
+
+    if _state["original_get_correct"] is not None:
+        return
+    original = PreTrainedModel.__dict__["get_correct_experts_implementation"]
+
+    def get_correct_experts_implementation(self, requested_experts):
+        if requested_experts is None and type(self)._can_set_experts_implementation():
+            requested_experts = IMPLEMENTATION
+        elif requested_experts == IMPLEMENTATION:
+            _check_family(self)
+        chosen = original(self, requested_experts)
+        if chosen == IMPLEMENTATION and self not in _models:
+            _models[self] = None  # restore to the stock default on unpatch
+        return chosen
+
+    get_correct_experts_implementation.__wrapped__ = original
+    get_correct_experts_implementation.__doc__ = original.__doc__
+    _state["original_get_correct"] = original
+    PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
+
+
+def _uninstall_default() -> None:
+    from transformers import PreTrainedModel
+
+    original = _state["original_get_correct"]
+    if original is not None:
+        PreTrainedModel.get_correct_experts_implementation = original
+        _state["original_get_correct"] = None
+
+
+def is_patched() -> bool:
+    """True between `patch()` and `unpatch()`."""
+    return _state["original_get_correct"] is not None
+
+
+def patch() -> None:
+    """Register the "dropless" experts implementation and make it the default.
+
+    Models built or loaded afterwards (`from_config`, `from_pretrained`) run their experts
+    through dropless; an explicit `experts_implementation=` still wins. Families dropless
+    does not implement run the stock path with one `DroplessFallbackWarning`.
+    Idempotent; undone exactly by `unpatch()`.
+    """
+    require_transformers()
+    _register()
+    _install_default()
+
+
+def _require_moe(model) -> list:
+    transformers = require_transformers()
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(
+            f"patch_model expects a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no Mixture-of-Experts layers using Transformers' experts "
+            "interface (no module decorated with @use_experts_implementation), so dropless has "
+            "nothing to patch. Pass a MoE model (e.g. Qwen3-MoE, Mixtral, DeepSeek-V3)."
+        )
+    for layer in layers:
+        if layer.family not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"patch_model: model family {layer.family!r} is not supported by dropless. "
+                f"Supported: {', '.join(SUPPORTED_FAMILIES)}. Leave this model on the stock "
+                "experts implementation."
+            )
+    return layers
+
+
+def patch_model(model: nn.Module, expert_bias: bool = False) -> nn.Module:
+    """Switch an already built MoE model to the dropless experts path (in place; returns it).
+
+    expert_bias=True also gives every router without a score bias an fp32 `expert_bias`
+    buffer [E] (zeros) that shifts which experts are chosen, not their weights, for
+    aux-loss-free balancing (`dropless.ops.update_expert_bias`); DeepSeek-V3 and GLM-4-MoE
+    routers keep using their `e_score_correction_bias`. Raises TypeError/ValueError for a
+    model that is not a supported MoE model.
+    """
+    layers = _require_moe(model)
+    _register()
+    previous = model.get_experts_implementation()
+    model.set_experts_implementation(IMPLEMENTATION)
+    if _models.get(model) is None:
+        _models[model] = previous
+    if expert_bias:
+        for layer in layers:
+            if layer.router is None:
+                raise ValueError(f"expert_bias=True: MoE block {layer.name!r} has no router")
+            add_expert_bias(layer.router, layer.family, layer.num_experts)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Put one model back on the implementation it had and remove buffers dropless added."""
+    previous = _models.pop(model, None)
+    if previous is None:
+        previous = _stock_default(model)
+    for layer in moe_layers(model):
+        if layer.router is not None:
+            remove_expert_bias(layer.router)
+        layer.experts.__dict__.pop("_dropless_spec", None)
+    if "dropless" in model.get_experts_implementation().values():
+        _set_implementation(model, previous)
+    return model
+
+
+def _stock_default(model) -> str:
+    original = _state["original_get_correct"]
+    if original is None:
+        from transformers import PreTrainedModel
+
+        original = PreTrainedModel.get_correct_experts_implementation
+    return original(model, None)
+
+
+def _set_implementation(model, implementation) -> None:
+    # set_experts_implementation validates the request through get_correct_...;
+    # the stock names it may get here are always valid.
+    model.set_experts_implementation(implementation)
+
+
+def unpatch() -> None:
+    """Undo `patch()` and every `patch_model()`: stock Transformers behaviour, exactly."""
+    require_transformers()
+    for model in list(_models.keys()):
+        unpatch_model(model)
+    _uninstall_default()
+    _unregister()

@@ -1,0 +1,187 @@
+"""Parallel layout from a config: validate sizes, then build a named DeviceMesh.
+
+World = dp_replicate x dp_shard. Expert parallelism borrows its ranks from the
+data-parallel shard dimension (as TorchTitan does): dp_shard = dp_shard_mod_ep x ep,
+so EP ranks still see different data. The root mesh is 2-D
+("dp_replicate", "dp_shard"); it is unflattened into ("dp_replicate",
+"dp_shard_mod_ep", "ep") for the experts and flattened into "dp" for reductions.
+
+- dense parameters: FSDP over dp_shard (HSDP: replicated over dp_replicate);
+- expert parameters: Shard(0) over ep, FSDP over dp_shard_mod_ep (HSDP likewise);
+- load-balancing counts and metrics: all-reduced over dp (every data-parallel rank).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+DISPATCHERS = ("alltoall", "deepep")
+
+
+@dataclass
+class ParallelConfig:
+    """How a run is laid out over processes.
+
+    dp_replicate: HSDP replica groups (1: plain FSDP). dp_shard: FSDP shard size;
+    -1 takes world_size / dp_replicate. ep: expert-parallel size, must divide
+    dp_shard (and the number of experts). dispatcher: "alltoall" (torch.distributed)
+    or "deepep" (GPU only, needs the deep_ep package). overlap_chunks: split each
+    dispatch into this many chunks so one chunk's all-to-all overlaps another's
+    expert compute (1: no overlap).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ep: int = 1
+    dispatcher: str = "alltoall"
+    overlap_chunks: int = 1
+
+    def __post_init__(self):
+        for name in ("dp_replicate", "ep", "overlap_chunks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"parallel.{name}={v!r} must be an int >= 1")
+        if not isinstance(self.dp_shard, int) or not (self.dp_shard == -1 or self.dp_shard >= 1):
+            raise ValueError(
+                f"parallel.dp_shard={self.dp_shard!r} must be an int >= 1, or -1 for "
+                "world_size / dp_replicate"
+            )
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"parallel.dispatcher={self.dispatcher!r}; allowed: {DISPATCHERS}")
+
+
+def as_parallel_config(cfg) -> ParallelConfig:
+    """Accept a ParallelConfig, a run config with a `.parallel` section, or a dict."""
+    if isinstance(cfg, ParallelConfig):
+        return cfg
+    if cfg is None:
+        return ParallelConfig()
+    if isinstance(cfg, dict):
+        return ParallelConfig(**cfg)
+    src = getattr(cfg, "parallel", cfg)
+    if isinstance(src, ParallelConfig):
+        return src
+    if isinstance(src, dict):
+        return ParallelConfig(**src)
+    names = ("dp_replicate", "dp_shard", "ep", "dispatcher", "overlap_chunks")
+    return ParallelConfig(**{n: getattr(src, n) for n in names if hasattr(src, n)})
+
+
+def resolve_sizes(cfg, world_size: int, num_experts: int | None = None) -> ParallelConfig:
+    """Check the layout against the world size and the experts; fill dp_shard=-1.
+
+    Raises ValueError naming the field, the sizes and a fix, before any process
+    group work is done.
+    """
+    cfg = as_parallel_config(cfg)
+    R, S, ep = cfg.dp_replicate, cfg.dp_shard, cfg.ep
+    if world_size % R:
+        raise ValueError(
+            f"parallel.dp_replicate={R} does not divide the world size {world_size}; "
+            f"pick a divisor of {world_size}"
+        )
+    if S == -1:
+        S = world_size // R
+    if R * S != world_size:
+        raise ValueError(
+            f"parallel.dp_replicate x parallel.dp_shard = {R} x {S} = {R * S} must equal the "
+            f"world size {world_size} (processes); set dp_shard={world_size // R} or -1"
+        )
+    if S % ep:
+        raise ValueError(
+            f"parallel.ep={ep} must divide parallel.dp_shard={S} (expert parallelism borrows "
+            f"ranks from the FSDP shard dimension); pick ep from {_divisors(S)}"
+        )
+    if num_experts is not None and num_experts % ep:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by parallel.ep={ep}; every EP rank "
+            f"must own the same number of experts: pick ep from "
+            f"{[d for d in _divisors(S) if num_experts % d == 0]}"
+        )
+    return ParallelConfig(R, S, ep, cfg.dispatcher, cfg.overlap_chunks)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelMesh:
+    """The built layout. `mesh` is the root ("dp_replicate", "dp_shard") mesh;
+    `expert_mesh` its ("dp_replicate", "dp_shard_mod_ep", "ep") unflattening; `dp` the
+    flattened data-parallel mesh. Sub-meshes for FSDP are given by the properties.
+    """
+
+    config: ParallelConfig
+    mesh: object
+    expert_mesh: object
+    dp: object
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.config.dp_replicate * self.config.dp_shard
+
+    @property
+    def ep_mesh(self):
+        """1-D mesh over the ranks that split the experts between them."""
+        return self.expert_mesh["ep"]
+
+    @property
+    def ep_group(self):
+        return self.ep_mesh.get_group()
+
+    @property
+    def dp_group(self):
+        return self.dp.get_group()
+
+    @property
+    def dense_fsdp_mesh(self):
+        """FSDP mesh of dense parameters: 1-D dp_shard, or 2-D HSDP with dp_replicate."""
+        if self.config.dp_replicate > 1:
+            return self.mesh
+        return self.mesh["dp_shard"]
+
+    @property
+    def expert_fsdp_mesh(self):
+        """FSDP mesh of expert parameters: dp_shard_mod_ep, HSDP with dp_replicate."""
+        if self.config.dp_replicate > 1:
+            return self.expert_mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.expert_mesh["dp_shard_mod_ep"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index in the global batch (0 .. world-1)."""
+        return self.dp.get_local_rank()
+
+
+def build_mesh(cfg, num_experts: int | None = None, device_type: str | None = None) -> ParallelMesh:
+    """Validate `cfg` (see `resolve_sizes`) and build the DeviceMesh.
+
+    Needs an initialised default process group (torchrun or init_process_group);
+    device_type defaults to "cuda" when available, else "cpu" (gloo).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "build_mesh needs torch.distributed initialised: run under torchrun or call "
+            "torch.distributed.init_process_group first"
+        )
+    cfg = resolve_sizes(cfg, dist.get_world_size(), num_experts)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    R, S, ep = cfg.dp_replicate, cfg.dp_shard, cfg.ep
+    root = init_device_mesh(device_type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
+    expert_mesh = root._unflatten("dp_shard", (S // ep, ep), ("dp_shard_mod_ep", "ep"))
+    dp = root._flatten("dp")
+    return ParallelMesh(cfg, root, expert_mesh, dp)
+
+
+def world_from_env() -> tuple[int, int]:
+    """(rank, world_size) from torchrun's environment, (0, 1) outside it."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -20,7 +20,7 @@ from .experts import (
     experts_spec,
 )
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
-from .patch import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, unpatch_model
+from .patching import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, unpatch_model
 
 __all__ = [
     "CALLS",

@@ -66,7 +66,11 @@ def family_of(module: nn.Module) -> str:
 
 def is_experts_module(module: nn.Module) -> bool:
     """True for an instance of a class decorated with `@use_experts_implementation`."""
-    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "config")
+    return (
+        hasattr(module, "has_gate")
+        and hasattr(module, "is_transposed")
+        and hasattr(module, "config")
+    )
 
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | str:
@@ -120,7 +124,15 @@ def _warn_fallback(family: str, reason: str) -> None:
     )
 
 
+def _in_backward() -> bool:
+    # activation checkpointing re-runs the forward inside backward: count tokens once
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 def _record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
+    if _in_backward():
+        return
     counts_E = counts_E.detach()
     module.__dict__["_dropless_last_counts_E"] = counts_E
     total = module.__dict__.get("_dropless_counts_E")

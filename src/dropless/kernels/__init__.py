@@ -54,8 +54,9 @@ def triton_importable() -> bool:
             _TRITON_OK = False
         else:
             try:
-                import triton  # noqa: F401
                 import triton.language  # noqa: F401
+
+                import triton  # noqa: F401
 
                 _TRITON_OK = True
             except Exception:  # a broken install is as good as none

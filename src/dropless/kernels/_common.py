@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 import triton
 
 
@@ -15,7 +16,7 @@ def on_gpu(t: torch.Tensor) -> bool:
 def row_blocks(t: torch.Tensor, n_cols: int) -> tuple[int, int, int]:
     """(rows per program, columns per program, num_warps) for a memory-bound row kernel."""
     if not on_gpu(t):
-        return 8, 16, 1
+        return 16, 32, 1
     block_n = min(triton.next_power_of_2(max(n_cols, 1)), 1024)
     warps = 4 if block_n >= 512 else 2
     return max(1, 2048 // block_n), block_n, warps

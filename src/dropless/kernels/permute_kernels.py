@@ -20,8 +20,9 @@ Semantics equal `dropless.ops.permute` / `unpermute` and the references in
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+import triton
 
 from ._common import check_2d, check_index, row_blocks
 
@@ -82,8 +83,16 @@ def _pair_dot_kernel(
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = (offs_n < N)[None, :]
-        g = tl.load(g_ptr + tok[:, None] * stride_g + offs_n[None, :], mask=valid[:, None] & mask_n, other=0.0)
-        y = tl.load(y_ptr + slot[:, None] * stride_y + offs_n[None, :], mask=valid[:, None] & mask_n, other=0.0)
+        g = tl.load(
+            g_ptr + tok[:, None] * stride_g + offs_n[None, :],
+            mask=valid[:, None] & mask_n,
+            other=0.0,
+        )
+        y = tl.load(
+            y_ptr + slot[:, None] * stride_y + offs_n[None, :],
+            mask=valid[:, None] & mask_n,
+            other=0.0,
+        )
         acc += g.to(tl.float32) * y.to(tl.float32)
     tl.store(out_ptr + offs_p, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask_p)
 

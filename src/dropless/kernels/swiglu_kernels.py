@@ -12,7 +12,10 @@ Forward: one program per tile of rows x columns. Backward: one program per tile 
 rows walks the F columns in tiles, so the grad_p row sum is a fixed-order register
 reduction (deterministic, no atomics); it can also write the recomputed activation `a`
 (the down projection's weight grad needs it), so nothing but h and p is saved.
-Math is in fp32; outputs are in h's dtype. Semantics equal `dropless.ops.swiglu`.
+`activation="gpt_oss"` swaps in the clamped GLU (gate clamped above at `limit`, up to
+[-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)); the gradient passes where
+the clamp does not bind, as torch.clamp's. Math is in fp32; outputs are in h's dtype.
+Semantics equal `dropless.ops.swiglu`.
 """
 
 # S rows (sorted pairs), F expert hidden dim
@@ -20,8 +23,9 @@ Math is in fp32; outputs are in h's dtype. Semantics equal `dropless.ops.swiglu`
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
+
+import triton
 
 from ._common import check_2d, row_blocks
 
@@ -29,14 +33,40 @@ from ._common import check_2d, row_blocks
 @triton.jit
 def _cols(offs_f, F, INTERLEAVED: tl.constexpr):
     if INTERLEAVED:
-        return offs_f * 2, offs_f * 2 + 1
-    return offs_f, offs_f + F
+        col_g = offs_f * 2
+        col_u = col_g + 1
+    else:
+        col_g = offs_f
+        col_u = offs_f + F
+    return col_g, col_u
+
+
+@triton.jit
+def _act(gate, up, alpha, limit, GPT_OSS: tl.constexpr):
+    """(act, d act/d gate, d act/d up), all fp32; act excludes the prob."""
+    if GPT_OSS:  # torch.clamp passes the gradient where min <= x <= max
+        g = tl.minimum(gate, limit)
+        u = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = tl.sigmoid(alpha * g)
+        glu = g * sig
+        act = glu * (u + 1.0)
+        d_glu = tl.where(gate <= limit, sig + alpha * g * sig * (1.0 - sig), 0.0)
+        d_gate = (u + 1.0) * d_glu
+        d_up = tl.where((up >= -limit) & (up <= limit), glu, 0.0)
+    else:
+        sig = tl.sigmoid(gate)
+        glu = gate * sig
+        act = glu * up
+        d_gate = up * (sig * (1.0 + gate * (1.0 - sig)))
+        d_up = glu
+    return act, d_gate, d_up
 
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    h_ptr, p_ptr, a_ptr, S, F, stride_h, stride_a,
-    HAS_P: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    h_ptr, p_ptr, a_ptr, S, F, stride_h, stride_a, alpha, limit,
+    HAS_P: tl.constexpr, INTERLEAVED: tl.constexpr, GPT_OSS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -46,7 +76,7 @@ def _swiglu_fwd_kernel(
     col_g, col_u = _cols(offs_f, F, INTERLEAVED)
     gate = tl.load(h_ptr + rows * stride_h + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up
+    a, _, _ = _act(gate, up, alpha, limit, GPT_OSS)
     if HAS_P:
         a = a * tl.load(p_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows * stride_a + offs_f[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
@@ -55,8 +85,9 @@ def _swiglu_fwd_kernel(
 @triton.jit
 def _swiglu_bwd_kernel(
     g_ptr, h_ptr, p_ptr, gh_ptr, gp_ptr, a_ptr, S, F, stride_g, stride_h, stride_gh, stride_a,
-    HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    alpha, limit, HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, GPT_OSS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < S
@@ -73,37 +104,48 @@ def _swiglu_bwd_kernel(
         up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0)
         g = tl.load(g_ptr + rows * stride_g + offs_f[None, :], mask=mask, other=0.0)
         gate, up, g = gate.to(tl.float32), up.to(tl.float32), g.to(tl.float32)
-        sig = tl.sigmoid(gate)
-        silu = gate * sig
+        act, d_gate, d_up = _act(gate, up, alpha, limit, GPT_OSS)
         if NEED_GP:
-            acc_p += g * silu * up
+            acc_p += g * act
         gp = g * p[:, None]
-        d_gate = gp * up * (sig * (1.0 + gate * (1.0 - sig)))
-        d_up = gp * silu
         ty = gh_ptr.dtype.element_ty
-        tl.store(gh_ptr + rows * stride_gh + col_g[None, :], d_gate.to(ty), mask=mask)
-        tl.store(gh_ptr + rows * stride_gh + col_u[None, :], d_up.to(ty), mask=mask)
+        tl.store(gh_ptr + rows * stride_gh + col_g[None, :], (gp * d_gate).to(ty), mask=mask)
+        tl.store(gh_ptr + rows * stride_gh + col_u[None, :], (gp * d_up).to(ty), mask=mask)
         if RECOMPUTE:
-            a = silu * up * p[:, None]
-            tl.store(a_ptr + rows * stride_a + offs_f[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
+            a = (act * p[:, None]).to(a_ptr.dtype.element_ty)
+            tl.store(a_ptr + rows * stride_a + offs_f[None, :], a, mask=mask)
     if NEED_GP:
         tl.store(gp_ptr + offs_r, tl.sum(acc_p, axis=1).to(gp_ptr.dtype.element_ty), mask=mask_r)
 
 
-def _check(h_S2F: torch.Tensor, prob_S: torch.Tensor | None) -> torch.Tensor:
+ACTIVATIONS = ("swiglu", "gpt_oss")
+
+
+def _check(h_S2F: torch.Tensor, prob_S: torch.Tensor | None, activation: str) -> torch.Tensor:
     check_2d("h_S2F", h_S2F)
     if h_S2F.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F] with an even column count, got {tuple(h_S2F.shape)}")
     if prob_S is not None and prob_S.shape != (h_S2F.shape[0],):
         raise ValueError(f"prob_S must be [S]={h_S2F.shape[0]}, got {tuple(prob_S.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
     return h_S2F if h_S2F.stride(-1) == 1 else h_S2F.contiguous()
 
 
 def swiglu_fwd(
-    h_S2F: torch.Tensor, prob_S: torch.Tensor | None = None, interleaved: bool = False
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    interleaved: bool = False,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """a[s] = silu(gate[s]) * up[s] * prob[s] (prob = 1 when None); raw, no autograd."""
-    h_S2F = _check(h_S2F, prob_S)
+    """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd.
+
+    act = silu(gate) * up ("swiglu"), or for "gpt_oss" with g = min(gate, limit),
+    u = clamp(up, -limit, limit): g * sigmoid(alpha * g) * (u + 1).
+    """
+    h_S2F = _check(h_S2F, prob_S, activation)
     S, F = h_S2F.shape[0], h_S2F.shape[1] // 2
     a_SF = h_S2F.new_empty(S, F)
     if S == 0 or F == 0:
@@ -112,9 +154,9 @@ def swiglu_fwd(
     p = prob_S.contiguous() if prob_S is not None else h_S2F
     grid = (triton.cdiv(S, br), triton.cdiv(F, bf))
     _swiglu_fwd_kernel[grid](
-        h_S2F, p, a_SF, S, F, h_S2F.stride(0), a_SF.stride(0),
-        HAS_P=prob_S is not None, INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_F=bf,
-        num_warps=warps,
+        h_S2F, p, a_SF, S, F, h_S2F.stride(0), a_SF.stride(0), float(alpha), float(limit),
+        HAS_P=prob_S is not None, INTERLEAVED=interleaved, GPT_OSS=activation == "gpt_oss",
+        BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
     )  # fmt: skip
     return a_SF
 
@@ -126,6 +168,9 @@ def swiglu_bwd(
     interleaved: bool = False,
     need_prob_grad: bool = True,
     recompute: bool = False,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw backward of `swiglu_fwd`: returns (grad_h_S2F, grad_prob_S or None, a_SF or None).
 
@@ -133,7 +178,7 @@ def swiglu_bwd(
     the forward activation a_SF is written in the same pass (for the down-projection
     weight grad), so a memory-lean caller saves only h and prob.
     """
-    h_S2F = _check(h_S2F, prob_S)
+    h_S2F = _check(h_S2F, prob_S, activation)
     S, F = h_S2F.shape[0], h_S2F.shape[1] // 2
     if grad_SF.shape != (S, F):
         raise ValueError(f"grad must be [S, F]={(S, F)}, got {tuple(grad_SF.shape)}")
@@ -152,33 +197,43 @@ def swiglu_bwd(
         prob_S.contiguous() if prob_S is not None else h_S2F,
         grad_h, grad_p if need_gp else h_S2F, a_SF if recompute else h_S2F,
         S, F, grad_SF.stride(0), h_S2F.stride(0), grad_h.stride(0),
-        a_SF.stride(0) if recompute else 0,
+        a_SF.stride(0) if recompute else 0, float(alpha), float(limit),
         HAS_P=prob_S is not None, NEED_GP=need_gp, RECOMPUTE=recompute,
-        INTERLEAVED=interleaved, BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
+        INTERLEAVED=interleaved, GPT_OSS=activation == "gpt_oss",
+        BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
     )  # fmt: skip
     return grad_h, grad_p, a_SF
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_S2F, prob_S, interleaved):
+    def forward(ctx, h_S2F, prob_S, interleaved, activation, alpha, limit):
         ctx.save_for_backward(h_S2F, prob_S)
-        ctx.interleaved = interleaved
-        return swiglu_fwd(h_S2F, prob_S, interleaved)
+        ctx.args = (interleaved, activation, alpha, limit)
+        return swiglu_fwd(h_S2F, prob_S, interleaved, activation, alpha, limit)
 
     @staticmethod
     def backward(ctx, g_SF):
         h_S2F, prob_S = ctx.saved_tensors
+        interleaved, activation, alpha, limit = ctx.args
         need_gp = prob_S is not None and ctx.needs_input_grad[1]
-        grad_h, grad_p, _ = swiglu_bwd(g_SF, h_S2F, prob_S, ctx.interleaved, need_gp)
-        return grad_h, grad_p, None
+        grad_h, grad_p, _ = swiglu_bwd(
+            g_SF, h_S2F, prob_S, interleaved, need_gp, False, activation, alpha, limit
+        )
+        return grad_h, grad_p, None, None, None, None
 
 
 def swiglu(
-    h_S2F: torch.Tensor, prob_S: torch.Tensor | None = None, *, interleaved: bool = False
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """silu(gate) * up * prob with autograd (saves h and prob only); see `swiglu_fwd`.
+    """act(gate, up) * prob with autograd (saves h and prob only); see `swiglu_fwd`.
 
-    Same semantics as `dropless.ops.swiglu(h, prob, activation="swiglu", interleaved=...)`.
+    Same signature and semantics as `dropless.ops.swiglu`.
     """
-    return _SwiGLU.apply(h_S2F, prob_S, interleaved)
+    return _SwiGLU.apply(h_S2F, prob_S, interleaved, activation, alpha, limit)

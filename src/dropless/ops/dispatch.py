@@ -47,8 +47,23 @@ def gemm_backends() -> list[str]:
     return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: -b.priority)]
 
 
+_TRITON_REGISTERED = False
+
+
+def _register_lazy_backends(name: str | None, a: torch.Tensor) -> None:
+    # the Triton backend registers on first use with CUDA operands (or when named), so
+    # importing `ops` never imports `dropless.kernels`, and triton only when it can run
+    global _TRITON_REGISTERED
+    if not _TRITON_REGISTERED and (a.is_cuda or name == "triton"):
+        _TRITON_REGISTERED = True
+        from dropless.kernels import register_backend
+
+        register_backend()
+
+
 def pick_gemm_backend(name: str | None, a: torch.Tensor, b: torch.Tensor) -> GemmBackend:
     """The backend to use: `name` if given (error if it cannot run), else the best one."""
+    _register_lazy_backends(name, a)
     if name not in (None, "auto"):
         if name not in _BACKENDS:
             raise ValueError(

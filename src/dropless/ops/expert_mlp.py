@@ -1,7 +1,13 @@
-"""The routed expert MLP composed from ops: permute -> gate/up GEMM -> SwiGLU x prob ->
-down GEMM -> combine. `grouped_mlp` works on tokens already in expert order (the
-expert-parallel dispatcher calls it after its all-to-all); `expert_mlp` adds the local
-permute and combine around it.
+"""The routed expert MLP: permute -> gate/up GEMM -> SwiGLU x prob -> down GEMM ->
+combine. `grouped_mlp` works on tokens already in expert order (the expert-parallel
+dispatcher calls it after its all-to-all); `expert_mlp` adds the local permute and
+combine around it.
+
+At full precision both run the memory-lean fused Function of `fused_mlp.py` (one
+autograd node that saves only h [S, 2F] and recomputes the rest). Under a
+low-precision recipe (`dropless.autocast`) they run the recipe's fused MLP if it
+registered one, else the MLP composed from the recipe's grouped GEMMs (`_composed_mlp`,
+also the specification the fused path is tested against).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
@@ -10,10 +16,33 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import get_recipe, recipe_mlp
-from .grouped_gemm import _expand_bias, grouped_gemm
+from .dispatch import get_recipe, pick_gemm_backend, recipe_mlp
+from .fused_mlp import fused_mlp, pick_mlp_path
+from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
 from .permute import SortedPairs, permute, sort_by_expert, unpermute
-from .swiglu import swiglu
+from .swiglu import ACTIVATIONS, swiglu
+
+
+def _composed_mlp(x_SD, counts, prob_S, gate_up, down, *, gate_up_bias, down_bias, activation,
+                  interleaved, trans_w, alpha, limit, backend):
+    h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
+    a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)
+    if down_bias is not None:
+        b_SD = _expand_bias(down_bias, counts)
+        y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
+    return y
+
+
+def _device_offsets_ok(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> bool:
+    """Whether the grouped path can take the counts as a device tensor (no host sync)."""
+    name = None if backend in (None, "auto") else backend
+    return pick_gemm_backend(name, x, w).name == "grouped_mm"
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
 
 
 def grouped_mlp(
@@ -37,24 +66,34 @@ def grouped_mlp(
     gate_up [E, 2F, D] and down [E, D, F] when trans_w (nn.Linear layout), else
     [E, D, 2F] and [E, F, D]. The prob scales the whole expert output, the down bias
     included: y = prob * (act @ down^T + b) = (prob * act) @ down^T + prob * b.
+    counts: host list, or a device tensor (kept on the device, no sync, when the
+    grouped_mm backend runs these operands).
     """
-    if isinstance(counts, torch.Tensor):
-        counts = counts.tolist()
+    _check_activation(activation)
+    kw = dict(
+        gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
+        interleaved=interleaved, trans_w=trans_w, alpha=alpha, limit=limit, backend=backend,
+    )
     recipe = get_recipe()
-    fused = recipe_mlp(recipe) if recipe is not None else None
-    if fused is not None:
-        return fused(
-            x_SD, counts, prob_S, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias,
-            activation=activation, interleaved=interleaved, trans_w=trans_w, alpha=alpha,
-            limit=limit, backend=backend, recipe=recipe,
-        )
-    h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
-    a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)
-    if down_bias is not None:
-        b_SD = _expand_bias(down_bias, counts)
-        y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
-    return y
+    if recipe is not None:
+        counts = _check_counts(x_SD, gate_up, counts)
+        fused = recipe_mlp(recipe)
+        if fused is not None:
+            return fused(x_SD, counts, prob_S, gate_up, down, **kw, recipe=recipe)
+        return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
+    path = pick_mlp_path(x_SD, gate_up, backend)
+    keep_on_device = (
+        path == "grouped" and isinstance(counts, torch.Tensor) and _device_offsets_ok(x_SD, gate_up, backend)
+    )
+    if keep_on_device:
+        if counts.dim() != 1 or counts.numel() != gate_up.shape[0] or counts.dtype.is_floating_point:
+            raise ValueError(
+                f"counts must be a 1-D integer tensor with one entry per expert ({gate_up.shape[0]}), "
+                f"got {counts.dtype} of shape {tuple(counts.shape)}"
+            )
+    else:
+        counts = _check_counts(x_SD, gate_up, counts)
+    return fused_mlp(x_SD, prob_S, gate_up, down, counts, path=path, **kw)
 
 
 def expert_mlp(
@@ -69,11 +108,27 @@ def expert_mlp(
 ) -> tuple[torch.Tensor, SortedPairs]:
     """out[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t]); returns (out_TD, sorted pairs).
 
-    Every pair is computed unless keep_TK (capacity mode) marks it dropped.
+    Every pair is computed unless keep_TK (capacity mode) marks it dropped. On the
+    grouped_mm path without keep_TK (CUDA, or under torch.compile) nothing is read
+    on the host and the returned SortedPairs has `counts=None`; elsewhere the counts
+    are read on the host once, in `sort_by_expert`.
     """
     num_experts = gate_up.shape[0]
-    sp = sort_by_expert(ids_TK, num_experts, keep_TK)
-    x_SD = permute(x_TD, sp)
+    backend = mlp_kwargs.get("backend")
+    _check_activation(mlp_kwargs.get("activation", "swiglu"))
+    path = None if get_recipe() is not None else pick_mlp_path(x_TD, gate_up, backend)
+    if path is None:
+        sp = sort_by_expert(ids_TK, num_experts, keep_TK)
+        x_SD = permute(x_TD, sp)
+        prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
+        y_SD = grouped_mlp(x_SD, sp.counts, prob_S, gate_up, down, **mlp_kwargs)
+        return unpermute(y_SD, sp), sp
+    sync_free = path == "grouped" and keep_TK is None and _device_offsets_ok(x_TD, gate_up, backend)
+    sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=not sync_free)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
-    y_SD = grouped_mlp(x_SD, sp.counts, prob_S, gate_up, down, **mlp_kwargs)
-    return unpermute(y_SD, sp), sp
+    counts = sp.counts_E if sync_free else sp.counts
+    out_TD = fused_mlp(
+        x_TD, prob_S, gate_up, down, counts, token_S=sp.token_S, slot_TK=sp.slot_TK,
+        num_out=x_TD.shape[0], path=path, **mlp_kwargs,
+    )
+    return out_TD, sp

@@ -56,6 +56,10 @@ register_gemm_backend(
 
 
 def _offsets(counts, device):
+    """End offset of each group as int32 on `device`. A device tensor of counts stays on
+    the device (no host sync): this is what makes the grouped_mm path sync-free."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device=device).cumsum(0, dtype=torch.int32)
     return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
 

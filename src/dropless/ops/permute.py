@@ -20,14 +20,15 @@ class SortedPairs:
 
     token_S: the token of each slot; pair_S: its flat pair index t*K+k;
     slot_TK: the slot of each pair (S for a pair dropped by a capacity limit);
-    counts_E: kept pairs per expert (device tensor); counts: the same on the host.
+    counts_E: kept pairs per expert (device tensor); counts: the same on the host
+    (None when sorted with host_counts=False: read counts_E instead).
     """
 
     token_S: torch.Tensor
     pair_S: torch.Tensor
     slot_TK: torch.Tensor
     counts_E: torch.Tensor
-    counts: list[int]
+    counts: list[int] | None
     num_dropped: int = 0
 
     @property
@@ -36,15 +37,26 @@ class SortedPairs:
 
 
 def sort_by_expert(
-    ids_TK: torch.Tensor, num_experts: int, keep_TK: torch.Tensor | None = None
+    ids_TK: torch.Tensor,
+    num_experts: int,
+    keep_TK: torch.Tensor | None = None,
+    *,
+    host_counts: bool = True,
 ) -> SortedPairs:
     """Stable sort of the T*K pairs by expert id (ties keep (token, k) order).
 
     keep_TK (bool) marks pairs kept under a capacity limit; others are left out of the
     slots. The host copy of counts is the one device->host sync of a layer.
+    host_counts=False (dropless only) skips it: `counts` is None and every shape is
+    known without reading a device value, so the sort is sync-free (CUDA graphs,
+    torch.compile without graph breaks); consumers then use `counts_E`.
     """
     T, K = ids_TK.shape
     flat = ids_TK.reshape(-1)
+    if not host_counts:
+        if keep_TK is not None:
+            raise ValueError("host_counts=False needs keep_TK=None: the dropped count is data-dependent")
+        return _sort_sync_free(flat, num_experts, T, K)
     if keep_TK is not None:
         # dropped pairs get the sentinel id E so they sort after every kept pair
         flat = torch.where(keep_TK.reshape(-1), flat, torch.full_like(flat, num_experts))
@@ -64,6 +76,17 @@ def sort_by_expert(
         counts_E=counts_E,
         counts=counts,
         num_dropped=T * K - S,
+    )
+
+
+def _sort_sync_free(flat: torch.Tensor, num_experts: int, T: int, K: int) -> SortedPairs:
+    order = torch.argsort(flat, stable=True)
+    # index_add_ rather than bincount: bincount's output size depends on the data
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts_E.index_add_(0, flat, torch.ones_like(flat))
+    slot_flat = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return SortedPairs(
+        token_S=order // K, pair_S=order, slot_TK=slot_flat.view(T, K), counts_E=counts_E, counts=None
     )
 
 

@@ -21,27 +21,30 @@ def _recv_buffer(x_ND: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _launch(x_ND, out_splits, in_splits, group, async_op):
+    """Returns (receive buffer, work or None, the contiguous send tensor)."""
     x_ND = x_ND.contiguous()
     out = _recv_buffer(x_ND, sum(out_splits))
     work = dist.all_to_all_single(
-        out, x_ND, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group,
+        out,
+        x_ND,
+        output_split_sizes=out_splits,
+        input_split_sizes=in_splits,
+        group=group,
         async_op=async_op,
     )
-    return out, work
+    return out, work, x_ND
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out, _ = _launch(x_ND, out_splits, in_splits, group, False)
-        return out
+        return _launch(x_ND, out_splits, in_splits, group, False)[0]
 
     @staticmethod
     def backward(ctx, grad_ND):
         out_splits, in_splits = ctx.splits
-        grad, _ = _launch(grad_ND, in_splits, out_splits, ctx.group, False)
-        return grad, None, None, None
+        return _launch(grad_ND, in_splits, out_splits, ctx.group, False)[0], None, None, None
 
 
 def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None):
@@ -55,10 +58,10 @@ def all_to_all(x_ND: torch.Tensor, out_splits: list[int], in_splits: list[int], 
 class Pending:
     """A transfer in flight: its work handle, and the gradient's on the way back."""
 
-    __slots__ = ("work", "grad", "grad_work", "splits", "group")
+    __slots__ = ("work", "send", "grad", "grad_work", "splits", "group")
 
     def __init__(self, splits, group):
-        self.work = self.grad = self.grad_work = None
+        self.work = self.send = self.grad = self.grad_work = None
         self.splits, self.group = splits, group
 
 
@@ -66,7 +69,8 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ND, pending):
         out_splits, in_splits = pending.splits
-        out, pending.work = _launch(x_ND, out_splits, in_splits, pending.group, True)
+        # keep the send tensor referenced until the transfer is awaited
+        out, pending.work, pending.send = _launch(x_ND, out_splits, in_splits, pending.group, True)
         ctx.pending = pending
         return out
 
@@ -75,7 +79,7 @@ class _Start(torch.autograd.Function):
         # _Wait.backward started the gradient's transfer; finish it here
         p = ctx.pending
         p.grad_work.wait()
-        grad, p.grad, p.grad_work = p.grad, None, None
+        grad, p.grad, p.grad_work, p.send = p.grad, None, None, None
         return grad, None
 
 
@@ -83,7 +87,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buf_ND, pending):
         pending.work.wait()
-        pending.work = None
+        pending.work = pending.send = None
         ctx.pending = pending
         return buf_ND.view_as(buf_ND)
 
@@ -91,12 +95,14 @@ class _Wait(torch.autograd.Function):
     def backward(ctx, grad_ND):
         p = ctx.pending
         out_splits, in_splits = p.splits
-        p.grad, p.grad_work = _launch(grad_ND, in_splits, out_splits, p.group, True)
+        p.grad, p.grad_work, p.send = _launch(grad_ND, in_splits, out_splits, p.group, True)
         # _Start ignores what it receives; pass the same tensor (no copy)
         return grad_ND, None
 
 
-def a2a_start(x_ND: torch.Tensor, out_splits, in_splits, group=None) -> tuple[torch.Tensor, Pending]:
+def a2a_start(
+    x_ND: torch.Tensor, out_splits, in_splits, group=None
+) -> tuple[torch.Tensor, Pending]:
     """Start an all-to-all; returns (buffer, pending). Read the buffer only through
     `a2a_wait(buffer, pending)`."""
     pending = Pending((list(out_splits), list(in_splits)), group)

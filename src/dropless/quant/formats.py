@@ -49,7 +49,8 @@ def cast_fp8(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fmt: str, margin: int = 0) -> torch.Tensor:
     """scale = fp8_max / amax / 2**margin (fp32); 1 where amax is 0 or not finite."""
     amax = amax.float()
-    scale = (FP8_MAX[fmt] / amax) / (2.0**margin)
+    # a true division (a python scalar / tensor would be reciprocal-then-multiply)
+    scale = torch.div(torch.full_like(amax, FP8_MAX[fmt]), amax) / (2.0**margin)
     ok = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
     return torch.where(ok, scale, torch.ones_like(scale))
 
@@ -73,6 +74,26 @@ class QTensor:
     dim: int = -1
     size: int = 0
     rows_S: torch.Tensor | None = None
+    scale: torch.Tensor | None = None  # kind "scaled": the scale used (reused in backward)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors to hand to ctx.save_for_backward (see `from_tensors`)."""
+        return [
+            self.data,
+            self.scale_inv,
+            self.rows_S if self.rows_S is not None else self.data.new_empty(0),
+        ]
+
+    def meta(self) -> tuple:
+        return (self.fmt, self.kind, self.dim, self.size)
+
+    @staticmethod
+    def from_tensors(tensors, meta) -> QTensor:
+        data, scale_inv, rows_S = tensors
+        fmt, kind, dim, size = meta
+        return QTensor(
+            data, scale_inv, fmt, kind, dim, size, rows_S if kind == "mx_groups" else None
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self.kind == "scaled":
@@ -104,7 +125,7 @@ def amax(x: torch.Tensor, dims=None) -> torch.Tensor:
 def quantize_scaled(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> QTensor:
     """q = sat_cast(x * scale) with a given fp32 scale (scalar or broadcastable)."""
     scale = scale.float()
-    return QTensor(cast_fp8(x.float() * scale, fmt), torch.reciprocal(scale), fmt)
+    return QTensor(cast_fp8(x.float() * scale, fmt), torch.reciprocal(scale), fmt, scale=scale)
 
 
 def quantize_current(x: torch.Tensor, fmt: str, dims=None, margin: int = 0) -> QTensor:
@@ -157,7 +178,9 @@ def _mx_dequant_last(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.flatten(-2)
 
 
-def quantize_mx(x: torch.Tensor, dim: int = -1, *, fmt: str = "e4m3", scale_rule: str = "floor") -> QTensor:
+def quantize_mx(
+    x: torch.Tensor, dim: int = -1, *, fmt: str = "e4m3", scale_rule: str = "floor"
+) -> QTensor:
     """MXFP8 with blocks of 32 consecutive values along `dim` (the reduction dim)."""
     dim = dim % x.dim()
     xt = x.movedim(dim, -1)

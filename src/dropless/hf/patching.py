@@ -19,7 +19,7 @@ import weakref
 from torch import nn
 
 from ._compat import require_transformers
-from .experts import SUPPORTED_FAMILIES, dropless_experts_forward, family_of
+from .experts import SUPPORTED_FAMILIES, dropless_experts_forward
 from .layers import moe_layers
 from .routers import add_expert_bias, remove_expert_bias
 
@@ -28,6 +28,9 @@ IMPLEMENTATION = "dropless"
 _state: dict = {"registered": False, "prior": None, "original_get_correct": None}
 # model -> experts implementation to restore on unpatch (get_experts_implementation() form)
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# configs whose "dropless" came from our default (not asked for): id -> config. A model's
+# submodules share its config, so post_init sees the already resolved value again.
+_defaulted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _register() -> None:
@@ -82,7 +85,11 @@ def _install_default() -> None:
     def get_correct_experts_implementation(self, requested_experts):
         if requested_experts is None and type(self)._can_set_experts_implementation():
             requested_experts = IMPLEMENTATION
-        elif requested_experts == IMPLEMENTATION:
+            _defaulted[id(self.config)] = self.config
+        elif (
+            requested_experts == IMPLEMENTATION
+            and _defaulted.get(id(self.config)) is not self.config
+        ):
             _check_family(self)
         chosen = original(self, requested_experts)
         if chosen == IMPLEMENTATION and self not in _models:
@@ -158,8 +165,10 @@ def patch_model(model: nn.Module, expert_bias: bool = False) -> nn.Module:
     _register()
     previous = model.get_experts_implementation()
     model.set_experts_implementation(IMPLEMENTATION)
-    if _models.get(model) is None:
+    if IMPLEMENTATION not in previous.values():
         _models[model] = previous
+    elif model not in _models:
+        _models[model] = None
     if expert_bias:
         for layer in layers:
             if layer.router is None:

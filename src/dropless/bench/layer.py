@@ -1,0 +1,380 @@
+"""`dropless bench layer`: one MoE layer forward+backward, side by side in one process,
+against the dense-GEMM bound and Hugging Face v5 `Qwen3MoeSparseMoeBlock`.
+
+Every implementation gets the same input, the same weights and the same routing (the
+router weight is copied; the routes are checked equal). Time: median of `--rounds`
+rounds after a warm-up, the implementations interleaved within each round so that
+load from other processes hits them alike. Memory: each implementation runs once more
+in its own child process (CPU) and reports the step's peak RSS (VmHWM from
+/proc/self/status, reset through /proc/self/clear_refs) minus the RSS once inputs and
+weights are allocated; on CUDA, max_memory_allocated minus memory_allocated.
+
+The dense bound is the same six GEMMs with M = T*K rows as dense torch.mm (gate/up and
+down forward, and the input- and weight-gradient GEMM of each).
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, M = T*K rows
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .common import append_history, machine, peak_rss_mib, reset_peak_rss, run_child
+
+SHAPES = {
+    "qwen3": dict(E=64, K=8, D=1024, F=384, T=[2048], dtype="float32"),
+    "mixtral": dict(E=8, K=2, D=1024, F=3584, T=[2048], dtype="float32"),
+    "qwen3-30b": dict(E=128, K=8, D=2048, F=768, T=[8192, 32768], dtype="bfloat16"),
+}
+IMPLS = ("dense", "dropless", "dropless-grouped", "composed", "bmm-padded", "hf-grouped_mm", "hf-eager")
+DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
+SECTION = Path("benchmarks") / "sections" / "layer.md"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="layer shape (default qwen3)")
+    p.add_argument("--tokens", type=int, nargs="+", help="T, overrides the shape's token counts")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (median; >= 3)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS),
+        help=f"comma list from {','.join(IMPLS)} or 'all' (default: {','.join(DEFAULT_IMPLS)})",
+    )
+    p.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-implementation memory children")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--no-history", action="store_true", help="do not append to benchmarks/history.jsonl")
+    p.add_argument("--section", default=str(SECTION), help="markdown file for the table ('' to skip)")
+
+
+# --- building the implementations ------------------------------------------------------
+
+
+def _setup(cfg: dict):
+    """Inputs, router weight and expert weights shared by every implementation."""
+    E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
+    dev, dtype = torch.device(cfg["device"]), getattr(torch, cfg["dtype"])
+    g = torch.Generator().manual_seed(0)
+    x_TD = torch.randn(T, D, generator=g)
+    w_router_ED = torch.randn(E, D, generator=g) * D**-0.5
+    if cfg["skewed"]:
+        # the router bias, carried by a constant input feature: the 4 "hot" experts get
+        # +b on every token's logit, b chosen so that about half the pairs go to them
+        x_TD[:, 0] = 1.0
+        w_router_ED[:, 0] = 0.0
+        w_router_ED[:4, 0] = _skew_bias(x_TD, w_router_ED, K)
+    gate_up = torch.randn(E, 2 * F, D, generator=g) * D**-0.5
+    down = torch.randn(E, D, F, generator=g) * F**-0.5
+    grad_TD = torch.randn(T, D, generator=g)
+    to = dict(device=dev, dtype=dtype)
+    return x_TD.to(**to), w_router_ED.to(**to), gate_up.to(**to), down.to(**to), grad_TD.to(**to)
+
+
+def _hot_share(x_TD, w_ED, K) -> float:
+    ids = (x_TD @ w_ED.t()).topk(K, dim=-1).indices
+    return float((ids < 4).float().mean())
+
+
+def _skew_bias(x_TD, w_ED, K) -> float:
+    lo, hi = 0.0, 50.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        w = w_ED.clone()
+        w[:4, 0] = mid
+        lo, hi = (mid, hi) if _hot_share(x_TD, w, K) < 0.5 else (lo, mid)
+    return hi
+
+
+def _route(x_TD, w_router_ED, K):
+    probs = torch.softmax((x_TD @ w_router_ED.t()).float(), dim=-1)
+    w_TK, ids_TK = probs.topk(K, dim=-1)
+    return ids_TK, (w_TK / w_TK.sum(-1, keepdim=True)).to(x_TD.dtype)
+
+
+def _build(name: str, cfg: dict):
+    """-> (step, params, check): step() runs forward+backward once."""
+    from dropless import nn as dnn
+    from dropless import ops
+
+    E, K, D, F = cfg["E"], cfg["K"], cfg["D"], cfg["F"]
+    x_TD, w_router, gate_up, down, grad_TD = _setup(cfg)
+    dev, dtype = x_TD.device, x_TD.dtype
+    x_TD.requires_grad_(name != "dense")
+    if name == "dense":
+        M = x_TD.shape[0] * K
+        xm, gy = x_TD.repeat(K, 1), grad_TD.repeat(K, 1)
+        hm, am = torch.randn(M, 2 * F, device=dev, dtype=dtype), torch.randn(M, F, device=dev, dtype=dtype)
+        wgu, wd = gate_up[0].clone(), down[0].clone()
+
+        def step():
+            torch.mm(xm, wgu.t())  # forward gate/up
+            torch.mm(am, wd.t())  # forward down
+            torch.mm(gy, wd)  # d act
+            torch.mm(gy.t(), am)  # d W_down
+            torch.mm(hm, wgu)  # d x
+            torch.mm(hm.t(), xm)  # d W_gate_up
+
+        return step, [], None
+    if name.startswith("hf-"):
+        block = _hf_block(cfg, name[3:], w_router, gate_up, down)
+        params = list(block.parameters())
+
+        def step():
+            block(x_TD.unsqueeze(0)).backward(grad_TD.unsqueeze(0))
+
+        return step, params + [x_TD], lambda: block(x_TD.unsqueeze(0))[0]
+    if name in ("dropless", "dropless-grouped"):
+        backend = "grouped_mm" if name == "dropless-grouped" else None
+        moe = dnn.MoE(D, F, E, K, renormalize=True, backend=backend, device=dev, dtype=dtype)
+        with torch.no_grad():
+            moe.router.weight.copy_(w_router)
+            moe.experts.gate_up_proj.copy_(gate_up)
+            moe.experts.down_proj.copy_(down)
+
+        def step():
+            moe(x_TD)[0].backward(grad_TD)
+
+        return step, list(moe.parameters()) + [x_TD], lambda: moe(x_TD)[0]
+    # experts-path variants with the router of `_route` (identical routing)
+    w_router.requires_grad_(True)
+    gate_up.requires_grad_(True)
+    down.requires_grad_(True)
+
+    def forward():
+        ids_TK, w_TK = _route(x_TD, w_router, K)
+        if name == "composed":  # argsort + grouped_mm autograd nodes, as written plainly
+            from dropless.ops.expert_mlp import _composed_mlp
+
+            sp = ops.sort_by_expert(ids_TK, E)
+            prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
+            y = _composed_mlp(
+                ops.permute(x_TD, sp), sp.counts, prob_S, gate_up, down, gate_up_bias=None, down_bias=None,
+                activation="swiglu", interleaved=False, trans_w=True, alpha=1.702, limit=7.0, backend=None,
+            )
+            return ops.unpermute(y, sp)
+        return _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down)
+
+    def step():
+        forward().backward(grad_TD)
+
+    return step, [w_router, gate_up, down, x_TD], forward
+
+
+def _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down):
+    """bmm over experts padded to the largest count (autograd through index ops)."""
+    from dropless import ops
+
+    E = gate_up.shape[0]
+    sp = ops.sort_by_expert(ids_TK, E)
+    C = max(sp.counts)
+    starts = torch.tensor([0] + sp.counts[:-1]).cumsum(0)
+    expert_S = torch.repeat_interleave(torch.arange(E), torch.tensor(sp.counts))
+    row_S = (expert_S * C + torch.arange(sp.num_slots) - starts[expert_S]).to(x_TD.device)
+    x_pad = x_TD.new_zeros(E * C, x_TD.shape[1]).index_copy(0, row_S, x_TD.index_select(0, sp.token_S))
+    h = torch.bmm(x_pad.view(E, C, -1), gate_up.transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)
+    y = torch.bmm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2)).view(E * C, -1)
+    y_SD = y.index_select(0, row_S)
+    return ops.unpermute(y_SD, sp, w_TK)
+
+
+def _hf_block(cfg, impl, w_router, gate_up, down):
+    try:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ImportError as e:  # pragma: no cover - optional dependency
+        raise ImportError("the Hugging Face rows need transformers: pip install 'dropless[hf]'") from e
+    conf = Qwen3MoeConfig(
+        hidden_size=cfg["D"], moe_intermediate_size=cfg["F"], num_experts=cfg["E"],
+        num_experts_per_tok=cfg["K"], norm_topk_prob=True, experts_implementation=impl,
+    )
+    block = Qwen3MoeSparseMoeBlock(conf).to(device=w_router.device, dtype=w_router.dtype)
+    assert block.experts.config._experts_implementation == impl
+    with torch.no_grad():
+        block.gate.weight.copy_(w_router)
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
+    return block
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _zero(params):
+    for p in params:
+        p.grad = None
+
+
+def _time_once(step, params, dev) -> float:
+    _zero(params)
+    _sync(dev)
+    t0 = time.perf_counter()
+    step()
+    _sync(dev)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _memory_child(cfg: dict) -> dict:
+    """Run in a fresh process: the peak memory of one step above inputs + weights."""
+    torch.set_num_threads(os.cpu_count())
+    step, params, _ = _build(cfg["impl"], cfg)
+    dev = torch.device(cfg["device"])
+    gc.collect()
+    if dev.type == "cuda":
+        _sync(dev)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        _sync(dev)
+        return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20, "how": "cuda max_memory_allocated"}
+    with open("/proc/self/status") as f:
+        base = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    if not reset_peak_rss():
+        return {"peak_mib": None, "how": "VmHWM reset unavailable"}
+    step()
+    return {"peak_mib": peak_rss_mib() - base, "how": "VmHWM after clear_refs, minus VmRSS before the step"}
+
+
+def _check_same(cfg, impls) -> dict:
+    """Max relative difference of each output from the first non-dense one (sanity)."""
+    outs = {}
+    for name in impls:
+        if name == "dense":
+            continue
+        _, _, fwd = _build(name, cfg)
+        with torch.no_grad():
+            outs[name] = fwd().float()
+    ref = next(iter(outs.values()), None)
+    return {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in outs.items()}
+
+
+def _run_case(cfg: dict, impls, args) -> list[dict]:
+    dev = torch.device(cfg["device"])
+    built = {name: _build(name, cfg)[:2] for name in impls}
+    for _ in range(args.warmup):
+        for name in impls:
+            _time_once(*built[name], dev)
+    times = {name: [] for name in impls}
+    for _ in range(args.rounds):
+        for name in impls:
+            times[name].append(_time_once(*built[name], dev))
+    del built
+    gc.collect()
+    diffs = _check_same(cfg, impls)
+    E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
+    flops = 18.0 * T * K * D * F  # 3 GEMMs (fwd, dgrad, wgrad) x (gate/up 4MDF + down 2MDF)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    rows = []
+    for name in impls:
+        mem = {"peak_mib": None, "how": "skipped"}
+        if not args.no_memory:
+            mem = run_child("dropless.bench.layer", {**cfg, "impl": name})
+        rows.append({
+            "impl": name, "T": T, "routing": "skewed" if cfg["skewed"] else "uniform",
+            "ms": med[name], "ms_all": times[name], "gflops": flops / med[name] / 1e6,
+            "vs_bound": med["dense"] / med[name] if "dense" in med else None,
+            "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name] if "hf-grouped_mm" in med else None,
+            "peak_mib": mem["peak_mib"], "memory_how": mem["how"], "max_rel_diff": diffs.get(name),
+        })
+    hf_mem = next((r["peak_mib"] for r in rows if r["impl"] == "hf-grouped_mm"), None)
+    for r in rows:
+        r["mem_vs_hf"] = r["peak_mib"] / hf_mem if hf_mem and r["peak_mib"] is not None else None
+    return rows
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _table(rows, shape, cfg, command) -> str:
+    unit = "TFLOP/s" if cfg["device"] == "cuda" else "GFLOP/s"
+    scale = 1e-3 if cfg["device"] == "cuda" else 1.0
+    lines = [
+        f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, {cfg['device']}",
+        "",
+        f"| T | routing | implementation | ms (median) | {unit} | vs dense bound | vs HF grouped_mm "
+        "| peak MiB | peak vs HF grouped_mm |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['T']} | {r['routing']} | {r['impl']} | {r['ms']:.0f} | {r['gflops'] * scale:.1f} "
+            f"| {_fmt(r['vs_bound'], '.2f')} | {_fmt(r['vs_hf_grouped_mm'], '.2f')} "
+            f"| {_fmt(r['peak_mib'], '.0f')} | {_fmt(r['mem_vs_hf'], '.2f')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = SHAPES[args.shape]
+    if shape["dtype"] == "bfloat16" and dev == "cpu":
+        print("dropless bench layer: the qwen3-30b shape is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x slower)")
+        return 2
+    if args.rounds < 3:
+        print("--rounds must be >= 3 (the figure is a median)")
+        return 2
+    impls = list(IMPLS) if args.impls == "all" else [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [n for n in impls if n not in IMPLS]
+    if bad:
+        print(f"unknown --impls {bad}; allowed: {', '.join(IMPLS)} or all")
+        return 2
+    torch.set_num_threads(os.cpu_count())
+    command = "dropless " + " ".join(sys.argv[1:])
+    all_rows, text = [], []
+    for T in args.tokens or shape["T"]:
+        cfg = {k: v for k, v in shape.items() if k != "T"} | {"T": T, "device": dev, "skewed": False}
+        rows = _run_case(cfg, impls, args)
+        if not args.no_skewed:
+            sk = [n for n in impls if n in ("dense", "dropless", "hf-grouped_mm")]
+            rows += _run_case({**cfg, "skewed": True}, sk, args)
+        all_rows += rows
+        text.append(_table(rows, args.shape, cfg, command))
+    table = "\n".join(text)
+    print(table)
+    for r in all_rows:
+        if r["max_rel_diff"] is not None and r["max_rel_diff"] > 1e-3:
+            print(f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)")
+    if not args.no_history:
+        append_history("layer", {"shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads()})
+    if args.section:
+        _write_section(Path(args.section), args.shape, table, command)
+    return 0
+
+
+def _write_section(path: Path, shape: str, table: str, command: str) -> None:
+    """Replace this shape's block in the section file (other shapes are kept)."""
+    import datetime
+
+    m = machine()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block = (
+        f"<!-- layer:{shape} -->\n`{command}` ({date}; {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+        f"{', ' + m['gpu'] if 'gpu' in m else ''})\n\n{table}<!-- /layer:{shape} -->\n"
+    )
+    text = path.read_text() if path.exists() else "## One MoE layer, forward + backward\n\n"
+    start, end = f"<!-- layer:{shape} -->", f"<!-- /layer:{shape} -->\n"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+if __name__ == "__main__":  # memory child: python -m dropless.bench.layer '{json}'
+    print(json.dumps(_memory_child(json.loads(sys.argv[1]))))

@@ -1,0 +1,115 @@
+"""Compile every Triton kernel ahead of time for NVIDIA targets, on a machine without a GPU.
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, not whether they
+compile: type errors in loops and branches, layouts, shared memory, software
+pipelining only show in the real compiler. Triton ships ptxas, so `triton.compile` can
+build cubins for any sm_XX here. This runs the launch configurations the wrappers use
+(bf16/fp32 operands, unit inner strides and 16-byte alignment, as the JIT specializes
+them at run time) and reports shared memory and whether the GEMM K loop is pipelined.
+It proves compilation only; speed and results on a GPU stay unverified until run there.
+
+    python -m dropless.kernels.aot_check --arch 80 90 [--dtype bf16 fp32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ALIGNED = ("ptr", "stride_am", "stride_be", "stride_bn", "stride_ym", "stride_x", "stride_o")
+
+
+def _jobs(dtype: str) -> list[tuple]:
+    """(kernel, pointer/scalar types, constexprs, num_warps, num_stages) per launch shape."""
+    from . import gemm_kernels as G
+    from . import permute_kernels as P
+    from . import swiglu_kernels as W
+
+    bk = 32 if dtype == "fp32" else 64
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    d = f"*{dtype}"
+    gmm = {"a_ptr": d, "b_ptr": d, "y_ptr": d, "cnt_ptr": "*i32"}
+    jobs = []
+    for bm, warps in ((128, 8), (64, 4)):
+        consts = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec)
+        jobs.append((G._gmm_kernel, gmm, {**consts, "stride_ak": 1, "stride_bk": 1}, warps, 3))
+        jobs.append((G._gmm_kernel, gmm, {**consts, "stride_ak": 1, "stride_bn": 1}, warps, 3))
+    wg = {"a_ptr": d, "b_ptr": d, "out_ptr": d, "cnt_ptr": "*i32"}
+    consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec)
+    jobs.append((G._wgrad_kernel, wg, {**consts, "stride_am": 1, "stride_bn": 1}, 8, 3))
+    rows = dict(BLOCK_R=2, BLOCK_N=1024)
+    jobs.append((P._gather_rows_kernel, {"x_ptr": d, "idx_ptr": "*i64", "scale_ptr": "*fp32",
+                 "sidx_ptr": "*i64", "out_ptr": d}, dict(HAS_SCALE=True, **rows), 4, 1))  # fmt: skip
+    jobs.append((P._gather_sum_kernel, {"rows_ptr": d, "slot_ptr": "*i64", "w_ptr": "*fp32",
+                 "out_ptr": d}, dict(K=8, HAS_W=True, **rows), 4, 1))  # fmt: skip
+    jobs.append((P._pair_dot_kernel, {"g_ptr": d, "y_ptr": d, "slot_ptr": "*i64",
+                 "out_ptr": "*fp32"}, dict(K=8, BLOCK_P=16, BLOCK_N=256), 4, 1))  # fmt: skip
+    sw = dict(INTERLEAVED=False, GPT_OSS=False)
+    jobs.append((W._swiglu_fwd_kernel, {"h_ptr": d, "p_ptr": "*fp32", "a_ptr": d, "alpha": "fp32",
+                 "limit": "fp32"}, dict(HAS_P=True, BLOCK_R=2, BLOCK_F=1024, **sw), 4, 1))  # fmt: skip
+    jobs.append((W._swiglu_bwd_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32", "gh_ptr": d,
+                 "gp_ptr": "*fp32", "a_ptr": d, "alpha": "fp32", "limit": "fp32"},
+                 dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True, BLOCK_R=4, BLOCK_F=512,
+                      INTERLEAVED=True, GPT_OSS=True), 4, 1))  # fmt: skip
+    return jobs
+
+
+def compile_all(archs: list[int], dtypes: list[str], verbose: bool = True) -> list[str]:
+    """Compile every job for every arch; returns the failures (empty: all compiled)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    import triton
+
+    failures = []
+    for arch in archs:
+        for dtype in dtypes:
+            for fn, types, consts, warps, stages in _jobs(dtype):
+                sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+                attrs = {
+                    (i,): [["tt.divisibility", 16]]
+                    for i, n in enumerate(fn.arg_names)
+                    if n not in consts and n.endswith(ALIGNED)
+                }
+                name = f"sm_{arch} {dtype} {fn.__name__} {sorted(consts.items())}"
+                t0 = time.perf_counter()
+                try:
+                    k = triton.compile(
+                        ASTSource(fn, sig, consts, attrs),
+                        target=GPUTarget("cuda", arch, 32),
+                        options={"num_warps": warps, "num_stages": stages},
+                    )
+                except Exception as exc:  # report every failure, not just the first
+                    failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:2000]}")
+                    if verbose:
+                        print("FAILED", failures[-1], flush=True)
+                    continue
+                if verbose:
+                    ttgir = k.asm.get("ttgir", "")
+                    piped = "async_copy_global_to_local" in ttgir or "async_tma" in ttgir
+                    wgmma = "warp_group_dot" in ttgir
+                    print(
+                        f"ok {time.perf_counter() - t0:5.1f}s sm_{arch} {dtype} {fn.__name__:20s} "
+                        f"shared={k.metadata.shared} pipelined={piped} wgmma={wgmma}",
+                        flush=True,
+                    )
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
+    parser.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
+        return 2
+    failures = compile_all(args.arch, args.dtype)
+    print(f"{len(failures)} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

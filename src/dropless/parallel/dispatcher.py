@@ -1,0 +1,228 @@
+"""Expert-parallel dispatcher: tokens go to the rank that owns their expert and back.
+
+Per chunk of tokens (one chunk unless overlap is asked for):
+  1. sort the (token, k) pairs by global expert; global expert e lives on EP rank
+     e // L (L = E / ep local experts), so the sorted rows are grouped by rank;
+  2. one all-to-all of the per-expert counts for all chunks (the only host sync);
+  3. all-to-all of the rows with uneven splits (autograd-aware, `comm.py`);
+  4. reorder the received rows from (source rank, local expert) to (local expert,
+     source rank), run the local experts' grouped MLP, reorder back;
+  5. the reverse all-to-all and the weighted combine (the routing weight is applied
+     at home, so only rows of D values travel).
+The counts summed over every data-parallel rank feed the global balancing loss.
+With overlap, every chunk's dispatch is started first; chunk c's experts then run
+while later chunks' rows are still in flight, and chunk c's return transfer runs
+while chunk c+1 computes.
+"""
+
+# T tokens, D model dim, E experts (global), L local experts, P EP ranks, K top-k,
+# S sorted pairs sent, R rows received, C chunks
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..ops.permute import permute, sort_by_expert, unpermute
+from .comm import a2a_start, a2a_wait
+
+
+class _RowPerm(torch.autograd.Function):
+    """y = x[perm] for a permutation; backward gathers with the inverse (no scatter)."""
+
+    @staticmethod
+    def forward(ctx, x_RD, perm_R, inv_R):
+        ctx.save_for_backward(inv_R)
+        return x_RD.index_select(0, perm_R)
+
+    @staticmethod
+    def backward(ctx, g_RD):
+        (inv_R,) = ctx.saved_tensors
+        return g_RD.contiguous().index_select(0, inv_R), None, None
+
+
+def _local_order(recv_PL: torch.Tensor):
+    """Permutation taking rows laid out as (source p, expert l) blocks to (l, p) order.
+
+    Returns (perm, inverse) or None when the order is already right (P or L is 1).
+    """
+    P, L = recv_PL.shape
+    if P == 1 or L == 1:
+        return None
+    sizes_PL = recv_PL.reshape(-1)
+    src_start_PL = (torch.cumsum(sizes_PL, 0) - sizes_PL).view(P, L)
+    sizes_LP = recv_PL.t().reshape(-1)
+    dst_start_LP = torch.cumsum(sizes_LP, 0) - sizes_LP
+    R = int(sizes_LP.sum())
+    shift = torch.repeat_interleave(
+        src_start_PL.t().reshape(-1) - dst_start_LP, sizes_LP, output_size=R
+    )
+    perm = torch.arange(R, device=recv_PL.device) + shift
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(R, device=perm.device)
+    return perm, inv
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+class ExpertParallelDispatcher:
+    """Dispatcher (see `dropless.nn.LocalDispatcher`) over an expert-parallel group.
+
+    Args:
+        ep_group: process group of the ranks that split the experts (mesh["ep"]).
+        dp_group: group over which the expert counts are summed for the global
+            balancing loss (every data-parallel rank; default: the whole world).
+        num_experts: global E; default `experts.num_global_experts`, else
+            `experts.num_experts * ep` (a module holding only its local slice).
+        num_chunks: split the tokens into this many chunks (>= 1).
+        overlap: start every chunk's all-to-all before computing (async), so
+            communication of one chunk runs under another chunk's expert compute.
+
+    `stats` accumulates forward wall times (s) of dispatch / experts / combine and the
+    bytes of activations this rank sent to other ranks in the forward (dispatch +
+    combine; the backward moves as many again); `pop_stats()` returns and clears them.
+    """
+
+    def __init__(
+        self, ep_group=None, dp_group=None, *, num_experts=None, num_chunks=1, overlap=False
+    ):
+        if not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks={num_chunks!r} must be an int >= 1")
+        self.ep_group, self.dp_group = ep_group, dp_group
+        self.num_experts, self.num_chunks, self.overlap = num_experts, num_chunks, bool(overlap)
+        self.stats = _zero_stats()
+
+    def pop_stats(self) -> dict:
+        out, self.stats = self.stats, _zero_stats()
+        return out
+
+    def _sizes(self, experts) -> tuple[int, int]:
+        P = _group_size(self.ep_group)
+        E = self.num_experts or getattr(experts, "num_global_experts", None)
+        if E is None:
+            E = experts.num_experts * P
+        if E % P:
+            raise ValueError(f"num_experts={E} is not divisible by the EP group size {P}")
+        return E, P
+
+    def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
+        E, P = self._sizes(experts)
+        L = E // P
+        st, t0 = self.stats, time.perf_counter()
+        global_counts_E, n_tokens = self._global_counts(ids_TK, E)
+        C = max(1, min(self.num_chunks, x_TD.shape[0]))
+        xs = torch.tensor_split(x_TD, C)
+        ids = torch.tensor_split(ids_TK, C)
+        ws = torch.tensor_split(weights_TK, C)
+        keeps = torch.tensor_split(keep_TK, C) if keep_TK is not None else [None] * C
+        sps = [sort_by_expert(ids[c], E, keeps[c]) for c in range(C)]
+        send_PCL = torch.stack([sp.counts_E for sp in sps], 0).view(C, P, L).transpose(0, 1)
+        recv_PCL = torch.empty_like(send_PCL.contiguous())
+        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
+        send_h, recv_h = send_PCL.sum(-1).tolist(), recv_PCL.sum(-1).tolist()  # host sync
+        plans = []
+        for c in range(C):
+            out_splits, in_splits = [r[c] for r in recv_h], [s[c] for s in send_h]
+            plans.append((out_splits, in_splits, recv_PCL[:, c, :]))
+        me = dist.get_rank(self.ep_group)
+        # dispatch + combine rows to other ranks (rows to itself never leave memory)
+        elem = x_TD.element_size() * x_TD.shape[1]
+        st["bytes_sent"] += 2 * elem * sum(sum(p[1]) - p[1][me] for p in plans)
+
+        def start_dispatch(c):
+            x_SD = permute(xs[c], sps[c])
+            return a2a_start(x_SD, plans[c][0], plans[c][1], self.ep_group)
+
+        pend = [None] * C
+        if self.overlap:
+            pend = [start_dispatch(c) for c in range(C)]
+        st["dispatch_s"] += time.perf_counter() - t0
+        backs = []
+        for c in range(C):
+            t0 = time.perf_counter()
+            buf, p = pend[c] if self.overlap else start_dispatch(c)
+            x_RD = a2a_wait(buf, p)
+            order = _local_order(plans[c][2])
+            if order is not None:
+                x_RD = _RowPerm.apply(x_RD, *order)
+            local_counts = plans[c][2].sum(0).tolist()
+            t1 = time.perf_counter()
+            st["dispatch_s"] += t1 - t0
+            y_RD = experts.forward_sorted(x_RD, local_counts, None)
+            t2 = time.perf_counter()
+            st["expert_s"] += t2 - t1
+            if order is not None:
+                y_RD = _RowPerm.apply(y_RD, order[1], order[0])
+            back = a2a_start(y_RD, plans[c][1], plans[c][0], self.ep_group)
+            if not self.overlap:
+                back = (a2a_wait(*back), None)
+            backs.append(back)
+            st["combine_s"] += time.perf_counter() - t2
+        t0 = time.perf_counter()
+        outs = []
+        for c in range(C):
+            y_SD = backs[c][0] if backs[c][1] is None else a2a_wait(*backs[c])
+            outs.append(unpermute(y_SD, sps[c], ws[c]))
+        out_TD = outs[0] if C == 1 else torch.cat(outs, 0)
+        tokens_per_expert_E = sum(sp.counts_E for sp in sps)
+        st["combine_s"] += time.perf_counter() - t0
+        st["calls"] += 1
+        return out_TD, tokens_per_expert_E, global_counts_E, n_tokens
+
+    def _global_counts(self, ids_TK, E):
+        """Pairs routed to each expert and tokens, summed over the data-parallel group."""
+        c = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        buf = torch.cat([c, c.new_tensor([ids_TK.shape[0]])])
+        dist.all_reduce(buf, group=self.dp_group)
+        return buf[:E], int(buf[E])
+
+
+class GlobalCountsDispatcher:
+    """All experts local (ep == 1), but the balancing-loss counts summed over the
+    data-parallel group, so the loss is the global-batch one whatever the EP size."""
+
+    def __init__(self, dp_group=None):
+        self.dp_group = dp_group
+
+    def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
+        out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
+        E = experts.num_experts
+        c = torch.bincount(ids_TK.reshape(-1), minlength=E)
+        buf = torch.cat([c, c.new_tensor([ids_TK.shape[0]])])
+        dist.all_reduce(buf, group=self.dp_group)
+        return out_TD, sp.counts_E, buf[:E], int(buf[E])
+
+
+def _zero_stats() -> dict:
+    return {"dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0, "bytes_sent": 0, "calls": 0}
+
+
+class DeepEPDispatcher:
+    """Placeholder for a DeepEP backend: unverified, refuses to run without it."""
+
+    def __init__(self, *args, **kwargs):
+        raise_deepep_unavailable()
+
+
+def raise_deepep_unavailable():
+    """DeepEP needs CUDA and the deep_ep package; the backend is not implemented here."""
+    try:
+        import deep_ep  # noqa: F401
+
+        have = True
+    except ImportError:
+        have = False
+    if not torch.cuda.is_available() or not have:
+        raise ValueError(
+            "parallel.dispatcher='deepep' needs a CUDA GPU and the deep_ep package "
+            f"(cuda available: {torch.cuda.is_available()}, deep_ep importable: {have}); "
+            "use parallel.dispatcher='alltoall'"
+        )
+    raise NotImplementedError(
+        "parallel.dispatcher='deepep': the DeepEP backend has not been written or run yet "
+        "(unverified); use parallel.dispatcher='alltoall'"
+    )

@@ -1,0 +1,99 @@
+"""FSDP2 / HSDP over the mesh, and gradient clipping across mixed DTensor meshes.
+
+Dense parameters: `fully_shard` on dp_shard (HSDP: the 2-D (dp_replicate, dp_shard)
+mesh replicates over dp_replicate). Expert parameters (already DTensor Shard(0) on
+"ep"): their own `fully_shard` on dp_shard_mod_ep (HSDP likewise), FSDP's FSDP x TP
+path. The expert gradient an EP rank holds already sums the tokens of its whole EP
+group, so the experts' divide factor is the world size (FSDP's default would divide
+by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .experts import EPGroupedExperts
+
+
+def apply_fsdp(
+    model: nn.Module,
+    pmesh,
+    *,
+    blocks: list[nn.Module] | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy=None,
+) -> nn.Module:
+    """Wrap `model` with FSDP2 per the mesh (in place; returns it).
+
+    blocks: modules to make separate FSDP units on the dense mesh (default: every
+    `dropless.nn.MoE`; for a Transformers model pass its decoder layers). Expert
+    modules sharded by `shard_moe_experts` / `shard_hf_experts` always get their own
+    unit on the expert mesh. Call after sharding the experts and before building the
+    optimizer.
+    """
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from ..nn.moe import MoE
+
+    kw = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    world = pmesh.world_size
+    for m in model.modules():
+        hf_ep = "_dropless_ep" in m.__dict__  # an HF experts module (see parallel/hf.py)
+        if isinstance(m, EPGroupedExperts) or hf_ep:
+            # several chunks may call forward_sorted in one step: keep it gathered
+            fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, "reshard_after_forward": False})
+            m.set_gradient_divide_factor(float(world))
+            shard_size = pmesh.config.dp_shard // pmesh.config.ep
+            if shard_size > 1 and "nccl" not in str(dist.get_backend()):
+                # a custom factor means PREMUL_SUM, which gloo lacks: sum, then divide.
+                # Not with a shard group of 1: FSDP (2.13) then divides twice.
+                m.set_force_sum_reduction_for_comms(True)
+            if not hf_ep:  # HF experts run the dispatch inside their own forward
+                register_fsdp_forward_method(m, "forward_sorted")
+    units = blocks if blocks is not None else [m for m in model.modules() if isinstance(m, MoE)]
+    dense = pmesh.dense_fsdp_mesh
+    for b in units:
+        if b is not model:
+            fully_shard(b, mesh=dense, **kw)
+    fully_shard(model, mesh=dense, **kw)
+    return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters on different meshes.
+
+    Gradients are grouped by (mesh, placements); each group's norm is reduced to a
+    full (replicated) value by DTensor, the groups are combined, and every gradient
+    is scaled by min(1, max_norm / total). Returns the total norm (plain tensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, norm_type, error_if_nonfinite=False, foreach=False)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        norms.append(n.float())
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max()
+    else:
+        total = torch.stack([n**norm_type for n in norms]).sum() ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for gs in groups.values():
+        for g in gs:
+            g.mul_(coef.to(g.dtype))
+    return total

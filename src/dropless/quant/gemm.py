@@ -1,0 +1,250 @@
+"""Quantized grouped GEMM under a recipe: operand quantization, backends, autograd.
+
+Each of the three GEMMs quantizes its operands along its own reduction dimension:
+forward y = x w^T reduces over D (x row-wise, w along D); dgrad dx = g w reduces over
+N (g row-wise, w along N); wgrad dw[e] = g_e^T x_e reduces over the rows of expert e
+(g and x column-wise; for MXFP8 each expert's rows are padded to a multiple of 32 so
+no block straddles two experts). Per-tensor scales are the same whatever the
+reduction dim, so those quantizations are done once and reused.
+
+Backends: `emulated` dequantizes both operands to fp32 and runs the fp32 grouped GEMM
+(products of fp8 values and power-of-two / fp32 scales are exact in fp32, so it
+matches an fp32-accumulating FP8 GEMM up to summation order); `torch` runs row-wise
+FP8 through torch._scaled_grouped_mm on sm90+ (unverified: no GPU here).
+"""
+
+# S rows (sorted pairs), D in features, N out features, E experts
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.dispatch import pick_gemm_backend
+from ..ops.grouped_gemm import _expand_bias, _group_sum
+from .formats import (
+    QTensor,
+    amax,
+    quantize_mx,
+    quantize_mx_groups,
+    quantize_scaled,
+    scale_from_amax,
+)
+
+# --- operand quantization -----------------------------------------------------------------
+
+
+def scaling_mode(recipe) -> str:
+    """'mx', 'row' or 'tensor': how scales are laid out for this recipe."""
+    if recipe.kind == "mxfp8":
+        return "mx"
+    return "row" if getattr(recipe, "granularity", "tensor") == "row" else "tensor"
+
+
+class _History:
+    """Delayed-scaling state of one tensor role: amax history and the scale in use."""
+
+    def __init__(self, length: int, amax_: torch.Tensor):
+        self.hist = torch.zeros((length, *amax_.shape), device=amax_.device)
+        self.scale = torch.ones_like(amax_, dtype=torch.float32)
+
+    def use_and_update(self, amax_: torch.Tensor, recipe, fmt: str) -> torch.Tensor:
+        scale = self.scale
+        self.hist = torch.roll(self.hist, 1, 0)
+        self.hist[0] = amax_
+        a = self.hist.amax(0) if recipe.amax_compute_algo == "max" else self.hist[0]
+        ok = (a > 0) & torch.isfinite(a)  # keep the previous scale on 0 / Inf / NaN
+        self.scale = torch.where(ok, scale_from_amax(a, fmt, recipe.margin), scale)
+        return scale
+
+
+def delayed_state(recipe, key: torch.Tensor, role: str, amax_: torch.Tensor) -> _History:
+    """The delayed-scaling state of `key`'s `role` (created on first use)."""
+    roles = recipe.state.get(key)
+    if roles is None:
+        roles = recipe.state[key] = {}
+    st = roles.get(role)
+    if st is None or st.scale.shape != amax_.shape:
+        st = roles[role] = _History(recipe.amax_history_len, amax_)
+    return st
+
+
+def delayed_scale(
+    recipe, key: torch.Tensor, role: str, amax_: torch.Tensor, fmt: str
+) -> torch.Tensor:
+    """The scale for this call (from past amaxes of `key`'s `role`); records amax_."""
+    return delayed_state(recipe, key, role, amax_).use_and_update(amax_.detach(), recipe, fmt)
+
+
+def quantize_operand(
+    recipe, t, role: str, dim: int, *, key=None, counts=None, scale=None
+) -> QTensor:
+    """Quantize a GEMM operand along its reduction dim `dim`.
+
+    role: "x" (activations) or "w" (weights) use the forward format, "g" (gradients)
+    the backward one. counts (with dim 0): column-wise over expert groups of rows.
+    scale: reuse a per-tensor scale (delayed scaling must not update twice).
+    """
+    fmt = recipe.bwd_format if role == "g" else recipe.fwd_format
+    mode = scaling_mode(recipe)
+    if mode == "mx":
+        if counts is not None:
+            return quantize_mx_groups(t, counts, fmt=fmt, scale_rule=recipe.scale_rule)
+        return quantize_mx(t, dim, fmt=fmt, scale_rule=recipe.scale_rule)
+    if scale is None:
+        if mode == "row":
+            a = amax(t, dim)
+        else:  # a grouped weight is one tensor per expert, as in TE's GroupedLinear
+            a = amax(t, (1, 2)) if (role == "w" and t.dim() == 3) else amax(t)
+        if recipe.kind == "delayed":
+            scale = delayed_scale(recipe, key, role, a, fmt)
+        else:
+            scale = scale_from_amax(a, fmt, recipe.margin)
+    return quantize_scaled(t, fmt, scale)
+
+
+# --- backends -------------------------------------------------------------------------------
+
+
+def _emu_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype) -> torch.Tensor:
+    a, b = aq.dequantize(), bq.dequantize()
+    return pick_gemm_backend(None, a, b).mm(a, b, counts, trans_b).to(out_dtype)
+
+
+def _emu_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
+    a, b = aq.dequantize(), bq.dequantize()
+    return pick_gemm_backend(None, a, b).wgrad(a, b, counts).to(out_dtype)
+
+
+def torch_fp8_available(device: torch.device | None = None) -> bool:
+    """Row-wise FP8 grouped GEMM (torch._scaled_grouped_mm): CUDA sm90 or newer."""
+    if not (torch.cuda.is_available() and hasattr(torch, "_scaled_grouped_mm")):
+        return False
+    dev = device if device is not None and device.type == "cuda" else torch.device("cuda")
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype) -> torch.Tensor:
+    # Unverified (no GPU here). _scaled_grouped_mm takes e4m3 operands, b column-major
+    # [E, K, N], and row-wise fp32 scales [S] and [E, N]: a per-tensor scale is expanded.
+    e4m3 = torch.float8_e4m3fn
+    if aq.kind != "scaled" or aq.data.dtype != e4m3 or bq.data.dtype != e4m3:
+        return _emu_mm(aq, bq, counts, trans_b, out_dtype)
+    scale_a = aq.scale_inv.float().expand(aq.data.shape)[:, 0].contiguous()
+    sb = bq.scale_inv.float().expand(bq.data.shape)
+    if trans_b:  # data [E, N, K]: its transpose is already column-major
+        b, scale_b = bq.data.transpose(1, 2), sb[:, :, 0].contiguous()
+    else:  # data [E, K, N]
+        b, scale_b = bq.data.transpose(1, 2).contiguous().transpose(1, 2), sb[:, 0, :].contiguous()
+    offs = torch.tensor(counts, device=aq.data.device).cumsum(0).to(torch.int32)
+    y = torch._scaled_grouped_mm(aq.data, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    return y.to(out_dtype)
+
+
+def _torch_wgrad(aq, bq, counts, out_dtype):
+    # weight gradient through the bf16 grouped GEMM on dequantized operands (unverified)
+    a, b = aq.dequantize(torch.bfloat16), bq.dequantize(torch.bfloat16)
+    return pick_gemm_backend(None, a, b).wgrad(a, b, counts).to(out_dtype)
+
+
+BACKENDS = {"emulated": (_emu_mm, _emu_wgrad), "torch": (_torch_mm, _torch_wgrad)}
+
+
+def pick_backend(recipe, x: torch.Tensor) -> str:
+    """The quantized backend for this recipe and input: an explicit one must be able to
+    run (else ValueError); "auto" takes the real one where it exists, else emulated."""
+    real_ok = scaling_mode(recipe) != "mx" and x.is_cuda and torch_fp8_available(x.device)
+    if recipe.backend == "emulated":
+        return "emulated"
+    if recipe.backend == "torch":
+        if not real_ok:
+            why = (
+                "MXFP8 has no real grouped GEMM in this version (sm100 path not written)"
+                if scaling_mode(recipe) == "mx"
+                else f"row-wise FP8 needs torch._scaled_grouped_mm on a CUDA sm90+ GPU; got {x.device}"
+            )
+            raise ValueError(
+                f"recipe backend='torch' cannot run: {why}. Use backend='auto' or 'emulated'."
+            )
+        return "torch"
+    return "torch" if real_ok else "emulated"
+
+
+# --- autograd -----------------------------------------------------------------------------
+
+
+def save_q(ctx_list: list, q: QTensor | None, t: torch.Tensor | None):
+    """Append what to save: a quantized tensor's parts, or the full-precision tensor."""
+    if q is not None:
+        ctx_list.extend(q.tensors())
+        return q.meta()
+    ctx_list.extend([t, t.new_empty(0), t.new_empty(0)])
+    return None
+
+
+def load_q(tensors, meta):
+    return QTensor.from_tensors(tensors, meta) if meta is not None else tensors[0]
+
+
+class _QGroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_SD, w, bias_EN, counts, trans_w, recipe, key):
+        be = pick_backend(recipe, x_SD)
+        mm, _ = BACKENDS[be]
+        tensor_mode = scaling_mode(recipe) == "tensor"
+        xq = quantize_operand(recipe, x_SD, "x", 1, key=key)
+        wq = quantize_operand(recipe, w, "w", 2 if trans_w else 1, key=key)
+        y = mm(xq, wq, counts, trans_w, x_SD.dtype)
+        if bias_EN is not None:
+            y = y + _expand_bias(bias_EN, counts).to(y.dtype)
+        saved: list = []
+        if recipe.fp8_saved_activations:
+            xs = (
+                xq
+                if tensor_mode
+                else quantize_operand(recipe, x_SD, "x", 0, key=key, counts=counts)
+            )
+            ctx.x_meta = save_q(saved, xs, None)
+        else:
+            ctx.x_meta = save_q(saved, None, x_SD)
+        none = x_SD.new_empty(0)
+        scales = [xq.scale, wq.scale] if tensor_mode else [none, none]
+        ctx.save_for_backward(*saved, w, *scales)
+        ctx.counts, ctx.trans_w, ctx.recipe, ctx.key, ctx.be = counts, trans_w, recipe, key, be
+        ctx.has_bias, ctx.tensor_mode, ctx.x_dtype = bias_EN is not None, tensor_mode, x_SD.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g_SN):
+        *xs_t, w, x_scale, w_scale = ctx.saved_tensors
+        recipe, counts, key, trans_w = ctx.recipe, ctx.counts, ctx.key, ctx.trans_w
+        mm, wgrad = BACKENDS[ctx.be]
+        g_SN = g_SN.contiguous()
+        gq = quantize_operand(recipe, g_SN, "g", 1, key=key)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            ws = w_scale if ctx.tensor_mode else None
+            wq = quantize_operand(recipe, w, "w", 1 if trans_w else 2, key=key, scale=ws)
+            gx = mm(gq, wq, counts, not trans_w, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            xs = load_q(xs_t, ctx.x_meta)
+            if not isinstance(xs, QTensor):
+                xsc = x_scale if ctx.tensor_mode else None
+                xs = quantize_operand(recipe, xs, "x", 0, key=key, counts=counts, scale=xsc)
+            gs = (
+                gq
+                if ctx.tensor_mode
+                else quantize_operand(recipe, g_SN, "g", 0, key=key, counts=counts)
+            )
+            gw = wgrad(gs, xs, counts, w.dtype) if trans_w else wgrad(xs, gs, counts, w.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = _group_sum(g_SN, counts)
+        return gx, gw, gb, None, None, None, None
+
+
+def quantized_grouped_gemm(x_SD, w, counts, bias_EN, trans_w, recipe, key=None):
+    """The grouped GEMM of `ops.grouped_gemm` computed in the recipe's format.
+
+    key: the tensor that owns delayed-scaling state (default: w itself; a converted
+    Linear passes its weight parameter since w is then a fresh view)."""
+    counts = [int(c) for c in counts]
+    return _QGroupedGemm.apply(x_SD, w, bias_EN, counts, trans_w, recipe, w if key is None else key)

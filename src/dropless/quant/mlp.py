@@ -1,0 +1,271 @@
+"""The fused GroupedMLP step under a recipe, and FP8 saved activations.
+
+One autograd Function owns gate/up GEMM -> SwiGLU x prob -> down GEMM, so the
+SwiGLU, the routing-weight scaling and the quantization of its output (the down
+GEMM's input) happen in one pass (`swiglu_quant`: a Triton kernel on CUDA for MXFP8
+and delayed scaling, the torch path otherwise), and the Function decides what is kept
+for backward:
+
+- fp8_saved_activations=False: x and h = x @ gate_up^T in full precision;
+- fp8_saved_activations=True: h in FP8 (E4M3, one scale per row) and x as the FP8 operand of its weight gradient (or,
+  given x_TD and token_S, x_TD itself, which the caller holds anyway). The SwiGLU
+  backward then reads the dequantized h.
+
+Either way the SwiGLU output is recomputed from the kept h in backward and quantized
+for the down weight gradient (with full-precision h it is bit-identical to forward).
+
+gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
+"""
+
+# S rows (sorted pairs), D model dim, F expert hidden dim, E experts
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import torch
+
+from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
+from ..ops.permute import gather_sum, permute, unpermute
+from ..ops.swiglu import swiglu
+from .formats import QTensor, quantize_current
+from .gemm import (
+    BACKENDS,
+    delayed_state,
+    load_q,
+    pick_backend,
+    quantize_operand,
+    save_q,
+    scaling_mode,
+)
+
+
+def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
+    gate, up = h_S2F.float().chunk(2, dim=-1)
+    a = torch.nn.functional.silu(gate) * up
+    return a if prob_S is None else a * prob_S.float().unsqueeze(1)
+
+
+def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
+    gate, up = h_S2F.float().chunk(2, dim=-1)
+    g = g_SF.float()
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    grad_prob = None
+    if prob_S is not None:
+        if want_prob:
+            grad_prob = (g * silu * up).sum(-1).to(prob_S.dtype)
+        g = g * prob_S.float().unsqueeze(1)
+    grad_h = torch.cat([g * up * (sig * (1 + gate * (1 - sig))), g * silu], dim=-1)
+    return grad_h, grad_prob
+
+
+def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
+    """silu(gate) * up * prob quantized row-wise for the down GEMM, in one pass where a
+    kernel exists (CUDA + triton, MXFP8 or delayed scaling), else in torch."""
+    mode = scaling_mode(recipe)
+    fused = (
+        h_S2F.is_cuda and recipe.fwd_format == "e4m3" and (mode == "mx" or recipe.kind == "delayed")
+    )
+    if fused and importlib.util.find_spec("triton") is not None:
+        from .triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
+
+        if mode == "mx":
+            return swiglu_quant_mx(
+                h_S2F, prob_S, fmt=recipe.fwd_format, scale_rule=recipe.scale_rule
+            )
+        # delayed scaling knows its scale before the pass; the amax is recorded after
+        st = delayed_state(recipe, key, "x", h_S2F.new_zeros((), dtype=torch.float32))
+        q, a_amax = swiglu_quant_scaled(h_S2F, prob_S, recipe.fwd_format, st.scale)
+        st.use_and_update(a_amax, recipe, recipe.fwd_format)
+        return q
+    return quantize_operand(recipe, _swiglu_f32(h_S2F, prob_S), "x", 1, key=key)
+
+
+def permute_rows(x_TD, token_S, slot_TK):
+    return permute(x_TD, SimpleNamespace(token_S=token_S, slot_TK=slot_TK))
+
+
+def combine_rows(y_SD, token_S, slot_TK):
+    return unpermute(y_SD, SimpleNamespace(token_S=token_S, slot_TK=slot_TK))
+
+
+def _store_h(h_S2F) -> QTensor:
+    # storage only (no GEMM reads it): E4M3 with one fp32 scale per row, 4 bytes per
+    # 2F values, for every recipe
+    return quantize_current(h_S2F, "e4m3", dims=1)
+
+
+class _QGroupedMLP(torch.autograd.Function):
+    """x is x_SD (rows in expert order) or, with token_S/slot_TK, x_TD: then the rows are
+    gathered here (and again in backward, so only x_TD, which the caller holds anyway,
+    is kept) and the output is combined back to [num_out, D]."""
+
+    @staticmethod
+    def forward(ctx, x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, trans_w, recipe):
+        be = pick_backend(recipe, x)
+        mm, _ = BACKENDS[be]
+        tensor_mode = scaling_mode(recipe) == "tensor"
+        fwd_red, _ = (2, 1) if trans_w else (1, 2)
+        x_SD = x if token_S is None else x.index_select(0, token_S)
+        xq = quantize_operand(recipe, x_SD, "x", 1, key=gate_up)
+        w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
+        h = mm(xq, w1q, counts, trans_w, x.dtype)
+        if b1 is not None:
+            h = h + _expand_bias(b1, counts).to(h.dtype)
+        aq = swiglu_quant(h, prob_S, recipe, down)
+        w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
+        y = mm(aq, w2q, counts, trans_w, x.dtype)
+        if b2 is not None:
+            b = _expand_bias(b2, counts)
+            y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
+        saved: list = []
+        if recipe.fp8_saved_activations:
+            if token_S is not None:  # x_TD is the caller's: keep it, re-gather in backward
+                x_meta = save_q(saved, None, x)
+            elif tensor_mode:
+                x_meta = save_q(saved, xq, None)
+            else:
+                x_meta = save_q(
+                    saved, quantize_operand(recipe, x, "x", 0, key=gate_up, counts=counts), None
+                )
+            h_meta = save_q(saved, _store_h(h), None)
+        else:
+            x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
+        none = x.new_empty(0)
+        opt = [t if t is not None else none for t in (prob_S, b2, token_S, slot_TK)]
+        scales = [xq.scale, w1q.scale, aq.scale, w2q.scale] if tensor_mode else [none] * 4
+        ctx.save_for_backward(*saved, *opt, gate_up, down, *scales)
+        ctx.metas, ctx.counts, ctx.trans_w, ctx.recipe, ctx.be = (
+            (x_meta, h_meta),
+            counts,
+            trans_w,
+            recipe,
+            be,
+        )
+        ctx.flags = (
+            prob_S is not None,
+            b1 is not None,
+            b2 is not None,
+            token_S is not None,
+            tensor_mode,
+        )
+        if token_S is not None:
+            return gather_sum(y, slot_TK)
+        return y
+
+    @staticmethod
+    def backward(ctx, g_out):
+        t = ctx.saved_tensors
+        x_s, h_s = load_q(t[0:3], ctx.metas[0]), load_q(t[3:6], ctx.metas[1])
+        prob, b2, token_S, slot_TK, gate_up, down, x_scale, w1_scale, a_scale, w2_scale = t[6:]
+        has_prob, has_b1, has_b2, gathered, tensor_mode = ctx.flags
+        prob = prob if has_prob else None
+        recipe, counts, trans_w = ctx.recipe, ctx.counts, ctx.trans_w
+        bwd_red = 1 if trans_w else 2
+        mm, wgrad = BACKENDS[ctx.be]
+        g_SD = g_out.contiguous()
+        if gathered:
+            g_SD = g_SD.index_select(0, token_S)
+            x_dtype = x_s.dtype
+        else:
+            x_dtype = g_SD.dtype
+        h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
+
+        def ts(s):  # per-tensor scales are reused; other modes requantize
+            return s if tensor_mode else None
+
+        def wg(gq_S, aq_S, dtype):
+            return wgrad(gq_S, aq_S, counts, dtype) if trans_w else wgrad(aq_S, gq_S, counts, dtype)
+
+        def col(t_, role, key, scale=None):
+            return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
+
+        # down projection; its input (SwiGLU x prob) is recomputed from the kept h
+        gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
+        w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
+        da = mm(gq, w2q, counts, not trans_w, torch.float32)
+        a_S = col(_swiglu_f32(h, prob), "x", down, ts(a_scale))
+        g_S = gq if tensor_mode else col(g_SD, "g", down)
+        d_down = wg(g_S, a_S, down.dtype)
+        # SwiGLU x prob
+        dh, dprob = _swiglu_backward(h, prob, da, ctx.needs_input_grad[1])
+        dh = dh.to(x_dtype)
+        db2 = None
+        if has_b2:
+            db2 = _group_sum(
+                g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts
+            )
+            if prob is not None and ctx.needs_input_grad[1]:
+                b_SD = _expand_bias(b2, counts).float()
+                dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
+        # gate/up projection
+        dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
+        w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=ts(w1_scale))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
+            if gathered:
+                dx = gather_sum(dx, slot_TK)
+        if not isinstance(x_s, QTensor):
+            x_SD = x_s.index_select(0, token_S) if gathered else x_s
+            x_s = col(x_SD, "x", gate_up, ts(x_scale))
+        dh_S = dhq if tensor_mode else col(dh, "g", gate_up)
+        d_gate_up = wg(dh_S, x_s, gate_up.dtype)
+        db1 = _group_sum(dh, counts) if has_b1 else None
+        return dx, dprob, d_gate_up, d_down, db1, db2, None, None, None, None, None
+
+
+def quantized_grouped_mlp(
+    x,
+    counts,
+    prob_S,
+    gate_up,
+    down,
+    *,
+    gate_up_bias=None,
+    down_bias=None,
+    activation="swiglu",
+    interleaved=False,
+    trans_w=True,
+    alpha=1.702,
+    limit=7.0,
+    backend=None,
+    recipe=None,
+    token_S=None,
+    slot_TK=None,
+    num_out=None,
+):
+    """`ops.grouped_mlp` under a recipe (registered with `register_recipe_mlp`).
+
+    x is x_SD (rows sorted by expert); or, with token_S and slot_TK from SortedPairs,
+    x_TD, and the result is the combined out [T, D] (only x_TD is then kept for the
+    backward: the gathered rows are not). `backend` (a full-precision GEMM backend
+    name) is ignored: the recipe's `backend` chooses.
+    """
+    if recipe is None:
+        raise ValueError("quantized_grouped_mlp needs recipe=; use dropless.autocast(recipe=...)")
+    counts = [int(c) for c in counts]
+    if (token_S is None) != (slot_TK is None):
+        raise ValueError("token_S and slot_TK go together (both from SortedPairs) or not at all")
+    if token_S is not None and num_out is not None and num_out != x.shape[0]:
+        raise ValueError(f"num_out={num_out} must equal x_TD.shape[0]={x.shape[0]}")
+    if activation != "swiglu" or interleaved:
+        x_SD = x if token_S is None else permute_rows(x, token_S, slot_TK)
+        h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w)
+        a = swiglu(
+            h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit
+        )
+        y = grouped_gemm(a, down, counts, None, trans_w=trans_w)
+        if down_bias is not None:
+            b = _expand_bias(down_bias, counts)
+            y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype))
+        return y if token_S is None else combine_rows(y, token_S, slot_TK)
+    return _QGroupedMLP.apply(
+        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, trans_w, recipe
+    )
+
+
+# tells `ops.expert_mlp` it may pass x_TD with token_S / slot_TK / num_out
+quantized_grouped_mlp.takes_tokens = True

@@ -1,0 +1,20 @@
+"""`dropless train`: configuration, data, model building, the training loop, metrics,
+plots and checkpoints.
+
+    from dropless.train import load_config, train
+    summary = train(load_config("run.toml", ["train.steps=100"]), run_dir="runs/mine")
+
+Heavy dependencies (transformers, tokenizers, tensorboard, matplotlib) are imported
+when a run needs them; install them with `pip install 'dropless[train]'`.
+"""
+
+from .config import Config, dump_config, known_keys, load_config
+
+__all__ = ["Config", "dump_config", "known_keys", "load_config", "train"]
+
+
+def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict:
+    """Run a training job (see `dropless.train.trainer.train`); returns the summary dict."""
+    from .trainer import train as _train
+
+    return _train(cfg, run_dir=run_dir, resume=resume)

@@ -1,0 +1,317 @@
+"""Training configuration: nested dataclasses, TOML files and `--set KEY=VALUE` overrides.
+
+    cfg = load_config("run.toml", ["train.steps=100", "optim.lr=3e-4"])
+    dump_config(cfg, run_dir / "config.toml")
+
+Every section validates itself in `__post_init__` and raises `ValueError` naming the
+field, the value and what is allowed. An unknown key is an error that suggests the
+closest known one. The defaults are the `dropless train` demo run (see `recipes.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RECIPES = ("none", "delayed", "current", "mxfp8")
+DTYPES = ("auto", "fp32", "bf16")
+SCHEDULES = ("cosine", "wsd", "constant")
+PROGRESS = ("auto", "rich", "plain", "none")
+IMPLEMENTATIONS = ("dropless", "stock")
+
+
+def _positive(section: str, **values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{section}.{name}={v!r}: must be an integer >= 1")
+
+
+def _non_negative(section: str, **values) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"{section}.{name}={v!r}: must be a number >= 0")
+
+
+def _choice(section: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{section}.{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
+
+
+@dataclass
+class ModelConfig:
+    """The model: a local HF checkpoint to fine-tune (`path`), a local HF config to train
+    from scratch (`config`), or (both empty) a Qwen3-MoE built from the fields below."""
+
+    path: str = ""
+    config: str = ""
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 256
+    vocab_size: int = 0  # 0: the tokenizer's vocabulary size
+    max_position_embeddings: int = 2048
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    implementation: str = "dropless"  # experts path: "dropless" (patched) or "stock" Transformers
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self):
+        if self.path and self.config:
+            raise ValueError("model.path and model.config are both set: give a checkpoint to fine-tune OR a config to train from scratch")
+        _positive(
+            "model", hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_experts=self.num_experts,
+            top_k=self.top_k, moe_intermediate_size=self.moe_intermediate_size,
+            max_position_embeddings=self.max_position_embeddings,
+        )  # fmt: skip
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}")
+        _non_negative("model", vocab_size=self.vocab_size, init_std=self.init_std)
+        _choice("model", "implementation", self.implementation, IMPLEMENTATIONS)
+
+
+@dataclass
+class DataConfig:
+    """Text data. `path` empty: the embedded corpus (this Python's standard library
+    sources). Otherwise .txt/.jsonl/.parquet files or a directory of them."""
+
+    path: str = ""
+    eval_path: str = ""  # empty: hold out `eval_fraction` of the documents
+    text_field: str = "text"  # for .jsonl / .parquet
+    eval_fraction: float = 0.05
+    max_bytes: int = 6_000_000  # cap on training text read (0: no cap)
+    eval_tokens: int = 16384  # held-out tokens scored at each log step
+    tokenizer: str = "bpe"  # "bpe" (trained on the data, cached in the run dir), "bytes", or a directory
+    bpe_vocab_size: int = 2048
+
+    def __post_init__(self):
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"data.eval_fraction={self.eval_fraction!r}: must be in (0, 1)")
+        _non_negative("data", max_bytes=self.max_bytes)
+        _positive("data", eval_tokens=self.eval_tokens)
+        if not isinstance(self.bpe_vocab_size, int) or self.bpe_vocab_size < 300:
+            raise ValueError(f"data.bpe_vocab_size={self.bpe_vocab_size!r}: must be an integer >= 300 (256 bytes + merges)")
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer is empty: use 'bpe', 'bytes' or a tokenizer directory")
+
+
+@dataclass
+class TrainSection:
+    """The loop. `batch_size` is the GLOBAL number of sequences per optimizer step, split
+    over processes and `grad_accum` micro-batches."""
+
+    steps: int = 300
+    seq_len: int = 256
+    batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 0
+    aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    z_loss_coef: float = 0.0  # router z-loss
+    expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
+    activation_checkpointing: bool = False
+
+    def __post_init__(self):
+        _positive("train", steps=self.steps, seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum)
+        _non_negative("train", seed=self.seed, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef, expert_bias_rate=self.expert_bias_rate)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay, WSD (warmup-stable-decay) or constant."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 30
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # WSD: share of the steps spent decaying
+    grad_clip: float = 1.0  # 0: off
+
+    def __post_init__(self):
+        _non_negative("optim", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, warmup_steps=self.warmup_steps, grad_clip=self.grad_clip)
+        for name in ("min_lr_ratio", "beta1", "beta2", "decay_fraction"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+                raise ValueError(f"optim.{name}={v!r}: must be in [0, 1]")
+        _choice("optim", "schedule", self.schedule, SCHEDULES)
+
+
+@dataclass
+class PrecisionConfig:
+    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs."""
+
+    dtype: str = "auto"
+    recipe: str = "none"
+
+    def __post_init__(self):
+        _choice("precision", "dtype", self.dtype, DTYPES)
+        _choice("precision", "recipe", self.recipe, RECIPES)
+
+
+@dataclass
+class ParallelConfig:
+    """Processes come from torchrun; all of them do data parallelism (replicated weights)."""
+
+    dp_shard: int = 1  # processes sharding parameters (FSDP2): arrives with the parallel issue
+    ep: int = 1  # expert-parallel degree: arrives with the expert-parallel issue
+
+    def __post_init__(self):
+        _positive("parallel", dp_shard=self.dp_shard, ep=self.ep)
+
+
+@dataclass
+class CheckpointConfig:
+    """A checkpoint every `every` steps (0: only at the end), keeping the last `keep`."""
+
+    every: int = 100
+    keep: int = 2
+
+    def __post_init__(self):
+        _non_negative("checkpoint", every=self.every)
+        _positive("checkpoint", keep=self.keep)
+
+
+@dataclass
+class LogConfig:
+    """Metrics (JSONL + TensorBoard) and a held-out evaluation every `every` steps."""
+
+    every: int = 25
+    tensorboard: bool = True
+    plots: bool = True
+    progress: str = "auto"  # "auto": a rich bar on a terminal, plain lines otherwise
+    peak_tflops: float = 0.0  # per process; 0: known GPU peak or a measured CPU matmul rate
+
+    def __post_init__(self):
+        _positive("log", every=self.every)
+        _non_negative("log", peak_tflops=self.peak_tflops)
+        _choice("log", "progress", self.progress, PROGRESS)
+
+
+@dataclass
+class Config:
+    """A whole run. Build one with `load_config` or `recipes.default()`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def known_keys() -> list[str]:
+    """Every settable key as "section.field"."""
+    return [f"{name}.{f.name}" for name, kind in _section_types().items() for f in dataclasses.fields(kind)]
+
+
+def _section_types() -> dict[str, type]:
+    return {s.name: type(getattr(Config(), s.name)) for s in dataclasses.fields(Config)}
+
+
+def _unknown(key: str) -> ValueError:
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known_keys())}"
+    return ValueError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    """Convert a TOML or command-line value to the type of the field's default."""
+    kind = type(default)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(f"{key}={value!r}: expected true or false")
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+        if kind is int:  # accept 1e5 or 100.0 for an int field when it is a whole number
+            try:
+                as_float = float(text)
+                if as_float.is_integer():
+                    return int(as_float)
+            except ValueError:
+                pass
+        raise ValueError(f"{key}={value!r}: expected a {kind.__name__}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is not type(value):
+        raise ValueError(f"{key}={value!r}: expected a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _apply(raw: dict[str, dict[str, Any]], key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    types_ = _section_types()
+    if section not in types_ or not name or name not in {f.name for f in dataclasses.fields(types_[section])}:
+        raise _unknown(key)
+    raw.setdefault(section, {})[name] = _coerce(key, value, getattr(types_[section](), name))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- TOML file at `path` (optional) <- `KEY=VALUE` overrides, validated."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist; pass a TOML file (see docs/train.md)")
+        try:
+            doc = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section, table in doc.items():
+            if not isinstance(table, dict):
+                raise _unknown(section)
+            for name, value in table.items():
+                _apply(raw, f"{section}.{name}", value)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
+        _apply(raw, key.strip(), value)
+    types_ = _section_types()
+    return Config(**{name: types_[name](**raw.get(name, {})) for name in types_})
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dump_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as TOML (every key, defaults included)."""
+    lines = ["# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`"]
+    for section, table in config_to_dict(cfg).items():
+        lines.append(f"\n[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    p = Path(path)
+    p.write_text("\n".join(lines) + "\n")
+    return p

@@ -1,0 +1,217 @@
+"""Training data: documents from files (or the embedded corpus), tokenized once into a
+flat token stream (cached in the run directory), cut into windows of seq_len + 1.
+
+The loader is addressed by a *global sample index*: sample i is window perm_e[i mod n]
+of epoch e = i // n (a seeded permutation per epoch). Step s, micro-batch a, process r
+of W take the samples s*B + (a*W + r)*b + j, j < b (B global batch, b = B/(W*A)). So a
+checkpoint stores one integer, and the same global batch gives the same micro-batches
+whatever the number of processes.
+"""
+
+# B sequences, L sequence length, N tokens
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def stdlib_files() -> list[Path]:
+    """This Python's standard library sources (no site-packages), sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    return sorted(files)
+
+
+def _split_key(name: str) -> float:
+    return (zlib.crc32(name.encode()) % 100_000) / 100_000
+
+
+def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list[str]]:
+    """Train/held-out documents from the standard library, split by file (hash of its
+    relative path) in a fixed pseudo-random file order; train text capped at `max_bytes`,
+    held-out text at `eval_fraction` of that (only the files needed are read)."""
+    files = stdlib_files()
+    if not files:
+        raise ValueError("the embedded corpus is empty: no standard-library .py files found via sysconfig; pass --set data.path=YOUR_DATA")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    held_cap = max_bytes * eval_fraction / (1 - eval_fraction) if max_bytes else 0
+    docs: dict[bool, list[str]] = {False: [], True: []}
+    size = {False: 0, True: 0}
+    cap = {False: max_bytes, True: held_cap}
+    for p in sorted(files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest()):
+        held = _split_key(str(p.relative_to(root))) < eval_fraction
+        if cap[held] and size[held] >= cap[held]:
+            if cap[not held] and size[not held] >= cap[not held]:
+                break
+            continue
+        text = p.read_text(encoding="utf-8", errors="replace")
+        docs[held].append(text)
+        size[held] += len(text)
+    return docs[False], docs[True]
+
+
+def _data_files(path: str, key: str) -> list[Path]:
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{key}={path!r} does not exist; pass a .txt/.jsonl/.parquet file or a directory of them")
+    if p.is_file():
+        if p.suffix not in SUFFIXES:
+            raise ValueError(f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}")
+        return [p]
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+    if not files:
+        raise ValueError(f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data")
+    return files
+
+
+def _read_file(f: Path, text_field: str) -> list[str]:
+    if f.suffix == ".txt":
+        return [f.read_text(encoding="utf-8", errors="replace")]
+    if f.suffix == ".jsonl":
+        docs = []
+        with f.open(encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if text_field not in row:
+                    raise ValueError(f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field")
+                docs.append(str(row[text_field]))
+        return docs
+    try:
+        import pyarrow.parquet as pq
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(f"reading {f} needs pyarrow: pip install pyarrow") from None
+    table = pq.read_table(f)
+    if text_field not in table.column_names:
+        raise ValueError(f"{f} has no column {text_field!r} (columns: {table.column_names}); set data.text_field")
+    return [str(t) for t in table.column(text_field).to_pylist() if t is not None]
+
+
+def read_documents(path: str, text_field: str, key: str = "data.path", max_bytes: int = 0) -> list[str]:
+    """Documents of a .txt (one per file) / .jsonl / .parquet file or directory of them."""
+    docs, size = [], 0
+    files = _data_files(path, key)
+    for f in files:
+        for d in _read_file(f, text_field):
+            docs.append(d)
+            size += len(d)
+        if max_bytes and size >= max_bytes:
+            break
+    if size == 0:
+        raise ValueError(f"{key}={path!r} holds no text (0 characters in {len(files)} file(s)); point it at non-empty data")
+    return docs
+
+
+def load_corpus(cfg) -> tuple[list[str], list[str]]:
+    """(train documents, held-out documents) for a DataConfig."""
+    if not cfg.path:
+        if cfg.eval_path:
+            raise ValueError("data.eval_path is set but data.path is empty: give both, or neither for the embedded corpus")
+        return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes)
+    docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes)
+    if cfg.eval_path:
+        return docs, read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path")
+    if len(docs) < 20:  # too few documents to hold some out: hold out the tail of the text
+        text = "\n".join(docs)
+        cut = int(len(text) * (1 - cfg.eval_fraction))
+        return [text[:cut]], [text[cut:]]
+    train, held = [], []
+    for i, d in enumerate(docs):
+        (held if _split_key(str(i)) < cfg.eval_fraction else train).append(d)
+    if not held:
+        held.append(train.pop())
+    return train, held
+
+
+def tokenize(tok, docs: list[str]) -> np.ndarray:
+    """One stream: the documents' tokens with EOS between them (when the tokenizer has one)."""
+    parts = []
+    for ids in tok.encode_batch(docs):
+        parts.append(np.asarray(ids, dtype=np.int32))
+        if tok.eos_id is not None:
+            parts.append(np.asarray([tok.eos_id], dtype=np.int32))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams (train, held-out), tokenized once and cached under `cache_dir`."""
+    key = json.dumps({"data": {k: getattr(cfg, k) for k in ("path", "eval_path", "text_field", "eval_fraction", "max_bytes")}, "tokenizer": cfg.tokenizer, "vocab": tok.vocab_size}, sort_keys=True)
+    meta = cache_dir / "meta.json"
+    if meta.is_file() and meta.read_text() == key:
+        return np.load(cache_dir / "train.npy"), np.load(cache_dir / "eval.npy")
+    train_docs, held_docs = docs_fn()
+    train, held = tokenize(tok, train_docs), tokenize(tok, held_docs)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    np.save(cache_dir / "train.npy", train)
+    np.save(cache_dir / "eval.npy", held)
+    meta.write_text(key)
+    return train, held
+
+
+class WindowSampler:
+    """Sample index -> a window of L + 1 tokens of the stream (inputs and shifted targets)."""
+
+    def __init__(self, tokens_N: np.ndarray, seq_len: int, seed: int):
+        self.tokens_N, self.seq_len, self.seed = tokens_N, seq_len, seed
+        self.num_windows = (len(tokens_N) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"the training data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; use more data or a shorter train.seq_len")
+        self._perm_epoch, self._perm = -1, None
+
+    def _window(self, i: int) -> int:
+        epoch, j = divmod(i, self.num_windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._perm_epoch = epoch
+        return int(self._perm[j])
+
+    def batch(self, indices) -> np.ndarray:
+        """int64 [B, L + 1] for the given global sample indices."""
+        L = self.seq_len
+        rows = [self.tokens_N[w * L : w * L + L + 1] for w in map(self._window, indices)]
+        return np.stack(rows).astype(np.int64)
+
+
+def micro_batch_indices(start: int, micro: int, rank: int, world: int, batch_size: int, grad_accum: int) -> range:
+    """Global sample indices of one process's micro-batch in the step whose first global
+    sample index is `start` (see the module docstring)."""
+    b = batch_size // (world * grad_accum)
+    first = start + (micro * world + rank) * b
+    return range(first, first + b)
+
+
+def eval_windows(tokens_N: np.ndarray, seq_len: int, max_tokens: int) -> np.ndarray:
+    """int64 [B, L + 1]: consecutive held-out windows covering up to `max_tokens` targets."""
+    n = min(max(1, max_tokens // seq_len), (len(tokens_N) - 1) // seq_len)
+    if n < 1:
+        raise ValueError(f"the held-out data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; give more held-out text (data.eval_path / data.eval_fraction) or a shorter train.seq_len")
+    return np.stack([tokens_N[w * seq_len : w * seq_len + seq_len + 1] for w in range(n)]).astype(np.int64)
+
+
+def byte_counts(tok, tokens_N: np.ndarray) -> np.ndarray:
+    """float64 [256]: how often each byte value occurs in the text behind `tokens_N`."""
+    V = tok.vocab_size
+    hist_V256 = np.zeros((V, 256), dtype=np.float64)
+    for i in range(V):
+        b = tok.token_bytes([i])
+        if b:
+            hist_V256[i] = np.bincount(np.frombuffer(b, dtype=np.uint8), minlength=256)
+    return np.bincount(tokens_N, minlength=V)[:V].astype(np.float64) @ hist_V256
+
+
+def unigram_bits_per_byte(train_counts_256: np.ndarray, eval_bytes: bytes) -> float:
+    """Cross-entropy (bits/byte) on `eval_bytes` of a byte-frequency model fit on the
+    training text's byte counts with add-one smoothing: the baseline a model must beat."""
+    counts = train_counts_256 + 1.0
+    logp = np.log2(counts / counts.sum())
+    ev = np.frombuffer(eval_bytes, dtype=np.uint8)
+    return float(-logp[ev].mean()) if len(ev) else float("nan")

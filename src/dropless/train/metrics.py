@@ -1,0 +1,139 @@
+"""Run metrics: peak FLOP/s for MFU, memory, expert-load figures, the JSONL + TensorBoard
+writer and the live progress display."""
+
+# L MoE layers, E experts
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
+GPU_PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def measure_cpu_tflops(seconds: float = 0.3, n: int = 512) -> float:
+    """fp32 matmul rate of this process on this CPU (best of a short loop), TFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t))
+    return best / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[float, str]:
+    """(peak TFLOP/s of one process, where it came from) for MFU."""
+    if user > 0:
+        return user, "log.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, bf16 in GPU_PEAK_BF16_TFLOPS.items():
+            if key in name:
+                peak = bf16 if dtype == torch.bfloat16 else bf16 / 2
+                return peak, f"{key} dense {'bf16' if dtype == torch.bfloat16 else 'tf32'} spec"
+        return float("nan"), f"unknown GPU {name!r}: set log.peak_tflops"
+    return measure_cpu_tflops(), "measured fp32 matmul on this CPU"
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    from ..bench.common import peak_rss_mib
+
+    return peak_rss_mib()
+
+
+def load_stats(counts_LE: torch.Tensor) -> dict:
+    """Per-layer max/mean load (1.0 = perfectly balanced) and the worst layer's."""
+    c = counts_LE.double()
+    mean = c.mean(1).clamp_min(1e-9)
+    ratio = (c.max(1).values / mean).tolist()
+    return {"max_mean_load": max(ratio), "max_mean_load_per_layer": ratio}
+
+
+class MetricsWriter:
+    """metrics.jsonl (one record per log step) and TensorBoard scalars, on rank 0."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None):
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.is_file():  # drop records past the checkpoint; they are redone
+            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(x + "\n" for x in keep))
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ModuleNotFoundError:
+                raise ModuleNotFoundError("log.tensorboard=true needs tensorboard: pip install 'dropless[train]' (or --set log.tensorboard=false)") from None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+            for i, r in enumerate(record.get("max_mean_load_per_layer", [])):
+                self.tb.add_scalar(f"load/max_mean_layer{i}", r, record["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A rich progress bar on a terminal (step, loss, tokens/s, MFU, ETA), else plain lines."""
+
+    def __init__(self, mode: str, total: int, start: int, enabled: bool):
+        self.enabled = enabled and mode != "none"
+        self.rich = self.enabled and (mode == "rich" or (mode == "auto" and sys.stderr.isatty()))
+        self.total, self.bar = total, None
+        if self.rich:
+            try:
+                from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            except ModuleNotFoundError:
+                self.rich = False
+            else:
+                self.bar = RichProgress(
+                    TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                    TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  MFU {task.fields[mfu]}"),
+                    TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+                )  # fmt: skip
+                self.bar.start()
+                self.task = self.bar.add_task("train", total=total, completed=start, loss="-", tps="-", mfu="-")
+
+    def update(self, step: int, loss: float, tps: float, mfu: float, eta_s: float) -> None:
+        if self.bar is not None:
+            mfu_s = f"{mfu:.1%}" if math.isfinite(mfu) else "n/a"
+            self.bar.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}", mfu=mfu_s)
+
+    def line(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()

@@ -1,0 +1,157 @@
+"""Building the model: a local Hugging Face checkpoint, a local config, or the built-in
+Qwen3-MoE from `ModelConfig`, switched to the dropless experts path, plus the FLOP
+count per step that the metrics use and the one place precision recipes plug in.
+"""
+
+# T tokens, L sequence length, E experts, K top-k
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def require_transformers():
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("dropless train needs transformers: pip install 'dropless[train]'") from None
+    return transformers
+
+
+def _hf():
+    """dropless.hf (the Transformers integration)."""
+    from .. import hf
+
+    return hf
+
+
+def _config_dir(path: str, key: str) -> Path:
+    p = Path(path)
+    if p.is_file() and p.name.endswith(".json"):
+        return p
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise ValueError(f"{key}={path!r}: expected a local Hugging Face directory with config.json (no downloads are made)")
+    return p
+
+
+def hf_config(mcfg, vocab_size: int):
+    """The Transformers config the model will be built from (weights are not read)."""
+    transformers = require_transformers()
+    if mcfg.path or mcfg.config:
+        key, path = ("model.path", mcfg.path) if mcfg.path else ("model.config", mcfg.config)
+        p = _config_dir(path, key)
+        if p.is_file():
+            d = json.loads(p.read_text())
+            return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+        return transformers.AutoConfig.from_pretrained(p, local_files_only=True)
+    v = mcfg.vocab_size or (-(-vocab_size // 64) * 64)  # pad to a multiple of 64
+    return transformers.Qwen3MoeConfig(
+        vocab_size=v, hidden_size=mcfg.hidden_size, intermediate_size=2 * mcfg.moe_intermediate_size,
+        moe_intermediate_size=mcfg.moe_intermediate_size, num_hidden_layers=mcfg.num_layers,
+        num_attention_heads=mcfg.num_heads, num_key_value_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+        num_experts=mcfg.num_experts, num_experts_per_tok=mcfg.top_k, norm_topk_prob=True,
+        decoder_sparse_step=1, max_position_embeddings=mcfg.max_position_embeddings,
+        tie_word_embeddings=mcfg.tie_embeddings, initializer_range=mcfg.init_std,
+        router_aux_loss_coef=0.0, use_cache=False,
+    )  # fmt: skip
+
+
+def check_compatible(config, tok_vocab: int, seq_len: int) -> None:
+    """Fail fast on a tokenizer the model cannot embed or a sequence it cannot position."""
+    v = getattr(config, "vocab_size", None)
+    if v is not None and tok_vocab > v:
+        raise ValueError(
+            f"tokenizer/model vocabulary mismatch: the tokenizer has {tok_vocab} tokens but the model's "
+            f"vocab_size is {v}; use the tokenizer the model was trained with (data.tokenizer=DIR) or a model with vocab_size >= {tok_vocab}"
+        )
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise ValueError(f"train.seq_len={seq_len} is above the model's maximum sequence length (max_position_embeddings={max_pos}); lower train.seq_len")
+
+
+def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Module:
+    """The causal LM on `device` in fp32, patched to dropless unless implementation="stock"."""
+    transformers = require_transformers()
+    torch.manual_seed(seed)
+    kw = dict(attn_implementation=mcfg.attn_implementation, dtype=torch.float32)
+    if mcfg.path:
+        model = transformers.AutoModelForCausalLM.from_pretrained(mcfg.path, local_files_only=True, **kw)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, **kw)
+    model.to(device)
+    if mcfg.implementation == "dropless":
+        _hf().patch_model(model, expert_bias=expert_bias)
+    elif expert_bias:
+        raise ValueError("train.expert_bias_rate > 0 needs model.implementation='dropless' (the stock router has no expert bias)")
+    if not _hf().moe_layers(model):
+        raise ValueError(f"{type(model).__name__} has no Mixture-of-Experts layers; dropless train needs a MoE model")
+    model.config.use_cache = False
+    return model
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def recipe_context(name: str):
+    """A factory of the context to run forward in for `precision.recipe` (the FP8 hook).
+
+    "none" needs nothing; the others come from `dropless.quant` when it is installed and
+    are a clear error until then (checked at startup, before any long work).
+    """
+    if name == "none":
+        return _nothing
+    try:
+        from ..quant import autocast, recipe_from_name
+    except ImportError:
+        raise ValueError(
+            f"precision.recipe={name!r} is not available yet in this version (it arrives with the FP8 "
+            "issue: dropless.quant.recipe_from_name); use precision.recipe=none"
+        ) from None
+    recipe = recipe_from_name(name)
+    return lambda: autocast(recipe=recipe)
+
+
+@dataclass
+class FlopCounter:
+    """Training FLOPs of one step from the tokens actually routed (formula in docs/train.md).
+
+    forward = 2 * T * dense + 2 * P * expert + attention, training = 3 * forward, where
+    dense counts the weights every token multiplies (attention projections, routers, dense
+    or shared MLPs, LM head), expert the weights of one expert (gate_up + down), P the
+    (token, expert) pairs computed over all MoE layers, and attention (causal) is
+    2 * L^2 * H * head_dim per sequence and layer (QK^T and AV, half the square each).
+    """
+
+    dense_params: int
+    expert_params: int
+    attn_per_seq_l2: float  # multiply by L^2 per sequence
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> FlopCounter:
+        layers = _hf().moe_layers(model)
+        expert_mods = {id(layer.experts) for layer in layers}
+        dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        dense += sum(
+            layer.router.weight.numel() for layer in layers if layer.router is not None and not isinstance(layer.router, nn.Linear)
+        )
+        ex = layers[0].experts
+        expert = sum(p[0].numel() for n, p in ex.named_parameters(recurse=False) if p.dim() == 3)
+        assert len(expert_mods) == len(layers)
+        c = model.config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return cls(dense, expert, 2.0 * heads * head_dim * c.num_hidden_layers)
+
+    def step_flops(self, sequences: int, seq_len: int, routed_pairs: int) -> float:
+        tokens = sequences * seq_len
+        fwd = 2.0 * tokens * self.dense_params + 2.0 * routed_pairs * self.expert_params
+        fwd += sequences * self.attn_per_seq_l2 * seq_len * seq_len
+        return 3.0 * fwd

@@ -1,0 +1,56 @@
+"""End of a run: plots, summary.json and the summary table with the paths."""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return format(v, spec)
+
+
+def finish_report(trainer, summary: dict, records: list[dict]) -> None:
+    """Write plots and summary.json into the run directory and print the table (rank 0)."""
+    run_dir = trainer.run_dir
+    if trainer.cfg.log.plots:
+        from .plots import plot_expert_load, plot_losses
+
+        summary["plot_loss"] = str(plot_losses(records, run_dir / "loss.png"))
+        load = plot_expert_load(records, run_dir / "expert_load.png")
+        summary["plot_expert_load"] = str(load) if load else None
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if trainer.cfg.log.progress == "none":
+        return
+    s = summary
+    ratio = s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
+    rows = [
+        ("steps", f"{s['steps']}"),
+        ("wall time", f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s)"),
+        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process"),
+        ("MFU", f"{_fmt(s['mfu'], '.1%')} of {s['peak_tflops'] * 1e3:.1f} GFLOP/s ({s['peak_source']})"),
+        ("held-out bits/byte", f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram byte model {_fmt(s['unigram_bpb'], '.3f')})"),
+        ("loss", f"train {_fmt(s['final_loss'], '.4f')}, held-out {_fmt(s['final_eval_loss'], '.4f')} nats/token"),
+        ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, dropped 0"),
+        ("peak memory", f"{s['peak_memory_mib']:,.0f} MiB"),
+    ]
+    paths = [("run dir", s["run_dir"]), ("checkpoint", s["checkpoint"]), ("metrics", s["metrics"]), ("config", s["config"])]
+    paths += [(k, s[v]) for k, v in (("tensorboard", "tensorboard"), ("loss plot", "plot_loss"), ("load plot", "plot_expert_load")) if s.get(v)]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ModuleNotFoundError:
+        for k, v in rows + paths:
+            print(f"{k:>20}  {v}")
+        return
+    table = Table(title="dropless train: summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows:
+        table.add_row(k, v)
+    table.add_section()
+    for k, v in paths:
+        table.add_row(k, v)
+    Console().print(table)

@@ -1,0 +1,169 @@
+"""Tokenizers for training: plain bytes, or a byte-level BPE (the `tokenizers` library)
+trained on the run's data and cached in the run directory, or one loaded from a directory.
+
+Each knows how many raw bytes every token stands for (`nbytes_V`), so held-out loss can
+be reported in bits per byte whatever the vocabulary.
+"""
+
+# V vocabulary
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+EOS = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _require_tokenizers():
+    try:
+        import tokenizers
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "the BPE tokenizer needs the `tokenizers` package: pip install 'dropless[train]' "
+            "(or use --set data.tokenizer=bytes)"
+        ) from None
+    return tokenizers
+
+
+@lru_cache(maxsize=1)
+def _byte_of_char() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode table that ByteLevel pre-tokenizers use."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are the tokens 0..255; 256 separates documents (EOS)."""
+
+    kind = "bytes"
+    vocab_size = 257
+    eos_id = 256
+
+    def __init__(self):
+        self.nbytes_V = np.ones(self.vocab_size, dtype=np.int64)
+        self.nbytes_V[self.eos_id] = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        return bytes(i for i in ids if i < 256)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.token_bytes(ids).decode("utf-8", errors="replace")
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "bytes").write_text("byte tokenizer: ids 0..255 are bytes, 256 is EOS\n")
+
+
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` (tokenizer.json), e.g. the byte-level BPE trained here."""
+
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.vocab_size = tok.get_vocab_size()
+        eos = tok.token_to_id(EOS)
+        self.eos_id = eos if eos is not None else None
+        self._byte_level = _is_byte_level(tok)
+        self.nbytes_V = np.array([len(self._bytes_of(i)) for i in range(self.vocab_size)], dtype=np.int64)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> HFTokenizer:
+        path = Path(directory) / TOKENIZER_FILE
+        if not path.is_file():
+            raise ValueError(f"tokenizer directory {str(directory)!r} has no {TOKENIZER_FILE}; pass a directory saved by a Hugging Face fast tokenizer")
+        return cls(_require_tokenizers().Tokenizer.from_file(str(path)))
+
+    @classmethod
+    def train_bpe(cls, texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+        tk = _require_tokenizers()
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+            initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        )  # fmt: skip
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    def _bytes_of(self, i: int) -> bytes:
+        token = self.tok.id_to_token(i)
+        if token is None or token == EOS:
+            return b""
+        if self._byte_level:
+            table = _byte_of_char()
+            if all(c in table for c in token):
+                return bytes(table[c] for c in token)
+        return self.tok.decode([i], skip_special_tokens=True).encode("utf-8")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def token_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(self._bytes_of(int(i)) for i in ids)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(Path(directory) / TOKENIZER_FILE))
+
+
+def _is_byte_level(tok) -> bool:
+    text = tok.to_str()
+    return '"ByteLevel"' in text
+
+
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer saved in `directory` (a run's `tokenizer/` folder or a HF tokenizer dir)."""
+    d = Path(directory)
+    if (d / "bytes").is_file():
+        return ByteTokenizer()
+    return HFTokenizer.from_dir(d)
+
+
+def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
+    """The run's tokenizer: "bytes", "bpe" (trained on `texts()` once, then cached in
+    `run_tok_dir`) or a directory to load (copied into `run_tok_dir`)."""
+    if spec == "bytes":
+        tok = ByteTokenizer()
+    elif spec == "bpe":
+        if (run_tok_dir / TOKENIZER_FILE).is_file():
+            return HFTokenizer.from_dir(run_tok_dir)
+        tok = HFTokenizer.train_bpe(texts(), bpe_vocab_size)
+    else:
+        src = Path(spec)
+        if not src.is_dir():
+            raise ValueError(f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory")
+        tok = HFTokenizer.from_dir(src)
+        run_tok_dir.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file() and f.name.endswith((".json", ".txt", ".model")):
+                shutil.copy2(f, run_tok_dir / f.name)
+        return tok
+    tok.save(run_tok_dir)
+    return tok

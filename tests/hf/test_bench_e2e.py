@@ -1,0 +1,47 @@
+"""`dropless bench e2e` pieces in-process at the --quick shape (the CLI runs them in children)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dropless.bench import e2e
+
+
+def test_child_runs_each_implementation_with_the_same_first_loss():
+    outs = {
+        impl: e2e.child({"shape": e2e.QUICK, "impl": impl, "steps": 1, "memory": False})
+        for impl in ("grouped_mm", "dropless")
+    }
+    assert outs["dropless"]["dropless_calls"] >= e2e.QUICK["num_hidden_layers"] * 2  # 2 steps
+    assert outs["grouped_mm"]["dropless_calls"] is None
+    assert outs["dropless"]["first_loss"] == pytest.approx(
+        outs["grouped_mm"]["first_loss"], rel=1e-5
+    )
+    assert all(o["tokens_per_s"] > 0 for o in outs.values())
+
+
+def test_table_and_bad_arguments():
+    rows = {
+        "grouped_mm": {
+            "tokens_per_s": 100.0,
+            "step_s": 2.0,
+            "peak_step_mib": 400.0,
+            "first_loss": 9.0,
+        },
+        "dropless": {
+            "tokens_per_s": 130.0,
+            "step_s": 1.5,
+            "peak_step_mib": 280.0,
+            "first_loss": 9.0,
+        },
+    }
+    table = e2e._table(rows, e2e.SHAPE, 3, 2)
+    assert "| 1.30x | 0.70x |" in table and "`grouped_mm` (default)" in table
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    with pytest.raises(ValueError, match="--impls"):
+        e2e.run(p.parse_args(["--impls", "grouped_mm,fast"]))
+    with pytest.raises(ValueError, match="--rounds"):
+        e2e.run(p.parse_args(["--rounds", "0"]))

@@ -1,0 +1,334 @@
+"""patch()/unpatch() exactness, loading (incl. the old per-expert key layout), fallback,
+bad input, moe_layers / tokens_per_expert, save_hf."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from families import build, clone_into, config
+
+import dropless
+import dropless.hf as dh
+
+
+def _ids(seed=1, B=2, L=7):
+    return torch.randint(2, 96, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+def _snapshot():
+    from transformers import PreTrainedModel
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    return (
+        dict(ExpertsInterface._global_mapping),
+        dict(ALL_EXPERTS_FUNCTIONS._local_mapping),
+        PreTrainedModel.__dict__["get_correct_experts_implementation"],
+    )
+
+
+def test_patch_makes_default_and_unpatch_restores_exactly():
+    import transformers as tf
+
+    stock_state = _snapshot()
+    assert "dropless" not in stock_state[0]
+    dropless.patch()
+    dropless.patch()  # idempotent
+    assert dh.is_patched() and _snapshot() != stock_state
+    during = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
+    assert during.get_experts_implementation() == {"": "dropless"}
+    explicit = tf.AutoModelForCausalLM.from_config(
+        config("qwen3_moe"), experts_implementation="eager"
+    )
+    assert explicit.get_experts_implementation() == {"": "eager"}  # an explicit choice wins
+    dense = tf.AutoModelForCausalLM.from_config(
+        tf.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    assert dense.get_experts_implementation()[""] != "dropless"  # non-MoE models untouched
+    dropless.unpatch()
+    assert _snapshot() == stock_state and not dh.is_patched()
+    assert during.get_experts_implementation() == {"": "grouped_mm"}  # live model switched back
+    after = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
+    assert after.get_experts_implementation() == {"": "grouped_mm"}
+    with torch.no_grad():
+        during(_ids())  # runs on the stock path again
+    dropless.unpatch()  # a second unpatch is a no-op
+    assert _snapshot() == stock_state
+
+
+def test_patch_model_and_unpatch_model():
+    model = build("mixtral", "grouped_mm")
+    assert dropless.patch_model(model) is model
+    assert model.get_experts_implementation() == {"": "dropless"}
+    dh.unpatch_model(model)
+    assert model.get_experts_implementation() == {"": "grouped_mm"}
+
+
+def test_from_pretrained_with_dropless_after_patch(tmp_path):
+    import transformers as tf
+
+    stock = build("olmoe", "eager")
+    stock.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dropless"):  # not registered before patch()
+        tf.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="dropless")
+    dropless.patch()
+    for kwargs in ({"experts_implementation": "dropless"}, {}):
+        model = tf.AutoModelForCausalLM.from_pretrained(
+            tmp_path, attn_implementation="eager", **kwargs
+        )
+        assert model.get_experts_implementation() == {"": "dropless"}
+        before = dh.CALLS["olmoe"]
+        with torch.no_grad():
+            torch.testing.assert_close(
+                model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-5
+            )
+        assert dh.CALLS["olmoe"] - before == 2
+
+
+def _write_old_layout(model, out_dir, family):
+    """Save `model` with one tensor per expert and projection (pre-v5 key layout)."""
+    from safetensors.torch import save_file
+
+    old = {}
+    for key, t in model.state_dict().items():
+        if key.endswith("experts.gate_up_proj"):
+            F = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                if family == "mixtral":
+                    base = key.replace(
+                        ".mlp.experts.gate_up_proj", f".block_sparse_moe.experts.{e}"
+                    )
+                    old[f"{base}.w1.weight"] = t[e, :F].clone()
+                    old[f"{base}.w3.weight"] = t[e, F:].clone()
+                else:
+                    base = key.replace("experts.gate_up_proj", f"experts.{e}")
+                    old[f"{base}.gate_proj.weight"] = t[e, :F].clone()
+                    old[f"{base}.up_proj.weight"] = t[e, F:].clone()
+        elif key.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                if family == "mixtral":
+                    base = key.replace(".mlp.experts.down_proj", f".block_sparse_moe.experts.{e}")
+                    old[f"{base}.w2.weight"] = t[e].clone()
+                else:
+                    old[key.replace("experts.down_proj", f"experts.{e}.down_proj.weight")] = t[
+                        e
+                    ].clone()
+        elif family == "mixtral" and ".mlp.gate." in key:
+            old[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t.clone()
+        else:
+            old[key] = t.clone()
+    model.config.save_pretrained(out_dir)
+    save_file(old, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return old
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_old_per_expert_layout_loads(family, tmp_path):
+    import transformers as tf
+
+    stock = build(family, "eager")
+    old = _write_old_layout(stock, tmp_path, family)
+    assert any(".experts.0." in k for k in old) and not any("gate_up_proj" in k for k in old)
+    dropless.patch()
+    model, info = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.get_experts_implementation() == {"": "dropless"}
+    for key, t in stock.state_dict().items():
+        assert torch.equal(model.state_dict()[key], t), key
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-5)
+
+
+def _phimoe(**kw):
+    import transformers as tf
+
+    cfg = tf.PhimoeConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", **kw)
+
+
+def test_unsupported_family_falls_back_with_one_warning():
+    dropless.patch()
+    model = _phimoe()  # phimoe: experts interface, but routing dropless does not implement
+    assert model.get_experts_implementation() == {"": "dropless"}
+    stock = _phimoe(experts_implementation="grouped_mm")
+    stock.load_state_dict(model.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            out = model(_ids()).logits
+            model(_ids(seed=2))
+    ours = [w for w in caught if issubclass(w.category, dh.DroplessFallbackWarning)]
+    assert len(ours) == 1 and "phimoe" in str(ours[0].message), [str(w.message) for w in caught]
+    assert dh.CALLS["phimoe"] == 0
+    with torch.no_grad():
+        assert torch.equal(out, stock(_ids()).logits)  # exactly the stock grouped_mm path
+
+
+def test_bad_input_messages(monkeypatch):
+    import transformers as tf
+
+    dense = tf.AutoModelForCausalLM.from_config(
+        tf.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
+    with pytest.raises(ValueError, match="no Mixture-of-Experts layers"):
+        dropless.patch_model(dense)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        dropless.patch_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"'phimoe' is not supported.*Supported: qwen3_moe"):
+        dropless.patch_model(_phimoe())
+    dropless.patch()
+    with pytest.raises(ValueError, match=r"family 'phimoe'.*grouped_mm"):
+        _phimoe(experts_implementation="dropless")
+    with pytest.raises(ValueError, match="no Mixture-of-Experts"):
+        tf.AutoModelForCausalLM.from_config(
+            tf.LlamaConfig(
+                vocab_size=96,
+                hidden_size=32,
+                intermediate_size=48,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            ),
+            experts_implementation="dropless",
+        )
+    with pytest.raises(ValueError, match="expert_bias=True"):
+        from dropless.hf.routers import add_expert_bias
+
+        add_expert_bias(torch.nn.Linear(2, 2), "phimoe", 2)
+    dh.check_version("5.17.0")
+    dh.check_version("5.24.0.dev0")
+    for bad in ("4.57.1", "6.0.0", "5.16.2"):
+        with pytest.raises(ImportError, match=r"transformers>=5\.17,<6.*pip install"):
+            dh.check_version(bad)
+    dropless.unpatch()
+    monkeypatch.setattr(tf, "__version__", "4.57.1")
+    with pytest.raises(ImportError, match="4.57.1"):
+        dropless.patch()
+    assert not dh.is_patched()
+
+
+def test_moe_layers_and_tokens_per_expert():
+    model = build("glm4_moe", "eager")  # first_k_dense_replace=1: layer 0 dense, layer 1 MoE
+    dh.patch_model(model)
+    layers = dh.moe_layers(model)
+    assert [layer.name for layer in layers] == ["model.layers.1.mlp"]
+    layer = layers[0]
+    assert layer.router_name == "model.layers.1.mlp.gate" and layer.family == "glm4_moe"
+    assert layer.expert_bias is layer.router.e_score_correction_bias
+    assert layer.tokens_per_expert is None and dh.tokens_per_expert(model) is None
+    ids = _ids(B=2, L=7)
+    K = model.config.num_experts_per_tok
+    with torch.no_grad():
+        model(ids)
+        first = layer.tokens_per_expert.clone()
+        model(ids[:, :3])
+    assert int(first.sum()) == ids.numel() * K
+    assert int(layer.tokens_per_expert.sum()) == 6 * K  # the last forward only
+    total = dh.tokens_per_expert(model)  # summed since the last reset, then reset
+    assert total.shape == (1, 8) and int(total.sum()) == (14 + 6) * K
+    assert dh.tokens_per_expert(model) is None
+    gpt = build("gpt_oss", "eager")
+    assert [x.router_name for x in dh.moe_layers(gpt)] == [
+        "model.layers.0.mlp.router",
+        "model.layers.1.mlp.router",
+    ]
+
+
+def test_save_hf_drops_added_buffers(tmp_path):
+    import transformers as tf
+    from safetensors import safe_open
+
+    model = build("qwen2_moe", "eager")
+    dropless.patch_model(model, expert_bias=True)
+    assert dh.added_state_keys(model) == [
+        "model.layers.0.mlp.gate.expert_bias",
+        "model.layers.1.mlp.gate.expert_bias",
+    ]
+    assert (
+        "model.layers.0.mlp.gate.expert_bias" in model.state_dict()
+    )  # trainer checkpoints keep it
+    dh.save_hf(model, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if "expert_bias" in k]
+    assert "_experts_implementation" not in json.loads((tmp_path / "config.json").read_text())
+    dropless.unpatch()
+    assert not dh.added_state_keys(model)  # unpatch removed the buffers and router forwards
+    assert "forward" not in dh.moe_layers(model)[0].router.__dict__
+    stock, info = tf.AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert torch.equal(stock(_ids()).logits, model(_ids()).logits)
+
+
+def test_tracking_does_not_keep_models_alive():
+    import gc
+    import weakref
+
+    from dropless.hf import patching as patch_mod
+
+    dropless.patch()
+    model = clone_into(build("qwen3_moe", "eager"), None)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and all(m is not None for m in patch_mod._models.keys())
+
+
+def test_gradient_checkpointing_counts_tokens_once():
+    stock = build("qwen3_moe", "eager")
+    model = clone_into(stock, "eager")
+    dh.patch_model(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = _ids()
+    ref = stock(ids, labels=ids)
+    before = dh.CALLS["qwen3_moe"]
+    out = model(ids, labels=ids)
+    ref.loss.backward()
+    out.loss.backward()  # re-runs each layer's forward (and the experts) inside backward
+    assert dh.CALLS["qwen3_moe"] - before == 4  # 2 layers x (forward + recompute)
+    K = model.config.num_experts_per_tok
+    assert dh.tokens_per_expert(model).sum(1).tolist() == [ids.numel() * K] * 2
+    grads = dict(stock.named_parameters())
+    for name, p in model.named_parameters():
+        scale = float(grads[name].grad.abs().max())
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-5 * scale, msg=name)

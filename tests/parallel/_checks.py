@@ -1,0 +1,52 @@
+"""The checks each spawned group runs, by world size (one spawn per world size)."""
+
+from _checks_ckpt import ckpt_resume_w2, ckpt_save_w4  # noqa: F401
+from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
+    bad_mesh_in_group,
+    ep_bias_and_shared_expert,
+    ep_chunked_no_overlap,
+    ep_chunked_overlap,
+    ep_last_rank_receives_nothing,
+    ep_overlap_skewed,
+    ep_skewed_one_expert,
+    ep_uniform,
+)
+from _checks_fsdp import (  # noqa: F401
+    fsdp_only,
+    fsdp_x_ep,
+    fsdp_x_ep_full,
+    fsdp_x_ep_overlap,
+    hsdp_only,
+    hsdp_x_ep,
+)
+from _checks_hf import hf_ep_equals_single, hf_fsdp_x_ep_train  # noqa: F401
+
+CHECKS = {
+    2: [
+        "ep_uniform",
+        "ep_skewed_one_expert",
+        "ep_last_rank_receives_nothing",
+        "ep_bias_and_shared_expert",
+        "ep_chunked_no_overlap",
+        "ep_chunked_overlap",
+        "ep_overlap_skewed",
+        "bad_mesh_in_group",
+        "fsdp_only",
+        "fsdp_x_ep",
+        "fsdp_x_ep_overlap",
+        "hsdp_only",
+        "hf_ep_equals_single",
+        "hf_fsdp_x_ep_train",
+        "ckpt_resume_w2",
+    ],
+    4: [
+        "ep_uniform",
+        "ep_skewed_one_expert",
+        "ep_last_rank_receives_nothing",
+        "ep_chunked_overlap",
+        "fsdp_x_ep",
+        "fsdp_x_ep_full",
+        "hsdp_x_ep",
+        "ckpt_save_w4",
+    ],
+}

@@ -1,0 +1,74 @@
+"""Layout validation without processes: bad sizes give their messages up front."""
+
+import pytest
+
+from dropless.parallel import ParallelConfig, as_parallel_config, resolve_sizes
+
+
+@pytest.mark.parametrize(
+    "kw, world, experts, needle",
+    [
+        pytest.param(
+            dict(dp_replicate=3),
+            4,
+            8,
+            "does not divide the world size 4",
+            id="replicate_not_divisor",
+        ),
+        pytest.param(dict(dp_shard=3), 4, 8, "must equal the world size 4", id="product_not_world"),
+        pytest.param(dict(dp_replicate=2, dp_shard=4), 4, 8, "2 x 4 = 8", id="product_too_big"),
+        pytest.param(
+            dict(ep=3), 6, 8, "not divisible by parallel.ep=3", id="experts_not_divisible"
+        ),
+        pytest.param(
+            dict(ep=4, dp_replicate=2),
+            4,
+            8,
+            "must divide parallel.dp_shard=2",
+            id="ep_not_dividing_shard",
+        ),
+        pytest.param(dict(ep=4), 2, 8, "pick ep from [1, 2]", id="ep_bigger_than_world"),
+    ],
+)
+def test_bad_sizes(kw, world, experts, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        resolve_sizes(ParallelConfig(**kw), world, experts)
+    assert needle in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        pytest.param(dict(ep=0), "parallel.ep", id="ep_zero"),
+        pytest.param(dict(dp_shard=0), "parallel.dp_shard", id="shard_zero"),
+        pytest.param(dict(dp_replicate=-1), "parallel.dp_replicate", id="replicate_negative"),
+        pytest.param(dict(dispatcher="nccl"), "parallel.dispatcher", id="unknown_dispatcher"),
+        pytest.param(dict(overlap_chunks=0), "parallel.overlap_chunks", id="chunks_zero"),
+    ],
+)
+def test_bad_fields(kw, field):
+    with pytest.raises(ValueError) as e:
+        ParallelConfig(**kw)
+    assert field in str(e.value)
+
+
+def test_resolve_fills_shard_and_keeps_valid():
+    cfg = resolve_sizes(ParallelConfig(dp_replicate=2, ep=2), 8, 16)
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.ep) == (2, 4, 2)
+
+
+def test_as_parallel_config_accepts_sections():
+    class Run:
+        class parallel:  # noqa: N801  a config-like object with a .parallel section
+            dp_replicate, dp_shard, ep = 1, 4, 2
+
+    assert as_parallel_config(Run()).ep == 2
+    assert as_parallel_config({"ep": 2}).ep == 2
+    assert as_parallel_config(None).ep == 1
+
+
+def test_deepep_without_gpu_is_a_clear_error():
+    from dropless.parallel.dispatcher import raise_deepep_unavailable
+
+    with pytest.raises((ValueError, NotImplementedError), match="deepep"):
+        raise_deepep_unavailable()

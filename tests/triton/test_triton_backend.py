@@ -16,7 +16,7 @@ from dropless.ops import gemm_backends, grouped_gemm
 from dropless.ops.dispatch import pick_gemm_backend
 
 
-def test_import_and_cpu_use_do_not_import_triton(import_check):
+def test_runs_without_triton_and_loads_no_kernels_on_cpu(import_check):
     # checked first thing in the fresh child process of conftest.py (no second child)
     if import_check is not None:
         pytest.fail(import_check, pytrace=False)

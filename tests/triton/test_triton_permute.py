@@ -23,6 +23,7 @@ CASES = {
     "E_not_power_of_two_odd_D": (11, 2, 7, 33, "random"),
     "not_block_multiples": (19, 3, 5, 41, "random"),
     "capacity_dropped_pairs": (8, 2, 4, 20, "drop"),
+    "bf16_rows_fp32_weights": "bf16",
 }
 
 
@@ -40,11 +41,43 @@ def _routing(T, K, E, mode, gen):
     return ids_TK, keep_TK
 
 
+def _check_bf16(device: str) -> None:
+    """bf16 rows, fp32 routing weights: sums in fp32, one rounding to bf16 at the end."""
+    from dropless import kernels
+    from dropless.ops import sort_by_expert
+    from dropless.ops.reference import permute_reference, unpermute_reference
+
+    T, K, E, D = 9, 2, 4, 40
+    gen = torch.Generator().manual_seed(3)
+    ids_TK = torch.rand(T, E, generator=gen).topk(K, dim=-1).indices
+    x_TD = torch.randn(T, D, generator=gen).bfloat16()
+    w_TK = torch.rand(T, K, generator=gen)
+    g_TD = torch.randn(T, D, generator=gen).bfloat16()
+    sp = sort_by_expert(ids_TK.to(device), E)
+    x_SD = kernels.permute(x_TD.to(device), sp.token_S, sp.slot_TK)
+    assert x_SD.dtype == torch.bfloat16
+    assert torch.equal(x_SD.cpu(), permute_reference(x_TD, ids_TK, E)[0])
+    y = x_SD.detach().requires_grad_(True)
+    w = w_TK.to(device).requires_grad_(True)
+    out = kernels.unpermute(y, sp.token_S, sp.pair_S, sp.slot_TK, w)
+    gy, gw = torch.autograd.grad(out, (y, w), g_TD.to(device))
+    yr = x_SD.detach().cpu().float().requires_grad_(True)
+    wr = w_TK.clone().requires_grad_(True)
+    outr = unpermute_reference(yr, ids_TK, wr, E)
+    gyr, gwr = torch.autograd.grad(outr, (yr, wr), g_TD.float())
+    assert out.dtype == gy.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    torch.testing.assert_close(out.cpu(), outr.detach().bfloat16())
+    torch.testing.assert_close(gy.cpu(), gyr.bfloat16())
+    torch.testing.assert_close(gw.cpu(), gwr, rtol=1e-5, atol=1e-5)  # fp32 dots of bf16 data
+
+
 def check(case, device: str) -> None:
     from dropless import kernels
     from dropless.ops import permute, sort_by_expert, unpermute
     from dropless.ops.reference import permute_reference, unpermute_reference
 
+    if case == "bf16":
+        return _check_bf16(device)
     T, K, E, D, mode = case
     gen = torch.Generator().manual_seed(T * 100 + K * 10 + E)
     ids_TK, keep_TK = _routing(T, K, E, mode, gen)

@@ -22,6 +22,7 @@ CASES = {
     "zero_rows": (0, 8, True, False, "swiglu"),
     "gpt_oss_clamped": (10, 12, True, False, "gpt_oss"),
     "gpt_oss_interleaved_no_prob": (7, 9, False, True, "gpt_oss"),
+    "bf16_h_fp32_prob": (12, 40, True, False, "swiglu", torch.bfloat16),
 }
 GPT_OSS = dict(alpha=1.702, limit=2.0)  # a low limit so the clamps bind on randn * 2
 
@@ -31,15 +32,18 @@ def check(case, device: str) -> None:
     from dropless.ops import swiglu
     from dropless.ops.reference import swiglu_reference
 
-    S, F, with_prob, interleaved, activation = case
+    S, F, with_prob, interleaved, activation, *dtype = case
+    dtype = dtype[0] if dtype else torch.float32
     kw = dict(activation=activation, interleaved=interleaved)
     if activation == "gpt_oss":
         kw.update(GPT_OSS)
     gen = torch.Generator().manual_seed(S * 100 + F)
-    h_S2F = torch.randn(S, 2 * F, generator=gen) * 2
+    h_S2F = (torch.randn(S, 2 * F, generator=gen) * 2).to(dtype)
     prob_S = torch.rand(S, generator=gen) if with_prob else None
-    g_SF = torch.randn(S, F, generator=gen)
-    tol = dict(rtol=1e-5, atol=1e-6)
+    g_SF = torch.randn(S, F, generator=gen).to(dtype)
+    # fp32: tight; bf16: math in fp32, one rounding of the output (torch's default bf16
+    # tolerance covers one ulp); the reference runs in fp32 on the same bf16 values
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else {}
 
     h = h_S2F.to(device).requires_grad_(True)
     p = prob_S.to(device).requires_grad_(True) if with_prob else None
@@ -47,7 +51,7 @@ def check(case, device: str) -> None:
     inputs = (h, p) if with_prob else (h,)
     grads = torch.autograd.grad(a, inputs, g_SF.to(device), allow_unused=True)
 
-    hr = h_S2F.clone().requires_grad_(True)
+    hr = h_S2F.float().requires_grad_(True)
     pr = prob_S.clone().requires_grad_(True) if with_prob else None
     if activation == "gpt_oss":  # no loop reference: the torch op (autograd) is the spec
         ar = swiglu(hr, pr, **kw)
@@ -59,7 +63,9 @@ def check(case, device: str) -> None:
     else:
         ar = swiglu_reference(hr, pr)
     inputs_r = (hr, pr) if with_prob else (hr,)
-    grads_r = torch.autograd.grad(ar, inputs_r, g_SF, allow_unused=True)
+    grads_r = torch.autograd.grad(ar, inputs_r, g_SF.float(), allow_unused=True)
+    ar = ar.to(dtype)
+    grads_r = [grads_r[0].to(dtype), *grads_r[1:]]  # the prob grad stays in prob's dtype
 
     assert a.shape == (S, F) and a.dtype == h_S2F.dtype
     torch.testing.assert_close(a.detach().cpu(), ar.detach(), **tol)

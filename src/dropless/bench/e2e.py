@@ -7,9 +7,8 @@ load from other processes hits them alike; >= 3 rounds. In a child: one warm-up 
 (AdamW allocates its state), `--steps` timed steps (tokens/s = batch*seq / median step
 time), then the step's peak memory above the steady state: glibc is told to serve blocks
 >= 128 KiB with mmap and to trim freed memory (mallopt), so the resident set follows the
-live tensors; after one settling step the child reads VmRSS (the steady state: weights,
-AdamW state), resets VmHWM (/proc/self/clear_refs) and runs one more step; peak = VmHWM
-minus that baseline. Every child starts from the same seed, so the first-step losses of
+live tensors; the child then reads VmRSS (the steady state: weights, AdamW state), resets
+VmHWM (/proc/self/clear_refs) and runs one more step; peak = VmHWM minus that baseline. Every child starts from the same seed, so the first-step losses of
 the three implementations must agree (printed as a check).
 """
 
@@ -123,7 +122,7 @@ def child(args: dict) -> dict:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     first_loss = step()  # warm-up: AdamW state allocated here
     times = []
@@ -133,8 +132,7 @@ def child(args: dict) -> dict:
         times.append(time.perf_counter() - t0)
     tracked, base, peak = False, float("nan"), float("nan")
     if args.get("memory", True):
-        tracked = _follow_live_memory()
-        step()  # settle under the new malloc policy
+        tracked = _follow_live_memory()  # also trims the heap: RSS = live memory from here
         base = _rss_mib()
         reset_peak_rss()
         step()

@@ -35,25 +35,42 @@ SHAPES = {
     "mixtral": dict(E=8, K=2, D=1024, F=3584, T=[2048], dtype="float32"),
     "qwen3-30b": dict(E=128, K=8, D=2048, F=768, T=[8192, 32768], dtype="bfloat16"),
 }
-IMPLS = ("dense", "dropless", "dropless-grouped", "composed", "bmm-padded", "hf-grouped_mm", "hf-eager")
+IMPLS = (
+    "dense",
+    "dropless",
+    "dropless-grouped",
+    "composed",
+    "bmm-padded",
+    "hf-grouped_mm",
+    "hf-eager",
+)
 DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
 SECTION = Path("benchmarks") / "sections" / "layer.md"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3", help="layer shape (default qwen3)")
+    p.add_argument(
+        "--shape", choices=sorted(SHAPES), default="qwen3", help="layer shape (default qwen3)"
+    )
     p.add_argument("--tokens", type=int, nargs="+", help="T, overrides the shape's token counts")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds (median; >= 3)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument(
-        "--impls", default=",".join(DEFAULT_IMPLS),
+        "--impls",
+        default=",".join(DEFAULT_IMPLS),
         help=f"comma list from {','.join(IMPLS)} or 'all' (default: {','.join(DEFAULT_IMPLS)})",
     )
     p.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
-    p.add_argument("--no-memory", action="store_true", help="skip the per-implementation memory children")
+    p.add_argument(
+        "--no-memory", action="store_true", help="skip the per-implementation memory children"
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--no-history", action="store_true", help="do not append to benchmarks/history.jsonl")
-    p.add_argument("--section", default=str(SECTION), help="markdown file for the table ('' to skip)")
+    p.add_argument(
+        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
+    )
+    p.add_argument(
+        "--section", default=str(SECTION), help="markdown file for the table ('' to skip)"
+    )
 
 
 # --- building the implementations ------------------------------------------------------
@@ -112,7 +129,10 @@ def _build(name: str, cfg: dict):
     if name == "dense":
         M = x_TD.shape[0] * K
         xm, gy = x_TD.repeat(K, 1), grad_TD.repeat(K, 1)
-        hm, am = torch.randn(M, 2 * F, device=dev, dtype=dtype), torch.randn(M, F, device=dev, dtype=dtype)
+        hm, am = (
+            torch.randn(M, 2 * F, device=dev, dtype=dtype),
+            torch.randn(M, F, device=dev, dtype=dtype),
+        )
         wgu, wd = gate_up[0].clone(), down[0].clone()
 
         def step():
@@ -157,8 +177,19 @@ def _build(name: str, cfg: dict):
             sp = ops.sort_by_expert(ids_TK, E)
             prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
             y = _composed_mlp(
-                ops.permute(x_TD, sp), sp.counts, prob_S, gate_up, down, gate_up_bias=None, down_bias=None,
-                activation="swiglu", interleaved=False, trans_w=True, alpha=1.702, limit=7.0, backend=None,
+                ops.permute(x_TD, sp),
+                sp.counts,
+                prob_S,
+                gate_up,
+                down,
+                gate_up_bias=None,
+                down_bias=None,
+                activation="swiglu",
+                interleaved=False,
+                trans_w=True,
+                alpha=1.702,
+                limit=7.0,
+                backend=None,
             )
             return ops.unpermute(y, sp)
         return _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down)
@@ -179,7 +210,9 @@ def _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down):
     starts = torch.tensor([0] + sp.counts[:-1]).cumsum(0)
     expert_S = torch.repeat_interleave(torch.arange(E), torch.tensor(sp.counts))
     row_S = (expert_S * C + torch.arange(sp.num_slots) - starts[expert_S]).to(x_TD.device)
-    x_pad = x_TD.new_zeros(E * C, x_TD.shape[1]).index_copy(0, row_S, x_TD.index_select(0, sp.token_S))
+    x_pad = x_TD.new_zeros(E * C, x_TD.shape[1]).index_copy(
+        0, row_S, x_TD.index_select(0, sp.token_S)
+    )
     h = torch.bmm(x_pad.view(E, C, -1), gate_up.transpose(1, 2))
     gate, up = h.chunk(2, dim=-1)
     y = torch.bmm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2)).view(E * C, -1)
@@ -192,10 +225,16 @@ def _hf_block(cfg, impl, w_router, gate_up, down):
         from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImportError("the Hugging Face rows need transformers: pip install 'dropless[hf]'") from e
+        raise ImportError(
+            "the Hugging Face rows need transformers: pip install 'dropless[hf]'"
+        ) from e
     conf = Qwen3MoeConfig(
-        hidden_size=cfg["D"], moe_intermediate_size=cfg["F"], num_experts=cfg["E"],
-        num_experts_per_tok=cfg["K"], norm_topk_prob=True, experts_implementation=impl,
+        hidden_size=cfg["D"],
+        moe_intermediate_size=cfg["F"],
+        num_experts=cfg["E"],
+        num_experts_per_tok=cfg["K"],
+        norm_topk_prob=True,
+        experts_implementation=impl,
     )
     block = Qwen3MoeSparseMoeBlock(conf).to(device=w_router.device, dtype=w_router.dtype)
     assert block.experts.config._experts_implementation == impl
@@ -240,13 +279,19 @@ def _memory_child(cfg: dict) -> dict:
         base = torch.cuda.memory_allocated()
         step()
         _sync(dev)
-        return {"peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20, "how": "cuda max_memory_allocated"}
+        return {
+            "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
+            "how": "cuda max_memory_allocated",
+        }
     with open("/proc/self/status") as f:
         base = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
     if not reset_peak_rss():
         return {"peak_mib": None, "how": "VmHWM reset unavailable"}
     step()
-    return {"peak_mib": peak_rss_mib() - base, "how": "VmHWM after clear_refs, minus VmRSS before the step"}
+    return {
+        "peak_mib": peak_rss_mib() - base,
+        "how": "VmHWM after clear_refs, minus VmRSS before the step",
+    }
 
 
 def _check_same(cfg, impls) -> dict:
@@ -275,7 +320,7 @@ def _run_case(cfg: dict, impls, args) -> list[dict]:
     del built
     gc.collect()
     diffs = _check_same(cfg, impls)
-    E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
+    K, D, F, T = cfg["K"], cfg["D"], cfg["F"], cfg["T"]
     flops = 18.0 * T * K * D * F  # 3 GEMMs (fwd, dgrad, wgrad) x (gate/up 4MDF + down 2MDF)
     med = {n: statistics.median(v) for n, v in times.items()}
     rows = []
@@ -283,13 +328,23 @@ def _run_case(cfg: dict, impls, args) -> list[dict]:
         mem = {"peak_mib": None, "how": "skipped"}
         if not args.no_memory:
             mem = run_child("dropless.bench.layer", {**cfg, "impl": name})
-        rows.append({
-            "impl": name, "T": T, "routing": "skewed" if cfg["skewed"] else "uniform",
-            "ms": med[name], "ms_all": times[name], "gflops": flops / med[name] / 1e6,
-            "vs_bound": med["dense"] / med[name] if "dense" in med else None,
-            "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name] if "hf-grouped_mm" in med else None,
-            "peak_mib": mem["peak_mib"], "memory_how": mem["how"], "max_rel_diff": diffs.get(name),
-        })
+        rows.append(
+            {
+                "impl": name,
+                "T": T,
+                "routing": "skewed" if cfg["skewed"] else "uniform",
+                "ms": med[name],
+                "ms_all": times[name],
+                "gflops": flops / med[name] / 1e6,
+                "vs_bound": med["dense"] / med[name] if "dense" in med else None,
+                "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name]
+                if "hf-grouped_mm" in med
+                else None,
+                "peak_mib": mem["peak_mib"],
+                "memory_how": mem["how"],
+                "max_rel_diff": diffs.get(name),
+            }
+        )
     hf_mem = next((r["peak_mib"] for r in rows if r["impl"] == "hf-grouped_mm"), None)
     for r in rows:
         r["mem_vs_hf"] = r["peak_mib"] / hf_mem if hf_mem and r["peak_mib"] is not None else None
@@ -323,12 +378,18 @@ def run(args) -> int:
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = SHAPES[args.shape]
     if shape["dtype"] == "bfloat16" and dev == "cpu":
-        print("dropless bench layer: the qwen3-30b shape is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x slower)")
+        print(
+            "dropless bench layer: the qwen3-30b shape is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x slower)"
+        )
         return 2
     if args.rounds < 3:
         print("--rounds must be >= 3 (the figure is a median)")
         return 2
-    impls = list(IMPLS) if args.impls == "all" else [s.strip() for s in args.impls.split(",") if s.strip()]
+    impls = (
+        list(IMPLS)
+        if args.impls == "all"
+        else [s.strip() for s in args.impls.split(",") if s.strip()]
+    )
     bad = [n for n in impls if n not in IMPLS]
     if bad:
         print(f"unknown --impls {bad}; allowed: {', '.join(IMPLS)} or all")
@@ -337,7 +398,11 @@ def run(args) -> int:
     command = "dropless " + " ".join(sys.argv[1:])
     all_rows, text = [], []
     for T in args.tokens or shape["T"]:
-        cfg = {k: v for k, v in shape.items() if k != "T"} | {"T": T, "device": dev, "skewed": False}
+        cfg = {k: v for k, v in shape.items() if k != "T"} | {
+            "T": T,
+            "device": dev,
+            "skewed": False,
+        }
         rows = _run_case(cfg, impls, args)
         if not args.no_skewed:
             sk = [n for n in impls if n in ("dense", "dropless", "hf-grouped_mm")]
@@ -348,9 +413,13 @@ def run(args) -> int:
     print(table)
     for r in all_rows:
         if r["max_rel_diff"] is not None and r["max_rel_diff"] > 1e-3:
-            print(f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)")
+            print(
+                f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
+            )
     if not args.no_history:
-        append_history("layer", {"shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads()})
+        append_history(
+            "layer", {"shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads()}
+        )
     if args.section:
         _write_section(Path(args.section), args.shape, table, command)
     return 0

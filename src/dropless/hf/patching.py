@@ -80,7 +80,15 @@ def _install_default() -> None:
 
     if _state["original_get_correct"] is not None:
         return
-    original = PreTrainedModel.__dict__["get_correct_experts_implementation"]
+    original = PreTrainedModel.__dict__.get("get_correct_experts_implementation")
+    if original is None:
+        import transformers
+
+        raise ImportError(
+            f"transformers {transformers.__version__} has no "
+            "PreTrainedModel.get_correct_experts_implementation, where dropless installs its "
+            "default; install transformers>=5.17,<6 (pip install 'dropless[hf]')."
+        )
 
     def get_correct_experts_implementation(self, requested_experts):
         if requested_experts is None and type(self)._can_set_experts_implementation():

@@ -229,7 +229,8 @@ class MoE:
         return layer, *params_from_torch(moe)
 
     def init(self, key, dtype=jnp.float32) -> tuple[dict, dict]:
-        return init_params(key, self.config, dtype), init_state(self.config)
+        init = jax.jit(init_params, static_argnames=("cfg", "dtype"))  # one compile, not one per op
+        return init(key, cfg=self.config, dtype=dtype), init_state(self.config)
 
     def __call__(self, params: dict, x, state: dict | None = None):
         if not self.bucket_tokens:

@@ -14,10 +14,15 @@ their backward and save only what it needs):
 - `unpermute(y_SN, token_S, pair_S, slot_TK, weights_TK=None) -> out_TN` (autograd);
   `gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN` and
   `pair_dot(g_TN, y_SN, slot_TK) -> dots_TK` (raw);
-- `swiglu(h_S2F, prob_S=None, *, interleaved=False) -> a_SF` (autograd);
-  `swiglu_fwd(...)`, `swiglu_bwd(...)` (raw, with optional recompute of the activation);
-- `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw), also
-  registered as the "triton" grouped-GEMM backend by `register_backend()`.
+- `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha=1.702,
+  limit=7.0) -> a_SF` (autograd, as `dropless.ops.swiglu`); `swiglu_fwd(...)`,
+  `swiglu_bwd(...)` (raw; the backward can also recompute the activation);
+- `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
+  counts may be a device tensor: no host sync), also registered as the "triton"
+  grouped-GEMM backend by `register_backend()`.
+
+`python -m dropless.kernels.aot_check` compiles every kernel for sm_80/sm_90 without a GPU.
+See docs/kernels.md.
 """
 
 # T tokens, D model dim, N features, F expert hidden dim, S sorted pairs, K top-k
@@ -54,9 +59,8 @@ def triton_importable() -> bool:
             _TRITON_OK = False
         else:
             try:
-                import triton.language  # noqa: F401
-
                 import triton  # noqa: F401
+                import triton.language  # noqa: F401
 
                 _TRITON_OK = True
             except Exception:  # a broken install is as good as none

@@ -25,9 +25,8 @@ below torch._grouped_mm where that runs (sm90+ bf16) and above the per-expert lo
 from __future__ import annotations
 
 import torch
-import triton.language as tl
-
 import triton
+import triton.language as tl
 
 
 @triton.jit

@@ -20,9 +20,8 @@ Semantics equal `dropless.ops.permute` / `unpermute` and the references in
 from __future__ import annotations
 
 import torch
-import triton.language as tl
-
 import triton
+import triton.language as tl
 
 from ._common import check_2d, check_index, row_blocks
 

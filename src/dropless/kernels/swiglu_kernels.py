@@ -23,9 +23,8 @@ Semantics equal `dropless.ops.swiglu`.
 from __future__ import annotations
 
 import torch
-import triton.language as tl
-
 import triton
+import triton.language as tl
 
 from ._common import check_2d, row_blocks
 

@@ -23,8 +23,22 @@ from .permute import SortedPairs, permute, sort_by_expert, unpermute
 from .swiglu import ACTIVATIONS, swiglu
 
 
-def _composed_mlp(x_SD, counts, prob_S, gate_up, down, *, gate_up_bias, down_bias, activation,
-                  interleaved, trans_w, alpha, limit, backend):
+def _composed_mlp(
+    x_SD,
+    counts,
+    prob_S,
+    gate_up,
+    down,
+    *,
+    gate_up_bias,
+    down_bias,
+    activation,
+    interleaved,
+    trans_w,
+    alpha,
+    limit,
+    backend,
+):
     h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
     a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)
@@ -71,8 +85,14 @@ def grouped_mlp(
     """
     _check_activation(activation)
     kw = dict(
-        gate_up_bias=gate_up_bias, down_bias=down_bias, activation=activation,
-        interleaved=interleaved, trans_w=trans_w, alpha=alpha, limit=limit, backend=backend,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        activation=activation,
+        interleaved=interleaved,
+        trans_w=trans_w,
+        alpha=alpha,
+        limit=limit,
+        backend=backend,
     )
     recipe = get_recipe()
     if recipe is not None:
@@ -83,10 +103,16 @@ def grouped_mlp(
         return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
     path = pick_mlp_path(x_SD, gate_up, backend)
     keep_on_device = (
-        path == "grouped" and isinstance(counts, torch.Tensor) and _device_offsets_ok(x_SD, gate_up, backend)
+        path == "grouped"
+        and isinstance(counts, torch.Tensor)
+        and _device_offsets_ok(x_SD, gate_up, backend)
     )
     if keep_on_device:
-        if counts.dim() != 1 or counts.numel() != gate_up.shape[0] or counts.dtype.is_floating_point:
+        if (
+            counts.dim() != 1
+            or counts.numel() != gate_up.shape[0]
+            or counts.dtype.is_floating_point
+        ):
             raise ValueError(
                 f"counts must be a 1-D integer tensor with one entry per expert ({gate_up.shape[0]}), "
                 f"got {counts.dtype} of shape {tuple(counts.shape)}"
@@ -124,11 +150,30 @@ def expert_mlp(
         y_SD = grouped_mlp(x_SD, sp.counts, prob_S, gate_up, down, **mlp_kwargs)
         return unpermute(y_SD, sp), sp
     sync_free = path == "grouped" and keep_TK is None and _device_offsets_ok(x_TD, gate_up, backend)
+    if torch.compiler.is_compiling() and not sync_free:
+        # the host-count paths run eagerly: one graph break around sort + MLP (see
+        # docs/performance.md) instead of a graph specialised on every routing
+        return _expert_mlp_eager(
+            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, **mlp_kwargs
+        )
     sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=not sync_free)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
     counts = sp.counts_E if sync_free else sp.counts
     out_TD = fused_mlp(
-        x_TD, prob_S, gate_up, down, counts, token_S=sp.token_S, slot_TK=sp.slot_TK,
-        num_out=x_TD.shape[0], path=path, **mlp_kwargs,
+        x_TD,
+        prob_S,
+        gate_up,
+        down,
+        counts,
+        token_S=sp.token_S,
+        slot_TK=sp.slot_TK,
+        num_out=x_TD.shape[0],
+        path=path,
+        **mlp_kwargs,
     )
     return out_TD, sp
+
+
+@torch.compiler.disable
+def _expert_mlp_eager(*args, **kwargs):
+    return expert_mlp(*args, **kwargs)

@@ -46,7 +46,11 @@ def _act_fwd(h_n2F, prob_n, activation, interleaved, alpha, limit, out=None):
     """a = act(gate, up) * prob, written into `out` when given."""
     gate, up = _split(h_n2F, interleaved)
     if activation == "swiglu":
-        a = torch.ops.aten.silu.out(gate, out=out) if out is not None else torch.nn.functional.silu(gate)
+        a = (
+            torch.ops.aten.silu.out(gate, out=out)
+            if out is not None
+            else torch.nn.functional.silu(gate)
+        )
         a.mul_(up)
     else:
         g = gate.clamp(max=limit)
@@ -117,13 +121,19 @@ class _LoopMLP(torch.autograd.Function):
         out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
         for e, lo, hi in _bounds(counts):
             n = hi - lo
-            xe = torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n]) if token_S is not None else x[lo:hi]
+            xe = (
+                torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n])
+                if token_S is not None
+                else x[lo:hi]
+            )
             he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
             a = _act_fwd(he, p, activation, interleaved, alpha, limit, out=a_buf[:n])
-            ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi])
+            ye = torch.mm(
+                a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
+            )
             if d_bias is not None:
                 ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
             if token_S is not None:
@@ -152,7 +162,11 @@ class _LoopMLP(torch.autograd.Function):
         gathered = token_S is not None
         x_buf = x.new_empty(nmax, D) if gathered else None
         gy_buf = g_out.new_empty(nmax, D) if gathered else None
-        da_buf, ap_buf, dh_buf = x.new_empty(nmax, F), x.new_empty(nmax, F), x.new_empty(nmax, 2 * F)
+        da_buf, ap_buf, dh_buf = (
+            x.new_empty(nmax, F),
+            x.new_empty(nmax, F),
+            x.new_empty(nmax, 2 * F),
+        )
         for e, lo, hi in _bounds(counts):
             n = hi - lo
             idx = token_S[lo:hi] if gathered else None
@@ -193,14 +207,18 @@ class _LoopMLP(torch.autograd.Function):
 
 def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
     """The expert of each sorted row, without a host sync (output_size is known)."""
-    return torch.repeat_interleave(torch.arange(counts_E.numel(), device=counts_E.device), counts_E, output_size=S)
+    return torch.repeat_interleave(
+        torch.arange(counts_E.numel(), device=counts_E.device), counts_E, output_size=S
+    )
 
 
 class _GroupedMLP(torch.autograd.Function):
     """Same contract as _LoopMLP; counts is a host list or a device tensor."""
 
     @staticmethod
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend):
+    def forward(
+        ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
+    ):
         activation, interleaved, trans_w, alpha, limit, num_out = cfg
         be = pick_gemm_backend(backend, x, gate_up)
         if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
@@ -209,7 +227,11 @@ class _GroupedMLP(torch.autograd.Function):
         S = x_SD.shape[0]
         rows_E = None
         if gu_bias is not None or d_bias is not None:
-            counts_E = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x.device)
+            counts_E = (
+                counts
+                if isinstance(counts, torch.Tensor)
+                else torch.tensor(counts, device=x.device)
+            )
             rows_E = _expert_of_row(counts_E, S)
         h = be.mm(x_SD, gate_up, counts, trans_w)
         del x_SD  # recomputed in backward
@@ -222,7 +244,9 @@ class _GroupedMLP(torch.autograd.Function):
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
         out = gather_sum(y, slot_TK) if token_S is not None else y
-        ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E)
+        ctx.save_for_backward(
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E
+        )
         ctx.counts, ctx.cfg, ctx.be = counts, cfg, be
         return out
 
@@ -320,7 +344,9 @@ def fused_mlp(
     if path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
-        return _LoopMLP.apply(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg)
+        return _LoopMLP.apply(
+            x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg
+        )
     be = None if backend in (None, "auto", "loop") else backend
     return _GroupedMLP.apply(
         x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be

@@ -66,6 +66,8 @@ def _offsets(counts, device):
 def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
         return False
+    if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
+        return False  # its fake (meta) kernel accepts only bf16, whatever the device
     if a.device.type == "cpu":
         ok_dtype = a.dtype in (torch.float32, torch.bfloat16, torch.float16)
     elif a.device.type == "cuda":
@@ -74,7 +76,12 @@ def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
         ok_dtype = False
     # its kernels need 16-byte aligned row strides
     align = 16 // a.element_size()
-    return ok_dtype and a.shape[-1] % align == 0 and b.shape[-1] % align == 0 and b.shape[-2] % align == 0
+    return (
+        ok_dtype
+        and a.shape[-1] % align == 0
+        and b.shape[-1] % align == 0
+        and b.shape[-2] % align == 0
+    )
 
 
 def _gmm_mm(a_SK, b, counts, trans_b, out=None):

@@ -55,7 +55,9 @@ def sort_by_expert(
     flat = ids_TK.reshape(-1)
     if not host_counts:
         if keep_TK is not None:
-            raise ValueError("host_counts=False needs keep_TK=None: the dropped count is data-dependent")
+            raise ValueError(
+                "host_counts=False needs keep_TK=None: the dropped count is data-dependent"
+            )
         return _sort_sync_free(flat, num_experts, T, K)
     if keep_TK is not None:
         # dropped pairs get the sentinel id E so they sort after every kept pair
@@ -84,9 +86,15 @@ def _sort_sync_free(flat: torch.Tensor, num_experts: int, T: int, K: int) -> Sor
     # index_add_ rather than bincount: bincount's output size depends on the data
     counts_E = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts_E.index_add_(0, flat, torch.ones_like(flat))
-    slot_flat = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    slot_flat = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device)
+    )
     return SortedPairs(
-        token_S=order // K, pair_S=order, slot_TK=slot_flat.view(T, K), counts_E=counts_E, counts=None
+        token_S=order // K,
+        pair_S=order,
+        slot_TK=slot_flat.view(T, K),
+        counts_E=counts_E,
+        counts=None,
     )
 
 

@@ -28,7 +28,7 @@ def finish_report(trainer, summary: dict, records: list[dict]) -> None:
     ratio = s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
     rows = [
         ("steps", f"{s['steps']}"),
-        ("wall time", f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s)"),
+        ("wall time", f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s; process CPU time {s['cpu_s']:.1f} s)"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process"),
         ("MFU", f"{_fmt(s['mfu'], '.1%')} of {s['peak_tflops'] * 1e3:.1f} GFLOP/s ({s['peak_source']})"),
         ("held-out bits/byte", f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram byte model {_fmt(s['unigram_bpb'], '.3f')})"),

@@ -52,7 +52,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, env: Env, hf_config, resume_from: Path | None):
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
-        self.t_start = time.perf_counter()
+        self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
         tc = cfg.train
         self.A, self.W, self.B, self.L = tc.grad_accum, env.world, tc.batch_size, tc.seq_len
         self.b = self.B // (self.W * self.A)
@@ -276,6 +276,7 @@ class Trainer:
             "tflops_per_process": window["flops"] / t / self.W / 1e12, "tflops_total": window["flops"] / t / 1e12,
             "mfu": window["flops"] / t / self.W / 1e12 / self.peak, "peak_memory_mib": peak_memory_mib(self.env.device),
             "tokens_seen": self.sample_index * self.L, "dropped": 0, "elapsed_s": time.perf_counter() - self.t_start,
+            "cpu_s": time.process_time() - self.cpu_start,
         }  # fmt: skip
         if window["counts"] is not None:
             rec["tokens_per_expert"] = window["counts"].tolist()
@@ -310,6 +311,7 @@ class Trainer:
         steps_run = max(1, self.step - self._start_step)
         summary = {
             "run_dir": str(self.run_dir), "steps": self.step, "wall_s": time.perf_counter() - self.t_start, "train_s": train_time,
+            "cpu_s": time.process_time() - self.cpu_start,
             "tokens_per_s": steps_run * self.B * self.L / max(train_time, 1e-9),
             "tflops_per_process": train_flops / max(train_time, 1e-9) / self.W / 1e12,
             "mfu": train_flops / max(train_time, 1e-9) / self.W / 1e12 / self.peak, "peak_tflops": self.peak,

@@ -1,0 +1,24 @@
+"""`dropless convert CHECKPOINT_DIR OUT_DIR`: a training checkpoint to a Hugging Face
+`save_pretrained` directory that stock Transformers loads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a training run directory (last checkpoint) or a checkpoints/step_* directory")
+    p.add_argument("out_dir", help="new directory for the Hugging Face model (config.json, model.safetensors, tokenizer)")
+
+
+def run(args) -> int:
+    from ..train.generate import convert
+
+    try:
+        out = convert(args.checkpoint, args.out_dir)
+    except ValueError as e:
+        print(f"dropless convert: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0

@@ -1,0 +1,94 @@
+"""What `dropless train` needs from `dropless.parallel`, in one object.
+
+    par = parallelize_for_training(model, cfg.parallel, world)   # None for one process
+    ... loss.backward()
+    norm = par.clip_grad_norm_(params, max_norm)                  # FSDP reduced the grads
+    stats = par.pop_stats()                                       # EP time split and bytes
+
+With several processes every run goes through FSDP2 (HSDP when dp_replicate > 1) and,
+with ep > 1, expert parallelism of the model's Transformers experts modules.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .fsdp import apply_fsdp, clip_grad_norm_
+from .hf import hf_dispatchers, shard_hf_experts
+from .mesh import ParallelMesh, build_mesh
+
+#: tests: "RANK:STEP" kills that rank with SIGKILL right after optimizer step STEP
+KILL_ENV = "DROPLESS_TEST_KILL_RANK_AT_STEP"
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    for name, m in model.named_modules():
+        if name.endswith("layers") and isinstance(m, nn.ModuleList):
+            return list(m)
+    return []
+
+
+class TrainParallel:
+    """A model spread over the mesh: gradient clipping, EP stats, test kill hook."""
+
+    def __init__(self, model: nn.Module, pmesh: ParallelMesh):
+        self.model, self.pmesh = model, pmesh
+
+    @property
+    def grads_reduced(self) -> bool:
+        """FSDP already averaged the gradients over the data-parallel ranks."""
+        return True
+
+    def clip_grad_norm_(self, params, max_norm: float) -> float:
+        return float(clip_grad_norm_(list(params), max_norm))
+
+    def pop_stats(self) -> dict:
+        """This step's forward time split (s, mean over ranks) and the activation bytes
+        sent to other ranks per step (all ranks, forward + backward)."""
+        ds = hf_dispatchers(self.model)
+        if not ds:
+            return {}
+        t = torch.zeros(4, dtype=torch.float64)
+        for d in ds:
+            s = d.pop_stats()
+            t += torch.tensor(
+                [s["dispatch_s"], s["expert_s"], s["combine_s"], 2.0 * s["bytes_sent"]],
+                dtype=torch.float64,
+            )
+        dist.all_reduce(t, group=self.pmesh.dp_group)
+        w = self.pmesh.world_size
+        return {
+            "ep_dispatch_s": float(t[0]) / w,
+            "ep_expert_s": float(t[1]) / w,
+            "ep_combine_s": float(t[2]) / w,
+            "ep_bytes_per_step": int(t[3]),
+        }
+
+    def after_step(self, step: int) -> None:
+        spec = os.environ.get(KILL_ENV)
+        if spec and spec == f"{dist.get_rank()}:{step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parallelize_for_training(model: nn.Module, parallel_cfg, world: int) -> TrainParallel | None:
+    """Shard a dropless-patched Transformers model per `parallel_cfg` (fields
+    dp_replicate, dp_shard, ep; see `ParallelConfig`). Returns None for one process
+    (after checking ep == 1)."""
+    from ..hf.layers import moe_layers
+
+    layers = moe_layers(model)
+    num_experts = layers[0].num_experts if layers else None
+    if world == 1:
+        from .mesh import resolve_sizes
+
+        resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error
+        return None
+    pm = build_mesh(parallel_cfg, num_experts)
+    shard_hf_experts(model, pm)
+    apply_fsdp(model, pm, blocks=_decoder_layers(model))
+    return TrainParallel(model, pm)

@@ -1,0 +1,92 @@
+"""Loading a finished (or running) training run back: for `dropless generate` (sampling)
+and `dropless convert` (a stock Hugging Face directory)."""
+
+# B sequences, L tokens, V vocabulary
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import load_config
+from .model import build_model, hf_config
+from .tokenizer import load_tokenizer
+
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) for a run directory or a checkpoints/step_* one."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{str(p)!r} is not a directory; pass a run directory (dropless train --run-dir) or one of its checkpoints/step_* directories")
+    if (p / ".metadata").is_file():
+        return p.parent.parent, p
+    found = ckpt.latest_checkpoint(p)
+    if found is None:
+        raise ValueError(f"{str(p)!r} has no complete checkpoint (checkpoints/step_*); train first, or pass a checkpoint directory")
+    return p, found
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu"):
+    """(config, tokenizer, model with the checkpoint's weights in eval mode, checkpoint dir)."""
+    run_dir, ck = resolve_checkpoint(path)
+    config_file = ck / "config.toml" if (ck / "config.toml").is_file() else run_dir / "config.toml"
+    if not config_file.is_file():
+        raise ValueError(f"no config.toml in {str(ck)!r} or {str(run_dir)!r}: not a dropless training run")
+    cfg = load_config(config_file)
+    tok = load_tokenizer(run_dir / "tokenizer")
+    model = build_model(cfg.model, hf_config(cfg.model, tok.vocab_size), expert_bias=cfg.train.expert_bias_rate > 0, seed=cfg.train.seed, device=device)
+    ckpt.load_checkpoint(ck, model, restore_rng=False)
+    model.eval()
+    return cfg, tok, model, ck
+
+
+@torch.no_grad()
+def sample(model, tok, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 40, context: int = 256, seed: int = 0) -> str:
+    """Continue `prompt` by sampling token by token (temperature, top-k); returns the new text."""
+    if temperature < 0 or top_k < 0 or max_new_tokens < 0:
+        raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
+    ids = tok.encode(prompt) or ([tok.eos_id] if tok.eos_id is not None else [0])
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        x = torch.tensor([(ids + out)[-context:]], device=device)
+        logits_V = model(input_ids=x, use_cache=False).logits[0, -1].float().cpu()
+        logits_V[tok.vocab_size :] = -float("inf")  # padding rows of the embedding
+        if temperature == 0:
+            nxt = int(logits_V.argmax())
+        else:
+            if top_k:
+                kth = torch.topk(logits_V, min(top_k, tok.vocab_size)).values[-1]
+                logits_V[logits_V < kth] = -float("inf")
+            nxt = int(torch.multinomial(torch.softmax(logits_V / temperature, -1), 1, generator=g))
+        out.append(nxt)
+    return tok.decode(out)
+
+
+def convert(path: str | Path, out_dir: str | Path) -> Path:
+    """Write a training checkpoint as a Hugging Face `save_pretrained` directory."""
+    from .. import hf
+
+    cfg, tok, model, ck = load_run(path)
+    if cfg.train.expert_bias_rate > 0:
+        print("note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {str(out)!r} is not empty; pass a new or empty directory")
+    hf.unpatch_model(model)
+    model.config.use_cache = True
+    if tok.eos_id is not None:
+        model.config.eos_token_id = tok.eos_id
+    hf.save_hf(model, out)
+    if tok.kind == "bpe":
+        from transformers import PreTrainedTokenizerFast
+
+        from .tokenizer import EOS
+
+        PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
+    else:
+        (out / "TOKENIZER.txt").write_text("byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n")
+    return out

@@ -1,0 +1,38 @@
+"""Data parallel under torchrun (2 processes, gloo on CPU) == 1 process with the same
+global batch (there: 2 micro-batches of gradient accumulation)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import sub_env, tiny_args
+
+from dropless.cli.main import main
+
+STEPS = ("train.steps=4", "log.every=1", "checkpoint.every=0", "log.plots=false", "log.tensorboard=false")
+
+
+def losses(run_dir):
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r.get("loss"), r["eval_loss"]) for r in recs]
+
+
+def test_two_processes_match_one(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", "--run-dir", str(one), *tiny_args(*STEPS, "train.grad_accum=2")]) == 0
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "dropless", "train", "--run-dir", str(two), *tiny_args(*STEPS)],
+        env=sub_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es) on cpu" in proc.stdout
+    a, b = losses(one), losses(two)
+    assert [s for s, *_ in a] == [s for s, *_ in b] == [0, 1, 2, 3, 4]
+    for (_, la, ea), (_, lb, eb) in zip(a, b):
+        assert ea == pytest.approx(eb, rel=1e-5)
+        if la is not None:
+            assert la == pytest.approx(lb, rel=1e-5)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["checkpoint"].endswith("step_00000004")

@@ -1,0 +1,91 @@
+"""A tiny CLI run end to end: metrics, plots, checkpoints; bit-exact resume; generate; convert."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_args
+
+from dropless.cli.main import main
+from dropless.train import checkpoint as ckpt
+
+FIELDS = (
+    "loss", "eval_loss", "eval_bpb", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_process",
+    "tflops_per_process", "mfu", "peak_memory_mib", "tokens_per_expert", "max_mean_load", "dropped",
+)  # fmt: skip
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_writes_everything_and_learns(tiny_run):
+    recs = records(tiny_run)
+    assert [r["step"] for r in recs] == [0, 2, 4, 6, 8]
+    assert "unigram_bpb" in recs[0] and recs[0]["eval_bpb"] > 7.5  # uniform over 257 bytes is 8.0
+    for r in recs[1:]:
+        for f in FIELDS:
+            assert f in r, f
+        assert r["dropped"] == 0 and 0 < r["mfu"] < 1
+        counts = torch.tensor(r["tokens_per_expert"])  # [layers, experts] summed over 2 steps
+        assert counts.shape == (2, 4) and (counts.sum(1) == 2 * 4 * 32 * 2).all()  # steps*B*L*K pairs
+    assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.5
+    assert recs[-1]["loss_avg"] < recs[1]["loss_avg"]
+    for name in ("loss.png", "expert_load.png", "config.toml", "summary.json"):
+        assert (tiny_run / name).stat().st_size > 0, name
+    assert list((tiny_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert [s for s, _ in ckpt.list_checkpoints(tiny_run)] == [4, 8]  # checkpoint.every=4, keep=2
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    assert summary["final_bpb"] == recs[-1]["eval_bpb"] and summary["initial_bpb"] == recs[0]["eval_bpb"]
+
+
+def test_resume_is_bit_exact(tiny_run, tmp_path):
+    half = tmp_path / "half"
+    shutil.copytree(tiny_run, half)
+    shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4
+    assert main(["train", "--run-dir", str(half), "--resume"]) == 0  # config comes from the run dir
+    straight, resumed = records(tiny_run), records(half)
+    assert [r["step"] for r in resumed] == [0, 2, 4, 6, 8]
+    for a, b in zip(straight[3:], resumed[3:]):
+        for f in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_expert"):
+            assert a[f] == b[f], (a["step"], f)
+
+
+def test_resume_refuses_finished_and_fresh_runs(tiny_run, tmp_path, capsys):
+    assert main(["train", "--run-dir", str(tiny_run), "--resume"]) == 2
+    assert "already at step 8 of train.steps=8; raise train.steps" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(tiny_run), *tiny_args()]) == 2
+    assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(tmp_path / "new"), "--resume"]) == 2
+    assert "has no complete checkpoint to resume from" in capsys.readouterr().err
+
+
+def test_generate_returns_text(tiny_run, capsys):
+    assert main(["generate", str(tiny_run), "--prompt", "import ", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("import ") and len(out.rstrip("\n")) > len("import ")
+    assert main(["generate", str(tiny_run / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dropless import hf
+    from dropless.train.generate import load_run
+
+    out = tmp_path / "hf"
+    assert main(["convert", str(tiny_run), str(out)]) == 0
+    stock = AutoModelForCausalLM.from_pretrained(out)
+    assert not hf.is_patched() and "dropless" not in stock.get_experts_implementation().values()
+    _, _, ours, _ = load_run(tiny_run)  # patched: the dropless experts path
+    x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours(input_ids=x).logits
+        got = stock(input_ids=x).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        hf.unpatch_model(ours)  # same weights, same stock code: identical bits
+        assert torch.equal(stock(input_ids=x).logits, ours(input_ids=x).logits)
+    with pytest.raises(SystemExit):
+        main(["convert", str(tiny_run)])

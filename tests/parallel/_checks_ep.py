@@ -110,6 +110,10 @@ def ep_chunked_overlap(rank, world):
     _case(world, chunks=3, overlap=True)
 
 
+def ep_more_chunks_than_tokens(rank, world):
+    _case(world, chunks=T + 2, overlap=True)  # empty chunks on every rank
+
+
 def ep_overlap_skewed(rank, world):
     _case(world, routing="one_expert", top_k=1, chunks=2, overlap=True)
 
@@ -141,5 +145,6 @@ EP_CHECKS = [
     "ep_chunked_no_overlap",
     "ep_chunked_overlap",
     "ep_overlap_skewed",
+    "ep_more_chunks_than_tokens",
     "bad_mesh_in_group",
 ]

@@ -72,3 +72,32 @@ def test_deepep_without_gpu_is_a_clear_error():
 
     with pytest.raises((ValueError, NotImplementedError), match="deepep"):
         raise_deepep_unavailable()
+
+
+@pytest.mark.parametrize(
+    "recv",
+    [
+        pytest.param([[2, 0, 1], [1, 3, 0]], id="mixed"),
+        pytest.param([[0, 0, 0], [0, 0, 0]], id="nothing_received"),
+        pytest.param([[0, 0, 0], [4, 1, 2]], id="one_source"),
+        pytest.param([[0, 5], [0, 0], [2, 0]], id="three_sources"),
+    ],
+)
+def test_local_order_groups_rows_by_local_expert(recv):
+    """Rows arrive as (source rank, local expert) blocks; the reorder yields (expert,
+    source) blocks, and its inverse undoes it (pure-python reference)."""
+    import torch
+
+    from dropless.parallel.dispatcher import _local_order
+
+    recv_PL = torch.tensor(recv)
+    P, L = recv_PL.shape
+    blocks, start = {}, 0
+    for p in range(P):
+        for e in range(L):
+            blocks[p, e] = list(range(start, start + recv[p][e]))
+            start += recv[p][e]
+    want = [r for e in range(L) for p in range(P) for r in blocks[p, e]]
+    perm, inv = _local_order(recv_PL)
+    assert perm.tolist() == want
+    assert perm[inv].tolist() == list(range(start))

@@ -230,3 +230,13 @@ def test_mlp_needs_a_recipe_and_matching_indices():
             recipe=MXFP8BlockScaling(),
             token_S=torch.arange(S),
         )
+
+
+def test_bench_fp8_cli_smoke(capsys):
+    from dropless.cli.main import main
+
+    tiny = ["--T", "64", "--D", "64", "--F", "32", "--E", "4", "--K", "2", "--no-history"]
+    assert main(["bench", "fp8", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "| mxfp8, x_TD path |" in out and "| bf16 | " in out
+    assert main(["bench", "fp8", "--variants", "mxfp8", "--no-history"]) == 2

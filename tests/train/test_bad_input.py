@@ -3,8 +3,8 @@ the problem and the fix."""
 
 import pytest
 import torch
-from conftest import tiny_args
 
+from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config import load_config
 from dropless.train.recipes import TINY
@@ -28,7 +28,9 @@ def _fails(capsys, tmp_path, *args, run_dir=None):
 
 def test_missing_data_path(capsys, tmp_path):
     err = _fails(capsys, tmp_path, "--set", f"data.path={tmp_path / 'nope.txt'}")
-    assert "nope.txt' does not exist; pass a .txt/.jsonl/.parquet file or a directory of them" in err
+    assert (
+        "nope.txt' does not exist; pass a .txt/.jsonl/.parquet file or a directory of them" in err
+    )
 
 
 def test_empty_data_dir_and_file(capsys, tmp_path):
@@ -47,18 +49,31 @@ def test_unknown_config_key(capsys, tmp_path):
 
 def test_sequence_longer_than_the_model(capsys, tmp_path):
     err = _fails(capsys, tmp_path, "--set", "model.max_position_embeddings=16")
-    assert "train.seq_len=32 is above the model's maximum sequence length (max_position_embeddings=16)" in err
+    assert (
+        "train.seq_len=32 is above the model's maximum sequence length (max_position_embeddings=16)"
+        in err
+    )
 
 
 def test_vocabulary_mismatch(capsys, tmp_path):
     err = _fails(capsys, tmp_path, "--set", "model.vocab_size=200")
-    assert "tokenizer/model vocabulary mismatch: the tokenizer has 257 tokens but the model's vocab_size is 200" in err
+    assert (
+        "tokenizer/model vocabulary mismatch: the tokenizer has 257 tokens but the model's vocab_size is 200"
+        in err
+    )
 
 
 def test_batch_not_divisible_by_processes(tmp_path):
     cfg = load_config(None, [*TINY, "train.batch_size=3"])
-    with pytest.raises(ValueError, match=r"train.batch_size=3 is not divisible by the number of processes \(2\)"):
-        preflight(cfg, Env(rank=0, world=2, local_rank=0, device=torch.device("cpu")), tmp_path / "run", False)
+    with pytest.raises(
+        ValueError, match=r"train.batch_size=3 is not divisible by the number of processes \(2\)"
+    ):
+        preflight(
+            cfg,
+            Env(rank=0, world=2, local_rank=0, device=torch.device("cpu")),
+            tmp_path / "run",
+            False,
+        )
 
 
 def test_unwritable_run_dir(capsys, tmp_path):

@@ -14,7 +14,9 @@ def test_defaults_are_the_demo_run():
 
 def test_toml_and_overrides(tmp_path):
     f = tmp_path / "run.toml"
-    f.write_text('[train]\nsteps = 7\nseq_len = 64\n[optim]\nlr = 1\nschedule = "wsd"\n[log]\ntensorboard = false\n')
+    f.write_text(
+        '[train]\nsteps = 7\nseq_len = 64\n[optim]\nlr = 1\nschedule = "wsd"\n[log]\ntensorboard = false\n'
+    )
     cfg = load_config(f, ["train.steps=9", "log.plots=false", "optim.warmup_steps=1e1"])
     assert cfg.train.steps == 9 and cfg.train.seq_len == 64  # --set wins over the file
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float) and cfg.optim.schedule == "wsd"
@@ -22,7 +24,9 @@ def test_toml_and_overrides(tmp_path):
 
 
 def test_dump_roundtrip(tmp_path):
-    cfg = load_config(None, ["data.path=/a \"quoted\" path", "train.seed=3", "model.tie_embeddings=false"])
+    cfg = load_config(
+        None, ['data.path=/a "quoted" path', "train.seed=3", "model.tie_embeddings=false"]
+    )
     again = load_config(dump_config(cfg, tmp_path / "c.toml"))
     assert again == cfg
 
@@ -33,8 +37,14 @@ def test_dump_roundtrip(tmp_path):
         ("train.step=3", "unknown config key 'train.step'; did you mean 'train.steps'?"),
         ("optim.lrr=3", "did you mean 'optim.lr'?"),
         ("trian.seq_len=3", "did you mean 'train.seq_len'?"),
-        ("precision.recipe=fp4", "precision.recipe='fp4': allowed values are 'none', 'delayed', 'current', 'mxfp8'"),
-        ("optim.schedule=linear", "optim.schedule='linear': allowed values are 'cosine', 'wsd', 'constant'"),
+        (
+            "precision.recipe=fp4",
+            "precision.recipe='fp4': allowed values are 'none', 'delayed', 'current', 'mxfp8'",
+        ),
+        (
+            "optim.schedule=linear",
+            "optim.schedule='linear': allowed values are 'cosine', 'wsd', 'constant'",
+        ),
         ("train.steps=0", "train.steps=0: must be an integer >= 1"),
         ("train.steps=abc", "train.steps='abc': expected a int"),
         ("log.tensorboard=maybe", "expected true or false"),
@@ -66,6 +76,14 @@ def test_unknown_key_in_file(tmp_path):
     ],
 )
 def test_lr_schedules(schedule, checks):
-    o = load_config(None, [f"optim.schedule={schedule}", "optim.warmup_steps=10", "optim.min_lr_ratio=0.1", "optim.decay_fraction=0.2"]).optim
+    o = load_config(
+        None,
+        [
+            f"optim.schedule={schedule}",
+            "optim.warmup_steps=10",
+            "optim.min_lr_ratio=0.1",
+            "optim.decay_fraction=0.2",
+        ],
+    ).optim
     for step, want in checks:
         assert lr_factor(step, 110, o) == pytest.approx(want, abs=1e-9), (schedule, step)

@@ -25,10 +25,18 @@ def test_formats(tmp_path):
     import pyarrow.parquet as pq
 
     (tmp_path / "a.txt").write_text("first doc")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"body": "second"}) + "\n\n" + json.dumps({"body": "third"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"body": "second"}) + "\n\n" + json.dumps({"body": "third"}) + "\n"
+    )
     pq.write_table(pa.table({"body": ["fourth", None, "fifth"]}), tmp_path / "c.parquet")
     (tmp_path / "ignored.csv").write_text("x")
-    assert read_documents(str(tmp_path), "body") == ["first doc", "second", "third", "fourth", "fifth"]
+    assert read_documents(str(tmp_path), "body") == [
+        "first doc",
+        "second",
+        "third",
+        "fourth",
+        "fifth",
+    ]
     assert read_documents(str(tmp_path / "c.parquet"), "body") == ["fourth", "fifth"]
     with pytest.raises(ValueError, match="has no field 'text'"):
         read_documents(str(tmp_path / "b.jsonl"), "text")
@@ -47,7 +55,11 @@ def test_few_documents_hold_out_the_tail(tmp_path):
 def test_same_samples_whatever_the_process_count():
     # global batch 8: 1 process x 4 micro-batches == 2 processes x 2 == 4 processes x 1
     def step_samples(world, accum, step=3):
-        return [list(micro_batch_indices(step * 8, a, r, world, 8, accum)) for a in range(accum) for r in range(world)]
+        return [
+            list(micro_batch_indices(step * 8, a, r, world, 8, accum))
+            for a in range(accum)
+            for r in range(world)
+        ]
 
     one = step_samples(1, 4)
     assert one == step_samples(2, 2) == step_samples(4, 1)

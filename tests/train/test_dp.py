@@ -6,11 +6,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import sub_env, tiny_args
 
+from conftest import sub_env, tiny_args
 from dropless.cli.main import main
 
-STEPS = ("train.steps=4", "log.every=1", "checkpoint.every=0", "log.plots=false", "log.tensorboard=false")
+STEPS = (
+    "train.steps=4",
+    "log.every=1",
+    "checkpoint.every=0",
+    "log.plots=false",
+    "log.tensorboard=false",
+)
 
 
 def losses(run_dir):

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 from conftest import sub_env, tiny_args
-
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_args
 
+from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 
@@ -29,7 +29,9 @@ def test_run_writes_everything_and_learns(tiny_run):
             assert f in r, f
         assert r["dropped"] == 0 and 0 < r["mfu"] < 1
         counts = torch.tensor(r["tokens_per_expert"])  # [layers, experts] summed over 2 steps
-        assert counts.shape == (2, 4) and (counts.sum(1) == 2 * 4 * 32 * 2).all()  # steps*B*L*K pairs
+        assert (
+            counts.shape == (2, 4) and (counts.sum(1) == 2 * 4 * 32 * 2).all()
+        )  # steps*B*L*K pairs
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.5
     assert recs[-1]["loss_avg"] < recs[1]["loss_avg"]
     for name in ("loss.png", "expert_load.png", "config.toml", "summary.json"):
@@ -37,7 +39,10 @@ def test_run_writes_everything_and_learns(tiny_run):
     assert list((tiny_run / "tensorboard").glob("events.out.tfevents.*"))
     assert [s for s, _ in ckpt.list_checkpoints(tiny_run)] == [4, 8]  # checkpoint.every=4, keep=2
     summary = json.loads((tiny_run / "summary.json").read_text())
-    assert summary["final_bpb"] == recs[-1]["eval_bpb"] and summary["initial_bpb"] == recs[0]["eval_bpb"]
+    assert (
+        summary["final_bpb"] == recs[-1]["eval_bpb"]
+        and summary["initial_bpb"] == recs[0]["eval_bpb"]
+    )
 
 
 def test_resume_is_bit_exact(tiny_run, tmp_path):
@@ -89,3 +94,43 @@ def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
         assert torch.equal(stock(input_ids=x).logits, ours(input_ids=x).logits)
     with pytest.raises(SystemExit):
         main(["convert", str(tiny_run)])
+
+
+def test_fine_tune_with_every_option(tiny_run, tmp_path):
+    """Fine-tune the converted tiny model on .jsonl data with activation checkpointing,
+    aux-loss-free expert bias, z-loss, WSD, gradient accumulation and (when dropless.quant
+    is there) the MXFP8 recipe."""
+    from dropless import hf
+    from dropless.train.generate import load_run
+
+    try:
+        from dropless.quant import recipe_from_name  # noqa: F401
+
+        recipe = "mxfp8"
+    except ImportError:
+        recipe = "none"
+    hf_dir, data = tmp_path / "hf", tmp_path / "d.jsonl"
+    assert main(["convert", str(tiny_run), str(hf_dir)]) == 0
+    docs = [
+        json.dumps({"body": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 8}) for i in range(60)
+    ]
+    data.write_text("\n".join(docs))
+    run = tmp_path / "ft"
+    extra = (
+        f"model.path={hf_dir}", f"data.path={data}", "data.text_field=body", "train.steps=3",
+        "train.activation_checkpointing=true", "train.expert_bias_rate=0.05", "train.z_loss_coef=1e-3",
+        "optim.schedule=wsd", "train.grad_accum=2", f"precision.recipe={recipe}", "log.plots=false", "log.every=1",
+    )  # fmt: skip
+    assert main(["train", "--run-dir", str(run), *tiny_args(*extra)]) == 0
+    recs = records(run)
+    assert recs[0]["eval_bpb"] < 7.5  # started from the trained weights, not a random init (~8.2)
+    assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] and recs[-1]["z_loss"] > 0
+    _, _, model, _ = load_run(run)
+    bias_ME = torch.stack([layer.expert_bias for layer in hf.moe_layers(model)])
+    # aux-loss-free rule, replayed from the per-step counts: b += rate * sign(mean - load)
+    want_ME = torch.zeros_like(bias_ME)
+    for r in recs[1:]:
+        c = torch.tensor(r["tokens_per_expert"], dtype=torch.float32)
+        want_ME += 0.05 * torch.sign(c.mean(1, keepdim=True) - c)
+    assert want_ME.abs().sum() > 0
+    torch.testing.assert_close(bias_ME, want_ME, rtol=0, atol=1e-6)

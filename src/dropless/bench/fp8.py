@@ -13,6 +13,7 @@ and are reported only when one is present.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -158,18 +159,26 @@ def run(args) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "bf16" not in variants:
-        raise ValueError(f"--variants must include bf16 and use only {VARIANTS}; got {variants}")
+        print(
+            f"error: --variants must include bf16 and use only {VARIANTS}; got {variants}",
+            file=sys.stderr,
+        )
+        return 2
     shape_s = ", ".join(f"{k}={v}" for k, v in shape.items())
     print(f"MoE layer {shape_s}; saved activations counted with saved_tensors_hooks (CPU)")
     figures: dict = {"shape": shape, "memory": {}}
     for v in variants:
-        figures["memory"][v] = measure_memory(shape, v, backward=not args.no_backward)
+        for path in ("moe", "tokens") if v != "bf16" else ("moe",):
+            key = v if path == "moe" else f"{v}, x_TD path"
+            figures["memory"][key] = measure_memory(shape, v, path, backward=not args.no_backward)
     base = figures["memory"]["bf16"]["saved_MiB"]
-    print("| saved activations | MiB | bytes/token | vs bf16 |\n|---|---|---|---|")
+    print("| saved activations | MiB | bytes/token | vs bf16 | s (fwd+bwd) |")
+    print("|---|---|---|---|---|")
     for v, m in figures["memory"].items():
         m["ratio_vs_bf16"] = m["saved_MiB"] / base
         print(
-            f"| {v} | {m['saved_MiB']:.1f} | {m['bytes_per_token']:.0f} | {m['ratio_vs_bf16']:.3f} |"
+            f"| {v} | {m['saved_MiB']:.2f} | {m['bytes_per_token']:.0f} "
+            f"| {m['ratio_vs_bf16']:.4f} | {m['seconds']:.1f} |"
         )
     if torch.cuda.is_available():
         from dropless.quant import torch_fp8_available

@@ -8,8 +8,14 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a training run directory (last checkpoint) or a checkpoints/step_* directory")
-    p.add_argument("out_dir", help="new directory for the Hugging Face model (config.json, model.safetensors, tokenizer)")
+    p.add_argument(
+        "checkpoint",
+        help="a training run directory (last checkpoint) or a checkpoints/step_* directory",
+    )
+    p.add_argument(
+        "out_dir",
+        help="new directory for the Hugging Face model (config.json, model.safetensors, tokenizer)",
+    )
 
 
 def run(args) -> int:
@@ -20,5 +26,7 @@ def run(args) -> int:
     except ValueError as e:
         print(f"dropless convert: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    print(
+        f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))"
+    )
     return 0

@@ -7,11 +7,16 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="a training run directory (its last checkpoint is used) or a checkpoints/step_* directory")
+    p.add_argument(
+        "run_dir",
+        help="a training run directory (its last checkpoint is used) or a checkpoints/step_* directory",
+    )
     p.add_argument("--prompt", default="", help="text to continue (default: start from nothing)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+    p.add_argument(
+        "--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -20,7 +25,16 @@ def run(args) -> int:
 
     try:
         cfg, tok, model, ck = load_run(args.run_dir)
-        text = sample(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, context=cfg.train.seq_len, seed=args.seed)
+        text = sample(
+            model,
+            tok,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            context=cfg.train.seq_len,
+            seed=args.seed,
+        )
     except ValueError as e:
         print(f"dropless generate: error: {e}", file=sys.stderr)
         return 2

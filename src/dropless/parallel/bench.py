@@ -1,7 +1,8 @@
 """Expert-parallel layer benchmark: time split (dispatch / experts / combine) of the
 forward and the forward+backward wall time, with and without chunked overlap.
 
-`python -m dropless.parallel.bench --world 2 --tokens 1024` spawns `world` gloo
+`python -m dropless.parallel.bench --world 2 --tokens 1024` (meant to become
+`dropless bench ep`) spawns `world` gloo
 processes on this machine (ep = world), runs one MoE layer per setting side by
 side in the same processes, prints a table and appends the figures to
 benchmarks/history.jsonl.
@@ -98,9 +99,8 @@ def run_bench(args: dict) -> dict:
             return json.load(f)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", type=int, default=2, help="processes (= ep)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--ffn", type=int, default=256)
@@ -109,14 +109,28 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    a = p.parse_args(argv)
-    args = {k.replace("-", "_"): v for k, v in vars(a).items()}
+    p.add_argument(
+        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
+    )
+
+
+def run(a) -> int:
+    """Run the benchmark, print the table, append the figures to the history."""
+    keys = ("world", "tokens", "hidden", "ffn", "experts", "top_k", "rounds", "warmup", "threads")
+    args = {k: getattr(a, k) for k in keys}
     rows = run_bench(args)
     print(_table(args, rows))
-    from ..bench.common import append_history
+    if not a.no_history:
+        from ..bench.common import append_history
 
-    append_history("parallel_ep_overlap", {"args": args, "rows": rows})
+        append_history("parallel_ep_overlap", {"args": args, "rows": rows})
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 def _table(args, rows) -> str:

@@ -114,7 +114,7 @@ class ExpertParallelDispatcher:
         L = E // P
         st, t0 = self.stats, time.perf_counter()
         global_counts_E, n_tokens = self._global_counts(ids_TK, E)
-        C = max(1, min(self.num_chunks, x_TD.shape[0]))
+        C = self.num_chunks  # the same on every rank (collectives pair up), even if T < C
         xs = torch.tensor_split(x_TD, C)
         ids = torch.tensor_split(ids_TK, C)
         ws = torch.tensor_split(weights_TK, C)

@@ -149,10 +149,15 @@ def _torch_wgrad(aq, bq, counts, out_dtype):
 BACKENDS = {"emulated": (_emu_mm, _emu_wgrad), "torch": (_torch_mm, _torch_wgrad)}
 
 
-def pick_backend(recipe, x: torch.Tensor) -> str:
+def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
     """The quantized backend for this recipe and input: an explicit one must be able to
     run (else ValueError); "auto" takes the real one where it exists, else emulated."""
-    real_ok = scaling_mode(recipe) != "mx" and x.is_cuda and torch_fp8_available(x.device)
+    aligned = x.shape[-1] % 16 == 0 and (
+        w is None or (w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0)
+    )
+    real_ok = (
+        scaling_mode(recipe) != "mx" and x.is_cuda and aligned and torch_fp8_available(x.device)
+    )
     if recipe.backend == "emulated":
         return "emulated"
     if recipe.backend == "torch":
@@ -160,7 +165,8 @@ def pick_backend(recipe, x: torch.Tensor) -> str:
             why = (
                 "MXFP8 has no real grouped GEMM in this version (sm100 path not written)"
                 if scaling_mode(recipe) == "mx"
-                else f"row-wise FP8 needs torch._scaled_grouped_mm on a CUDA sm90+ GPU; got {x.device}"
+                else "row-wise FP8 needs torch._scaled_grouped_mm on a CUDA sm90+ GPU and "
+                f"dims that are multiples of 16; got {x.device}, x {tuple(x.shape)}"
             )
             raise ValueError(
                 f"recipe backend='torch' cannot run: {why}. Use backend='auto' or 'emulated'."
@@ -188,7 +194,7 @@ def load_q(tensors, meta):
 class _QGroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, w, bias_EN, counts, trans_w, recipe, key):
-        be = pick_backend(recipe, x_SD)
+        be = pick_backend(recipe, x_SD, w)
         mm, _ = BACKENDS[be]
         tensor_mode = scaling_mode(recipe) == "tensor"
         xq = quantize_operand(recipe, x_SD, "x", 1, key=key)

@@ -77,7 +77,7 @@ class DelayedScaling(_Recipe):
     backend: str = "auto"
     kind = "delayed"
     state: WeakIdKeyDictionary = field(
-        default_factory=WeakIdKeyDictionary, repr=False, compare=False
+        default_factory=WeakIdKeyDictionary, init=False, repr=False, compare=False
     )
 
     def __post_init__(self):

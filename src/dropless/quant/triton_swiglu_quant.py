@@ -29,9 +29,8 @@ from .formats import BLOCK, QTensor
 
 def _import_triton():
     try:
-        import triton.language as tl
-
         import triton
+        import triton.language as tl
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "the fused SwiGLU+quantize kernel needs triton: pip install 'dropless[triton]'"

@@ -76,7 +76,11 @@ def remove_partial(run_dir: str | Path) -> None:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -103,7 +107,17 @@ def _dcp():
     return dcp, sd
 
 
-def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, trainer_state: dict, *, keep: int, config_file: Path | None = None) -> Path:
+def save_checkpoint(
+    run_dir,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    *,
+    keep: int,
+    config_file: Path | None = None,
+) -> Path:
     """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`."""
     dcp, sd = _dcp()
     rank, _ = _rank_world()
@@ -116,13 +130,22 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, trainer_sta
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _test_kill_hook(step)
     model_sd, optim_sd = sd.get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "trainer": dict(trainer_state)}
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "scheduler": scheduler.state_dict(),
+        "trainer": dict(trainer_state),
+    }
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to save in a single process"
+        )
         dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps({"step": step, **trainer_state}, indent=1) + "\n")
+        (tmp / "trainer.json").write_text(
+            json.dumps({"step": step, **trainer_state}, indent=1) + "\n"
+        )
         if config_file is not None and config_file.is_file():
             shutil.copy2(config_file, tmp / "config.toml")
         if final.exists():  # re-saving the same step (e.g. a resumed run's end)
@@ -139,12 +162,16 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler, trainer_sta
     return final
 
 
-def load_checkpoint(path, model, optimizer=None, scheduler=None, *, restore_rng: bool = True) -> dict:
+def load_checkpoint(
+    path, model, optimizer=None, scheduler=None, *, restore_rng: bool = True
+) -> dict:
     """Load a checkpoint into `model` (and `optimizer`, `scheduler`); returns the trainer state."""
     dcp, sd = _dcp()
     path = Path(path)
     if not (path / ".metadata").is_file():
-        raise ValueError(f"{str(path)!r} is not a complete dropless checkpoint (no .metadata); pick a checkpoints/step_* directory")
+        raise ValueError(
+            f"{str(path)!r} is not a complete dropless checkpoint (no .metadata); pick a checkpoints/step_* directory"
+        )
     trainer = json.loads((path / "trainer.json").read_text())
     trainer.pop("step", None)
     if optimizer is not None:
@@ -155,10 +182,14 @@ def load_checkpoint(path, model, optimizer=None, scheduler=None, *, restore_rng:
     else:
         state = {"model": sd.get_model_state_dict(model)}
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to load in a single process"
+        )
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
-        sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        sd.set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         trainer = state["trainer"]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 RECIPES = ("none", "delayed", "current", "mxfp8")
 DTYPES = ("auto", "fp32", "bf16")
@@ -38,7 +39,9 @@ def _non_negative(section: str, **values) -> None:
 
 def _choice(section: str, name: str, value, allowed) -> None:
     if value not in allowed:
-        raise ValueError(f"{section}.{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
+        raise ValueError(
+            f"{section}.{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}"
+        )
 
 
 @dataclass
@@ -65,7 +68,9 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.path and self.config:
-            raise ValueError("model.path and model.config are both set: give a checkpoint to fine-tune OR a config to train from scratch")
+            raise ValueError(
+                "model.path and model.config are both set: give a checkpoint to fine-tune OR a config to train from scratch"
+            )
         _positive(
             "model", hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, num_experts=self.num_experts,
@@ -73,9 +78,13 @@ class ModelConfig:
             max_position_embeddings=self.max_position_embeddings,
         )  # fmt: skip
         if self.top_k > self.num_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+            raise ValueError(
+                f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
         _non_negative("model", vocab_size=self.vocab_size, init_std=self.init_std)
         _choice("model", "implementation", self.implementation, IMPLEMENTATIONS)
 
@@ -89,9 +98,10 @@ class DataConfig:
     eval_path: str = ""  # empty: hold out `eval_fraction` of the documents
     text_field: str = "text"  # for .jsonl / .parquet
     eval_fraction: float = 0.05
-    max_bytes: int = 6_000_000  # cap on training text read (0: no cap)
+    max_bytes: int = 4_000_000  # cap on training text read (0: no cap)
     eval_tokens: int = 16384  # held-out tokens scored at each log step
-    tokenizer: str = "bpe"  # "bpe" (trained on the data, cached in the run dir), "bytes", or a directory
+    # "bpe" (trained on the data, cached in the run dir), "bytes", or a tokenizer directory
+    tokenizer: str = "bpe"
     bpe_vocab_size: int = 2048
 
     def __post_init__(self):
@@ -100,7 +110,9 @@ class DataConfig:
         _non_negative("data", max_bytes=self.max_bytes)
         _positive("data", eval_tokens=self.eval_tokens)
         if not isinstance(self.bpe_vocab_size, int) or self.bpe_vocab_size < 300:
-            raise ValueError(f"data.bpe_vocab_size={self.bpe_vocab_size!r}: must be an integer >= 300 (256 bytes + merges)")
+            raise ValueError(
+                f"data.bpe_vocab_size={self.bpe_vocab_size!r}: must be an integer >= 300 (256 bytes + merges)"
+            )
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: use 'bpe', 'bytes' or a tokenizer directory")
 
@@ -110,7 +122,7 @@ class TrainSection:
     """The loop. `batch_size` is the GLOBAL number of sequences per optimizer step, split
     over processes and `grad_accum` micro-batches."""
 
-    steps: int = 300
+    steps: int = 240
     seq_len: int = 256
     batch_size: int = 16
     grad_accum: int = 1
@@ -121,10 +133,24 @@ class TrainSection:
     activation_checkpointing: bool = False
 
     def __post_init__(self):
-        _positive("train", steps=self.steps, seq_len=self.seq_len, batch_size=self.batch_size, grad_accum=self.grad_accum)
-        _non_negative("train", seed=self.seed, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef, expert_bias_rate=self.expert_bias_rate)
+        _positive(
+            "train",
+            steps=self.steps,
+            seq_len=self.seq_len,
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+        )
+        _non_negative(
+            "train",
+            seed=self.seed,
+            aux_loss_coef=self.aux_loss_coef,
+            z_loss_coef=self.z_loss_coef,
+            expert_bias_rate=self.expert_bias_rate,
+        )
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}")
+            raise ValueError(
+                f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"
+            )
 
 
 @dataclass
@@ -137,13 +163,20 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     schedule: str = "cosine"
     decay_fraction: float = 0.2  # WSD: share of the steps spent decaying
     grad_clip: float = 1.0  # 0: off
 
     def __post_init__(self):
-        _non_negative("optim", lr=self.lr, weight_decay=self.weight_decay, eps=self.eps, warmup_steps=self.warmup_steps, grad_clip=self.grad_clip)
+        _non_negative(
+            "optim",
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
+        )
         for name in ("min_lr_ratio", "beta1", "beta2", "decay_fraction"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
@@ -178,7 +211,7 @@ class ParallelConfig:
 class CheckpointConfig:
     """A checkpoint every `every` steps (0: only at the end), keeping the last `keep`."""
 
-    every: int = 100
+    every: int = 120
     keep: int = 2
 
     def __post_init__(self):
@@ -190,7 +223,7 @@ class CheckpointConfig:
 class LogConfig:
     """Metrics (JSONL + TensorBoard) and a held-out evaluation every `every` steps."""
 
-    every: int = 25
+    every: int = 30
     tensorboard: bool = True
     plots: bool = True
     progress: str = "auto"  # "auto": a rich bar on a terminal, plain lines otherwise
@@ -218,7 +251,11 @@ class Config:
 
 def known_keys() -> list[str]:
     """Every settable key as "section.field"."""
-    return [f"{name}.{f.name}" for name, kind in _section_types().items() for f in dataclasses.fields(kind)]
+    return [
+        f"{name}.{f.name}"
+        for name, kind in _section_types().items()
+        for f in dataclasses.fields(kind)
+    ]
 
 
 def _section_types() -> dict[str, type]:
@@ -264,18 +301,26 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 def _apply(raw: dict[str, dict[str, Any]], key: str, value: Any) -> None:
     section, _, name = key.partition(".")
     types_ = _section_types()
-    if section not in types_ or not name or name not in {f.name for f in dataclasses.fields(types_[section])}:
+    if (
+        section not in types_
+        or not name
+        or name not in {f.name for f in dataclasses.fields(types_[section])}
+    ):
         raise _unknown(key)
     raw.setdefault(section, {})[name] = _coerce(key, value, getattr(types_[section](), name))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Defaults <- TOML file at `path` (optional) <- `KEY=VALUE` overrides, validated."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist; pass a TOML file (see docs/train.md)")
+            raise ValueError(
+                f"config file {str(p)!r} does not exist; pass a TOML file (see docs/train.md)"
+            )
         try:
             doc = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -308,7 +353,9 @@ def _toml_value(v: Any) -> str:
 
 def dump_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as TOML (every key, defaults included)."""
-    lines = ["# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`"]
+    lines = [
+        "# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`"
+    ]
     for section, table in config_to_dict(cfg).items():
         lines.append(f"\n[{section}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]

@@ -26,7 +26,11 @@ SUFFIXES = (".txt", ".jsonl", ".parquet")
 def stdlib_files() -> list[Path]:
     """This Python's standard library sources (no site-packages), sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    files = [
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    ]
     return sorted(files)
 
 
@@ -40,13 +44,17 @@ def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list
     held-out text at `eval_fraction` of that (only the files needed are read)."""
     files = stdlib_files()
     if not files:
-        raise ValueError("the embedded corpus is empty: no standard-library .py files found via sysconfig; pass --set data.path=YOUR_DATA")
+        raise ValueError(
+            "the embedded corpus is empty: no standard-library .py files found via sysconfig; pass --set data.path=YOUR_DATA"
+        )
     root = Path(sysconfig.get_paths()["stdlib"])
     held_cap = max_bytes * eval_fraction / (1 - eval_fraction) if max_bytes else 0
     docs: dict[bool, list[str]] = {False: [], True: []}
     size = {False: 0, True: 0}
     cap = {False: max_bytes, True: held_cap}
-    for p in sorted(files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest()):
+    for p in sorted(
+        files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest()
+    ):
         held = _split_key(str(p.relative_to(root))) < eval_fraction
         if cap[held] and size[held] >= cap[held]:
             if cap[not held] and size[not held] >= cap[not held]:
@@ -61,14 +69,20 @@ def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list
 def _data_files(path: str, key: str) -> list[Path]:
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{key}={path!r} does not exist; pass a .txt/.jsonl/.parquet file or a directory of them")
+        raise ValueError(
+            f"{key}={path!r} does not exist; pass a .txt/.jsonl/.parquet file or a directory of them"
+        )
     if p.is_file():
         if p.suffix not in SUFFIXES:
-            raise ValueError(f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}")
+            raise ValueError(
+                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}"
+            )
         return [p]
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
     if not files:
-        raise ValueError(f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data")
+        raise ValueError(
+            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data"
+        )
     return files
 
 
@@ -83,7 +97,9 @@ def _read_file(f: Path, text_field: str) -> list[str]:
                     continue
                 row = json.loads(line)
                 if text_field not in row:
-                    raise ValueError(f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field")
+                    raise ValueError(
+                        f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field"
+                    )
                 docs.append(str(row[text_field]))
         return docs
     try:
@@ -92,11 +108,15 @@ def _read_file(f: Path, text_field: str) -> list[str]:
         raise ModuleNotFoundError(f"reading {f} needs pyarrow: pip install pyarrow") from None
     table = pq.read_table(f)
     if text_field not in table.column_names:
-        raise ValueError(f"{f} has no column {text_field!r} (columns: {table.column_names}); set data.text_field")
+        raise ValueError(
+            f"{f} has no column {text_field!r} (columns: {table.column_names}); set data.text_field"
+        )
     return [str(t) for t in table.column(text_field).to_pylist() if t is not None]
 
 
-def read_documents(path: str, text_field: str, key: str = "data.path", max_bytes: int = 0) -> list[str]:
+def read_documents(
+    path: str, text_field: str, key: str = "data.path", max_bytes: int = 0
+) -> list[str]:
     """Documents of a .txt (one per file) / .jsonl / .parquet file or directory of them."""
     docs, size = [], 0
     files = _data_files(path, key)
@@ -107,7 +127,9 @@ def read_documents(path: str, text_field: str, key: str = "data.path", max_bytes
         if max_bytes and size >= max_bytes:
             break
     if size == 0:
-        raise ValueError(f"{key}={path!r} holds no text (0 characters in {len(files)} file(s)); point it at non-empty data")
+        raise ValueError(
+            f"{key}={path!r} holds no text (0 characters in {len(files)} file(s)); point it at non-empty data"
+        )
     return docs
 
 
@@ -115,7 +137,9 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
     """(train documents, held-out documents) for a DataConfig."""
     if not cfg.path:
         if cfg.eval_path:
-            raise ValueError("data.eval_path is set but data.path is empty: give both, or neither for the embedded corpus")
+            raise ValueError(
+                "data.eval_path is set but data.path is empty: give both, or neither for the embedded corpus"
+            )
         return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes)
     docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes)
     if cfg.eval_path:
@@ -144,7 +168,17 @@ def tokenize(tok, docs: list[str]) -> np.ndarray:
 
 def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.ndarray]:
     """Token streams (train, held-out), tokenized once and cached under `cache_dir`."""
-    key = json.dumps({"data": {k: getattr(cfg, k) for k in ("path", "eval_path", "text_field", "eval_fraction", "max_bytes")}, "tokenizer": cfg.tokenizer, "vocab": tok.vocab_size}, sort_keys=True)
+    key = json.dumps(
+        {
+            "data": {
+                k: getattr(cfg, k)
+                for k in ("path", "eval_path", "text_field", "eval_fraction", "max_bytes")
+            },
+            "tokenizer": cfg.tokenizer,
+            "vocab": tok.vocab_size,
+        },
+        sort_keys=True,
+    )
     meta = cache_dir / "meta.json"
     if meta.is_file() and meta.read_text() == key:
         return np.load(cache_dir / "train.npy"), np.load(cache_dir / "eval.npy")
@@ -164,7 +198,9 @@ class WindowSampler:
         self.tokens_N, self.seq_len, self.seed = tokens_N, seq_len, seed
         self.num_windows = (len(tokens_N) - 1) // seq_len
         if self.num_windows < 1:
-            raise ValueError(f"the training data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; use more data or a shorter train.seq_len")
+            raise ValueError(
+                f"the training data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; use more data or a shorter train.seq_len"
+            )
         self._perm_epoch, self._perm = -1, None
 
     def _window(self, i: int) -> int:
@@ -181,7 +217,9 @@ class WindowSampler:
         return np.stack(rows).astype(np.int64)
 
 
-def micro_batch_indices(start: int, micro: int, rank: int, world: int, batch_size: int, grad_accum: int) -> range:
+def micro_batch_indices(
+    start: int, micro: int, rank: int, world: int, batch_size: int, grad_accum: int
+) -> range:
     """Global sample indices of one process's micro-batch in the step whose first global
     sample index is `start` (see the module docstring)."""
     b = batch_size // (world * grad_accum)
@@ -193,8 +231,12 @@ def eval_windows(tokens_N: np.ndarray, seq_len: int, max_tokens: int) -> np.ndar
     """int64 [B, L + 1]: consecutive held-out windows covering up to `max_tokens` targets."""
     n = min(max(1, max_tokens // seq_len), (len(tokens_N) - 1) // seq_len)
     if n < 1:
-        raise ValueError(f"the held-out data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; give more held-out text (data.eval_path / data.eval_fraction) or a shorter train.seq_len")
-    return np.stack([tokens_N[w * seq_len : w * seq_len + seq_len + 1] for w in range(n)]).astype(np.int64)
+        raise ValueError(
+            f"the held-out data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; give more held-out text (data.eval_path / data.eval_fraction) or a shorter train.seq_len"
+        )
+    return np.stack([tokens_N[w * seq_len : w * seq_len + seq_len + 1] for w in range(n)]).astype(
+        np.int64
+    )
 
 
 def byte_counts(tok, tokens_N: np.ndarray) -> np.ndarray:

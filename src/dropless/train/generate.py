@@ -19,12 +19,16 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) for a run directory or a checkpoints/step_* one."""
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"{str(p)!r} is not a directory; pass a run directory (dropless train --run-dir) or one of its checkpoints/step_* directories")
+        raise ValueError(
+            f"{str(p)!r} is not a directory; pass a run directory (dropless train --run-dir) or one of its checkpoints/step_* directories"
+        )
     if (p / ".metadata").is_file():
         return p.parent.parent, p
     found = ckpt.latest_checkpoint(p)
     if found is None:
-        raise ValueError(f"{str(p)!r} has no complete checkpoint (checkpoints/step_*); train first, or pass a checkpoint directory")
+        raise ValueError(
+            f"{str(p)!r} has no complete checkpoint (checkpoints/step_*); train first, or pass a checkpoint directory"
+        )
     return p, found
 
 
@@ -33,17 +37,35 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
     run_dir, ck = resolve_checkpoint(path)
     config_file = ck / "config.toml" if (ck / "config.toml").is_file() else run_dir / "config.toml"
     if not config_file.is_file():
-        raise ValueError(f"no config.toml in {str(ck)!r} or {str(run_dir)!r}: not a dropless training run")
+        raise ValueError(
+            f"no config.toml in {str(ck)!r} or {str(run_dir)!r}: not a dropless training run"
+        )
     cfg = load_config(config_file)
     tok = load_tokenizer(run_dir / "tokenizer")
-    model = build_model(cfg.model, hf_config(cfg.model, tok.vocab_size), expert_bias=cfg.train.expert_bias_rate > 0, seed=cfg.train.seed, device=device)
+    model = build_model(
+        cfg.model,
+        hf_config(cfg.model, tok.vocab_size),
+        expert_bias=cfg.train.expert_bias_rate > 0,
+        seed=cfg.train.seed,
+        device=device,
+    )
     ckpt.load_checkpoint(ck, model, restore_rng=False)
     model.eval()
     return cfg, tok, model, ck
 
 
 @torch.no_grad()
-def sample(model, tok, prompt: str, max_new_tokens: int = 200, *, temperature: float = 0.8, top_k: int = 40, context: int = 256, seed: int = 0) -> str:
+def sample(
+    model,
+    tok,
+    prompt: str,
+    max_new_tokens: int = 200,
+    *,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    context: int = 256,
+    seed: int = 0,
+) -> str:
     """Continue `prompt` by sampling token by token (temperature, top-k); returns the new text."""
     if temperature < 0 or top_k < 0 or max_new_tokens < 0:
         raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
@@ -72,10 +94,14 @@ def convert(path: str | Path, out_dir: str | Path) -> Path:
 
     cfg, tok, model, ck = load_run(path)
     if cfg.train.expert_bias_rate > 0:
-        print("note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it")
+        print(
+            "note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it"
+        )
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {str(out)!r} is not empty; pass a new or empty directory")
+        raise ValueError(
+            f"output directory {str(out)!r} is not empty; pass a new or empty directory"
+        )
     hf.unpatch_model(model)
     model.config.use_cache = True
     if tok.eos_id is not None:
@@ -88,5 +114,7 @@ def convert(path: str | Path, out_dir: str | Path) -> Path:
 
         PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
     else:
-        (out / "TOKENIZER.txt").write_text("byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n")
+        (out / "TOKENIZER.txt").write_text(
+            "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
+        )
     return out

@@ -67,22 +67,36 @@ class MetricsWriter:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.is_file():  # drop records past the checkpoint; they are redone
-            keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            keep = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line and json.loads(line)["step"] <= resume_step
+            ]
             self.path.write_text("".join(x + "\n" for x in keep))
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ModuleNotFoundError:
-                raise ModuleNotFoundError("log.tensorboard=true needs tensorboard: pip install 'dropless[train]' (or --set log.tensorboard=false)") from None
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=None if resume_step is None else resume_step + 1)
+                raise ModuleNotFoundError(
+                    "log.tensorboard=true needs tensorboard: pip install 'dropless[train]' (or --set log.tensorboard=false)"
+                ) from None
+            self.tb = SummaryWriter(
+                str(run_dir / "tensorboard"),
+                purge_step=None if resume_step is None else resume_step + 1,
+            )
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for k, v in record.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
+                if (
+                    isinstance(v, int | float)
+                    and not isinstance(v, bool)
+                    and k != "step"
+                    and math.isfinite(v)
+                ):
                     self.tb.add_scalar(k, v, record["step"])
             for i, r in enumerate(record.get("max_mean_load_per_layer", [])):
                 self.tb.add_scalar(f"load/max_mean_layer{i}", r, record["step"])
@@ -109,7 +123,8 @@ class Progress:
         self.total, self.bar = total, None
         if self.rich:
             try:
-                from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+                from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
+                from rich.progress import Progress as RichProgress
             except ModuleNotFoundError:
                 self.rich = False
             else:
@@ -119,12 +134,16 @@ class Progress:
                     TextColumn("ETA"), TimeRemainingColumn(), transient=False,
                 )  # fmt: skip
                 self.bar.start()
-                self.task = self.bar.add_task("train", total=total, completed=start, loss="-", tps="-", mfu="-")
+                self.task = self.bar.add_task(
+                    "train", total=total, completed=start, loss="-", tps="-", mfu="-"
+                )
 
     def update(self, step: int, loss: float, tps: float, mfu: float, eta_s: float) -> None:
         if self.bar is not None:
             mfu_s = f"{mfu:.1%}" if math.isfinite(mfu) else "n/a"
-            self.bar.update(self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}", mfu=mfu_s)
+            self.bar.update(
+                self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}", mfu=mfu_s
+            )
 
     def line(self, text: str) -> None:
         if not self.enabled:

@@ -20,7 +20,9 @@ def require_transformers():
     try:
         import transformers
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("dropless train needs transformers: pip install 'dropless[train]'") from None
+        raise ModuleNotFoundError(
+            "dropless train needs transformers: pip install 'dropless[train]'"
+        ) from None
     return transformers
 
 
@@ -36,7 +38,9 @@ def _config_dir(path: str, key: str) -> Path:
     if p.is_file() and p.name.endswith(".json"):
         return p
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise ValueError(f"{key}={path!r}: expected a local Hugging Face directory with config.json (no downloads are made)")
+        raise ValueError(
+            f"{key}={path!r}: expected a local Hugging Face directory with config.json (no downloads are made)"
+        )
     return p
 
 
@@ -72,7 +76,9 @@ def check_compatible(config, tok_vocab: int, seq_len: int) -> None:
         )
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
-        raise ValueError(f"train.seq_len={seq_len} is above the model's maximum sequence length (max_position_embeddings={max_pos}); lower train.seq_len")
+        raise ValueError(
+            f"train.seq_len={seq_len} is above the model's maximum sequence length (max_position_embeddings={max_pos}); lower train.seq_len"
+        )
 
 
 def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Module:
@@ -81,16 +87,22 @@ def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Mod
     torch.manual_seed(seed)
     kw = dict(attn_implementation=mcfg.attn_implementation, dtype=torch.float32)
     if mcfg.path:
-        model = transformers.AutoModelForCausalLM.from_pretrained(mcfg.path, local_files_only=True, **kw)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            mcfg.path, local_files_only=True, **kw
+        )
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, **kw)
     model.to(device)
     if mcfg.implementation == "dropless":
         _hf().patch_model(model, expert_bias=expert_bias)
     elif expert_bias:
-        raise ValueError("train.expert_bias_rate > 0 needs model.implementation='dropless' (the stock router has no expert bias)")
+        raise ValueError(
+            "train.expert_bias_rate > 0 needs model.implementation='dropless' (the stock router has no expert bias)"
+        )
     if not _hf().moe_layers(model):
-        raise ValueError(f"{type(model).__name__} has no Mixture-of-Experts layers; dropless train needs a MoE model")
+        raise ValueError(
+            f"{type(model).__name__} has no Mixture-of-Experts layers; dropless train needs a MoE model"
+        )
     model.config.use_cache = False
     return model
 
@@ -140,7 +152,9 @@ class FlopCounter:
         expert_mods = {id(layer.experts) for layer in layers}
         dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
         dense += sum(
-            layer.router.weight.numel() for layer in layers if layer.router is not None and not isinstance(layer.router, nn.Linear)
+            layer.router.weight.numel()
+            for layer in layers
+            if layer.router is not None and not isinstance(layer.router, nn.Linear)
         )
         ex = layers[0].experts
         expert = sum(p[0].numel() for n, p in ex.named_parameters(recurse=False) if p.dim() == 3)

@@ -14,7 +14,9 @@ def _plt():
     try:
         import matplotlib
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("plots need matplotlib: pip install 'dropless[train]' (or --set log.plots=false)") from None
+        raise ModuleNotFoundError(
+            "plots need matplotlib: pip install 'dropless[train]' (or --set log.plots=false)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -26,13 +28,24 @@ def plot_losses(records: list[dict], out: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     tr = [(r["step"], r["loss_avg"]) for r in records if r.get("loss_avg") is not None]
-    ev = [(r["step"], r["eval_loss"], r["eval_bpb"]) for r in records if r.get("eval_loss") is not None]
+    ev = [
+        (r["step"], r["eval_loss"], r["eval_bpb"])
+        for r in records
+        if r.get("eval_loss") is not None
+    ]
     if tr:
         ax.plot(*zip(*tr), label="train loss (mean since last log)", marker=".")
     if ev:
         ax.plot([e[0] for e in ev], [e[1] for e in ev], label="held-out loss", marker="o")
         ax2 = ax.twinx()
-        ax2.plot([e[0] for e in ev], [e[2] for e in ev], color="tab:green", alpha=0.4, linestyle="--", label="held-out bits/byte")
+        ax2.plot(
+            [e[0] for e in ev],
+            [e[2] for e in ev],
+            color="tab:green",
+            alpha=0.4,
+            linestyle="--",
+            label="held-out bits/byte",
+        )
         ax2.set_ylabel("held-out bits per byte")
         ax2.legend(loc="center right")
     ax.set_xlabel("step")
@@ -48,7 +61,11 @@ def plot_losses(records: list[dict], out: Path) -> Path:
 
 def plot_expert_load(records: list[dict], out: Path) -> Path | None:
     """One heatmap per MoE layer: expert (rows) x logged step (columns), load / mean load."""
-    rows = [(r["step"], np.asarray(r["tokens_per_expert"], dtype=np.float64)) for r in records if r.get("tokens_per_expert")]
+    rows = [
+        (r["step"], np.asarray(r["tokens_per_expert"], dtype=np.float64))
+        for r in records
+        if r.get("tokens_per_expert")
+    ]
     if not rows:
         return None
     plt = _plt()
@@ -58,7 +75,13 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
     n_layers = load_NLE.shape[1]
     cols = min(n_layers, 4)
     nrows = -(-n_layers // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols + 1, 2.6 * nrows + 0.6), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        nrows,
+        cols,
+        figsize=(3.2 * cols + 1, 2.6 * nrows + 0.6),
+        squeeze=False,
+        layout="constrained",
+    )
     vmax = max(2.0, float(load_NLE.max()))
     im = None
     for i in range(nrows * cols):

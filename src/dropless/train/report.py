@@ -25,19 +25,49 @@ def finish_report(trainer, summary: dict, records: list[dict]) -> None:
     if trainer.cfg.log.progress == "none":
         return
     s = summary
-    ratio = s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
+    ratio = (
+        s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
+    )
     rows = [
         ("steps", f"{s['steps']}"),
-        ("wall time", f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s; process CPU time {s['cpu_s']:.1f} s)"),
-        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s, {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process"),
-        ("MFU", f"{_fmt(s['mfu'], '.1%')} of {s['peak_tflops'] * 1e3:.1f} GFLOP/s ({s['peak_source']})"),
-        ("held-out bits/byte", f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram byte model {_fmt(s['unigram_bpb'], '.3f')})"),
-        ("loss", f"train {_fmt(s['final_loss'], '.4f')}, held-out {_fmt(s['final_eval_loss'], '.4f')} nats/token"),
+        (
+            "wall time",
+            f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s; process CPU time {s['cpu_s']:.1f} s)",
+        ),
+        (
+            "throughput",
+            f"{s['tokens_per_s']:,.0f} tokens/s, {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process",
+        ),
+        (
+            "MFU",
+            f"{_fmt(s['mfu'], '.1%')} of {s['peak_tflops'] * 1e3:.1f} GFLOP/s ({s['peak_source']})",
+        ),
+        (
+            "held-out bits/byte",
+            f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram byte model {_fmt(s['unigram_bpb'], '.3f')})",
+        ),
+        (
+            "loss",
+            f"train {_fmt(s['final_loss'], '.4f')}, held-out {_fmt(s['final_eval_loss'], '.4f')} nats/token",
+        ),
         ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, dropped 0"),
         ("peak memory", f"{s['peak_memory_mib']:,.0f} MiB"),
     ]
-    paths = [("run dir", s["run_dir"]), ("checkpoint", s["checkpoint"]), ("metrics", s["metrics"]), ("config", s["config"])]
-    paths += [(k, s[v]) for k, v in (("tensorboard", "tensorboard"), ("loss plot", "plot_loss"), ("load plot", "plot_expert_load")) if s.get(v)]
+    paths = [
+        ("run dir", s["run_dir"]),
+        ("checkpoint", s["checkpoint"]),
+        ("metrics", s["metrics"]),
+        ("config", s["config"]),
+    ]
+    paths += [
+        (k, s[v])
+        for k, v in (
+            ("tensorboard", "tensorboard"),
+            ("loss plot", "plot_loss"),
+            ("load plot", "plot_expert_load"),
+        )
+        if s.get(v)
+    ]
     try:
         from rich.console import Console
         from rich.table import Table

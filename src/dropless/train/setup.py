@@ -39,7 +39,9 @@ def init_env() -> Env:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", device_id=device if cuda else None
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Env(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device)
 
@@ -57,9 +59,14 @@ def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
     """The run directory: given, or (resume) the newest under runs/, or runs/<timestamp>."""
     if run_dir is None and env.main:
         if resume:
-            runs = sorted((p for p in Path("runs").glob("*") if ckpt.latest_checkpoint(p)), key=lambda p: p.stat().st_mtime)
+            runs = sorted(
+                (p for p in Path("runs").glob("*") if ckpt.latest_checkpoint(p)),
+                key=lambda p: p.stat().st_mtime,
+            )
             if not runs:
-                raise ValueError("--resume without --run-dir: no run with a checkpoint under ./runs; pass --run-dir RUN_DIR")
+                raise ValueError(
+                    "--resume without --run-dir: no run with a checkpoint under ./runs; pass --run-dir RUN_DIR"
+                )
             run_dir = str(runs[-1])
         else:
             run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
@@ -73,7 +80,9 @@ def check_writable(run_dir: Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"the run directory {str(run_dir)!r} is not writable ({e.strerror}); pass --run-dir to a writable directory") from None
+        raise ValueError(
+            f"the run directory {str(run_dir)!r} is not writable ({e.strerror}); pass --run-dir to a writable directory"
+        ) from None
 
 
 def tokenizer_vocab(cfg, run_dir: Path) -> int:
@@ -83,9 +92,15 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
         return ByteTokenizer.vocab_size
     if spec == "bpe":
         cached = run_dir / "tokenizer"
-        return HFTokenizer.from_dir(cached).vocab_size if (cached / TOKENIZER_FILE).is_file() else cfg.data.bpe_vocab_size
+        return (
+            HFTokenizer.from_dir(cached).vocab_size
+            if (cached / TOKENIZER_FILE).is_file()
+            else cfg.data.bpe_vocab_size
+        )
     if not Path(spec).is_dir():
-        raise ValueError(f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory")
+        raise ValueError(
+            f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory"
+        )
     return HFTokenizer.from_dir(spec).vocab_size
 
 
@@ -93,9 +108,13 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
     recipe_context(cfg.precision.recipe)
     if cfg.parallel.ep > 1:
-        raise ValueError(f"parallel.ep={cfg.parallel.ep}: expert parallelism is not available yet in this version (it arrives with the expert-parallel issue); use parallel.ep=1")
+        raise ValueError(
+            f"parallel.ep={cfg.parallel.ep}: expert parallelism is not available yet in this version (it arrives with the expert-parallel issue); use parallel.ep=1"
+        )
     if cfg.parallel.dp_shard > 1:
-        raise ValueError(f"parallel.dp_shard={cfg.parallel.dp_shard}: sharded data parallelism (FSDP2) is not available yet in this version; use parallel.dp_shard=1 (every process holds the whole model)")
+        raise ValueError(
+            f"parallel.dp_shard={cfg.parallel.dp_shard}: sharded data parallelism (FSDP2) is not available yet in this version; use parallel.dp_shard=1 (every process holds the whole model)"
+        )
     per = env.world * cfg.train.grad_accum
     if cfg.train.batch_size % per:
         raise ValueError(
@@ -110,9 +129,13 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     if resume:
         resume_from = ckpt.latest_checkpoint(run_dir)
         if resume_from is None:
-            raise ValueError(f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it")
+            raise ValueError(
+                f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
+            )
     elif ckpt.list_checkpoints(run_dir):
-        raise ValueError(f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir")
+        raise ValueError(
+            f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
+        )
     if cfg.data.path:
         _data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
@@ -120,5 +143,8 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     config = hf_config(cfg.model, tokenizer_vocab(cfg, run_dir))
     check_compatible(config, tokenizer_vocab(cfg, run_dir), cfg.train.seq_len)
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
-        print("note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units", flush=True)
+        print(
+            "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",
+            flush=True,
+        )
     return config, resume_from

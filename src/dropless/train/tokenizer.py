@@ -34,7 +34,11 @@ def _require_tokenizers():
 @lru_cache(maxsize=1)
 def _byte_of_char() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table that ByteLevel pre-tokenizers use."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -84,13 +88,17 @@ class HFTokenizer:
         eos = tok.token_to_id(EOS)
         self.eos_id = eos if eos is not None else None
         self._byte_level = _is_byte_level(tok)
-        self.nbytes_V = np.array([len(self._bytes_of(i)) for i in range(self.vocab_size)], dtype=np.int64)
+        self.nbytes_V = np.array(
+            [len(self._bytes_of(i)) for i in range(self.vocab_size)], dtype=np.int64
+        )
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
         path = Path(directory) / TOKENIZER_FILE
         if not path.is_file():
-            raise ValueError(f"tokenizer directory {str(directory)!r} has no {TOKENIZER_FILE}; pass a directory saved by a Hugging Face fast tokenizer")
+            raise ValueError(
+                f"tokenizer directory {str(directory)!r} has no {TOKENIZER_FILE}; pass a directory saved by a Hugging Face fast tokenizer"
+            )
         return cls(_require_tokenizers().Tokenizer.from_file(str(path)))
 
     @classmethod
@@ -158,7 +166,9 @@ def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
     else:
         src = Path(spec)
         if not src.is_dir():
-            raise ValueError(f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory")
+            raise ValueError(
+                f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory"
+            )
         tok = HFTokenizer.from_dir(src)
         run_tok_dir.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():

@@ -19,7 +19,15 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from .config import Config, dump_config
-from .data import WindowSampler, byte_counts, cached_streams, eval_windows, load_corpus, micro_batch_indices, unigram_bits_per_byte
+from .data import (
+    WindowSampler,
+    byte_counts,
+    cached_streams,
+    eval_windows,
+    load_corpus,
+    micro_batch_indices,
+    unigram_bits_per_byte,
+)
 from .metrics import MetricsWriter, Progress, load_stats, peak_memory_mib, peak_tflops, read_metrics
 from .model import FlopCounter, build_model, recipe_context
 from .setup import Env, broadcast, init_env, preflight, resolve_run_dir
@@ -38,7 +46,9 @@ def lr_factor(step: int, total: int, ocfg) -> float:
         p = min(1.0, (step - w) / max(1, total - w))
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * p))
     start = total - int(ocfg.decay_fraction * total)  # wsd
-    return 1.0 if step < start else 1.0 - (1 - lo) * min(1.0, (step - start) / max(1, total - start))
+    return (
+        1.0 if step < start else 1.0 - (1 - lo) * min(1.0, (step - start) / max(1, total - start))
+    )
 
 
 def _hf():
@@ -60,25 +70,53 @@ class Trainer:
         if env.main:
             dump_config(cfg, self.config_file)
         self._data()
-        self.model = build_model(cfg.model, hf_config, expert_bias=tc.expert_bias_rate > 0, seed=tc.seed, device=env.device)
+        self.model = build_model(
+            cfg.model,
+            hf_config,
+            expert_bias=tc.expert_bias_rate > 0,
+            seed=tc.seed,
+            device=env.device,
+        )
         if tc.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.layers = _hf().moe_layers(self.model)
-        self.K = int(self.layers[0].router.top_k) if self.layers[0].router is not None else int(hf_config.num_experts_per_tok)
+        self.K = (
+            int(self.layers[0].router.top_k)
+            if self.layers[0].router is not None
+            else int(hf_config.num_experts_per_tok)
+        )
         self.V = self.model.config.vocab_size
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = self._optimizer()
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, tc.steps, cfg.optim))
-        self.dtype = torch.bfloat16 if cfg.precision.dtype == "bf16" or (cfg.precision.dtype == "auto" and env.device.type == "cuda") else torch.float32
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, tc.steps, cfg.optim)
+        )
+        self.dtype = (
+            torch.bfloat16
+            if cfg.precision.dtype == "bf16"
+            or (cfg.precision.dtype == "auto" and env.device.type == "cuda")
+            else torch.float32
+        )
         self.recipe = recipe_context(cfg.precision.recipe)
         self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
         self.flops = FlopCounter.from_model(self.model)
         self.peak, self.peak_source = peak_tflops(env.device, self.dtype, cfg.log.peak_tflops)
         self.step, self.sample_index, self.state = 0, 0, {}
         if resume_from is not None:
-            self.state = ckpt.load_checkpoint(resume_from, self.model, self.optimizer, self.scheduler)
-            self.step, self.sample_index = int(self.scheduler.last_epoch), int(self.state["sample_index"])
-        self.writer = MetricsWriter(run_dir, cfg.log.tensorboard, self.step if resume_from else None) if env.main else None
+            self.state = ckpt.load_checkpoint(
+                resume_from, self.model, self.optimizer, self.scheduler
+            )
+            self.step, self.sample_index = (
+                int(self.scheduler.last_epoch),
+                int(self.state["sample_index"]),
+            )
+        self.writer = (
+            MetricsWriter(run_dir, cfg.log.tensorboard, self.step if resume_from else None)
+            if env.main
+            else None
+        )
 
     # ---- setup ---------------------------------------------------------------------
     def _data(self) -> None:
@@ -91,25 +129,40 @@ class Trainer:
             return corpus[0]
 
         if env.main:  # rank 0 trains the tokenizer and tokenizes; the others read the cache
-            self.tok = build_tokenizer(cfg.data.tokenizer, self.run_dir / "tokenizer", lambda: docs()[0], cfg.data.bpe_vocab_size)
+            self.tok = build_tokenizer(
+                cfg.data.tokenizer,
+                self.run_dir / "tokenizer",
+                lambda: docs()[0],
+                cfg.data.bpe_vocab_size,
+            )
             train, held = cached_streams(cfg.data, self.tok, self.run_dir / "data", docs)
         if env.world > 1:
             dist.barrier()
         if not env.main:
-            self.tok = build_tokenizer(cfg.data.tokenizer, self.run_dir / "tokenizer", lambda: docs()[0], cfg.data.bpe_vocab_size)
+            self.tok = build_tokenizer(
+                cfg.data.tokenizer,
+                self.run_dir / "tokenizer",
+                lambda: docs()[0],
+                cfg.data.bpe_vocab_size,
+            )
             train, held = cached_streams(cfg.data, self.tok, self.run_dir / "data", docs)
         self.sampler = WindowSampler(train, self.L, cfg.train.seed)
         self.eval_BL1 = eval_windows(held, self.L, cfg.data.eval_tokens)
         targets = self.eval_BL1[:, 1:].reshape(-1)
         self.eval_bytes = int(self.tok.nbytes_V[targets].sum())
-        self.unigram_bpb = unigram_bits_per_byte(byte_counts(self.tok, train), self.tok.token_bytes(targets))
+        self.unigram_bpb = unigram_bits_per_byte(
+            byte_counts(self.tok, train), self.tok.token_bytes(targets)
+        )
         self.train_tokens = len(train)
 
     def _optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": o.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
     def _autocast(self):
@@ -126,27 +179,37 @@ class Trainer:
         lb, zl, counts = 0.0, 0.0, []
         for layer, logits_TE in zip(self.layers, router_logits):
             bias = layer.expert_bias
-            _, ids_TK, scores_TE = route(logits_TE.float(), self.K, score_func="softmax", renormalize=True, expert_bias_E=bias)
+            _, ids_TK, scores_TE = route(
+                logits_TE.float(),
+                self.K,
+                score_func="softmax",
+                renormalize=True,
+                expert_bias_E=bias,
+            )
             lb = lb + load_balancing_loss(scores_TE, ids_TK)
             zl = zl + z_loss(logits_TE)
             counts.append(torch.bincount(ids_TK.reshape(-1), minlength=logits_TE.shape[-1]))
         n = max(len(router_logits), 1)
         return lb / n, zl / n, torch.stack(counts).cpu()
 
-    def _micro_step(self, xy_BL1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _micro_step(
+        self, xy_BL1: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         tc = self.cfg.train
         x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
         _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         with self._autocast(), self.recipe():
             out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
         ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
-        counts_ME = _hf().tokens_per_expert(self.model, reset=True)  # before backward re-runs forwards
+        # read before backward: activation checkpointing re-runs forwards there
+        counts_ME = _hf().tokens_per_expert(self.model, reset=True)
         lb = zl = torch.zeros((), device=ce.device)
         if self.need_router:
             lb, zl, routed_ME = self._router_losses(out.router_logits)
             counts_ME = routed_ME if counts_ME is None else counts_ME
         loss = ce + tc.aux_loss_coef * lb + tc.z_loss_coef * zl
-        (loss / self.A).backward()
+        with self.recipe():  # activation checkpointing recomputes forwards in backward
+            (loss / self.A).backward()
         return ce.detach(), lb.detach(), zl.detach(), counts_ME
 
     def _all_reduce_grads(self) -> None:
@@ -188,15 +251,28 @@ class Trainer:
         if counts_ME is not None:
             expected = self.B * self.L * self.K
             dropped = int(expected * M - counts_ME.sum())
-            assert dropped == 0, f"{dropped} (token, expert) pairs were dropped; the dropless path must compute all"
+            assert dropped == 0, (
+                f"{dropped} (token, expert) pairs were dropped; the dropless path must compute all"
+            )
             if self.cfg.train.expert_bias_rate > 0:
                 from ..ops import update_expert_bias
 
                 for layer, c in zip(self.layers, counts_ME):
-                    update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), self.cfg.train.expert_bias_rate)
+                    update_expert_bias(
+                        layer.expert_bias,
+                        c.to(layer.expert_bias.device),
+                        self.cfg.train.expert_bias_rate,
+                    )
         self.step += 1
         self.sample_index += self.B
-        return {"loss": float(stats[0]), "lb_loss": float(stats[1]), "z_loss": float(stats[2]), "lr": lr, "grad_norm": grad_norm, "counts_ME": counts_ME}
+        return {
+            "loss": float(stats[0]),
+            "lb_loss": float(stats[1]),
+            "z_loss": float(stats[2]),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "counts_ME": counts_ME,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -208,28 +284,52 @@ class Trainer:
             xy = torch.from_numpy(mine[i : i + self.b]).to(self.env.device)
             with self._autocast(), self.recipe():
                 logits = self.model(input_ids=xy[:, :-1], use_cache=False).logits
-            nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), xy[:, 1:].reshape(-1), reduction="sum")
-            acc += torch.stack([nll.double().cpu(), torch.tensor(float(xy[:, 1:].numel()), dtype=torch.float64)])
+            nll = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), xy[:, 1:].reshape(-1), reduction="sum"
+            )
+            acc += torch.stack(
+                [nll.double().cpu(), torch.tensor(float(xy[:, 1:].numel()), dtype=torch.float64)]
+            )
         if self.W > 1:
             dist.all_reduce(acc)
         _hf().tokens_per_expert(self.model, reset=True)
-        return {"eval_loss": float(acc[0] / acc[1]), "eval_bpb": float(acc[0] / math.log(2) / self.eval_bytes)}
+        return {
+            "eval_loss": float(acc[0] / acc[1]),
+            "eval_bpb": float(acc[0] / math.log(2) / self.eval_bytes),
+        }
 
     # ---- the run -----------------------------------------------------------------------
     def _save(self) -> Path:
-        st = {"sample_index": self.sample_index, "seed": self.cfg.train.seed, "world_size": self.W, **{k: v for k, v in self.state.items() if k.startswith("initial_")}}
-        return ckpt.save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.scheduler, st, keep=self.cfg.checkpoint.keep, config_file=self.config_file)
+        st = {
+            "sample_index": self.sample_index,
+            "seed": self.cfg.train.seed,
+            "world_size": self.W,
+            **{k: v for k, v in self.state.items() if k.startswith("initial_")},
+        }
+        return ckpt.save_checkpoint(
+            self.run_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            st,
+            keep=self.cfg.checkpoint.keep,
+            config_file=self.config_file,
+        )
 
     def fit(self) -> dict:
         cfg, env, total = self.cfg, self.env, self.cfg.train.steps
         if self.step >= total:
-            raise ValueError(f"the run is already at step {self.step} of train.steps={total}; raise train.steps to continue it (--set train.steps=N)")
+            raise ValueError(
+                f"the run is already at step {self.step} of train.steps={total}; raise train.steps to continue it (--set train.steps=N)"
+            )
         ckpt.remove_partial(self.run_dir)
         progress = Progress(cfg.log.progress, total, self.step, env.main)
         if self.step == 0:
             ev = self.evaluate()
             self.state.update(initial_eval_loss=ev["eval_loss"], initial_eval_bpb=ev["eval_bpb"])
             self._write({"step": 0, **ev, "unigram_bpb": self.unigram_bpb})
+        self.setup_s = time.perf_counter() - self.t_start
         progress.line(self._header())
         window = {"time": 0.0, "flops": 0.0, "tokens": 0, "steps": 0, "loss": 0.0, "counts": None}
         train_time = train_flops = 0.0
@@ -240,7 +340,11 @@ class Trainer:
             if env.device.type == "cuda":
                 torch.cuda.synchronize(env.device)
             dt = time.perf_counter() - t0
-            pairs = int(last["counts_ME"].sum()) if last["counts_ME"] is not None else self.B * self.L * self.K * len(self.layers)
+            pairs = (
+                int(last["counts_ME"].sum())
+                if last["counts_ME"] is not None
+                else self.B * self.L * self.K * len(self.layers)
+            )
             fl = self.flops.step_flops(self.B, self.L, pairs)
             window["time"] += dt
             window["flops"] += fl
@@ -248,18 +352,37 @@ class Trainer:
             window["steps"] += 1
             window["loss"] += last["loss"]
             if last["counts_ME"] is not None:
-                window["counts"] = last["counts_ME"] if window["counts"] is None else window["counts"] + last["counts_ME"]
+                window["counts"] = (
+                    last["counts_ME"]
+                    if window["counts"] is None
+                    else window["counts"] + last["counts_ME"]
+                )
             train_time += dt
             train_flops += fl
             tps = window["tokens"] / window["time"]
             mfu = window["flops"] / window["time"] / self.W / 1e12 / self.peak
-            progress.update(self.step, last["loss"], tps, mfu, (total - self.step) * train_time / max(1, self.step - self._start_step))
+            progress.update(
+                self.step,
+                last["loss"],
+                tps,
+                mfu,
+                (total - self.step) * train_time / max(1, self.step - self._start_step),
+            )
             if self.step % cfg.log.every == 0 or self.step == total:
                 rec = self._record(last, window)
                 self._write(rec)
                 progress.line(self._line(rec))
-                window = {"time": 0.0, "flops": 0.0, "tokens": 0, "steps": 0, "loss": 0.0, "counts": None}
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == total:
+                window = {
+                    "time": 0.0,
+                    "flops": 0.0,
+                    "tokens": 0,
+                    "steps": 0,
+                    "loss": 0.0,
+                    "counts": None,
+                }
+            if (
+                cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
+            ) or self.step == total:
                 self._save()
         progress.close()
         return self._finish(train_time, train_flops)
@@ -306,12 +429,14 @@ class Trainer:
     def _finish(self, train_time: float, train_flops: float) -> dict:
         records = read_metrics(self.run_dir) if self.env.main else []
         evals = [r for r in records if "eval_bpb" in r]
-        init_bpb = self.state.get("initial_eval_bpb", evals[0]["eval_bpb"] if evals else float("nan"))
+        init_bpb = self.state.get(
+            "initial_eval_bpb", evals[0]["eval_bpb"] if evals else float("nan")
+        )
         final = evals[-1] if evals else {}
         steps_run = max(1, self.step - self._start_step)
         summary = {
             "run_dir": str(self.run_dir), "steps": self.step, "wall_s": time.perf_counter() - self.t_start, "train_s": train_time,
-            "cpu_s": time.process_time() - self.cpu_start,
+            "cpu_s": time.process_time() - self.cpu_start, "setup_s": self.setup_s,
             "tokens_per_s": steps_run * self.B * self.L / max(train_time, 1e-9),
             "tflops_per_process": train_flops / max(train_time, 1e-9) / self.W / 1e12,
             "mfu": train_flops / max(train_time, 1e-9) / self.W / 1e12 / self.peak, "peak_tflops": self.peak,

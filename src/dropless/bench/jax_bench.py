@@ -1,0 +1,226 @@
+"""`dropless bench jax`: one MoE layer in JAX, forward and forward+backward, side by side.
+
+Rows, each measured in its own child process (so peak memory is its own):
+- dropless: `dropless.jax.moe_apply` (tiled grouped GEMM with custom VJP on CPU);
+- ragged_dot: the same layer with `jax.lax.ragged_dot` as the grouped GEMM (dropless;
+  on XLA:CPU a masked dense matmul over all experts: slow and ~19 GB at the default
+  shape, so it runs last, alone, only when enough memory is free, with a watchdog);
+- capacity_einsum: the GShard/Switch dispatch-einsum layer with capacity factor 1.25
+  (drops the overflow; its dispatch/combine einsums cost more than the experts);
+- dense_bound: a dense GEMM chain with the experts' FLOPs (T*K rows, one weight).
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, C capacity per expert
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODULE = "dropless.bench.jax_bench"
+IMPLS = ("dropless", "ragged_dot", "capacity_einsum", "dense_bound")
+SECTION = Path("benchmarks") / "sections" / "jax.md"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
+    p.add_argument("--ragged-rounds", type=int, default=1, help="timed rounds for the slow ragged_dot row")
+    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+    p.add_argument("--ragged-min-free-gib", type=float, default=20.5,
+                   help="run ragged_dot only if this much memory is available (else: not run)")
+    p.add_argument("--no-history", action="store_true", help="do not append to benchmarks/history.jsonl")
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def _median_ms(fn, args, rounds):
+    import jax
+
+    compiled = jax.jit(fn).lower(*args).compile()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _child(cfg: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dropless.bench.common import peak_rss_mib
+    from dropless.jax import MoEConfig, init_params, moe_apply, swiglu
+
+    E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
+    impl, rounds = cfg["impl"], cfg["rounds"]
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((T, D), dtype=np.float32))
+    mcfg = MoEConfig(D, F, E, K, backend="ragged_dot" if impl == "ragged_dot" else "tiled")
+    params = init_params(jax.random.key(0), mcfg)
+    extra = {}
+    if impl in ("dropless", "ragged_dot"):
+
+        def fwd(p, x):
+            out, aux = moe_apply(p, x, mcfg)
+            return out, aux.dropped
+
+    elif impl == "capacity_einsum":
+        C = math.ceil(cfg["capacity_factor"] * T * K / E)
+        extra["capacity"] = C
+
+        def fwd(p, x):
+            logits_TE = x @ p["router"]["weight"].T
+            w_TK, ids_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, -1), K)
+            w_TK = w_TK / w_TK.sum(-1, keepdims=True)
+            onehot_TKE = jax.nn.one_hot(ids_TK, E, dtype=jnp.int32)
+            # position of each pair in its expert's queue, in (k, token) priority order
+            pos_KTE = jnp.cumsum(onehot_TKE.transpose(1, 0, 2).reshape(K * T, E), 0).reshape(K, T, E) - 1
+            pos_TK = (pos_KTE.transpose(1, 0, 2) * onehot_TKE).sum(-1)
+            keep_TK = pos_TK < C
+            slot_TKC = jax.nn.one_hot(jnp.where(keep_TK, pos_TK, C), C, dtype=x.dtype)
+            dispatch_TEC = jnp.einsum("tke,tkc->tec", onehot_TKE.astype(x.dtype), slot_TKC)
+            combine_TEC = jnp.einsum("tke,tkc,tk->tec", onehot_TKE.astype(x.dtype), slot_TKC, w_TK)
+            x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC, x)
+            h = jnp.einsum("ecd,efd->ecf", x_ECD, p["experts"]["gate_up_proj"])
+            a = swiglu(h.reshape(E * C, 2 * F)).reshape(E, C, F)
+            y_ECD = jnp.einsum("ecf,edf->ecd", a, p["experts"]["down_proj"])
+            return jnp.einsum("tec,ecd->td", combine_TEC, y_ECD), T * K - keep_TK.sum()
+
+    else:  # dense_bound: the experts' FLOPs as two dense GEMMs over T*K rows
+        x = jnp.tile(x, (K, 1))
+        params = {"gate_up": params["experts"]["gate_up_proj"][0], "down": params["experts"]["down_proj"][0]}
+
+        def fwd(p, x):
+            a = swiglu(x @ p["gate_up"].T)
+            return a @ p["down"].T, jnp.zeros((), jnp.int32)
+
+    r = jnp.asarray(np.random.default_rng(1).standard_normal((x.shape[0], D), dtype=np.float32))
+
+    def loss(p, x):
+        out, _ = fwd(p, x)
+        return (out * r).sum()
+
+    fwd_bwd = jax.value_and_grad(loss, argnums=(0, 1))
+    dropped = int(jax.jit(fwd)(params, x)[1])
+    fwd_ms = _median_ms(lambda p, x: fwd(p, x)[0], (params, x), rounds)
+    fwd_bwd_ms = _median_ms(fwd_bwd, (params, x), rounds)
+    return dict(impl=impl, fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms, peak_rss_mib=peak_rss_mib(),
+                dropped=dropped, jax=jax.__version__, **extra)
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+def _mem_available_gib() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict:
+    """Run one row in a child; kill it if free memory falls under `watch_gib` (no OOM killer)."""
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-m", MODULE, json.dumps(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    t0 = time.time()
+    while proc.poll() is None:
+        if _mem_available_gib() < watch_gib or time.time() - t0 > timeout:
+            proc.kill()
+            proc.wait()
+            return dict(impl=cfg["impl"], status=f"killed: under {watch_gib} GiB free or past {timeout} s")
+        time.sleep(0.5)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        return dict(impl=cfg["impl"], status=f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
+    return dict(json.loads(out.strip().splitlines()[-1]), status="ok")
+
+
+def _table(rows: dict, shape: str, command: str, date: str, machine: dict) -> str:
+    dense = rows.get("dense_bound", {})
+    ours = rows.get("dropless", {})
+    lines = [
+        "## JAX layer (CPU, fp32)",
+        "",
+        f"`{command}` on {date}; {machine.get('cores')} cores ({machine.get('cpu')}), jax {ours.get('jax', '?')};"
+        " other agents were using the machine, so absolute times are noisy: the ratios are side by side.",
+        f"Shape: {shape}. Median of the timed rounds; peak RSS of each row's own process.",
+        "",
+        "| implementation | fwd ms | fwd+bwd ms | fwd+bwd / dense bound | peak RSS MiB | dropped pairs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for impl in IMPLS:
+        r = rows.get(impl)
+        if r is None:
+            continue
+        if r.get("status") != "ok":
+            lines.append(f"| {impl} | not run: {r.get('status')} | | | | |")
+            continue
+        ratio = r["fwd_bwd_ms"] / dense["fwd_bwd_ms"] if dense.get("status") == "ok" else float("nan")
+        lines.append(f"| {impl} | {r['fwd_ms']:,.0f} | {r['fwd_bwd_ms']:,.0f} | {ratio:.2f} | "
+                     f"{r['peak_rss_mib']:,.0f} | {r['dropped']} |")
+    rg = rows.get("ragged_dot", {})
+    if ours.get("status") == "ok" and rg.get("status") == "ok":
+        lines += ["", f"dropless vs ragged_dot: {rg['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.0f}x faster (fwd+bwd), "
+                  f"{rg['peak_rss_mib'] / ours['peak_rss_mib']:.1f}x less peak memory."]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    from dropless.bench.common import append_history, machine
+
+    impls = [i for i in args.impls.split(",") if i]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        raise ValueError(f"--impls {bad}: allowed {IMPLS}")
+    base = dict(E=args.experts, K=args.top_k, D=args.hidden, F=args.ffn, T=args.tokens,
+                capacity_factor=args.capacity_factor)
+    rows = {}
+    for impl in [i for i in impls if i != "ragged_dot"] + (["ragged_dot"] if "ragged_dot" in impls else []):
+        if impl == "ragged_dot":
+            free = _mem_available_gib()
+            if free < args.ragged_min_free_gib:
+                rows[impl] = dict(impl=impl, status=f"{free:.1f} GiB available < {args.ragged_min_free_gib}")
+                print(f"{impl}: not run ({rows[impl]['status']})", flush=True)
+                continue
+        rounds = args.ragged_rounds if impl == "ragged_dot" else args.rounds
+        rows[impl] = _run_child(dict(base, impl=impl, rounds=rounds))
+        print(json.dumps(rows[impl]), flush=True)
+    shape = f"E={args.experts}, K={args.top_k}, D={args.hidden}, F={args.ffn}, T={args.tokens}"
+    command = "dropless " + " ".join(sys.argv[1:])
+    figures = dict(shape=shape, rows=rows)
+    d, rg = rows.get("dense_bound", {}), rows.get("ragged_dot", {})
+    ours = rows.get("dropless", {})
+    if ours.get("status") == "ok" and d.get("status") == "ok":
+        figures["dropless_over_dense_fwd_bwd"] = ours["fwd_bwd_ms"] / d["fwd_bwd_ms"]
+    if ours.get("status") == "ok" and rg.get("status") == "ok":
+        figures["ragged_over_dropless_fwd_bwd"] = rg["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+        figures["ragged_over_dropless_peak_rss"] = rg["peak_rss_mib"] / ours["peak_rss_mib"]
+    record = figures if args.no_history else append_history("jax", figures)
+    date = record.get("date", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    text = _table(rows, shape, command, date, machine())
+    print(text)
+    if not args.no_history:
+        SECTION.parent.mkdir(parents=True, exist_ok=True)
+        SECTION.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

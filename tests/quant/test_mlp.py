@@ -85,7 +85,8 @@ def test_fused_mlp_equals_composed_recipe_gemms(name):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 @pytest.mark.parametrize("fp8_saved", [False, True])
-def test_token_path_equals_sorted_rows_path(name, fp8_saved):
+@pytest.mark.parametrize("dropped", [False, True], ids=["dropless", "capacity_dropped_pairs"])
+def test_token_path_equals_sorted_rows_path(name, fp8_saved, dropped):
     """Given x_TD and the token indices, the MLP gathers and combines itself (keeping
     only x_TD): same result as permute -> MLP on x_SD -> unpermute."""
     g = torch.Generator().manual_seed(5)
@@ -96,7 +97,9 @@ def test_token_path_equals_sorted_rows_path(name, fp8_saved):
     gate_up = (torch.randn(E, 2 * F, D, generator=g) / 8).requires_grad_(True)
     down = (torch.randn(E, D, F, generator=g) / 7).requires_grad_(True)
     dy = torch.randn(T, D, generator=g)
-    sp = sort_by_expert(ids, E)
+    keep = (torch.rand(T, K, generator=g) > 0.3) if dropped else None
+    sp = sort_by_expert(ids, E, keep)
+    assert (sp.num_dropped > 0) == dropped
     prob = w_TK.reshape(-1)[sp.pair_S]
     outs = []
     for path in ("rows", "tokens"):

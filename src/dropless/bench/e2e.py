@@ -8,7 +8,8 @@ load from other processes hits them alike; >= 3 rounds. In a child: one warm-up 
 time), then the step's peak memory above the steady state: glibc is told to serve blocks
 >= 128 KiB with mmap and to trim freed memory (mallopt), so the resident set follows the
 live tensors; the child then reads VmRSS (the steady state: weights, AdamW state), resets
-VmHWM (/proc/self/clear_refs) and runs one more step; peak = VmHWM minus that baseline. Every child starts from the same seed, so the first-step losses of
+VmHWM (/proc/self/clear_refs) and runs one more step, forward+backward and the AdamW step
+measured apart; peak step memory = the larger of the two VmHWM minus that baseline. Every child starts from the same seed, so the first-step losses of
 the three implementations must agree (printed as a check).
 """
 
@@ -121,12 +122,19 @@ def child(args: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
 
-    def step() -> float:
+    def fwd_bwd() -> float:
         loss = model(input_ids=ids_BL, labels=ids_BL).loss
         loss.backward()
+        return float(loss.detach())
+
+    def opt_step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+
+    def step() -> float:
+        loss = fwd_bwd()
+        opt_step()
+        return loss
 
     first_loss = step()  # warm-up: AdamW state allocated here
     times = []
@@ -134,13 +142,18 @@ def child(args: dict) -> dict:
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    tracked, base, peak = False, float("nan"), float("nan")
+    tracked = False
+    base = peak_fb = peak_opt = float("nan")
     if args.get("memory", True):
         tracked = _follow_live_memory()  # also trims the heap: RSS = live memory from here
         base = _rss_mib()
         reset_peak_rss()
-        step()
-        peak = peak_rss_mib() - base
+        fwd_bwd()
+        peak_fb = peak_rss_mib() - base  # activations + gradients
+        reset_peak_rss()
+        opt_step()
+        peak_opt = peak_rss_mib() - base  # gradients + AdamW's temporaries
+    peak = max(peak_fb, peak_opt)
     calls = None
     if impl == "dropless":
         import dropless.hf as dh
@@ -151,6 +164,8 @@ def child(args: dict) -> dict:
         "step_s": statistics.median(times),
         "tokens_per_s": shape["batch"] * shape["seq"] / statistics.median(times),
         "peak_step_mib": peak,
+        "peak_fwd_bwd_mib": peak_fb,
+        "peak_optimizer_mib": peak_opt,
         "steady_rss_mib": base,
         "first_loss": first_loss,
         "memory_tracked": tracked,
@@ -165,14 +180,16 @@ def child(args: dict) -> dict:
 def _table(rows: dict, shape: dict, rounds: int, steps: int) -> str:
     base = rows.get("grouped_mm")
     lines = [
-        "| implementation | tokens/s | step s | peak step MiB | vs grouped_mm tokens/s | vs grouped_mm memory | first loss |",
-        "|---|---|---|---|---|---|---|",
+        "| implementation | tokens/s | step s | peak step MiB | of which fwd+bwd / AdamW MiB "
+        "| vs grouped_mm tokens/s | vs grouped_mm peak step memory | first loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for impl, r in rows.items():
         speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x" if base else "-"
         lines.append(
             f"| {_label(impl)} | {r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['peak_step_mib']:.1f} "
+            f"| {r.get('peak_fwd_bwd_mib', float('nan')):.1f} / {r.get('peak_optimizer_mib', float('nan')):.1f} "
             f"| {speed} | {mem} | {r['first_loss']:.4f} |"
         )
     return "\n".join(lines)
@@ -214,8 +231,13 @@ def run(args) -> int:
             "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
             "step_s": statistics.median(o["step_s"] for o in outs),
             "peak_step_mib": statistics.median(o["peak_step_mib"] for o in outs),
+            "peak_fwd_bwd_mib": statistics.median(o["peak_fwd_bwd_mib"] for o in outs),
+            "peak_optimizer_mib": statistics.median(o["peak_optimizer_mib"] for o in outs),
             "first_loss": outs[0]["first_loss"],
-            "rounds": [{k: o[k] for k in ("tokens_per_s", "peak_step_mib")} for o in outs],
+            "rounds": [
+                {k: o[k] for k in ("tokens_per_s", "peak_step_mib", "peak_fwd_bwd_mib")}
+                for o in outs
+            ],
         }
     losses = [r["first_loss"] for r in rows.values()]
     if max(losses) - min(losses) > 1e-3 * max(abs(x) for x in losses):

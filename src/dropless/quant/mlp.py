@@ -91,6 +91,11 @@ def combine_rows(y_SD, token_S, slot_TK):
     return unpermute(y_SD, SimpleNamespace(token_S=token_S, slot_TK=slot_TK))
 
 
+def _slots_by_token(token_S: torch.Tensor, T: int) -> torch.Tensor:
+    """[T, K] slots of each token (in expert order) when every token has K slots."""
+    return torch.argsort(token_S, stable=True).view(T, -1)
+
+
 def _store_h(h_S2F) -> QTensor:
     # storage only (no GEMM reads it): E4M3 with one fp32 scale per row, 4 bytes per
     # 2F values, for every recipe
@@ -134,7 +139,13 @@ class _QGroupedMLP(torch.autograd.Function):
         else:
             x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
         none = x.new_empty(0)
-        opt = [t if t is not None else none for t in (prob_S, b2, token_S, slot_TK)]
+        # dropless (every token has K slots): the slots of each token are recomputed from
+        # token_S in backward, so slot_TK need not be kept
+        keep_slots = slot_TK is not None and token_S.numel() != slot_TK.numel()
+        opt = [
+            t if t is not None else none
+            for t in (prob_S, b2, token_S, slot_TK if keep_slots else None)
+        ]
         scales = [xq.scale, w1q.scale, aq.scale, w2q.scale] if tensor_mode else [none] * 4
         ctx.save_for_backward(*saved, *opt, gate_up, down, *scales)
         ctx.metas, ctx.counts, ctx.trans_w, ctx.recipe, ctx.be = (
@@ -207,7 +218,9 @@ class _QGroupedMLP(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
             if gathered:
-                dx = gather_sum(dx, slot_TK)
+                dx = gather_sum(
+                    dx, slot_TK if slot_TK.numel() else _slots_by_token(token_S, x_s.shape[0])
+                )
         if not isinstance(x_s, QTensor):
             x_SD = x_s.index_select(0, token_S) if gathered else x_s
             x_s = col(x_SD, "x", gate_up, ts(x_scale))

@@ -37,17 +37,11 @@ def plot_losses(records: list[dict], out: Path) -> Path:
         ax.plot(*zip(*tr), label="train loss (mean since last log)", marker=".")
     if ev:
         ax.plot([e[0] for e in ev], [e[1] for e in ev], label="held-out loss", marker="o")
-        ax2 = ax.twinx()
-        ax2.plot(
-            [e[0] for e in ev],
-            [e[2] for e in ev],
-            color="tab:green",
-            alpha=0.4,
-            linestyle="--",
-            label="held-out bits/byte",
-        )
-        ax2.set_ylabel("held-out bits per byte")
-        ax2.legend(loc="center right")
+        # bits/byte is the held-out loss times a constant (targets / ln 2 / bytes): a second scale
+        k = ev[0][2] / ev[0][1] if ev[0][1] else 0.0
+        if k > 0:
+            ax2 = ax.secondary_yaxis("right", functions=(lambda x: x * k, lambda y: y / k))
+            ax2.set_ylabel("held-out bits per byte")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.set_title("dropless train: loss")

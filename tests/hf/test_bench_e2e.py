@@ -38,7 +38,7 @@ def test_table_and_bad_arguments():
         },
     }
     table = e2e._table(rows, e2e.SHAPE, 3, 2)
-    assert "| 1.30x | 0.70x |" in table, table and "`grouped_mm` (default)" in table
+    assert "| 1.30x (1.30x) | 0.70x |" in table, table and "`grouped_mm` (default)" in table
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)
     with pytest.raises(ValueError, match="--impls"):

@@ -251,3 +251,15 @@ def test_bf16_inputs_keep_their_dtype():
         y = grouped_gemm(x, w, COUNTS)
     y.float().sum().backward()
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+
+
+def test_converted_linear_delayed_state_is_keyed_by_its_weight():
+    lin = convert_linear(torch.nn.Sequential(torch.nn.Linear(D, N)))[0]
+    recipe = DelayedScaling(fp8_format="E4M3")
+    x = torch.randn(4, 7, D)
+    for _ in range(2):
+        with autocast(recipe=recipe):
+            lin(x).sum().backward()
+    st = recipe.state[lin.weight]  # one state, though the GEMM sees a fresh view each call
+    assert list(recipe.state.keys()) == [lin.weight]
+    assert torch.equal(st["x"].hist[:2], torch.stack([x.abs().max()] * 2))

@@ -49,7 +49,7 @@ def test_dump_roundtrip(tmp_path):
         ("train.steps=abc", "train.steps='abc': expected a int"),
         ("log.tensorboard=maybe", "expected true or false"),
         ("model.top_k=9", "model.top_k=9 exceeds model.num_experts=8"),
-        ("train.grad_accum=3", "train.batch_size=16 must be divisible by train.grad_accum=3"),
+        ("train.grad_accum=3", "train.batch_size=8 must be divisible by train.grad_accum=3"),
         ("steps", "expected KEY=VALUE"),
     ],
 )

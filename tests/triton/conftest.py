@@ -17,7 +17,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 MARK = "TRITON-CHECKS:"
 IMPORT_CHECK = "import dropless without triton"
 
@@ -96,7 +98,12 @@ else:
         if importlib.util.find_spec("triton") is None:
             pytest.skip("triton is not installed: pip install 'dropless[triton]'")
         paths = sorted(
-            {str(item.path) for item in request.session.items if "interpreted" in item.fixturenames}
+            {
+                str(item.path)
+                for item in request.session.items
+                # only this folder's files: another folder may use a fixture of the same name
+                if "interpreted" in item.fixturenames and item.path.parent == HERE
+            }
         )
         return _run_child(paths)
 

@@ -215,8 +215,11 @@ def _set_implementation(model, implementation) -> None:
 
 
 def unpatch() -> None:
-    """Undo `patch()` and every `patch_model()`: stock Transformers behaviour, exactly."""
-    require_transformers()
+    """Undo `patch()` and every `patch_model()`: stock Transformers behaviour, exactly.
+
+    A no-op when nothing is patched (so it never needs a supported transformers)."""
+    if not (_state["registered"] or _state["original_get_correct"] or len(_models)):
+        return
     for model in list(_models.keys()):
         unpatch_model(model)
     _uninstall_default()

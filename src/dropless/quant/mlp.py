@@ -93,7 +93,7 @@ def combine_rows(y_SD, token_S, slot_TK):
 
 def _slots_by_token(token_S: torch.Tensor, T: int) -> torch.Tensor:
     """[T, K] slots of each token (in expert order) when every token has K slots."""
-    return torch.argsort(token_S, stable=True).view(T, -1)
+    return torch.argsort(token_S, stable=True).view(T, token_S.numel() // max(T, 1))
 
 
 def _store_h(h_S2F) -> QTensor:

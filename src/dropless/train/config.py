@@ -122,9 +122,9 @@ class TrainSection:
     """The loop. `batch_size` is the GLOBAL number of sequences per optimizer step, split
     over processes and `grad_accum` micro-batches."""
 
-    steps: int = 240
+    steps: int = 420
     seq_len: int = 256
-    batch_size: int = 16
+    batch_size: int = 8
     grad_accum: int = 1
     seed: int = 0
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
@@ -163,7 +163,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    warmup_steps: int = 20
+    warmup_steps: int = 30
     schedule: str = "cosine"
     decay_fraction: float = 0.2  # WSD: share of the steps spent decaying
     grad_clip: float = 1.0  # 0: off
@@ -211,7 +211,7 @@ class ParallelConfig:
 class CheckpointConfig:
     """A checkpoint every `every` steps (0: only at the end), keeping the last `keep`."""
 
-    every: int = 120
+    every: int = 210
     keep: int = 2
 
     def __post_init__(self):
@@ -223,7 +223,7 @@ class CheckpointConfig:
 class LogConfig:
     """Metrics (JSONL + TensorBoard) and a held-out evaluation every `every` steps."""
 
-    every: int = 30
+    every: int = 60
     tensorboard: bool = True
     plots: bool = True
     progress: str = "auto"  # "auto": a rich bar on a terminal, plain lines otherwise

@@ -25,8 +25,16 @@ RTOL, ATOL = 1e-5, 1e-5
 ROUTES = {
     # name: (E, K, kwargs)
     "softmax_topk": (8, 2, dict(score_func="softmax", renormalize=False)),
-    "softmax_renorm_scaled": (8, 3, dict(score_func="softmax", renormalize=True, scaling_factor=2.5)),
-    "sigmoid_group_bias": (8, 2, dict(score_func="sigmoid", renormalize=True, n_group=4, topk_group=2)),
+    "softmax_renorm_scaled": (
+        8,
+        3,
+        dict(score_func="softmax", renormalize=True, scaling_factor=2.5),
+    ),
+    "sigmoid_group_bias": (
+        8,
+        2,
+        dict(score_func="sigmoid", renormalize=True, n_group=4, topk_group=2),
+    ),
     "sigmoid_group_of_one": (4, 2, dict(score_func="sigmoid", n_group=4, topk_group=3)),
 }
 
@@ -75,7 +83,13 @@ ROWS = 40  # every case padded to the same row count: one compile per trans_w
 
 @functools.partial(jax.jit, static_argnames="trans_w")
 def _gemm_and_grads(x, w, counts, g, trans_w):
-    y, vjp = jax.vjp(lambda x, w: grouped_gemm(x, w, counts, trans_w=trans_w, backend="tiled", tile=16, min_chunk=4), x, w)
+    y, vjp = jax.vjp(
+        lambda x, w: grouped_gemm(
+            x, w, counts, trans_w=trans_w, backend="tiled", tile=16, min_chunk=4
+        ),
+        x,
+        w,
+    )
     return (y, *vjp(g))
 
 
@@ -89,7 +103,9 @@ def test_grouped_gemm_tiled_forward_backward(case, trans_w):
     w = rng.standard_normal((E, N, D) if trans_w else (E, D, N)).astype(np.float32)
     g = rng.standard_normal((ROWS, N)).astype(np.float32)
     y, dx, dw = _gemm_and_grads(x, w, jnp.asarray(counts, jnp.int32), g, trans_w=trans_w)
-    np.testing.assert_allclose(np.asarray(y[:S]), _gemm_ref(x, w, counts, trans_w), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(
+        np.asarray(y[:S]), _gemm_ref(x, w, counts, trans_w), rtol=RTOL, atol=ATOL
+    )
     assert not np.asarray(y[S:]).any()  # rows past the groups are zeros
     # gradients of sum(y * g) by the reference, through torch autograd
     xt, wt = torch.tensor(x, requires_grad=True), torch.tensor(w, requires_grad=True)
@@ -116,10 +132,17 @@ def test_grouped_gemm_ragged_dot_backend_agrees():
 LAYERS = {
     "softmax_topk": dict(num_experts=8, top_k=2, score_func="softmax", renormalize=False),
     "sigmoid_group_bias": dict(
-        num_experts=8, top_k=3, score_func="sigmoid", n_group=4, topk_group=2, expert_bias=True,
+        num_experts=8,
+        top_k=3,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        expert_bias=True,
         scaling_factor=2.5,
     ),
-    "shared_experts": dict(num_experts=6, top_k=2, shared_expert_intermediate_size=12, shared_expert_gate=True),
+    "shared_experts": dict(
+        num_experts=6, top_k=2, shared_expert_intermediate_size=12, shared_expert_gate=True
+    ),
 }
 
 
@@ -158,7 +181,9 @@ def test_layer_matches_pytorch_moe(case):
         for name in ("gate_proj", "up_proj", "down_proj", "gate"):
             torch_grads["shared_expert", name] = getattr(tm.shared_expert, name).weight.grad
     for (group, name), g in torch_grads.items():
-        np.testing.assert_allclose(np.asarray(gp[group][name]), g.numpy(), err_msg=f"{group}.{name}", **close)
+        np.testing.assert_allclose(
+            np.asarray(gp[group][name]), g.numpy(), err_msg=f"{group}.{name}", **close
+        )
 
 
 def test_recompiles_bounded_and_padding_exact():
@@ -208,5 +233,7 @@ def test_import_dropless_does_not_import_jax_and_missing_jax_names_the_extra():
         "    print('ok')\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.stdout.strip() == "ok", out.stderr

@@ -36,12 +36,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", type=int, default=384)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
-    p.add_argument("--ragged-rounds", type=int, default=1, help="timed rounds for the slow ragged_dot row")
+    p.add_argument(
+        "--ragged-rounds", type=int, default=1, help="timed rounds for the slow ragged_dot row"
+    )
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
-    p.add_argument("--ragged-min-free-gib", type=float, default=20.5,
-                   help="run ragged_dot only if this much memory is available (else: not run)")
-    p.add_argument("--no-history", action="store_true", help="do not append to benchmarks/history.jsonl")
+    p.add_argument(
+        "--ragged-min-free-gib",
+        type=float,
+        default=20.5,
+        help="run ragged_dot only if this much memory is available (else: not run)",
+    )
+    p.add_argument(
+        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
+    )
 
 
 # ----------------------------------------------------------------------------- child
@@ -89,7 +97,9 @@ def _child(cfg: dict) -> dict:
             w_TK = w_TK / w_TK.sum(-1, keepdims=True)
             onehot_TKE = jax.nn.one_hot(ids_TK, E, dtype=jnp.int32)
             # position of each pair in its expert's queue, in (k, token) priority order
-            pos_KTE = jnp.cumsum(onehot_TKE.transpose(1, 0, 2).reshape(K * T, E), 0).reshape(K, T, E) - 1
+            pos_KTE = (
+                jnp.cumsum(onehot_TKE.transpose(1, 0, 2).reshape(K * T, E), 0).reshape(K, T, E) - 1
+            )
             pos_TK = (pos_KTE.transpose(1, 0, 2) * onehot_TKE).sum(-1)
             keep_TK = pos_TK < C
             slot_TKC = jax.nn.one_hot(jnp.where(keep_TK, pos_TK, C), C, dtype=x.dtype)
@@ -103,7 +113,10 @@ def _child(cfg: dict) -> dict:
 
     else:  # dense_bound: the experts' FLOPs as two dense GEMMs over T*K rows
         x = jnp.tile(x, (K, 1))
-        params = {"gate_up": params["experts"]["gate_up_proj"][0], "down": params["experts"]["down_proj"][0]}
+        params = {
+            "gate_up": params["experts"]["gate_up_proj"][0],
+            "down": params["experts"]["down_proj"][0],
+        }
 
         def fwd(p, x):
             a = swiglu(x @ p["gate_up"].T)
@@ -119,8 +132,15 @@ def _child(cfg: dict) -> dict:
     dropped = int(jax.jit(fwd)(params, x)[1])
     fwd_ms = _median_ms(lambda p, x: fwd(p, x)[0], (params, x), rounds)
     fwd_bwd_ms = _median_ms(fwd_bwd, (params, x), rounds)
-    return dict(impl=impl, fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms, peak_rss_mib=peak_rss_mib(),
-                dropped=dropped, jax=jax.__version__, **extra)
+    return dict(
+        impl=impl,
+        fwd_ms=fwd_ms,
+        fwd_bwd_ms=fwd_bwd_ms,
+        peak_rss_mib=peak_rss_mib(),
+        dropped=dropped,
+        jax=jax.__version__,
+        **extra,
+    )
 
 
 # ---------------------------------------------------------------------------- parent
@@ -137,18 +157,28 @@ def _mem_available_gib() -> float:
 def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict:
     """Run one row in a child; kill it if free memory falls under `watch_gib` (no OOM killer)."""
     env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-m", MODULE, json.dumps(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", MODULE, json.dumps(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     t0 = time.time()
     while proc.poll() is None:
         if _mem_available_gib() < watch_gib or time.time() - t0 > timeout:
             proc.kill()
             proc.wait()
-            return dict(impl=cfg["impl"], status=f"killed: under {watch_gib} GiB free or past {timeout} s")
+            return dict(
+                impl=cfg["impl"], status=f"killed: under {watch_gib} GiB free or past {timeout} s"
+            )
         time.sleep(0.5)
     out, err = proc.communicate()
     if proc.returncode != 0:
-        return dict(impl=cfg["impl"], status=f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}")
+        return dict(
+            impl=cfg["impl"],
+            status=f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}",
+        )
     return dict(json.loads(out.strip().splitlines()[-1]), status="ok")
 
 
@@ -172,13 +202,20 @@ def _table(rows: dict, shape: str, command: str, date: str, machine: dict) -> st
         if r.get("status") != "ok":
             lines.append(f"| {impl} | not run: {r.get('status')} | | | | |")
             continue
-        ratio = r["fwd_bwd_ms"] / dense["fwd_bwd_ms"] if dense.get("status") == "ok" else float("nan")
-        lines.append(f"| {impl} | {r['fwd_ms']:,.0f} | {r['fwd_bwd_ms']:,.0f} | {ratio:.2f} | "
-                     f"{r['peak_rss_mib']:,.0f} | {r['dropped']} |")
+        ratio = (
+            r["fwd_bwd_ms"] / dense["fwd_bwd_ms"] if dense.get("status") == "ok" else float("nan")
+        )
+        lines.append(
+            f"| {impl} | {r['fwd_ms']:,.0f} | {r['fwd_bwd_ms']:,.0f} | {ratio:.2f} | "
+            f"{r['peak_rss_mib']:,.0f} | {r['dropped']} |"
+        )
     rg = rows.get("ragged_dot", {})
     if ours.get("status") == "ok" and rg.get("status") == "ok":
-        lines += ["", f"dropless vs ragged_dot: {rg['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.0f}x faster (fwd+bwd), "
-                  f"{rg['peak_rss_mib'] / ours['peak_rss_mib']:.1f}x less peak memory."]
+        lines += [
+            "",
+            f"dropless vs ragged_dot: {rg['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.0f}x faster (fwd+bwd), "
+            f"{rg['peak_rss_mib'] / ours['peak_rss_mib']:.1f}x less peak memory.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -189,14 +226,24 @@ def run(args) -> int:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         raise ValueError(f"--impls {bad}: allowed {IMPLS}")
-    base = dict(E=args.experts, K=args.top_k, D=args.hidden, F=args.ffn, T=args.tokens,
-                capacity_factor=args.capacity_factor)
+    base = dict(
+        E=args.experts,
+        K=args.top_k,
+        D=args.hidden,
+        F=args.ffn,
+        T=args.tokens,
+        capacity_factor=args.capacity_factor,
+    )
     rows = {}
-    for impl in [i for i in impls if i != "ragged_dot"] + (["ragged_dot"] if "ragged_dot" in impls else []):
+    for impl in [i for i in impls if i != "ragged_dot"] + (
+        ["ragged_dot"] if "ragged_dot" in impls else []
+    ):
         if impl == "ragged_dot":
             free = _mem_available_gib()
             if free < args.ragged_min_free_gib:
-                rows[impl] = dict(impl=impl, status=f"{free:.1f} GiB available < {args.ragged_min_free_gib}")
+                rows[impl] = dict(
+                    impl=impl, status=f"{free:.1f} GiB available < {args.ragged_min_free_gib}"
+                )
                 print(f"{impl}: not run ({rows[impl]['status']})", flush=True)
                 continue
         rounds = args.ragged_rounds if impl == "ragged_dot" else args.rounds

@@ -32,7 +32,7 @@ MARGIN = MIN_CHUNK  # rows the "tiled" backend needs after the last valid row
 
 
 def default_backend(platform: str | None = None) -> str:
-    """"tiled" on CPU, "ragged_dot" where XLA lowers it natively (GPU, TPU)."""
+    """ "tiled" on CPU, "ragged_dot" where XLA lowers it natively (GPU, TPU)."""
     platform = platform or jax.default_backend()
     return "tiled" if platform == "cpu" else "ragged_dot"
 
@@ -48,7 +48,9 @@ def _check_backend(backend: str | None) -> str:
 def _chunk_sizes(tile: int, min_chunk: int, rows: int) -> list[int]:
     """Chunk sizes tile, tile/2, ..., min_chunk; those longer than the buffer never run."""
     if tile < min_chunk or tile & (tile - 1) or min_chunk & (min_chunk - 1):
-        raise ValueError(f"tile={tile} and min_chunk={min_chunk} must be powers of two, tile >= min_chunk")
+        raise ValueError(
+            f"tile={tile} and min_chunk={min_chunk} must be powers of two, tile >= min_chunk"
+        )
     if rows < min_chunk:
         raise ValueError(f"the buffer has {rows} rows, fewer than min_chunk={min_chunk}")
     sizes, s = [], tile
@@ -127,7 +129,9 @@ def _tiled_wgrad(a_PA, b_PB, counts_E, tile: int, min_chunk: int):
             a = jnp.where(keep, a, 0)
             return acc + lax.dot_general(a, lax.dynamic_slice_in_dim(b_PB, r, size), dims)
 
-        acc = _over_chunks(counts_E[e], offs_E[e], sizes, body, _zeros((A, B), jnp.float32, a_PA, b_PB))
+        acc = _over_chunks(
+            counts_E[e], offs_E[e], sizes, body, _zeros((A, B), jnp.float32, a_PA, b_PB)
+        )
         return lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), e, 0)
 
     return lax.fori_loop(0, E, expert, _zeros((E, A, B), a_PA.dtype, a_PA, b_PB))
@@ -179,7 +183,9 @@ def grouped_gemm(
     if x_PD.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, in] and w [E, out, in]; got {x_PD.shape} and {w.shape}")
     if x_PD.shape[1] != w.shape[2 if trans_w else 1]:
-        raise ValueError(f"x {x_PD.shape} and w {w.shape} disagree on the in dim (trans_w={trans_w})")
+        raise ValueError(
+            f"x {x_PD.shape} and w {w.shape} disagree on the in dim (trans_w={trans_w})"
+        )
     if counts_E.shape != (w.shape[0],):
         raise ValueError(f"counts_E must be [E={w.shape[0]}], got {counts_E.shape}")
     counts_E = counts_E.astype(jnp.int32)

@@ -9,7 +9,7 @@ Layout = the PyTorch layer's (Transformers v5): router weight [E, D],
 gate_up_proj [E, 2F, D] (rows [0, F) gate, [F, 2F) up), down_proj [E, D, F].
 """
 
-# T tokens, D model dim, F expert hidden dim, I shared expert hidden dim, E experts,
+# T tokens, D model dim, F expert hidden dim, Fs shared expert hidden dim, E experts,
 # K top-k, P rows of the sorted buffer (T*K + margin)
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ class MoEConfig:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("shared_expert_intermediate_size must be >= 0 (0: no shared expert)")
-        check_routing_args(self.num_experts, self.top_k, self.score_func, self.n_group, self.topk_group)
+        check_routing_args(
+            self.num_experts, self.top_k, self.score_func, self.n_group, self.topk_group
+        )
 
 
 class MoEAux(NamedTuple):
@@ -72,7 +74,12 @@ class MoEAux(NamedTuple):
 
 def init_params(key, cfg: MoEConfig, dtype=jnp.float32) -> dict:
     """Random params with the PyTorch layer's scales."""
-    E, D, F, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    E, D, F, Fs = (
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.shared_expert_intermediate_size,
+    )
     k = jax.random.split(key, 7)
 
     def normal(key, shape, fan_in):
@@ -80,13 +87,16 @@ def init_params(key, cfg: MoEConfig, dtype=jnp.float32) -> dict:
 
     params = {
         "router": {"weight": normal(k[0], (E, D), D)},
-        "experts": {"gate_up_proj": normal(k[1], (E, 2 * F, D), D), "down_proj": normal(k[2], (E, D, F), F)},
+        "experts": {
+            "gate_up_proj": normal(k[1], (E, 2 * F, D), D),
+            "down_proj": normal(k[2], (E, D, F), F),
+        },
     }
-    if I:
+    if Fs:
         shared = {
-            "gate_proj": normal(k[3], (I, D), D),
-            "up_proj": normal(k[4], (I, D), D),
-            "down_proj": normal(k[5], (D, I), I),
+            "gate_proj": normal(k[3], (Fs, D), D),
+            "up_proj": normal(k[4], (Fs, D), D),
+            "down_proj": normal(k[5], (D, Fs), Fs),
         }
         if cfg.shared_expert_gate:
             shared["gate"] = normal(k[6], (1, D), D)
@@ -126,7 +136,9 @@ def expert_mlp_sorted(x_PD, counts_E, prob_P, experts: dict, backend=None):
 
 
 def shared_expert_forward(shared: dict, x_TD):
-    y = (jax.nn.silu(x_TD @ shared["gate_proj"].T) * (x_TD @ shared["up_proj"].T)) @ shared["down_proj"].T
+    y = (jax.nn.silu(x_TD @ shared["gate_proj"].T) * (x_TD @ shared["up_proj"].T)) @ shared[
+        "down_proj"
+    ].T
     if "gate" in shared:
         y = jax.nn.sigmoid(x_TD @ shared["gate"].T) * y
     return y
@@ -176,7 +188,10 @@ def params_from_torch(moe) -> tuple[dict, dict]:
 
     params = {
         "router": {"weight": a(moe.router.weight)},
-        "experts": {"gate_up_proj": a(moe.experts.gate_up_proj), "down_proj": a(moe.experts.down_proj)},
+        "experts": {
+            "gate_up_proj": a(moe.experts.gate_up_proj),
+            "down_proj": a(moe.experts.down_proj),
+        },
     }
     if moe.shared_expert is not None:
         se = moe.shared_expert
@@ -207,8 +222,16 @@ class MoE:
     a shape, so varying routings never recompile.
     """
 
-    def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int, *,
-                 bucket_tokens: bool = False, **kwargs):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        bucket_tokens: bool = False,
+        **kwargs,
+    ):
         self.config = MoEConfig(hidden_size, moe_intermediate_size, num_experts, top_k, **kwargs)
         self.bucket_tokens = bucket_tokens
         cfg = self.config
@@ -219,10 +242,19 @@ class MoE:
         """(jax MoE, params, state) equal to a PyTorch `dropless.MoE`."""
         r = moe.router
         layer = cls(
-            moe.hidden_size, moe.experts.intermediate_size, moe.num_experts, moe.top_k,
-            score_func=r.score_func, renormalize=r.renormalize, scaling_factor=r.scaling_factor,
-            n_group=r.n_group, topk_group=r.topk_group, expert_bias=r.expert_bias is not None,
-            shared_expert_intermediate_size=0 if moe.shared_expert is None else moe.shared_expert.up_proj.out_features,
+            moe.hidden_size,
+            moe.experts.intermediate_size,
+            moe.num_experts,
+            moe.top_k,
+            score_func=r.score_func,
+            renormalize=r.renormalize,
+            scaling_factor=r.scaling_factor,
+            n_group=r.n_group,
+            topk_group=r.topk_group,
+            expert_bias=r.expert_bias is not None,
+            shared_expert_intermediate_size=0
+            if moe.shared_expert is None
+            else moe.shared_expert.up_proj.out_features,
             shared_expert_gate=moe.shared_expert is not None and moe.shared_expert.gate is not None,
             **kwargs,
         )

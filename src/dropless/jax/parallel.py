@@ -30,7 +30,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as Ps
 
 from .gemm import MARGIN, _zeros
-from .layer import MoEAux, MoEConfig, expert_mlp_sorted, next_pow2, router_forward, shared_expert_forward
+from .layer import (
+    MoEAux,
+    MoEConfig,
+    expert_mlp_sorted,
+    next_pow2,
+    router_forward,
+    shared_expert_forward,
+)
 from .permute import combine, permute, sort_by_expert
 from .routing import load_balancing_loss_global, z_loss
 
@@ -38,7 +45,7 @@ EXCHANGES = ("padded", "ragged")
 
 
 def default_exchange(platform: str | None = None) -> str:
-    """"padded" on CPU (ragged_all_to_all does not compile on XLA:CPU), else "ragged"."""
+    """ "padded" on CPU (ragged_all_to_all does not compile on XLA:CPU), else "ragged"."""
     return "padded" if (platform or jax.default_backend()) == "cpu" else "ragged"
 
 
@@ -78,7 +85,9 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
     send_n = counts_nEl.sum(1)
     peer_off_n = _excl(send_n)
     recv_nEl = lax.all_to_all(counts_nEl, axis, 0, 0, tiled=True)  # row q: from source q
-    peer_S = jnp.take(jnp.repeat(jnp.arange(n, dtype=jnp.int32), El), jnp.take(ids_TK.reshape(-1), sp.pair_P))
+    peer_S = jnp.take(
+        jnp.repeat(jnp.arange(n, dtype=jnp.int32), El), jnp.take(ids_TK.reshape(-1), sp.pair_P)
+    )
     if exchange == "padded":
         c_C = jnp.arange(C, dtype=jnp.int32)
         ok_nC = c_C[None] < send_n[:, None]
@@ -98,7 +107,9 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
         base_n = _excl(recv_n)
         rag = partial(lax.ragged_all_to_all, axis_name=axis)
         recv_x = rag(x_SD, _zeros((C, D), x_SD.dtype, x_SD), peer_off_n, send_n, out_off_n, recv_n)
-        recv_p = rag(prob_S, _zeros((C,), prob_S.dtype, prob_S), peer_off_n, send_n, out_off_n, recv_n)
+        recv_p = rag(
+            prob_S, _zeros((C,), prob_S.dtype, prob_S), peer_off_n, send_n, out_off_n, recv_n
+        )
         dropped = jnp.maximum(recv_n.sum() - C, 0)
     R = recv_x.shape[0] + MARGIN
     idx_R, valid_R = _regroup_index(recv_nEl, base_n, R)
@@ -106,8 +117,10 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
     p_R = jnp.where(valid_R, jnp.take(recv_p, idx_R), 0)
     y_RD = expert_mlp_sorted(x_RD, recv_nEl.sum(0), p_R, params["experts"], cfg.backend)
     # back to the receive layout: position of each received row in the regrouped buffer
-    inv = jnp.zeros(recv_x.shape[0], jnp.int32).at[jnp.where(valid_R, idx_R, recv_x.shape[0])].set(
-        jnp.arange(R, dtype=jnp.int32), mode="drop"
+    inv = (
+        jnp.zeros(recv_x.shape[0], jnp.int32)
+        .at[jnp.where(valid_R, idx_R, recv_x.shape[0])]
+        .set(jnp.arange(R, dtype=jnp.int32), mode="drop")
     )
     y_back = jnp.take(y_RD, inv, axis=0)
     if exchange == "padded":
@@ -135,9 +148,12 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
 
 
 def _specs(params: dict, axis: str):
-    return {
-        k: jax.tree.map(lambda _: Ps(axis) if k == "experts" else Ps(), v) for k, v in params.items()
-    }
+    """Expert weights split by expert over `axis`; everything else replicated."""
+    specs = {}
+    for k, v in params.items():
+        spec = Ps(axis) if k == "experts" else Ps()
+        specs[k] = jax.tree.map(lambda _, s=spec: s, v)
+    return specs
 
 
 def _check(cfg: MoEConfig, mesh, axis: str, x, exchange):
@@ -145,17 +161,30 @@ def _check(cfg: MoEConfig, mesh, axis: str, x, exchange):
         raise ValueError(f"axis={axis!r} is not a mesh axis; the mesh has {tuple(mesh.shape)}")
     n = mesh.shape[axis]
     if cfg.num_experts % n:
-        raise ValueError(f"num_experts={cfg.num_experts} must be divisible by the {axis!r} axis size {n}")
+        raise ValueError(
+            f"num_experts={cfg.num_experts} must be divisible by the {axis!r} axis size {n}"
+        )
     if x.shape[0] % n:
-        raise ValueError(f"tokens x.shape[0]={x.shape[0]} must be divisible by the {axis!r} axis size {n}")
+        raise ValueError(
+            f"tokens x.shape[0]={x.shape[0]} must be divisible by the {axis!r} axis size {n}"
+        )
     exchange = exchange or default_exchange()
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}; allowed: {EXCHANGES} or None (pick by platform)")
     return n, exchange
 
 
-def moe_apply_ep(params: dict, x_TD, cfg: MoEConfig, mesh, *, axis: str = "ep", state: dict | None = None,
-                 capacity: int | None = None, exchange: str | None = None):
+def moe_apply_ep(
+    params: dict,
+    x_TD,
+    cfg: MoEConfig,
+    mesh,
+    *,
+    axis: str = "ep",
+    state: dict | None = None,
+    capacity: int | None = None,
+    exchange: str | None = None,
+):
     """The MoE layer with experts sharded over mesh axis `axis`; returns (out_TD, MoEAux).
 
     x_TD [T, D] is split over `axis` by tokens; params["experts"] arrays are split over
@@ -170,8 +199,12 @@ def moe_apply_ep(params: dict, x_TD, cfg: MoEConfig, mesh, *, axis: str = "ep", 
     state = state or {}
     body = partial(_ep_body, cfg=cfg, axis=axis, n=n, C=int(C), exchange=exchange)
     aux_specs = MoEAux(Ps(), Ps(), Ps(), Ps(), Ps(axis))
-    f = _shard_map(body, mesh, (_specs(params, axis), jax.tree.map(lambda _: Ps(), state), Ps(axis)),
-                   (Ps(axis), aux_specs))
+    f = _shard_map(
+        body,
+        mesh,
+        (_specs(params, axis), jax.tree.map(lambda _: Ps(), state), Ps(axis)),
+        (Ps(axis), aux_specs),
+    )
     return f(params, state, x_TD)
 
 
@@ -193,8 +226,17 @@ def _need(params, state, x_TD, cfg, mesh, axis, exchange):
     return _shard_map(body, mesh, specs, Ps())(params, state, x_TD)
 
 
-def ep_bucket(params: dict, x_TD, cfg: MoEConfig, mesh, *, axis: str = "ep", state: dict | None = None,
-              exchange: str | None = None, min_capacity: int = 8) -> int:
+def ep_bucket(
+    params: dict,
+    x_TD,
+    cfg: MoEConfig,
+    mesh,
+    *,
+    axis: str = "ep",
+    state: dict | None = None,
+    exchange: str | None = None,
+    min_capacity: int = 8,
+) -> int:
     """Smallest power-of-two capacity (>= min_capacity) that fits this batch's routing.
 
     Runs the router only (one host sync). Pass the result as `capacity` to

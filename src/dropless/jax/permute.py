@@ -32,7 +32,9 @@ class SortedPairs(NamedTuple):
     valid_P: jax.Array
 
 
-def sort_by_expert(ids_TK: jax.Array, num_experts: int, mask_T: jax.Array | None = None, margin: int = MARGIN):
+def sort_by_expert(
+    ids_TK: jax.Array, num_experts: int, mask_T: jax.Array | None = None, margin: int = MARGIN
+):
     """Stable sort of the flattened pairs by expert id (ties keep (token, k) order)."""
     T, K = ids_TK.shape
     S = T * K
@@ -41,7 +43,9 @@ def sort_by_expert(ids_TK: jax.Array, num_experts: int, mask_T: jax.Array | None
         ids_TK = jnp.where(mask_T[:, None], ids_TK, num_experts)
     flat_S = ids_TK.reshape(-1)
     order_S = jnp.argsort(flat_S, stable=True).astype(jnp.int32)
-    bounds = jnp.searchsorted(flat_S[order_S], jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+    bounds = jnp.searchsorted(
+        flat_S[order_S], jnp.arange(num_experts + 1, dtype=jnp.int32), side="left"
+    )
     counts_E = jnp.diff(bounds).astype(jnp.int32)
     slot_S = jnp.zeros(S, jnp.int32).at[order_S].set(jnp.arange(S, dtype=jnp.int32))
     pair_P = jnp.concatenate([order_S, jnp.zeros(margin, jnp.int32)])

@@ -38,8 +38,12 @@ def route(
     T, E = logits_TE.shape
     check_routing_args(E, top_k, score_func, n_group, topk_group)
     logits = logits_TE.astype(jnp.float32)
-    scores_TE = jax.nn.softmax(logits, axis=-1) if score_func == "softmax" else jax.nn.sigmoid(logits)
-    choice_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.astype(jnp.float32)
+    scores_TE = (
+        jax.nn.softmax(logits, axis=-1) if score_func == "softmax" else jax.nn.sigmoid(logits)
+    )
+    choice_TE = (
+        scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.astype(jnp.float32)
+    )
     choice_TE = lax.stop_gradient(choice_TE)  # selection only: ids carry no gradient
     if n_group is not None and n_group > 1:
         per = E // n_group

@@ -68,8 +68,8 @@ def _act_parts(h_n2F, activation, interleaved, alpha, limit):
         sig = torch.sigmoid(gate)
         silu = gate * sig
         a0 = silu * up
-        # d silu/d gate = sig * (1 + gate * (1 - sig))
-        d_gate = sig.mul_(torch.rsub(sig, 1).mul_(gate).add_(1)).mul_(up)
+        # d a0/d gate = up * sig * (1 + gate * (1 - sig)) = a0 + sig * (up - a0): 2 passes
+        d_gate = torch.addcmul(a0, sig, up - a0)
         return a0, d_gate, silu
     g = gate.clamp(max=limit)
     u1 = up.clamp(-limit, limit).add_(1)

@@ -154,7 +154,7 @@ def _tiled_bwd(trans_w, tile, min_chunk, res, g_PN):
         dw = _tiled_wgrad(g_PN, x_PD, counts_E, tile, min_chunk)
     else:
         dw = _tiled_wgrad(x_PD, g_PN, counts_E, tile, min_chunk)
-    return dx, dw, None
+    return dx.astype(x_PD.dtype), dw.astype(w.dtype), None
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)

@@ -98,6 +98,6 @@ def test_fp8_recipe_resolves_or_says_not_available(capsys, tmp_path):
         assert "precision.recipe='mxfp8' is not available yet" in err
 
 
-def test_expert_parallel_not_available_yet(capsys, tmp_path):
-    err = _fails(capsys, tmp_path, "--set", "parallel.ep=2")
-    assert "parallel.ep=2: expert parallelism is not available yet" in err
+def test_expert_parallel_layout_checked_before_work(capsys, tmp_path):
+    err = _fails(capsys, tmp_path, "--set", "parallel.ep=2")  # one process: ep cannot be 2
+    assert "parallel.ep=2 must divide parallel.dp_shard=1" in err

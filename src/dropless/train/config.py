@@ -198,13 +198,21 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelConfig:
-    """Processes come from torchrun; all of them do data parallelism (replicated weights)."""
+    """Processes come from torchrun: world = dp_replicate x dp_shard. Dense weights are
+    FSDP2-sharded over dp_shard (HSDP: replicated over dp_replicate); experts are split
+    over ep ranks (ep divides dp_shard) and FSDP-sharded over the rest. See
+    docs/parallel.md; the sizes are checked against the world before any work."""
 
-    dp_shard: int = 1  # processes sharding parameters (FSDP2): arrives with the parallel issue
-    ep: int = 1  # expert-parallel degree: arrives with the expert-parallel issue
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: world size / dp_replicate
+    ep: int = 1
+    overlap_chunks: int = 1  # > 1: chunked all-to-all overlapped with expert compute
+    dispatcher: str = "alltoall"  # "deepep": GPU only, not available yet
 
     def __post_init__(self):
-        _positive("parallel", dp_shard=self.dp_shard, ep=self.ep)
+        from ..parallel.mesh import ParallelConfig as Checked
+
+        Checked(self.dp_replicate, self.dp_shard, self.ep, self.dispatcher, self.overlap_chunks)
 
 
 @dataclass

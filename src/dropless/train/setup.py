@@ -107,14 +107,9 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
 def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
     recipe_context(cfg.precision.recipe)
-    if cfg.parallel.ep > 1:
-        raise ValueError(
-            f"parallel.ep={cfg.parallel.ep}: expert parallelism is not available yet in this version (it arrives with the expert-parallel issue); use parallel.ep=1"
-        )
-    if cfg.parallel.dp_shard > 1:
-        raise ValueError(
-            f"parallel.dp_shard={cfg.parallel.dp_shard}: sharded data parallelism (FSDP2) is not available yet in this version; use parallel.dp_shard=1 (every process holds the whole model)"
-        )
+    from ..parallel.mesh import resolve_sizes
+
+    resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
     per = env.world * cfg.train.grad_accum
     if cfg.train.batch_size % per:
         raise ValueError(
@@ -141,6 +136,7 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     if cfg.data.eval_path:
         _data_files(cfg.data.eval_path, "data.eval_path")
     config = hf_config(cfg.model, tokenizer_vocab(cfg, run_dir))
+    resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
     check_compatible(config, tokenizer_vocab(cfg, run_dir), cfg.train.seq_len)
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
         print(

@@ -65,6 +65,12 @@ def _hf():
     return hf
 
 
+def _parallel():
+    from ..parallel import training
+
+    return training
+
+
 class Trainer:
     """One run. `Trainer(cfg, run_dir, env, hf_config, resume_from).fit()` -> summary dict."""
 
@@ -89,6 +95,8 @@ class Trainer:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
+        self.par = _parallel().parallelize_for_training(self.model, cfg.parallel, env.world)
         self.layers = _hf().moe_layers(self.model)
         self.K = (
             int(self.layers[0].router.top_k)
@@ -246,11 +254,15 @@ class Trainer:
                 counts_ME += c
         stats = torch.cat([sums, counts_ME.double().reshape(-1)])
         if self.W > 1:
-            self._all_reduce_grads()
+            if self.par is None:  # FSDP already reduced them
+                self._all_reduce_grads()
             dist.all_reduce(stats)
             stats[:3] /= self.W
         clip = self.cfg.optim.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        if self.par is not None:  # parameters on several DTensor meshes
+            grad_norm = self.par.clip_grad_norm_(self.params, clip)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -273,6 +285,9 @@ class Trainer:
                     )
         self.step += 1
         self.sample_index += self.B
+        ep_stats = self.par.pop_stats() if self.par is not None else {}  # EP time split, bytes
+        if self.par is not None:
+            self.par.after_step(self.step)
         return {
             "loss": float(stats[0]),
             "lb_loss": float(stats[1]),
@@ -280,6 +295,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "counts_ME": counts_ME,
+            **ep_stats,
         }
 
     @torch.no_grad()
@@ -287,11 +303,19 @@ class Trainer:
         """Held-out loss (nats/token) and bits per byte, windows split over processes."""
         self.model.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # nll sum, targets
-        mine = self.eval_BL1[self.env.rank :: self.W]
-        for i in range(0, len(mine), max(self.b, 1)):
-            xy = torch.from_numpy(mine[i : i + self.b]).to(self.env.device)
+        mine, b = self.eval_BL1[self.env.rank :: self.W], max(self.b, 1)
+        n = -(-len(mine) // b)
+        if self.par is not None:  # forwards are collective (FSDP, EP): as many on every rank
+            n_t = torch.tensor([n])
+            dist.all_reduce(n_t, op=dist.ReduceOp.MAX)
+            n = int(n_t)
+        for j in range(n):
+            part = mine[j * b : (j + 1) * b]
+            xy = torch.from_numpy(part if len(part) else self.eval_BL1[:1]).to(self.env.device)
             with self._autocast(), self.recipe():
                 logits = self.model(input_ids=xy[:, :-1], use_cache=False).logits
+            if not len(part):  # a filler forward on a rank with no windows left
+                continue
             nll = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), xy[:, 1:].reshape(-1), reduction="sum"
             )
@@ -411,6 +435,7 @@ class Trainer:
             "tokens_seen": self.sample_index * self.L, "dropped": 0, "elapsed_s": time.perf_counter() - self.t_start,
             "cpu_s": time.process_time() - self.cpu_start,
         }  # fmt: skip
+        rec.update({k: v for k, v in last.items() if k.startswith("ep_")})
         if window["counts"] is not None:
             rec["tokens_per_expert"] = window["counts"].tolist()
             rec.update(load_stats(window["counts"]))

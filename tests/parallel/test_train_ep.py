@@ -5,6 +5,7 @@ count (1 process with 2 micro-batches: the same per-micro-batch token sets).
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,14 @@ from dropless.parallel.training import KILL_ENV  # noqa: E402
 from dropless.train import checkpoint as ckpt  # noqa: E402
 from dropless.train.recipes import TINY  # noqa: E402
 
-RUN = (*TINY, "train.steps=4", "log.every=1", "checkpoint.every=2", "log.plots=false", "log.tensorboard=false")
+RUN = (
+    *TINY,
+    "train.steps=4",
+    "log.every=1",
+    "checkpoint.every=2",
+    "log.plots=false",
+    "log.tensorboard=false",
+)
 
 
 def _args(*extra):
@@ -32,8 +40,6 @@ def _records(run_dir):
 
 
 def test_torchrun_ep_kill_and_resume_on_one_process(tmp_path, monkeypatch):
-    import os
-
     import torch
 
     torch.set_num_threads(1)
@@ -55,7 +61,8 @@ def test_torchrun_ep_kill_and_resume_on_one_process(tmp_path, monkeypatch):
     # `dropless convert` of the sharded checkpoint: one HF directory equal to the reference's
     _same_hf_weights(tmp_path, ckpt.step_dir(run, 2), ckpt.step_dir(ref, 2))
     # resume the 2-process EP checkpoint in one process
-    assert main(["train", "--run-dir", str(run), "--resume", "--set", "parallel.ep=1", "--set", "train.grad_accum=2"]) == 0
+    resume = ["--resume", "--set", "parallel.ep=1", "--set", "train.grad_accum=2"]
+    assert main(["train", "--run-dir", str(run), *resume]) == 0
     want = {r["step"]: r for r in _records(ref)}
     got = _records(run)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # step 3 recomputed after the restart

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer", choices=("fused", "foreach"), default="fused",
         help="AdamW implementation for every row (default fused: torch's CPU kernel)",
     )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads in each child (default: torch's default, all cores)",
+    )  # fmt: skip
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
     p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
     p.add_argument(
@@ -121,6 +125,8 @@ def child(args: dict) -> dict:
     import torch
 
     shape, impl, steps = args["shape"], args["impl"], args["steps"]
+    if args.get("threads"):
+        torch.set_num_threads(int(args["threads"]))
     model = _build(impl, shape)
     # fused: torch's CPU AdamW kernel (fastest, no parameter-sized temporaries);
     # foreach: the default multi-tensor path, whose temporaries are parameter-sized
@@ -229,7 +235,13 @@ def run(args) -> int:
         for impl in order:
             out = run_child(
                 "dropless.bench.e2e",
-                {"shape": shape, "impl": impl, "steps": args.steps, "optimizer": args.optimizer},
+                {
+                    "shape": shape,
+                    "impl": impl,
+                    "steps": args.steps,
+                    "optimizer": args.optimizer,
+                    "threads": args.threads,
+                },
             )
             results[impl].append(out)
             print(
@@ -269,6 +281,7 @@ def run(args) -> int:
         "rows": rows,
     }
     figures["optimizer"] = args.optimizer
+    figures["threads"] = outs[0]["threads"] if (outs := next(iter(results.values()))) else None
     if "grouped_mm" in rows and "dropless" in rows:
         figures["speedup_vs_grouped_mm"] = (
             rows["dropless"]["tokens_per_s"] / rows["grouped_mm"]["tokens_per_s"]
@@ -310,7 +323,8 @@ def _write_section(path: Path, table: str, figures: dict, args) -> None:
         f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
         f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
         f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
-        f"{s['seq']}, fp32 on CPU; forward + backward + AdamW ({figures['optimizer']}).  ",
+        f"{s['seq']}, fp32 on CPU, {figures['threads']} torch thread(s); forward + backward + "
+        f"AdamW ({figures['optimizer']}).  ",
         "Each implementation in its own child process, order rotated; rounds per implementation "
         f"{figures['rounds_per_impl']}, {figures['steps']} timed step(s) each after a warm-up "
         "(median over rounds; best = the fastest step seen, the least disturbed by other "

@@ -67,6 +67,14 @@ def _median_ms(fn, args, rounds):
     return statistics.median(times)
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def _child(cfg: dict) -> dict:
     import jax
     import jax.numpy as jnp
@@ -75,6 +83,7 @@ def _child(cfg: dict) -> dict:
     from dropless.bench.common import peak_rss_mib
     from dropless.jax import MoEConfig, init_params, moe_apply, swiglu
 
+    base_rss_mib = _rss_mib()  # the imported runtime (torch via dropless, jax), before any array
     E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
     impl, rounds = cfg["impl"], cfg["rounds"]
     x = jnp.asarray(np.random.default_rng(0).standard_normal((T, D), dtype=np.float32))
@@ -137,6 +146,7 @@ def _child(cfg: dict) -> dict:
         fwd_ms=fwd_ms,
         fwd_bwd_ms=fwd_bwd_ms,
         peak_rss_mib=peak_rss_mib(),
+        base_rss_mib=base_rss_mib,
         dropped=dropped,
         jax=jax.__version__,
         **extra,
@@ -192,22 +202,23 @@ def _table(rows: dict, shape: str, command: str, date: str, machine: dict) -> st
         " other agents were using the machine, so absolute times are noisy: the ratios are side by side.",
         f"Shape: {shape}. Median of the timed rounds; peak RSS of each row's own process.",
         "",
-        "| implementation | fwd ms | fwd+bwd ms | fwd+bwd / dense bound | peak RSS MiB | dropped pairs |",
-        "|---|---|---|---|---|---|",
+        "| implementation | fwd ms | fwd+bwd ms | fwd+bwd / dense bound | peak RSS MiB | above imported runtime MiB | dropped pairs |",
+        "|---|---|---|---|---|---|---|",
     ]
     for impl in IMPLS:
         r = rows.get(impl)
         if r is None:
             continue
         if r.get("status") != "ok":
-            lines.append(f"| {impl} | not run: {r.get('status')} | | | | |")
+            lines.append(f"| {impl} | not run: {r.get('status')} | | | | | |")
             continue
         ratio = (
             r["fwd_bwd_ms"] / dense["fwd_bwd_ms"] if dense.get("status") == "ok" else float("nan")
         )
+        above = r["peak_rss_mib"] - r.get("base_rss_mib", float("nan"))
         lines.append(
             f"| {impl} | {r['fwd_ms']:,.0f} | {r['fwd_bwd_ms']:,.0f} | {ratio:.2f} | "
-            f"{r['peak_rss_mib']:,.0f} | {r['dropped']} |"
+            f"{r['peak_rss_mib']:,.0f} | {above:,.0f} | {r['dropped']} |"
         )
     rg = rows.get("ragged_dot", {})
     if ours.get("status") == "ok" and rg.get("status") == "ok":

@@ -20,5 +20,8 @@ class LocalDispatcher:
 
     def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
         out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
-        counts_E = torch.bincount(ids_TK.reshape(-1), minlength=experts.num_experts)
+        # scatter_add, not bincount: no device->host sync on CUDA, no graph break
+        flat = ids_TK.reshape(-1)
+        counts_E = torch.zeros(experts.num_experts, dtype=torch.long, device=flat.device)
+        counts_E.scatter_add_(0, flat, torch.ones_like(flat))
         return out_TD, sp.counts_E, counts_E, x_TD.shape[0]

@@ -170,7 +170,8 @@ class MoE(nn.Module):
             lb_loss=load_balancing_loss_global(r.scores_TE, counts_E, n_tokens),
             z_loss=z_loss(r.logits_TE),
             tokens_per_expert=tokens_per_expert,
-            dropped=int(r.ids_TK.numel() - int(tokens_per_expert.sum())),
+            # dropless needs no count (and no host sync); capacity mode counts the drops
+            dropped=0 if keep_TK is None else int(r.ids_TK.numel() - int(tokens_per_expert.sum())),
             router_logits=r.logits_TE,
         )
         return out_TD.view(*lead, self.hidden_size), aux

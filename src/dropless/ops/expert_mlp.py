@@ -142,7 +142,27 @@ def expert_mlp(
     num_experts = gate_up.shape[0]
     backend = mlp_kwargs.get("backend")
     _check_activation(mlp_kwargs.get("activation", "swiglu"))
-    path = None if get_recipe() is not None else pick_mlp_path(x_TD, gate_up, backend)
+    recipe = get_recipe()
+    fused = recipe_mlp(recipe) if recipe is not None else None
+    if fused is not None and getattr(fused, "takes_tokens", False):
+        # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
+        # saved activations) for backward, instead of a permuted [S, D] copy
+        sp = sort_by_expert(ids_TK, num_experts, keep_TK)
+        prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
+        out_TD = fused(
+            x_TD,
+            sp.counts,
+            prob_S,
+            gate_up,
+            down,
+            **mlp_kwargs,
+            recipe=recipe,
+            token_S=sp.token_S,
+            slot_TK=sp.slot_TK,
+            num_out=x_TD.shape[0],
+        )
+        return out_TD, sp
+    path = None if recipe is not None else pick_mlp_path(x_TD, gate_up, backend)
     if path is None:
         sp = sort_by_expert(ids_TK, num_experts, keep_TK)
         x_SD = permute(x_TD, sp)

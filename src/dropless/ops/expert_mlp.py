@@ -194,6 +194,14 @@ def expert_mlp(
     return out_TD, sp
 
 
-@torch.compiler.disable
+_EAGER_MLP = None
+
+
 def _expert_mlp_eager(*args, **kwargs):
-    return expert_mlp(*args, **kwargs)
+    # wrapped on first use, not at import: torch.compiler.disable imports torch._dynamo
+    # (and triton), which `import dropless` should not pay for; only compiled callers
+    # reach this, and they have loaded it already
+    global _EAGER_MLP
+    if _EAGER_MLP is None:
+        _EAGER_MLP = torch.compiler.disable(expert_mlp)
+    return _EAGER_MLP(*args, **kwargs)

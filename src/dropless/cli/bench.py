@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from .main import add_subcommands
+
 BENCHES = {
     "layer": (
         "dropless.bench.layer",
@@ -23,19 +25,8 @@ BENCHES = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for name, (module, help_) in BENCHES.items():
-        q = sub.add_parser(name, help=help_, description=help_)
-        q.set_defaults(_bench_module=module)
-        try:
-            importlib.import_module(module).add_arguments(q)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            q.set_defaults(_bench_missing=True)
+    add_subcommands(sub, BENCHES, "_bench_module")
 
 
 def run(args) -> int:
-    if getattr(args, "_bench_missing", False):
-        print(f"dropless bench {args.bench}: not available in this version")
-        return 2
     return int(importlib.import_module(args._bench_module).run(args) or 0)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 from .. import __version__
 
@@ -30,16 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dropless {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
-        try:
-            importlib.import_module(module).add_arguments(p)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            p.set_defaults(_missing=True)
+    add_subcommands(sub, COMMANDS, "_module")
     return parser
+
+
+def add_subcommands(sub, table: dict[str, tuple[str, str]], dest: str) -> None:
+    """One subparser per (module, help) entry; `args.<dest>` names the module to run."""
+    for name, (module, help_) in table.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(**{dest: module})
+        importlib.import_module(module).add_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,9 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 2
-    if getattr(args, "_missing", False):
-        print(f"dropless {args.command}: not available in this version", file=sys.stderr)
         return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 

@@ -25,7 +25,15 @@ def _seed():
 
 # Per-folder time budgets from DESIGN.md (seconds on 2 cores), reported at the end of
 # every run so a slow folder shows up in CI before it eats the whole budget.
-BUDGETS = {"ops+nn": 120, "triton": 60, "hf": 120, "parallel": 180, "quant": 120, "train": 180, "jax": 90}
+BUDGETS = {
+    "ops+nn": 120,
+    "triton": 60,
+    "hf": 120,
+    "parallel": 180,
+    "quant": 120,
+    "train": 180,
+    "jax": 90,
+}
 _spent: dict[str, float] = {}
 
 
@@ -44,4 +52,6 @@ def pytest_terminal_summary(terminalreporter):
     for name, spent in sorted(_spent.items()):
         budget = BUDGETS.get(name)
         flag = "" if budget is None or spent <= budget else "  OVER BUDGET"
-        terminalreporter.write_line(f"{name:10s} {spent:7.1f} s" + (f" / {budget} s{flag}" if budget else ""))
+        terminalreporter.write_line(
+            f"{name:10s} {spent:7.1f} s" + (f" / {budget} s{flag}" if budget else "")
+        )

@@ -10,8 +10,8 @@ import copy
 import torch
 import torch.distributed as dist
 
+from dropless.hf.parallel import hf_dispatchers, shard_hf_experts
 from dropless.parallel import ParallelConfig, apply_fsdp, build_mesh, clip_grad_norm_
-from dropless.parallel.hf import hf_dispatchers, shard_hf_experts
 
 B, L, V, E = 2, 5, 64, 8
 RTOL, ATOL = 1e-5, 1e-6

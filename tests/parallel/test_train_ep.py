@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from dropless.cli.main import main  # noqa: E402
-from dropless.parallel.training import KILL_ENV  # noqa: E402
 from dropless.train import checkpoint as ckpt  # noqa: E402
+from dropless.train.distributed import KILL_ENV  # noqa: E402
 from dropless.train.recipes import TINY  # noqa: E402
 
 RUN = (

@@ -15,7 +15,7 @@ BENCHES = {
     ),
     "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
-    "ep": ("dropless.parallel.bench", "expert-parallel layer: time split with/without overlap"),
+    "ep": ("dropless.bench.ep", "expert-parallel layer: time split with/without overlap"),
     "jax": (
         "dropless.bench.jax_bench",
         "the JAX layer vs ragged_dot, capacity einsum, dense bound",

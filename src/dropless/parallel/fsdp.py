@@ -44,7 +44,7 @@ def apply_fsdp(
         kw["mp_policy"] = mp_policy
     world = pmesh.world_size
     for m in model.modules():
-        hf_ep = "_dropless_ep" in m.__dict__  # an HF experts module (see parallel/hf.py)
+        hf_ep = "_dropless_ep" in m.__dict__  # an HF experts module (see hf/parallel.py)
         if isinstance(m, EPGroupedExperts) or hf_ep:
             # several chunks may call forward_sorted in one step: keep it gathered
             fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, "reshard_after_forward": False})

@@ -66,9 +66,9 @@ def _hf():
 
 
 def _parallel():
-    from ..parallel import training
+    from . import distributed
 
-    return training
+    return distributed
 
 
 class Trainer:

@@ -1,8 +1,7 @@
 """Expert-parallel layer benchmark: time split (dispatch / experts / combine) of the
 forward and the forward+backward wall time, with and without chunked overlap.
 
-`python -m dropless.parallel.bench --world 2 --tokens 1024` (meant to become
-`dropless bench ep`) spawns `world` gloo
+`dropless bench ep --world 2 --tokens 1024` spawns `world` gloo
 processes on this machine (ep = world), runs one MoE layer per setting side by
 side in the same processes, prints a table and appends the figures to
 benchmarks/history.jsonl.
@@ -121,7 +120,7 @@ def run(a) -> int:
     rows = run_bench(args)
     print(_table(args, rows))
     if not a.no_history:
-        from ..bench.common import append_history
+        from .common import append_history
 
         append_history("parallel_ep_overlap", {"args": args, "rows": rows})
     return 0

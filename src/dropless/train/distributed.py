@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .fsdp import apply_fsdp, clip_grad_norm_
-from .hf import hf_dispatchers, shard_hf_experts
-from .mesh import ParallelMesh, build_mesh
+from ..hf.parallel import hf_dispatchers, shard_hf_experts
+from ..parallel.fsdp import apply_fsdp, clip_grad_norm_
+from ..parallel.mesh import ParallelMesh, build_mesh
 
 #: tests: "RANK:STEP" kills that rank with SIGKILL right after optimizer step STEP
 KILL_ENV = "DROPLESS_TEST_KILL_RANK_AT_STEP"
@@ -84,7 +84,7 @@ def parallelize_for_training(model: nn.Module, parallel_cfg, world: int) -> Trai
     layers = moe_layers(model)
     num_experts = layers[0].num_experts if layers else None
     if world == 1:
-        from .mesh import resolve_sizes
+        from ..parallel.mesh import resolve_sizes
 
         resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error
         return None

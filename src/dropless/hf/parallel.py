@@ -17,7 +17,7 @@ import types
 from torch import nn
 
 from ..ops.expert_mlp import grouped_mlp
-from .experts import PARAM_NAMES, _local
+from ..parallel.experts import PARAM_NAMES, _local
 
 
 class _LocalExperts:
@@ -45,7 +45,7 @@ class _LocalExperts:
 
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
-    from ..hf.experts import CALLS, _record_counts
+    from .experts import CALLS, _record_counts
 
     local, disp = self.__dict__["_dropless_ep"]
     x_TD = hidden_states.to(_local(self.gate_up_proj).dtype)
@@ -65,9 +65,9 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..hf.experts import experts_spec
-    from ..hf.layers import moe_layers
-    from .dispatcher import ExpertParallelDispatcher, raise_deepep_unavailable
+    from ..parallel.dispatcher import ExpertParallelDispatcher, raise_deepep_unavailable
+    from .experts import experts_spec
+    from .layers import moe_layers
 
     cfg = pmesh.config
     if cfg.ep == 1:

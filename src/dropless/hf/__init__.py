@@ -13,11 +13,13 @@ Transformers itself is imported on first use; install it with `pip install 'drop
 from ._compat import SUPPORTED_RANGE, check_version
 from .experts import (
     CALLS,
-    SUPPORTED_FAMILIES,
+    PATH_CALLS,
     DroplessFallbackWarning,
+    DroplessGenericGateWarning,
     ExpertsSpec,
     dropless_experts_forward,
     experts_spec,
+    register_experts_hook,
 )
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
 from .patching import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, unpatch_model
@@ -25,9 +27,10 @@ from .patching import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, u
 __all__ = [
     "CALLS",
     "IMPLEMENTATION",
-    "SUPPORTED_FAMILIES",
+    "PATH_CALLS",
     "SUPPORTED_RANGE",
     "DroplessFallbackWarning",
+    "DroplessGenericGateWarning",
     "ExpertsSpec",
     "MoELayer",
     "added_state_keys",
@@ -38,6 +41,7 @@ __all__ = [
     "moe_layers",
     "patch",
     "patch_model",
+    "register_experts_hook",
     "save_hf",
     "tokens_per_expert",
     "unpatch",

@@ -162,3 +162,43 @@ def expert_mlp_reference(
             acc = acc + weights_TK[t, k].to(x_TD.dtype) * y
         out.append(acc)
     return torch.stack(out)
+
+
+def activation_reference(
+    h_SN: torch.Tensor,
+    kind: str = "swiglu",
+    *,
+    gated: bool = True,
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    fn=None,
+):
+    """The expert activation by its definition (autograd through torch ops).
+
+    Gated: h = [gate | up] (or gate/up interleaved, gate first) of width 2F -> [S, F];
+    non-gated: f(h). Kinds: "swiglu" (silu), "gelu" (exact), "gelu_tanh", "relu2"
+    (relu(x)^2), "swiglu_clamp" (silu(min(gate, limit)) * clamp(up, -limit, limit)),
+    "gpt_oss" (g * sigmoid(alpha * g) * (clamp(up, -limit, limit) + 1), g = min(gate,
+    limit)); any other kind is the elementwise function `fn`.
+    """
+    if gated:
+        if interleaved:
+            gate, up = h_SN[..., 0::2], h_SN[..., 1::2]
+        else:
+            gate, up = h_SN.chunk(2, dim=-1)
+    else:
+        gate, up = h_SN, None
+    if kind == "gpt_oss":
+        g = gate.clamp(max=limit)
+        return g * torch.sigmoid(g * alpha) * (up.clamp(-limit, limit) + 1)
+    if kind == "swiglu_clamp":
+        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    elementwise = {
+        "swiglu": F.silu,
+        "gelu": F.gelu,
+        "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "relu2": lambda x: F.relu(x).square(),
+    }
+    f = elementwise[kind](gate) if kind in elementwise else fn(gate)
+    return f if up is None else f * up

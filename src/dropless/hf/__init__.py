@@ -22,7 +22,16 @@ from .experts import (
     register_experts_hook,
 )
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
-from .patching import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, unpatch_model
+from .patching import (
+    IMPLEMENTATION,
+    is_patched,
+    patch,
+    patch_model,
+    report,
+    unpatch,
+    unpatch_model,
+)
+from .report import ModuleRecord, PatchReport
 
 __all__ = [
     "CALLS",
@@ -33,6 +42,8 @@ __all__ = [
     "DroplessGenericGateWarning",
     "ExpertsSpec",
     "MoELayer",
+    "ModuleRecord",
+    "PatchReport",
     "added_state_keys",
     "check_version",
     "dropless_experts_forward",
@@ -42,6 +53,7 @@ __all__ = [
     "patch",
     "patch_model",
     "register_experts_hook",
+    "report",
     "save_hf",
     "tokens_per_expert",
     "unpatch",

@@ -113,6 +113,9 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | str:
     from .gates import fused_form
 
     family = family_of(module)
+    missing = _missing_weights(module)
+    if missing:
+        return f"expected 3-D expert weights {missing} (the Transformers v5 layout) are missing"
     base = dict(
         family=family,
         trans_w=not module.is_transposed,
@@ -127,6 +130,13 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | str:
         reason = f"activation {form['activation']!r} has no fused form yet"
         return ExpertsSpec(path="generic", activation="", interleaved=False, reason=reason, **base)
     return ExpertsSpec(path="fused", **form, **base)
+
+
+def _missing_weights(module: nn.Module) -> list[str]:
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    if module.has_bias:
+        names += [names[0] + "_bias", "down_proj_bias"]
+    return [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
 
 
 def _spec(module: nn.Module) -> ExpertsSpec | str:
@@ -217,10 +227,9 @@ def dropless_experts_forward(
     """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops."""
     spec = _spec(self)
     if isinstance(spec, str):
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        _warn_once(DroplessFallbackWarning, family_of(self), f"run stock grouped_mm: {spec}.")
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
+        eager = type(self).forward.__wrapped__  # the class's forward, under the decorator
+        return eager(self, hidden_states, top_k_index, top_k_weights)
     for hook in list(_HOOKS.values()):
         hook(self, top_k_index, top_k_weights)
     w1, w2, b1, b2 = _weights(self, spec)

@@ -21,6 +21,7 @@ from torch import nn
 from ._compat import require_transformers
 from .experts import dropless_experts_forward
 from .layers import moe_layers
+from .report import PatchReport, model_report
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
@@ -119,17 +120,29 @@ def is_patched() -> bool:
     return _state["original_get_correct"] is not None
 
 
-def patch() -> None:
+def patch() -> PatchReport:
     """Register the "dropless" experts implementation and make it the default.
 
     Models built or loaded afterwards (`from_config`, `from_pretrained`) run their experts
-    through dropless; an explicit `experts_implementation=` still wins. Families dropless
-    does not implement run the stock path with one `DroplessFallbackWarning`.
+    through dropless; an explicit `experts_implementation=` still wins. Returns a
+    `PatchReport`, a live view of the patched models: print it (or read `.families`,
+    `.modules_ours`, `.generic`, `.fallbacks`) after building or loading them.
     Idempotent; undone exactly by `unpatch()`.
     """
     require_transformers()
     _register()
     _install_default()
+    return report()
+
+
+def report(model: nn.Module | None = None) -> PatchReport:
+    """What dropless runs in `model`, or in every model it switched (live view)."""
+    if model is not None:
+        return model_report(model)
+    return PatchReport(
+        "'dropless' is the default experts implementation of MoE models built or loaded",
+        lambda: list(_models.keys()),
+    )
 
 
 def _require_moe(model) -> list:

@@ -132,5 +132,5 @@ def test_spec_is_read_from_behaviour_not_name(kind):
     module = tiny_experts(cls)
     module.config.model_type = "some_future_family"
     spec = dh.experts_spec(module)
-    assert spec.path == "fused" and spec.activation == kind and spec.family == "some_future_family"
-    assert spec.interleaved == (kind == "gpt_oss")
+    assert spec.path == "fused" and spec.family == "some_future_family"
+    assert spec.activation.kind == kind and spec.activation.interleaved == (kind == "gpt_oss")

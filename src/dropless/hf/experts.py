@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..ops import (
+    ActivationConfig,
     expert_mlp,
     grouped_gemm,
     grouped_mlp,
@@ -40,9 +41,6 @@ PATH_CALLS: collections.Counter = collections.Counter()
 _WARNED: set = set()
 _HOOKS: dict = {}
 
-#: activation kinds `fused_mlp` computes inside its memory-lean Function
-FUSED_KINDS = ("swiglu", "gpt_oss")
-
 
 class DroplessFallbackWarning(UserWarning):
     """An experts module ran the stock implementation because dropless does not cover it."""
@@ -57,34 +55,36 @@ class DroplessGenericGateWarning(UserWarning):
 class ExpertsSpec:
     """How one experts module computes, read from its v5 flags, gate function and act_fn.
 
-    path "fused": the expert MLP runs as one memory-lean Function with `activation`
-    (a kind of `dropless.ops.activations`, or "gpt_oss"); "generic": dropless's grouped
-    GEMMs with the module's own `_apply_gate` (or `act_fn`) between them under autograd.
+    path "fused": the expert MLP runs as one memory-lean Function computing `activation`
+    (an `ActivationConfig`: kind, gated, interleaved, alpha/limit); "generic":
+    dropless's grouped GEMMs with the module's own `_apply_gate` (or `act_fn`) between
+    them under autograd, `activation` None and `reason` saying why.
     """
 
     family: str
-    path: str  # "fused" | "generic"
-    activation: str  # kind; "" on the generic path
-    interleaved: bool  # gate/up columns alternate (gpt_oss) instead of [gate | up]
+    activation: ActivationConfig | None
     trans_w: bool  # weights [E, out, in] (nn.Linear layout); False: [E, in, out]
     has_bias: bool
+    path: str = "fused"  # "fused" | "generic"
     gated: bool = True  # False: one up projection, then act_fn
     post_norm: bool = False  # a norm on each expert's output (has_post_expert_norm)
-    alpha: float = 1.702
-    limit: float = 7.0
     reason: str = ""  # why the generic path
 
     def describe(self) -> str:
         """One line: the activation and layout (docs/hf.md lists these)."""
-        parts = [self.activation or f"own gate ({self.reason})"]
-        if self.activation in ("gpt_oss",):
-            parts.append(f"alpha={self.alpha:g} limit={self.limit:g}")
-        elif self.activation == "swiglu_clamp":
-            parts.append(f"limit={self.limit:g}")
+        act = self.activation
+        if act is None:
+            parts = [f"own gate ({self.reason})"]
+        else:
+            parts = [act.kind if len(act.kind) < 40 else act.kind.rsplit(".", 1)[-1]]
+            if act.kind == "gpt_oss":
+                parts.append(f"alpha={act.alpha:g} limit={act.limit:g}")
+            elif act.kind == "swiglu_clamp":
+                parts.append(f"limit={act.limit:g}")
+            if act.interleaved:
+                parts.append("interleaved")
         if not self.gated:
             parts.append("non-gated")
-        if self.interleaved:
-            parts.append("interleaved")
         if not self.trans_w:
             parts.append("[E, in, out] layout")
         if self.has_bias:
@@ -116,20 +116,19 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | str:
     missing = _missing_weights(module)
     if missing:
         return f"expected 3-D expert weights {missing} (the Transformers v5 layout) are missing"
+    gated = bool(module.has_gate)
     base = dict(
         family=family,
         trans_w=not module.is_transposed,
         has_bias=bool(module.has_bias),
-        gated=bool(module.has_gate),
+        gated=gated,
         post_norm=bool(getattr(module, "has_post_expert_norm", False)),
     )
     form = fused_form(module)
     if isinstance(form, str):
-        return ExpertsSpec(path="generic", activation="", interleaved=False, reason=form, **base)
-    if form["activation"] not in FUSED_KINDS or not base["gated"]:
-        reason = f"activation {form['activation']!r} has no fused form yet"
-        return ExpertsSpec(path="generic", activation="", interleaved=False, reason=reason, **base)
-    return ExpertsSpec(path="fused", **form, **base)
+        return ExpertsSpec(activation=None, path="generic", reason=form, **base)
+    kind = form.pop("activation")
+    return ExpertsSpec(activation=ActivationConfig(kind, gated=gated, **form), **base)
 
 
 def _missing_weights(module: nn.Module) -> list[str]:
@@ -206,8 +205,7 @@ def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
     if spec.path == "fused":
         y_SD = grouped_mlp(
             x_SD, sp.counts, None, w1, w2, gate_up_bias=b1, down_bias=b2,
-            activation=spec.activation, interleaved=spec.interleaved, trans_w=spec.trans_w,
-            alpha=spec.alpha, limit=spec.limit,
+            activation=spec.activation, trans_w=spec.trans_w,
         )  # fmt: skip
     else:
         h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, trans_w=spec.trans_w)
@@ -241,8 +239,7 @@ def dropless_experts_forward(
     if spec.path == "fused" and not spec.post_norm:
         out_TD, sp = expert_mlp(
             x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
-            down_bias=b2, activation=spec.activation, interleaved=spec.interleaved,
-            trans_w=spec.trans_w, alpha=spec.alpha, limit=spec.limit,
+            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w,
         )  # fmt: skip
     else:
         if spec.path == "generic":

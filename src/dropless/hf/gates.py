@@ -103,7 +103,7 @@ def _candidates(kinds: list[str], limits: list[float], alphas: list[float]):
     for interleaved in (False, True):
         for kind in kinds:
             yield dict(activation=kind, interleaved=interleaved)
-        for limit in limits:
+        for limit in (v for v in limits if v > 0):
             yield dict(activation="swiglu_clamp", interleaved=interleaved, limit=limit)
             for alpha in alphas:
                 yield dict(activation="gpt_oss", interleaved=interleaved, alpha=alpha, limit=limit)

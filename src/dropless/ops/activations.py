@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .specs import ACTIVATION_KINDS, register_activation_kind
+
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
@@ -76,22 +78,74 @@ FORMULAS = {
 #: elementwise kinds registered at run time: kind -> f (derivative by autograd)
 REGISTERED: dict[str, Callable] = {}
 
+for _kind, _formula in FORMULAS.items():
+    if _kind not in ACTIVATION_KINDS:
+        register_activation_kind(_kind, _formula)
+
 
 def register_elementwise(kind: str, fn: Callable, formula: str) -> None:
     """Make `kind` an activation computing fn(gate) * up (gated) or fn(h) (non-gated).
 
     `fn` must be elementwise, parameter-free and differentiable by autograd."""
-    if not isinstance(kind, str) or not kind or kind in BUILTIN or kind in FORMULAS:
+    if not isinstance(kind, str) or not kind or kind in FORMULAS or kind == "gpt_oss":
         raise ValueError(f"activation kind {kind!r}: need a new non-empty name")
     if not callable(fn):
         raise TypeError(f"register_elementwise({kind!r}): fn must be callable, got {fn!r}")
     REGISTERED[kind] = fn
     FORMULAS[kind] = formula
+    register_activation_kind(kind, formula)
 
 
 def is_elementwise_kind(kind: str) -> bool:
     """True for the kinds this module computes (all but "gpt_oss")."""
     return kind in BUILTIN or kind in REGISTERED or kind == "swiglu_clamp"
+
+
+def act_value(h, kind: str, gated: bool, interleaved: bool, limit: float):
+    """a0 of an elementwise kind on h (gate/up split as the layout says)."""
+    gate, up = _split(h, gated, interleaved)
+    return elementwise_fwd(gate, up, kind, limit)
+
+
+def _split(h, gated: bool, interleaved: bool):
+    if not gated:
+        return h, None
+    if interleaved:
+        return h[:, 0::2], h[:, 1::2]
+    n = h.shape[-1] // 2
+    return h[:, :n], h[:, n:]
+
+
+class ElementwiseAct(torch.autograd.Function):
+    """act(h) * prob for an elementwise kind; saves h and prob only (recomputes in backward)."""
+
+    @staticmethod
+    def forward(ctx, h, prob_S, kind, gated, interleaved, limit):
+        a = act_value(h, kind, gated, interleaved, limit)
+        if prob_S is not None:
+            a = a * prob_S.unsqueeze(1).to(a.dtype)
+        ctx.save_for_backward(h, prob_S)
+        ctx.args = (kind, gated, interleaved, limit)
+        return a
+
+    @staticmethod
+    def backward(ctx, g):
+        h, prob_S = ctx.saved_tensors
+        kind, gated, interleaved, limit = ctx.args
+        gate, up = _split(h, gated, interleaved)
+        a0, d_gate, d_up = elementwise_parts(gate, up, kind, limit)
+        grad_prob = None
+        if prob_S is not None:
+            if ctx.needs_input_grad[1]:
+                grad_prob = (g * a0).sum(-1).to(prob_S.dtype)
+            g = g * prob_S.unsqueeze(1).to(g.dtype)
+        if d_up is None:
+            return g * d_gate, grad_prob, None, None, None, None
+        dh = torch.empty_like(h)
+        dg, du = _split(dh, True, interleaved)
+        torch.mul(g, d_gate, out=dg)
+        torch.mul(g, d_up, out=du)
+        return dh, grad_prob, None, None, None, None
 
 
 def _value_and_derivative(kind: str, x: torch.Tensor):

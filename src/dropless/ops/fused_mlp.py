@@ -35,17 +35,32 @@ from __future__ import annotations
 
 import torch
 
+from .activations import elementwise_fwd, elementwise_parts
 from .dispatch import pick_gemm_backend
 from .permute import gather_sum
-from .swiglu import _split
+from .specs import ActivationConfig, as_activation
+from .swiglu import _split, check_supported
 
 # --- activation pieces (no autograd; shared by both Functions) -----------------------
 
 
-def _act_fwd(h_n2F, prob_n, activation, interleaved, alpha, limit, out=None):
+def _gate_up(h, act: ActivationConfig):
+    return _split(h, act.interleaved) if act.gated else (h, None)
+
+
+def _is_glu(act: ActivationConfig) -> bool:
+    """The two kinds with hand-fused in-place forms; the others are in `activations`."""
+    return act.gated and act.kind in ("swiglu", "gpt_oss")
+
+
+def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
     """a = act(gate, up) * prob, written into `out` when given."""
-    gate, up = _split(h_n2F, interleaved)
-    if activation == "swiglu":
+    gate, up = _gate_up(h_n2F, act)
+    alpha, limit = act.alpha, act.limit
+    if not _is_glu(act):
+        a = elementwise_fwd(gate, up, act.kind, limit)
+        a = out.copy_(a) if out is not None else a
+    elif act.kind == "swiglu":
         a = (
             torch.ops.aten.silu.out(gate, out=out)
             if out is not None
@@ -61,10 +76,14 @@ def _act_fwd(h_n2F, prob_n, activation, interleaved, alpha, limit, out=None):
     return a
 
 
-def _act_parts(h_n2F, activation, interleaved, alpha, limit):
-    """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up)."""
-    gate, up = _split(h_n2F, interleaved)
-    if activation == "swiglu":
+def _act_parts(h_n2F, act: ActivationConfig):
+    """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up);
+    d_up is None for non-gated experts (gate is then the whole h)."""
+    gate, up = _gate_up(h_n2F, act)
+    alpha, limit = act.alpha, act.limit
+    if not _is_glu(act):
+        return elementwise_parts(gate, up, act.kind, limit)
+    if act.kind == "swiglu":
         sig = torch.sigmoid(gate)
         silu = gate * sig
         a0 = silu * up
@@ -83,7 +102,10 @@ def _act_parts(h_n2F, activation, interleaved, alpha, limit):
 
 
 def _act_bwd(g_nF, d_gate, d_up, interleaved, out_n2F):
-    """dh = [g * d a0/d gate, g * d a0/d up] in the layout of h."""
+    """dh = [g * d a0/d gate, g * d a0/d up] in the layout of h (g * d a0/d h if d_up
+    is None: non-gated)."""
+    if d_up is None:
+        return torch.mul(g_nF, d_gate, out=out_n2F)
     og, ou = _split(out_n2F, interleaved)
     torch.mul(g_nF, d_gate, out=og)
     torch.mul(g_nF, d_up, out=ou)
@@ -119,11 +141,12 @@ class _LoopMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
-        activation, interleaved, trans_w, alpha, limit, num_out = cfg
+        act, trans_w, num_out = cfg
         S, D = int(sum(counts)), x.shape[1]
-        F = (gate_up.shape[1] if trans_w else gate_up.shape[2]) // 2
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+        F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
-        h_S2F = x.new_empty(S, 2 * F)
+        h_S2F = x.new_empty(S, N)
         a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
         x_buf = x.new_empty(nmax, D) if token_S is not None else None
         out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
@@ -138,7 +161,7 @@ class _LoopMLP(torch.autograd.Function):
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, activation, interleaved, alpha, limit, out=a_buf[:n])
+            a = _act_fwd(he, p, act, out=a_buf[:n])
             ye = torch.mm(
                 a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
             )
@@ -153,11 +176,12 @@ class _LoopMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
-        activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+        act, trans_w, _ = ctx.cfg
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
-        D, F = x.shape[1], h_S2F.shape[1] // 2
+        D, N = x.shape[1], h_S2F.shape[1]
+        F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gx = torch.zeros_like(x) if need[0] and token_S is not None else None
         if need[0] and token_S is None:
@@ -175,14 +199,14 @@ class _LoopMLP(torch.autograd.Function):
         da_buf, ap_buf, dh_buf = (
             x.new_empty(nmax, F),
             x.new_empty(nmax, F),
-            x.new_empty(nmax, 2 * F),
+            x.new_empty(nmax, N),
         )
         for e, lo, hi in _bounds(counts):
             n = hi - lo
             idx = token_S[lo:hi] if gathered else None
             gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], activation, interleaved, alpha, limit)
+            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
             if gd is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
@@ -197,7 +221,7 @@ class _LoopMLP(torch.autograd.Function):
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:
                 da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, interleaved, dh_buf[:n])
+            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None:
@@ -229,7 +253,7 @@ class _GroupedMLP(torch.autograd.Function):
     def forward(
         ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
     ):
-        activation, interleaved, trans_w, alpha, limit, num_out = cfg
+        act, trans_w, num_out = cfg
         be = pick_gemm_backend(backend, x, gate_up)
         if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
             counts = counts.tolist()  # only grouped_mm takes device offsets
@@ -247,7 +271,7 @@ class _GroupedMLP(torch.autograd.Function):
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
-        a = _act_fwd(h, prob_S, activation, interleaved, alpha, limit)
+        a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
         del a
         if d_bias is not None:
@@ -263,13 +287,13 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
-        activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+        act, trans_w, _ = ctx.cfg
         be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
         gy = g_out.index_select(0, token_S) if token_S is not None else g_out
         p = None if prob_S is None else prob_S.unsqueeze(1)
-        a0, d_gate, d_up = _act_parts(h, activation, interleaved, alpha, limit)
+        a0, d_gate, d_up = _act_parts(h, act)
         gx = gp = ggu = gd = ggb = gdb = None
         if need[3]:
             ap = a0 if p is None else a0 * p
@@ -285,7 +309,7 @@ class _GroupedMLP(torch.autograd.Function):
         del a0
         if p is not None:
             da.mul_(p)
-        dh = _act_bwd(da, d_gate, d_up, interleaved, torch.empty_like(h))
+        dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
         del da, d_gate, d_up
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
@@ -334,11 +358,11 @@ def fused_mlp(
     num_out: int | None = None,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    activation: str = "swiglu",
-    interleaved: bool = False,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
     trans_w: bool = True,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float | None = None,
+    limit: float | None = None,
     path: str = "loop",
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -347,10 +371,14 @@ def fused_mlp(
     With token_S/slot_TK (from SortedPairs), x is x_TD and the result is the combined
     out [num_out, D]; without, x is x_SD (sorted rows) and the result is y_SD.
     counts: host list (required by path "loop") or device tensor (path "grouped").
+    `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
-    cfg = (activation, bool(interleaved), bool(trans_w), float(alpha), float(limit), num_out)
+    act = check_supported(
+        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    )
+    cfg = (act, bool(trans_w), num_out)
     if path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host

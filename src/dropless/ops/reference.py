@@ -138,25 +138,21 @@ def swiglu_reference(
     activation: ActivationConfig | str | None = None,
 ):
     """act(gate, up) (* prob) per row; gate = columns [0, F) and up = [F, 2F), or the
-    even and odd columns when `activation.interleaved`.
-
-    "swiglu": silu(gate) * up. "gpt_oss": g * sigmoid(alpha * g) * (u + 1) with
-    g = min(gate, limit), u = clamp(up, -limit, limit).
+    even and odd columns when `activation.interleaved`; act(h) when not gated. The
+    kinds are those of `activation_reference`.
     """
     act = as_activation(activation)
-    if not act.gated:
-        raise ValueError("activation.gated=False (non-gated experts) is not implemented")
-    if act.interleaved:
-        gate, up = h_S2F[..., 0::2], h_S2F[..., 1::2]
+    if act.kind not in ("swiglu", "gpt_oss") or not act.gated:
+        from .activations import REGISTERED  # elementwise functions given by the caller
+
+        out = activation_reference(
+            h_S2F, act.kind, gated=act.gated, interleaved=act.interleaved, alpha=act.alpha,
+            limit=act.limit, fn=REGISTERED.get(act.kind),
+        )  # fmt: skip
     else:
-        gate, up = h_S2F.chunk(2, dim=-1)
-    if act.kind == "swiglu":
-        out = F.silu(gate) * up
-    elif act.kind == "gpt_oss":
-        g = gate.clamp(max=act.limit)
-        out = g * torch.sigmoid(act.alpha * g) * (up.clamp(-act.limit, act.limit) + 1)
-    else:
-        raise ValueError(f"activation.kind={act.kind!r} has no reference implementation")
+        out = activation_reference(
+            h_S2F, act.kind, interleaved=act.interleaved, alpha=act.alpha, limit=act.limit
+        )
     if prob_S is not None:
         out = out * prob_S.unsqueeze(-1).to(out.dtype)
     return out

@@ -261,8 +261,9 @@ def spread_routing(model, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in dh.moe_layers(model):
-            router = layer.router or getattr(layer.block, "gate", None)  # hunyuan: gate.wg
-            for w in router.parameters():
+            named = (getattr(layer.block, n, None) for n in ("gate", "router"))
+            router = layer.router or next((m for m in named if m is not None), None)
+            for w in [] if router is None else router.parameters():  # hunyuan: gate.wg
                 w.copy_(torch.randn(w.shape, generator=g) * 0.5)
             bias = layer.expert_bias
             if bias is not None:

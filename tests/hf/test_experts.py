@@ -5,6 +5,7 @@ Transformers' own expert-parallel sentinels (ids >= E from other ranks)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -50,3 +51,42 @@ def test_expert_parallel_sentinels_match_stock_grouped_mm():
     for got, want in zip(run(dh.dropless_experts_forward), run(grouped_mm_experts_forward)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert int(module.__dict__["_dropless_last_counts_E"].sum()) == 2 * T - T // 2
+
+
+def _eager_vs_ours(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, 12, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g, dtype=torch.float64)
+    outs = []
+    for forward in (type(module).forward.__wrapped__, dh.dropless_experts_forward):
+        module.zero_grad(set_to_none=True)
+        out = forward(module, x, ids, w)
+        out.square().sum().backward()
+        outs.append([out.detach()] + [p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("act", ["quick_gelu", "gelu_10", "xielu"])
+def test_any_act_fn_is_fused_or_run_as_is(act):
+    """An ACT2FN entry without a built-in kind: parameter-free ones become a registered
+    elementwise kind on the fused path; a learnable one (xielu) runs the generic path."""
+    import warnings
+
+    from transformers.activations import ACT2FN
+
+    module = tiny_experts(Qwen3MoeExperts, experts=5)
+    module.act_fn = ACT2FN[act].to(torch.float64)
+    spec = dh.experts_spec(module)
+    if act == "xielu":
+        assert spec.path == "generic" and "matches no fused form" in spec.reason
+    else:
+        assert spec.path == "fused" and spec.activation.kind.endswith(
+            type(module.act_fn).__qualname__ + ("(max=10, min=-10)" if act == "gelu_10" else "")
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _eager_vs_ours(module)
+    generic = [c for c in caught if issubclass(c.category, dh.DroplessGenericGateWarning)]
+    assert len(generic) == (1 if act == "xielu" else 0)

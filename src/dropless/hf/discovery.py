@@ -88,8 +88,16 @@ def _shrink(config, keys, hidden: int, intermediate: int, experts: int):
             value = hidden
         else:
             continue
-        setattr(config, key, value)
+        current = getattr(config, key, None)
+        setattr(config, key, [value] * len(current) if isinstance(current, list) else value)
     return config
+
+
+def _defines(config, key: str) -> bool:
+    try:
+        return hasattr(config, key)
+    except Exception:  # e.g. a per-layer attribute of a heterogeneous config
+        return False
 
 
 def _sub_configs(config, depth: int = 0):
@@ -128,25 +136,35 @@ def tiny_config(cls: type, *, hidden: int = 12, intermediate: int = 8, experts: 
 
     Raises ValueError listing what was tried when no config of the family builds it."""
     keys = _config_keys(cls)
-    tried = []
+    tried, subs = [], []
     for config_cls in _candidate_configs(cls):
         try:
-            base = config_cls()
+            subs += list(_sub_configs(config_cls()))
         except Exception as e:  # a config that needs arguments: try the next one
             tried.append(f"{config_cls.__name__}(): {e}")
-            continue
-        for sub in _sub_configs(base):
+    # configs that define every key the class reads first (a vision config may build a
+    # text experts class once shrunk, but with the vision activation)
+    subs.sort(key=lambda c: not all(_defines(c, k) for k in keys))
+    for sub in subs:
+        try:
             config = _shrink(sub, keys, hidden, intermediate, experts)
-            try:
-                with torch.device("meta"):
-                    cls(config)
-            except Exception as e:
-                tried.append(f"{type(sub).__name__}: {type(e).__name__}: {e}")
-                continue
-            return config
+            with torch.device("meta"):
+                _build(cls, config, intermediate)
+        except Exception as e:
+            tried.append(f"{type(sub).__name__}: {type(e).__name__}: {e}")
+            continue
+        return config
     raise ValueError(
         f"no config of {cls.__module__} builds {cls.__name__} (tried: {'; '.join(tried)})"
     )
+
+
+def _build(cls: type, config, intermediate: int) -> nn.Module:
+    # some classes take their hidden size as an argument (ernie4_5_vl_moe: text or vision)
+    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
+    if "intermediate_size" in inspect.signature(init).parameters:
+        return cls(config, intermediate_size=intermediate)
+    return cls(config)
 
 
 def tiny_experts(
@@ -161,7 +179,7 @@ def tiny_experts(
     """A real instance of experts class `cls` with small sizes and random weights."""
     config = tiny_config(cls, hidden=hidden, intermediate=intermediate, experts=experts)
     config._experts_implementation = "eager"
-    module = cls(config).to(dtype)
+    module = _build(cls, config, intermediate).to(dtype)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():

@@ -126,9 +126,7 @@ def swiglu(
     if act.kind not in ("swiglu", "gpt_oss") or not act.gated:
         from .activations import ElementwiseAct
 
-        return ElementwiseAct.apply(
-            h_S2F, prob_S, act.kind, act.gated, act.interleaved, act.limit
-        )
+        return ElementwiseAct.apply(h_S2F, prob_S, act.kind, act.gated, act.interleaved, act.limit)
     if act.kind == "swiglu":
         return _SwiGLU.apply(h_S2F, prob_S, act.interleaved)
     return _GptOssGLU.apply(h_S2F, prob_S, act.interleaved, act.alpha, act.limit)

@@ -209,3 +209,28 @@ def coverage() -> list[Coverage]:
         else:
             rows.append(Coverage(ec.family, ec.name, spec.path, spec.describe()))
     return rows
+
+
+def coverage_table() -> str:
+    """docs/hf.md's family table (markdown) for the installed transformers."""
+    import transformers
+
+    rows = coverage()
+    families = {r.family for r in rows}
+    ours = {r.family for r in rows if r.path != "fallback"}
+    lines = [
+        f"transformers {transformers.__version__}: families {len(families)}: ours {len(ours)}, "
+        f"fallback {len(families - ours)}",
+        "",
+        "| family | experts class | path | what it computes |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{r.family}` | `{r.name}` | {r.path} | {r.detail} |" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m dropless.hf.discovery
+    import warnings
+
+    warnings.simplefilter("ignore")
+    print(coverage_table())

@@ -5,11 +5,16 @@ which sets layout flags on the instance (`has_gate`, `has_bias`, `is_transposed`
 `is_concatenated`, `has_post_expert_norm`, `_is_expert_parallel`) and dispatches
 `forward(hidden_states, top_k_index, top_k_weights)` through `ExpertsInterface` by
 `config._experts_implementation`. `dropless_experts_forward` is registered there under
-"dropless": it reads the flags and the gate function of the module, then runs
-`dropless.ops.expert_mlp` (sort by expert -> grouped GEMM -> SwiGLU x prob -> grouped
-GEMM -> combine), so every fast path and low-precision recipe registered in `ops`
-applies. A module whose semantics we do not implement goes to the stock `grouped_mm`
-forward with one warning naming the family and the reason.
+"dropless". `experts_spec` reads the flags, the gate function and `act_fn` (what the
+module computes, see `gates.py`, never its family name) and picks:
+
+- the fused path: `dropless.ops.expert_mlp` (sort by expert -> grouped GEMM ->
+  activation x prob -> grouped GEMM -> combine) with the module's `ActivationConfig`, so
+  every fast path and low-precision recipe registered in `ops` applies; with a
+  post-expert norm, the same MLP without the prob, the norm, then the weighted combine;
+- the generic-gate path, for a gate with no fused form: our grouped GEMMs with the
+  module's own `_apply_gate` (or `act_fn`) between them under autograd;
+- a fallback to the class's own forward, only for weights not in the v5 layout.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k

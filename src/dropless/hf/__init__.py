@@ -1,12 +1,15 @@
 """Hugging Face Transformers v5 integration: one line makes stock MoE models use dropless.
 
     import dropless
-    dropless.patch()                                   # models built/loaded afterwards
+    report = dropless.patch()                          # models built/loaded afterwards
     model = AutoModelForCausalLM.from_pretrained(path) # ... run their experts via dropless
+    print(report)                                      # which modules run which path
     dropless.patch_model(model, expert_bias=True)      # or switch a model already built
     dropless.hf.save_hf(model, "out")                  # stock-loadable checkpoint
     dropless.unpatch()                                 # stock behaviour, exactly
 
+Every experts class decorated with Transformers' `@use_experts_implementation` is
+covered; what a module computes decides the path (`experts_spec`, `discovery.coverage`).
 Transformers itself is imported on first use; install it with `pip install 'dropless[hf]'`.
 """
 

@@ -233,8 +233,9 @@ def dropless_experts_forward(
         _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
         eager = type(self).forward.__wrapped__  # the class's forward, under the decorator
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    for hook in list(_HOOKS.values()):
-        hook(self, top_k_index, top_k_weights)
+    if _HOOKS:
+        for hook in list(_HOOKS.values()):
+            hook(self, top_k_index, top_k_weights)
     w1, w2, b1, b2 = _weights(self, spec)
     x_TD = hidden_states.to(w1.dtype)
     ids_TK, keep_TK = top_k_index.long(), None

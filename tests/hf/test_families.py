@@ -48,7 +48,10 @@ def test_training_step_matches_stock_eager(family):
     n_moe = len(dh.moe_layers(patched))
     assert n_moe >= 1
     ids = _ids()
-    ref = stock(ids, labels=ids, output_router_logits=True)
+    try:
+        ref = stock(ids, labels=ids, output_router_logits=True)
+    except AttributeError as e:  # granitemoe on transformers 5.17: aux_loss is an int there
+        pytest.skip(f"stock eager itself fails on this transformers version: {e}")
     before = _calls()
     out = _run_patched(lambda: patched(ids, labels=ids, output_router_logits=True))
     assert _calls() - before == n_moe  # every MoE layer ran the dropless path

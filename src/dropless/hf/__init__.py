@@ -21,6 +21,7 @@ from .experts import (
 )
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
 from .patching import IMPLEMENTATION, is_patched, patch, patch_model, unpatch, unpatch_model
+from .router_losses import RouterLosses, RouterStats
 
 __all__ = [
     "CALLS",
@@ -30,6 +31,8 @@ __all__ = [
     "DroplessFallbackWarning",
     "ExpertsSpec",
     "MoELayer",
+    "RouterLosses",
+    "RouterStats",
     "added_state_keys",
     "check_version",
     "dropless_experts_forward",

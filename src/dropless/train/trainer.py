@@ -37,7 +37,7 @@ from .metrics import (
     peak_tflops,
     read_metrics,
 )
-from .model import FlopCounter, build_model, recipe_context
+from .model import FlopCounter, build_training_model, recipe_context
 from .setup import Env, broadcast, init_env, preflight, resolve_run_dir
 from .tokenizer import build_tokenizer
 
@@ -65,12 +65,6 @@ def _hf():
     return hf
 
 
-def _parallel():
-    from . import distributed
-
-    return distributed
-
-
 class Trainer:
     """One run. `Trainer(cfg, run_dir, env, hf_config, resume_from).fit()` -> summary dict."""
 
@@ -84,19 +78,17 @@ class Trainer:
         if env.main:
             dump_config(cfg, self.config_file)
         self._data()
-        self.model = build_model(
+        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
+        self.model, self.par = build_training_model(
             cfg.model,
             hf_config,
+            cfg.parallel,
+            env.world,
             expert_bias=tc.expert_bias_rate > 0,
             seed=tc.seed,
             device=env.device,
+            activation_checkpointing=tc.activation_checkpointing,
         )
-        if tc.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
-        self.par = _parallel().parallelize_for_training(self.model, cfg.parallel, env.world)
         self.layers = _hf().moe_layers(self.model)
         self.router = _hf().RouterLosses(self.model)
         self.K = (

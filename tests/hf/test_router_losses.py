@@ -76,9 +76,7 @@ def _router_outputs(model):
     """Hooks that keep each router's own (logits, weights, ids) output."""
     seen, handles = [], []
     for layer in dh.moe_layers(model):
-        handles.append(
-            layer.router.register_forward_hook(lambda m, a, out: seen.append(out))
-        )
+        handles.append(layer.router.register_forward_hook(lambda m, a, out: seen.append(out)))
     return seen, handles
 
 
@@ -122,7 +120,10 @@ def test_sequence_aux_loss_on_own_scores_and_selection(family):
     assert st.source == "sequence"
     assert set(rl.score_funcs().values()) == {"sigmoid"}
     torch.testing.assert_close(
-        st.aux.double(), torch.tensor(_loop_loss(seen, E, K), dtype=torch.float64), rtol=1e-5, atol=0
+        st.aux.double(),
+        torch.tensor(_loop_loss(seen, E, K), dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
     )
     # the selection is the router's (bias and groups), which a softmax top-k would not give
     resoftmax = [torch.topk(lg.softmax(-1), K).indices.sort(-1).values for lg, _, _ in seen]
@@ -171,7 +172,8 @@ def test_capture_is_off_outside_and_in_backward_recompute():
 
 
 @pytest.mark.parametrize(
-    "func,renorm,scale", [("softmax", False, 1.0), ("sigmoid", True, 2.5), ("sqrtsoftplus", True, 1.0)]
+    "func,renorm,scale",
+    [("softmax", False, 1.0), ("sigmoid", True, 2.5), ("sqrtsoftplus", True, 1.0)],
 )
 def test_identify_score_func(func, renorm, scale):
     from dropless.hf.router_losses import SCORE_FUNCS
@@ -196,4 +198,3 @@ def test_no_router_logits_is_a_clear_error():
         out = model(input_ids=ids)
     with pytest.raises(ValueError, match="output_router_logits=True"):
         rl.stats(out, ids.shape)
-

@@ -197,7 +197,9 @@ def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
         for pat in conv.source_patterns:
             by_e = sources.get(pat, {})
             if sorted(by_e) != list(range(len(by_e))) or not by_e:
-                raise ValueError(f"sharded loading of {target!r}: experts {sorted(by_e)} in the checkpoint")
+                raise ValueError(
+                    f"sharded loading of {target!r}: experts {sorted(by_e)} in the checkpoint"
+                )
             per_source.append([by_e[e] for e in range(len(by_e))])
         plans[target] = ("merged", per_source, concat)
     return plans

@@ -85,7 +85,9 @@ def _score_hint(router: nn.Module | None, config) -> str | None:
     declared = getattr(config, "scoring_func", None)
     if declared in SCORE_FUNCS:
         return declared
-    if router is not None and isinstance(getattr(router, "e_score_correction_bias", None), torch.Tensor):
+    if router is not None and isinstance(
+        getattr(router, "e_score_correction_bias", None), torch.Tensor
+    ):
         return "sigmoid"
     return None
 

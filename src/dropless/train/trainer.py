@@ -249,7 +249,9 @@ class Trainer:
 
             for layer, c in zip(self.layers, counts_ME):
                 update_expert_bias(
-                    layer.expert_bias, c.to(layer.expert_bias.device), self.cfg.train.expert_bias_rate
+                    layer.expert_bias,
+                    c.to(layer.expert_bias.device),
+                    self.cfg.train.expert_bias_rate,
                 )
         self.step += 1
         self.sample_index += self.B

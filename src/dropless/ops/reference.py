@@ -185,3 +185,16 @@ def linear_cross_entropy_reference(
         label_smoothing=label_smoothing,
         reduction=reduction,
     ).reshape(labels_T.shape if reduction == "none" else ())
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight_D: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+):
+    """RMSNorm over the last dim (torch's op); with `residual`, of `x + residual`, returning
+    `(normed, x + residual)`."""
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight_D, eps)
+    return y if residual is None else (y, s)

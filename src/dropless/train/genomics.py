@@ -70,8 +70,9 @@ class DNATokenizer:
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.encode_array(text)]
 
-    def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+    def encode_batch(self, texts: Iterable[str]) -> list[np.ndarray]:
+        """Token ids per text, as uint8 arrays (a genome is too long for Python lists)."""
+        return [self.encode_array(t) for t in texts]
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
         """The bases behind `ids` (UNK as '?'; special tokens dropped)."""

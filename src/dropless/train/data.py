@@ -23,7 +23,7 @@ import numpy as np
 from .fasta import FASTA_SUFFIXES, is_fasta_path, read_fasta
 from .genomics import reverse_complement
 
-SUFFIXES = (".txt", ".jsonl", ".parquet", *FASTA_SUFFIXES)
+SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 def _supported(p: Path) -> bool:
@@ -82,13 +82,13 @@ def _data_files(path: str, key: str) -> list[Path]:
     if p.is_file():
         if not _supported(p):
             raise ValueError(
-                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}"
+                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)} and FASTA ({', '.join(FASTA_SUFFIXES)})"
             )
         return [p]
     files = sorted(f for f in p.rglob("*") if f.is_file() and _supported(f))
     if not files:
         raise ValueError(
-            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data"
+            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files or FASTA files; point it at your data"
         )
     return files
 

@@ -177,7 +177,7 @@ def test_bits_per_base():
         bits_per_base(1.0, num_bases=0)
 
 
-def test_dna_training_run_learns(tmp_path):
+def test_dna_training_run_learns(tmp_path, capsys):
     """`data.tokenizer = "dna"` + `data.reverse_complement = true` on a generated FASTA.gz:
     the tiny model trains, its held-out bits per base fall, the tokenizer reloads."""
     from conftest import tiny_args
@@ -208,5 +208,10 @@ def test_dna_training_run_learns(tmp_path):
     first, last = recs[0]["eval_bpb"], recs[-1]["eval_bpb"]  # bits per base for "dna"
     assert first > 2.5 and last < first - 0.5, (first, last)  # random init: > 2 bits per base
     assert isinstance(load_tokenizer(run / "tokenizer"), DNATokenizer)
+    capsys.readouterr()
+    prompt = ["generate", str(run), "--prompt", "ACGG", "--max-new-tokens", "16"]
+    assert main([*prompt, "--temperature", "0"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("ACGG") and len(out) > 4 and set(out) <= set("ACGTN?"), out
     with pytest.raises(ValueError, match="reverse_complement=true needs data.tokenizer='dna'"):
         DataConfig(reverse_complement=True)

@@ -112,3 +112,55 @@ def test_logits_changed_after_the_head_is_an_error():
     ids, labels = _batch()
     with pytest.raises(ValueError, match="transforms its logits"):
         model(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_full_logits_kept_for_backward(backend):
+    """Stock keeps the [B, L, V] logits for backward; the fused head keeps none."""
+    model = build("qwen3_moe")
+    ids, labels = _batch()
+    B, L, V = *ids.shape, model.config.vocab_size
+
+    def logits_sized_saved(m):
+        shapes = []
+
+        def pack(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(input_ids=ids, labels=labels)
+        return [s for s in shapes if s and s[-1] == V and torch.Size(s).numel() >= B * L * V]
+
+    assert logits_sized_saved(model)  # the check sees stock's logits
+    enable_fused_cross_entropy(model, chunk_size=4, backend=backend)
+    assert logits_sized_saved(model) == []
+
+
+def test_disable_restores_forwards_set_on_the_instance():
+    model = build("qwen3_moe")
+    seen = []
+    model_forward, head_forward = model.forward, model.lm_head.forward
+
+    def traced_forward(*a, **k):
+        seen.append("model")
+        return model_forward(*a, **k)
+
+    def traced_head(h):
+        seen.append("head")
+        return head_forward(h)
+
+    model.forward, model.lm_head.forward = traced_forward, traced_head
+    enable_fused_cross_entropy(model)
+    ids, labels = _batch()
+    with torch.no_grad():
+        assert model(input_ids=ids).logits is not None
+        fused = model(input_ids=ids, labels=labels)
+        positional = model(ids, None, None, None, None, labels)
+    # the earlier wrappers still run; with labels the head's logits are never computed
+    assert seen == ["model", "head", "model", "model"]
+    assert fused.logits is None and positional.logits is None
+    torch.testing.assert_close(positional.loss, fused.loss)
+    disable_fused_cross_entropy(model)
+    assert vars(model)["forward"] is traced_forward
+    assert vars(model.lm_head)["forward"] is traced_head

@@ -43,6 +43,8 @@ class _State:
     stock_loss_fn: Any  # Transformers' ForCausalLMLoss, for calls without the fused path
     chunk_size: int | None
     backend: str
+    # instance-level forwards set before ours (e.g. by accelerate hooks), restored by disable
+    own_forwards: tuple = (None, None)
     call: dict | None = None  # labels and loss kwargs of the call in flight
     stand_in: torch.Tensor | None = None
     loss: torch.Tensor | None = None
@@ -72,12 +74,16 @@ def enable_fused_cross_entropy(
         stock_loss_fn=model.loss_function,
         chunk_size=chunk_size,
         backend=backend,
-        sig=inspect.signature(model.forward),
+        # the class's signature: an instance-level wrapper may take (*args, **kwargs)
+        sig=inspect.signature(type(model).forward),
+        own_forwards=(vars(model).get("forward"), vars(head).get("forward")),
     )
-    forward = model.forward
+    forward, head_plain = model.forward, head.forward
 
     def fused_forward(*args, **kwargs):
-        labels = state.sig.bind_partial(*args, **kwargs).arguments.get("labels")
+        labels = kwargs.get("labels")
+        if labels is None and args:
+            labels = state.sig.bind_partial(model, *args).arguments.get("labels")
         if labels is None:
             return forward(*args, **kwargs)
         state.call = {"labels": labels, **kwargs}
@@ -89,7 +95,7 @@ def enable_fused_cross_entropy(
 
     def head_forward(hidden_BLD: torch.Tensor) -> torch.Tensor:
         if state.call is None:  # a call without labels, or the head used on its own
-            return nn.Linear.forward(head, hidden_BLD)
+            return head_plain(hidden_BLD)
         call, state.call = state.call, None
         state.loss = _causal_lm_loss(hidden_BLD, head, call, state)
         state.stand_in = hidden_BLD.new_empty((*hidden_BLD.shape[:-1], 0))
@@ -118,8 +124,11 @@ def disable_fused_cross_entropy(model: nn.Module) -> nn.Module:
     state = vars(model).pop(_STATE_ATTR, None)
     if state is None:
         return model
-    vars(model).pop("forward", None)
-    vars(state.head).pop("forward", None)
+    for module, before in zip((model, state.head), state.own_forwards):
+        if before is None:
+            vars(module).pop("forward", None)
+        else:
+            module.forward = before
     vars(model).pop("_loss_function", None)  # enable refuses instances that had their own
     return model
 

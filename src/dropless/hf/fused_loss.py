@@ -16,6 +16,9 @@ How: the instance's `forward` records the labels of the call, the output head's 
 (an `nn.Linear`) computes the loss where the full logits would have been computed and
 returns an empty stand-in, and the instance's `loss_function` hands that loss back. A model
 that changes the logits between its head and its loss (soft-capping, scaling) is refused.
+With labels, forward hooks of the head still run around the loss computation but see
+the stand-in, not logits; hooks that act on the head's output in backward get nothing
+(an output head sharded as an FSDP unit of its own is untested).
 """
 
 # B sequences, L positions, D hidden, V vocabulary

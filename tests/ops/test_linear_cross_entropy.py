@@ -154,3 +154,19 @@ def test_torch_backend_missing_is_an_error(monkeypatch):
     torch.testing.assert_close(
         linear_cross_entropy(h, w, y), ref.linear_cross_entropy_reference(h, w, y)
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_rounds_like_the_stock_head(backend):
+    """bf16 operands: the chunked backend rounds the logits to bf16 where the stock head
+    does (same numbers); torch's op keeps them in fp32 (close, not equal)."""
+    h, w, b, y = _inputs(37, 16, 50, 0.25, torch.bfloat16)
+    l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
+    l1, g1 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, chunk_size=8, backend=backend), h, w, b, y
+    )
+    assert l1.dtype == torch.float32 and [g.dtype for g in g1] == [torch.bfloat16] * 3
+    tol = dict(rtol=1e-5, atol=1e-5) if backend == "chunked" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(l1, l0, **tol)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, **({} if backend == "chunked" else tol))

@@ -39,11 +39,12 @@ _RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "
 # --- where the history goes -----------------------------------------------------------------
 
 
-def find_checkout(package_dir: Path = PACKAGE_DIR) -> Path | None:
+def find_checkout(package_dir: Path | None = None) -> Path | None:
     """The git checkout this package runs from (`<root>/src/dropless`), or None.
 
     An installed (non-editable) package has no checkout, even when the current directory
     or the venv lies inside one: its code is not that checkout's code."""
+    package_dir = package_dir or PACKAGE_DIR
     root = package_dir.parent.parent
     if package_dir.name != "dropless" or package_dir.parent.name != "src":
         return None
@@ -64,7 +65,7 @@ def add_history_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def history_path(history: str | None, no_history: bool, package_dir: Path = PACKAGE_DIR):
+def history_path(history: str | None, no_history: bool, package_dir: Path | None = None):
     """-> (path or None, why not). Raises ValueError when `--history` without a file was
     asked for outside a checkout."""
     if no_history:
@@ -75,7 +76,7 @@ def history_path(history: str | None, no_history: bool, package_dir: Path = PACK
     if root is not None:
         return root / HISTORY_IN_CHECKOUT, ""
     msg = (
-        f"this dropless runs from {package_dir}, not from a git checkout of the project "
+        f"this dropless runs from {package_dir or PACKAGE_DIR}, not from a git checkout of the project "
         "(<checkout>/src/dropless), so there is no benchmarks/history.jsonl to append to"
     )
     if history is not None:  # --history given without a file
@@ -269,10 +270,10 @@ class Recorder:
     load_before: dict = field(default_factory=dict)
     load_after: dict = field(default_factory=dict)
     started: str = ""
-    package_dir: Path = PACKAGE_DIR
+    package_dir: Path | None = None
 
     @classmethod
-    def start(cls, args, package_dir: Path = PACKAGE_DIR) -> Recorder:
+    def start(cls, args, package_dir: Path | None = None) -> Recorder:
         """Resolve the history file first (so a refusal comes before an hour of
         measuring), check the allocator, then sample the load."""
         path, why = history_path(

@@ -44,13 +44,14 @@ def run(args) -> int:
 
     if args.steps < 1:
         raise ValueError(f"--steps {args.steps}: must be >= 1")
-    cfg = load_config(None, [f"train.steps={args.steps}", *args.overrides])
+    overrides = [*args.overrides, f"train.steps={args.steps}"]  # --steps wins
+    cfg = load_config(None, overrides)
     require_default_allocator("train")
     rec = Recorder.start(args)
     with tempfile.TemporaryDirectory(prefix="dropless-bench-train-") as tmp:
         summary = train(cfg, run_dir=args.run_dir or f"{tmp}/run")
     figures = {k: summary.get(k) for k in FIGURES}
-    figures["overrides"] = [f"train.steps={args.steps}", *args.overrides]
+    figures["overrides"] = overrides
     figures["tokens_per_step"] = cfg.train.batch_size * cfg.train.seq_len
     record = rec.finish("train", figures)
     text = render(record)

@@ -248,7 +248,7 @@ def load_sentence(load: dict) -> str:
     """One line for a table header: the measured load before and after the run."""
     b, a = load.get("before") or {}, load.get("after") or {}
     if not b.get("loadavg") or not a.get("loadavg"):
-        return "Machine load: not measured (no /proc)."
+        return "Machine load: not recorded."
     return (
         f"Machine load: 1-min load average {b['loadavg'][0]:.2f} before, {a['loadavg'][0]:.2f} "
         f"after (the 'after' includes this benchmark); other processes busy (> 25% of a core): "

@@ -447,8 +447,9 @@ def run(args) -> int:
     record = rec.finish("layer", figures)
     section = section_path(args.section, "layer", rec)
     if section is not None:
-        block = f"<!-- layer:{args.shape} -->\n{provenance(record)}\n\n{table}<!-- /layer:{args.shape} -->\n"
-        replace_block(section, args.shape, block, "layer", TITLE)
+        key = args.shape + ("" if core is None else "-busy-core")
+        block = f"<!-- layer:{key} -->\n{provenance(record)}\n\n{table}<!-- /layer:{key} -->\n"
+        replace_block(section, key, block, "layer", TITLE)
     return 0
 
 

@@ -176,3 +176,17 @@ def test_busy_core_pins_a_spinner():
         proc.wait()
     with pytest.raises(ValueError, match="--busy-core 4096"):
         start_busy_core(4096)
+
+
+def test_every_bench_takes_the_history_and_section_options(capsys):
+    from dropless.cli.bench import BENCHES
+    from dropless.cli.main import build_parser
+
+    parser = build_parser()
+    for name in BENCHES:
+        args = parser.parse_args(["bench", name, "--history", "h.jsonl", "--section", ""])
+        assert args.history == "h.jsonl" and args.section == "" and not args.no_history
+        assert parser.parse_args(["bench", name, "--history"]).history == ""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "layer, e2e, fp8, ep, jax, train" in capsys.readouterr().out

@@ -190,3 +190,15 @@ def test_every_bench_takes_the_history_and_section_options(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     assert "layer, e2e, fp8, ep, jax, train" in capsys.readouterr().out
+
+
+def test_section_blocks_replace_their_own_key_and_drop_prose(tmp_path):
+    path = tmp_path / "layer.md"
+    path.write_text(
+        "## Old title\n\nHand-written notes.\n\n<!-- layer:a -->\nA1\n<!-- /layer:a -->\n"
+        "\nMore notes.\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
+    )
+    common.replace_block(path, "a", "<!-- layer:a -->\nA2\n<!-- /layer:a -->\n", "layer", "## T")
+    assert path.read_text() == (
+        "## T\n\n<!-- layer:a -->\nA2\n<!-- /layer:a -->\n\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
+    )

@@ -208,11 +208,7 @@ def _build(name: str, cfg: dict):
                 down,
                 gate_up_bias=None,
                 down_bias=None,
-                activation="swiglu",
-                interleaved=False,
                 trans_w=True,
-                alpha=1.702,
-                limit=7.0,
                 backend=None,
             )
             return ops.unpermute(y, sp)

@@ -45,3 +45,5 @@ def test_table_and_bad_arguments():
         e2e.run(p.parse_args(["--impls", "grouped_mm,fast"]))
     with pytest.raises(ValueError, match="--rounds"):
         e2e.run(p.parse_args(["--rounds", "0"]))
+    with pytest.raises(ValueError, match="--eager-rounds 0"):
+        e2e.run(p.parse_args(["--eager-rounds", "0"]))

@@ -250,6 +250,10 @@ def _check_args(args) -> list[str]:
         raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
     if args.rounds < 1 or args.steps < 1:
         raise ValueError("--rounds and --steps must be >= 1 (use --rounds >= 3 for a result)")
+    if args.eager_rounds is not None and args.eager_rounds < 1:
+        raise ValueError(
+            f"--eager-rounds {args.eager_rounds}: must be >= 1 (or drop eager from --impls)"
+        )
     return impls
 
 

@@ -93,10 +93,13 @@ def test_load_figures_in_every_record(tmp_path):
     assert common.provenance(record).endswith(text)
 
 
-def test_load_sample_counts_a_busy_process_outside_its_own_tree():
-    # a spinner re-parented away from this process (the shell exits at once)
+def test_load_sample_counts_a_busy_process_outside_its_own_tree(tmp_path):
+    # a spinner named dlspin (its command name comes from the file it executes),
+    # re-parented away from this process (the shell exits at once)
+    spin = tmp_path / "dlspin"
+    spin.symlink_to(sys.executable)
     out = subprocess.run(
-        ["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        ["sh", "-c", f"{spin} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
         capture_output=True,
         text=True,
         check=True,
@@ -104,11 +107,11 @@ def test_load_sample_counts_a_busy_process_outside_its_own_tree():
     pid = int(out.stdout.strip())
     try:
         time.sleep(0.2)
-        sample = common.load_sample(window_s=0.6, busy_share=0.2)
+        sample = common.load_sample(window_s=1.0, busy_share=0.05)
     finally:
         os.kill(pid, 9)
     assert sample["busy_processes"] >= 1
-    assert any(b.startswith("python") for b in sample["busy"]), sample
+    assert any(b.startswith("dlspin ") for b in sample["busy"]), sample
 
 
 def test_history_refused_outside_a_checkout(tmp_path, monkeypatch, capsys):

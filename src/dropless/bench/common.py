@@ -240,7 +240,7 @@ def load_sample(window_s: float = 0.5, busy_share: float = 0.25) -> dict:
     return {
         "loadavg": loadavg,
         "busy_processes": len(busy),
-        "busy": [f"{name} {share:.0%}" for share, name in busy[:8]],
+        "busy": [f"{name} {share:.0%}" for share, name in busy[:12]],
     }
 
 

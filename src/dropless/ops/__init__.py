@@ -1,7 +1,8 @@
 """Functional MoE ops with autograd; each has a pure-torch reference in `reference.py`.
 
 The grouped-GEMM backend registry and the active low-precision recipe live in
-`dispatch.py`.
+`dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
+`ActivationConfig`) in `specs.py`.
 """
 
 from .dispatch import (
@@ -26,10 +27,13 @@ from .losses import (
 )
 from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
 from .routing import capacity_keep_mask, expert_capacity, route
+from .specs import ActivationConfig, RoutingConfig
 from .swiglu import swiglu
 
 __all__ = [
+    "ActivationConfig",
     "GemmBackend",
+    "RoutingConfig",
     "SortedPairs",
     "capacity_keep_mask",
     "expert_capacity",

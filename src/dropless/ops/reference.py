@@ -13,30 +13,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .specs import ActivationConfig, RoutingConfig, as_activation, as_routing
+
 
 def route_reference(
     logits_TE: torch.Tensor,
     top_k: int,
+    routing: RoutingConfig | None = None,
     *,
-    score_func: str = "softmax",
-    renormalize: bool = False,
-    scaling_factor: float = 1.0,
-    n_group: int | None = None,
-    topk_group: int | None = None,
     expert_bias_E: torch.Tensor | None = None,
+    **fields,
 ):
     """Top-k routing. Returns (weights_TK, ids_TK int64, scores_TE), scores and weights in
     fp32 (fp64 for fp64 logits).
 
-    Scores are computed in fp32. The expert bias only changes which experts are
-    chosen; the weights are the unbiased scores of the chosen experts. Group-limited
-    selection (DeepSeek-V3): a group's score is the sum of its top-2 biased scores
-    (top-1 when a group holds one expert); only the best `topk_group` groups compete.
+    `routing` (or its fields as keywords) says how. Scores are computed in fp32. The
+    expert bias only changes which experts are chosen; the weights are the unbiased
+    scores of the chosen experts. Group-limited selection (DeepSeek-V3): a group's
+    score is the sum of its top-2 biased scores (top-1 when a group holds one expert);
+    only the best `topk_group` groups compete.
     """
+    routing = as_routing(routing, **fields)
+    n_group, topk_group = routing.n_group, routing.topk_group
     T, E = logits_TE.shape
     # at least fp32 whatever the input dtype (fp64 stays fp64, for gradchecks)
     logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
-    if score_func == "softmax":
+    if routing.score_func == "softmax":
         scores_TE = logits.softmax(dim=-1)
     else:
         scores_TE = logits.sigmoid()
@@ -54,9 +56,9 @@ def route_reference(
         choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
     ids_TK = choice_TE.topk(top_k, dim=-1).indices
     weights_TK = scores_TE.gather(1, ids_TK)
-    if renormalize:
+    if routing.renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-    weights_TK = weights_TK * scaling_factor
+    weights_TK = weights_TK * routing.scaling_factor
     return weights_TK, ids_TK, scores_TE
 
 
@@ -130,10 +132,31 @@ def grouped_gemm_reference(
     return torch.cat(outs) if outs else x_SD.new_zeros(0, w_END.shape[1 if trans_w else 2])
 
 
-def swiglu_reference(h_S2F: torch.Tensor, prob_S: torch.Tensor | None = None):
-    """silu(gate) * up (* prob): gate = columns [0, F), up = columns [F, 2F)."""
-    gate, up = h_S2F.chunk(2, dim=-1)
-    out = F.silu(gate) * up
+def swiglu_reference(
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    activation: ActivationConfig | str | None = None,
+):
+    """act(gate, up) (* prob) per row; gate = columns [0, F) and up = [F, 2F), or the
+    even and odd columns when `activation.interleaved`.
+
+    "swiglu": silu(gate) * up. "gpt_oss": g * sigmoid(alpha * g) * (u + 1) with
+    g = min(gate, limit), u = clamp(up, -limit, limit).
+    """
+    act = as_activation(activation)
+    if not act.gated:
+        raise ValueError("activation.gated=False (non-gated experts) is not implemented")
+    if act.interleaved:
+        gate, up = h_S2F[..., 0::2], h_S2F[..., 1::2]
+    else:
+        gate, up = h_S2F.chunk(2, dim=-1)
+    if act.kind == "swiglu":
+        out = F.silu(gate) * up
+    elif act.kind == "gpt_oss":
+        g = gate.clamp(max=act.limit)
+        out = g * torch.sigmoid(act.alpha * g) * (up.clamp(-act.limit, act.limit) + 1)
+    else:
+        raise ValueError(f"activation.kind={act.kind!r} has no reference implementation")
     if prob_S is not None:
         out = out * prob_S.unsqueeze(-1).to(out.dtype)
     return out
@@ -146,6 +169,7 @@ def expert_mlp_reference(
     gate_up_E2FD: torch.Tensor,
     down_EDF: torch.Tensor,
     down_bias_ED: torch.Tensor | None = None,
+    activation: ActivationConfig | str | None = None,
 ):
     """The routed expert MLP by its definition: a loop over tokens and their experts."""
     T, K = ids_TK.shape
@@ -155,7 +179,7 @@ def expert_mlp_reference(
         for k in range(K):
             e = int(ids_TK[t, k])
             h = gate_up_E2FD[e] @ x_TD[t]
-            a = swiglu_reference(h.unsqueeze(0))[0]
+            a = swiglu_reference(h.unsqueeze(0), None, activation)[0]
             y = down_EDF[e] @ a
             if down_bias_ED is not None:
                 y = y + down_bias_ED[e]

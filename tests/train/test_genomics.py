@@ -180,7 +180,6 @@ def test_bits_per_base():
 def test_dna_training_run_learns(tmp_path, capsys):
     """`data.tokenizer = "dna"` + `data.reverse_complement = true` on a generated FASTA.gz:
     the tiny model trains, its held-out bits per base fall, the tokenizer reloads."""
-    from conftest import tiny_args
     from dropless.cli.main import main
     from dropless.train.config import DataConfig
     from dropless.train.data import load_corpus
@@ -197,10 +196,13 @@ def test_dna_training_run_learns(tmp_path, capsys):
     train, held = load_corpus(data)
     assert len(train) == 6 and train[3] == reverse_complement(train[0]) and len(held) == 3
     run = tmp_path / "run"
-    args = tiny_args(
+    from dropless.train.recipes import TINY
+
+    overrides = (
         "data.tokenizer=dna", f"data.path={fa}", "data.reverse_complement=true",
         "train.seq_len=64", "train.steps=8", "optim.lr=3e-2",
     )  # fmt: skip
+    args = [a for item in (*TINY, *overrides) for a in ("--set", item)]
     assert main(["train", "--run-dir", str(run), *args]) == 0
     import json
 

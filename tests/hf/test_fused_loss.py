@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import build
+from families import FAMILIES, build
 
 from dropless.hf.fused_loss import (
     disable_fused_cross_entropy,
@@ -164,3 +164,15 @@ def test_disable_restores_forwards_set_on_the_instance():
     disable_fused_cross_entropy(model)
     assert vars(model)["forward"] is traced_forward
     assert vars(model.lm_head)["forward"] is traced_head
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"])
+def test_other_families_equal_stock(family):
+    model = build(family)
+    ids, labels = _batch(seed=3)
+    kw = dict(input_ids=ids, labels=labels, output_router_logits=True)
+    stock = _run(model, **kw)
+    enable_fused_cross_entropy(model, chunk_size=7, backend="chunked")
+    fused = _run(model, **kw)
+    assert fused[0].logits is None
+    _assert_same(stock, fused)

@@ -69,7 +69,9 @@ def linear_cross_entropy(
     h_TD = h.reshape(-1, h.shape[-1])
     labels_T = labels.reshape(-1)
     if backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
-        loss = _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction)
+        loss = _torch_backend(
+            h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size
+        )
     else:
         T, D = h_TD.shape
         chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
@@ -122,8 +124,9 @@ def _torch_fits(h: torch.Tensor, label_smoothing: float) -> bool:
     )
 
 
-def _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction):
-    opts = torch.nn.LinearCrossEntropyOptions()
+def _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size):
+    # chunk_size None: torch's own heuristic (chunking_method="auto")
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
     # torch's chunked mean gives NaN gradients when every label is ignored; the plain
     # composition gives zeros. Summing and dividing here keeps the plain behaviour.
     red = "sum" if reduction == "mean" else reduction

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 
 from .nn import GroupedExperts, GroupedLinear, LocalDispatcher, MoE, MoEAux, TopKRouter
+from .ops.specs import ActivationConfig, RoutingConfig
 
 __version__ = "0.1.0"
 
@@ -39,11 +40,13 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ActivationConfig",
     "GroupedExperts",
     "GroupedLinear",
     "LocalDispatcher",
     "MoE",
     "MoEAux",
+    "RoutingConfig",
     "TopKRouter",
     "__version__",
     *_LAZY,

@@ -38,10 +38,7 @@ class _LocalExperts:
             gate_up_bias=_local(m.gate_up_proj_bias) if s.has_bias else None,
             down_bias=_local(m.down_proj_bias) if s.has_bias else None,
             activation=s.activation,
-            interleaved=s.interleaved,
             trans_w=s.trans_w,
-            alpha=s.alpha,
-            limit=s.limit,
         )
 
 

@@ -14,8 +14,9 @@ their backward and save only what it needs):
 - `unpermute(y_SN, token_S, pair_S, slot_TK, weights_TK=None) -> out_TN` (autograd);
   `gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN` and
   `pair_dot(g_TN, y_SN, slot_TK) -> dots_TK` (raw);
-- `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha=1.702,
-  limit=7.0) -> a_SF` (autograd, as `dropless.ops.swiglu`); `swiglu_fwd(...)`,
+- `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha, limit)
+  -> a_SF` (autograd, as `dropless.ops.swiglu`; alpha/limit default to
+  `ActivationConfig`'s); `swiglu_fwd(...)`,
   `swiglu_bwd(...)` (raw; the backward can also recompute the activation);
 - `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
   counts may be a device tensor: no host sync), also registered as the "triton"

@@ -118,7 +118,11 @@ class RouterLosses:
         names = ("hidden_states", "top_k_index", "top_k_weights")
         got = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
         self._calls.append(
-            (self._index[id(module)], got["top_k_index"].detach(), got["top_k_weights"].detach())
+            (
+                self._index[id(module)],
+                got["top_k_index"].detach().long(),
+                got["top_k_weights"].detach(),
+            )
         )
         return None
 

@@ -6,6 +6,9 @@ module instance a forward that sends tokens through `ExpertParallelDispatcher`; 
 grouped MLP on the local experts uses the same layout flags as the single-process
 dropless path (`dropless.hf.experts_spec`). The stock router is untouched. Expert
 parameters keep their names and global shapes, so DCP checkpoints reshard.
+
+`load_sharded_hf(model, path)` fills a model built on the meta device and sharded (EP,
+FSDP2) from a Transformers safetensors checkpoint, each rank reading only its shards.
 """
 
 # T tokens, D model dim, E experts (global), L local experts, K top-k, S rows
@@ -57,7 +60,9 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """Expert-parallelise every experts module of a dropless-patched HF model in place.
 
     Every rank must hold the same full weights first (same seed or the same
-    checkpoint). Returns the names of the MoE blocks changed; no-op when ep == 1.
+    checkpoint), or the model is on the meta device: then, after FSDP and
+    `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
+    Returns the names of the MoE blocks changed; no-op when ep == 1.
     Raises ValueError for an experts module dropless cannot run (the stock fallback
     has no expert-parallel path here).
     """

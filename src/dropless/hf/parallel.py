@@ -270,6 +270,7 @@ def load_sharded_hf(model: nn.Module, path) -> list[str]:
 
     files = _checkpoint_files(path)
     plans = _plans(model, files)
+    _retie(model)
     _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
     added = set(added_state_keys(model))
     done: set[int] = set()
@@ -295,6 +296,15 @@ def load_sharded_hf(model: nn.Module, path) -> list[str]:
             _fill(local, plan, files, offset)
         done.add(id(t))
     return unread
+
+
+def _retie(model: nn.Module) -> None:
+    # a plain `to_empty` gives tied parameters separate storage (FSDP2 keeps them shared)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    split = [t for t, src in tied.items() if t in params and params[t] is not params.get(src)]
+    if split and hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def _init_non_persistent_buffers(model: nn.Module) -> None:

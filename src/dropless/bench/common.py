@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..train.metrics import peak_rss_mib, reset_peak_rss  # noqa: F401  (re-exported for the benches)
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../src/dropless
 HISTORY_IN_CHECKOUT = Path("benchmarks") / "history.jsonl"
 # Benchmark outputs: writing them does not make the tree dirty for the next benchmark.
@@ -381,24 +383,3 @@ def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {module} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (VmHWM from /proc/self/status), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False

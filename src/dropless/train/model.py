@@ -143,6 +143,7 @@ def build_training_model(
     sharded = world > 1 and bool(mcfg.path)
     if sharded:
         transformers = require_transformers()
+        torch.manual_seed(seed)
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(
                 config, **_from_pretrained_kwargs(mcfg)

@@ -35,6 +35,7 @@ from .patching import (
     unpatch_model,
 )
 from .report import ModuleRecord, PatchReport
+from .router_losses import RouterLosses, RouterStats
 
 __all__ = [
     "CALLS",
@@ -47,6 +48,8 @@ __all__ = [
     "MoELayer",
     "ModuleRecord",
     "PatchReport",
+    "RouterLosses",
+    "RouterStats",
     "added_state_keys",
     "check_version",
     "dropless_experts_forward",

@@ -17,6 +17,7 @@ from .dispatch import (
 )
 from .expert_mlp import expert_mlp, grouped_mlp
 from .grouped_gemm import grouped_gemm
+from .linear_cross_entropy import linear_cross_entropy
 from .losses import (
     load_balancing_loss,
     load_balancing_loss_global,
@@ -42,6 +43,7 @@ __all__ = [
     "get_recipe",
     "grouped_gemm",
     "grouped_mlp",
+    "linear_cross_entropy",
     "load_balancing_loss",
     "load_balancing_loss_global",
     "permute",

@@ -6,7 +6,7 @@ these, forward and backward, and these pass an fp64 gradcheck at tiny sizes.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs (<= T*K),
-# N output features of a grouped GEMM, G expert groups (n_group)
+# N output features of a grouped GEMM, G expert groups (n_group), V vocabulary
 
 from __future__ import annotations
 
@@ -222,3 +222,39 @@ def activation_reference(
     }
     f = elementwise[kind](gate) if kind in elementwise else fn(gate)
     return f if up is None else f * up
+
+
+def linear_cross_entropy_reference(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+):
+    """A language-model head and its loss, as Transformers computes them: the logits in
+    the input dtype, upcast to fp32 (fp64 stays fp64), then cross-entropy."""
+    logits_TV = F.linear(h_TD, weight_VD, bias_V)
+    logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+    return F.cross_entropy(
+        logits_TV.reshape(-1, weight_VD.shape[0]),
+        labels_T.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    ).reshape(labels_T.shape if reduction == "none" else ())
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight_D: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+):
+    """RMSNorm over the last dim (torch's op); with `residual`, of `x + residual`, returning
+    `(normed, x + residual)`."""
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight_D, eps)
+    return y if residual is None else (y, s)

@@ -37,6 +37,11 @@ def test_patch_makes_default_and_unpatch_restores_exactly():
     dropless.patch()
     dropless.patch()  # idempotent
     assert dh.is_patched() and _snapshot() != stock_state
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    # registered through the public mapping only: the class-wide one is untouched
+    assert ALL_EXPERTS_FUNCTIONS["dropless"] is dh.dropless_experts_forward
+    assert _snapshot()[0] == stock_state[0]
     during = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
     assert during.get_experts_implementation() == {"": "dropless"}
     explicit = tf.AutoModelForCausalLM.from_config(

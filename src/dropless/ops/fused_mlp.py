@@ -27,6 +27,10 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
 Both handle biases (the down bias is scaled by the prob), `activation="gpt_oss"`,
 interleaved gate/up, `trans_w=False` and dropped pairs (capacity mode: the caller's
 SortedPairs leave them out). Low-precision recipes never come here (see expert_mlp.py).
+
+Both take optional low-rank (LoRA) factors for either projection (`lora.py`): the update
+runs as two thin GEMMs per expert beside the base GEMM, saves the [S, r] intermediate
+and computes gradients for the factors only when the base weights need none.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs
@@ -37,6 +41,15 @@ import torch
 
 from .activations import elementwise_fwd, elementwise_parts
 from .dispatch import pick_gemm_backend
+from .lora import (
+    LowRank,
+    check_lowrank,
+    grouped_lowrank_bwd,
+    grouped_lowrank_dx,
+    grouped_lowrank_fwd,
+    lowrank_bwd,
+    lowrank_fwd,
+)
 from .permute import gather_sum
 from .specs import ActivationConfig, as_activation
 from .swiglu import _split, check_supported
@@ -117,6 +130,31 @@ def _wt(w, e, trans_w):
     return w[e].t() if trans_w else w[e]
 
 
+def _lowranks(lora: tuple) -> tuple[LowRank | None, LowRank | None]:
+    """The Functions' trailing inputs `(a1, b1, a2, b2, (scale1, scale2))` (or nothing) as
+    the low-rank updates of gate_up and down."""
+    if not lora:
+        return None, None
+    a1, b1, a2, b2, (s1, s2) = lora
+    return (
+        LowRank(a1, b1, s1) if a1 is not None else None,
+        LowRank(a2, b2, s2) if a2 is not None else None,
+    )
+
+
+def _lora_inputs(lora) -> tuple:
+    """(gate_up LowRank | None, down LowRank | None) -> the Functions' trailing inputs."""
+    if lora is None or (lora[0] is None and lora[1] is None):
+        return ()
+    lr1, lr2 = lora
+    ab = [t for lr in (lr1, lr2) for t in ((lr.a_ERI, lr.b_EOR) if lr else (None, None))]
+    return (*ab, (lr1.scale if lr1 else None, lr2.scale if lr2 else None))
+
+
+def _at(g_E, e):
+    return None if g_E is None else g_E[e]
+
+
 def _bounds(counts):
     lo = 0
     for e, n in enumerate(counts):
@@ -140,8 +178,9 @@ class _LoopMLP(torch.autograd.Function):
     """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
 
     @staticmethod
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
         act, trans_w, num_out = cfg
+        lr1, lr2 = _lowranks(lora)
         S, D = int(sum(counts)), x.shape[1]
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
         F = N // 2 if act.gated else N
@@ -150,6 +189,8 @@ class _LoopMLP(torch.autograd.Function):
         a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
         x_buf = x.new_empty(nmax, D) if token_S is not None else None
         out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
+        u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
+        u2_SR = x.new_empty(S, lr2.rank) if lr2 is not None else None
         for e, lo, hi in _bounds(counts):
             n = hi - lo
             xe = (
@@ -158,6 +199,8 @@ class _LoopMLP(torch.autograd.Function):
                 else x[lo:hi]
             )
             he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
+            if lr1 is not None:
+                lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, u1_SR[lo:hi])
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
@@ -165,18 +208,26 @@ class _LoopMLP(torch.autograd.Function):
             ye = torch.mm(
                 a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
             )
+            if lr2 is not None:
+                lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, u2_SR[lo:hi])
             if d_bias is not None:
                 ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
             if token_S is not None:
                 out.index_add_(0, token_S[lo:hi], ye)
-        ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F)
-        ctx.counts, ctx.cfg = counts, cfg
+        ctx.save_for_backward(
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *lora[:4]
+        )
+        ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *ABAB = (
+            ctx.saved_tensors
+        )
         act, trans_w, _ = ctx.cfg
+        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
+        ABAB = ABAB or (None,) * 4
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
@@ -193,6 +244,10 @@ class _LoopMLP(torch.autograd.Function):
         gd = _empty_grad(down, counts) if need[3] else None
         ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
         gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
+        g1a, g1b, g2a, g2b = (
+            _empty_grad(t, counts) if t is not None and need[9 + i] else None
+            for i, t in enumerate(ABAB)
+        )
         gathered = token_S is not None
         x_buf = x.new_empty(nmax, D) if gathered else None
         gy_buf = g_out.new_empty(nmax, D) if gathered else None
@@ -207,13 +262,20 @@ class _LoopMLP(torch.autograd.Function):
             gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
             a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
-            if gd is not None:
+            if gd is not None or g2a is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
+            if gd is not None:
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
                 torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
             if gdb is not None:
                 torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
             da = torch.mm(gy, _wt(down, e, trans_w).t(), out=da_buf[:n])
+            if lr2 is not None:
+                xa = ap if g2a is not None else None
+                gu = lowrank_bwd(
+                    gy, xa, u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(g2a, e), _at(g2b, e)
+                )
+                da.addmm_(gu, lr2.a_ERI[e])
             if gp is not None:
                 gpe = gp[lo:hi]
                 torch.sum(da * a0, 1, out=gpe)
@@ -224,16 +286,24 @@ class _LoopMLP(torch.autograd.Function):
             dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
-            if ggu is not None:
+            if ggu is not None or g1a is not None:
                 xe = torch.index_select(x, 0, idx, out=x_buf[:n]) if gathered else x[lo:hi]
+            if ggu is not None:
                 torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
+            if lr1 is not None:
+                xa = xe if g1a is not None else None
+                gu = lowrank_bwd(
+                    dh, xa, u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(g1a, e), _at(g1b, e)
+                )
             if gx is not None:
                 w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
+                dx = torch.mm(dh, w_in, out=x_buf[:n] if gathered else gx[lo:hi])
+                if lr1 is not None:
+                    dx.addmm_(gu, lr1.a_ERI[e])
                 if gathered:
-                    gx.index_add_(0, idx, torch.mm(dh, w_in, out=x_buf[:n]))
-                else:
-                    torch.mm(dh, w_in, out=gx[lo:hi])
-        return gx, gp, ggu, gd, ggb, gdb, None, None, None
+                    gx.index_add_(0, idx, dx)
+        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None)
+        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
 
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
@@ -251,9 +321,22 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
+        ctx,
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gu_bias,
+        d_bias,
+        token_S,
+        slot_TK,
+        counts,
+        cfg,
+        backend,
+        *lora,
     ):
         act, trans_w, num_out = cfg
+        lr1, lr2 = _lowranks(lora)
         be = pick_gemm_backend(backend, x, gate_up)
         if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
             counts = counts.tolist()  # only grouped_mm takes device offsets
@@ -268,25 +351,42 @@ class _GroupedMLP(torch.autograd.Function):
             )
             rows_E = _expert_of_row(counts_E, S)
         h = be.mm(x_SD, gate_up, counts, trans_w)
+        u1 = grouped_lowrank_fwd(be, x_SD, lr1, counts, h) if lr1 is not None else None
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
         a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
+        u2 = grouped_lowrank_fwd(be, a, lr2, counts, y) if lr2 is not None else None
         del a
         if d_bias is not None:
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
         out = gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(
-            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E
+            x,
+            prob_S,
+            gate_up,
+            down,
+            gu_bias,
+            d_bias,
+            token_S,
+            slot_TK,
+            h,
+            rows_E,
+            u1,
+            u2,
+            *lora[:4],
         )
-        ctx.counts, ctx.cfg, ctx.be = counts, cfg, be
+        ctx.counts, ctx.cfg, ctx.be, ctx.lora_scales = counts, cfg, be, lora[4:]
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = saved[:10]
+        u1, u2, *ABAB = saved[10:]
+        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
         act, trans_w, _ = ctx.cfg
         be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
@@ -294,14 +394,20 @@ class _GroupedMLP(torch.autograd.Function):
         gy = g_out.index_select(0, token_S) if token_S is not None else g_out
         p = None if prob_S is None else prob_S.unsqueeze(1)
         a0, d_gate, d_up = _act_parts(h, act)
-        gx = gp = ggu = gd = ggb = gdb = None
-        if need[3]:
+        gx = gp = ggu = gd = ggb = gdb = g1a = g1b = g2a = g2b = None
+        if need[3] or lr2 is not None:
             ap = a0 if p is None else a0 * p
+        if need[3]:
             gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
-            del ap
         if d_bias is not None and need[5]:
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
         da = be.mm(gy, down, counts, not trans_w)
+        if lr2 is not None:
+            gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need[13], need[14])
+            grouped_lowrank_dx(be, gu2, lr2, counts, da)
+            del gu2
+        if need[3] or lr2 is not None:
+            del ap
         if p is not None and need[1]:
             gp = (da * a0).sum(1)
             if d_bias is not None:
@@ -313,16 +419,23 @@ class _GroupedMLP(torch.autograd.Function):
         del da, d_gate, d_up
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
-        if need[2]:
+        if need[2] or lr1 is not None:
             x_SD = x.index_select(0, token_S) if token_S is not None else x
+        if need[2]:
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
+        if lr1 is not None:
+            gu1, g1a, g1b = grouped_lowrank_bwd(be, dh, x_SD, u1, lr1, counts, need[11], need[12])
+        if need[2] or lr1 is not None:
             del x_SD
         if need[0]:
             dx = be.mm(dh, gate_up, counts, not trans_w)
+            if lr1 is not None:
+                grouped_lowrank_dx(be, gu1, lr1, counts, dx)
             gx = gather_sum(dx, slot_TK) if token_S is not None else dx
         if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
             raise AssertionError("wgrad returned the wrong number of groups")
-        return gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None
+        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None)
+        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
 
 
 # --- entry point ----------------------------------------------------------------------
@@ -365,6 +478,7 @@ def fused_mlp(
     limit: float | None = None,
     path: str = "loop",
     backend: str | None = None,
+    lora: tuple[LowRank | None, LowRank | None] | None = None,
 ) -> torch.Tensor:
     """The fused expert MLP (internal; callers use `expert_mlp` / `grouped_mlp`).
 
@@ -372,6 +486,8 @@ def fused_mlp(
     out [num_out, D]; without, x is x_SD (sorted rows) and the result is y_SD.
     counts: host list (required by path "loop") or device tensor (path "grouped").
     `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
+    `lora`: optional low-rank updates (gate_up, down) of the projections, each a
+    `LowRank` or None (see `lora.py`).
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
@@ -379,13 +495,30 @@ def fused_mlp(
         as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
     )
     cfg = (act, bool(trans_w), num_out)
+    extra = _checked_lora(lora, gate_up, down, trans_w)
     if path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
         return _LoopMLP.apply(
-            x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg
+            x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg, *extra
         )
     be = None if backend in (None, "auto", "loop") else backend
     return _GroupedMLP.apply(
-        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be
+        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be, *extra
     )
+
+
+def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
+    if lora is None:
+        return ()
+    if not isinstance(lora, (tuple, list)) or len(lora) != 2:
+        raise TypeError(
+            "lora must be a pair (gate_up update, down update), each a LowRank or None; "
+            f"got {type(lora).__name__}"
+        )
+    E = gate_up.shape[0]
+    n1_out, n1_in = gate_up.shape[1:] if trans_w else gate_up.shape[:0:-1]
+    n2_out, n2_in = down.shape[1:] if trans_w else down.shape[:0:-1]
+    check_lowrank(lora[0], E, n1_in, n1_out, "gate_up")
+    check_lowrank(lora[1], E, n2_in, n2_out, "down")
+    return _lora_inputs(lora)

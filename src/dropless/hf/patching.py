@@ -21,6 +21,7 @@ from torch import nn
 from ._compat import require_transformers
 from .experts import dropless_experts_forward
 from .layers import moe_layers
+from .lora import install_lean_activation, uninstall_lean_activation
 from .report import PatchReport, model_report
 from .routers import add_expert_bias, remove_expert_bias
 
@@ -38,6 +39,7 @@ def _register() -> None:
     # the public registration point: ALL_EXPERTS_FUNCTIONS[name] = fn, undone with del
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    install_lean_activation()  # PEFT imported already: its LoRA on our experts never folds
     if _state["registered"]:
         return
     had = IMPLEMENTATION in ALL_EXPERTS_FUNCTIONS
@@ -225,3 +227,4 @@ def unpatch() -> None:
         unpatch_model(model)
     _uninstall_default()
     _unregister()
+    uninstall_lean_activation()

@@ -1,0 +1,176 @@
+"""PEFT LoRA on fused experts, run as dropless's low-rank path.
+
+PEFT (0.21) reaches the 3-D expert weights of Transformers v5 with
+`LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`: a
+`ParamWrapper` registers, for the duration of each forward, a parametrization whose
+`_LoraFactorsProxy` folds `W + scaling * lhs @ rhs` with `torch.baddbmm` when the weight
+is read. That is a weight-sized tensor per projection per step, kept for backward, and
+a weight-sized gradient reduced to the factors.
+
+The dropless experts forward never reads the parametrized weight: `experts_weights`
+finds the proxy, takes the base weight (`parametrizations[name].original`) and the
+proxy's factors, and hands them to the fused expert Function as `LowRank` updates
+(two thin grouped GEMMs per projection). Autograd carries the factors' gradients back to
+PEFT's `lora_A` / `lora_B` weights through PEFT's own reshapes.
+
+PEFT's layout (`ParamWrapper.get_delta_factors`): `lora_A.weight [E*r, in]` reshapes to
+(E, r, in); `lora_B.weight [out, r*E]` to (out, r, E), expert index fastest. For
+weights stored [E, out, in] (`is_transposed=False`) the proxy holds lhs = B [E, out, r],
+rhs = A [E, r, in]; for [E, in, out] it holds lhs = A^T, rhs = B^T.
+
+Registering PEFT's parametrization runs the fold once more (torch checks the shape and
+dtype of its output unless `unsafe=True`). While dropless is patched in,
+`ParamWrapper._activate_lora` is replaced, for experts modules on the dropless path with
+one active adapter, by the same registration with `unsafe=True`: no fold at all. It is
+installed by `dropless.patch()` / `patch_model()` when peft is imported, or by the first
+adapted experts forward, and removed by `dropless.unpatch()`.
+
+Anything else (several active adapters, whose delta PEFT sums into one tensor; a
+low-precision base weight; another parametrization) runs PEFT's own fold, with one
+`DroplessLoRAFallbackWarning` per family and reason. Merged or disabled adapters leave
+no parametrization: the plain path runs.
+"""
+
+# E experts, r rank, I in features, O out features
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+from ..ops import LowRank
+
+
+class DroplessLoRAFallbackWarning(UserWarning):
+    """An adapted experts module runs PEFT's own fold of the LoRA update into its weights."""
+
+
+def _factors_proxy_class():
+    try:
+        from peft.tuners.lora.layer import _LoraFactorsProxy
+    except ImportError:  # a peft without it: every parametrization is foreign
+        return None
+    return _LoraFactorsProxy
+
+
+def is_parametrized(module: nn.Module, name: str) -> bool:
+    plist = getattr(module, "parametrizations", None)
+    return plist is not None and name in plist
+
+
+def raw_weight(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The stored tensor `name` of `module`, without running a parametrization on it."""
+    if is_parametrized(module, name):
+        return module.parametrizations[name].original
+    w = getattr(module, name, None)
+    return w if isinstance(w, torch.Tensor) else None
+
+
+def _lowrank(module: nn.Module, name: str, trans_w: bool) -> LowRank | str:
+    plist = module.parametrizations[name]
+    proxy_cls = _factors_proxy_class()
+    if len(plist) != 1 or proxy_cls is None or not isinstance(plist[0], proxy_cls):
+        kinds = ", ".join(type(p).__name__ for p in plist)
+        return (
+            f"{name} carries parametrizations ({kinds}) other than one LoRA adapter's factors "
+            "(several active adapters, a low-precision weight, or a foreign parametrization)"
+        )
+    return _lowrank_of_proxy(plist[0], trans_w)
+
+
+def _lowrank_of_proxy(proxy, trans_w: bool) -> LowRank:
+    lhs, rhs, scale = proxy.lhs, proxy.rhs, float(proxy.scaling)
+    if trans_w:  # W [E, out, in]: delta = lhs @ rhs = B @ A
+        return LowRank(rhs, lhs, scale)
+    # W [E, in, out]: delta = A^T @ B^T
+    return LowRank(lhs.transpose(1, 2), rhs.transpose(1, 2), scale)
+
+
+def experts_weights(
+    module: nn.Module, names: tuple[str, str], trans_w: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[LowRank | None, LowRank | None] | None, str]:
+    """(w1, w2, lora, reason) for the two projections `names` of an experts module.
+
+    Without a parametrization: the weights and lora None. With PEFT's single-adapter
+    factors on one or both: the base weights and their `LowRank` updates. With any
+    other parametrization: the weights as read (PEFT folds them), lora None, and
+    `reason` saying why (the caller warns)."""
+    if not any(is_parametrized(module, n) for n in names):
+        return getattr(module, names[0]), getattr(module, names[1]), None, ""
+    parts = [_lowrank(module, n, trans_w) if is_parametrized(module, n) else None for n in names]
+    reasons = [p for p in parts if isinstance(p, str)]
+    if reasons:
+        return getattr(module, names[0]), getattr(module, names[1]), None, reasons[0]
+    install_lean_activation()  # later steps register the factors without a fold
+    w1, w2 = (raw_weight(module, n) for n in names)
+    return w1, w2, (parts[0], parts[1]), ""
+
+
+def folded_weights(module: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights as PEFT's parametrization produces them (the fold runs here)."""
+    return getattr(module, names[0]), getattr(module, names[1])
+
+
+# --- registration without the fold ------------------------------------------------------
+
+_STATE: dict = {"original": None}
+_FULL_PRECISION = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _runs_lean(wrapper, adapters: list[str]) -> bool:
+    base = wrapper.get_base_layer()
+    config = getattr(base, "config", None)
+    return (
+        len(adapters) == 1
+        and getattr(wrapper, "num_experts", 1) > 1
+        and getattr(config, "_experts_implementation", None) == "dropless"
+        and wrapper.get_param().dtype in _FULL_PRECISION
+    )
+
+
+@contextlib.contextmanager
+def _activate_lora_lean(self, active_adapters):
+    adapters = [a for a in active_adapters or [] if a in self.lora_A]
+    if not _runs_lean(self, adapters):
+        with _STATE["original"](self, active_adapters):
+            yield
+        return
+    proxy_cls = _factors_proxy_class()
+    base, name = self.get_base_layer(), self.parameter_name
+    requires_grad = self.get_param().requires_grad
+    proxy = proxy_cls(*self.get_delta_factors(adapters[0]))
+    # unsafe=True: torch would otherwise fold once to check the output's shape and dtype
+    nn.utils.parametrize.register_parametrization(base, name, proxy, unsafe=True)
+    base.parametrizations[name].original.requires_grad_(requires_grad)
+    try:
+        with nn.utils.parametrize.cached():
+            yield
+    finally:
+        self._remove_parametrizations()
+
+
+def install_lean_activation() -> bool:
+    """Make PEFT register its LoRA factors on dropless experts without folding them.
+    Idempotent; returns whether it is installed (False when peft is not imported)."""
+    if _STATE["original"] is not None:
+        return True
+    if "peft" not in sys.modules or _factors_proxy_class() is None:
+        return False
+    from peft.tuners.lora.layer import ParamWrapper
+
+    _STATE["original"] = ParamWrapper._activate_lora
+    ParamWrapper._activate_lora = _activate_lora_lean
+    return True
+
+
+def uninstall_lean_activation() -> None:
+    """Restore PEFT's own `ParamWrapper._activate_lora`."""
+    if _STATE["original"] is None:
+        return
+    from peft.tuners.lora.layer import ParamWrapper
+
+    ParamWrapper._activate_lora = _STATE["original"]
+    _STATE["original"] = None

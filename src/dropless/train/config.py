@@ -23,6 +23,9 @@ DTYPES = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
+FINETUNE_METHODS = ("full", "lora")
+LORA_TARGETS = ("experts", "attention")
+LOSS_ON = ("completion", "all")
 
 
 def _positive(section: str, **values) -> None:
@@ -105,8 +108,11 @@ class DataConfig:
     tokenizer: str = "bpe"
     bpe_vocab_size: int = 2048
     reverse_complement: bool = False  # "dna": also train on each record's reverse complement
+    # supervised data (.jsonl with messages or prompt/completion): the tokens the loss covers
+    loss_on: str = "completion"
 
     def __post_init__(self):
+        _choice("data", "loss_on", self.loss_on, LOSS_ON)
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction={self.eval_fraction!r}: must be in (0, 1)")
         _non_negative("data", max_bytes=self.max_bytes)
@@ -253,6 +259,33 @@ class LogConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """How a checkpoint (model.path) is fine-tuned: every weight ("full") or LoRA adapters
+    ("lora": base frozen, only the adapters trained and checkpointed) on `lora_targets`
+    ("experts": the fused expert weights; "attention": the attention projections)."""
+
+    method: str = "full"
+    lora_rank: int = 16
+    lora_alpha: float = 0.0  # 0: 2 x lora_rank
+    lora_targets: list = field(default_factory=lambda: ["experts", "attention"])
+
+    def __post_init__(self):
+        _choice("finetune", "method", self.method, FINETUNE_METHODS)
+        _positive("finetune", lora_rank=self.lora_rank)
+        _non_negative("finetune", lora_alpha=self.lora_alpha)
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or not self.lora_targets:
+            raise ValueError(
+                f"finetune.lora_targets={self.lora_targets!r}: give one or more of "
+                f"{', '.join(map(repr, LORA_TARGETS))}"
+            )
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha or 2.0 * self.lora_rank
+
+
+@dataclass
 class Config:
     """A whole run. Build one with `load_config` or `recipes.default()`."""
 
@@ -264,6 +297,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    def __post_init__(self):
+        if self.finetune.method == "lora" and not self.model.path:
+            raise ValueError(
+                "finetune.method='lora' needs a checkpoint to adapt: set model.path=DIR "
+                "(a local Hugging Face directory)"
+            )
 
 
 def known_keys() -> list[str]:
@@ -288,6 +329,13 @@ def _unknown(key: str) -> ValueError:
 def _coerce(key: str, value: Any, default: Any) -> Any:
     """Convert a TOML or command-line value to the type of the field's default."""
     kind = type(default)
+    if kind is list:  # a TOML array, or "a,b" on the command line
+        items = (
+            [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+        )
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"{key}={value!r}: expected a list of strings, e.g. a,b")
+        return items
     if isinstance(value, str) and kind is not str:
         text = value.strip()
         if kind is bool:
@@ -361,6 +409,8 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

@@ -77,6 +77,7 @@ minus VmRSS before the step (model, AdamW state and inputs allocated), with glib
 serving blocks >= 128 KiB by mmap so RSS follows live tensors. Bytes per token = peak
 step memory / sequence length. A run that exceeds the memory limit is recorded as out
 of memory (OOM), not retried."""
+_M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
 _MEMORY_WORDS = re.compile(
     r"out of memory|can't allocate memory|cannot allocate memory|bad_alloc|memoryerror"
 )
@@ -169,6 +170,17 @@ def _prime_adamw(model, opt) -> None:
         g["lr"] = lr
 
 
+def _one_malloc_arena() -> bool:
+    """Keep every thread's small allocations in glibc's main arena: a new arena maps
+    64 MiB of address space it may never use, which would count against RLIMIT_AS."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 def _vm_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -178,7 +190,8 @@ def _vm_kib(field: str) -> int:
 def _address_space_limit(max_rss_gib: float):
     """RLIMIT_AS = what is mapped now + (limit - resident now), so that allocations that
     would take RSS past `max_rss_gib` fail; the previous limit is restored on exit.
-    Yields the limit in bytes."""
+    Approximate by what is mapped but not yet resident (library pages, untouched stack),
+    a few MiB. Yields the limit in bytes."""
     mapped, resident = _vm_kib("VmSize") * 1024, _vm_kib("VmRSS") * 1024
     limit = mapped + max(int(max_rss_gib * 2**30) - resident, 0)
     previous = resource.getrlimit(resource.RLIMIT_AS)
@@ -200,6 +213,7 @@ def child(args: dict) -> dict:
     import torch
 
     shape, impl, seq = args["shape"], args["impl"], args["seq"]
+    arena_capped = _one_malloc_arena()
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
     model = _build(impl, shape, seq)
@@ -208,7 +222,10 @@ def child(args: dict) -> dict:
     g = torch.Generator().manual_seed(1)
     ids_BL = torch.randint(0, shape["vocab_size"], (1, seq), generator=g)
     out = {"impl": impl, "seq": seq, "threads": torch.get_num_threads()}
-    torch.ones(64, 64) @ torch.ones(64, 64)  # start the thread pool before the limit
+    out["malloc_arena_capped"] = arena_capped
+    # start the thread pools (their stacks are mapped once) before the limit
+    torch.ones(1 << 20).add_(1)
+    torch.ones(256, 256) @ torch.ones(256, 256)
     gc.collect()
     out["memory_tracked"] = follow_live_memory()
     base = rss_mib()

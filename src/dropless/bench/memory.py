@@ -136,7 +136,7 @@ def _build(impl: str, shape: dict, seq: int):
         model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
     model = model.float().train()
     if impl != "grouped_mm":
-        # named activation_checkpointing_enable from Transformers 5.2x on
+        # older Transformers 5 releases name it gradient_checkpointing_enable only
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:
             enable({"use_reentrant": False})

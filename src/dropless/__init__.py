@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 
+from . import kernels as _kernels  # noqa: F401  (registers the Triton grouped-GEMM backend)
 from .nn import GroupedExperts, GroupedLinear, LocalDispatcher, MoE, MoEAux, TopKRouter
 from .ops.specs import ActivationConfig, RoutingConfig
 

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..train.metrics import peak_rss_mib, reset_peak_rss  # noqa: F401  (re-exported for the benches)
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../src/dropless
 HISTORY_IN_CHECKOUT = Path("benchmarks") / "history.jsonl"
 # Benchmark outputs: writing them does not make the tree dirty for the next benchmark.
@@ -385,17 +387,6 @@ def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (VmHWM from /proc/self/status), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def rss_mib() -> float:
     """This process's resident memory now (VmRSS from /proc/self/status), MiB."""
     with open("/proc/self/status") as f:
@@ -417,14 +408,4 @@ def follow_live_memory() -> bool:
         libc.malloc_trim(0)
         return bool(ok)
     except (OSError, AttributeError):
-        return False
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
         return False

@@ -1,6 +1,7 @@
 """Triton kernels for the expert path on CUDA GPUs.
 
-Importing this package never imports Triton: the kernel modules load on first use
+Importing this package registers the "triton" grouped-GEMM backend in `dropless.ops`
+and never imports Triton: the kernel modules load on first use
 (attribute access such as `dropless.kernels.permute`). `available(t)` says whether the
 kernels can run on a tensor (a CUDA tensor and an importable triton); CPU tensors are
 never routed here at run time. Tests run the kernels on CPU under `TRITON_INTERPRET=1`
@@ -35,6 +36,8 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from ..ops.dispatch import GemmBackend, register_gemm_backend
 
 _EXPORTS = {
     "permute": "permute_kernels",
@@ -109,12 +112,11 @@ TRITON_PRIORITY = 5
 
 
 def register_backend() -> None:
-    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent).
+    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent;
+    done when this package is imported, which `import dropless` does).
 
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
-    from dropless.ops.dispatch import GemmBackend, register_gemm_backend
-
     register_gemm_backend(
         GemmBackend("triton", _mm, _wgrad, supports=_supports, priority=TRITON_PRIORITY)
     )
@@ -131,5 +133,7 @@ def __getattr__(name: str) -> Any:
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+register_backend()
 
 __all__ = ["available", "register_backend", "triton_importable", *sorted(_EXPORTS)]

@@ -108,7 +108,7 @@ def grouped_mlp(
         counts = _check_counts(x_SD, gate_up, counts)
         fused = recipe_mlp(recipe)
         if fused is not None:
-            return fused(x_SD, counts, prob_S, gate_up, down, **kw, recipe=recipe)
+            return fused(x_SD, counts, prob_S, gate_up, down, **kw)
         return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
     path = pick_mlp_path(x_SD, gate_up, backend)
     keep_on_device = (
@@ -167,7 +167,6 @@ def expert_mlp(
             gate_up,
             down,
             **mlp_kwargs,
-            recipe=recipe,
             token_S=sp.token_S,
             slot_TK=sp.slot_TK,
             num_out=x_TD.shape[0],

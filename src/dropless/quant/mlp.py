@@ -248,7 +248,7 @@ def quantized_grouped_mlp(
     slot_TK=None,
     num_out=None,
 ):
-    """`ops.grouped_mlp` under a recipe (registered with `register_recipe_mlp`).
+    """`ops.grouped_mlp` under a recipe (the recipes' `grouped_mlp` method).
 
     x is x_SD (rows sorted by expert); or, with token_S and slot_TK from SortedPairs,
     x_TD, and the result is the combined out [T, D] (only x_TD is then kept for the

@@ -216,7 +216,7 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: world size / dp_replicate
     ep: int = 1
     overlap_chunks: int = 1  # > 1: chunked all-to-all overlapped with expert compute
-    dispatcher: str = "alltoall"  # "deepep": GPU only, not available yet
+    dispatcher: str = "alltoall"  # the only one implemented ("deepep" is planned)
 
     def __post_init__(self):
         from ..parallel.mesh import ParallelConfig as Checked

@@ -24,6 +24,7 @@ def _in_process(monkeypatch, limits: list) -> None:
 
     monkeypatch.setattr(memory, "_address_space_limit", no_limit)
     monkeypatch.setattr(memory, "follow_live_memory", lambda: False)
+    monkeypatch.setattr(memory, "_one_malloc_arena", lambda: False)
     monkeypatch.setattr(memory, "run_memory_child", lambda args, timeout: memory.child(args))
 
 
@@ -104,6 +105,20 @@ def test_bytes_per_token_and_ratio_to_stock_with_checkpointing():
     table = memory._table(rows)
     assert "| 1024 | HF v5 `grouped_mm` | **out of memory** |" in table
     assert "| 2048 | dropless: checkpointing + fused linear-CE | 300 | 153,600 | - |" in table
+
+
+def test_adamw_state_is_allocated_without_changing_a_weight():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-1, weight_decay=0.5, fused=True)
+    memory._prime_adamw(model, opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert [g["lr"] for g in opt.param_groups] == [1e-1]
+    assert all(opt.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
 
 
 def test_bad_arguments_are_refused(capsys):

@@ -26,7 +26,7 @@ MemoryError, a RuntimeError about memory, or a child killed by SIGKILL (the kern
 out-of-memory killer) is recorded as out of memory, and not retried.
 """
 
-# B batch (1), L sequence length, V vocabulary
+# B batch (1), L sequence length
 
 from __future__ import annotations
 

@@ -61,6 +61,7 @@ def test_records_table_and_section_of_every_row(tmp_path, monkeypatch):
     assert "Command: `" in text and "Memory limit per child: 3 GiB" in text
     assert text.count("| 32 | ") == len(memory.IMPLS)
     assert "| 32 | HF v5 `grouped_mm` + activation checkpointing | " in text
+    assert memory._summary(line["figures"]) in text
 
 
 def test_a_child_over_its_memory_limit_is_recorded_out_of_memory(tmp_path):
@@ -105,6 +106,8 @@ def test_bytes_per_token_and_ratio_to_stock_with_checkpointing():
     table = memory._table(rows)
     assert "| 1024 | HF v5 `grouped_mm` | **out of memory** |" in table
     assert "| 2048 | dropless: checkpointing + fused linear-CE | 300 | 153,600 | - |" in table
+    figures = {"dropless_vs_stock_ckpt": {"1024": 0.25, "2048": 0.5}}
+    assert memory._summary(figures).endswith(": **0.25x** at 1024, **0.50x** at 2048.")
 
 
 def test_adamw_state_is_allocated_without_changing_a_weight():

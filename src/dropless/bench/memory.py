@@ -384,6 +384,14 @@ def run(args) -> int:
     return 0
 
 
+def _summary(figures: dict) -> str:
+    ratios = figures.get("dropless_vs_stock_ckpt") or {}
+    if not ratios:
+        return "No dropless / stock-with-checkpointing ratio (a row is missing or out of memory)."
+    shown = ", ".join(f"**{r:.2f}x** at {seq}" for seq, r in ratios.items())
+    return f"dropless peak step memory vs stock with its activation checkpointing: {shown}."
+
+
 def _write_section(path: Path, table: str, record: dict) -> None:
     f = record["figures"]
     s = f["shape"]
@@ -405,6 +413,8 @@ def _write_section(path: Path, table: str, record: dict) -> None:
             "allocator settings (an indication, not a speed figure).",
             "",
             table,
+            "",
+            _summary(f),
             f"<!-- /memory:{key} -->",
             "",
         ]

@@ -20,6 +20,10 @@ BENCHES = {
         "dropless.bench.lora",
         "a LoRA fine-tuning step: stock PEFT vs PEFT + dropless.patch(), full fine-tuning",
     ),
+    "memory": (
+        "dropless.bench.memory",
+        "peak step memory per token at long sequences: stock vs the long-sequence recipe",
+    ),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
     "ep": ("dropless.bench.ep", "expert-parallel layer: time split with/without overlap"),
     "train": ("dropless.bench.train", "the default `dropless train` config, briefly: its summary"),

@@ -167,8 +167,9 @@ def expert_mlp(
     backend = mlp_kwargs.get("backend")
     mlp_kwargs = dict(mlp_kwargs)
     _activation(mlp_kwargs)
+    lora = mlp_kwargs.pop("lora", None)  # only the fused Functions take it
     recipe = get_recipe()
-    _check_no_recipe(recipe, mlp_kwargs.get("lora"))
+    _check_no_recipe(recipe, lora)
     fused = recipe_mlp(recipe) if recipe is not None else None
     if fused is not None and getattr(fused, "takes_tokens", False):
         # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
@@ -199,7 +200,7 @@ def expert_mlp(
         # the host-count paths run eagerly: one graph break around sort + MLP (see
         # docs/performance.md) instead of a graph specialised on every routing
         return _expert_mlp_eager(
-            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, **mlp_kwargs
+            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, lora=lora, **mlp_kwargs
         )
     sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=not sync_free)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
@@ -214,6 +215,7 @@ def expert_mlp(
         slot_TK=sp.slot_TK,
         num_out=x_TD.shape[0],
         path=path,
+        lora=lora,
         **mlp_kwargs,
     )
     return out_TD, sp

@@ -107,6 +107,14 @@ def _dcp():
     return dcp, sd
 
 
+def _options(sd, trainable_only: bool):
+    # LoRA runs: the frozen base comes from model.path, only the adapters are saved
+    # (strict=False: the frozen keys are absent by design; DCP still fails on a missing adapter)
+    if not trainable_only:
+        return None
+    return sd.StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def save_checkpoint(
     run_dir,
     step: int,
@@ -117,6 +125,7 @@ def save_checkpoint(
     *,
     keep: int,
     config_file: Path | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`."""
     dcp, sd = _dcp()
@@ -129,7 +138,7 @@ def save_checkpoint(
     _barrier()
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     _test_kill_hook(step)
-    model_sd, optim_sd = sd.get_state_dict(model, optimizer)
+    model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
     state = {
         "model": model_sd,
         "optim": optim_sd,
@@ -163,10 +172,18 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    path, model, optimizer=None, scheduler=None, *, restore_rng: bool = True
+    path,
+    model,
+    optimizer=None,
+    scheduler=None,
+    *,
+    restore_rng: bool = True,
+    trainable_only: bool = False,
 ) -> dict:
-    """Load a checkpoint into `model` (and `optimizer`, `scheduler`); returns the trainer state."""
+    """Load a checkpoint into `model` (and `optimizer`, `scheduler`); returns the trainer
+    state. trainable_only: the checkpoint holds only the parameters that train (LoRA)."""
     dcp, sd = _dcp()
+    opts = _options(sd, trainable_only)
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(
@@ -175,12 +192,12 @@ def load_checkpoint(
     trainer = json.loads((path / "trainer.json").read_text())
     trainer.pop("step", None)
     if optimizer is not None:
-        model_sd, optim_sd = sd.get_state_dict(model, optimizer)
+        model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd, "trainer": dict(trainer)}
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
     else:
-        state = {"model": sd.get_model_state_dict(model)}
+        state = {"model": sd.get_model_state_dict(model, options=opts)}
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=".*assuming the intent is to load in a single process"
@@ -188,13 +205,17 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
         sd.set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=opts,
         )
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         trainer = state["trainer"]
     else:
-        sd.set_model_state_dict(model, state["model"])
+        sd.set_model_state_dict(model, state["model"], options=opts)
     rng_file = path / "rng" / f"rank{_rank_world()[0]}.pt"
     if restore_rng and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))

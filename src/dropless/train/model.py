@@ -205,7 +205,11 @@ class FlopCounter:
     def from_model(cls, model: nn.Module) -> FlopCounter:
         layers = _hf().moe_layers(model)
         expert_mods = {id(layer.experts) for layer in layers}
-        dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        dense = sum(
+            m.weight.numel()
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".lora_" not in n  # LoRA factors: not dense layers
+        )
         dense += sum(
             layer.router.weight.numel()
             for layer in layers

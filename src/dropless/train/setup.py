@@ -113,6 +113,15 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     from ..parallel.mesh import resolve_sizes
 
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
+    if cfg.finetune.method == "lora" and env.world > 1:
+        raise ValueError(
+            f"finetune.method='lora' runs on one process in this version (got {env.world}); "
+            "run without torchrun, or use finetune.method='full'"
+        )
+    if cfg.finetune.method == "lora":
+        from .lora import require_peft
+
+        require_peft()
     per = env.world * cfg.train.grad_accum
     if cfg.train.batch_size % per:
         raise ValueError(

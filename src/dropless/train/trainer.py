@@ -28,6 +28,7 @@ from .data import (
     micro_batch_indices,
     unigram_bits_per_byte,
 )
+from .lora import ADAPTER_DIR, apply_lora, save_adapter
 from .metrics import (
     MetricsWriter,
     Progress,
@@ -89,6 +90,9 @@ class Trainer:
             device=env.device,
             activation_checkpointing=tc.activation_checkpointing,
         )
+        self.lora = cfg.finetune.method == "lora"
+        if self.lora:  # base frozen: only the adapters train and are checkpointed
+            self.model = apply_lora(self.model, cfg.finetune, cfg.model.path)
         self.layers = _hf().moe_layers(self.model)
         self.router = _hf().RouterLosses(self.model)
         self.K = (
@@ -115,7 +119,7 @@ class Trainer:
         self.step, self.sample_index, self.state = 0, 0, {}
         if resume_from is not None:
             self.state = ckpt.load_checkpoint(
-                resume_from, self.model, self.optimizer, self.scheduler
+                resume_from, self.model, self.optimizer, self.scheduler, trainable_only=self.lora
             )
             self.step, self.sample_index = (
                 int(self.scheduler.last_epoch),
@@ -317,6 +321,7 @@ class Trainer:
             st,
             keep=self.cfg.checkpoint.keep,
             config_file=self.config_file,
+            trainable_only=self.lora,
         )
 
     def fit(self) -> dict:
@@ -386,6 +391,8 @@ class Trainer:
                 cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
             ) or self.step == total:
                 self._save()
+        if self.lora and env.main:  # the adapter in PEFT's format, for stock PEFT
+            save_adapter(self.model, self.run_dir / ADAPTER_DIR)
         progress.close()
         return self._finish(train_time, train_flops)
 

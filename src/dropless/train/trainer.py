@@ -40,6 +40,8 @@ from .metrics import (
 )
 from .model import FlopCounter, build_training_model, recipe_context
 from .setup import Env, broadcast, init_env, preflight, resolve_run_dir
+from .sft import IGNORE, RowSampler, chat_template, encode_rows, read_records, sft_kind
+from .sft import split as sft_split
 from .tokenizer import build_tokenizer
 
 
@@ -134,6 +136,10 @@ class Trainer:
     # ---- setup ---------------------------------------------------------------------
     def _data(self) -> None:
         cfg, env = self.cfg, self.env
+        kind = sft_kind(cfg.data.path) if cfg.data.path else None
+        self.sft, self.eval_targets = kind is not None, None
+        if self.sft:  # messages or prompt/completion records: padded rows, masked targets
+            return self._sft_data(kind)
         corpus = []
 
         def docs():
@@ -168,6 +174,49 @@ class Trainer:
         )
         self.train_tokens = len(train)
 
+    def _sft_data(self, kind: str) -> None:
+        cfg, env, L = self.cfg, self.env, self.L
+        recs = read_records(cfg.data.path)
+        train, held = (
+            (recs, read_records(cfg.data.eval_path))
+            if cfg.data.eval_path
+            else sft_split(recs, cfg.data.eval_fraction)
+        )
+        texts = [
+            str(r["prompt"]) + str(r["completion"])
+            if kind == "prompt_completion"
+            else "\n".join(str(m.get("content", "")) for m in r["messages"])
+            for r in train
+        ]
+        for turn in ("main", "others"):  # rank 0 trains/caches the tokenizer first
+            if (turn == "main") == env.main:
+                self.tok = build_tokenizer(
+                    cfg.data.tokenizer, self.run_dir / "tokenizer", lambda: texts,
+                    cfg.data.bpe_vocab_size,
+                )  # fmt: skip
+            if env.world > 1 and turn == "main":
+                dist.barrier()
+        template = chat_template(cfg.model.path)
+        rows = encode_rows(train, kind, self.tok, L, cfg.data.loss_on, template)
+        self.sampler = RowSampler(*rows, cfg.train.seed)
+        ev_rows, ev_tg = encode_rows(held, kind, self.tok, L, cfg.data.loss_on, template)
+        n = max(1, cfg.data.eval_tokens // L)
+        self.eval_BL1, self.eval_targets = ev_rows[:n], ev_tg[:n]
+        targets = self.eval_targets[self.eval_targets != IGNORE]
+        self.eval_bytes = max(1, int(self.tok.nbytes_V[targets].sum()))
+        train_targets = rows[1][rows[1] != IGNORE]
+        self.unigram_bpb = unigram_bits_per_byte(
+            byte_counts(self.tok, train_targets), self.tok.token_bytes(targets)
+        )
+        self.train_tokens = int(train_targets.size)
+        if env.main:
+            share = 1 - float((rows[0][:, 1:] != (self.tok.eos_id or 0)).mean())
+            print(
+                f"supervised data ({kind}): {len(train)} train / {len(held)} held-out samples, "
+                f"{self.train_tokens} loss tokens, ~{share:.0%} of positions padding",
+                flush=True,
+            )
+
     def _optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         decay = [p for p in self.params if p.dim() >= 2]
@@ -185,10 +234,10 @@ class Trainer:
 
     # ---- one step --------------------------------------------------------------------
     def _micro_step(
-        self, xy_BL1: torch.Tensor
+        self, xy_BL1: torch.Tensor, targets_BL: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tc = self.cfg.train
-        x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
+        x, y = xy_BL1[:, :-1], (xy_BL1[:, 1:] if targets_BL is None else targets_BL)
         with self._autocast(), self.recipe(), self.router.capture():
             out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
         ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
@@ -219,7 +268,8 @@ class Trainer:
         for a in range(self.A):
             idx = micro_batch_indices(self.sample_index, a, self.env.rank, self.W, self.B, self.A)
             xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
-            ce, lb, zl, c = self._micro_step(xy)
+            tg = torch.from_numpy(self.sampler.batch_targets(idx)).to(dev) if self.sft else None
+            ce, lb, zl, c = self._micro_step(xy, tg)
             sums += torch.stack([ce, lb, zl]).double() / self.A
             counts_ME += c.to(dev)
         # pairs the dropless experts path computed (None on the stock path)
@@ -278,6 +328,7 @@ class Trainer:
         self.model.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # nll sum, targets
         mine, b = self.eval_BL1[self.env.rank :: self.W], max(self.b, 1)
+        tmine = None if self.eval_targets is None else self.eval_targets[self.env.rank :: self.W]
         n = -(-len(mine) // b)
         if self.par is not None:  # forwards are collective (FSDP, EP): as many on every rank
             n_t = torch.tensor([n])
@@ -290,12 +341,14 @@ class Trainer:
                 logits = self.model(input_ids=xy[:, :-1], use_cache=False).logits
             if not len(part):  # a filler forward on a rank with no windows left
                 continue
+            y = xy[:, 1:]
+            if tmine is not None:  # supervised rows: only the targets with loss count
+                y = torch.from_numpy(tmine[j * b : (j + 1) * b]).to(self.env.device)
             nll = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), xy[:, 1:].reshape(-1), reduction="sum"
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
             )
-            acc += torch.stack(
-                [nll.double().cpu(), torch.tensor(float(xy[:, 1:].numel()), dtype=torch.float64)]
-            )
+            n_t = float((y != IGNORE).sum())
+            acc += torch.stack([nll.double().cpu(), torch.tensor(n_t, dtype=torch.float64)])
         if self.W > 1:
             dist.all_reduce(acc)
         _hf().tokens_per_expert(self.model, reset=True)

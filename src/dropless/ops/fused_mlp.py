@@ -230,9 +230,9 @@ class _GroupedMLP(torch.autograd.Function):
         ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
     ):
         activation, interleaved, trans_w, alpha, limit, num_out = cfg
-        be = pick_gemm_backend(backend, x, gate_up)
-        if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
-            counts = counts.tolist()  # only grouped_mm takes device offsets
+        be = pick_gemm_backend(backend, x, gate_up, down)
+        if isinstance(counts, torch.Tensor) and not be.device_counts:
+            counts = counts.tolist()  # host sync: this backend needs the bounds on the host
         x_SD = x.index_select(0, token_S) if token_S is not None else x
         S = x_SD.shape[0]
         rows_E = None

@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from .dispatch import pick_gemm_backend
-from .permute import gather_sum
-from .swiglu import _split
+from .row_ops import pick_row_ops
+from .swiglu import ACTIVATIONS, _split
 
 # --- activation pieces (no autograd; shared by both Functions) -----------------------
 
@@ -223,7 +223,11 @@ def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
 
 
 class _GroupedMLP(torch.autograd.Function):
-    """Same contract as _LoopMLP; counts is a host list or a device tensor."""
+    """Same contract as _LoopMLP; counts is a host list or a device tensor.
+
+    The gathers (permute, combine) and, for the kinds it has, the activation x prob come
+    from the row-op registry (`row_ops.py`: Triton kernels on CUDA, fp32 accumulation);
+    other activations use the eager `_act_fwd` / `_act_parts` above."""
 
     @staticmethod
     def forward(
@@ -231,9 +235,13 @@ class _GroupedMLP(torch.autograd.Function):
     ):
         activation, interleaved, trans_w, alpha, limit, num_out = cfg
         be = pick_gemm_backend(backend, x, gate_up, down)
+        rk = pick_row_ops(x)
+        rk_act = pick_row_ops(x, activation=activation) if activation in ACTIVATIONS else None
         if isinstance(counts, torch.Tensor) and not be.device_counts:
             counts = counts.tolist()  # host sync: this backend needs the bounds on the host
-        x_SD = x.index_select(0, token_S) if token_S is not None else x
+        elif be.device_counts and not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(counts, device=x.device)  # one copy for every GEMM
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         S = x_SD.shape[0]
         rows_E = None
         if gu_bias is not None or d_bias is not None:
@@ -247,58 +255,89 @@ class _GroupedMLP(torch.autograd.Function):
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
-        a = _act_fwd(h, prob_S, activation, interleaved, alpha, limit)
+        if rk_act is not None:
+            a = rk_act.act_fwd(h, prob_S, interleaved, activation, alpha, limit)
+        else:
+            a = _act_fwd(h, prob_S, activation, interleaved, alpha, limit)
         y = be.mm(a, down, counts, trans_w)
         del a
         if d_bias is not None:
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
-        out = gather_sum(y, slot_TK) if token_S is not None else y
+        out = rk.gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(
             x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E
         )
-        ctx.counts, ctx.cfg, ctx.be = counts, cfg, be
+        ctx.counts, ctx.cfg, ctx.be, ctx.rk, ctx.rk_act = counts, cfg, be, rk, rk_act
         return out
 
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
         activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
-        be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
+        be, rk, counts, need = ctx.be, ctx.rk, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
-        gy = g_out.index_select(0, token_S) if token_S is not None else g_out
-        p = None if prob_S is None else prob_S.unsqueeze(1)
-        a0, d_gate, d_up = _act_parts(h, activation, interleaved, alpha, limit)
+        gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
         gx = gp = ggu = gd = ggb = gdb = None
-        if need[3]:
-            ap = a0 if p is None else a0 * p
-            gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
-            del ap
         if d_bias is not None and need[5]:
+            p = None if prob_S is None else prob_S.unsqueeze(1)
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
-        da = be.mm(gy, down, counts, not trans_w)
-        if p is not None and need[1]:
-            gp = (da * a0).sum(1)
-            if d_bias is not None:
-                gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
-        del a0
-        if p is not None:
-            da.mul_(p)
-        dh = _act_bwd(da, d_gate, d_up, interleaved, torch.empty_like(h))
-        del da, d_gate, d_up
+        if ctx.rk_act is not None:
+            dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need)
+        else:
+            dh, gp, gd = _act_backward_eager(ctx, gy, h, prob_S, down, counts, need)
+        if gp is not None and d_bias is not None:
+            gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
         if need[2]:
-            x_SD = x.index_select(0, token_S) if token_S is not None else x
+            x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
             del x_SD
         if need[0]:
             dx = be.mm(dh, gate_up, counts, not trans_w)
-            gx = gather_sum(dx, slot_TK) if token_S is not None else dx
+            gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
         if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
             raise AssertionError("wgrad returned the wrong number of groups")
         return gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None
+
+
+def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
+    """(dh, d prob, d down) with one activation-backward pass that also recomputes the
+    forward output for the down projection's weight grad."""
+    activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+    be = ctx.be
+    da = be.mm(gy, down, counts, not trans_w)
+    need_gp = prob_S is not None and need[1]
+    dh, gp, a = ctx.rk_act.act_bwd(
+        da, h, prob_S, interleaved, need_gp, need[3], activation, alpha, limit
+    )
+    del da
+    gd = None
+    if need[3]:
+        gd = be.wgrad(gy, a, counts) if trans_w else be.wgrad(a, gy, counts)
+    return dh, gp, gd
+
+
+def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need):
+    activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+    be = ctx.be
+    p = None if prob_S is None else prob_S.unsqueeze(1)
+    a0, d_gate, d_up = _act_parts(h, activation, interleaved, alpha, limit)
+    gd = gp = None
+    if need[3]:
+        ap = a0 if p is None else a0 * p
+        gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
+        del ap
+    da = be.mm(gy, down, counts, not trans_w)
+    if p is not None and need[1]:
+        gp = (da * a0).sum(1)
+    del a0
+    if p is not None:
+        da.mul_(p)
+    dh = _act_bwd(da, d_gate, d_up, interleaved, torch.empty_like(h))
+    return dh, gp, gd
 
 
 # --- entry point ----------------------------------------------------------------------

@@ -32,7 +32,7 @@ class MoEConfig:
     """Static configuration (hashable, so it can be a static jit argument).
 
     Same meaning as the arguments of `dropless.MoE`; backend: grouped-GEMM backend
-    ("tiled", "ragged_dot", or None to pick by platform).
+    ("tiled", "ragged_dot", or None for the default, "tiled").
     """
 
     hidden_size: int

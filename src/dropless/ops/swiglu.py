@@ -29,22 +29,23 @@ def _split(h_S2F: torch.Tensor, interleaved: bool):
 
 
 def _parts(h_S2F, interleaved, activation, alpha, limit):
-    """(act, d act/d gate, d act/d up) in fp32 (fp64 for fp64); act excludes the prob."""
+    """(act, up, d act/d gate, d act/d up) in fp32 (fp64 for fp64); act excludes the
+    prob. For swiglu, `up` is returned and d act/d gate is given without its factor up:
+    the formulas are written exactly as the quantized MLP's (`dropless.quant.mlp`), so
+    both give the same bits before quantization."""
     acc = torch.promote_types(h_S2F.dtype, torch.float32)
     gate, up = (t.to(acc) for t in _split(h_S2F, interleaved))
     if activation == "swiglu":
         sig = torch.sigmoid(gate)
-        glu = gate * sig
-        act = glu * up
-        # d act/d gate = up * sig * (1 + gate * (1 - sig)) = act + sig * (up - act)
-        return act, torch.addcmul(act, sig, up - act), glu
+        act = torch.nn.functional.silu(gate) * up
+        return act, up, sig * (1 + gate * (1 - sig)), gate * sig
     g = gate.clamp(max=limit)
     u1 = up.clamp(-limit, limit).add_(1)
     sig = torch.sigmoid(g * alpha)
     glu = g * sig
     # torch.clamp passes the gradient where min <= x <= max (inclusive)
     d_glu = (sig + alpha * glu * (1 - sig)).mul_(gate <= limit)
-    return glu * u1, u1.mul_(d_glu), glu.mul_((up >= -limit) & (up <= limit))
+    return glu * u1, None, u1.mul_(d_glu), glu.mul_((up >= -limit) & (up <= limit))
 
 
 def act_fwd_eager(
@@ -56,9 +57,9 @@ def act_fwd_eager(
     limit: float = 7.0,
 ) -> torch.Tensor:
     """act(gate, up) * prob (prob = 1 when None), fp32 math, in h's dtype; no autograd."""
-    act, _, _ = _parts(h_S2F, interleaved, activation, alpha, limit)
+    act = _parts(h_S2F, interleaved, activation, alpha, limit)[0]
     if prob_S is not None:
-        act.mul_(prob_S.to(act.dtype).unsqueeze(1))
+        act = act * prob_S.to(act.dtype).unsqueeze(1)
     return act.to(h_S2F.dtype)
 
 
@@ -78,13 +79,14 @@ def act_bwd_eager(
     grad_prob when prob_S is given and need_prob_grad; with recompute the forward output
     (act * prob, for the down projection's weight grad) comes back too. fp32 math.
     """
-    act, d_gate, d_up = _parts(h_S2F, interleaved, activation, alpha, limit)
+    act, up, d_gate, d_up = _parts(h_S2F, interleaved, activation, alpha, limit)
     g = grad_SF.to(act.dtype)
     grad_p = a = None
     if prob_S is not None:
         p = prob_S.to(act.dtype).unsqueeze(1)
         if need_prob_grad:
-            grad_p = (g * act).sum(1).to(prob_S.dtype)
+            gp = g * d_up * up if up is not None else g * act
+            grad_p = gp.sum(1).to(prob_S.dtype)
         g = g * p
         if recompute:
             a = (act * p).to(h_S2F.dtype)
@@ -92,8 +94,8 @@ def act_bwd_eager(
         a = act.to(h_S2F.dtype)
     grad_h = torch.empty_like(h_S2F)
     og, ou = _split(grad_h, interleaved)
-    og.copy_(d_gate.mul_(g))
-    ou.copy_(d_up.mul_(g))
+    og.copy_(g * up * d_gate if up is not None else g * d_gate)
+    ou.copy_(g * d_up)
     return grad_h, grad_p, a
 
 

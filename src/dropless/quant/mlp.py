@@ -116,12 +116,12 @@ class _QGroupedMLP(torch.autograd.Function):
         x_SD = x if token_S is None else x.index_select(0, token_S)
         xq = quantize_operand(recipe, x_SD, "x", 1, key=gate_up)
         w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
-        h = mm(xq, w1q, counts, trans_w, x.dtype)
+        h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
         if b1 is not None:
             h = h + _expand_bias(b1, counts).to(h.dtype)
         aq = swiglu_quant(h, prob_S, recipe, down)
         w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
-        y = mm(aq, w2q, counts, trans_w, x.dtype)
+        y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
         if b2 is not None:
             b = _expand_bias(b2, counts)
             y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)

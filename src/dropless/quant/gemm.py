@@ -100,7 +100,9 @@ def quantize_operand(
     """
     fmt = recipe.bwd_format if role == "g" else recipe.fwd_format
     mode = scaling_mode(recipe)
-    if role == "w" and counts is None and scale is None and recipe.kind != "delayed":
+    if role == "w" and counts is None and recipe.kind != "delayed":
+        # current scaling derives the weight's scale from the weight itself: a scale
+        # handed back from forward is the one the cache would compute
         return _cached_weight(recipe, t, dim, fmt, mode, key)
     return _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale)
 

@@ -125,7 +125,10 @@ def amax(x: torch.Tensor, dims=None) -> torch.Tensor:
 def quantize_scaled(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> QTensor:
     """q = sat_cast(x * scale) with a given fp32 scale (scalar or broadcastable)."""
     scale = scale.float()
-    return QTensor(cast_fp8(x.float() * scale, fmt), torch.reciprocal(scale), fmt, scale=scale)
+    m = FP8_MAX[check_format(fmt)]
+    # one fp32 temporary: the product is clamped in place, then cast (clamp keeps NaN)
+    q = (x.float() * scale).clamp_(-m, m).to(FP8_DTYPES[fmt])
+    return QTensor(q, torch.reciprocal(scale), fmt, scale=scale)
 
 
 def quantize_current(x: torch.Tensor, fmt: str, dims=None, margin: int = 0) -> QTensor:
@@ -167,10 +170,10 @@ def _mx_blocks_last(x: torch.Tensor, fmt: str, scale_rule: str):
     e = mx_exponent(torch.where(bad, torch.zeros_like(a), a), fmt, scale_rule)
     inv = torch.ldexp(torch.ones_like(a), (-e).float())  # 1 / X, exact power of two
     q = cast_fp8(xf * inv.unsqueeze(-1), fmt)
-    if bool(bad.any()):
-        qb = q.view(torch.uint8)
-        qb[bad] = FP8_NAN  # bits 0x7F are NaN in both E4M3 and E5M2
-    return q, _e8m0(e, bad)
+    # bits 0x7F are NaN in both E4M3 and E5M2; a select on the device, not a host check
+    # of whether any block is bad (that would sync every quantization)
+    qb = torch.where(bad.unsqueeze(-1), FP8_NAN, q.view(torch.uint8))
+    return qb.view(q.dtype), _e8m0(e, bad)
 
 
 def _mx_dequant_last(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -46,3 +46,18 @@ def test_counter_sees_the_loop_paths_one_sync():
     with count_syncs() as found:
         _step(moe, x)
     assert len(found) == 1 and "tolist" in found[0], found
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "mxfp8"])
+def test_local_fp8_path_makes_no_host_sync(recipe_name):
+    from dropless.quant import recipe_from_name
+
+    recipe = recipe_from_name(recipe_name, fp8_saved_activations=True)
+    moe = dropless.MoE(32, 16, 6, 2, bias=True)
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    with dropless.autocast(recipe=recipe):
+        _step(moe, x)
+        with count_syncs() as found:
+            _step(moe, x)
+    assert found == []
+    assert torch.isfinite(moe.experts.gate_up_proj.grad).all()

@@ -103,3 +103,13 @@ def test_e5m2_gradient_fallback_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qgemm._torch_mm(gq, wq, COUNTS, False, torch.float32)  # said once only
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 33, 32, 1], [0, 0, 0], [64]], ids=str)
+def test_mx_groups_with_device_counts_equal_host_counts(counts):
+    """Device counts (no host read): a static padded size, the same dequantized values."""
+    x = torch.randn(sum(counts), 8)
+    host = formats.quantize_mx_groups(x, counts)
+    dev = formats.quantize_mx_groups(x, torch.tensor(counts))
+    assert torch.equal(dev.dequantize(), host.dequantize())
+    assert dev.data.shape[0] >= host.data.shape[0] and dev.data.shape[0] % 32 == 0

@@ -80,7 +80,7 @@ def aligned_dims(t: torch.Tensor, *dims: int) -> bool:
 
 
 def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or b.dim() != 3:
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or b.dim() not in (2, 3):
         return False
     if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
         return False  # its fake (meta) kernel accepts only bf16, whatever the device
@@ -90,9 +90,11 @@ def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
         ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
     else:
         ok_dtype = False
-    # every dimension the GEMMs of this weight read (forward, dgrad, wgrad): both of the
-    # weight's (the input's last dim is one of them)
-    return ok_dtype and aligned_dims(a, a.shape[-1], b.shape[-1], b.shape[-2])
+    # every dimension the GEMMs read: a weight [E, ., .] -> both of its dims (forward,
+    # dgrad and wgrad; the input's last dim is one of them); a wgrad's b [S, N] -> N (S
+    # is the grouped dim, cut by the offsets)
+    dims = (a.shape[-1], b.shape[-1]) + ((b.shape[-2],) if b.dim() == 3 else ())
+    return ok_dtype and aligned_dims(a, *dims)
 
 
 def _gmm_mm(a_SK, b, counts, trans_b, out=None):
@@ -169,7 +171,15 @@ def _expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.T
     return bias_EN.index_select(0, idx)
 
 
-def _group_sum(g_SN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
+    """Per-group row sums [E, N]; counts a host list or a device tensor (no sync)."""
+    if isinstance(counts, torch.Tensor):
+        e_S = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=g_SN.device),
+            counts.to(g_SN.device),
+            output_size=g_SN.shape[0],
+        )
+        return g_SN.new_zeros(counts.numel(), g_SN.shape[1]).index_add_(0, e_S, g_SN)
     out = g_SN.new_zeros(len(counts), g_SN.shape[1])
     for e, lo, hi in _bounds(counts):
         if hi > lo:

@@ -34,6 +34,7 @@ BUDGETS = {
     "quant": 120,
     "train": 180,
     "jax": 90,
+    "gpu_check": 60,
 }
 _spent: dict[str, float] = {}
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import _register_lazy_backends
 from .permute import gather_rows_eager, gather_sum, pair_dot_eager
 from .swiglu import ACTIVATIONS, act_bwd_eager, act_fwd_eager
 
@@ -62,7 +61,6 @@ def row_ops_names() -> list[str]:
 def pick_row_ops(t: torch.Tensor, name: str | None = None, activation: str | None = None):
     """The implementation for tensor t: `name` if given (error if it cannot run t),
     else the best registered one that runs t (and `activation`, when given)."""
-    _register_lazy_backends(name, t)
     if name not in (None, "auto"):
         if name not in _ROW_OPS:
             raise ValueError(f"row ops {name!r} are not registered; known: {row_ops_names()}")

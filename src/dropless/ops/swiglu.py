@@ -3,9 +3,10 @@
 Saves only the gate/up input and the prob (the output is recomputed in backward), so
 the activation costs no extra memory beyond the GEMM output it consumes.
 
-Variants: `swiglu` (gate = columns [0, F), up = [F, 2F)); `gpt_oss` (gate clamped
-above at `limit`, up clamped to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)),
-optionally with gate/up interleaved (gate = even columns, up = odd columns).
+The activation is described by an `ActivationConfig` (see `specs.py`): kind "swiglu"
+(gate = columns [0, F), up = [F, 2F)) or "gpt_oss" (gate clamped above at `limit`, up
+clamped to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), optionally with
+gate/up interleaved (gate = even columns, up = odd columns).
 
 One autograd Function (`_Activation`) takes its forward/backward implementation from
 the row-op registry (`row_ops.py`): the eager functions below (the specification, math
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-ACTIVATIONS = ("swiglu", "gpt_oss")
+from .specs import ActivationConfig, as_activation
+
+ACTIVATIONS = ("swiglu", "gpt_oss")  # the kinds the row ops compute
+_GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
 
 def _split(h_S2F: torch.Tensor, interleaved: bool):
@@ -53,8 +57,8 @@ def act_fwd_eager(
     prob_S: torch.Tensor | None = None,
     interleaved: bool = False,
     activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> torch.Tensor:
     """act(gate, up) * prob (prob = 1 when None), fp32 math, in h's dtype; no autograd."""
     act = _parts(h_S2F, interleaved, activation, alpha, limit)[0]
@@ -71,8 +75,8 @@ def act_bwd_eager(
     need_prob_grad: bool = True,
     recompute: bool = False,
     activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward of `act_fwd_eager`: (grad_h, grad_prob or None, the forward output or None).
 
@@ -126,34 +130,51 @@ def activation(
     *,
     activation: str = "swiglu",
     interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> torch.Tensor:
     """`swiglu` computed by a given `RowOps` implementation (no picking, no checks)."""
     return _Activation.apply(h_S2F, prob_S, interleaved, activation, alpha, limit, impl)
+
+
+def check_supported(act: ActivationConfig) -> ActivationConfig:
+    """Raise ValueError for an activation these ops do not compute (yet)."""
+    if not act.gated:
+        raise ValueError(
+            "activation.gated=False (non-gated experts) is not implemented; use gated=True"
+        )
+    if act.kind not in ("swiglu", "gpt_oss"):
+        raise ValueError(
+            f"activation.kind={act.kind!r} has no implementation in dropless.ops; "
+            "implemented: ['gpt_oss', 'swiglu']"
+        )
+    return act
 
 
 def swiglu(
     h_S2F: torch.Tensor,
     prob_S: torch.Tensor | None = None,
     *,
-    activation: str = "swiglu",
-    interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """silu(gate) * up * prob for each row; `activation="gpt_oss"` for the clamped variant.
+    """act(gate, up) * prob for each row, act given by `activation` (an ActivationConfig,
+    default swiglu). A kind name with `interleaved`, `alpha`, `limit` keywords is the
+    same description in keyword form.
 
     Runs the best registered implementation for h's device (a Triton kernel on CUDA
     where available, else the eager fp32 math above).
     """
     from .row_ops import pick_row_ops
 
+    act = check_supported(
+        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    )
     if h_S2F.dim() != 2 or h_S2F.shape[-1] % 2:
         raise ValueError(f"h must be [S, 2F], got shape {tuple(h_S2F.shape)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
     if prob_S is not None and prob_S.shape != (h_S2F.shape[0],):
         raise ValueError(f"prob_S must be [S]={h_S2F.shape[0]}, got {tuple(prob_S.shape)}")
-    impl = pick_row_ops(h_S2F, activation=activation)
-    return _Activation.apply(h_S2F, prob_S, interleaved, activation, alpha, limit, impl)
+    impl = pick_row_ops(h_S2F, activation=act.kind)
+    return _Activation.apply(h_S2F, prob_S, act.interleaved, act.kind, act.alpha, act.limit, impl)

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .fasta import FASTA_SUFFIXES, is_fasta_path, read_fasta
+from .genomics import reverse_complement
+
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+def _supported(p: Path) -> bool:
+    return p.suffix in SUFFIXES or is_fasta_path(p)
 
 
 def stdlib_files() -> list[Path]:
@@ -73,20 +80,22 @@ def _data_files(path: str, key: str) -> list[Path]:
             f"{key}={path!r} does not exist; pass a .txt/.jsonl/.parquet file or a directory of them"
         )
     if p.is_file():
-        if p.suffix not in SUFFIXES:
+        if not _supported(p):
             raise ValueError(
-                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}"
+                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)} and FASTA ({', '.join(FASTA_SUFFIXES)})"
             )
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+    files = sorted(f for f in p.rglob("*") if f.is_file() and _supported(f))
     if not files:
         raise ValueError(
-            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data"
+            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files or FASTA files; point it at your data"
         )
     return files
 
 
 def _read_file(f: Path, text_field: str) -> list[str]:
+    if is_fasta_path(f):  # one document per record
+        return [r.sequence for r in read_fasta(f) if r.sequence]
     if f.suffix == ".txt":
         return [f.read_text(encoding="utf-8", errors="replace")]
     if f.suffix == ".jsonl":
@@ -143,7 +152,13 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
         return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes)
     docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes)
     if cfg.eval_path:
-        return docs, read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path")
+        held = read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path")
+        return _with_rc(cfg, docs), held
+    if len(docs) < 20 and cfg.tokenizer == "dna":  # few long records: hold out each one's tail
+        cuts = [int(len(d) * (1 - cfg.eval_fraction)) for d in docs]
+        return _with_rc(cfg, [d[:c] for d, c in zip(docs, cuts)]), [
+            d[c:] for d, c in zip(docs, cuts)
+        ]
     if len(docs) < 20:  # too few documents to hold some out: hold out the tail of the text
         text = "\n".join(docs)
         cut = int(len(text) * (1 - cfg.eval_fraction))
@@ -153,7 +168,12 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
         (held if _split_key(str(i)) < cfg.eval_fraction else train).append(d)
     if not held:
         held.append(train.pop())
-    return train, held
+    return _with_rc(cfg, train), held
+
+
+def _with_rc(cfg, train: list[str]) -> list[str]:
+    """data.reverse_complement: the training records plus their reverse complements."""
+    return train + [reverse_complement(d) for d in train] if cfg.reverse_complement else train
 
 
 def tokenize(tok, docs: list[str]) -> np.ndarray:
@@ -172,7 +192,14 @@ def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.n
         {
             "data": {
                 k: getattr(cfg, k)
-                for k in ("path", "eval_path", "text_field", "eval_fraction", "max_bytes")
+                for k in (
+                    "path",
+                    "eval_path",
+                    "text_field",
+                    "eval_fraction",
+                    "max_bytes",
+                    "reverse_complement",
+                )  # fmt: skip
             },
             "tokenizer": cfg.tokenizer,
             "vocab": tok.vocab_size,

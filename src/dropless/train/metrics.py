@@ -51,9 +51,28 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    from ..bench.common import peak_rss_mib
-
     return peak_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory (VmHWM from /proc/self/status), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def load_stats(counts_LE: torch.Tensor) -> dict:

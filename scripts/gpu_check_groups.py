@@ -260,7 +260,14 @@ def fused_mlp(G: Group) -> None:
             row_impls.append(("triton", kernels.triton_row_ops()))
     except ImportError:
         pass
+    from dropless.ops.dispatch import pick_gemm_backend
+
     for backend in ["loop", *[b for b in ops.gemm_backends() if b != "loop"]]:
+        try:
+            pick_gemm_backend(backend, *(leaves[i].to(G.dt) for i in (0, 2, 3)))
+        except ValueError as e:
+            G.record(f"fused MLP backend={backend}", status="skipped", note=str(e)[:120])
+            continue
         for rname, impl in row_impls:
             name = f"fused MLP backend={backend} row_ops={rname}"
             real = fm.pick_row_ops

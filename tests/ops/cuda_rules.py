@@ -85,6 +85,20 @@ def problems(a, b, offs, *, scaled: bool, dtype_rule: bool = True) -> list[str]:
     return out
 
 
+def scale_problems(a, b, scale_a, scale_b) -> list[str]:
+    """Row-wise scales of a 2D x 3D scaled call: scale_a [S] and scale_b [E, N], fp32,
+    contiguous (torch's _scaled_grouped_mm checks)."""
+    out = []
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            out.append(f"{name} must be contiguous fp32, got {s.dtype} strides {s.stride()}")
+    if scale_a.dim() != 1 or scale_a.shape[0] != a.shape[0]:
+        out.append(f"scale_a must be [{a.shape[0]}], got {tuple(scale_a.shape)}")
+    if b.dim() == 3 and tuple(scale_b.shape) != (b.shape[0], b.shape[2]):
+        out.append(f"scale_b must be [{b.shape[0]}, {b.shape[2]}], got {tuple(scale_b.shape)}")
+    return out
+
+
 def _meta(t: torch.Tensor, dtype) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
 
@@ -116,6 +130,8 @@ class GemmSpy:
 
     def _record(self, kind, a, b, offs, *, scaled, scales=None):
         found = problems(a, b, offs, scaled=scaled, dtype_rule=self.dtype_rule)
+        if scales is not None:
+            found += scale_problems(a, b, *scales)
         if not found and not scaled:  # torch's own checks, on meta tensors
             try:
                 self._real(_meta(a, torch.bfloat16), _meta(b, torch.bfloat16), offs=offs.to("meta"))

@@ -113,3 +113,38 @@ def test_mx_groups_with_device_counts_equal_host_counts(counts):
     dev = formats.quantize_mx_groups(x, torch.tensor(counts))
     assert torch.equal(dev.dequantize(), host.dequantize())
     assert dev.data.shape[0] >= host.data.shape[0] and dev.data.shape[0] % 32 == 0
+
+
+def _scaled_reference(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    """What _scaled_grouped_mm computes (2D x 3D): per group (a * sa) @ (b * sb)."""
+    ends = offs.tolist()
+    outs, lo = [], 0
+    for e, hi in enumerate(ends):
+        ae = a[lo:hi].float() * scale_a[lo:hi, None]
+        outs.append(ae @ (b[e].float() * scale_b[e][None, :]))
+        lo = hi
+    return torch.cat(outs).to(out_dtype or torch.bfloat16)
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_rowwise_fp8_calls_follow_scaled_grouped_mm_rules(monkeypatch, trans_b):
+    """The row-wise FP8 backend's calls, checked on CPU against CUDA's rules (operand
+    dtypes and layouts, scale shapes, int32 offsets), with device counts."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ops"))
+    from cuda_rules import GemmSpy
+
+    spy = GemmSpy(monkeypatch, scaled_impl=_scaled_reference)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(S, D, generator=g)
+    w = torch.randn(len(COUNTS), N, D, generator=g)
+    if not trans_b:
+        w = w.transpose(1, 2).contiguous()
+    xq = formats.quantize_current(x, "e4m3", dims=1)
+    wq = formats.quantize_current(w, "e4m3", dims=2 if trans_b else 1)
+    y = qgemm._torch_mm(xq, wq, torch.tensor(COUNTS), trans_b, torch.float32, fast_accum=True)
+    assert len(spy.calls) == 1 and spy.bad() == [], spy.calls
+    want = qgemm._emu_mm(xq, wq, COUNTS, trans_b, torch.float32)
+    torch.testing.assert_close(y, want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-3)

@@ -148,3 +148,12 @@ def test_rowwise_fp8_calls_follow_scaled_grouped_mm_rules(monkeypatch, trans_b):
     assert len(spy.calls) == 1 and spy.bad() == [], spy.calls
     want = qgemm._emu_mm(xq, wq, COUNTS, trans_b, torch.float32)
     torch.testing.assert_close(y, want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-3)
+
+
+def test_pick_backend_checks_the_down_projections_inner_dim():
+    """F = 8: 2F and D are multiples of 16, F is not: the FP8 down GEMM cannot run."""
+    x, gate_up, down = torch.randn(4, 32), torch.randn(2, 16, 32), torch.randn(2, 32, 8)
+    assert qgemm.fp8_aligned(x, gate_up) and not qgemm.fp8_aligned(x, gate_up, down)
+    recipe = Float8CurrentScaling(fp8_format="E4M3", granularity="row", backend="torch")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        qgemm.pick_backend(recipe, x, gate_up, down)

@@ -248,13 +248,21 @@ BACKENDS = {
 }
 
 
-def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
+def fp8_aligned(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether every dimension the FP8 GEMMs of x with these weights read is a multiple of
+    16 (16 bytes of FP8): x's features and both dims of each weight."""
+    return x.shape[-1] % 16 == 0 and all(
+        t.shape[-1] % 16 == 0 and t.shape[-2] % 16 == 0 for t in weights
+    )
+
+
+def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None, *more) -> str:
     """The quantized backend for this recipe and input: an explicit one must be able to
     run (else ValueError); "auto" takes the real one where it exists (row-wise FP8:
-    "torch"; MXFP8 on sm90+: "bf16"), else emulated."""
-    aligned = x.shape[-1] % 16 == 0 and (
-        w is None or (w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0)
-    )
+    "torch"; MXFP8 on sm90+: "bf16"), else emulated. `more`: further weights of the
+    same layer (the down projection): every dimension any GEMM reads must be a
+    multiple of 16 (F too, the down GEMM's inner dim)."""
+    aligned = fp8_aligned(x, *[t for t in (w, *more) if t is not None])
     gpu_ok = x.is_cuda and aligned and torch_fp8_available(x.device)
     mx = scaling_mode(recipe) == "mx"
     if recipe.backend == "emulated":

@@ -110,7 +110,7 @@ class _QGroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, trans_w, recipe):
-        be = pick_backend(recipe, x, gate_up)
+        be = pick_backend(recipe, x, gate_up, down)
         mm, _ = BACKENDS[be]
         tensor_mode = scaling_mode(recipe) == "tensor"
         fwd_red, _ = (2, 1) if trans_w else (1, 2)

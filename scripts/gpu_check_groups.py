@@ -345,6 +345,8 @@ def expert_parallel(G: Group) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = "gloo" if G.cpu else "nccl"
+    if not G.cpu:
+        torch.cuda.set_device(0)  # NCCL binds the process group to the current device
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         g = torch.Generator().manual_seed(5)

@@ -51,4 +51,19 @@ def ep_one_sync_chunks_overlap_bias(rank, world):
     _syncs(world, 3, True, bias=True)
 
 
-CHECKS = ["ep_one_sync", "ep_one_sync_chunks_overlap_bias"]
+def fp8_weight_cache_off_when_distributed(rank, world):
+    """FSDP2 refills gathered weights without moving their version counter: in a
+    torch.distributed run every call quantizes the weight afresh."""
+    from dropless.quant import MXFP8BlockScaling
+    from dropless.quant.gemm import quantize_operand
+
+    w = torch.randn(2, 32, 64)
+    recipe = MXFP8BlockScaling()
+    first = quantize_operand(recipe, w, "w", 2, key=w)
+    with torch.autograd._unsafe_preserve_version_counter(w):
+        w.mul_(2)  # what FSDP2's all-gather copy-in does to the unsharded weight
+    second = quantize_operand(recipe, w, "w", 2, key=w)
+    torch.testing.assert_close(second.dequantize(), 2 * first.dequantize())
+
+
+CHECKS = ["ep_one_sync", "ep_one_sync_chunks_overlap_bias", "fp8_weight_cache_off_when_distributed"]

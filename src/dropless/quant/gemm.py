@@ -21,7 +21,8 @@ counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
 Weights are quantized once per optimizer step: the quantized copy is cached per
 parameter, keyed by its version counter (bumped by every in-place update, e.g. the
 optimizer's), for the recipes whose weight quantization depends on the weight alone
-(current scaling, MXFP8; delayed scaling updates its history at every call).
+(current scaling, MXFP8; delayed scaling updates its history at every call). Not in a
+torch.distributed run: FSDP2 refills gathered weights without moving the counter.
 """
 
 # S rows (sorted pairs), D in features, N out features, E experts
@@ -31,6 +32,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.dispatch import pick_gemm_backend
@@ -113,6 +115,8 @@ _WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
     """The quantized weight, recomputed only when the weight changed since last time."""
     owner = key if key is not None else w
+    if _cache_unsafe():
+        return _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
     try:
         version = w._version  # shared with the parameter w is a view of
     except RuntimeError:  # inference tensors have no version counter
@@ -131,6 +135,15 @@ def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
     q = _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
     entries[slot] = (version, q)
     return q
+
+
+def _cache_unsafe() -> bool:
+    """Whether the version counter cannot be trusted to say the weight changed: FSDP2
+    writes each all-gathered weight into the same tensor without moving its version
+    counter, so in a torch.distributed run (and while compiling) nothing is cached."""
+    if torch.compiler.is_compiling():
+        return True
+    return dist.is_available() and dist.is_initialized()
 
 
 def _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale) -> QTensor:

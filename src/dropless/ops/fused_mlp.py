@@ -20,9 +20,11 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per
   layer, in `sort_by_expert`). Runs any dtype, fp64 included.
 - `_GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend
-  (`grouped_mm`, `triton`, ...), with the same saved tensors. Given the counts as a
-  device tensor and the `grouped_mm` backend (offsets computed on the device), it
-  never syncs with the host: the path used on CUDA and under `torch.compile`.
+  (`grouped_mm`, `triton`, ...), with the same saved tensors; its gathers and its
+  swiglu / gpt_oss activation come from the row-op registry (Triton kernels on CUDA).
+  Given the counts as a device tensor and a backend that takes them there (`grouped_mm`,
+  `triton`: offsets computed on the device), it never syncs with the host: the path
+  used on CUDA and under `torch.compile`.
 
 Both handle biases (the down bias is scaled by the prob), `activation="gpt_oss"`,
 interleaved gate/up, `trans_w=False` and dropped pairs (capacity mode: the caller's
@@ -36,184 +38,11 @@ from __future__ import annotations
 import torch
 
 from .dispatch import pick_gemm_backend
+from .loop_mlp import _LoopMLP
+from .mlp_parts import _act_bwd, _act_fwd, _act_parts
 from .row_ops import pick_row_ops
 from .specs import ActivationConfig, as_activation
-from .swiglu import ACTIVATIONS, _split, check_supported
-
-# --- activation pieces (no autograd; shared by both Functions) -----------------------
-
-
-def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
-    """a = act(gate, up) * prob, written into `out` when given."""
-    gate, up = _split(h_n2F, act.interleaved)
-    alpha, limit = act.alpha, act.limit
-    if act.kind == "swiglu":
-        a = (
-            torch.ops.aten.silu.out(gate, out=out)
-            if out is not None
-            else torch.nn.functional.silu(gate)
-        )
-        a.mul_(up)
-    else:
-        g = gate.clamp(max=limit)
-        a = torch.mul(g, alpha, out=out) if out is not None else g * alpha
-        a.sigmoid_().mul_(g).mul_(up.clamp(-limit, limit).add_(1))
-    if prob_n is not None:
-        a.mul_(prob_n.unsqueeze(1))
-    return a
-
-
-def _act_parts(h_n2F, act: ActivationConfig):
-    """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up)."""
-    gate, up = _split(h_n2F, act.interleaved)
-    alpha, limit = act.alpha, act.limit
-    if act.kind == "swiglu":
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        a0 = silu * up
-        # d a0/d gate = up * sig * (1 + gate * (1 - sig)) = a0 + sig * (up - a0): 2 passes
-        d_gate = torch.addcmul(a0, sig, up - a0)
-        return a0, d_gate, silu
-    g = gate.clamp(max=limit)
-    u1 = up.clamp(-limit, limit).add_(1)
-    s = torch.sigmoid(g * alpha)
-    glu = g * s
-    a0 = glu * u1
-    # torch.clamp passes the gradient where min <= x <= max (inclusive)
-    d_gate = torch.rsub(s, 1).mul_(g).mul_(alpha).add_(1).mul_(s).mul_(u1).mul_(gate <= limit)
-    d_up = glu.mul_((up >= -limit) & (up <= limit))
-    return a0, d_gate, d_up
-
-
-def _act_bwd(g_nF, d_gate, d_up, interleaved, out_n2F):
-    """dh = [g * d a0/d gate, g * d a0/d up] in the layout of h."""
-    og, ou = _split(out_n2F, interleaved)
-    torch.mul(g_nF, d_gate, out=og)
-    torch.mul(g_nF, d_up, out=ou)
-    return out_n2F
-
-
-def _wt(w, e, trans_w):
-    """The [in, out] operand of expert e: w[e]^T for the nn.Linear layout, else w[e]."""
-    return w[e].t() if trans_w else w[e]
-
-
-def _bounds(counts):
-    lo = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, lo, lo + n
-        lo += n
-
-
-# --- per-expert loop (CPU default) --------------------------------------------------
-
-
-def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
-    g = torch.empty_like(w, memory_format=torch.contiguous_format)
-    for e, n in enumerate(counts):
-        if not n:
-            g[e].zero_()
-    return g
-
-
-class _LoopMLP(torch.autograd.Function):
-    """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
-
-    @staticmethod
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
-        act, trans_w, num_out = cfg
-        S, D = int(sum(counts)), x.shape[1]
-        F = (gate_up.shape[1] if trans_w else gate_up.shape[2]) // 2
-        nmax = max(counts, default=0)
-        h_S2F = x.new_empty(S, 2 * F)
-        a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
-        x_buf = x.new_empty(nmax, D) if token_S is not None else None
-        out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
-        for e, lo, hi in _bounds(counts):
-            n = hi - lo
-            xe = (
-                torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n])
-                if token_S is not None
-                else x[lo:hi]
-            )
-            he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
-            if gu_bias is not None:
-                he.add_(gu_bias[e])
-            p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, act, out=a_buf[:n])
-            ye = torch.mm(
-                a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
-            )
-            if d_bias is not None:
-                ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
-            if token_S is not None:
-                out.index_add_(0, token_S[lo:hi], ye)
-        ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F)
-        ctx.counts, ctx.cfg = counts, cfg
-        return out
-
-    @staticmethod
-    def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
-        act, trans_w, _ = ctx.cfg
-        need = ctx.needs_input_grad
-        counts = ctx.counts
-        g_out = g_out.contiguous()
-        D, F = x.shape[1], h_S2F.shape[1] // 2
-        nmax = max(counts, default=0)
-        gx = torch.zeros_like(x) if need[0] and token_S is not None else None
-        if need[0] and token_S is None:
-            gx = torch.empty_like(x)
-        gp = prob_S.new_zeros(prob_S.shape) if prob_S is not None and need[1] else None
-        # weight gradients: every expert's slice is written by an mm(out=) below; only
-        # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
-        ggu = _empty_grad(gate_up, counts) if need[2] else None
-        gd = _empty_grad(down, counts) if need[3] else None
-        ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
-        gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
-        gathered = token_S is not None
-        x_buf = x.new_empty(nmax, D) if gathered else None
-        gy_buf = g_out.new_empty(nmax, D) if gathered else None
-        da_buf, ap_buf, dh_buf = (
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, 2 * F),
-        )
-        for e, lo, hi in _bounds(counts):
-            n = hi - lo
-            idx = token_S[lo:hi] if gathered else None
-            gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
-            p = None if prob_S is None else prob_S[lo:hi]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
-            if gd is not None:
-                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
-                # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
-                torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
-            if gdb is not None:
-                torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
-            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=da_buf[:n])
-            if gp is not None:
-                gpe = gp[lo:hi]
-                torch.sum(da * a0, 1, out=gpe)
-                if d_bias is not None:
-                    gpe.add_(torch.mv(gy, d_bias[e]))
-            if p is not None:
-                da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
-            if ggb is not None:
-                torch.sum(dh, 0, out=ggb[e])
-            if ggu is not None:
-                xe = torch.index_select(x, 0, idx, out=x_buf[:n]) if gathered else x[lo:hi]
-                torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
-            if gx is not None:
-                w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
-                if gathered:
-                    gx.index_add_(0, idx, torch.mm(dh, w_in, out=x_buf[:n]))
-                else:
-                    torch.mm(dh, w_in, out=gx[lo:hi])
-        return gx, gp, ggu, gd, ggb, gdb, None, None, None
-
+from .swiglu import ACTIVATIONS, check_supported
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
@@ -239,7 +68,8 @@ class _GroupedMLP(torch.autograd.Function):
         act, trans_w, num_out = cfg
         be = pick_gemm_backend(backend, x, gate_up, down)
         rk = pick_row_ops(x)
-        rk_act = pick_row_ops(x, activation=act.kind) if act.kind in ACTIVATIONS else None
+        glu = act.gated and act.kind in ACTIVATIONS  # the kinds the row ops compute
+        rk_act = pick_row_ops(x, activation=act.kind) if glu else None
         if isinstance(counts, torch.Tensor) and not be.device_counts:
             counts = counts.tolist()  # host sync: this backend needs the bounds on the host
         elif be.device_counts and not isinstance(counts, torch.Tensor):

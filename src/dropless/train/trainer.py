@@ -37,7 +37,7 @@ from .metrics import (
     peak_tflops,
     read_metrics,
 )
-from .model import FlopCounter, build_model, recipe_context
+from .model import FlopCounter, build_training_model, recipe_context
 from .setup import Env, broadcast, init_env, preflight, resolve_run_dir
 from .tokenizer import build_tokenizer
 
@@ -65,12 +65,6 @@ def _hf():
     return hf
 
 
-def _parallel():
-    from . import distributed
-
-    return distributed
-
-
 class Trainer:
     """One run. `Trainer(cfg, run_dir, env, hf_config, resume_from).fit()` -> summary dict."""
 
@@ -84,20 +78,19 @@ class Trainer:
         if env.main:
             dump_config(cfg, self.config_file)
         self._data()
-        self.model = build_model(
+        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
+        self.model, self.par = build_training_model(
             cfg.model,
             hf_config,
+            cfg.parallel,
+            env.world,
             expert_bias=tc.expert_bias_rate > 0,
             seed=tc.seed,
             device=env.device,
+            activation_checkpointing=tc.activation_checkpointing,
         )
-        if tc.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
-        self.par = _parallel().parallelize_for_training(self.model, cfg.parallel, env.world)
         self.layers = _hf().moe_layers(self.model)
+        self.router = _hf().RouterLosses(self.model)
         self.K = (
             int(self.layers[0].router.top_k)
             if self.layers[0].router is not None
@@ -187,46 +180,20 @@ class Trainer:
         return torch.autocast(self.env.device.type, dtype=self.dtype)
 
     # ---- one step --------------------------------------------------------------------
-    def _router_losses(self, router_logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(balancing loss, z-loss) averaged over MoE layers, and the pairs per expert [M, E]
-        implied by the routers (used when the experts path records no counts)."""
-        from ..ops import load_balancing_loss, route, z_loss
-
-        lb, zl, counts = 0.0, 0.0, []
-        for layer, logits_TE in zip(self.layers, router_logits):
-            bias = layer.expert_bias
-            _, ids_TK, scores_TE = route(
-                logits_TE.float(),
-                self.K,
-                score_func="softmax",
-                renormalize=True,
-                expert_bias_E=bias,
-            )
-            lb = lb + load_balancing_loss(scores_TE, ids_TK)
-            zl = zl + z_loss(logits_TE)
-            counts.append(torch.bincount(ids_TK.reshape(-1), minlength=logits_TE.shape[-1]))
-        n = max(len(router_logits), 1)
-        return lb / n, zl / n, torch.stack(counts).cpu()
-
     def _micro_step(
         self, xy_BL1: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tc = self.cfg.train
         x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
-        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
-        with self._autocast(), self.recipe():
+        with self._autocast(), self.recipe(), self.router.capture():
             out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
         ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
-        # read before backward: activation checkpointing re-runs forwards there
-        counts_ME = _hf().tokens_per_expert(self.model, reset=True)
-        lb = zl = torch.zeros((), device=ce.device)
-        if self.need_router:
-            lb, zl, routed_ME = self._router_losses(out.router_logits)
-            counts_ME = routed_ME if counts_ME is None else counts_ME
-        loss = ce + tc.aux_loss_coef * lb + tc.z_loss_coef * zl
+        # the model's own router outputs and selected experts (dropless.hf.router_losses)
+        rs = self.router.stats(out, x.shape, self.need_router)
+        loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
         with self.recipe():  # activation checkpointing recomputes forwards in backward
             (loss / self.A).backward()
-        return ce.detach(), lb.detach(), zl.detach(), counts_ME
+        return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
 
     def _all_reduce_grads(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -240,19 +207,22 @@ class Trainer:
     def train_step(self) -> dict:
         self.model.train()
         M, E = len(self.layers), self.layers[0].num_experts
-        sums = torch.zeros(3, dtype=torch.float64)
-        counts_ME = torch.zeros(M, E, dtype=torch.int64)
-        have_counts = True
+        dev = self.env.device
+        # device accumulators: no host read until the step's one reduction below
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+        counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
+        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         for a in range(self.A):
             idx = micro_batch_indices(self.sample_index, a, self.env.rank, self.W, self.B, self.A)
-            xy = torch.from_numpy(self.sampler.batch(idx)).to(self.env.device)
+            xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
             ce, lb, zl, c = self._micro_step(xy)
-            sums += torch.stack([ce, lb, zl]).double().cpu() / self.A
-            if c is None:
-                have_counts = False
-            else:
-                counts_ME += c
-        stats = torch.cat([sums, counts_ME.double().reshape(-1)])
+            sums += torch.stack([ce, lb, zl]).double() / self.A
+            counts_ME += c.to(dev)
+        # pairs the dropless experts path computed (None on the stock path)
+        path_ME = _hf().tokens_per_expert(self.model, reset=True)
+        path_pairs = torch.tensor([-1.0 if path_ME is None else float(path_ME.sum())])
+        sums, counts_ME = sums.cpu(), counts_ME.cpu()
+        stats = torch.cat([sums, counts_ME.double().reshape(-1), path_pairs.double()])
         if self.W > 1:
             if self.par is None:  # FSDP already reduced them
                 self._all_reduce_grads()
@@ -267,22 +237,22 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        counts_ME = stats[3:].reshape(M, E).round().long() if have_counts else None
-        if counts_ME is not None:
+        counts_ME = stats[3:-1].reshape(M, E).round().long()
+        if path_ME is not None:
             expected = self.B * self.L * self.K
-            dropped = int(expected * M - counts_ME.sum())
+            dropped = int(expected * M - stats[-1].round())
             assert dropped == 0, (
                 f"{dropped} (token, expert) pairs were dropped; the dropless path must compute all"
             )
-            if self.cfg.train.expert_bias_rate > 0:
-                from ..ops import update_expert_bias
+        if self.cfg.train.expert_bias_rate > 0:
+            from ..ops import update_expert_bias
 
-                for layer, c in zip(self.layers, counts_ME):
-                    update_expert_bias(
-                        layer.expert_bias,
-                        c.to(layer.expert_bias.device),
-                        self.cfg.train.expert_bias_rate,
-                    )
+            for layer, c in zip(self.layers, counts_ME):
+                update_expert_bias(
+                    layer.expert_bias,
+                    c.to(layer.expert_bias.device),
+                    self.cfg.train.expert_bias_rate,
+                )
         self.step += 1
         self.sample_index += self.B
         ep_stats = self.par.pop_stats() if self.par is not None else {}  # EP time split, bytes

@@ -83,10 +83,11 @@ def _lowrank(module: nn.Module, name: str, trans_w: bool) -> LowRank | str:
 
 def _lowrank_of_proxy(proxy, trans_w: bool) -> LowRank:
     lhs, rhs, scale = proxy.lhs, proxy.rhs, float(proxy.scaling)
+    # contiguous: PEFT's B is a permuted view, which grouped-GEMM backends may refuse
     if trans_w:  # W [E, out, in]: delta = lhs @ rhs = B @ A
-        return LowRank(rhs, lhs, scale)
+        return LowRank(rhs.contiguous(), lhs.contiguous(), scale)
     # W [E, in, out]: delta = A^T @ B^T
-    return LowRank(lhs.transpose(1, 2), rhs.transpose(1, 2), scale)
+    return LowRank(lhs.transpose(1, 2).contiguous(), rhs.transpose(1, 2).contiguous(), scale)
 
 
 def experts_weights(

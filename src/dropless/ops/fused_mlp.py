@@ -20,9 +20,11 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per
   layer, in `sort_by_expert`). Runs any dtype, fp64 included.
 - `_GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend
-  (`grouped_mm`, `triton`, ...), with the same saved tensors. Given the counts as a
-  device tensor and the `grouped_mm` backend (offsets computed on the device), it
-  never syncs with the host: the path used on CUDA and under `torch.compile`.
+  (`grouped_mm`, `triton`, ...), with the same saved tensors; its gathers and its
+  swiglu / gpt_oss activation come from the row-op registry (Triton kernels on CUDA).
+  Given the counts as a device tensor and a backend that takes them there (`grouped_mm`,
+  `triton`: offsets computed on the device), it never syncs with the host: the path
+  used on CUDA and under `torch.compile`.
 
 Both handle biases (the down bias is scaled by the prob), `activation="gpt_oss"`,
 interleaved gate/up, `trans_w=False` and dropped pairs (capacity mode: the caller's
@@ -51,9 +53,9 @@ from .lora import (
     grouped_lowrank_fwd,
 )
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts
-from .permute import gather_sum
+from .row_ops import pick_row_ops
 from .specs import ActivationConfig, as_activation
-from .swiglu import check_supported
+from .swiglu import ACTIVATIONS, check_supported
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
@@ -66,7 +68,11 @@ def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
 
 
 class _GroupedMLP(torch.autograd.Function):
-    """Same contract as _LoopMLP; counts is a host list or a device tensor."""
+    """Same contract as _LoopMLP; counts is a host list or a device tensor.
+
+    The gathers (permute, combine) and, for the kinds it has, the activation x prob come
+    from the row-op registry (`row_ops.py`: Triton kernels on CUDA, fp32 accumulation);
+    other activations use the eager `_act_fwd` / `_act_parts` above."""
 
     @staticmethod
     def forward(
@@ -86,10 +92,17 @@ class _GroupedMLP(torch.autograd.Function):
     ):
         act, trans_w, num_out = cfg
         lr1, lr2 = _lowranks(lora)
-        be = pick_gemm_backend(backend, x, gate_up)
-        if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
-            counts = counts.tolist()  # only grouped_mm takes device offsets
-        x_SD = x.index_select(0, token_S) if token_S is not None else x
+        be = pick_gemm_backend(backend, x, gate_up, down)
+        rk = pick_row_ops(x)
+        # the kinds the row ops compute; a down-projection update needs the eager
+        # activation backward (its gradient joins before the activation's)
+        glu = act.gated and act.kind in ACTIVATIONS and lr2 is None
+        rk_act = pick_row_ops(x, activation=act.kind) if glu else None
+        if isinstance(counts, torch.Tensor) and not be.device_counts:
+            counts = counts.tolist()  # host sync: this backend needs the bounds on the host
+        elif be.device_counts and not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(counts, device=x.device)  # one copy for every GEMM
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         S = x_SD.shape[0]
         rows_E = None
         if gu_bias is not None or d_bias is not None:
@@ -104,30 +117,23 @@ class _GroupedMLP(torch.autograd.Function):
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
-        a = _act_fwd(h, prob_S, act)
+        if rk_act is not None:
+            a = rk_act.act_fwd(h, prob_S, act.interleaved, act.kind, act.alpha, act.limit)
+        else:
+            a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
         u2 = grouped_lowrank_fwd(be, a, lr2, counts, y) if lr2 is not None else None
         del a
         if d_bias is not None:
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
-        out = gather_sum(y, slot_TK) if token_S is not None else y
+        out = rk.gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(
-            x,
-            prob_S,
-            gate_up,
-            down,
-            gu_bias,
-            d_bias,
-            token_S,
-            slot_TK,
-            h,
-            rows_E,
-            u1,
-            u2,
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E, u1, u2,
             *lora[:4],
-        )
-        ctx.counts, ctx.cfg, ctx.be, ctx.lora_scales = counts, cfg, be, lora[4:]
+        )  # fmt: skip
+        ctx.counts, ctx.cfg, ctx.be, ctx.rk, ctx.rk_act = counts, cfg, be, rk, rk_act
+        ctx.lora_scales = lora[4:]
         return out
 
     @staticmethod
@@ -137,39 +143,26 @@ class _GroupedMLP(torch.autograd.Function):
         u1, u2, *ABAB = saved[10:]
         lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
         act, trans_w, _ = ctx.cfg
-        be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
+        be, rk, counts, need = ctx.be, ctx.rk, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
-        gy = g_out.index_select(0, token_S) if token_S is not None else g_out
-        p = None if prob_S is None else prob_S.unsqueeze(1)
-        a0, d_gate, d_up = _act_parts(h, act)
+        gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
         gx = gp = ggu = gd = ggb = gdb = g1a = g1b = g2a = g2b = None
-        if need[3] or lr2 is not None:
-            ap = a0 if p is None else a0 * p
-        if need[3]:
-            gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
         if d_bias is not None and need[5]:
+            p = None if prob_S is None else prob_S.unsqueeze(1)
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
-        da = be.mm(gy, down, counts, not trans_w)
-        if lr2 is not None:
-            gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need[13], need[14])
-            grouped_lowrank_dx(be, gu2, lr2, counts, da)
-            del gu2
-        if need[3] or lr2 is not None:
-            del ap
-        if p is not None and need[1]:
-            gp = (da * a0).sum(1)
-            if d_bias is not None:
-                gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
-        del a0
-        if p is not None:
-            da.mul_(p)
-        dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
-        del da, d_gate, d_up
+        if ctx.rk_act is not None:
+            dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need)
+        else:
+            dh, gp, gd, g2a, g2b = _act_backward_eager(
+                ctx, gy, h, prob_S, down, counts, need, lr2, u2
+            )
+        if gp is not None and d_bias is not None:
+            gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
         if need[2] or lr1 is not None:
-            x_SD = x.index_select(0, token_S) if token_S is not None else x
+            x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         if need[2]:
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
         if lr1 is not None:
@@ -180,11 +173,55 @@ class _GroupedMLP(torch.autograd.Function):
             dx = be.mm(dh, gate_up, counts, not trans_w)
             if lr1 is not None:
                 grouped_lowrank_dx(be, gu1, lr1, counts, dx)
-            gx = gather_sum(dx, slot_TK) if token_S is not None else dx
+            gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
         if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
             raise AssertionError("wgrad returned the wrong number of groups")
         grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None)
         return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
+
+
+def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
+    """(dh, d prob, d down) with one activation-backward pass that also recomputes the
+    forward output for the down projection's weight grad."""
+    act, trans_w, _ = ctx.cfg
+    be = ctx.be
+    da = be.mm(gy, down, counts, not trans_w)
+    need_gp = prob_S is not None and need[1]
+    dh, gp, a = ctx.rk_act.act_bwd(
+        da, h, prob_S, act.interleaved, need_gp, need[3], act.kind, act.alpha, act.limit
+    )
+    del da
+    gd = None
+    if need[3]:
+        gd = be.wgrad(gy, a, counts) if trans_w else be.wgrad(a, gy, counts)
+    return dh, gp, gd
+
+
+def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=None):
+    """(dh, d prob, d down, dA, dB of the down projection's low-rank update)."""
+    act, trans_w, _ = ctx.cfg
+    be = ctx.be
+    p = None if prob_S is None else prob_S.unsqueeze(1)
+    a0, d_gate, d_up = _act_parts(h, act)
+    gd = gp = g2a = g2b = None
+    if need[3] or lr2 is not None:
+        ap = a0 if p is None else a0 * p
+    if need[3]:
+        gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
+    da = be.mm(gy, down, counts, not trans_w)
+    if lr2 is not None:
+        gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need[13], need[14])
+        grouped_lowrank_dx(be, gu2, lr2, counts, da)
+        del gu2
+    if need[3] or lr2 is not None:
+        del ap
+    if p is not None and need[1]:
+        gp = (da * a0).sum(1)
+    del a0
+    if p is not None:
+        da.mul_(p)
+    dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
+    return dh, gp, gd, g2a, g2b
 
 
 # --- entry point ----------------------------------------------------------------------

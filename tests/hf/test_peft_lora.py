@@ -155,3 +155,32 @@ def test_unpatch_restores_peft_activation():
     assert ParamWrapper._activate_lora is not before
     dh.unpatch()
     assert ParamWrapper._activate_lora is before
+
+
+def _trainer_losses(patched: bool, tmp_path) -> list[float]:
+    import transformers as tf
+
+    model = build("qwen3_moe", "eager")
+    if patched:
+        dh.patch_model(model)
+    model = peft.get_peft_model(model, lora_config("qwen3_moe"))
+    model.enable_input_require_grads()  # checkpointed blocks need a grad-carrying input
+    data = [{"input_ids": ids, "labels": ids} for ids in _ids(seed=5, B=8, L=12)]
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path / ("p" if patched else "s")), max_steps=3,
+        per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, report_to=[],
+        save_strategy="no", gradient_checkpointing=True, use_cpu=True, seed=0,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = tf.Trainer(model=model, args=args, train_dataset=data)
+    before = sum(dh.CALLS.values())
+    trainer.train()
+    assert (sum(dh.CALLS.values()) > before) == patched  # which experts path ran
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+
+def test_transformers_trainer_with_checkpointing_matches_unpatched(tmp_path):
+    stock = _trainer_losses(False, tmp_path)
+    ours = _trainer_losses(True, tmp_path)
+    assert len(ours) == 3
+    assert ours == pytest.approx(stock, rel=1e-5)

@@ -31,13 +31,13 @@ def _ids(seed=1, B=2, L=9):
     return torch.randint(2, VOCAB, (B, L), generator=g)
 
 
-def lora_config(family: str, r: int = 8):
+def lora_config(family: str, r: int = 8, attention: bool = True):
     first = "up_proj" if family == "nemotron_h" else "gate_up_proj"
     return peft.LoraConfig(
         r=r,
         lora_alpha=2 * r,
         target_parameters=[f"experts.{first}", "experts.down_proj"],
-        target_modules=ATTENTION.get(family, ["q_proj", "v_proj", "o_proj"]),
+        target_modules=ATTENTION.get(family, ["q_proj", "v_proj", "o_proj"]) if attention else [],
         init_lora_weights=False,  # B random too: a zero B would hide its orientation
     )
 
@@ -184,3 +184,38 @@ def test_transformers_trainer_with_checkpointing_matches_unpatched(tmp_path):
     ours = _trainer_losses(True, tmp_path)
     assert len(ours) == 3
     assert ours == pytest.approx(stock, rel=1e-5)
+
+
+def _wrappers(model):
+    """{(experts module, projection name): ParamWrapper}."""
+    return {
+        (m.get_base_layer(), m.parameter_name): m
+        for m in model.modules()
+        if isinstance(m, ParamWrapper)
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_owned_factors_match_peft(family):
+    """PEFT's layout <-> [E, r, in] / [E, out, r] (what expert parallelism shards), and the
+    factors attached to the experts module compute what PEFT computes."""
+    stock = build(family, "eager").double()
+    patched = dh.patch_model(clone_into(stock, "eager").double())
+    ps = peft.get_peft_model(stock, lora_config(family, attention=False))
+    g = torch.Generator().manual_seed(0)
+    for layer in dh.moe_layers(patched):
+        hl.attach_expert_lora(layer.experts, 8, 16, generator=g)
+    wrappers = _wrappers(ps)
+    with torch.no_grad():
+        for ref, layer in zip(dh.moe_layers(ps), dh.moe_layers(patched)):
+            for which, name in (("first", "gate_up_proj"), ("down", "down_proj")):
+                w = wrappers[(ref.experts, name)]
+                a_w, b_w = w.lora_A["default"].weight, w.lora_B["default"].weight
+                a, b = hl.peft_to_experts(a_w, b_w, w.num_experts)
+                back = hl.experts_to_peft(a, b)
+                assert torch.equal(back[0], a_w) and torch.equal(back[1], b_w)
+                getattr(layer.experts, f"lora_A_{which}").copy_(a)
+                getattr(layer.experts, f"lora_B_{which}").copy_(b)
+    ids = _ids()
+    with torch.no_grad():
+        _close(patched(ids).logits, ps(ids).logits)

@@ -100,3 +100,42 @@ def hf_fsdp_x_ep_train(rank, world):
         torch.testing.assert_close(
             full, rp[name].detach(), rtol=RTOL, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def hf_ep_lora_equals_single(rank, world):
+    """LoRA factors owned by the experts modules, sharded with the experts over ep: logits
+    and every adapter gradient equal one process; the base gets no gradient."""
+    from dropless.hf.layers import moe_layers
+    from dropless.hf.lora import attach_expert_lora
+
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    for layer in moe_layers(model):
+        attach_expert_lora(layer.experts, 4, 8, generator=g)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (world * B, L), generator=g)
+    w = torch.randn(world * B, L, V, generator=g)
+    ref = copy.deepcopy(model)
+    (ref(input_ids=ids).logits * w).sum().backward()
+    pm = build_mesh(ParallelConfig(ep=world), num_experts=E)
+    ep = copy.deepcopy(model)
+    assert len(shard_hf_experts(ep, pm)) == 2
+    sl = slice(rank * B, (rank + 1) * B)
+    logits = ep(input_ids=ids[sl]).logits
+    (logits * w[sl]).sum().backward()
+    torch.testing.assert_close(logits, ref(input_ids=ids[sl]).logits, rtol=RTOL, atol=ATOL)
+    rp = dict(ref.named_parameters())
+    Le, n = E // world, 0
+    for name, p in ep.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, name
+            continue
+        assert "lora_" in name and hasattr(p, "to_local"), name  # sharded with the experts
+        got, want = p.grad.to_local(), rp[name].grad[rank * Le : (rank + 1) * Le]
+        torch.testing.assert_close(
+            got, want, rtol=RTOL, atol=ATOL, msg=lambda m, k=name: f"{k}: {m}"
+        )
+        n += 1
+    assert n == 8  # 2 layers x (A, B) x (gate_up, down)

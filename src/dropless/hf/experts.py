@@ -38,7 +38,13 @@ from ..ops import (
     sort_by_expert,
     unpermute,
 )
-from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
+from .lora import (
+    DroplessLoRAFallbackWarning,
+    attached_lowrank,
+    experts_weights,
+    folded_weights,
+    raw_weight,
+)
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
 #: "fused" or "generic": cheap counters tests and users read to see which path ran.
@@ -202,6 +208,8 @@ def _weights(module: nn.Module, spec: ExpertsSpec):
     path can run them, else the weights as read (PEFT folds its update into them)."""
     first = "gate_up_proj" if spec.gated else "up_proj"
     w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
+    if lora is None and not reason:
+        lora = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
     if lora is not None and (spec.path != "fused" or spec.post_norm or get_recipe() is not None):
         where = (
             "under a low-precision recipe"

@@ -175,3 +175,72 @@ def uninstall_lean_activation() -> None:
 
     ParamWrapper._activate_lora = _STATE["original"]
     _STATE["original"] = None
+
+
+# --- factors owned by the experts module (dropless's own expert parallelism) ------------
+#
+# PEFT's B [out, r*E] cannot be sharded by expert with a Shard placement (the expert index
+# varies fastest). Under `dropless.hf.parallel.shard_hf_experts` the factors live instead as
+# parameters of the experts module, A [E, r, in] and B [E, out, r], sharded with the
+# experts (Shard(0) over "ep"), and are converted to and from PEFT's layout on save/load.
+
+LORA_PARAMS = ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down")
+
+
+def peft_to_experts(lora_a_w: torch.Tensor, lora_b_w: torch.Tensor, num_experts: int):
+    """PEFT's `lora_A.weight [E*r, in]`, `lora_B.weight [out, r*E]` -> A [E, r, in],
+    B [E, out, r] (in/out of the projection as applied, whatever `is_transposed` is)."""
+    E = num_experts
+    a = lora_a_w.reshape(E, -1, lora_a_w.shape[-1])
+    b = lora_b_w.reshape(lora_b_w.shape[0], -1, E).permute(2, 0, 1)
+    return a, b
+
+
+def experts_to_peft(a_ERI: torch.Tensor, b_EOR: torch.Tensor):
+    """The inverse of `peft_to_experts`: (lora_A.weight [E*r, in], lora_B.weight [out, r*E])."""
+    E, r, n_in = a_ERI.shape
+    return a_ERI.reshape(E * r, n_in), b_EOR.permute(1, 2, 0).reshape(b_EOR.shape[1], r * E)
+
+
+def attach_expert_lora(
+    module: nn.Module, rank: int, alpha: float, generator: torch.Generator | None = None
+) -> None:
+    """Give an experts module its own LoRA factors as parameters (A with PEFT's default
+    init, B random too when `generator` is given, else zeros), base weights frozen.
+
+    For dropless's expert parallelism: `shard_hf_experts` shards them with the experts.
+    The single-process dropless path runs them the same way."""
+    if rank < 1:
+        raise ValueError(f"attach_expert_lora: rank={rank} must be >= 1")
+    names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+    trans_w = not module.is_transposed
+    for which, name in zip(("first", "down"), names):
+        w = raw_weight(module, name)
+        w.requires_grad_(False)
+        E, n_out, n_in = (w.shape[0], w.shape[1], w.shape[2]) if trans_w else (
+            w.shape[0], w.shape[2], w.shape[1],
+        )  # fmt: skip
+        bound = 1.0 / n_in**0.5
+        a = (torch.rand(E, rank, n_in, generator=generator, dtype=w.dtype) * 2 - 1) * bound
+        b = (
+            torch.randn(E, n_out, rank, generator=generator, dtype=w.dtype) * 0.1
+            if generator is not None
+            else torch.zeros(E, n_out, rank, dtype=w.dtype)
+        )
+        module.register_parameter(f"lora_A_{which}", nn.Parameter(a.to(w.device)))
+        module.register_parameter(f"lora_B_{which}", nn.Parameter(b.to(w.device)))
+    module.__dict__["_dropless_lora_scale"] = float(alpha) / rank
+
+
+def attached_lowrank(module: nn.Module):
+    """(gate_up LowRank, down LowRank) from factors `attach_expert_lora` registered (local
+    shards under expert parallelism), or None."""
+    scale = module.__dict__.get("_dropless_lora_scale")
+    if scale is None:
+        return None
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    A1, B1, A2, B2 = (local(getattr(module, n)) for n in LORA_PARAMS)
+    return LowRank(A1, B1, scale), LowRank(A2, B2, scale)

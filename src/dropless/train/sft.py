@@ -18,6 +18,7 @@ padding (its share is printed when the data is loaded).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +172,61 @@ def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict
     if not held:
         held.append(train.pop())
     return train, held
+
+
+@dataclass
+class SFTData:
+    """What the trainer needs from supervised data (see `prepare_sft`)."""
+
+    tok: object
+    sampler: RowSampler
+    eval_rows: np.ndarray  # [R, L + 1]
+    eval_targets: np.ndarray  # [R, L], IGNORE where no loss
+    eval_bytes: int
+    unigram_bpb: float
+    train_tokens: int
+
+
+def prepare_sft(cfg, kind: str, make_tokenizer, seq_len: int, verbose: bool) -> SFTData:
+    """Records -> tokenizer (`make_tokenizer(texts)`), padded rows, held-out rows and the
+    byte counts the metrics use (loss tokens only)."""
+    from .data import byte_counts, unigram_bits_per_byte
+
+    recs = read_records(cfg.data.path)
+    if cfg.data.eval_path:
+        train, held = recs, read_records(cfg.data.eval_path)
+    else:
+        train, held = split(recs, cfg.data.eval_fraction)
+    texts = [
+        str(r["prompt"]) + str(r["completion"])
+        if kind == "prompt_completion"
+        else "\n".join(str(m.get("content", "")) for m in r["messages"])
+        for r in train
+    ]
+    tok = make_tokenizer(texts)
+    template = chat_template(cfg.model.path)
+    rows, targets = encode_rows(train, kind, tok, seq_len, cfg.data.loss_on, template)
+    ev_rows, ev_tg = encode_rows(held, kind, tok, seq_len, cfg.data.loss_on, template)
+    n = max(1, cfg.data.eval_tokens // seq_len)
+    ev_rows, ev_tg = ev_rows[:n], ev_tg[:n]
+    ev_targets = ev_tg[ev_tg != IGNORE]
+    train_targets = targets[targets != IGNORE]
+    if verbose:
+        pad = tok.eos_id if tok.eos_id is not None else 0
+        share = 1 - float((rows[:, 1:] != pad).mean())
+        print(
+            f"supervised data ({kind}): {len(rows)} train / {len(ev_rows)} held-out samples, "
+            f"{train_targets.size} loss tokens, ~{share:.0%} of positions padding",
+            flush=True,
+        )
+    return SFTData(
+        tok=tok,
+        sampler=RowSampler(rows, targets, cfg.train.seed),
+        eval_rows=ev_rows,
+        eval_targets=ev_tg,
+        eval_bytes=max(1, int(tok.nbytes_V[ev_targets].sum())),
+        unigram_bpb=unigram_bits_per_byte(
+            byte_counts(tok, train_targets), tok.token_bytes(ev_targets)
+        ),
+        train_tokens=int(train_targets.size),
+    )

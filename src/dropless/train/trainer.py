@@ -40,8 +40,7 @@ from .metrics import (
 )
 from .model import FlopCounter, build_training_model, recipe_context
 from .setup import Env, broadcast, init_env, preflight, resolve_run_dir
-from .sft import IGNORE, RowSampler, chat_template, encode_rows, read_records, sft_kind
-from .sft import split as sft_split
+from .sft import IGNORE, prepare_sft, sft_kind
 from .tokenizer import build_tokenizer
 
 
@@ -175,47 +174,26 @@ class Trainer:
         self.train_tokens = len(train)
 
     def _sft_data(self, kind: str) -> None:
-        cfg, env, L = self.cfg, self.env, self.L
-        recs = read_records(cfg.data.path)
-        train, held = (
-            (recs, read_records(cfg.data.eval_path))
-            if cfg.data.eval_path
-            else sft_split(recs, cfg.data.eval_fraction)
-        )
-        texts = [
-            str(r["prompt"]) + str(r["completion"])
-            if kind == "prompt_completion"
-            else "\n".join(str(m.get("content", "")) for m in r["messages"])
-            for r in train
-        ]
-        for turn in ("main", "others"):  # rank 0 trains/caches the tokenizer first
-            if (turn == "main") == env.main:
-                self.tok = build_tokenizer(
-                    cfg.data.tokenizer, self.run_dir / "tokenizer", lambda: texts,
-                    cfg.data.bpe_vocab_size,
-                )  # fmt: skip
-            if env.world > 1 and turn == "main":
-                dist.barrier()
-        template = chat_template(cfg.model.path)
-        rows = encode_rows(train, kind, self.tok, L, cfg.data.loss_on, template)
-        self.sampler = RowSampler(*rows, cfg.train.seed)
-        ev_rows, ev_tg = encode_rows(held, kind, self.tok, L, cfg.data.loss_on, template)
-        n = max(1, cfg.data.eval_tokens // L)
-        self.eval_BL1, self.eval_targets = ev_rows[:n], ev_tg[:n]
-        targets = self.eval_targets[self.eval_targets != IGNORE]
-        self.eval_bytes = max(1, int(self.tok.nbytes_V[targets].sum()))
-        train_targets = rows[1][rows[1] != IGNORE]
-        self.unigram_bpb = unigram_bits_per_byte(
-            byte_counts(self.tok, train_targets), self.tok.token_bytes(targets)
-        )
-        self.train_tokens = int(train_targets.size)
-        if env.main:
-            share = 1 - float((rows[0][:, 1:] != (self.tok.eos_id or 0)).mean())
-            print(
-                f"supervised data ({kind}): {len(train)} train / {len(held)} held-out samples, "
-                f"{self.train_tokens} loss tokens, ~{share:.0%} of positions padding",
-                flush=True,
-            )
+        cfg, env = self.cfg, self.env
+
+        def make_tokenizer(texts):
+            for turn in ("main", "others"):  # rank 0 trains/caches the tokenizer first
+                if (turn == "main") == env.main:
+                    tok = build_tokenizer(
+                        cfg.data.tokenizer, self.run_dir / "tokenizer", lambda: texts,
+                        cfg.data.bpe_vocab_size,
+                    )  # fmt: skip
+                if env.world > 1 and turn == "main":
+                    dist.barrier()
+            return tok
+
+        d = prepare_sft(cfg, kind, make_tokenizer, self.L, verbose=env.main)
+        self.tok, self.sampler, self.eval_BL1, self.eval_targets = (
+            d.tok, d.sampler, d.eval_rows, d.eval_targets,
+        )  # fmt: skip
+        self.eval_bytes, self.unigram_bpb, self.train_tokens = (
+            d.eval_bytes, d.unigram_bpb, d.train_tokens,
+        )  # fmt: skip
 
     def _optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim

@@ -21,6 +21,7 @@ from torch import nn
 from ._compat import require_transformers
 from .experts import SUPPORTED_FAMILIES, dropless_experts_forward
 from .layers import moe_layers
+from .replay import install_routing_replay, remove_routing_replay
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
@@ -100,8 +101,10 @@ def _install_default() -> None:
         ):
             _check_family(self)
         chosen = original(self, requested_experts)
-        if chosen == IMPLEMENTATION and self not in _models:
-            _models[self] = None  # restore to the stock default on unpatch
+        if chosen == IMPLEMENTATION:
+            if self not in _models:
+                _models[self] = None  # restore to the stock default on unpatch
+            install_routing_replay(self)
         return chosen
 
     get_correct_experts_implementation.__wrapped__ = original
@@ -182,6 +185,7 @@ def patch_model(model: nn.Module, expert_bias: bool = False) -> nn.Module:
             if layer.router is None:
                 raise ValueError(f"expert_bias=True: MoE block {layer.name!r} has no router")
             add_expert_bias(layer.router, layer.family, layer.num_experts)
+    install_routing_replay(model)
     return model
 
 
@@ -190,6 +194,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     previous = _models.pop(model, None)
     if previous is None:
         previous = _stock_default(model)
+    remove_routing_replay(model)
     for layer in moe_layers(model):
         if layer.router is not None:
             remove_expert_bias(layer.router)

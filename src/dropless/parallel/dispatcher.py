@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.permute import permute, sort_by_expert, unpermute
+from ..ops.replay import remember
 from .comm import a2a_start, a2a_wait
 
 
@@ -113,7 +114,10 @@ class ExpertParallelDispatcher:
         E, P = self._sizes(experts)
         L = E // P
         st, t0 = self.stats, time.perf_counter()
-        global_counts_E, n_tokens = self._global_counts(ids_TK, E)
+        # a checkpointed recompute reuses the forward's counts: no second exchange
+        global_counts_E, n_tokens = remember(
+            (id(self), "global_counts"), lambda: self._global_counts(ids_TK, E)
+        )
         C = self.num_chunks  # the same on every rank (collectives pair up), even if T < C
         xs = torch.tensor_split(x_TD, C)
         ids = torch.tensor_split(ids_TK, C)
@@ -121,9 +125,9 @@ class ExpertParallelDispatcher:
         keeps = torch.tensor_split(keep_TK, C) if keep_TK is not None else [None] * C
         sps = [sort_by_expert(ids[c], E, keeps[c]) for c in range(C)]
         send_PCL = torch.stack([sp.counts_E for sp in sps], 0).view(C, P, L).transpose(0, 1)
-        recv_PCL = torch.empty_like(send_PCL.contiguous())
-        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
-        send_h, recv_h = send_PCL.sum(-1).tolist(), recv_PCL.sum(-1).tolist()  # host sync
+        recv_PCL, send_h, recv_h = remember(
+            (id(self), "splits"), lambda: self._exchange_counts(send_PCL)
+        )
         plans = []
         for c in range(C):
             out_splits, in_splits = [r[c] for r in recv_h], [s[c] for s in send_h]
@@ -173,6 +177,11 @@ class ExpertParallelDispatcher:
         st["calls"] += 1
         return out_TD, tokens_per_expert_E, global_counts_E, n_tokens
 
+    def _exchange_counts(self, send_PCL):
+        recv_PCL = torch.empty_like(send_PCL.contiguous())
+        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
+        return recv_PCL, send_PCL.sum(-1).tolist(), recv_PCL.sum(-1).tolist()  # host sync
+
     def _global_counts(self, ids_TK, E):
         """Pairs routed to each expert and tokens, summed over the data-parallel group."""
         c = torch.bincount(ids_TK.reshape(-1), minlength=E)
@@ -191,10 +200,14 @@ class GlobalCountsDispatcher:
     def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
         out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
         E = experts.num_experts
+        buf = remember((id(self), "global_counts"), lambda: self._reduce(ids_TK, E))
+        return out_TD, sp.counts_E, buf[:E], int(buf[E])
+
+    def _reduce(self, ids_TK, E):
         c = torch.bincount(ids_TK.reshape(-1), minlength=E)
         buf = torch.cat([c, c.new_tensor([ids_TK.shape[0]])])
         dist.all_reduce(buf, group=self.dp_group)
-        return out_TD, sp.counts_E, buf[:E], int(buf[E])
+        return buf
 
 
 def _zero_stats() -> dict:

@@ -10,6 +10,8 @@ request into "dropless" for models whose experts use the interface and hands eve
 else to the original. `unpatch()` puts the original function object back, removes
 "dropless" from `ExpertsInterface`, and switches every live model dropless changed back
 to the implementation it had (removing any expert bias buffers it added).
+`patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
+routing-replay hooks (`dropless.hf.replay`) once their layers exist.
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
 
-_state: dict = {"registered": False, "prior": None, "original_get_correct": None}
+_state: dict = {
+    "registered": False,
+    "prior": None,
+    "original_get_correct": None,
+    "original_post_init": None,
+}
 # model -> experts implementation to restore on unpatch (get_experts_implementation() form)
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # configs whose "dropless" came from our default (not asked for): id -> config. A model's
@@ -101,16 +108,31 @@ def _install_default() -> None:
         ):
             _check_family(self)
         chosen = original(self, requested_experts)
-        if chosen == IMPLEMENTATION:
-            if self not in _models:
-                _models[self] = None  # restore to the stock default on unpatch
-            install_routing_replay(self)
+        if chosen == IMPLEMENTATION and self not in _models:
+            _models[self] = None  # restore to the stock default on unpatch
         return chosen
 
     get_correct_experts_implementation.__wrapped__ = original
     get_correct_experts_implementation.__doc__ = original.__doc__
     _state["original_get_correct"] = original
     PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
+    _install_post_init(PreTrainedModel)
+
+
+def _install_post_init(PreTrainedModel) -> None:
+    # the experts implementation is resolved in __init__, before the layers exist; the
+    # routers get their replay hooks once the model is built (post_init)
+    original = PreTrainedModel.__dict__["post_init"]
+
+    def post_init(self):
+        original(self)
+        if self in _models:
+            install_routing_replay(self)
+
+    post_init.__wrapped__ = original
+    post_init.__doc__ = original.__doc__
+    _state["original_post_init"] = original
+    PreTrainedModel.post_init = post_init
 
 
 def _uninstall_default() -> None:
@@ -120,6 +142,10 @@ def _uninstall_default() -> None:
     if original is not None:
         PreTrainedModel.get_correct_experts_implementation = original
         _state["original_get_correct"] = None
+    post_init = _state["original_post_init"]
+    if post_init is not None:
+        PreTrainedModel.post_init = post_init
+        _state["original_post_init"] = None
 
 
 def is_patched() -> bool:

@@ -193,16 +193,77 @@ class OptimConfig:
         _choice("optim", "schedule", self.schedule, SCHEDULES)
 
 
+#: FP8 recipe options -> the recipes that take them (dropless.quant.recipe)
+RECIPE_OPTIONS = {
+    "fp8_format": ("delayed", "current", "mxfp8"),
+    "fp8_saved_activations": ("delayed", "current", "mxfp8"),
+    "backend": ("delayed", "current", "mxfp8"),
+    "scale_rule": ("mxfp8",),
+    "margin": ("delayed", "current"),
+    "granularity": ("current",),
+    "amax_history_len": ("delayed",),
+    "amax_compute_algo": ("delayed",),
+}
+FP8_FORMATS = ("", "E4M3", "E5M2", "HYBRID")  # "": the recipe's own default
+SCALE_RULES = ("", "floor", "rceil")  # "": the recipe's own default ("floor")
+BACKENDS = ("auto", "emulated", "torch")
+GRANULARITIES = ("tensor", "row")
+AMAX_ALGOS = ("max", "most_recent")
+
+
 @dataclass
 class PrecisionConfig:
-    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs."""
+    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs.
+
+    The other keys are the options of the recipe's Python class (`dropless.quant`):
+    fp8_format ("" = the recipe's default), fp8_saved_activations, backend and, per recipe,
+    scale_rule (mxfp8), margin (delayed, current), granularity (current), amax_history_len
+    and amax_compute_algo (delayed). Setting one the chosen recipe does not take is an error.
+    """
 
     dtype: str = "auto"
     recipe: str = "none"
+    fp8_format: str = ""
+    fp8_saved_activations: bool = False
+    backend: str = "auto"
+    scale_rule: str = ""
+    margin: int = 0
+    granularity: str = "tensor"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
 
     def __post_init__(self):
         _choice("precision", "dtype", self.dtype, DTYPES)
         _choice("precision", "recipe", self.recipe, RECIPES)
+        if isinstance(self.fp8_format, str):
+            self.fp8_format = self.fp8_format.upper()
+        _choice("precision", "fp8_format", self.fp8_format, FP8_FORMATS)
+        _choice("precision", "backend", self.backend, BACKENDS)
+        _choice("precision", "scale_rule", self.scale_rule, SCALE_RULES)
+        _choice("precision", "granularity", self.granularity, GRANULARITIES)
+        _choice("precision", "amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+        _non_negative("precision", margin=self.margin)
+        if not isinstance(self.margin, int):
+            raise ValueError(f"precision.margin={self.margin!r}: must be an integer >= 0")
+        _positive("precision", amax_history_len=self.amax_history_len)
+        defaults = PrecisionConfig.__dataclass_fields__
+        for name, recipes in RECIPE_OPTIONS.items():
+            if getattr(self, name) != defaults[name].default and self.recipe not in recipes:
+                raise ValueError(
+                    f"precision.{name}={getattr(self, name)!r} has no effect with "
+                    f"precision.recipe={self.recipe!r}: it is an option of "
+                    f"{' / '.join(map(repr, recipes))}; set such a recipe or leave it unset"
+                )
+
+    def recipe_options(self) -> dict:
+        """Keyword arguments of the recipe's class (`dropless.quant.recipe_from_name`):
+        the options this recipe takes, defaults of the class where the key is unset."""
+        defaults = PrecisionConfig.__dataclass_fields__
+        return {
+            name: getattr(self, name)
+            for name, recipes in RECIPE_OPTIONS.items()
+            if self.recipe in recipes and getattr(self, name) != defaults[name].default
+        }
 
 
 @dataclass

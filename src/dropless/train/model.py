@@ -167,12 +167,16 @@ def _nothing():
     yield
 
 
-def recipe_context(name: str):
-    """A factory of the context to run forward in for `precision.recipe` (the FP8 hook).
+def recipe_context(precision):
+    """A factory of the context to run forward in for the `precision` section (the FP8
+    hook): `precision.recipe` with the options of the section (`recipe_options()`).
 
     "none" needs nothing; the others come from `dropless.quant` when it is installed and
-    are a clear error until then (checked at startup, before any long work).
+    are a clear error until then (checked at startup, before any long work). A bare
+    recipe name is accepted too (no options).
     """
+    name = precision if isinstance(precision, str) else precision.recipe
+    options = {} if isinstance(precision, str) else precision.recipe_options()
     if name == "none":
         return _nothing
     try:
@@ -182,7 +186,10 @@ def recipe_context(name: str):
             f"precision.recipe={name!r} is not available yet in this version (it arrives with the FP8 "
             "issue: dropless.quant.recipe_from_name); use precision.recipe=none"
         ) from None
-    recipe = recipe_from_name(name)
+    try:
+        recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"precision: {e}") from None
     return lambda: autocast(recipe=recipe)
 
 

@@ -108,7 +108,7 @@ class Trainer:
             or (cfg.precision.dtype == "auto" and env.device.type == "cuda")
             else torch.float32
         )
-        self.recipe = recipe_context(cfg.precision.recipe)
+        self.recipe = recipe_context(cfg.precision)
         self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
         self.flops = FlopCounter.from_model(self.model)
         self.peak, self.peak_source = peak_tflops(env.device, self.dtype, cfg.log.peak_tflops)

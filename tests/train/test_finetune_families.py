@@ -64,7 +64,7 @@ def _records(run_dir):
 
 # Families whose experts run the stock path here (model.implementation=stock), with the
 # same trainer, router losses and loading; the others run the dropless path.
-STOCK_EXPERTS = {"nemotron_h"}
+STOCK_EXPERTS: set = set()
 CASES = {
     "deepseek_v3": ("train.expert_bias_rate=0.001", "train.aux_loss_coef=0.01"),
     "qwen2_moe": ("train.aux_loss_coef=0.01",),

@@ -86,6 +86,11 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
             raise ValueError(
                 f"{layer.name}: expert parallelism needs the dropless experts path: {spec}"
             )
+        if spec.path != "fused" or spec.post_norm or not spec.gated:
+            raise ValueError(
+                f"{layer.name}: expert parallelism runs the fused gated expert MLP only; this "
+                f"module computes {spec.describe()}. Train it with parallel.ep=1."
+            )
         E = int(m.num_experts)
         if E % P:
             raise ValueError(f"{layer.name}: num_experts={E} is not divisible by parallel.ep={P}")

@@ -23,6 +23,7 @@ DTYPES = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
 
 
 def _positive(section: str, **values) -> None:
@@ -139,7 +140,8 @@ class TrainSection:
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
     z_loss_coef: float = 0.0  # router z-loss
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # per decoder layer, with routing replay
+    fused_cross_entropy: bool = True  # LM head + loss in chunks, never the full [T, V] logits
 
     def __post_init__(self):
         _positive(
@@ -176,6 +178,9 @@ class OptimConfig:
     schedule: str = "cosine"
     decay_fraction: float = 0.2  # WSD: share of the steps spent decaying
     grad_clip: float = 1.0  # 0: off
+    # AdamW kernel: "auto" = fused on one process, torch's own choice over DTensor
+    # parameters (several processes); or "fused", "foreach", "loop" (one tensor at a time)
+    implementation: str = "auto"
 
     def __post_init__(self):
         _non_negative(
@@ -191,6 +196,7 @@ class OptimConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
                 raise ValueError(f"optim.{name}={v!r}: must be in [0, 1]")
         _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _choice("optim", "implementation", self.implementation, ADAMW_IMPLEMENTATIONS)
 
 
 #: FP8 recipe options -> the recipes that take them (dropless.quant.recipe)

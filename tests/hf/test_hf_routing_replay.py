@@ -10,9 +10,10 @@ checkpointing (fp64); with the hooks removed they differ.
 
 import pytest
 import torch
-from families import build
+from families import FAMILIES, MORE_FAMILIES, build
 
 import dropless.hf as dh
+from dropless.hf.experts import _in_backward
 from dropless.hf.replay import has_routing_replay, remove_routing_replay
 
 B, L = 2, 6
@@ -72,3 +73,45 @@ def test_patch_installs_and_unpatch_removes_replay():
     assert has_routing_replay(model)
     dh.unpatch()
     assert not has_routing_replay(model)
+
+
+# phimoe selects with max and masks (no top-k to replay); hunyuan_v1_moe's gate has no
+# top_k attribute, so no router is found for it: both route again in the recompute
+NOT_REPLAYED = {"phimoe", "hunyuan_v1_moe"}
+
+
+def _experts_ids(model, perturb: bool):
+    """Expert ids each experts call received in the forward and in the recompute."""
+    seen = {"forward": [], "recompute": []}
+    hook = dh.register_experts_hook(
+        lambda mod, idx, w: seen["recompute" if _in_backward() else "forward"].append(idx.clone())
+    )
+    try:
+        ids = torch.randint(2, 90, (B, L), generator=torch.Generator().manual_seed(0))
+        out = model(input_ids=ids).logits
+        if perturb:
+            g = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for layer in dh.moe_layers(model):
+                    w = layer.router.weight
+                    w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * 2.0)
+        out.sum().backward()
+    finally:
+        hook.remove()
+    return seen["forward"], seen["recompute"][::-1]  # backward visits layers last-first
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES + MORE_FAMILIES) - NOT_REPLAYED))
+def test_recompute_sees_the_forward_choice(family):
+    model = build(family)
+    dh.patch_model(model).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fwd, rec = _experts_ids(model, perturb=True)
+    assert fwd and len(fwd) == len(rec)
+    assert all(torch.equal(a, b) for a, b in zip(fwd, rec))
+    remove_routing_replay(model)  # the check bites: without replay the recompute moves
+    model.load_state_dict(state)
+    model.zero_grad()
+    fwd, rec = _experts_ids(model, perturb=True)
+    assert not all(torch.equal(a, b) for a, b in zip(fwd, rec))

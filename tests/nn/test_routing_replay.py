@@ -155,3 +155,20 @@ def test_remember_skips_compute_in_recompute():
     y.sum().backward()
     assert calls == [1]  # computed in the forward only
     torch.testing.assert_close(x.grad, torch.ones_like(x))
+
+
+def test_second_backward_with_retain_graph_replays_again():
+    moe = _layer(5, 2, expert_bias=True)
+    x = torch.randn(16, D, dtype=torch.float64, requires_grad=True)
+    want = _grads(
+        copy.deepcopy(moe), x.detach(), torch.ones(16, D, dtype=torch.float64), ckpt=False
+    )
+    y = checkpoint(lambda v: moe(v)[0], x, use_reentrant=False)
+    with torch.no_grad():
+        moe.router.expert_bias.add_(torch.randn(5) * 5.0)
+    y.sum().backward(retain_graph=True)  # each backward recomputes, each replays the forward
+    first = x.grad.clone()
+    x.grad = None
+    y.sum().backward()
+    torch.testing.assert_close(first, want["x"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, want["x"], rtol=1e-12, atol=1e-12)

@@ -47,30 +47,39 @@ def _frame_class():
     return _CheckpointFrame
 
 
-def checkpoint_state() -> tuple[Any, int | None] | None:
-    """(checkpoint frame, None) inside a checkpointed forward, (frame, graph task id) inside
+def checkpoint_state() -> tuple[Any, Any] | None:
+    """(checkpoint frame, None) inside a checkpointed forward, (frame, recompute id) inside
     its recompute, None elsewhere.
 
     Read from the innermost saved-tensors hooks: torch's checkpoint installs a pack hook
-    that holds its frame (forward) or a weak reference to it (recompute)."""
+    that holds its frame (forward), or a weak reference to it and the id of the backward
+    the recompute serves (recompute)."""
     if not torch.is_grad_enabled():
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return None
     frame_cls = _frame_class()
-    pack = inspect.unwrap(hooks[0])
-    for cell in getattr(pack, "__closure__", None) or ():
+    frame, ref_frame, gid = None, None, None
+    for cell in getattr(inspect.unwrap(hooks[0]), "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if isinstance(value, frame_cls):
-            return value, None
-        if isinstance(value, weakref.ReferenceType):
-            target = value()
-            if isinstance(target, frame_cls):
-                return target, torch._C._current_graph_task_id()
+            frame = value
+        elif isinstance(value, weakref.ReferenceType) and isinstance(value(), frame_cls):
+            ref_frame = value()
+        elif gid is None and not isinstance(value, weakref.ReferenceType):
+            gid = value  # the graph task id (or exec group) torch recomputes for
+    if frame is not None:
+        return frame, None
+    if ref_frame is not None:
+        try:
+            hash(gid)
+        except TypeError:
+            gid = None
+        return ref_frame, (torch._C._current_graph_task_id() if gid is None else gid)
     return None
 
 
@@ -81,7 +90,7 @@ def _entries(frame, key) -> list:
     return table.setdefault(key, [])
 
 
-def _next_recorded(frame, gid: int, key):
+def _next_recorded(frame, gid, key):
     table = _STORE.get(frame, {})
     entries = table.get(key, [])
     cursor = ("cursor", gid, key)
@@ -112,7 +121,7 @@ def remember(key, compute: Callable[[], Any]):
 class _TopKMode(TorchFunctionMode):
     """Records (forward) or replays (recompute) the indices of every top-k in its scope."""
 
-    def __init__(self, frame, gid: int | None, key):
+    def __init__(self, frame, gid, key):
         super().__init__()
         self.frame, self.gid, self.key = frame, gid, key
 

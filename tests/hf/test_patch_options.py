@@ -119,6 +119,22 @@ def test_fused_rmsnorm_cpu_untouched_and_kernel_only_for_device_tensors(monkeypa
     assert torch.equal(gemma(x), GemmaLikeRMSNorm.forward(gemma, x))
     assert hf_rmsnorm.fused_rmsnorm_state(gemma) == "stock"  # the probe refused the kernel
 
+    def failing(x, w, eps):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(hf_rmsnorm, "_kernel", failing)
+    llama = type(
+        "LlamaLikeRMSNorm",
+        (nn.Module,),
+        {"forward": lambda self, x: rms_norm_reference(x, self.weight, self.eps)},
+    )()
+    llama.weight, llama.eps = nn.Parameter(torch.ones(16)), 1e-6
+    hf_rmsnorm.enable_fused_rmsnorm(llama)
+    with pytest.warns(UserWarning, match="failed its first call"):
+        out = llama(x)
+    assert torch.equal(out, rms_norm_reference(x, llama.weight, 1e-6))
+    assert hf_rmsnorm.fused_rmsnorm_state(llama) == "stock"
+
     dh.unpatch()
     assert all(hf_rmsnorm.fused_rmsnorm_state(m) is None for m in norms)
     assert all("forward" not in vars(m) for m in norms)

@@ -7,9 +7,10 @@ otherwise calls the module's own forward: CPU tensors never leave the stock code
 
 Families normalise in different ways (Llama-style `w * x_hat`, Gemma-style `(1 + w) * x_hat`,
 fp32 upcasts), so each module is probed once, at its first CUDA call: the kernel and the
-module's own forward run on a small random input of that dtype and device; the kernel is
-kept only if they agree (to a few units of the dtype's rounding), else the module stays
-on its own forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
+module's own forward run on a small random input of that dtype and device, forward and
+input gradient; the kernel is kept only if they agree (to a few units of the dtype's
+rounding) and it ran at all (else one warning), otherwise the module stays on its own
+forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
 """
 
 # R rows, D normalised dim
@@ -17,6 +18,7 @@ on its own forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 from torch import nn
@@ -57,15 +59,31 @@ def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _agrees(module: nn.Module, stock, x: torch.Tensor) -> bool:
+    """The kernel computes what `stock` does (output and input gradient) on a probe."""
     D = module.weight.shape[0]
     probe = torch.randn(4, D, dtype=x.dtype, device=x.device)
-    with torch.no_grad():
-        want = stock(probe)
-        got = _kernel(probe, module.weight, _eps(module))
-    if want.dtype != got.dtype or want.shape != got.shape:
+    g = torch.randn(4, D, dtype=x.dtype, device=x.device)
+    try:
+        with torch.enable_grad():
+            xs, xk = probe.clone().requires_grad_(True), probe.clone().requires_grad_(True)
+            want = stock(xs)
+            got = _kernel(xk, module.weight.detach(), _eps(module))
+            if want.dtype != got.dtype or want.shape != got.shape:
+                return False
+            (gs,) = torch.autograd.grad(want, xs, g)  # no .grad of the module's weight
+            (gk,) = torch.autograd.grad(got, xk, g)
+    except Exception as e:  # a kernel that cannot run here must not stop the model
+        warnings.warn(
+            f"dropless: {type(module).__name__} keeps its own forward: the RMSNorm kernel "
+            f"failed its first call ({type(e).__name__}: {e})",
+            UserWarning,
+            stacklevel=4,
+        )
         return False
     tol = 4 * torch.finfo(x.dtype).eps
-    return bool(torch.allclose(got.float(), want.float(), rtol=tol, atol=tol))
+    return all(
+        torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in ((got, want), (gk, gs))
+    )
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):

@@ -84,6 +84,18 @@ class GemmaLikeRMSNorm(nn.Module):
         return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
+class LlamaLikeRMSNorm(nn.Module):
+    """w * x_hat, what the kernel computes."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
 def _norms(model):
     return [m for m in model.modules() if hf_rmsnorm.is_rmsnorm_module(m)]
 
@@ -123,12 +135,7 @@ def test_fused_rmsnorm_cpu_untouched_and_kernel_only_for_device_tensors(monkeypa
         raise RuntimeError("no kernel for this device")
 
     monkeypatch.setattr(hf_rmsnorm, "_kernel", failing)
-    llama = type(
-        "LlamaLikeRMSNorm",
-        (nn.Module,),
-        {"forward": lambda self, x: rms_norm_reference(x, self.weight, self.eps)},
-    )()
-    llama.weight, llama.eps = nn.Parameter(torch.ones(16)), 1e-6
+    llama = LlamaLikeRMSNorm(16)
     hf_rmsnorm.enable_fused_rmsnorm(llama)
     with pytest.warns(UserWarning, match="failed its first call"):
         out = llama(x)

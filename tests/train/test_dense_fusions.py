@@ -46,3 +46,24 @@ def test_adamw_kernel_choice():
         assert adamw_kernel(load_config(None, [f"optim.implementation={name}"]).optim, None) == kw
     with pytest.raises(ValueError, match="optim.implementation='apex': allowed values are"):
         load_config(None, ["optim.implementation=apex"])
+
+
+def test_training_model_has_replay_and_rmsnorm_wiring_untouched_on_cpu():
+    import torch
+
+    from dropless.hf import has_routing_replay
+    from dropless.hf.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
+    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.recipes import tiny
+
+    cfg = tiny("train.activation_checkpointing=true")
+    assert cfg.train.fused_rmsnorm is True  # on by default (CUDA tensors only)
+    model, par = build_training_model(
+        cfg.model, hf_config(cfg.model, 257), cfg.parallel, 1, expert_bias=False, seed=0,
+        device=torch.device("cpu"), activation_checkpointing=True, fused_rmsnorm=True,
+    )  # fmt: skip
+    assert par is None and has_routing_replay(model) and model.is_gradient_checkpointing
+    norms = [m for m in model.modules() if is_rmsnorm_module(m)]
+    model.train()
+    model(input_ids=torch.randint(0, 257, (2, 8))).logits.sum().backward()
+    assert norms and all(fused_rmsnorm_state(m) == "unprobed" for m in norms)  # CPU: stock

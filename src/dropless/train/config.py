@@ -142,6 +142,7 @@ class TrainSection:
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
     activation_checkpointing: bool = False  # per decoder layer, with routing replay
     fused_cross_entropy: bool = True  # LM head + loss in chunks, never the full [T, V] logits
+    fused_rmsnorm: bool = True  # RMSNorm on the Triton kernel for CUDA tensors (CPU: stock)
 
     def __post_init__(self):
         _positive(

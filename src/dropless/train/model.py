@@ -129,8 +129,13 @@ def build_training_model(
     seed: int,
     device,
     activation_checkpointing: bool = False,
+    fused_rmsnorm: bool = False,
 ):
     """(model, parallel glue or None) for a run on `world` processes.
+
+    activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
+    dropless path. fused_rmsnorm: RMSNorm modules on the Triton kernel for CUDA tensors
+    (`dropless.hf.rmsnorm`; CPU tensors keep the stock forward).
 
     Fine-tuning a checkpoint (model.path) on several processes builds the model on the meta
     device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
@@ -153,6 +158,8 @@ def build_training_model(
         model = build_model(mcfg, config, expert_bias=expert_bias, seed=seed, device=device)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fused_rmsnorm:
+        _hf().enable_fused_rmsnorm(model)
     par = parallelize_for_training(model, parallel_cfg, world)
     if sharded:
         model.to_empty(device=device)

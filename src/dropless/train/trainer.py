@@ -100,6 +100,7 @@ class Trainer:
             seed=tc.seed,
             device=env.device,
             activation_checkpointing=tc.activation_checkpointing,
+            fused_rmsnorm=tc.fused_rmsnorm,
         )
         self.layers = _hf().moe_layers(self.model)
         self.router = _hf().RouterLosses(self.model)

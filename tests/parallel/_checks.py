@@ -22,7 +22,7 @@ from _checks_fsdp import (  # noqa: F401
 )
 from _checks_hf import hf_ep_equals_single, hf_fsdp_x_ep_train  # noqa: F401
 from _checks_load import hf_sharded_load  # noqa: F401
-from _checks_replay import ep_routing_replay  # noqa: F401
+from _checks_replay import ep_routing_replay, hf_ep_routing_replay  # noqa: F401
 
 CHECKS = {
     2: [
@@ -41,6 +41,7 @@ CHECKS = {
         "fsdp_x_ep_overlap",
         "hsdp_only",
         "hf_ep_equals_single",
+        "hf_ep_routing_replay",
         "hf_fsdp_x_ep_train",
         "hf_sharded_load",
         "ckpt_resume_w2",

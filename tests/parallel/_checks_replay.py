@@ -1,4 +1,5 @@
-"""Routing replay under expert parallelism (run inside the spawned groups).
+"""Routing replay under expert parallelism (run inside the spawned groups): dropless.MoE
+and a Transformers Qwen3-MoE under gradient checkpointing.
 
 Every rank checkpoints its EP MoE layer (fp64), then changes the expert score bias
 before backward, so a recompute that routed again would send tokens to other experts
@@ -65,3 +66,48 @@ def ep_routing_replay(rank, world):
             grad = p.grad.clone()
             dist.all_reduce(grad)
             _close(f"{name}.grad", grad, want)
+
+
+def hf_ep_routing_replay(rank, world):
+    """The same on a Transformers Qwen3-MoE under gradient checkpointing (every layer)."""
+    from _checks_hf import E as HF_E
+    from _checks_hf import V, _model
+
+    import dropless
+    from dropless.hf import moe_layers
+    from dropless.hf.parallel import hf_dispatchers, shard_hf_experts
+
+    B, L = 2, 5
+    model = dropless.patch_model(_model(), expert_bias=True).double()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, V, (world * B, L), generator=g)
+    w = torch.randn(world * B, L, V, generator=g, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    (ref(input_ids=ids).logits * w).sum().backward()
+
+    ep = copy.deepcopy(model)
+    shard_hf_experts(ep, build_mesh(ParallelConfig(ep=world), num_experts=HF_E))
+    ep.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ep.train()
+    exchanges = []
+    for disp in hf_dispatchers(ep):
+        plain = disp._exchange_counts
+        disp._exchange_counts = lambda send, plain=plain: exchanges.append(1) or plain(send)
+    sl = slice(rank * B, (rank + 1) * B)
+    logits = ep(input_ids=ids[sl]).logits
+    with torch.no_grad():
+        for layer in moe_layers(ep):
+            layer.expert_bias.add_(torch.randn(HF_E, generator=g) * 5.0)
+    (logits * w[sl]).sum().backward()
+
+    layers = len(moe_layers(ep))
+    assert len(exchanges) == layers, f"{len(exchanges)} counts exchanges for {layers} layers"
+    rp = dict(ref.named_parameters())
+    Le = HF_E // world
+    for name, p in ep.named_parameters():
+        if hasattr(p, "to_local"):
+            got, want = p.grad.to_local(), rp[name].grad[rank * Le : (rank + 1) * Le]
+        else:
+            got, want = p.grad.clone(), rp[name].grad
+            dist.all_reduce(got)
+        _close(f"{name}.grad", got, want)

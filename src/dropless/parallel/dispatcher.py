@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.permute import permute, sort_by_expert, unpermute
+from ..ops.replay import remember
 from .comm import a2a_start, a2a_wait
 
 
@@ -115,7 +116,6 @@ class ExpertParallelDispatcher:
         E, P = self._sizes(experts)
         L = E // P
         st, t0 = self.stats, time.perf_counter()
-        global_buf = self._global_counts(ids_TK, E)
         C = self.num_chunks  # the same on every rank (collectives pair up), even if T < C
         xs = torch.tensor_split(x_TD, C)
         ids = torch.tensor_split(ids_TK, C)
@@ -126,14 +126,10 @@ class ExpertParallelDispatcher:
             sort_by_expert(ids[c], E, keeps[c], host_counts=keep_TK is not None) for c in range(C)
         ]
         send_PCL = torch.stack([sp.counts_E for sp in sps], 0).view(C, P, L).transpose(0, 1)
-        recv_PCL = torch.empty_like(send_PCL.contiguous())
-        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
-        send_PC, recv_PC = send_PCL.sum(-1), recv_PCL.sum(-1)
-        host = torch.cat([send_PC.reshape(-1), recv_PC.reshape(-1), global_buf[E:]])
-        host = host.tolist()  # the one host sync of the layer
-        send_h = [host[p * C : (p + 1) * C] for p in range(P)]
-        recv_h = [host[P * C + p * C : P * C + (p + 1) * C] for p in range(P)]
-        global_counts_E, n_tokens = global_buf[:E], int(host[-1])
+        # a checkpointed recompute reuses the forward's exchange: no collective, no sync
+        recv_PCL, send_h, recv_h, global_counts_E, n_tokens = remember(
+            (id(self), "counts"), lambda: self._exchange_counts(ids_TK, send_PCL, E)
+        )
         plans = []
         for c in range(C):
             out_splits, in_splits = [r[c] for r in recv_h], [s[c] for s in send_h]
@@ -184,6 +180,22 @@ class ExpertParallelDispatcher:
         st["calls"] += 1
         return out_TD, tokens_per_expert_E, global_counts_E, n_tokens
 
+    def _exchange_counts(self, ids_TK, send_PCL, E):
+        """The layer's counts exchange: per-expert counts to the ranks that own the
+        experts (all-to-all), global counts for the balancing loss (all-reduce), and the
+        one host sync of the layer. Returns (recv_PCL, send_h, recv_h, global counts
+        [E], tokens)."""
+        P, C = send_PCL.shape[0], send_PCL.shape[1]
+        global_buf = self._global_counts(ids_TK, E)
+        recv_PCL = torch.empty_like(send_PCL.contiguous())
+        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
+        send_PC, recv_PC = send_PCL.sum(-1), recv_PCL.sum(-1)
+        host = torch.cat([send_PC.reshape(-1), recv_PC.reshape(-1), global_buf[E:]])
+        host = host.tolist()  # the one host sync of the layer
+        send_h = [host[p * C : (p + 1) * C] for p in range(P)]
+        recv_h = [host[P * C + p * C : P * C + (p + 1) * C] for p in range(P)]
+        return recv_PCL, send_h, recv_h, global_buf[:E], int(host[-1])
+
     def _global_counts(self, ids_TK, E):
         """[E + 1]: pairs routed to each expert, then tokens, summed over the
         data-parallel group (on the device: read with the layer's one host copy)."""
@@ -202,9 +214,13 @@ class GlobalCountsDispatcher:
     def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
         out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
         E = experts.num_experts
+        buf = remember((id(self), "global_counts"), lambda: self._reduce(ids_TK, E))
+        return out_TD, sp.counts_E, buf[:E], int(buf[E])  # host sync: the token count
+
+    def _reduce(self, ids_TK, E):
         buf = _counts_and_tokens(ids_TK, E)
         dist.all_reduce(buf, group=self.dp_group)
-        return out_TD, sp.counts_E, buf[:E], int(buf[E])  # host sync: the token count
+        return buf
 
 
 def _counts_and_tokens(ids_TK: torch.Tensor, E: int) -> torch.Tensor:

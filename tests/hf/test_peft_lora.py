@@ -219,3 +219,19 @@ def test_expert_owned_factors_match_peft(family):
     ids = _ids()
     with torch.no_grad():
         _close(patched(ids).logits, ps(ids).logits)
+
+
+def test_expert_owned_factors_save_as_a_peft_adapter(tmp_path):
+    model = dh.patch_model(build("qwen3_moe", "eager").double())
+    g = torch.Generator().manual_seed(1)
+    for layer in dh.moe_layers(model):
+        hl.attach_expert_lora(layer.experts, 4, 8, generator=g)
+    ids = _ids()
+    with torch.no_grad():
+        want = model(ids).logits
+    hl.save_expert_lora_as_peft(model, tmp_path / "adapter")
+    dh.unpatch()
+    stock = build("qwen3_moe", "eager").double()
+    loaded = peft.PeftModel.from_pretrained(stock, tmp_path / "adapter")
+    with torch.no_grad():
+        _close(loaded(ids).logits, want)

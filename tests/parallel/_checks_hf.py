@@ -139,3 +139,19 @@ def hf_ep_lora_equals_single(rank, world):
         )
         n += 1
     assert n == 8  # 2 layers x (A, B) x (gate_up, down)
+    # saved as a PEFT adapter: gathered from the shards, the same file as one process
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from dropless.hf.lora import save_expert_lora_as_peft
+
+    d = tempfile.mkdtemp()
+    save_expert_lora_as_peft(ep, f"{d}/ep")  # collective: every rank gathers
+    save_expert_lora_as_peft(ref, f"{d}/one")
+    if rank == 0:
+        got, want = (
+            load_file(f"{d}/ep/adapter_model.safetensors"),
+            load_file(f"{d}/one/adapter_model.safetensors"),
+        )
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -244,3 +244,67 @@ def attached_lowrank(module: nn.Module):
 
     A1, B1, A2, B2 = (local(getattr(module, n)) for n in LORA_PARAMS)
     return LowRank(A1, B1, scale), LowRank(A2, B2, scale)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
+    """Write the factors `attach_expert_lora` gave the experts modules of `model` (gathered
+    when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
+    directory (adapter_config.json + adapter_model.safetensors) that
+    `PeftModel.from_pretrained(stock_model, out_dir)` loads."""
+    import copy
+    from pathlib import Path
+
+    import peft
+    import torch.distributed as dist
+    from peft.tuners.lora.layer import ParamWrapper
+    from safetensors.torch import save_file
+
+    from .layers import moe_layers
+
+    layers = [x for x in moe_layers(model) if "_dropless_lora_scale" in x.experts.__dict__]
+    if not layers:
+        raise ValueError(
+            "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
+        )
+    first = layers[0].experts
+    rank = first.lora_A_first.shape[1]
+    names = ("gate_up_proj" if first.has_gate else "up_proj", "down_proj")
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=first.__dict__["_dropless_lora_scale"] * rank,
+        target_parameters=[
+            f"{x.name.rpartition('.')[2]}.experts.{n}" for x in layers[:1] for n in names
+        ],
+        target_modules=[],
+    )
+    # PEFT's own key names: wrap a weightless copy of the model's structure
+    with torch.device("meta"):
+        skeleton = type(model)(copy.deepcopy(model.config))
+    wrapped = peft.get_peft_model(skeleton, copy.deepcopy(config))
+    where = {}
+    for path, mod in wrapped.named_modules():
+        if isinstance(mod, ParamWrapper):
+            owner = path.removeprefix("base_model.model.")
+            while owner.endswith(".base_layer"):
+                owner = owner[: -len(".base_layer")]
+            where[(owner, mod.parameter_name)] = path
+    state = {}
+    for x in layers:
+        owner = next(n for n, m in model.named_modules() if m is x.experts)
+        for which, name in zip(("first", "down"), names):
+            a = _full(getattr(x.experts, f"lora_A_{which}")).detach()
+            b = _full(getattr(x.experts, f"lora_B_{which}")).detach()
+            a_w, b_w = experts_to_peft(a, b)
+            path = where[(owner, name)]
+            state[f"{path}.lora_A.weight"] = a_w.contiguous().cpu()
+            state[f"{path}.lora_B.weight"] = b_w.contiguous().cpu()
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_file(state, out / "adapter_model.safetensors")

@@ -235,3 +235,11 @@ def test_expert_owned_factors_save_as_a_peft_adapter(tmp_path):
     loaded = peft.PeftModel.from_pretrained(stock, tmp_path / "adapter")
     with torch.no_grad():
         _close(loaded(ids).logits, want)
+    # and back: a fresh model's own factors filled from the adapter file
+    dh.patch()
+    again = dh.patch_model(build("qwen3_moe", "eager").double())
+    for layer in dh.moe_layers(again):
+        hl.attach_expert_lora(layer.experts, 4, 8)  # B zeros until loaded
+    assert hl.load_peft_into_experts(again, tmp_path / "adapter") == 4
+    with torch.no_grad():
+        _close(again(ids).logits, want)

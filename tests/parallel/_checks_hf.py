@@ -146,7 +146,9 @@ def hf_ep_lora_equals_single(rank, world):
 
     from dropless.hf.lora import save_expert_lora_as_peft
 
-    d = tempfile.mkdtemp()
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # one directory on this machine for every rank
+    d = box[0]
     save_expert_lora_as_peft(ep, f"{d}/ep")  # collective: every rank gathers
     save_expert_lora_as_peft(ref, f"{d}/one")
     if rank == 0:
@@ -155,3 +157,16 @@ def hf_ep_lora_equals_single(rank, world):
             load_file(f"{d}/one/adapter_model.safetensors"),
         )
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    dist.barrier()
+    # loaded back into a sharded model's own factors: each rank takes its experts' slice
+    from dropless.hf.lora import load_peft_into_experts
+
+    fresh = copy.deepcopy(model)
+    shard_hf_experts(fresh, pm)
+    with torch.no_grad():
+        for layer in moe_layers(fresh):
+            for name in ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down"):
+                getattr(layer.experts, name).to_local().zero_()
+    assert load_peft_into_experts(fresh, f"{d}/one") == 4
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids[sl]).logits, logits, rtol=RTOL, atol=ATOL)

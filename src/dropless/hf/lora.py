@@ -255,12 +255,10 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
     directory (adapter_config.json + adapter_model.safetensors) that
     `PeftModel.from_pretrained(stock_model, out_dir)` loads."""
-    import copy
     from pathlib import Path
 
     import peft
     import torch.distributed as dist
-    from peft.tuners.lora.layer import ParamWrapper
     from safetensors.torch import save_file
 
     from .layers import moe_layers
@@ -281,17 +279,7 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
         ],
         target_modules=[],
     )
-    # PEFT's own key names: wrap a weightless copy of the model's structure
-    with torch.device("meta"):
-        skeleton = type(model)(copy.deepcopy(model.config))
-    wrapped = peft.get_peft_model(skeleton, copy.deepcopy(config))
-    where = {}
-    for path, mod in wrapped.named_modules():
-        if isinstance(mod, ParamWrapper):
-            owner = path.removeprefix("base_model.model.")
-            while owner.endswith(".base_layer"):
-                owner = owner[: -len(".base_layer")]
-            where[(owner, mod.parameter_name)] = path
+    where = _peft_paths(model, config)
     state = {}
     for x in layers:
         owner = next(n for n, m in model.named_modules() if m is x.experts)
@@ -308,3 +296,74 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     save_file(state, out / "adapter_model.safetensors")
+
+
+def _peft_paths(model: nn.Module, config) -> dict:
+    """{(experts module path, weight name): the ParamWrapper path PEFT would give it},
+    from PEFT itself wrapping a weightless (meta) copy of the model's structure."""
+    import copy
+
+    import peft
+    from peft.tuners.lora.layer import ParamWrapper
+
+    with torch.device("meta"):
+        skeleton = type(model)(copy.deepcopy(model.config))
+    wrapped = peft.get_peft_model(skeleton, copy.deepcopy(config))
+    where = {}
+    for path, mod in wrapped.named_modules():
+        if isinstance(mod, ParamWrapper):
+            owner = path.removeprefix("base_model.model.")
+            while owner.endswith(".base_layer"):
+                owner = owner[: -len(".base_layer")]
+            where[(owner, mod.parameter_name)] = path
+    return where
+
+
+def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
+    """Copy a PEFT adapter's expert factors (saved by PEFT or `save_expert_lora_as_peft`)
+    into the factors `attach_expert_lora` registered (this rank's shard under ep).
+    Returns the number of projections loaded."""
+    from pathlib import Path
+
+    import peft
+    from safetensors.torch import load_file
+
+    from .layers import moe_layers
+
+    config = peft.LoraConfig.from_pretrained(str(adapter_dir))
+    state = load_file(Path(adapter_dir) / "adapter_model.safetensors")
+    where = _peft_paths(model, config)
+    n = 0
+    with torch.no_grad():
+        for x in moe_layers(model):
+            if "_dropless_lora_scale" not in x.experts.__dict__:
+                continue
+            owner = next(k for k, m in model.named_modules() if m is x.experts)
+            names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
+            for which, name in zip(("first", "down"), names):
+                path = where.get((owner, name))
+                if path is None or f"{path}.lora_A.weight" not in state:
+                    raise ValueError(f"{adapter_dir}: no LoRA factors for {owner}.{name}")
+                a, b = peft_to_experts(
+                    state[f"{path}.lora_A.weight"], state[f"{path}.lora_B.weight"], x.num_experts
+                )
+                for t, full in (
+                    (getattr(x.experts, f"lora_A_{which}"), a),
+                    (getattr(x.experts, f"lora_B_{which}"), b),
+                ):
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    lo = _shard_offset(t)
+                    local.copy_(full[lo : lo + local.shape[0]])
+                n += 1
+            x.experts.__dict__["_dropless_lora_scale"] = float(config.lora_alpha) / config.r
+    return n
+
+
+def _shard_offset(t: torch.Tensor) -> int:
+    """First expert of this rank's Shard(0) slice (0 for a plain tensor)."""
+    if not hasattr(t, "to_local"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return int(offset[0])

@@ -22,9 +22,7 @@ def tiny_args(*extra: str) -> list[str]:
 
 
 def sub_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("DROPLESS_TEST_KILL_AFTER_FIRST_FILE", None)
-    return env
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 @pytest.fixture(autouse=True)

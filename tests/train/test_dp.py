@@ -33,7 +33,7 @@ def test_two_processes_match_one(tmp_path):
         env=sub_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es) on cpu" in proc.stdout
+    assert "2 processes on cpu" in proc.stdout
     a, b = losses(one), losses(two)
     assert [s for s, *_ in a] == [s for s, *_ in b] == [0, 1, 2, 3, 4]
     for (_, la, ea), (_, lb, eb) in zip(a, b):

@@ -18,7 +18,7 @@ COMMANDS = {
     ),
     "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
     "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
-    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, jax"),
+    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, ep, jax"),
     "demo": ("dropless.cli.demo", "run the MoE layer on random data and show what it did"),
 }
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dropless", description="Dropless Mixture-of-Experts training for PyTorch."
     )
     parser.add_argument("--version", action="version", version=f"dropless {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_subcommands(sub, COMMANDS, "_module")
     return parser

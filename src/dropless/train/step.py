@@ -1,0 +1,219 @@
+"""One optimizer step: micro-batches with gradient accumulation, the router losses, the
+checks that must pass before `optimizer.step()` (finite loss and gradient norm, no dropped
+token) and the learning-rate schedule."""
+
+# B sequences, L sequence length, T tokens, E experts, K top-k, M MoE layers
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import micro_batch_indices
+from .errors import DroppedTokensError, NonFiniteError
+from .model import recipe_context
+from .state import TrainState
+
+
+def _hf():
+    from .. import hf
+
+    return hf
+
+
+class Precision:
+    """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
+
+    def __init__(self, pcfg, device: torch.device):
+        bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and device.type == "cuda")
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.device_type = device.type
+        self.recipe = recipe_context(pcfg.recipe)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def router_losses(
+    layers, router_logits, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(balancing loss, z-loss) averaged over MoE layers, and the pairs per expert [M, E]
+    implied by the routers (used when the experts path records no counts)."""
+    from ..ops import load_balancing_loss, route, z_loss
+
+    lb, zl, counts = 0.0, 0.0, []
+    for layer, logits_TE in zip(layers, router_logits):
+        _, ids_TK, scores_TE = route(
+            logits_TE.float(),
+            top_k,
+            score_func="softmax",
+            renormalize=True,
+            expert_bias_E=layer.expert_bias,
+        )
+        lb = lb + load_balancing_loss(scores_TE, ids_TK)
+        zl = zl + z_loss(logits_TE)
+        counts.append(torch.bincount(ids_TK.reshape(-1), minlength=logits_TE.shape[-1]))
+    n = max(len(router_logits), 1)
+    return lb / n, zl / n, torch.stack(counts).cpu()
+
+
+def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> str:
+    """What went wrong at `step` (which of loss / gradient norm) and what to do."""
+    bad = [
+        f"{n} is {v}" for n, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)
+    ]
+    fix = (
+        "resume from the last checkpoint with a lower optim.lr (--resume --set optim.lr=...)"
+        if policy == "stop"
+        else "lower optim.lr or raise train.max_skipped_steps, then --resume"
+    )
+    return f"step {step}: {' and '.join(bad)}; no weight was updated and no checkpoint was written or removed; {fix}"
+
+
+class StepRunner:
+    """Runs `train_step` on a model, its optimizer and the run's sampler."""
+
+    def __init__(
+        self,
+        cfg,
+        env,
+        model,
+        layers,
+        top_k: int,
+        optimizer,
+        scheduler,
+        parallel,
+        sampler,
+        precision: Precision,
+        hooks,
+    ):
+        self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
+        self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
+        self.parallel, self.sampler, self.precision, self.hooks = (
+            parallel,
+            sampler,
+            precision,
+            hooks,
+        )
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        tc = cfg.train
+        self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
+        self.seq_len = tc.seq_len
+        self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
+
+    def _micro_step(self, xy_BL1: torch.Tensor):
+        tc = self.cfg.train
+        x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
+        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
+        with self.precision.autocast(), self.precision.recipe():
+            out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
+        ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+        # read before backward: activation checkpointing re-runs forwards there
+        counts_ME = _hf().tokens_per_expert(self.model, reset=True)
+        from_experts = counts_ME is not None
+        lb = zl = torch.zeros((), device=ce.device)
+        if self.need_router:
+            lb, zl, routed_ME = router_losses(self.layers, out.router_logits, self.top_k)
+            counts_ME = routed_ME if counts_ME is None else counts_ME
+        loss = ce + tc.aux_loss_coef * lb + tc.z_loss_coef * zl
+        with self.precision.recipe():  # activation checkpointing recomputes forwards in backward
+            (loss / self.grad_accum).backward()
+        return ce.detach(), lb.detach(), zl.detach(), counts_ME, from_experts
+
+    def _accumulate(self, state: TrainState, stop: bool) -> tuple[torch.Tensor, bool, bool]:
+        """Forward/backward over the micro-batches; returns the stats vector reduced over
+        processes (loss, lb, z, stop flag, counts [M*E]), whether there are counts (from the
+        experts or the routers) and whether the experts path measured them."""
+        M, E = len(self.layers), self.layers[0].num_experts
+        sums = torch.zeros(4, dtype=torch.float64)
+        counts_ME = torch.zeros(M, E, dtype=torch.int64)
+        have_counts = from_experts = True
+        for a in range(self.grad_accum):
+            idx = micro_batch_indices(
+                state.sample_index, a, self.env.rank, self.world, self.global_batch, self.grad_accum
+            )
+            xy = torch.from_numpy(self.sampler.batch(idx)).to(self.env.device)
+            ce, lb, zl, c, measured = self._micro_step(xy)
+            sums[:3] += torch.stack([ce, lb, zl]).double().cpu() / self.grad_accum
+            from_experts = from_experts and measured
+            if c is None:
+                have_counts = False
+            else:
+                counts_ME += c
+        self.hooks.after_backward(state.step + 1, self.model)
+        sums[3] = float(stop)  # an interrupt on any process stops every process at this step
+        stats = torch.cat([sums, counts_ME.double().reshape(-1)])
+        if self.world > 1:
+            dist.all_reduce(stats)
+            stats[:3] /= self.world
+        return stats, have_counts, from_experts
+
+    def _clip(self) -> float:
+        clip = self.cfg.optim.grad_clip or float("inf")
+        if self.parallel is not None:  # parameters on several DTensor meshes
+            return float(self.parallel.clip_grad_norm_(self.params, clip))
+        return float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+
+    def _check_dropped(self, counts_ME: torch.Tensor, step: int) -> int:
+        expected = self.global_batch * self.seq_len * self.top_k * len(self.layers)
+        dropped = int(expected - counts_ME.sum())
+        if dropped:
+            raise DroppedTokensError(
+                f"step {step}: {dropped} (token, expert) pairs of {expected} were not computed by the experts; "
+                "the dropless path must compute every pair: report this with your config (model.implementation, precision.recipe, parallel.*)"
+            )
+        return dropped
+
+    def run(self, state: TrainState, stop: bool = False) -> dict:
+        """One optimizer step; advances `state`. Raises before `optimizer.step()` when a
+        check fails (non-finite values under on_nonfinite="stop", dropped tokens)."""
+        self.model.train()
+        tc = self.cfg.train
+        stats, have_counts, from_experts = self._accumulate(state, stop)
+        grad_norm = self._clip()
+        loss, step = float(stats[0]), state.step + 1
+        M, E = len(self.layers), self.layers[0].num_experts
+        counts_ME = stats[4:].reshape(M, E).round().long() if have_counts else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        dropped = None
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            state.skipped_in_a_row += 1
+            if tc.on_nonfinite == "stop" or state.skipped_in_a_row > tc.max_skipped_steps:
+                raise NonFiniteError(nonfinite_message(step, loss, grad_norm, tc.on_nonfinite))
+            state.skipped_steps += 1
+            counts_ME = None
+        else:
+            if from_experts:  # router-implied counts say nothing about what the experts did
+                dropped = self._check_dropped(counts_ME, step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            state.skipped_in_a_row = 0
+            self._update_expert_bias(counts_ME)
+        self.scheduler.step()  # a skipped step keeps its place in the schedule
+        state.step, state.sample_index = step, state.sample_index + self.global_batch
+        ep_stats = self.parallel.pop_stats() if self.parallel is not None else {}
+        return {
+            "loss": loss, "lb_loss": float(stats[1]), "z_loss": float(stats[2]), "lr": lr,
+            "grad_norm": grad_norm, "counts_ME": counts_ME, "dropped": dropped,
+            "skipped": skipped, "stop": bool(stats[3] > 0), **ep_stats,
+        }  # fmt: skip
+
+    def _update_expert_bias(self, counts_ME: torch.Tensor | None) -> None:
+        rate = self.cfg.train.expert_bias_rate
+        if counts_ME is None or rate <= 0:
+            return
+        from ..ops import update_expert_bias
+
+        for layer, c in zip(self.layers, counts_ME):
+            update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
+
+
+__all__ = ["Precision", "StepRunner", "nonfinite_message", "router_losses"]

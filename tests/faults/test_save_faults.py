@@ -1,0 +1,84 @@
+"""A save cut short (SIGKILL at each phase, a truncated shard, a zeroed trainer.json, a
+full disk) never loses the previous complete checkpoint, and the run resumes exactly."""
+
+import errno
+import shutil
+import signal
+
+import pytest
+from faults_util import child, records, snapshot
+
+from dropless.cli.main import main
+from dropless.train import checkpoint as ckpt
+from dropless.train.hooks import CHECKPOINT_PHASES
+
+MORE = ["--resume", "--set", "train.steps=10", "--set", "checkpoint.every=1"]
+
+
+@pytest.fixture(scope="module")
+def reference(finished_run, tmp_path_factory):
+    """The finished run continued to step 10 without faults."""
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    shutil.copytree(finished_run, ref)
+    assert main(["train", "--run-dir", str(ref), *MORE]) == 0
+    return records(ref)
+
+
+def test_sigkill_at_every_phase_of_a_save(finished_run, tmp_path, reference, capsys):
+    runs = {}
+    for phase in CHECKPOINT_PHASES:  # five children at once: the kills are independent
+        run = tmp_path / phase
+        shutil.copytree(finished_run, run)
+        runs[phase] = (run, child({"checkpoint": [phase, 9]}, ["train", "--run-dir", str(run), *MORE]))
+    for phase, (run, proc) in runs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == -signal.SIGKILL, (phase, err[-2000:])
+        steps = [s for s, _ in ckpt.list_checkpoints(run)]
+        assert steps == ([8, 9] if phase == "after_rename" else [4, 8]), phase
+        assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(run)) is None
+        partial = run / "checkpoints" / ".tmp-step_00000009"
+        assert partial.is_dir() == (phase != "after_rename"), phase
+        # resume: the interrupted save is redone and step 10 is the uninterrupted one's
+        assert main(["train", "--run-dir", str(run), "--resume"]) == 0, capsys.readouterr().err
+        got = records(run)
+        assert got[10]["loss"] == reference[10]["loss"], phase
+        assert got[10]["eval_loss"] == reference[10]["eval_loss"], phase
+        assert not partial.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "zeroed trainer.json"])
+def test_damaged_latest_checkpoint_falls_back(finished_run, run_copy, damage, capsys):
+    ck = ckpt.step_dir(run_copy, 8)
+    if damage == "truncated shard":
+        shard = next(ck.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    else:
+        f = ck / "trainer.json"
+        f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.warns(UserWarning, match="skipping checkpoint .*step_00000008"):
+        assert ckpt.latest_checkpoint(run_copy) == ckpt.step_dir(run_copy, 4)
+    with pytest.warns(UserWarning, match="using the previous complete one"):
+        assert main(["train", "--run-dir", str(run_copy), "--resume"]) == 0
+    straight, resumed = records(finished_run), records(run_copy)
+    for step in (6, 8):  # redone from step 4, bit for bit
+        assert resumed[step]["loss"] == straight[step]["loss"]
+        assert resumed[step]["eval_loss"] == straight[step]["eval_loss"]
+    assert ckpt.verify_checkpoint(ckpt.step_dir(run_copy, 8)) is None  # rewritten whole
+
+
+def test_disk_full_is_one_line_and_keeps_checkpoints(run_copy, monkeypatch, capsys):
+    before = {s: snapshot(p) for s, p in ckpt.list_checkpoints(run_copy)}
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt, "write_synced", full)
+    assert main(["train", "--run-dir", str(run_copy), *MORE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "dropless train: error: No space left on device (" in err
+    assert "check free space and permissions of the run directory, then --resume" in err
+    assert {s: snapshot(p) for s, p in ckpt.list_checkpoints(run_copy)} == before
+    monkeypatch.undo()
+    assert main(["train", "--run-dir", str(run_copy), *MORE[:1], "--set", "train.steps=9"]) == 0
+    assert [s for s, _ in ckpt.list_checkpoints(run_copy)] == [8, 9]

@@ -27,10 +27,26 @@ def finished_run(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("faults") / "run"
-    assert main(["train", "--run-dir", str(run_dir), *args("log.tensorboard=false", "log.plots=false")]) == 0
+    assert (
+        main(
+            ["train", "--run-dir", str(run_dir), *args("log.tensorboard=false", "log.plots=false")]
+        )
+        == 0
+    )
     torch.set_num_threads(n)
     yield run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def continued(finished_run, tmp_path_factory):
+    """The records of the finished run continued to step 10 without faults."""
+    from faults_util import records
+
+    ref = tmp_path_factory.mktemp("continued") / "run"
+    shutil.copytree(finished_run, ref)
+    assert main(["train", "--run-dir", str(ref), "--resume", "--set", "train.steps=10"]) == 0
+    return records(ref)
 
 
 @pytest.fixture

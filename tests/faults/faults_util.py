@@ -30,14 +30,30 @@ def sub_env() -> dict:
 
 
 def child(spec: dict, argv: list[str], torchrun: int = 0) -> subprocess.Popen:
-    """Start train_child.py (under torchrun with `torchrun` processes when > 0)."""
+    """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0)."""
     launch = [sys.executable]
     if torchrun:
         launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
     return subprocess.Popen(
-        [*launch, str(CHILD), json.dumps(spec), *argv],
+        [*launch, str(CHILD), json.dumps([{"spec": spec, "argv": argv}])],
         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def forked_children(jobs: list[tuple[dict, list[str]]], tmp: Path) -> list[tuple[int, str]]:
+    """Run each (spec, argv) in its own process, forked after one set of imports;
+    returns (exit status, stderr) per job (status < 0: killed by that signal)."""
+    items = [
+        {"spec": spec, "argv": argv, "stderr": str(tmp / f"job{i}.err")}
+        for i, (spec, argv) in enumerate(jobs)
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(items)],
+        env=sub_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [(c, Path(j["stderr"]).read_text()) for c, j in zip(codes, items)]
 
 
 def snapshot(root: Path) -> dict:

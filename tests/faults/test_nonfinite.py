@@ -9,7 +9,15 @@ from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 from dropless.train.step import nonfinite_message
 
-MORE = ["--resume", "--set", "train.steps=12", "--set", "checkpoint.every=1", "--set", "log.every=1"]
+MORE = [
+    "--resume",
+    "--set",
+    "train.steps=12",
+    "--set",
+    "checkpoint.every=1",
+    "--set",
+    "log.every=1",
+]
 
 
 def test_stop_policy(run_copy, monkeypatch, capsys):

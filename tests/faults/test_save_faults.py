@@ -6,7 +6,7 @@ import shutil
 import signal
 
 import pytest
-from faults_util import child, records, snapshot
+from faults_util import forked_children, records, snapshot
 
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
@@ -15,34 +15,27 @@ from dropless.train.hooks import CHECKPOINT_PHASES
 MORE = ["--resume", "--set", "train.steps=10", "--set", "checkpoint.every=1"]
 
 
-@pytest.fixture(scope="module")
-def reference(finished_run, tmp_path_factory):
-    """The finished run continued to step 10 without faults."""
-    ref = tmp_path_factory.mktemp("ref") / "run"
-    shutil.copytree(finished_run, ref)
-    assert main(["train", "--run-dir", str(ref), *MORE]) == 0
-    return records(ref)
-
-
-def test_sigkill_at_every_phase_of_a_save(finished_run, tmp_path, reference, capsys):
-    runs = {}
-    for phase in CHECKPOINT_PHASES:  # five children at once: the kills are independent
-        run = tmp_path / phase
+def test_sigkill_at_every_phase_of_a_save(finished_run, tmp_path, continued, capsys):
+    runs = [tmp_path / phase for phase in CHECKPOINT_PHASES]
+    for run in runs:
         shutil.copytree(finished_run, run)
-        runs[phase] = (run, child({"checkpoint": [phase, 9]}, ["train", "--run-dir", str(run), *MORE]))
-    for phase, (run, proc) in runs.items():
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == -signal.SIGKILL, (phase, err[-2000:])
+    jobs = [
+        ({"checkpoint": [run.name, 9]}, ["train", "--run-dir", str(run), *MORE]) for run in runs
+    ]
+    for run, (code, err) in zip(runs, forked_children(jobs, tmp_path)):
+        phase = run.name
+        assert code == -signal.SIGKILL, (phase, err[-2000:])
         steps = [s for s, _ in ckpt.list_checkpoints(run)]
-        assert steps == ([8, 9] if phase == "after_rename" else [4, 8]), phase
+        # killed after the rename, before pruning: step 9 is complete, 4 not yet removed
+        assert steps == ([4, 8, 9] if phase == "after_rename" else [4, 8]), phase
         assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(run)) is None
         partial = run / "checkpoints" / ".tmp-step_00000009"
         assert partial.is_dir() == (phase != "after_rename"), phase
-        # resume: the interrupted save is redone and step 10 is the uninterrupted one's
+        # a bare resume continues with the run's config (steps=10); step 10 is exact
         assert main(["train", "--run-dir", str(run), "--resume"]) == 0, capsys.readouterr().err
         got = records(run)
-        assert got[10]["loss"] == reference[10]["loss"], phase
-        assert got[10]["eval_loss"] == reference[10]["eval_loss"], phase
+        assert got[10]["loss"] == continued[10]["loss"], phase
+        assert got[10]["eval_loss"] == continued[10]["eval_loss"], phase
         assert not partial.exists()
 
 

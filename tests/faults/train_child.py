@@ -1,12 +1,16 @@
-"""Runs `dropless <argv[2:]>` with faults injected through `TrainHooks` (never through
-the library's environment): argv[1] is a JSON object with any of
+"""Runs `dropless` with faults injected through `TrainHooks` (never through the library's
+environment). argv[1] is a JSON list of jobs {"spec": {...}, "argv": [...], "stderr": path};
+the spec has any of
 
     {"rank": 1,                               # only this rank (default: every rank)
      "checkpoint": ["before_manifest", 9],    # SIGKILL at this phase of this step's save
      "kill_after_step": 3,                    # SIGKILL right after this optimizer step
-     "signal_in_step": [10, "SIGINT", 1]}     # send the signal (this many times) mid-step
+     "signal_in_step": [9, "SIGINT", 1]}      # send the signal (this many times) mid-step
 
-Used as a script by the fault tests, directly or under torchrun.
+One job runs in this process (under torchrun too). Several jobs are forked from this
+process after the imports, each a real process of its own (so each dies its own death)
+without paying the imports again; the exit statuses are printed as a JSON list
+(negative: killed by that signal).
 """
 
 import functools
@@ -14,6 +18,8 @@ import json
 import os
 import signal
 import sys
+
+import torch
 
 from dropless.cli.main import main
 from dropless.train import trainer
@@ -40,6 +46,32 @@ class Faults(TrainHooks):
                 os.kill(os.getpid(), getattr(signal, sig[1]))
 
 
+def run(job: dict) -> int:
+    trainer.train = functools.partial(trainer.train, hooks=Faults(job.get("spec", {})))
+    return main(job["argv"])
+
+
+def run_forked(jobs: list[dict]) -> list[int]:
+    pids = []
+    for job in jobs:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 2)
+                sys.stderr = os.fdopen(2, "w", buffering=1)
+                code = run(job)
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
 if __name__ == "__main__":
-    trainer.train = functools.partial(trainer.train, hooks=Faults(json.loads(sys.argv[1])))
-    sys.exit(main(sys.argv[2:]))
+    torch.set_num_threads(1)
+    jobs = json.loads(sys.argv[1])
+    if len(jobs) == 1 and "stderr" not in jobs[0]:
+        sys.exit(run(jobs[0]))
+    print(json.dumps(run_forked(jobs)), flush=True)

@@ -126,7 +126,7 @@ class StepRunner:
             (loss / self.grad_accum).backward()
         return ce.detach(), lb.detach(), zl.detach(), counts_ME, from_experts
 
-    def _accumulate(self, state: TrainState, stop: bool) -> tuple[torch.Tensor, bool, bool]:
+    def _accumulate(self, state: TrainState, stop) -> tuple[torch.Tensor, bool, bool]:
         """Forward/backward over the micro-batches; returns the stats vector reduced over
         processes (loss, lb, z, stop flag, counts [M*E]), whether there are counts (from the
         experts or the routers) and whether the experts path measured them."""
@@ -147,7 +147,9 @@ class StepRunner:
             else:
                 counts_ME += c
         self.hooks.after_backward(state.step + 1, self.model)
-        sums[3] = float(stop)  # an interrupt on any process stops every process at this step
+        # read after backward, so a signal during this step stops after this step; the
+        # all-reduce below makes every process stop at the same step
+        sums[3] = float(stop())
         stats = torch.cat([sums, counts_ME.double().reshape(-1)])
         if self.world > 1:
             dist.all_reduce(stats)
@@ -170,9 +172,11 @@ class StepRunner:
             )
         return dropped
 
-    def run(self, state: TrainState, stop: bool = False) -> dict:
-        """One optimizer step; advances `state`. Raises before `optimizer.step()` when a
-        check fails (non-finite values under on_nonfinite="stop", dropped tokens)."""
+    def run(self, state: TrainState, stop=lambda: False) -> dict:
+        """One optimizer step; advances `state`. `stop()` says whether this process was
+        asked to stop (the result's "stop" is whether any process was). Raises before
+        `optimizer.step()` when a check fails (non-finite values under
+        on_nonfinite="stop", dropped tokens)."""
         self.model.train()
         tc = self.cfg.train
         stats, have_counts, from_experts = self._accumulate(state, stop)

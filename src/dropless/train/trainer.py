@@ -176,7 +176,7 @@ class Trainer:
         with StopRequests(announce=env.main) as stops:
             while self.state.step < total:
                 t0 = time.perf_counter()
-                result = self.stepper.run(self.state, stop=stops.requested)
+                result = self.stepper.run(self.state, stop=lambda: stops.requested)
                 if env.device.type == "cuda":
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0

@@ -133,9 +133,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
-            if not isinstance(rec, dict) or "step" not in rec:
-                raise ValueError("not a record")
         except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or "step" not in rec:
             warnings.warn(f"{path}:{n}: dropping a truncated or invalid metrics line", stacklevel=2)
             continue
         out.append(rec)

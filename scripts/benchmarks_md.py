@@ -1,35 +1,87 @@
-"""Rebuild BENCHMARKS.md from benchmarks/sections/*.md (each bench writes its own section)."""
+"""Assemble BENCHMARKS.md from benchmarks/sections/*.md.
 
+Every section is written by a `dropless bench` command (its text says which, with the
+commit, machine, load and date of the run); this script only concatenates them under a
+fixed header, in a fixed order, and names the command for a section that has no run yet.
+A section file without a `Command:` line was not written by a generator and is refused.
+
+    python scripts/benchmarks_md.py            # rewrite BENCHMARKS.md
+    python scripts/benchmarks_md.py --check    # exit 1 if BENCHMARKS.md is not up to date
+"""
+
+from __future__ import annotations
+
+import sys
 from pathlib import Path
 
-ORDER = ["layer", "e2e", "fp8", "parallel", "train", "jax"]
+# section file -> the commands that write it (in the order they are run)
+SECTIONS = {
+    "layer": [
+        "dropless bench layer --shape qwen3 --rounds 5 --impls all",
+        "dropless bench layer --shape mixtral --rounds 5",
+    ],
+    "e2e": [
+        "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1",
+        "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1",
+    ],
+    "fp8": ["dropless bench fp8"],
+    "parallel": ["dropless bench ep --world 2 --tokens 1024"],
+    "train": ["dropless bench train"],
+    "jax": ["dropless bench jax"],
+}
 HEADER = """# Benchmarks
 
-Measured figures only, each with the command that made it; every run also appends a
-JSON line (command, commit, machine, date, figures) to `benchmarks/history.jsonl`.
-Speed claims are ratios measured side by side in one run on the same machine.
+Generated: each section below is written by the `dropless bench` command it names (with
+the commit, machine, measured load and date of that run), and this file is assembled
+from `benchmarks/sections/*.md` by `python scripts/benchmarks_md.py`. Every run also
+appends a JSON line (exact command line, commit and dirty flag, machine, load average
+and busy processes before and after, figures) to `benchmarks/history.jsonl`.
+`bash scripts/benchmarks_all.sh` runs every generator in turn and then this assembly;
+run it on an otherwise idle machine.
 
-Machine for every table below: 2 x86_64 cores, 24 GiB, no GPU, torch 2.13.0+cpu, fp32,
-2026-11-29. These runs shared the 2 cores with other work (several development agents
-running tests), so absolute times are noisy; the ratios come from interleaved runs.
-**No GPU figure exists yet**: every GPU path (Triton kernels, grouped_mm with device
-offsets, row-wise FP8 through torch._scaled_grouped_mm, NCCL, the JAX ragged_dot path)
-is unverified.
-
+Speed claims are ratios measured side by side in one run on the same machine. A GPU
+path without a figure here is unverified.
 """
 
 
-def main() -> None:
-    root = Path(__file__).resolve().parent.parent
+def build(root: Path) -> str:
     sections = root / "benchmarks" / "sections"
-    names = ORDER + sorted(p.stem for p in sections.glob("*.md") if p.stem not in ORDER)
+    names = list(SECTIONS) + sorted(p.stem for p in sections.glob("*.md") if p.stem not in SECTIONS)
     parts = [HEADER]
     for name in names:
         path = sections / f"{name}.md"
-        if path.exists():
-            parts.append(path.read_text().strip() + "\n\n")
-    (root / "BENCHMARKS.md").write_text("".join(parts).rstrip() + "\n")
+        if not path.exists():
+            cmds = ", ".join(f"`{c}`" for c in SECTIONS[name])
+            parts.append(
+                f"## `{name}`\n\nNo section yet: {cmds} writes it (figures of earlier runs "
+                "are in benchmarks/history.jsonl).\n"
+            )
+            continue
+        text = path.read_text().strip()
+        if "Command: `" not in text:
+            raise SystemExit(
+                f"{path}: no 'Command:' line, so no generator wrote it; regenerate it with "
+                f"{' and '.join(SECTIONS.get(name, ['its dropless bench command']))}"
+            )
+        parts.append(text + "\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(__file__).resolve().parent.parent
+    text = build(root)
+    out = root / "BENCHMARKS.md"
+    if "--check" in argv:
+        if not out.exists() or out.read_text() != text:
+            print(
+                "BENCHMARKS.md is not assembled from the sections: python scripts/benchmarks_md.py"
+            )
+            return 1
+        return 0
+    out.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

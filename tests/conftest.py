@@ -23,7 +23,7 @@ def _seed():
     yield
 
 
-# Per-folder time budgets from DESIGN.md (seconds on 2 cores), reported at the end of
+# Per-folder time budgets (seconds on 2 cores), reported at the end of
 # every run so a slow folder shows up in CI before it eats the whole budget.
 BUDGETS = {
     "ops+nn": 120,
@@ -48,7 +48,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    terminalreporter.section("time per folder vs budget (DESIGN.md)")
+    terminalreporter.section("time per folder vs budget (BUDGETS in tests/conftest.py)")
     for name, spent in sorted(_spent.items()):
         budget = BUDGETS.get(name)
         flag = "" if budget is None or spent <= budget else "  OVER BUDGET"

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import importlib
 
+from . import kernels as _kernels  # noqa: F401  (registers the Triton grouped-GEMM backend)
 from .nn import GroupedExperts, GroupedLinear, LocalDispatcher, MoE, MoEAux, TopKRouter
+from .ops.specs import ActivationConfig, RoutingConfig
 
 __version__ = "0.1.0"
 
@@ -39,11 +41,13 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ActivationConfig",
     "GroupedExperts",
     "GroupedLinear",
     "LocalDispatcher",
     "MoE",
     "MoEAux",
+    "RoutingConfig",
     "TopKRouter",
     "__version__",
     *_LAZY,

@@ -11,7 +11,7 @@ from dropless.bench import e2e
 
 def test_child_runs_each_implementation_with_the_same_first_loss():
     outs = {
-        impl: e2e.child({"shape": e2e.QUICK, "impl": impl, "steps": 1, "memory": False})
+        impl: e2e.child({"shape": e2e.QUICK, "impl": impl, "steps": 1, "mode": "time"})
         for impl in ("grouped_mm", "dropless")
     }
     assert outs["dropless"]["dropless_calls"] >= e2e.QUICK["num_hidden_layers"] * 2  # 2 steps
@@ -37,7 +37,7 @@ def test_table_and_bad_arguments():
             "first_loss": 9.0,
         },
     }
-    table = e2e._table(rows, e2e.SHAPE, 3, 2)
+    table = e2e._table(rows)
     assert "| 1.30x (1.30x) | 0.70x |" in table, table and "`grouped_mm` (default)" in table
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)
@@ -45,3 +45,5 @@ def test_table_and_bad_arguments():
         e2e.run(p.parse_args(["--impls", "grouped_mm,fast"]))
     with pytest.raises(ValueError, match="--rounds"):
         e2e.run(p.parse_args(["--rounds", "0"]))
+    with pytest.raises(ValueError, match="--eager-rounds 0"):
+        e2e.run(p.parse_args(["--eager-rounds", "0"]))

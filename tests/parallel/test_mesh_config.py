@@ -67,11 +67,14 @@ def test_as_parallel_config_accepts_sections():
     assert as_parallel_config(None).ep == 1
 
 
-def test_deepep_without_gpu_is_a_clear_error():
-    from dropless.parallel.dispatcher import raise_deepep_unavailable
+def test_deepep_is_not_a_choice_but_a_clear_error():
+    from dropless.parallel.mesh import DISPATCHERS
 
-    with pytest.raises((ValueError, NotImplementedError), match="deepep"):
-        raise_deepep_unavailable()
+    assert "deepep" not in DISPATCHERS
+    with pytest.raises(ValueError, match=r"dispatcher='deepep' is not implemented \(planned\)"):
+        ParallelConfig(dispatcher="deepep")
+    with pytest.raises(ValueError, match="allowed: \\('alltoall',\\)"):
+        ParallelConfig(dispatcher="nccl")
 
 
 @pytest.mark.parametrize(

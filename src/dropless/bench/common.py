@@ -1,26 +1,177 @@
-"""What every benchmark shares: machine facts, the history file, child processes."""
+"""What every benchmark shares: the history file and its records (command line, commit,
+dirty flag, machine, load), child processes under the default allocator, peak memory.
+
+A benchmark's run goes:
+
+    rec = Recorder.start(args)        # resolves the history file (or refuses), samples load
+    ...measure...
+    record = rec.finish("layer", figures)   # samples load again, appends one JSON line
+
+History lines go to the `benchmarks/history.jsonl` of the checkout this package runs
+from (found from the package's own location, not the current directory).
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
+import re
+import shlex
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-HISTORY = Path("benchmarks") / "history.jsonl"
+from ..train.metrics import peak_rss_mib, reset_peak_rss  # noqa: F401  (re-exported for the benches)
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../src/dropless
+HISTORY_IN_CHECKOUT = Path("benchmarks") / "history.jsonl"
+# Benchmark outputs: writing them does not make the tree dirty for the next benchmark.
+OUTPUTS = ("benchmarks/", "BENCHMARKS.md")
+# Environment variables that change glibc malloc (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
+# MALLOC_ARENA_MAX, ... and GLIBC_TUNABLES=glibc.malloc.*): timings run without them.
+_MALLOC_PREFIX = "MALLOC_"
+_RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XLA_FLAGS")
 
 
-def git_commit() -> str:
+# --- where the history goes -----------------------------------------------------------------
+
+
+def find_checkout(package_dir: Path | None = None) -> Path | None:
+    """The git checkout this package runs from (`<root>/src/dropless`), or None.
+
+    An installed (non-editable) package has no checkout, even when the current directory
+    or the venv lies inside one: its code is not that checkout's code."""
+    package_dir = package_dir or PACKAGE_DIR
+    root = package_dir.parent.parent
+    if package_dir.name != "dropless" or package_dir.parent.name != "src":
+        return None
+    if not (root / ".git").exists() or not (root / "pyproject.toml").is_file():
+        return None
+    return root
+
+
+def add_history_arguments(p: argparse.ArgumentParser) -> None:
+    """`--history [FILE]` and `--no-history`, the same for every benchmark."""
+    p.add_argument(
+        "--history", nargs="?", const="", default=None, metavar="FILE",
+        help="append the result to FILE (no FILE: the checkout's benchmarks/history.jsonl, "
+        "refused when not running from a checkout); by default a run from a checkout appends there",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
+    )
+
+
+def history_path(history: str | None, no_history: bool, package_dir: Path | None = None):
+    """-> (path or None, why not). Raises ValueError when `--history` without a file was
+    asked for outside a checkout."""
+    if no_history:
+        return None, "--no-history"
+    if history:
+        return Path(history).resolve(), ""
+    root = find_checkout(package_dir)
+    if root is not None:
+        return root / HISTORY_IN_CHECKOUT, ""
+    msg = (
+        f"this dropless runs from {package_dir or PACKAGE_DIR}, not from a git checkout of the project "
+        "(<checkout>/src/dropless), so there is no benchmarks/history.jsonl to append to"
+    )
+    if history is not None:  # --history given without a file
+        raise ValueError(
+            f"--history: {msg}. Run from a clone installed with `pip install -e .`, "
+            "give a file (--history FILE), or pass --no-history."
+        )
+    return None, msg
+
+
+def add_section_argument(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument(
+        "--section", default=None, metavar="FILE",
+        help=f"markdown file for the table (default: the checkout's benchmarks/sections/{name}.md; "
+        "'' to skip)",
+    )  # fmt: skip
+
+
+def section_path(section: str | None, name: str, rec: Recorder) -> Path | None:
+    """The section file a benchmark writes: the one given; by default the checkout's, and
+    only when the run's history line went to the checkout's history (a section's figures
+    always have their line); None to skip."""
+    if section == "":
+        return None
+    if section:
+        return Path(section)
+    root = find_checkout(rec.package_dir)
+    if root is None or rec.path != root / HISTORY_IN_CHECKOUT:
+        print("section: not written (--section FILE writes it)", file=sys.stderr)
+        return None
+    return root / "benchmarks" / "sections" / f"{name}.md"
+
+
+def replace_block(path: Path, key: str, block: str, name: str, title: str) -> None:
+    """Write the section file as `title` plus its blocks (each delimited by
+    <!-- name:key --> ... <!-- /name:key -->), `block` replacing the one of the same key.
+    Only generated text survives: anything outside the blocks is dropped."""
+    pattern = re.compile(
+        rf"<!-- {re.escape(name)}:(\S+) -->\n.*?<!-- /{re.escape(name)}:\1 -->\n", re.S
+    )
+    old = path.read_text() if path.exists() else ""
+    blocks = {m.group(1): m.group(0) for m in pattern.finditer(old)}
+    blocks[key] = block if block.endswith("\n") else block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(title + "\n\n" + "\n".join(blocks.values()))
+
+
+# --- what a record holds ----------------------------------------------------------------------
+
+
+def command_line(cmdline: list[str] | None = None) -> tuple[str, list[str]]:
+    """-> (the command as typed, the exact argv of this process).
+
+    The argv comes from /proc/self/cmdline (interpreter, script, arguments); the typed
+    form drops the directories of the interpreter and of a console script
+    (`/venv/bin/python /venv/bin/dropless bench layer` -> `dropless bench layer`)."""
+    if cmdline is None:
+        try:
+            with open("/proc/self/cmdline", "rb") as f:
+                cmdline = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+        except OSError:
+            cmdline = [sys.executable, *sys.argv]
+    argv = list(cmdline)
+    shown = list(argv)
+    if len(shown) >= 2 and not shown[1].startswith("-") and Path(shown[1]).name == "dropless":
+        shown = ["dropless", *shown[2:]]  # console script run by its interpreter
+    elif shown:
+        shown[0] = Path(shown[0]).name
+    return shlex.join(shown), argv
+
+
+def _git(root: Path, *args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
         )
-        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_state(root: Path | None) -> dict:
+    """{"commit", "dirty", "dirty_files"}: dirty = changed or untracked files outside the
+    benchmark outputs (benchmarks/, BENCHMARKS.md); None where git cannot tell."""
+    if root is None:
+        return {"commit": None, "dirty": None, "dirty_files": []}
+    commit = _git(root, "rev-parse", "HEAD")
+    status = _git(root, "status", "--porcelain", "--untracked-files=normal")
+    if commit is None or status is None:
+        return {"commit": None, "dirty": None, "dirty_files": []}
+    files = [line[3:] for line in status.splitlines() if line.strip()]
+    files = [f for f in files if not f.startswith(OUTPUTS)]
+    return {"commit": commit.strip()[:12], "dirty": bool(files), "dirty_files": files[:20]}
 
 
 def machine() -> dict:
@@ -37,51 +188,198 @@ def machine() -> dict:
     return info
 
 
-def append_history(bench: str, figures: dict, path: Path = HISTORY) -> dict:
-    """Append one JSON line: command, commit, machine, date and the figures."""
-    record = {
-        "bench": bench,
-        "command": "dropless " + " ".join(sys.argv[1:]) if sys.argv else bench,
-        "commit": git_commit(),
-        "machine": machine(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "figures": figures,
+# --- the machine's load --------------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, float, str]]:
+    """pid -> (parent pid, CPU seconds used so far, command name), from /proc/<pid>/stat."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    table = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue  # the process ended meanwhile
+        name = raw[raw.index("(") + 1 : raw.rindex(")")]
+        rest = raw[raw.rindex(")") + 2 :].split()
+        # fields after the name: state ppid ... utime (11) stime (12), 0-based from state
+        table[int(d)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick, name)
+    return table
+
+
+def _own_tree(table: dict) -> set[int]:
+    """This process and its descendants (a benchmark's children are not 'other' load)."""
+    mine, grew = {os.getpid()}, True
+    while grew:
+        new = {pid for pid, (ppid, _, _) in table.items() if ppid in mine} - mine
+        mine |= new
+        grew = bool(new)
+    return mine
+
+
+def load_sample(window_s: float = 0.5, busy_share: float = 0.25) -> dict:
+    """The load average (1, 5, 15 min) and the other processes that used more than
+    `busy_share` of a core over `window_s` seconds (this process and its children excluded)."""
+    try:
+        with open("/proc/loadavg") as f:
+            loadavg = [float(v) for v in f.read().split()[:3]]
+        t0, first = time.monotonic(), _proc_table()
+        time.sleep(window_s)
+        second = _proc_table()
+        dt = time.monotonic() - t0
+    except OSError:
+        return {"loadavg": None, "busy_processes": None, "busy": []}
+    mine = _own_tree(second)
+    busy = []
+    for pid in second.keys() & first.keys() - mine:
+        share = (second[pid][1] - first[pid][1]) / dt
+        if share > busy_share:
+            busy.append((share, second[pid][2]))
+    busy.sort(reverse=True)
+    return {
+        "loadavg": loadavg,
+        "busy_processes": len(busy),
+        "busy": [f"{name} {share:.0%}" for share, name in busy[:12]],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-    return record
+
+
+def load_sentence(load: dict) -> str:
+    """One line for a table header: the measured load before and after the run."""
+    b, a = load.get("before") or {}, load.get("after") or {}
+    if not b.get("loadavg") or not a.get("loadavg"):
+        return "Machine load: not recorded."
+    return (
+        f"Machine load: 1-min load average {b['loadavg'][0]:.2f} before, {a['loadavg'][0]:.2f} "
+        f"after (the 'after' includes this benchmark); other processes busy (> 25% of a core): "
+        f"{b['busy_processes']} before, {a['busy_processes']} after."
+    )
+
+
+# --- the record ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Recorder:
+    """One benchmark run: where its history line goes and what was measured around it."""
+
+    path: Path | None
+    why_not: str = ""
+    command: str = ""
+    argv: list[str] = field(default_factory=list)
+    load_before: dict = field(default_factory=dict)
+    load_after: dict = field(default_factory=dict)
+    started: str = ""
+    package_dir: Path | None = None
+
+    @classmethod
+    def start(cls, args, package_dir: Path | None = None) -> Recorder:
+        """Resolve the history file first (so a refusal comes before an hour of
+        measuring), check the allocator, then sample the load."""
+        path, why = history_path(
+            getattr(args, "history", None), getattr(args, "no_history", False), package_dir
+        )
+        if why and not getattr(args, "no_history", False):
+            print(f"history: not recorded ({why}; --history FILE records it)", file=sys.stderr)
+        command, argv = command_line()
+        before = load_sample()
+        return cls(path, why, command, argv, before, started=_now(), package_dir=package_dir)
+
+    @property
+    def load(self) -> dict:
+        return {"before": self.load_before, "after": self.load_after}
+
+    def finish(self, bench: str, figures: dict) -> dict:
+        """Sample the load again and append the record (unless there is no history file)."""
+        self.load_after = load_sample()
+        record = {
+            "bench": bench,
+            "command": self.command,
+            "argv": self.argv,
+            "cwd": os.getcwd(),
+            "env": {k: os.environ[k] for k in _RECORDED_ENV if k in os.environ},
+            **git_state(find_checkout(self.package_dir)),
+            "machine": machine(),
+            "started": self.started,
+            "date": _now(),
+            "load": self.load,
+            "figures": figures,
+        }
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return record
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def date_of(record: dict) -> str:
+    """'YYYY-MM-DD HH:MM UTC' of a record, for section headers."""
+    return record["date"][:16].replace("T", " ") + " UTC"
+
+
+def provenance(record: dict) -> str:
+    """Command, commit (dirty or not), machine and date of a record, for a section header."""
+    m = record["machine"]
+    commit = record.get("commit") or "unknown commit"
+    if record.get("dirty"):
+        commit += " + uncommitted changes"
+    gpu = f", {m['gpu']}" if "gpu" in m else ""
+    return (
+        f"Command: `{record['command']}`  \n"
+        f"Commit {commit}; {m['cpu']}, {m['cores']} cores{gpu}, torch {m['torch']}, "
+        f"python {m['python']}; {date_of(record)}.  \n"
+        f"{load_sentence(record['load'])}"
+    )
+
+
+# --- allocator and children -------------------------------------------------------------------
+
+
+def malloc_settings(env: dict | None = None) -> dict:
+    """The glibc malloc settings in an environment (empty: the default allocator)."""
+    env = os.environ if env is None else env
+    found = {k: v for k, v in env.items() if k.startswith(_MALLOC_PREFIX)}
+    if "glibc.malloc" in env.get("GLIBC_TUNABLES", ""):
+        found["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
+    return found
+
+
+def timing_env() -> dict:
+    """This environment without malloc settings: timed children use the default allocator."""
+    env = dict(os.environ)
+    for k in malloc_settings(env):
+        env.pop(k)
+    return env
+
+
+def require_default_allocator(bench: str) -> None:
+    """Benchmarks that time in this process (or in children that inherit its allocator)
+    refuse to run under non-default malloc settings: they change which implementation wins."""
+    found = malloc_settings()
+    if found:
+        raise ValueError(
+            f"dropless bench {bench}: {', '.join(sorted(found))} is set in the environment; "
+            "timings are taken under the default allocator users run with. Unset it "
+            f"(e.g. `env -u {sorted(found)[0]} dropless bench {bench} ...`)."
+        )
 
 
 def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
-    """Run `python -m module` with a JSON argument; it prints one JSON line last."""
+    """Run `python -m module` with a JSON argument under the default allocator (malloc
+    settings removed from its environment); it prints one JSON line last."""
     proc = subprocess.run(
         [sys.executable, "-m", module, json.dumps(args)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=timing_env(),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {module} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident memory (VmHWM from /proc/self/status), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False

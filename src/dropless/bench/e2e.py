@@ -3,14 +3,18 @@ model built from a config object (random weights, no download), stock Transforme
 (`grouped_mm`, its default, and `eager`) against the same model after `dropless.patch()`.
 
 Each implementation runs in its own child process, the order rotating every round so that
-load from other processes hits them alike; >= 3 rounds. In a child: one warm-up step
-(AdamW allocates its state), `--steps` timed steps (tokens/s = batch*seq / median step
-time), then the step's peak memory above the steady state: glibc is told to serve blocks
->= 128 KiB with mmap and to trim freed memory (mallopt), so the resident set follows the
-live tensors; the child then reads VmRSS (the steady state: weights, AdamW state), resets
-VmHWM (/proc/self/clear_refs) and runs one more step, forward+backward and the AdamW step
-measured apart; peak step memory = the larger of the two VmHWM minus that baseline. Every child starts from the same seed, so the first-step losses of
-the three implementations must agree (printed as a check).
+load from other processes hits them alike; >= 3 rounds. Timing children run under the
+default allocator (malloc settings removed from their environment, no mallopt): one
+warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s =
+batch*seq / median step time). Memory is measured in separate children, one per
+implementation after the timing rounds: glibc is told to serve blocks >= 128 KiB with
+mmap and to trim freed memory (mallopt), so the resident set follows the live tensors;
+after a warm-up step the child reads VmRSS (the steady state: weights, AdamW state),
+resets VmHWM (/proc/self/clear_refs) and runs one more step, forward+backward and the
+AdamW step measured apart; peak step memory = the larger of the two VmHWM minus that
+baseline. That setting changes speed (the stock model's larger temporaries page-fault
+more under it), which is why no timing is taken with it. Every child starts from the same
+seed, so the first-step losses of the three implementations must agree (printed as a check).
 """
 
 # B batch, L sequence length
@@ -18,14 +22,25 @@ the three implementations must agree (printed as a check).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .common import append_history, machine, peak_rss_mib, reset_peak_rss, run_child
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    load_sentence,
+    peak_rss_mib,
+    provenance,
+    replace_block,
+    reset_peak_rss,
+    run_child,
+    section_path,
+)
 
 SHAPE = dict(
     vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -39,8 +54,12 @@ QUICK = dict(
     moe_intermediate_size=32, intermediate_size=128, tie_word_embeddings=False,
     batch=2, seq=32,
 )  # fmt: skip
+# Mixtral-like: 8 experts top-2 with 4x the expert width, so the routed FLOPs per token
+# (K * F) equal the 64-expert shape's and the two differ only in how they are grouped
+SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 768}}  # fmt: skip
 IMPLS = ("grouped_mm", "eager", "dropless")
-SECTION = Path("benchmarks") / "sections" / "e2e.md"
+TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
@@ -66,14 +85,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
     p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
     p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
+        "--no-memory", action="store_true", help="skip the memory children (timing only)"
     )
     p.add_argument(
-        "--history", default=None, help="history file (default benchmarks/history.jsonl)"
-    )
-    p.add_argument(
-        "--section", default=str(SECTION), help="markdown file for the table ('' to skip)"
-    )
+        "--shape", choices=sorted(SHAPES), default="qwen3",
+        help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs",
+    )  # fmt: skip
+    add_history_arguments(p)
+    add_section_argument(p, "e2e")
 
 
 # --- the child: one implementation, one process -----------------------------------------
@@ -122,9 +141,11 @@ def _build(impl: str, shape: dict):
 
 
 def child(args: dict) -> dict:
+    """One implementation in this process: `mode` "time" (default allocator, timed steps)
+    or "memory" (mallopt so RSS follows live tensors, peak step memory, no timing)."""
     import torch
 
-    shape, impl, steps = args["shape"], args["impl"], args["steps"]
+    shape, impl = args["shape"], args["impl"]
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
     model = _build(impl, shape)
@@ -144,70 +165,73 @@ def child(args: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def step() -> float:
-        loss = fwd_bwd()
-        opt_step()
-        return loss
-
-    first_loss = step()  # warm-up: AdamW state allocated here
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    tracked = False
-    base = peak_fb = peak_opt = float("nan")
-    if args.get("memory", True):
-        tracked = _follow_live_memory()  # also trims the heap: RSS = live memory from here
-        base = _rss_mib()
-        reset_peak_rss()
-        fwd_bwd()
-        peak_fb = peak_rss_mib() - base  # activations + gradients
-        reset_peak_rss()
-        opt_step()
-        peak_opt = peak_rss_mib() - base  # gradients + AdamW's temporaries
-    peak = max(peak_fb, peak_opt)
-    calls = None
+    first_loss = fwd_bwd()  # warm-up: AdamW state allocated here
+    opt_step()
+    out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
+    out["threads"] = torch.get_num_threads()
+    out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
+    if out["mode"] == "memory":
+        out.update(_measure_memory(fwd_bwd, opt_step))
+    else:
+        times = []
+        for _ in range(args["steps"]):
+            t0 = time.perf_counter()
+            fwd_bwd()
+            opt_step()
+            times.append(time.perf_counter() - t0)
+        out["step_s"] = statistics.median(times)
+        out["best_step_s"] = min(times)
+        out["tokens_per_s"] = shape["batch"] * shape["seq"] / statistics.median(times)
+    out["dropless_calls"] = None
     if impl == "dropless":
         import dropless.hf as dh
 
-        calls = sum(dh.CALLS.values())
+        out["dropless_calls"] = sum(dh.CALLS.values())
+    return out
+
+
+def _measure_memory(fwd_bwd, opt_step) -> dict:
+    tracked = _follow_live_memory()  # also trims the heap: RSS = live memory from here
+    base = _rss_mib()
+    reset_peak_rss()
+    fwd_bwd()
+    peak_fb = peak_rss_mib() - base  # activations + gradients
+    reset_peak_rss()
+    opt_step()
+    peak_opt = peak_rss_mib() - base  # gradients + AdamW's temporaries
     return {
-        "impl": impl,
-        "step_s": statistics.median(times),
-        "best_step_s": min(times),
-        "tokens_per_s": shape["batch"] * shape["seq"] / statistics.median(times),
-        "peak_step_mib": peak,
+        "peak_step_mib": max(peak_fb, peak_opt),
         "peak_fwd_bwd_mib": peak_fb,
         "peak_optimizer_mib": peak_opt,
         "steady_rss_mib": base,
-        "first_loss": first_loss,
         "memory_tracked": tracked,
-        "threads": torch.get_num_threads(),
-        "dropless_calls": calls,
     }
 
 
 # --- the parent ---------------------------------------------------------------------------
 
 
-def _table(rows: dict, shape: dict, rounds: int, steps: int) -> str:
+def _table(rows: dict) -> str:
     base = rows.get("grouped_mm")
+    nan = float("nan")
     lines = [
         "| implementation | tokens/s median (best) | step s | peak step MiB | fwd+bwd / AdamW MiB "
         "| vs grouped_mm tokens/s median (best) | vs grouped_mm peak step memory | first loss |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for impl, r in rows.items():
-        speed = "-"
+        best = r.get("best_tokens_per_s", r["tokens_per_s"])
+        speed = mem = "-"
         if base:
-            best = r.get("best_tokens_per_s", r["tokens_per_s"])
             base_best = base.get("best_tokens_per_s", base["tokens_per_s"])
             speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x ({best / base_best:.2f}x)"
-        mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x" if base else "-"
+            if r.get("peak_step_mib") is not None and base.get("peak_step_mib"):
+                mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x"
+        peak = r.get("peak_step_mib")
         lines.append(
-            f"| {_label(impl)} | {r['tokens_per_s']:.0f} ({r.get('best_tokens_per_s', r['tokens_per_s']):.0f}) | {r['step_s']:.2f} | {r['peak_step_mib']:.1f} "
-            f"| {r.get('peak_fwd_bwd_mib', float('nan')):.1f} / {r.get('peak_optimizer_mib', float('nan')):.1f} "
+            f"| {_label(impl)} | {r['tokens_per_s']:.0f} ({best:.0f}) | {r['step_s']:.2f} "
+            f"| {'-' if peak is None else f'{peak:.1f}'} "
+            f"| {r.get('peak_fwd_bwd_mib') or nan:.1f} / {r.get('peak_optimizer_mib') or nan:.1f} "
             f"| {speed} | {mem} | {r['first_loss']:.4f} |"
         )
     return "\n".join(lines)
@@ -219,133 +243,157 @@ def _label(impl: str) -> str:
     )
 
 
-def run(args) -> int:
+def _check_args(args) -> list[str]:
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
         raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
     if args.rounds < 1 or args.steps < 1:
         raise ValueError("--rounds and --steps must be >= 1 (use --rounds >= 3 for a result)")
-    shape = QUICK if args.quick else SHAPE
+    if args.eager_rounds is not None and args.eager_rounds < 1:
+        raise ValueError(
+            f"--eager-rounds {args.eager_rounds}: must be >= 1 (or drop eager from --impls)"
+        )
+    return impls
+
+
+def _timing_rounds(args, impls, shape) -> dict[str, list[dict]]:
+    """Timing children only (default allocator), the order rotated every round."""
     results: dict[str, list[dict]] = {i: [] for i in impls}
+    common = {"shape": shape, "steps": args.steps, "optimizer": args.optimizer}
     for r in range(args.rounds):
-        order = impls[r % len(impls) :] + impls[: r % len(impls)]  # rotate the order each round
+        order = impls[r % len(impls) :] + impls[: r % len(impls)]
         if args.eager_rounds is not None and r >= args.eager_rounds:
             order = [i for i in order if i != "eager"]
         for impl in order:
             out = run_child(
                 "dropless.bench.e2e",
-                {
-                    "shape": shape,
-                    "impl": impl,
-                    "steps": args.steps,
-                    "optimizer": args.optimizer,
-                    "threads": args.threads,
-                },
+                {**common, "impl": impl, "mode": "time", "threads": args.threads},
             )
             results[impl].append(out)
             print(
                 f"round {r + 1}/{args.rounds} {impl:10s} {out['tokens_per_s']:8.0f} tokens/s "
-                f"step {out['step_s']:.2f} s  peak step {out['peak_step_mib']:.0f} MiB  "
-                f"loss {out['first_loss']:.4f}",
+                f"step {out['step_s']:.2f} s  loss {out['first_loss']:.4f}",
                 flush=True,
             )
+    return results
+
+
+def _memory_runs(args, impls, shape) -> dict[str, dict]:
+    """One memory child per implementation (mallopt inside it), separate from timing."""
+    out = {}
+    for impl in impls:
+        m = run_child(
+            "dropless.bench.e2e",
+            {
+                "shape": shape, "impl": impl, "mode": "memory", "steps": 0,
+                "optimizer": args.optimizer, "threads": args.threads,
+            },
+        )  # fmt: skip
+        out[impl] = m
+        print(f"memory {impl:10s} peak step {m['peak_step_mib']:.0f} MiB", flush=True)
+    return out
+
+
+def _rows(results: dict, memory: dict, shape: dict) -> dict:
     rows = {}
     for impl, outs in results.items():
+        mem = memory.get(impl, {})
         rows[impl] = {
             "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
             "step_s": statistics.median(o["step_s"] for o in outs),
             "best_tokens_per_s": shape["batch"]
             * shape["seq"]
             / min(o["best_step_s"] for o in outs),
-            "peak_step_mib": statistics.median(o["peak_step_mib"] for o in outs),
-            "peak_fwd_bwd_mib": statistics.median(o["peak_fwd_bwd_mib"] for o in outs),
-            "peak_optimizer_mib": statistics.median(o["peak_optimizer_mib"] for o in outs),
+            "peak_step_mib": mem.get("peak_step_mib"),
+            "peak_fwd_bwd_mib": mem.get("peak_fwd_bwd_mib"),
+            "peak_optimizer_mib": mem.get("peak_optimizer_mib"),
+            "memory_tracked": mem.get("memory_tracked"),
             "first_loss": outs[0]["first_loss"],
-            "rounds": [
-                {k: o[k] for k in ("tokens_per_s", "peak_step_mib", "peak_fwd_bwd_mib")}
-                for o in outs
-            ],
+            "rounds": [o["tokens_per_s"] for o in outs],
         }
+    return rows
+
+
+def run(args) -> int:
+    impls = _check_args(args)
+    rec = Recorder.start(args)
+    shape = QUICK if args.quick else SHAPES[args.shape]
+    results = _timing_rounds(args, impls, shape)
+    memory = {} if args.no_memory else _memory_runs(args, impls, shape)
+    rows = _rows(results, memory, shape)
     losses = [r["first_loss"] for r in rows.values()]
     if max(losses) - min(losses) > 1e-3 * max(abs(x) for x in losses):
         print(f"WARNING: first-step losses differ between implementations: {losses}")
-    table = _table(rows, shape, args.rounds, args.steps)
+    table = _table(rows)
     print(table)
+    first = next(iter(results.values()))[0]
     figures = {
         "rounds_per_impl": {i: len(o) for i, o in results.items()},
-        "shape": shape,
-        "rounds": args.rounds,
-        "steps": args.steps,
-        "quick": args.quick,
+        "shape": shape, "rounds": args.rounds, "steps": args.steps, "quick": args.quick,
+        "optimizer": args.optimizer, "threads": first["threads"],
+        "allocator": "timing: default (no malloc settings); memory: separate children with mallopt",
         "rows": rows,
-    }
-    figures["optimizer"] = args.optimizer
-    figures["threads"] = outs[0]["threads"] if (outs := next(iter(results.values()))) else None
-    if "grouped_mm" in rows and "dropless" in rows:
-        figures["speedup_vs_grouped_mm"] = (
-            rows["dropless"]["tokens_per_s"] / rows["grouped_mm"]["tokens_per_s"]
-        )
-        figures["best_speedup_vs_grouped_mm"] = (
-            rows["dropless"]["best_tokens_per_s"] / rows["grouped_mm"]["best_tokens_per_s"]
-        )
-        figures["memory_vs_grouped_mm"] = (
-            rows["dropless"]["peak_step_mib"] / rows["grouped_mm"]["peak_step_mib"]
-        )
-        print(
-            f"dropless vs grouped_mm: {figures['speedup_vs_grouped_mm']:.2f}x tokens/s median, "
-            f"{figures['best_speedup_vs_grouped_mm']:.2f}x best-of-rounds (target >= 1.2x), "
-            f"{figures['memory_vs_grouped_mm']:.2f}x peak step memory (target <= 0.75x)"
-        )
-    if not args.no_history:
-        kw = {"path": Path(args.history)} if args.history else {}
-        append_history("e2e", figures, **kw)
-    if args.section:
-        _write_section(Path(args.section), table, figures, args)
+    }  # fmt: skip
+    d, g = rows.get("dropless"), rows.get("grouped_mm")
+    if d and g:
+        figures["speedup_vs_grouped_mm"] = d["tokens_per_s"] / g["tokens_per_s"]
+        figures["best_speedup_vs_grouped_mm"] = d["best_tokens_per_s"] / g["best_tokens_per_s"]
+        if d["peak_step_mib"] is not None and g["peak_step_mib"]:
+            figures["memory_vs_grouped_mm"] = d["peak_step_mib"] / g["peak_step_mib"]
+    print(_summary(figures))
+    record = rec.finish("e2e", figures)
+    print(load_sentence(record["load"]))
+    section = section_path(args.section, "e2e", rec)
+    if section is not None:
+        _write_section(section, table, record)
     return 0
 
 
-def _write_section(path: Path, table: str, figures: dict, args) -> None:
-    m = machine()
-    cmd = (
-        "dropless bench e2e " + " ".join(sys.argv[3:])
-        if len(sys.argv) > 3
-        else "dropless bench e2e"
+def _summary(figures: dict) -> str:
+    if "speedup_vs_grouped_mm" not in figures:
+        return ""
+    text = (
+        f"dropless vs stock default (`grouped_mm`): **{figures['speedup_vs_grouped_mm']:.2f}x "
+        f"tokens/s** median ({figures['best_speedup_vs_grouped_mm']:.2f}x best-of-rounds)"
     )
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    s = figures["shape"]
-    text = [
-        "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`",
-        "",
-        f"Command: `{cmd}`  ",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, python {m['python']}; {date}.  ",
-        f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-        f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
-        f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-        f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
-        f"{s['seq']}, fp32 on CPU, {figures['threads']} torch thread(s); forward + backward + "
-        f"AdamW ({figures['optimizer']}).  ",
-        "Each implementation in its own child process, order rotated; rounds per implementation "
-        f"{figures['rounds_per_impl']}, {figures['steps']} timed step(s) each after a warm-up "
-        "(median over rounds; best = the fastest step seen, the least disturbed by other "
-        "processes). Peak step memory: VmHWM minus VmRSS before the step, with glibc serving "
-        "blocks >= 128 KiB by mmap so RSS follows live tensors. Other agents were using the "
-        "machine's 2 cores at the same time: absolute figures are low and noisy, the ratios "
-        "come from interleaved runs.",
-        "",
-        table,
-        "",
-    ]
-    if "speedup_vs_grouped_mm" in figures:
-        text.append(
-            f"dropless vs stock default (`grouped_mm`): **{figures['speedup_vs_grouped_mm']:.2f}x tokens/s** "
-            f"median ({figures['best_speedup_vs_grouped_mm']:.2f}x best-of-rounds) "
-            f"(target >= 1.2x), **{figures['memory_vs_grouped_mm']:.2f}x peak step memory** (target <= 0.75x)."
-        )
-    if figures["quick"]:
-        text.append("\n(--quick: a tiny smoke shape, not a result.)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(text) + "\n")
+    if "memory_vs_grouped_mm" in figures:
+        text += f", **{figures['memory_vs_grouped_mm']:.2f}x peak step memory**"
+    return text + "."
+
+
+def _write_section(path: Path, table: str, record: dict) -> None:
+    """Replace this shape's block of the section file (the other shape's block is kept)."""
+    f = record["figures"]
+    s = f["shape"]
+    key = f"{s['num_experts']}e-top{s['num_experts_per_tok']}" + ("-quick" if f["quick"] else "")
+    block = "\n".join(
+        [
+            f"<!-- e2e:{key} -->",
+            f"### {s['num_experts']} experts top-{s['num_experts_per_tok']}",
+            "",
+            provenance(record),
+            "",
+            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
+            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
+            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
+            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
+            f"{s['seq']}, fp32 on CPU, {f['threads']} torch thread(s); forward + backward + "
+            f"AdamW ({f['optimizer']}).  ",
+            "Timing: each implementation in its own child process under the default allocator, "
+            f"order rotated; rounds per implementation {f['rounds_per_impl']}, {f['steps']} timed "
+            "step(s) each after a warm-up (median over rounds; best = the fastest step seen). "
+            "Peak step memory: separate children, VmHWM minus VmRSS before the step, with glibc "
+            "serving blocks >= 128 KiB by mmap so RSS follows live tensors.",
+            "",
+            table,
+            "",
+            _summary(f) + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
+            f"<!-- /e2e:{key} -->",
+            "",
+        ]
+    )
+    replace_block(path, key, block, "e2e", TITLE)
 
 
 if __name__ == "__main__":

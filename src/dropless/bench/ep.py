@@ -18,6 +18,15 @@ import statistics
 import tempfile
 import time
 
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    provenance,
+    require_default_allocator,
+    section_path,
+)
+
 SETTINGS = (
     ("no overlap, 1 chunk", 1, False),
     ("no overlap, 4 chunks", 4, False),
@@ -108,22 +117,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
-    )
+    add_history_arguments(p)
+    add_section_argument(p, "parallel")
 
 
 def run(a) -> int:
     """Run the benchmark, print the table, append the figures to the history."""
     keys = ("world", "tokens", "hidden", "ffn", "experts", "top_k", "rounds", "warmup", "threads")
     args = {k: getattr(a, k) for k in keys}
+    require_default_allocator("ep")  # the spawned workers inherit this environment
+    rec = Recorder.start(a)
     rows = run_bench(args)
-    print(_table(args, rows))
-    if not a.no_history:
-        from .common import append_history
-
-        append_history("parallel_ep_overlap", {"args": args, "rows": rows})
+    record = rec.finish("parallel_ep_overlap", {"args": args, "rows": rows})
+    text = render(record)
+    print(text)
+    section = section_path(a.section, "parallel", rec)
+    if section is not None:
+        section.parent.mkdir(parents=True, exist_ok=True)
+        section.write_text(text)
     return 0
+
+
+def render(record: dict) -> str:
+    """The section text of one `dropless bench ep` record."""
+    f = record["figures"]
+    return (
+        "## Expert parallelism: time split with and without overlap (`dropless bench ep`)\n\n"
+        f"{provenance(record)}\n\n"
+        "One expert-parallel MoE layer (fp32, forward + backward) in `--world` processes on "
+        "this machine, gloo on loopback. Three settings side by side in the same processes: "
+        "the plain dispatch (1 chunk), 4 chunks without overlap, 4 chunks with overlap. The "
+        "split is forward wall time per phase; a phase that waits for a transfer counts the "
+        "wait. Bytes: activations sent by rank 0 in the forward (dispatch + combine); the "
+        "backward sends as many again.\n\n" + _table(f["args"], f["rows"])
+    )
 
 
 def main(argv=None) -> int:

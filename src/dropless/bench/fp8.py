@@ -18,6 +18,15 @@ import time
 
 import torch
 
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    provenance,
+    require_default_allocator,
+    section_path,
+)
+
 SHAPE = dict(T=512, D=1024, F=384, E=64, K=8)  # the Qwen3-30B-A3B layer scaled down (DESIGN.md)
 VARIANTS = ("bf16", "fp8_current", "fp8_delayed", "mxfp8")
 
@@ -147,14 +156,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the backward (memory is counted in forward)",
     )
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant on a GPU")
-    p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
-    )
+    add_history_arguments(p)
+    add_section_argument(p, "fp8")
 
 
 def run(args) -> int:
-    from dropless.bench.common import append_history
-
     shape = {k: getattr(args, k) for k in SHAPE}
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS]
@@ -164,6 +170,9 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
+    if torch.cuda.is_available():
+        require_default_allocator("fp8")  # step times are taken in this process
+    rec = Recorder.start(args)
     shape_s = ", ".join(f"{k}={v}" for k, v in shape.items())
     print(f"MoE layer {shape_s}; saved activations counted with saved_tensors_hooks (CPU)")
     figures: dict = {"shape": shape, "memory": {}}
@@ -172,14 +181,8 @@ def run(args) -> int:
             key = v if path == "moe" else f"{v}, x_TD path"
             figures["memory"][key] = measure_memory(shape, v, path, backward=not args.no_backward)
     base = figures["memory"]["bf16"]["saved_MiB"]
-    print("| saved activations | MiB | bytes/token | vs bf16 | s (fwd+bwd) |")
-    print("|---|---|---|---|---|")
-    for v, m in figures["memory"].items():
+    for m in figures["memory"].values():
         m["ratio_vs_bf16"] = m["saved_MiB"] / base
-        print(
-            f"| {v} | {m['saved_MiB']:.2f} | {m['bytes_per_token']:.0f} "
-            f"| {m['ratio_vs_bf16']:.4f} | {m['seconds']:.1f} |"
-        )
     if torch.cuda.is_available():
         from dropless.quant import torch_fp8_available
 
@@ -189,9 +192,49 @@ def run(args) -> int:
             if v != "bf16" and v != "mxfp8" and not torch_fp8_available():
                 continue
             figures["step_ms"][v] = measure_step_time(shape, v, args.steps)
-            print(f"step time {v}: {figures['step_ms'][v]:.2f} ms")
-    else:
-        print("step time: no GPU here (unverified)")
-    if not args.no_history:
-        append_history("fp8", figures)
+    record = rec.finish("fp8", figures)
+    text = render(record)
+    print(text)
+    section = section_path(args.section, "fp8", rec)
+    if section is not None:
+        section.parent.mkdir(parents=True, exist_ok=True)
+        section.write_text(text)
     return 0
+
+
+def render(record: dict) -> str:
+    """The section text of one `dropless bench fp8` record."""
+    f = record["figures"]
+    shape_s = ", ".join(f"{k}={v}" for k, v in f["shape"].items())
+    lines = [
+        "## FP8 / MXFP8 saved activations (`dropless bench fp8`)",
+        "",
+        provenance(record),
+        "",
+        f"One MoE layer, {shape_s}, bf16 weights and input. Memory: the bytes of every tensor "
+        "autograd keeps from forward to backward, counted with "
+        "`torch.autograd.graph.saved_tensors_hooks` (each storage once; parameters and views "
+        "of them left out), for the layer's whole forward (router, losses, experts), then a "
+        "backward to check it runs; exact and allocator independent, so CPU measures it. "
+        "FP8 rows: the recipe with `fp8_saved_activations=True`, through `dropless.MoE` and "
+        "through the expert MLP handed `x_TD` and the token indices (`x_TD path`). Seconds: "
+        "wall time of that forward+backward on this machine (emulated FP8 on CPU), not a "
+        "speed claim.",
+        "",
+        "| saved activations | MiB | bytes/token | vs bf16 | s (fwd+bwd) |",
+        "|---|---|---|---|---|",
+    ]
+    for v, m in f["memory"].items():
+        lines.append(
+            f"| {v} | {m['saved_MiB']:.2f} | {m['bytes_per_token']:.0f} "
+            f"| {m['ratio_vs_bf16']:.3f} | {m['seconds']:.1f} |"
+        )
+    lines.append("")
+    if f.get("step_ms"):
+        lines.append(f"Step time on {f['gpu']} (median of the timed steps, ms):")
+        lines.append("")
+        lines += ["| variant | ms |", "|---|---|"]
+        lines += [f"| {v} | {ms:.2f} |" for v, ms in f["step_ms"].items()]
+    else:
+        lines.append("Step time (bf16 vs FP8 vs MXFP8): no GPU in this run, unverified.")
+    return "\n".join(lines) + "\n"

@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from .common import add_history_arguments, add_section_argument
 
 MODULE = "dropless.bench.jax_bench"
 IMPLS = ("dropless", "ragged_dot", "capacity_einsum", "dense_bound")
-SECTION = Path("benchmarks") / "sections" / "jax.md"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,9 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=20.5,
         help="run ragged_dot only if this much memory is available (else: not run)",
     )
-    p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
-    )
+    add_history_arguments(p)
+    add_section_argument(p, "jax")
 
 
 # ----------------------------------------------------------------------------- child
@@ -165,8 +163,11 @@ def _mem_available_gib() -> float:
 
 
 def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict:
-    """Run one row in a child; kill it if free memory falls under `watch_gib` (no OOM killer)."""
-    env = dict(os.environ)
+    """Run one row in a child under the default allocator; kill it if free memory falls
+    under `watch_gib` (no OOM killer)."""
+    from dropless.bench.common import timing_env
+
+    env = timing_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", MODULE, json.dumps(cfg)],
         stdout=subprocess.PIPE,
@@ -192,15 +193,17 @@ def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict
     return dict(json.loads(out.strip().splitlines()[-1]), status="ok")
 
 
-def _table(rows: dict, shape: str, command: str, date: str, machine: dict) -> str:
+def _table(rows: dict, shape: str, record: dict) -> str:
+    from dropless.bench.common import provenance
+
     dense = rows.get("dense_bound", {})
     ours = rows.get("dropless", {})
     lines = [
         "## JAX layer (CPU, fp32)",
         "",
-        f"`{command}` on {date}; {machine.get('cores')} cores ({machine.get('cpu')}), jax {ours.get('jax', '?')};"
-        " other agents were using the machine, so absolute times are noisy: the ratios are side by side.",
-        f"Shape: {shape}. Median of the timed rounds; peak RSS of each row's own process.",
+        provenance(record) + f"  \njax {ours.get('jax', '?')}. Shape: {shape}. Median of the "
+        "timed rounds after an AOT compile; each row in its own child process, peak RSS of "
+        "that process (and above the runtime it imported before any array).",
         "",
         "| implementation | fwd ms | fwd+bwd ms | fwd+bwd / dense bound | peak RSS MiB | above imported runtime MiB | dropped pairs |",
         "|---|---|---|---|---|---|---|",
@@ -231,12 +234,13 @@ def _table(rows: dict, shape: str, command: str, date: str, machine: dict) -> st
 
 
 def run(args) -> int:
-    from dropless.bench.common import append_history, machine
+    from dropless.bench.common import Recorder, section_path
 
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         raise ValueError(f"--impls {bad}: allowed {IMPLS}")
+    rec = Recorder.start(args)
     base = dict(
         E=args.experts,
         K=args.top_k,
@@ -261,7 +265,6 @@ def run(args) -> int:
         rows[impl] = _run_child(dict(base, impl=impl, rounds=rounds))
         print(json.dumps(rows[impl]), flush=True)
     shape = f"E={args.experts}, K={args.top_k}, D={args.hidden}, F={args.ffn}, T={args.tokens}"
-    command = "dropless " + " ".join(sys.argv[1:])
     figures = dict(shape=shape, rows=rows)
     d, rg = rows.get("dense_bound", {}), rows.get("ragged_dot", {})
     ours = rows.get("dropless", {})
@@ -270,13 +273,13 @@ def run(args) -> int:
     if ours.get("status") == "ok" and rg.get("status") == "ok":
         figures["ragged_over_dropless_fwd_bwd"] = rg["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
         figures["ragged_over_dropless_peak_rss"] = rg["peak_rss_mib"] / ours["peak_rss_mib"]
-    record = figures if args.no_history else append_history("jax", figures)
-    date = record.get("date", time.strftime("%Y-%m-%dT%H:%M:%S"))
-    text = _table(rows, shape, command, date, machine())
+    record = rec.finish("jax", figures)
+    text = _table(rows, shape, record)
     print(text)
-    if not args.no_history:
-        SECTION.parent.mkdir(parents=True, exist_ok=True)
-        SECTION.write_text(text)
+    section = section_path(args.section, "jax", rec)
+    if section is not None:
+        section.parent.mkdir(parents=True, exist_ok=True)
+        section.write_text(text)
     return 0
 
 

@@ -22,13 +22,24 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .common import append_history, machine, peak_rss_mib, reset_peak_rss, run_child
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    peak_rss_mib,
+    provenance,
+    replace_block,
+    require_default_allocator,
+    reset_peak_rss,
+    run_child,
+    section_path,
+)
 
 SHAPES = {
     "qwen3": dict(E=64, K=8, D=1024, F=384, T=[2048], dtype="float32"),
@@ -45,7 +56,19 @@ IMPLS = (
     "hf-eager",
 )
 DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
-SECTION = Path("benchmarks") / "sections" / "layer.md"
+TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
+
+In one process, side by side (implementations interleaved within each round, median of
+the rounds after a warm-up): `dropless.MoE` (`dropless`: the default path for the device;
+`dropless-grouped`: the same fused Function on `torch._grouped_mm`), two experts-path
+variants with the same router (`composed`: argsort + `grouped_mm` autograd nodes +
+combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
+`Qwen3MoeSparseMoeBlock` (`experts_implementation="grouped_mm"` and `"eager"`, same
+weights, same routes), and the dense bound (the same six GEMMs with M = T*K rows as
+dense `torch.mm`). Peak memory: each implementation once more in its own child process,
+VmHWM (reset through /proc/self/clear_refs) minus VmRSS once inputs and weights are
+allocated (on CUDA: max_memory_allocated minus memory_allocated). Skewed rows: a router
+bias sends about half the pairs to 4 experts."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,11 +89,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
-    )
-    p.add_argument(
-        "--section", default=str(SECTION), help="markdown file for the table ('' to skip)"
-    )
+        "--busy-core", type=int, nargs="?", const=-1, default=None, metavar="CORE",
+        help="run a busy process pinned to CORE (no value: the last core this process may use) "
+        "for the whole run, to see the layer under contention; said in the table and history",
+    )  # fmt: skip
+    add_history_arguments(p)
+    add_section_argument(p, "layer")
 
 
 # --- building the implementations ------------------------------------------------------
@@ -184,11 +208,7 @@ def _build(name: str, cfg: dict):
                 down,
                 gate_up_bias=None,
                 down_bias=None,
-                activation="swiglu",
-                interleaved=False,
                 trans_w=True,
-                alpha=1.702,
-                limit=7.0,
                 backend=None,
             )
             return ops.unpermute(y, sp)
@@ -355,11 +375,13 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _table(rows, shape, cfg, command) -> str:
+def _table(rows, shape, cfg, busy_core: int | None = None) -> str:
     unit = "TFLOP/s" if cfg["device"] == "cuda" else "GFLOP/s"
     scale = 1e-3 if cfg["device"] == "cuda" else 1.0
+    busy = "" if busy_core is None else f", with a busy process pinned to core {busy_core}"
     lines = [
-        f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, {cfg['device']}",
+        f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, "
+        f"{cfg['device']}, {cfg['threads']} torch thread(s){busy}",
         "",
         f"| T | routing | implementation | ms (median) | {unit} | vs dense bound | vs HF grouped_mm "
         "| peak MiB | peak vs HF grouped_mm |",
@@ -374,41 +396,72 @@ def _table(rows, shape, cfg, command) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args) -> int:
-    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+def _check_args(args, dev: str) -> list[str]:
     shape = SHAPES[args.shape]
     if shape["dtype"] == "bfloat16" and dev == "cpu":
-        print(
-            "dropless bench layer: the qwen3-30b shape is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x slower)"
+        raise ValueError(
+            f"--shape {args.shape} is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x "
+            "slower than fp32); pick --shape qwen3 or mixtral on CPU"
         )
-        return 2
     if args.rounds < 3:
-        print("--rounds must be >= 3 (the figure is a median)")
-        return 2
-    impls = (
-        list(IMPLS)
-        if args.impls == "all"
-        else [s.strip() for s in args.impls.split(",") if s.strip()]
-    )
+        raise ValueError(f"--rounds {args.rounds}: must be >= 3 (the figure is a median)")
+    impls = IMPLS if args.impls == "all" else [s.strip() for s in args.impls.split(",")]
     bad = [n for n in impls if n not in IMPLS]
     if bad:
-        print(f"unknown --impls {bad}; allowed: {', '.join(IMPLS)} or all")
-        return 2
+        raise ValueError(f"--impls: unknown {bad}; allowed: {', '.join(IMPLS)} or all")
+    return list(impls)
+
+
+def start_busy_core(core: int) -> tuple[subprocess.Popen, int]:
+    """A Python process spinning on one core (pinned with sched_setaffinity) -> (proc, core).
+    core -1: the last core this process may run on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1] if core == -1 else core
+    if core not in allowed:
+        raise ValueError(f"--busy-core {core}: not a core this process may use ({allowed})")
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    os.sched_setaffinity(proc.pid, {core})
+    return proc, core
+
+
+def run(args) -> int:
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    impls = _check_args(args, dev)
+    require_default_allocator("layer")  # timing runs in this process
+    rec = Recorder.start(args)
+    busy, core = start_busy_core(args.busy_core) if args.busy_core is not None else (None, None)
+    try:
+        all_rows, table = _measure(args, dev, impls, core)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    figures = {
+        "shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads(),
+        "busy_core": core,
+    }  # fmt: skip
+    record = rec.finish("layer", figures)
+    section = section_path(args.section, "layer", rec)
+    if section is not None:
+        key = args.shape + ("" if core is None else "-busy-core")
+        block = f"<!-- layer:{key} -->\n{provenance(record)}\n\n{table}<!-- /layer:{key} -->\n"
+        replace_block(section, key, block, "layer", TITLE)
+    return 0
+
+
+def _measure(args, dev: str, impls: list[str], busy_core: int | None):
+    shape = SHAPES[args.shape]
     torch.set_num_threads(os.cpu_count())
-    command = "dropless " + " ".join(sys.argv[1:])
     all_rows, text = [], []
     for T in args.tokens or shape["T"]:
-        cfg = {k: v for k, v in shape.items() if k != "T"} | {
-            "T": T,
-            "device": dev,
-            "skewed": False,
-        }
+        cfg = {k: v for k, v in shape.items() if k != "T"}
+        cfg |= {"T": T, "device": dev, "skewed": False, "threads": torch.get_num_threads()}
         rows = _run_case(cfg, impls, args)
         if not args.no_skewed:
             sk = [n for n in impls if n in ("dense", "dropless", "hf-grouped_mm")]
             rows += _run_case({**cfg, "skewed": True}, sk, args)
         all_rows += rows
-        text.append(_table(rows, args.shape, cfg, command))
+        text.append(_table(rows, args.shape, cfg, busy_core))
     table = "\n".join(text)
     print(table)
     for r in all_rows:
@@ -416,33 +469,7 @@ def run(args) -> int:
             print(
                 f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
             )
-    if not args.no_history:
-        append_history(
-            "layer", {"shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads()}
-        )
-    if args.section:
-        _write_section(Path(args.section), args.shape, table, command)
-    return 0
-
-
-def _write_section(path: Path, shape: str, table: str, command: str) -> None:
-    """Replace this shape's block in the section file (other shapes are kept)."""
-    import datetime
-
-    m = machine()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    block = (
-        f"<!-- layer:{shape} -->\n`{command}` ({date}; {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
-        f"{', ' + m['gpu'] if 'gpu' in m else ''})\n\n{table}<!-- /layer:{shape} -->\n"
-    )
-    text = path.read_text() if path.exists() else "## One MoE layer, forward + backward\n\n"
-    start, end = f"<!-- layer:{shape} -->", f"<!-- /layer:{shape} -->\n"
-    if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    return all_rows, table
 
 
 if __name__ == "__main__":  # memory child: python -m dropless.bench.layer '{json}'

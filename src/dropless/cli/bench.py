@@ -1,10 +1,12 @@
 """`dropless bench NAME`: each benchmark is a module in `dropless.bench` with
-`add_arguments(parser)` and `run(args)`; results append to benchmarks/history.jsonl."""
+`add_arguments(parser)` and `run(args)`. Run from a checkout, a result appends one line
+to its benchmarks/history.jsonl and rewrites its section in benchmarks/sections/."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from .main import add_subcommands
 
@@ -16,6 +18,7 @@ BENCHES = {
     "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
     "ep": ("dropless.bench.ep", "expert-parallel layer: time split with/without overlap"),
+    "train": ("dropless.bench.train", "the default `dropless train` config, briefly: its summary"),
     "jax": (
         "dropless.bench.jax_bench",
         "the JAX layer vs ragged_dot, capacity einsum, dense bound",
@@ -29,4 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    return int(importlib.import_module(args._bench_module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._bench_module).run(args) or 0)
+    except ValueError as e:  # what the user passed (arguments, environment, checkout)
+        print(f"dropless bench {args.bench}: error: {e}", file=sys.stderr)
+        return 2

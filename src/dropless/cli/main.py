@@ -18,7 +18,7 @@ COMMANDS = {
     ),
     "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
     "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
-    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, ep, jax"),
+    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, ep, jax, train"),
     "demo": ("dropless.cli.demo", "run the MoE layer on random data and show what it did"),
 }
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import expert_mlp
+from ..ops import ActivationConfig, expert_mlp
 
 #: Families whose routing and expert layout are implemented and tested exactly.
 SUPPORTED_FAMILIES = (
@@ -51,12 +51,9 @@ class ExpertsSpec:
     """How one experts module computes, read from its v5 flags and gate function."""
 
     family: str
-    activation: str  # "swiglu" | "gpt_oss"
-    interleaved: bool  # gate/up columns alternate (gpt_oss) instead of [gate | up]
+    activation: ActivationConfig  # kind, interleaved gate/up columns (gpt_oss), alpha/limit
     trans_w: bool  # weights [E, out, in] (nn.Linear layout); False: [E, in, out]
     has_bias: bool
-    alpha: float = 1.702
-    limit: float = 7.0
 
 
 def family_of(module: nn.Module) -> str:
@@ -93,12 +90,12 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | str:
         # the stock gate splits with chunk(2): [gate | up] whatever is_concatenated says
         if not isinstance(getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation)):
             return f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU"
-        return ExpertsSpec(family, "swiglu", False, trans_w, bool(module.has_bias))
+        return ExpertsSpec(family, ActivationConfig(), trans_w, bool(module.has_bias))
     if family == "gpt_oss" and getattr(gate_fn, "__qualname__", "") == "GptOssExperts._apply_gate":
-        return ExpertsSpec(
-            family, "gpt_oss", True, trans_w, bool(module.has_bias),
-            alpha=float(module.alpha), limit=float(module.limit),
-        )  # fmt: skip
+        act = ActivationConfig(
+            "gpt_oss", interleaved=True, alpha=float(module.alpha), limit=float(module.limit)
+        )
+        return ExpertsSpec(family, act, trans_w, bool(module.has_bias))
     return f"its gate function {getattr(gate_fn, '__qualname__', gate_fn)} is not implemented"
 
 
@@ -163,10 +160,7 @@ def dropless_experts_forward(
         gate_up_bias=self.gate_up_proj_bias if spec.has_bias else None,
         down_bias=self.down_proj_bias if spec.has_bias else None,
         activation=spec.activation,
-        interleaved=spec.interleaved,
         trans_w=spec.trans_w,
-        alpha=spec.alpha,
-        limit=spec.limit,
     )
     _record_counts(self, sp.counts_E)
     CALLS[spec.family] += 1

@@ -37,10 +37,7 @@ class _LocalExperts:
             gate_up_bias=_local(m.gate_up_proj_bias) if s.has_bias else None,
             down_bias=_local(m.down_proj_bias) if s.has_bias else None,
             activation=s.activation,
-            interleaved=s.interleaved,
             trans_w=s.trans_w,
-            alpha=s.alpha,
-            limit=s.limit,
         )
 
 
@@ -65,15 +62,13 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..parallel.dispatcher import ExpertParallelDispatcher, raise_deepep_unavailable
+    from ..parallel.dispatcher import ExpertParallelDispatcher
     from .experts import experts_spec
     from .layers import moe_layers
 
     cfg = pmesh.config
     if cfg.ep == 1:
         return []
-    if cfg.dispatcher == "deepep":
-        raise_deepep_unavailable()
     P, r = pmesh.ep_mesh.size(), pmesh.ep_mesh.get_local_rank()
     done = []
     for layer in moe_layers(model):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import route
+from ..ops import RoutingConfig, route
 
 # family -> (renormalize attr or a fixed bool, cast weights back to the logits dtype)
 _SOFTMAX_FAMILIES = {
@@ -33,10 +33,10 @@ def _softmax_router_forward(self, hidden_states: torch.Tensor):
     renormalize = bool(getattr(self, renorm)) if isinstance(renorm, str) else renorm
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)  # [T, E]
+    routing = RoutingConfig(renormalize=renormalize, expert_bias=True)
     weights_TK, ids_TK, _ = route(
-        router_logits, self.top_k, score_func="softmax", renormalize=renormalize,
-        expert_bias_E=self.expert_bias,
-    )  # fmt: skip
+        router_logits, self.top_k, routing, expert_bias_E=self.expert_bias
+    )
     if cast:
         weights_TK = weights_TK.to(router_logits.dtype)
     return router_logits, weights_TK, ids_TK

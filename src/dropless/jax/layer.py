@@ -20,45 +20,97 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ..ops.routing import check_routing_args
+from ..ops.specs import ActivationConfig, RoutingConfig, as_activation, as_routing
 from .gemm import MARGIN, grouped_gemm
 from .permute import combine, permute, sort_by_expert
 from .routing import load_balancing_loss_global, route, z_loss
 from .swiglu import swiglu
 
+#: the PyTorch layer's routing defaults (renormalised top-k weights)
+DEFAULT_ROUTING = RoutingConfig(renormalize=True)
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, init=False)
 class MoEConfig:
     """Static configuration (hashable, so it can be a static jit argument).
 
-    Same meaning as the arguments of `dropless.MoE`; backend: grouped-GEMM backend
-    ("tiled", "ragged_dot", or None to pick by platform).
+    Same meaning as the arguments of `dropless.MoE`: `routing` is a `RoutingConfig`,
+    or give its fields as keywords (score_func, renormalize, scaling_factor, n_group,
+    topk_group, expert_bias; not both); `activation` an `ActivationConfig` (this layer
+    computes the plain swiglu only). backend: grouped-GEMM backend ("tiled",
+    "ragged_dot", or None to pick by platform).
     """
 
     hidden_size: int
     moe_intermediate_size: int
     num_experts: int
     top_k: int
-    score_func: str = "softmax"
-    renormalize: bool = True
-    scaling_factor: float = 1.0
-    n_group: int | None = None
-    topk_group: int | None = None
-    expert_bias: bool = False
-    shared_expert_intermediate_size: int = 0
-    shared_expert_gate: bool = False
-    backend: str | None = None
+    routing: RoutingConfig
+    activation: ActivationConfig
+    shared_expert_intermediate_size: int
+    shared_expert_gate: bool
+    backend: str | None
 
-    def __post_init__(self):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        routing: RoutingConfig | None = None,
+        activation: ActivationConfig | str | None = None,
+        shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+        backend: str | None = None,
+        score_func: str | None = None,
+        renormalize: bool | None = None,
+        scaling_factor: float | None = None,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        expert_bias: bool | None = None,
+    ):
+        fields = dict(
+            hidden_size=hidden_size,
+            moe_intermediate_size=moe_intermediate_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            routing=as_routing(
+                routing,
+                DEFAULT_ROUTING,
+                score_func=score_func,
+                renormalize=renormalize,
+                scaling_factor=scaling_factor,
+                n_group=n_group,
+                topk_group=topk_group,
+                expert_bias=expert_bias,
+            ),
+            activation=as_activation(activation),
+            shared_expert_intermediate_size=shared_expert_intermediate_size,
+            shared_expert_gate=shared_expert_gate,
+            backend=backend,
+        )
+        for name, v in fields.items():
+            object.__setattr__(self, name, v)  # frozen: set once, here
+        self._check()
+
+    def _check(self):
         for name in ("hidden_size", "moe_intermediate_size", "num_experts"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         if self.shared_expert_intermediate_size < 0:
             raise ValueError("shared_expert_intermediate_size must be >= 0 (0: no shared expert)")
-        check_routing_args(
-            self.num_experts, self.top_k, self.score_func, self.n_group, self.topk_group
-        )
+        self.routing.check(self.num_experts, self.top_k)
+        if self.activation != ActivationConfig():
+            raise ValueError(
+                f"activation={self.activation}: the JAX layer computes the plain swiglu only "
+                "(ActivationConfig())"
+            )
+
+    @property
+    def expert_bias(self) -> bool:
+        return self.routing.expert_bias
 
 
 class MoEAux(NamedTuple):
@@ -115,16 +167,7 @@ def router_forward(params: dict, state: dict | None, x_TD, cfg: MoEConfig):
     bias = (state or {}).get("expert_bias") if cfg.expert_bias else None
     if cfg.expert_bias and bias is None:
         raise ValueError("cfg.expert_bias=True needs state={'expert_bias': [E]} (see init_state)")
-    weights_TK, ids_TK, scores_TE = route(
-        logits_TE,
-        cfg.top_k,
-        score_func=cfg.score_func,
-        renormalize=cfg.renormalize,
-        scaling_factor=cfg.scaling_factor,
-        n_group=cfg.n_group,
-        topk_group=cfg.topk_group,
-        expert_bias_E=bias,
-    )
+    weights_TK, ids_TK, scores_TE = route(logits_TE, cfg.top_k, cfg.routing, expert_bias_E=bias)
     return logits_TE, weights_TK, ids_TK, scores_TE
 
 
@@ -180,8 +223,10 @@ def moe_apply(params: dict, x, cfg: MoEConfig, state: dict | None = None, *, mas
 
 def params_from_torch(moe) -> tuple[dict, dict]:
     """(params, state) of a PyTorch `dropless.MoE` (swiglu, no expert biases) as jnp arrays."""
-    if moe.experts.down_proj_bias is not None or moe.experts.activation != "swiglu":
-        raise ValueError("params_from_torch supports activation='swiglu' with bias=False only")
+    if moe.experts.down_proj_bias is not None or moe.experts.activation != ActivationConfig():
+        raise ValueError(
+            "params_from_torch supports the plain swiglu activation with bias=False only"
+        )
 
     def a(t):
         return jnp.asarray(t.detach().cpu().numpy())
@@ -246,12 +291,7 @@ class MoE:
             moe.experts.intermediate_size,
             moe.num_experts,
             moe.top_k,
-            score_func=r.score_func,
-            renormalize=r.renormalize,
-            scaling_factor=r.scaling_factor,
-            n_group=r.n_group,
-            topk_group=r.topk_group,
-            expert_bias=r.expert_bias is not None,
+            routing=r.routing,
             shared_expert_intermediate_size=0
             if moe.shared_expert is None
             else moe.shared_expert.up_proj.out_features,

@@ -13,30 +13,44 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..ops.routing import check_routing_args
+from ..ops.specs import RoutingConfig, as_routing
 
 
 def route(
     logits_TE: jax.Array,
     top_k: int,
+    routing: RoutingConfig | None = None,
     *,
-    score_func: str = "softmax",
-    renormalize: bool = False,
-    scaling_factor: float = 1.0,
+    expert_bias_E: jax.Array | None = None,
+    score_func: str | None = None,
+    renormalize: bool | None = None,
+    scaling_factor: float | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
-    expert_bias_E: jax.Array | None = None,
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int32, scores_TE fp32).
 
-    softmax or sigmoid scores; `renormalize` rescales the top-k weights to sum 1;
+    `routing` (a `RoutingConfig`, or its fields as keywords, not both): softmax or
+    sigmoid scores; `renormalize` rescales the top-k weights to sum 1;
     `scaling_factor` multiplies them; `n_group`/`topk_group` limit the choice to the
-    best groups (DeepSeek-V3); `expert_bias_E` shifts the choice, not the weights.
+    best groups (DeepSeek-V3); `expert_bias_E` shifts the choice, not the weights
+    (required when `routing.expert_bias`, refused otherwise).
     """
     if logits_TE.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
-    check_routing_args(E, top_k, score_func, n_group, topk_group)
+    routing = as_routing(
+        routing,
+        score_func=score_func,
+        renormalize=renormalize,
+        scaling_factor=scaling_factor,
+        n_group=n_group,
+        topk_group=topk_group,
+        expert_bias=None if routing is not None else expert_bias_E is not None,
+    )
+    routing.check(E, top_k)
+    routing.check_bias(expert_bias_E is not None)
+    score_func, n_group, topk_group = routing.score_func, routing.n_group, routing.topk_group
     logits = logits_TE.astype(jnp.float32)
     scores_TE = (
         jax.nn.softmax(logits, axis=-1) if score_func == "softmax" else jax.nn.sigmoid(logits)
@@ -55,9 +69,9 @@ def route(
         choice_TE = jnp.where(mask_TE, choice_TE, -jnp.inf)
     ids_TK = lax.top_k(choice_TE, top_k)[1].astype(jnp.int32)
     weights_TK = jnp.take_along_axis(scores_TE, ids_TK, axis=1)
-    if renormalize:
+    if routing.renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdims=True) + 1e-20)
-    weights_TK = weights_TK * scaling_factor
+    weights_TK = weights_TK * routing.scaling_factor
     return weights_TK, ids_TK, scores_TE
 
 

@@ -1,6 +1,7 @@
 """Triton kernels for the expert path on CUDA GPUs.
 
-Importing this package never imports Triton: the kernel modules load on first use
+Importing this package registers the "triton" grouped-GEMM backend in `dropless.ops`
+and never imports Triton: the kernel modules load on first use
 (attribute access such as `dropless.kernels.permute`). `available(t)` says whether the
 kernels can run on a tensor (a CUDA tensor and an importable triton); CPU tensors are
 never routed here at run time. Tests run the kernels on CPU under `TRITON_INTERPRET=1`
@@ -14,8 +15,9 @@ their backward and save only what it needs):
 - `unpermute(y_SN, token_S, pair_S, slot_TK, weights_TK=None) -> out_TN` (autograd);
   `gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN` and
   `pair_dot(g_TN, y_SN, slot_TK) -> dots_TK` (raw);
-- `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha=1.702,
-  limit=7.0) -> a_SF` (autograd, as `dropless.ops.swiglu`); `swiglu_fwd(...)`,
+- `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha, limit)
+  -> a_SF` (autograd, as `dropless.ops.swiglu`; alpha/limit default to
+  `ActivationConfig`'s); `swiglu_fwd(...)`,
   `swiglu_bwd(...)` (raw; the backward can also recompute the activation);
 - `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
   counts may be a device tensor: no host sync), also registered as the "triton"
@@ -34,6 +36,8 @@ import importlib.util
 from typing import Any
 
 import torch
+
+from ..ops.dispatch import GemmBackend, register_gemm_backend
 
 _EXPORTS = {
     "permute": "permute_kernels",
@@ -108,12 +112,11 @@ TRITON_PRIORITY = 5
 
 
 def register_backend() -> None:
-    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent).
+    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent;
+    done when this package is imported, which `import dropless` does).
 
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
-    from dropless.ops.dispatch import GemmBackend, register_gemm_backend
-
     register_gemm_backend(
         GemmBackend("triton", _mm, _wgrad, supports=_supports, priority=TRITON_PRIORITY)
     )
@@ -130,5 +133,7 @@ def __getattr__(name: str) -> Any:
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+register_backend()
 
 __all__ = ["available", "register_backend", "triton_importable", *sorted(_EXPORTS)]

@@ -26,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.specs import ActivationConfig
 from ._common import check_2d, row_blocks
+
+_GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
 
 @triton.jit
@@ -136,8 +139,8 @@ def swiglu_fwd(
     prob_S: torch.Tensor | None = None,
     interleaved: bool = False,
     activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> torch.Tensor:
     """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd.
 
@@ -168,8 +171,8 @@ def swiglu_bwd(
     need_prob_grad: bool = True,
     recompute: bool = False,
     activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Raw backward of `swiglu_fwd`: returns (grad_h_S2F, grad_prob_S or None, a_SF or None).
 
@@ -228,8 +231,8 @@ def swiglu(
     *,
     activation: str = "swiglu",
     interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
 ) -> torch.Tensor:
     """act(gate, up) * prob with autograd (saves h and prob only); see `swiglu_fwd`.
 

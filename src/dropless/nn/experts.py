@@ -10,12 +10,15 @@ import torch
 from torch import nn
 
 from ..ops.expert_mlp import expert_mlp, grouped_mlp
-from ..ops.swiglu import ACTIVATIONS
+from ..ops.specs import ActivationConfig, as_activation
+from ..ops.swiglu import check_supported
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts: gate_up_proj [E, 2F, D] (rows [0, F) gate, [F, 2F) up),
+    """E gated experts: gate_up_proj [E, 2F, D] (rows [0, F) gate, [F, 2F) up),
     down_proj [E, D, F]; optional biases gate_up_proj_bias [E, 2F], down_proj_bias [E, D].
+    `activation`: an `ActivationConfig` or a kind name ("swiglu", the default, or
+    "gpt_oss"); kept as the ActivationConfig in `self.activation`.
 
     `forward(x_TD, ids_TK, weights_TK)` runs every (token, expert) pair (dropless) and
     returns (out_TD, SortedPairs); `forward_sorted` runs rows already in expert order.
@@ -28,14 +31,13 @@ class GroupedExperts(nn.Module):
         intermediate_size: int,
         *,
         bias: bool = False,
-        activation: str = "swiglu",
+        activation: ActivationConfig | str = "swiglu",
         backend: str | None = None,
         dtype: torch.dtype | None = None,
         device=None,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
+        activation = check_supported(as_activation(activation))
         E, D, F = num_experts, hidden_size, intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = E, D, F
         self.activation, self.backend = activation, backend

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..ops.losses import load_balancing_loss_global, z_loss
 from ..ops.routing import capacity_keep_mask, expert_capacity
+from ..ops.specs import ActivationConfig, RoutingConfig
 from .dispatcher import LocalDispatcher
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -57,12 +58,14 @@ class MoE(nn.Module):
 
     Args:
         hidden_size: D. moe_intermediate_size: F (per expert). num_experts: E. top_k: K.
-        score_func, renormalize, scaling_factor, n_group, topk_group, expert_bias:
-            routing, see `TopKRouter`.
+        routing: a `RoutingConfig`; or its fields as keywords (score_func,
+            renormalize, scaling_factor, n_group, topk_group, expert_bias; not both),
+            see `TopKRouter`.
         shared_expert_intermediate_size: width of a shared expert (0: none);
             shared_expert_gate: scale it by sigmoid(x @ w) as Qwen2-MoE does.
         bias: biases on the expert projections (the routing weight scales the down
-            bias too). activation: "swiglu" or "gpt_oss".
+            bias too). activation: an `ActivationConfig`, or a kind name
+            ("swiglu", the default, or "gpt_oss").
         capacity_factor: None (default) is dropless; a float > 0 limits each expert to
             ceil(cf * T * K / E) pairs and drops the lowest-weight overflow (for
             comparison runs only; counted in `aux.dropped`).
@@ -77,16 +80,17 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         *,
-        score_func: str = "softmax",
-        renormalize: bool = True,
-        scaling_factor: float = 1.0,
+        routing: RoutingConfig | None = None,
+        score_func: str | None = None,
+        renormalize: bool | None = None,
+        scaling_factor: float | None = None,
         n_group: int | None = None,
         topk_group: int | None = None,
-        expert_bias: bool = False,
+        expert_bias: bool | None = None,
         shared_expert_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
         bias: bool = False,
-        activation: str = "swiglu",
+        activation: ActivationConfig | str = "swiglu",
         capacity_factor: float | None = None,
         dispatcher=None,
         backend: str | None = None,
@@ -109,6 +113,7 @@ class MoE(nn.Module):
             hidden_size,
             num_experts,
             top_k,
+            routing=routing,
             score_func=score_func,
             renormalize=renormalize,
             scaling_factor=scaling_factor,

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops.routing import check_routing_args, route
+from ..ops.routing import route
+from ..ops.specs import RoutingConfig, as_routing
+
+#: TopKRouter / MoE defaults: renormalised top-k weights (ops.route defaults to raw ones).
+DEFAULT_ROUTING = RoutingConfig(renormalize=True)
 
 
 @dataclass
@@ -25,8 +29,9 @@ class TopKRouter(nn.Module):
 
     Args:
         hidden_size: D. num_experts: E. top_k: K (1 <= K <= E).
-        score_func: "softmax" or "sigmoid" (scores always fp32).
-        renormalize: rescale the top-k weights to sum to 1.
+        routing: a `RoutingConfig`; or its fields as keywords (not both):
+        score_func: "softmax" (default) or "sigmoid" (scores always fp32).
+        renormalize: rescale the top-k weights to sum to 1 (default True).
         scaling_factor: multiplies the weights (DeepSeek-V3's routed_scaling_factor).
         n_group, topk_group: group-limited selection (DeepSeek-V3).
         expert_bias: keep an `expert_bias` buffer [E] that shifts which experts are
@@ -40,51 +45,56 @@ class TopKRouter(nn.Module):
         num_experts: int,
         top_k: int,
         *,
-        score_func: str = "softmax",
-        renormalize: bool = True,
-        scaling_factor: float = 1.0,
+        routing: RoutingConfig | None = None,
+        score_func: str | None = None,
+        renormalize: bool | None = None,
+        scaling_factor: float | None = None,
         n_group: int | None = None,
         topk_group: int | None = None,
-        expert_bias: bool = False,
+        expert_bias: bool | None = None,
         dtype: torch.dtype | None = None,
         device=None,
     ):
         super().__init__()
-        check_routing_args(num_experts, top_k, score_func, n_group, topk_group)
-        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.score_func, self.renormalize, self.scaling_factor = (
-            score_func,
-            renormalize,
-            scaling_factor,
+        self.routing = as_routing(
+            routing,
+            DEFAULT_ROUTING,
+            score_func=score_func,
+            renormalize=renormalize,
+            scaling_factor=scaling_factor,
+            n_group=n_group,
+            topk_group=topk_group,
+            expert_bias=expert_bias,
         )
-        self.n_group, self.topk_group = n_group, topk_group
+        self.routing.check(num_experts, top_k)
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype, device=device)
         )
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
-        if expert_bias:
+        if self.routing.expert_bias:
             self.register_buffer(
                 "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
             )
         else:
             self.expert_bias = None
 
+    # the routing fields, read-only, as the keyword arguments named them
+    score_func = property(lambda self: self.routing.score_func)
+    renormalize = property(lambda self: self.routing.renormalize)
+    scaling_factor = property(lambda self: self.routing.scaling_factor)
+    n_group = property(lambda self: self.routing.n_group)
+    topk_group = property(lambda self: self.routing.topk_group)
+
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         logits_TE = nn.functional.linear(x_TD, self.weight)
         weights_TK, ids_TK, scores_TE = route(
-            logits_TE,
-            self.top_k,
-            score_func=self.score_func,
-            renormalize=self.renormalize,
-            scaling_factor=self.scaling_factor,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-            expert_bias_E=self.expert_bias,
+            logits_TE, self.top_k, self.routing, expert_bias_E=self.expert_bias
         )
         return RouterOutput(weights_TK, ids_TK, logits_TE, scores_TE)
 
     def extra_repr(self) -> str:
         return (
             f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"score_func={self.score_func}, renormalize={self.renormalize}"
+            f"routing={self.routing}"
         )

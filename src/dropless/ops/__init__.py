@@ -1,7 +1,8 @@
 """Functional MoE ops with autograd; each has a pure-torch reference in `reference.py`.
 
 The grouped-GEMM backend registry and the active low-precision recipe live in
-`dispatch.py`.
+`dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
+`ActivationConfig`) in `specs.py`.
 """
 
 from .dispatch import (
@@ -16,6 +17,7 @@ from .dispatch import (
 )
 from .expert_mlp import expert_mlp, grouped_mlp
 from .grouped_gemm import grouped_gemm
+from .linear_cross_entropy import linear_cross_entropy
 from .losses import (
     load_balancing_loss,
     load_balancing_loss_global,
@@ -25,10 +27,13 @@ from .losses import (
 )
 from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
 from .routing import capacity_keep_mask, expert_capacity, route
+from .specs import ActivationConfig, RoutingConfig
 from .swiglu import swiglu
 
 __all__ = [
+    "ActivationConfig",
     "GemmBackend",
+    "RoutingConfig",
     "SortedPairs",
     "capacity_keep_mask",
     "expert_capacity",
@@ -38,6 +43,7 @@ __all__ = [
     "get_recipe",
     "grouped_gemm",
     "grouped_mlp",
+    "linear_cross_entropy",
     "load_balancing_loss",
     "load_balancing_loss_global",
     "permute",

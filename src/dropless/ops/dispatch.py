@@ -5,14 +5,18 @@ in `grouped_gemm.py` calls it for forward and both backward GEMMs. Backends regi
 under a name with a priority; `auto` picks the highest-priority one that supports the
 operands. Naming a backend that cannot run raises; it never silently falls back.
 
+Backends other than those of `ops` (the Triton one of `dropless.kernels`) register
+here when their package is imported (`import dropless` does it); `ops` imports none.
+
 The active recipe (FP8 / MXFP8, see `dropless.quant`) is a context variable here, so
-every caller of the grouped GEMM gets it without importing `quant`: `quant` registers
-its quantized GEMM under the recipe's `kind`.
+every caller of the grouped GEMM gets it without importing `quant`: the recipe object
+carries its quantized GEMM and MLP as methods.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +43,7 @@ _BACKENDS: dict[str, GemmBackend] = {}
 
 
 def register_gemm_backend(backend: GemmBackend) -> None:
+    """Add (or replace) a grouped-GEMM backend under `backend.name`."""
     _BACKENDS[backend.name] = backend
 
 
@@ -47,23 +52,8 @@ def gemm_backends() -> list[str]:
     return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: -b.priority)]
 
 
-_TRITON_REGISTERED = False
-
-
-def _register_lazy_backends(name: str | None, a: torch.Tensor) -> None:
-    # the Triton backend registers on first use with CUDA operands (or when named), so
-    # importing `ops` never imports `dropless.kernels`, and triton only when it can run
-    global _TRITON_REGISTERED
-    if not _TRITON_REGISTERED and (a.is_cuda or name == "triton"):
-        _TRITON_REGISTERED = True
-        from dropless.kernels import register_backend
-
-        register_backend()
-
-
 def pick_gemm_backend(name: str | None, a: torch.Tensor, b: torch.Tensor) -> GemmBackend:
     """The backend to use: `name` if given (error if it cannot run), else the best one."""
-    _register_lazy_backends(name, a)
     if name not in (None, "auto"):
         if name not in _BACKENDS:
             raise ValueError(
@@ -83,9 +73,16 @@ def pick_gemm_backend(name: str | None, a: torch.Tensor, b: torch.Tensor) -> Gem
 
 
 # --- the active low-precision recipe ------------------------------------------------
+#
+# A recipe object carries its own GEMM and MLP: `recipe.grouped_gemm(x_SD, w, counts,
+# bias, trans_w)` and, optionally, `recipe.grouped_mlp(x, counts, prob_S, gate_up, down,
+# **mlp_kwargs)` (the recipes of `dropless.quant` do). A recipe object without those
+# methods uses the functions registered for its `kind`. Either way ops never imports
+# the package that defines the recipe.
 
 _ACTIVE_RECIPE: contextvars.ContextVar = contextvars.ContextVar("dropless_recipe", default=None)
 _RECIPE_GEMMS: dict[str, Callable] = {}
+_RECIPE_MLPS: dict[str, Callable] = {}
 
 
 def get_recipe():
@@ -94,41 +91,54 @@ def get_recipe():
 
 
 def set_recipe(recipe) -> contextvars.Token:
+    """Make `recipe` the active one in this context (undo with `reset_recipe(token)`)."""
     return _ACTIVE_RECIPE.set(recipe)
 
 
 def reset_recipe(token: contextvars.Token) -> None:
+    """Restore the recipe active before `set_recipe` returned `token`."""
     _ACTIVE_RECIPE.reset(token)
 
 
 def register_recipe_gemm(kind: str, fn: Callable) -> None:
-    """Register fn(x_SD, w, counts, bias, trans_w, recipe) -> y for recipes of `kind`."""
+    """Register fn(x_SD, w, counts, bias, trans_w, recipe) -> y for recipe objects of
+    `kind` that have no `grouped_gemm` method."""
     _RECIPE_GEMMS[kind] = fn
 
 
-def recipe_gemm(recipe) -> Callable:
-    kind = getattr(recipe, "kind", None)
-    if kind not in _RECIPE_GEMMS:
-        # quant registers its GEMMs on import; import it here so `ops` needs no import of it
-        import dropless.quant  # noqa: F401
-    if kind not in _RECIPE_GEMMS:
-        raise ValueError(
-            f"no grouped GEMM is registered for recipe kind {kind!r}; "
-            f"known kinds: {sorted(_RECIPE_GEMMS)}"
-        )
-    return _RECIPE_GEMMS[kind]
-
-
-_RECIPE_MLPS: dict[str, Callable] = {}
-
-
 def register_recipe_mlp(kind: str, fn: Callable) -> None:
-    """Register a fused expert MLP for recipes of `kind` (same signature as
-    `ops.grouped_mlp` plus a trailing `recipe` keyword). Optional: without one, the
-    MLP is composed from the recipe's grouped GEMMs."""
+    """Register a fused expert MLP for recipe objects of `kind` without a `grouped_mlp`
+    method (same signature as `ops.grouped_mlp` plus a trailing `recipe` keyword).
+    Optional: without one, the MLP is composed from the recipe's grouped GEMMs."""
     _RECIPE_MLPS[kind] = fn
 
 
+def recipe_gemm(recipe) -> Callable:
+    """fn(x_SD, w, counts, bias, trans_w) -> y computing the grouped GEMM under `recipe`."""
+    method = getattr(recipe, "grouped_gemm", None)
+    if callable(method):
+        return method
+    kind = getattr(recipe, "kind", None)
+    if kind not in _RECIPE_GEMMS:
+        raise ValueError(
+            f"recipe {type(recipe).__name__} (kind {kind!r}) has no grouped_gemm method and no "
+            f"GEMM is registered for its kind (registered kinds: {sorted(_RECIPE_GEMMS)}); "
+            "use a dropless.quant recipe or register_recipe_gemm"
+        )
+    return functools.partial(_RECIPE_GEMMS[kind], recipe=recipe)
+
+
 def recipe_mlp(recipe) -> Callable | None:
-    recipe_gemm(recipe)  # imports quant and validates the kind
-    return _RECIPE_MLPS.get(getattr(recipe, "kind", None))
+    """The recipe's fused expert MLP (called like `ops.grouped_mlp`), or None to compose
+    it from the recipe's grouped GEMMs. Its `takes_tokens` attribute says it also takes
+    x_TD with token_S / slot_TK / num_out."""
+    recipe_gemm(recipe)  # a recipe without a GEMM is an error, fused MLP or not
+    method = getattr(recipe, "grouped_mlp", None)
+    if callable(method):
+        return method
+    fn = _RECIPE_MLPS.get(getattr(recipe, "kind", None))
+    if fn is None:
+        return None
+    bound = functools.partial(fn, recipe=recipe)
+    bound.takes_tokens = getattr(fn, "takes_tokens", False)
+    return bound

@@ -20,7 +20,8 @@ from .dispatch import get_recipe, pick_gemm_backend, recipe_mlp
 from .fused_mlp import fused_mlp, pick_mlp_path
 from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
 from .permute import SortedPairs, permute, sort_by_expert, unpermute
-from .swiglu import ACTIVATIONS, swiglu
+from .specs import ActivationConfig, as_activation
+from .swiglu import check_supported, swiglu
 
 
 def _composed_mlp(
@@ -32,12 +33,12 @@ def _composed_mlp(
     *,
     gate_up_bias,
     down_bias,
-    activation,
-    interleaved,
-    trans_w,
-    alpha,
-    limit,
-    backend,
+    activation=None,
+    interleaved=None,
+    trans_w=True,
+    alpha=None,
+    limit=None,
+    backend=None,
 ):
     h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
     a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
@@ -54,9 +55,16 @@ def _device_offsets_ok(x: torch.Tensor, w: torch.Tensor, backend: str | None) ->
     return pick_gemm_backend(name, x, w).name == "grouped_mm"
 
 
-def _check_activation(activation: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
+def _activation(kw: dict) -> ActivationConfig:
+    """Replace the activation keywords in `kw` by one checked ActivationConfig."""
+    act = as_activation(
+        kw.pop("activation", None),
+        interleaved=kw.pop("interleaved", None),
+        alpha=kw.pop("alpha", None),
+        limit=kw.pop("limit", None),
+    )
+    kw["activation"] = check_supported(act)
+    return kw["activation"]
 
 
 def grouped_mlp(
@@ -68,11 +76,11 @@ def grouped_mlp(
     *,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    activation: str = "swiglu",
-    interleaved: bool = False,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
     trans_w: bool = True,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float | None = None,
+    limit: float | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Expert MLP on rows sorted by expert (`counts` rows each), scaled by prob_S.
@@ -81,25 +89,26 @@ def grouped_mlp(
     [E, D, 2F] and [E, F, D]. The prob scales the whole expert output, the down bias
     included: y = prob * (act @ down^T + b) = (prob * act) @ down^T + prob * b.
     counts: host list, or a device tensor (kept on the device, no sync, when the
-    grouped_mm backend runs these operands).
+    grouped_mm backend runs these operands). activation: an ActivationConfig (default
+    swiglu), or a kind name with the `interleaved`, `alpha`, `limit` keywords.
     """
-    _check_activation(activation)
     kw = dict(
         gate_up_bias=gate_up_bias,
         down_bias=down_bias,
         activation=activation,
         interleaved=interleaved,
-        trans_w=trans_w,
         alpha=alpha,
         limit=limit,
+        trans_w=trans_w,
         backend=backend,
     )
+    _activation(kw)
     recipe = get_recipe()
     if recipe is not None:
         counts = _check_counts(x_SD, gate_up, counts)
         fused = recipe_mlp(recipe)
         if fused is not None:
-            return fused(x_SD, counts, prob_S, gate_up, down, **kw, recipe=recipe)
+            return fused(x_SD, counts, prob_S, gate_up, down, **kw)
         return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
     path = pick_mlp_path(x_SD, gate_up, backend)
     keep_on_device = (
@@ -137,11 +146,13 @@ def expert_mlp(
     Every pair is computed unless keep_TK (capacity mode) marks it dropped. On the
     grouped_mm path without keep_TK (CUDA, or under torch.compile) nothing is read
     on the host and the returned SortedPairs has `counts=None`; elsewhere the counts
-    are read on the host once, in `sort_by_expert`.
+    are read on the host once, in `sort_by_expert`. `mlp_kwargs` are those of
+    `grouped_mlp` (biases, activation, trans_w, backend).
     """
     num_experts = gate_up.shape[0]
     backend = mlp_kwargs.get("backend")
-    _check_activation(mlp_kwargs.get("activation", "swiglu"))
+    mlp_kwargs = dict(mlp_kwargs)
+    _activation(mlp_kwargs)
     recipe = get_recipe()
     fused = recipe_mlp(recipe) if recipe is not None else None
     if fused is not None and getattr(fused, "takes_tokens", False):
@@ -156,7 +167,6 @@ def expert_mlp(
             gate_up,
             down,
             **mlp_kwargs,
-            recipe=recipe,
             token_S=sp.token_S,
             slot_TK=sp.slot_TK,
             num_out=x_TD.shape[0],

@@ -37,15 +37,17 @@ import torch
 
 from .dispatch import pick_gemm_backend
 from .permute import gather_sum
-from .swiglu import _split
+from .specs import ActivationConfig, as_activation
+from .swiglu import _split, check_supported
 
 # --- activation pieces (no autograd; shared by both Functions) -----------------------
 
 
-def _act_fwd(h_n2F, prob_n, activation, interleaved, alpha, limit, out=None):
+def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
     """a = act(gate, up) * prob, written into `out` when given."""
-    gate, up = _split(h_n2F, interleaved)
-    if activation == "swiglu":
+    gate, up = _split(h_n2F, act.interleaved)
+    alpha, limit = act.alpha, act.limit
+    if act.kind == "swiglu":
         a = (
             torch.ops.aten.silu.out(gate, out=out)
             if out is not None
@@ -61,10 +63,11 @@ def _act_fwd(h_n2F, prob_n, activation, interleaved, alpha, limit, out=None):
     return a
 
 
-def _act_parts(h_n2F, activation, interleaved, alpha, limit):
+def _act_parts(h_n2F, act: ActivationConfig):
     """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up)."""
-    gate, up = _split(h_n2F, interleaved)
-    if activation == "swiglu":
+    gate, up = _split(h_n2F, act.interleaved)
+    alpha, limit = act.alpha, act.limit
+    if act.kind == "swiglu":
         sig = torch.sigmoid(gate)
         silu = gate * sig
         a0 = silu * up
@@ -119,7 +122,7 @@ class _LoopMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
-        activation, interleaved, trans_w, alpha, limit, num_out = cfg
+        act, trans_w, num_out = cfg
         S, D = int(sum(counts)), x.shape[1]
         F = (gate_up.shape[1] if trans_w else gate_up.shape[2]) // 2
         nmax = max(counts, default=0)
@@ -138,7 +141,7 @@ class _LoopMLP(torch.autograd.Function):
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, activation, interleaved, alpha, limit, out=a_buf[:n])
+            a = _act_fwd(he, p, act, out=a_buf[:n])
             ye = torch.mm(
                 a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
             )
@@ -153,7 +156,7 @@ class _LoopMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
-        activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+        act, trans_w, _ = ctx.cfg
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
@@ -182,7 +185,7 @@ class _LoopMLP(torch.autograd.Function):
             idx = token_S[lo:hi] if gathered else None
             gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], activation, interleaved, alpha, limit)
+            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
             if gd is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
@@ -197,7 +200,7 @@ class _LoopMLP(torch.autograd.Function):
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:
                 da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, interleaved, dh_buf[:n])
+            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None:
@@ -229,7 +232,7 @@ class _GroupedMLP(torch.autograd.Function):
     def forward(
         ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
     ):
-        activation, interleaved, trans_w, alpha, limit, num_out = cfg
+        act, trans_w, num_out = cfg
         be = pick_gemm_backend(backend, x, gate_up)
         if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
             counts = counts.tolist()  # only grouped_mm takes device offsets
@@ -247,7 +250,7 @@ class _GroupedMLP(torch.autograd.Function):
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
-        a = _act_fwd(h, prob_S, activation, interleaved, alpha, limit)
+        a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
         del a
         if d_bias is not None:
@@ -263,13 +266,13 @@ class _GroupedMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
-        activation, interleaved, trans_w, alpha, limit, _ = ctx.cfg
+        act, trans_w, _ = ctx.cfg
         be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
         gy = g_out.index_select(0, token_S) if token_S is not None else g_out
         p = None if prob_S is None else prob_S.unsqueeze(1)
-        a0, d_gate, d_up = _act_parts(h, activation, interleaved, alpha, limit)
+        a0, d_gate, d_up = _act_parts(h, act)
         gx = gp = ggu = gd = ggb = gdb = None
         if need[3]:
             ap = a0 if p is None else a0 * p
@@ -285,7 +288,7 @@ class _GroupedMLP(torch.autograd.Function):
         del a0
         if p is not None:
             da.mul_(p)
-        dh = _act_bwd(da, d_gate, d_up, interleaved, torch.empty_like(h))
+        dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
         del da, d_gate, d_up
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
@@ -334,11 +337,11 @@ def fused_mlp(
     num_out: int | None = None,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    activation: str = "swiglu",
-    interleaved: bool = False,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
     trans_w: bool = True,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float | None = None,
+    limit: float | None = None,
     path: str = "loop",
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -347,10 +350,14 @@ def fused_mlp(
     With token_S/slot_TK (from SortedPairs), x is x_TD and the result is the combined
     out [num_out, D]; without, x is x_SD (sorted rows) and the result is y_SD.
     counts: host list (required by path "loop") or device tensor (path "grouped").
+    `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
-    cfg = (activation, bool(interleaved), bool(trans_w), float(alpha), float(limit), num_out)
+    act = check_supported(
+        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    )
+    cfg = (act, bool(trans_w), num_out)
     if path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host

@@ -184,5 +184,5 @@ def grouped_gemm(
     counts = _check_counts(x_SD, w, counts)
     recipe = get_recipe()
     if recipe is not None:
-        return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w, recipe)
+        return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w)
     return _GroupedGemm.apply(x_SD, w, bias_EN, counts, trans_w, backend)

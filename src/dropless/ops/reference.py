@@ -6,37 +6,39 @@ these, forward and backward, and these pass an fp64 gradcheck at tiny sizes.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs (<= T*K),
-# N output features of a grouped GEMM, G expert groups (n_group)
+# N output features of a grouped GEMM, G expert groups (n_group), V vocabulary
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .specs import ActivationConfig, RoutingConfig, as_activation, as_routing
+
 
 def route_reference(
     logits_TE: torch.Tensor,
     top_k: int,
+    routing: RoutingConfig | None = None,
     *,
-    score_func: str = "softmax",
-    renormalize: bool = False,
-    scaling_factor: float = 1.0,
-    n_group: int | None = None,
-    topk_group: int | None = None,
     expert_bias_E: torch.Tensor | None = None,
+    **fields,
 ):
     """Top-k routing. Returns (weights_TK, ids_TK int64, scores_TE), scores and weights in
     fp32 (fp64 for fp64 logits).
 
-    Scores are computed in fp32. The expert bias only changes which experts are
-    chosen; the weights are the unbiased scores of the chosen experts. Group-limited
-    selection (DeepSeek-V3): a group's score is the sum of its top-2 biased scores
-    (top-1 when a group holds one expert); only the best `topk_group` groups compete.
+    `routing` (or its fields as keywords) says how. Scores are computed in fp32. The
+    expert bias only changes which experts are chosen; the weights are the unbiased
+    scores of the chosen experts. Group-limited selection (DeepSeek-V3): a group's
+    score is the sum of its top-2 biased scores (top-1 when a group holds one expert);
+    only the best `topk_group` groups compete.
     """
+    routing = as_routing(routing, **fields)
+    n_group, topk_group = routing.n_group, routing.topk_group
     T, E = logits_TE.shape
     # at least fp32 whatever the input dtype (fp64 stays fp64, for gradchecks)
     logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
-    if score_func == "softmax":
+    if routing.score_func == "softmax":
         scores_TE = logits.softmax(dim=-1)
     else:
         scores_TE = logits.sigmoid()
@@ -54,9 +56,9 @@ def route_reference(
         choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
     ids_TK = choice_TE.topk(top_k, dim=-1).indices
     weights_TK = scores_TE.gather(1, ids_TK)
-    if renormalize:
+    if routing.renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-    weights_TK = weights_TK * scaling_factor
+    weights_TK = weights_TK * routing.scaling_factor
     return weights_TK, ids_TK, scores_TE
 
 
@@ -130,10 +132,31 @@ def grouped_gemm_reference(
     return torch.cat(outs) if outs else x_SD.new_zeros(0, w_END.shape[1 if trans_w else 2])
 
 
-def swiglu_reference(h_S2F: torch.Tensor, prob_S: torch.Tensor | None = None):
-    """silu(gate) * up (* prob): gate = columns [0, F), up = columns [F, 2F)."""
-    gate, up = h_S2F.chunk(2, dim=-1)
-    out = F.silu(gate) * up
+def swiglu_reference(
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    activation: ActivationConfig | str | None = None,
+):
+    """act(gate, up) (* prob) per row; gate = columns [0, F) and up = [F, 2F), or the
+    even and odd columns when `activation.interleaved`.
+
+    "swiglu": silu(gate) * up. "gpt_oss": g * sigmoid(alpha * g) * (u + 1) with
+    g = min(gate, limit), u = clamp(up, -limit, limit).
+    """
+    act = as_activation(activation)
+    if not act.gated:
+        raise ValueError("activation.gated=False (non-gated experts) is not implemented")
+    if act.interleaved:
+        gate, up = h_S2F[..., 0::2], h_S2F[..., 1::2]
+    else:
+        gate, up = h_S2F.chunk(2, dim=-1)
+    if act.kind == "swiglu":
+        out = F.silu(gate) * up
+    elif act.kind == "gpt_oss":
+        g = gate.clamp(max=act.limit)
+        out = g * torch.sigmoid(act.alpha * g) * (up.clamp(-act.limit, act.limit) + 1)
+    else:
+        raise ValueError(f"activation.kind={act.kind!r} has no reference implementation")
     if prob_S is not None:
         out = out * prob_S.unsqueeze(-1).to(out.dtype)
     return out
@@ -146,6 +169,7 @@ def expert_mlp_reference(
     gate_up_E2FD: torch.Tensor,
     down_EDF: torch.Tensor,
     down_bias_ED: torch.Tensor | None = None,
+    activation: ActivationConfig | str | None = None,
 ):
     """The routed expert MLP by its definition: a loop over tokens and their experts."""
     T, K = ids_TK.shape
@@ -155,10 +179,46 @@ def expert_mlp_reference(
         for k in range(K):
             e = int(ids_TK[t, k])
             h = gate_up_E2FD[e] @ x_TD[t]
-            a = swiglu_reference(h.unsqueeze(0))[0]
+            a = swiglu_reference(h.unsqueeze(0), None, activation)[0]
             y = down_EDF[e] @ a
             if down_bias_ED is not None:
                 y = y + down_bias_ED[e]
             acc = acc + weights_TK[t, k].to(x_TD.dtype) * y
         out.append(acc)
     return torch.stack(out)
+
+
+def linear_cross_entropy_reference(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+):
+    """A language-model head and its loss, as Transformers computes them: the logits in
+    the input dtype, upcast to fp32 (fp64 stays fp64), then cross-entropy."""
+    logits_TV = F.linear(h_TD, weight_VD, bias_V)
+    logits_TV = logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32))
+    return F.cross_entropy(
+        logits_TV.reshape(-1, weight_VD.shape[0]),
+        labels_T.reshape(-1),
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    ).reshape(labels_T.shape if reduction == "none" else ())
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight_D: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+):
+    """RMSNorm over the last dim (torch's op); with `residual`, of `x + residual`, returning
+    `(normed, x + residual)`."""
+    s = x if residual is None else x + residual
+    y = F.rms_norm(s, (s.shape[-1],), weight_D, eps)
+    return y if residual is None else (y, s)

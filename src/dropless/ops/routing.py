@@ -13,60 +13,54 @@ import math
 import torch
 
 from .reference import route_reference
-
-SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-def check_routing_args(num_experts, top_k, score_func, n_group, topk_group) -> None:
-    """Raise ValueError for an impossible routing configuration, naming the argument."""
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func={score_func!r}; allowed: {SCORE_FUNCS}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k={top_k!r} must be an int in [1, num_experts={num_experts}]")
-    if (n_group is None) != (topk_group is None):
-        raise ValueError("n_group and topk_group go together: set both or neither")
-    if n_group is not None:
-        if n_group < 1 or num_experts % n_group:
-            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts}")
-        if not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
-        if topk_group * (num_experts // n_group) < top_k:
-            raise ValueError(
-                f"topk_group={topk_group} groups of {num_experts // n_group} experts "
-                f"hold fewer than top_k={top_k} experts"
-            )
+from .specs import RoutingConfig, as_routing
 
 
 def route(
     logits_TE: torch.Tensor,
     top_k: int,
+    routing: RoutingConfig | None = None,
     *,
-    score_func: str = "softmax",
-    renormalize: bool = False,
-    scaling_factor: float = 1.0,
+    expert_bias_E: torch.Tensor | None = None,
+    score_func: str | None = None,
+    renormalize: bool | None = None,
+    scaling_factor: float | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
-    expert_bias_E: torch.Tensor | None = None,
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int64, scores_TE fp32).
 
-    softmax or sigmoid scores; optional renormalisation of the top-k weights to sum 1;
-    `scaling_factor` multiplies the weights; group-limited selection (DeepSeek-V3)
-    with `n_group` / `topk_group`; `expert_bias_E` shifts selection, not the weights.
+    `routing` (a `RoutingConfig`) says how: softmax or sigmoid scores, optional
+    renormalisation of the top-k weights to sum 1, a scaling factor, group-limited
+    selection (DeepSeek-V3). The keywords `score_func`, `renormalize`,
+    `scaling_factor`, `n_group`, `topk_group` are the same fields, for calls without
+    a config (not both). `expert_bias_E` [E] shifts selection, not the weights; it is
+    required when `routing.expert_bias` is True and refused when it is False (the
+    keyword form sets expert_bias from whether it is given).
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
-    check_routing_args(logits_TE.shape[1], top_k, score_func, n_group, topk_group)
-    return route_reference(
-        logits_TE,
-        top_k,
+    routing = as_routing(
+        routing,
         score_func=score_func,
         renormalize=renormalize,
         scaling_factor=scaling_factor,
         n_group=n_group,
         topk_group=topk_group,
-        expert_bias_E=expert_bias_E,
+        expert_bias=None if routing is not None else expert_bias_E is not None,
     )
+    routing.check(logits_TE.shape[1], top_k)
+    check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    return route_reference(logits_TE, top_k, routing, expert_bias_E=expert_bias_E)
+
+
+def check_expert_bias(routing: RoutingConfig, expert_bias_E, num_experts: int) -> None:
+    """Raise ValueError when the bias given disagrees with `routing.expert_bias`."""
+    routing.check_bias(expert_bias_E is not None)
+    if expert_bias_E is not None and tuple(expert_bias_E.shape) != (num_experts,):
+        raise ValueError(
+            f"expert_bias_E must be [E={num_experts}], got shape {tuple(expert_bias_E.shape)}"
+        )
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

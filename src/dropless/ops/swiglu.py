@@ -3,9 +3,10 @@
 Saves only the gate/up input and the prob (the output is recomputed in backward), so
 the activation costs no extra memory beyond the GEMM output it consumes.
 
-Variants: `swiglu` (gate = columns [0, F), up = [F, 2F)); `gpt_oss` (gate clamped
-above at `limit`, up clamped to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)),
-optionally with gate/up interleaved (gate = even columns, up = odd columns).
+The activation is described by an `ActivationConfig` (see `specs.py`): kind "swiglu"
+(gate = columns [0, F), up = [F, 2F)) or "gpt_oss" (gate clamped above at `limit`, up
+clamped to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), optionally with
+gate/up interleaved (gate = even columns, up = odd columns).
 """
 
 # S rows (sorted pairs), F expert hidden dim
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-ACTIVATIONS = ("swiglu", "gpt_oss")
+from .specs import ActivationConfig, as_activation
 
 
 def _split(h_S2F: torch.Tensor, interleaved: bool):
@@ -91,20 +92,37 @@ class _GptOssGLU(torch.autograd.Function):
         return grads[0], grad_prob, None, None, None
 
 
+def check_supported(act: ActivationConfig) -> ActivationConfig:
+    """Raise ValueError for an activation these ops do not compute (yet)."""
+    if not act.gated:
+        raise ValueError(
+            "activation.gated=False (non-gated experts) is not implemented; use gated=True"
+        )
+    if act.kind not in ("swiglu", "gpt_oss"):
+        raise ValueError(
+            f"activation.kind={act.kind!r} has no implementation in dropless.ops; "
+            "implemented: ['gpt_oss', 'swiglu']"
+        )
+    return act
+
+
 def swiglu(
     h_S2F: torch.Tensor,
     prob_S: torch.Tensor | None = None,
     *,
-    activation: str = "swiglu",
-    interleaved: bool = False,
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """silu(gate) * up * prob for each row; `activation="gpt_oss"` for the clamped variant."""
+    """act(gate, up) * prob for each row, act given by `activation` (an ActivationConfig,
+    default swiglu). A kind name with `interleaved`, `alpha`, `limit` keywords is the
+    same description in keyword form."""
+    act = check_supported(
+        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    )
     if h_S2F.dim() != 2 or h_S2F.shape[-1] % 2:
         raise ValueError(f"h must be [S, 2F], got shape {tuple(h_S2F.shape)}")
-    if activation == "swiglu":
-        return _SwiGLU.apply(h_S2F, prob_S, interleaved)
-    if activation == "gpt_oss":
-        return _GptOssGLU.apply(h_S2F, prob_S, interleaved, alpha, limit)
-    raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
+    if act.kind == "swiglu":
+        return _SwiGLU.apply(h_S2F, prob_S, act.interleaved)
+    return _GptOssGLU.apply(h_S2F, prob_S, act.interleaved, act.alpha, act.limit)

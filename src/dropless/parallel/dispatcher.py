@@ -199,30 +199,3 @@ class GlobalCountsDispatcher:
 
 def _zero_stats() -> dict:
     return {"dispatch_s": 0.0, "expert_s": 0.0, "combine_s": 0.0, "bytes_sent": 0, "calls": 0}
-
-
-class DeepEPDispatcher:
-    """Placeholder for a DeepEP backend: unverified, refuses to run without it."""
-
-    def __init__(self, *args, **kwargs):
-        raise_deepep_unavailable()
-
-
-def raise_deepep_unavailable():
-    """DeepEP needs CUDA and the deep_ep package; the backend is not implemented here."""
-    try:
-        import deep_ep  # noqa: F401
-
-        have = True
-    except ImportError:
-        have = False
-    if not torch.cuda.is_available() or not have:
-        raise ValueError(
-            "parallel.dispatcher='deepep' needs a CUDA GPU and the deep_ep package "
-            f"(cuda available: {torch.cuda.is_available()}, deep_ep importable: {have}); "
-            "use parallel.dispatcher='alltoall'"
-        )
-    raise NotImplementedError(
-        "parallel.dispatcher='deepep': the DeepEP backend has not been written or run yet "
-        "(unverified); use parallel.dispatcher='alltoall'"
-    )

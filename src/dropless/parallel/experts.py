@@ -107,15 +107,9 @@ def shard_moe_experts(model: nn.Module, pmesh) -> list[str]:
     modules changed.
     """
     from ..nn.moe import MoE
-    from .dispatcher import (
-        ExpertParallelDispatcher,
-        GlobalCountsDispatcher,
-        raise_deepep_unavailable,
-    )
+    from .dispatcher import ExpertParallelDispatcher, GlobalCountsDispatcher
 
     cfg = pmesh.config
-    if cfg.dispatcher == "deepep":
-        raise_deepep_unavailable()
     done = []
     for name, m in model.named_modules():
         if not isinstance(m, MoE):

@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-DISPATCHERS = ("alltoall", "deepep")
+DISPATCHERS = ("alltoall",)
+#: dispatchers that are designed but not written; asking for one is a clear error
+PLANNED_DISPATCHERS = ("deepep",)
 
 
 @dataclass
@@ -28,8 +30,8 @@ class ParallelConfig:
 
     dp_replicate: HSDP replica groups (1: plain FSDP). dp_shard: FSDP shard size;
     -1 takes world_size / dp_replicate. ep: expert-parallel size, must divide
-    dp_shard (and the number of experts). dispatcher: "alltoall" (torch.distributed)
-    or "deepep" (GPU only, needs the deep_ep package). overlap_chunks: split each
+    dp_shard (and the number of experts). dispatcher: "alltoall" (torch.distributed;
+    the only one implemented: "deepep" is planned, not implemented). overlap_chunks: split each
     dispatch into this many chunks so one chunk's all-to-all overlaps another's
     expert compute (1: no overlap).
     """
@@ -49,6 +51,11 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.dp_shard={self.dp_shard!r} must be an int >= 1, or -1 for "
                 "world_size / dp_replicate"
+            )
+        if self.dispatcher in PLANNED_DISPATCHERS:
+            raise ValueError(
+                f"parallel.dispatcher={self.dispatcher!r} is not implemented (planned); "
+                f"allowed: {DISPATCHERS}: use parallel.dispatcher='alltoall'"
             )
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"parallel.dispatcher={self.dispatcher!r}; allowed: {DISPATCHERS}")

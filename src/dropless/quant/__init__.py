@@ -6,13 +6,12 @@ GroupedMLP step and FP8 saved activations.
         out, aux = moe(x)
     out.sum().backward()
 
-Importing this package registers its GEMM and MLP for each recipe kind in
-`dropless.ops.dispatch`, so every grouped-GEMM caller follows the active recipe.
+Each recipe carries its quantized GEMM and MLP as methods; `autocast` makes it the
+active recipe of `dropless.ops`, so every grouped-GEMM caller follows it.
 """
 
 from __future__ import annotations
 
-from ..ops.dispatch import register_recipe_gemm, register_recipe_mlp
 from .formats import (
     FP8_MAX,
     QTensor,
@@ -36,10 +35,6 @@ from .recipe import (
     autocast,
     recipe_from_name,
 )
-
-for _kind in ("delayed", "current", "mxfp8"):
-    register_recipe_gemm(_kind, quantized_grouped_gemm)
-    register_recipe_mlp(_kind, quantized_grouped_mlp)
 
 __all__ = [
     "FP8_MAX",

@@ -28,6 +28,7 @@ import torch
 
 from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
 from ..ops.permute import gather_sum, permute, unpermute
+from ..ops.specs import ActivationConfig
 from ..ops.swiglu import swiglu
 from .formats import QTensor, quantize_current
 from .gemm import (
@@ -239,23 +240,21 @@ def quantized_grouped_mlp(
     *,
     gate_up_bias=None,
     down_bias=None,
-    activation="swiglu",
-    interleaved=False,
+    activation: ActivationConfig | None = None,
     trans_w=True,
-    alpha=1.702,
-    limit=7.0,
     backend=None,
     recipe=None,
     token_S=None,
     slot_TK=None,
     num_out=None,
 ):
-    """`ops.grouped_mlp` under a recipe (registered with `register_recipe_mlp`).
+    """`ops.grouped_mlp` under a recipe (the recipes' `grouped_mlp` method).
 
     x is x_SD (rows sorted by expert); or, with token_S and slot_TK from SortedPairs,
     x_TD, and the result is the combined out [T, D] (only x_TD is then kept for the
     backward: the gathered rows are not). `backend` (a full-precision GEMM backend
-    name) is ignored: the recipe's `backend` chooses.
+    name) is ignored: the recipe's `backend` chooses. `activation`: the ActivationConfig
+    `ops` resolved (default swiglu).
     """
     if recipe is None:
         raise ValueError("quantized_grouped_mlp needs recipe=; use dropless.autocast(recipe=...)")
@@ -264,12 +263,11 @@ def quantized_grouped_mlp(
         raise ValueError("token_S and slot_TK go together (both from SortedPairs) or not at all")
     if token_S is not None and num_out is not None and num_out != x.shape[0]:
         raise ValueError(f"num_out={num_out} must equal x_TD.shape[0]={x.shape[0]}")
-    if activation != "swiglu" or interleaved:
+    act = activation if activation is not None else ActivationConfig()
+    if act.kind != "swiglu" or act.interleaved:
         x_SD = x if token_S is None else permute_rows(x, token_S, slot_TK)
         h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w)
-        a = swiglu(
-            h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit
-        )
+        a = swiglu(h, prob_S, activation=act)
         y = grouped_gemm(a, down, counts, None, trans_w=trans_w)
         if down_bias is not None:
             b = _expand_bias(down_bias, counts)

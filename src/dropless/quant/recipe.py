@@ -1,7 +1,7 @@
 """Recipes (Transformer Engine's names) and `autocast`.
 
-A recipe is a plain dataclass; `kind` selects the quantized GEMM registered in
-`dropless.ops.dispatch`. Under `with dropless.autocast(recipe=...)` every grouped GEMM
+A recipe is a plain dataclass that carries its quantized GEMM and fused MLP as methods
+(`grouped_gemm`, `grouped_mlp`), which `dropless.ops` calls while the recipe is active. Under `with dropless.autocast(recipe=...)` every grouped GEMM
 (GroupedLinear, GroupedExperts / MoE, the Hugging Face "dropless" experts) and every
 converted dense Linear (`dropless.quant.convert_linear`) computes in that format.
 """
@@ -16,6 +16,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.dispatch import get_recipe, reset_recipe, set_recipe
 from .formats import SCALE_RULES
+from .gemm import quantized_grouped_gemm
+from .mlp import quantized_grouped_mlp
 
 BACKENDS = ("auto", "emulated", "torch")
 
@@ -53,6 +55,18 @@ class _Recipe:
     @property
     def bwd_format(self) -> str:
         return "e4m3" if self.fp8_format == Format.E4M3 else "e5m2"
+
+    def grouped_gemm(self, x_SD, w, counts, bias_EN, trans_w):
+        """`ops.grouped_gemm` in this recipe's format (ops calls it under autocast)."""
+        return quantized_grouped_gemm(x_SD, w, counts, bias_EN, trans_w, self)
+
+    def grouped_mlp(self, x, counts, prob_S, gate_up, down, **mlp_kwargs):
+        """`ops.grouped_mlp` under this recipe: the fused GroupedMLP step (see quant/mlp.py).
+
+        Also takes x_TD with token_S / slot_TK / num_out (`takes_tokens`)."""
+        return quantized_grouped_mlp(x, counts, prob_S, gate_up, down, recipe=self, **mlp_kwargs)
+
+    grouped_mlp.takes_tokens = True
 
 
 @dataclass

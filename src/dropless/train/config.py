@@ -117,12 +117,12 @@ class DataConfig:
     eval_fraction: float = 0.05
     max_bytes: int = 4_000_000  # cap on training text read (0: no cap)
     eval_tokens: int = 16384  # held-out tokens scored at each log step
-    # "bpe" (trained on the data, cached in the run dir), "bytes", or a tokenizer directory
+    # "bpe" (trained on the data, cached in the run dir), "bytes", "dna" (nucleotides, for
+    # FASTA data) or a tokenizer directory
     tokenizer: str = "bpe"
     bpe_vocab_size: int = 2048
-    errors: str = (
-        "strict"  # .txt that is not UTF-8: "strict" reports it, "replace" decodes with U+FFFD
-    )
+    reverse_complement: bool = False  # "dna": also train on each record's reverse complement
+    errors: str = "strict"  # .txt not UTF-8: "strict" reports it, "replace" decodes with U+FFFD
 
     def __post_init__(self):
         if not 0 < self.eval_fraction < 1:
@@ -134,7 +134,14 @@ class DataConfig:
                 f"data.bpe_vocab_size={self.bpe_vocab_size!r}: must be an integer >= 300 (256 bytes + merges)"
             )
         if not self.tokenizer:
-            raise ValueError("data.tokenizer is empty: use 'bpe', 'bytes' or a tokenizer directory")
+            raise ValueError(
+                "data.tokenizer is empty: use 'bpe', 'bytes', 'dna' or a tokenizer directory"
+            )
+        if self.reverse_complement and self.tokenizer != "dna":
+            raise ValueError(
+                f"data.reverse_complement=true needs data.tokenizer='dna' (got "
+                f"{self.tokenizer!r}): reverse complements exist only for nucleotide data"
+            )
         _choice("data", "errors", self.errors, DECODE_ERRORS)
 
 
@@ -232,7 +239,7 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: world size / dp_replicate
     ep: int = 1
     overlap_chunks: int = 1  # > 1: chunked all-to-all overlapped with expert compute
-    dispatcher: str = "alltoall"
+    dispatcher: str = "alltoall"  # the only one implemented ("deepep" is planned)
     timeout_s: float = 1800.0  # collectives (and the wait for rank 0's data preparation)
 
     def __post_init__(self):

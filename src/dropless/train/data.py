@@ -22,8 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .fasta import FASTA_SUFFIXES, is_fasta_path, read_fasta
+from .genomics import reverse_complement
+
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 MIB = 1 << 20
+
+
+def _supported(p: Path) -> bool:
+    return p.suffix in SUFFIXES or is_fasta_path(p)
 
 
 def stdlib_files() -> list[Path]:
@@ -76,15 +83,15 @@ def _data_files(path: str, key: str) -> list[Path]:
             f"{key}={path!r} does not exist; pass a .txt/.jsonl/.parquet file or a directory of them"
         )
     if p.is_file():
-        if p.suffix not in SUFFIXES:
+        if not _supported(p):
             raise ValueError(
-                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)}"
+                f"{key}={path!r}: unsupported file type {p.suffix!r}; supported: {', '.join(SUFFIXES)} and FASTA ({', '.join(FASTA_SUFFIXES)})"
             )
         return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+    files = sorted(f for f in p.rglob("*") if f.is_file() and _supported(f))
     if not files:
         raise ValueError(
-            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files; point it at your data"
+            f"{key}={path!r} is a directory with no {'/'.join(SUFFIXES)} files or FASTA files; point it at your data"
         )
     return files
 
@@ -136,6 +143,8 @@ def _jsonl(f: Path, text_field: str) -> list[str]:
 
 
 def _read_file(f: Path, text_field: str, decode: _DecodeErrors) -> list[str]:
+    if is_fasta_path(f):  # one document per record
+        return [r.sequence for r in read_fasta(f) if r.sequence]
     if f.suffix == ".txt":
         return [decode.read(f)]
     if f.suffix == ".jsonl":
@@ -186,7 +195,12 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
     docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes, errors=errors)
     if cfg.eval_path:
         held = read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path", errors=errors)
-        return docs, held
+        return _with_rc(cfg, docs), held
+    if len(docs) < 20 and cfg.tokenizer == "dna":  # few long records: hold out each one's tail
+        cuts = [int(len(d) * (1 - cfg.eval_fraction)) for d in docs]
+        return _with_rc(cfg, [d[:c] for d, c in zip(docs, cuts)]), [
+            d[c:] for d, c in zip(docs, cuts)
+        ]
     if len(docs) < 20:  # too few documents to hold some out: hold out the tail of the text
         text = "\n".join(docs)
         cut = int(len(text) * (1 - cfg.eval_fraction))
@@ -196,7 +210,12 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
         (held if _split_key(str(i)) < cfg.eval_fraction else train).append(d)
     if not held:
         held.append(train.pop())
-    return train, held
+    return _with_rc(cfg, train), held
+
+
+def _with_rc(cfg, train: list[str]) -> list[str]:
+    """data.reverse_complement: the training records plus their reverse complements."""
+    return train + [reverse_complement(d) for d in train] if cfg.reverse_complement else train
 
 
 def tokenize(tok, docs: list[str]) -> np.ndarray:
@@ -232,7 +251,15 @@ def cache_key(cfg, tok) -> str:
             files += [_fingerprint(f) for f in _data_files(path, key)]
     if not cfg.path:  # the embedded corpus: this Python's standard library
         files.append([sysconfig.get_paths()["stdlib"], sys.version])
-    settings = ("path", "eval_path", "text_field", "eval_fraction", "max_bytes", "errors")
+    settings = (
+        "path",
+        "eval_path",
+        "text_field",
+        "eval_fraction",
+        "max_bytes",
+        "errors",
+        "reverse_complement",
+    )
     return json.dumps(
         {
             "data": {k: getattr(cfg, k, None) for k in settings},

@@ -69,6 +69,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def load_stats(counts_LE: torch.Tensor) -> dict:
     """Per-layer max/mean load (1.0 = perfectly balanced) and the worst layer's."""
     c = counts_LE.double()

@@ -16,7 +16,8 @@ FIXED_KEYS = (
     "model.num_kv_heads", "model.head_dim", "model.num_experts", "model.top_k",
     "model.moe_intermediate_size", "model.vocab_size", "model.max_position_embeddings",
     "model.tie_embeddings", "data.path", "data.eval_path", "data.text_field", "data.eval_fraction",
-    "data.max_bytes", "data.tokenizer", "data.bpe_vocab_size", "data.errors", "train.seq_len",
+    "data.max_bytes", "data.tokenizer", "data.bpe_vocab_size", "data.errors", "data.reverse_complement",
+    "train.seq_len",
     "train.batch_size", "train.seed",
 )  # fmt: skip
 

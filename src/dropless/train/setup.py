@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .data import _data_files
+from .genomics import DNATokenizer
 from .model import check_compatible, hf_config, recipe_context
 from .resume import check_resume
 from .rundir import new_run_dir
@@ -114,6 +115,8 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
     spec = cfg.data.tokenizer
     if spec == "bytes":
         return ByteTokenizer.vocab_size
+    if spec == "dna":
+        return DNATokenizer.vocab_size
     if spec == "bpe":
         cached = run_dir / "tokenizer"
         return (
@@ -123,7 +126,7 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
         )
     if not Path(spec).is_dir():
         raise ValueError(
-            f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory"
+            f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
         )
     return HFTokenizer.from_dir(spec).vocab_size
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .genomics import DNATokenizer
+
 EOS = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -146,19 +148,23 @@ def _is_byte_level(tok) -> bool:
     return '"ByteLevel"' in text
 
 
-def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | DNATokenizer:
     """The tokenizer saved in `directory` (a run's `tokenizer/` folder or a HF tokenizer dir)."""
     d = Path(directory)
     if (d / "bytes").is_file():
         return ByteTokenizer()
+    if DNATokenizer.is_saved_in(d):
+        return DNATokenizer.from_dir(d)
     return HFTokenizer.from_dir(d)
 
 
 def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
-    """The run's tokenizer: "bytes", "bpe" (trained on `texts()` once, then cached in
+    """The run's tokenizer: "bytes", "dna", "bpe" (trained on `texts()` once, then cached in
     `run_tok_dir`) or a directory to load (copied into `run_tok_dir`)."""
     if spec == "bytes":
         tok = ByteTokenizer()
+    elif spec == "dna":
+        tok = DNATokenizer()
     elif spec == "bpe":
         if (run_tok_dir / TOKENIZER_FILE).is_file():
             return HFTokenizer.from_dir(run_tok_dir)
@@ -167,7 +173,7 @@ def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
         src = Path(spec)
         if not src.is_dir():
             raise ValueError(
-                f"data.tokenizer={spec!r}: not 'bpe', 'bytes' or an existing tokenizer directory"
+                f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
             )
         tok = HFTokenizer.from_dir(src)
         run_tok_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,222 @@
+"""Linear layer + cross-entropy without the full `[T, V]` logits.
+
+`linear_cross_entropy(h, w, labels)` equals `F.cross_entropy(F.linear(h, w, b).float(), labels)`
+(the loss of a language-model head). Two backends:
+
+- "chunked": a custom autograd Function over chunks of tokens. The forward keeps one
+  chunk's fp32 logits at a time and saves only the per-token log-sum-exp; the backward
+  recomputes each chunk's logits and forms the gradients of h, w and b from them. Peak
+  extra memory is one chunk of logits instead of `T x V` fp32 values (plus their
+  gradient) that the plain composition keeps alive between forward and backward.
+- "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
+  (torch >= 2.13), which chunks too and computes the gradients in its forward (three
+  GEMMs instead of the four of a recompute). It has no label smoothing.
+
+"auto" takes "torch" where it exists and supports the call and the inputs are fp32 or
+fp64, else "chunked". For bf16/fp16 inputs torch's op forms the logits in fp32 from the
+low-precision operands, more accurate than (and so not equal to) a head that rounds its
+logits to bf16 before `.float()`, as Transformers models do (about 1e-3 relative on the
+loss); the chunked backend rounds where the stock head does.
+"""
+
+# T tokens, D hidden (in features), V vocabulary (classes), C tokens in one chunk
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "chunked", "torch")
+REDUCTIONS = ("mean", "sum", "none")
+_MIN_CHUNK = 128
+
+
+def torch_linear_cross_entropy_available() -> bool:
+    """True when this torch has `F.linear_cross_entropy` with chunking options."""
+    return hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk so a chunk's logits are about as large as the hidden states
+    (at least 128 rows, so each GEMM stays large enough to run near peak)."""
+    return max(1, min(num_tokens, max(_MIN_CHUNK, math.ceil(num_tokens * hidden / max(vocab, 1)))))
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of `h @ weight^T (+ bias)` against `labels`, chunked over tokens.
+
+    h is [..., D], labels the matching [...] int64 class ids (`ignore_index` marks
+    positions that count for nothing). Same value and gradients as
+    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, ...)`, including a
+    NaN mean (and zero gradients) when every label is ignored. Returns a scalar, or
+    per-token losses shaped like `labels` for reduction="none" (fp32, or fp64 for
+    fp64 inputs).
+    """
+    _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend)
+    h_TD = h.reshape(-1, h.shape[-1])
+    labels_T = labels.reshape(-1)
+    if backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
+        loss = _torch_backend(
+            h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size
+        )
+    else:
+        T, D = h_TD.shape
+        chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
+        loss = _ChunkedLinearCE.apply(
+            h_TD, weight_VD, bias_V, labels_T, ignore_index, label_smoothing, reduction, chunk
+        )
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: expected a float in [0, 1]")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int or None")
+    if weight_VD.dim() != 2 or h.shape[-1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"weight must be [V, D] with D = h.shape[-1]; got h {tuple(h.shape)}, "
+            f"weight {tuple(weight_VD.shape)}"
+        )
+    if bias_V is not None and tuple(bias_V.shape) != (weight_VD.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight_VD.shape[0]}]; got {tuple(bias_V.shape)}")
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels must be int64 class ids; got {labels.dtype}")
+    if tuple(labels.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match h without its last dim {tuple(h.shape[:-1])}"
+        )
+    if backend == "torch":
+        if not torch_linear_cross_entropy_available():
+            raise ValueError(
+                f"backend='torch' needs torch.nn.functional.linear_cross_entropy with "
+                f"LinearCrossEntropyOptions (torch >= 2.13; this is {torch.__version__}); "
+                "use backend='chunked' or 'auto'"
+            )
+        if label_smoothing != 0.0:
+            raise ValueError(
+                "backend='torch' has no label smoothing; use backend='chunked' or 'auto'"
+            )
+
+
+def _torch_fits(h: torch.Tensor, label_smoothing: float) -> bool:
+    return (
+        torch_linear_cross_entropy_available()
+        and label_smoothing == 0.0
+        and h.dtype in (torch.float32, torch.float64)
+    )
+
+
+def _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size):
+    # chunk_size None: torch's own heuristic (chunking_method="auto")
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
+    # torch's chunked mean gives NaN gradients when every label is ignored; the plain
+    # composition gives zeros. Summing and dividing here keeps the plain behaviour.
+    red = "sum" if reduction == "mean" else reduction
+    loss = F.linear_cross_entropy(
+        h_TD, weight_VD, labels_T, linear_bias=bias_V, reduction=red,
+        ignore_index=ignore_index, options=opts,
+    )  # fmt: skip
+    acc = torch.promote_types(h_TD.dtype, torch.float32)
+    loss = loss.to(acc)
+    if reduction != "mean":
+        return loss
+    n_valid = (labels_T != ignore_index).sum().to(acc)
+    mean = loss / n_valid.clamp_min(1)
+    return torch.where(n_valid > 0, mean, torch.full_like(mean, float("nan")))
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, bias_V, labels_T, ignore_index, smoothing, reduction, chunk):
+        T = h_TD.shape[0]
+        acc = torch.promote_types(h_TD.dtype, torch.float32)
+        loss_T = torch.zeros(T, dtype=acc, device=h_TD.device)
+        lse_T = torch.empty(T, dtype=acc, device=h_TD.device)
+        valid_T = labels_T != ignore_index
+        for s in range(0, T, chunk):
+            logits_CV = _chunk_logits(h_TD[s : s + chunk], weight_VD, bias_V, acc)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_T[s : s + chunk] = lse_C
+            valid_C = valid_T[s : s + chunk]
+            safe_C = torch.where(valid_C, labels_T[s : s + chunk], 0)
+            nll_C = lse_C - logits_CV.gather(1, safe_C.unsqueeze(1)).squeeze(1)
+            if smoothing:
+                nll_C = (1 - smoothing) * nll_C + smoothing * (lse_C - logits_CV.mean(-1))
+            loss_T[s : s + chunk] = torch.where(valid_C, nll_C, 0)
+        n_valid = valid_T.sum().to(acc)
+        ctx.save_for_backward(h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid)
+        ctx.args = (ignore_index, smoothing, reduction, chunk)
+        if reduction == "none":
+            return loss_T
+        total = loss_T.sum()
+        return total / n_valid if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid = ctx.saved_tensors
+        ignore_index, smoothing, reduction, chunk = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = lse_T.dtype
+        # per-token factor on d loss / d logits; ignored tokens get exactly zero
+        if reduction == "none":
+            scale_T = grad_out.to(acc)
+        elif reduction == "mean":
+            scale_T = (grad_out.to(acc) / n_valid).expand(lse_T.shape)
+        else:
+            scale_T = grad_out.to(acc).expand(lse_T.shape)
+        scale_T = torch.where(labels_T != ignore_index, scale_T, 0)
+        grad_h = torch.empty_like(h_TD) if need_h else None
+        # low-precision weights: sum the chunks' contributions in fp32, cast once
+        grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=h_TD.device) if need_w else None
+        grad_b = torch.zeros(weight_VD.shape[0], dtype=acc, device=h_TD.device) if need_b else None
+        V = weight_VD.shape[0]
+        for s in range(0, h_TD.shape[0], chunk):
+            h_CD = h_TD[s : s + chunk]
+            logits_CV = _chunk_logits(h_CD, weight_VD, bias_V, acc)
+            # softmax - target distribution, in place on the recomputed logits
+            d_CV = logits_CV.sub_(lse_T[s : s + chunk].unsqueeze(1)).exp_()
+            if smoothing:
+                d_CV.sub_(smoothing / V)
+            safe_C = torch.where(
+                labels_T[s : s + chunk] != ignore_index, labels_T[s : s + chunk], 0
+            )
+            d_CV.scatter_add_(
+                1, safe_C.unsqueeze(1), torch.full_like(d_CV[:, :1], -(1.0 - smoothing))
+            )
+            d_CV.mul_(scale_T[s : s + chunk].unsqueeze(1))
+            if need_b:
+                grad_b.add_(d_CV.sum(0))
+            d_CV = d_CV.to(h_TD.dtype)
+            if need_h:
+                torch.mm(d_CV, weight_VD, out=grad_h[s : s + chunk])
+            if need_w:
+                grad_w.addmm_(d_CV.t().to(acc), h_CD.to(acc))
+        if need_w:
+            grad_w = grad_w.to(weight_VD.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _chunk_logits(h_CD, weight_VD, bias_V, acc):
+    # the GEMM in the input dtype, then fp32, as a language-model head followed by
+    # `logits.float()` does
+    return F.linear(h_CD, weight_VD, bias_V).to(acc)

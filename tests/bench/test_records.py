@@ -1,0 +1,207 @@
+"""History records of `dropless bench`: command line, commit and dirty flag, where the
+file is (from any directory, refused outside a checkout), load figures, allocator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import dropless
+from dropless.bench import common, e2e
+from dropless.cli.main import main
+
+GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+
+
+def _fake_checkout(root: Path) -> Path:
+    """A git checkout laid out as the project is: <root>/src/dropless, pyproject.toml."""
+    (root / "src" / "dropless").mkdir(parents=True)
+    (root / "src" / "dropless" / "x.py").write_text("x = 1\n")
+    (root / "pyproject.toml").write_text("[project]\nname = 'dropless'\n")
+    subprocess.run([*GIT, "init", "-q", str(root)], check=True)
+    subprocess.run([*GIT, "-C", str(root), "add", "-A"], check=True)
+    subprocess.run([*GIT, "-C", str(root), "commit", "-qm", "c"], check=True)
+    return root / "src" / "dropless"
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**({"history": None, "no_history": False} | kw))
+
+
+def test_command_line_as_typed_and_exact_argv():
+    py, script = "/venv/bin/python3.11", "/venv/bin/dropless"
+    shown, argv = common.command_line([py, script, "bench", "layer", "--impls", "a b"])
+    assert shown == "dropless bench layer --impls 'a b'"
+    assert argv == [py, script, "bench", "layer", "--impls", "a b"]
+    shown, _ = common.command_line([py, "-m", "dropless", "bench", "ep", "--world", "2"])
+    assert shown == "python3.11 -m dropless bench ep --world 2"
+    # this process: the exact argv of the running interpreter, not one rebuilt from sys.argv
+    _, argv = common.command_line()
+    assert Path(argv[0]).name.startswith("python") and argv[-len(sys.argv[1:]) :] == sys.argv[1:]
+
+
+def test_dirty_flag_ignores_benchmark_outputs(tmp_path):
+    pkg = _fake_checkout(tmp_path / "repo")
+    root = common.find_checkout(pkg)
+    assert root == tmp_path / "repo"
+    state = common.git_state(root)
+    assert state["dirty"] is False and len(state["commit"]) == 12
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "history.jsonl").write_text("{}\n")
+    (root / "BENCHMARKS.md").write_text("# b\n")
+    assert common.git_state(root)["dirty"] is False  # a benchmark's own outputs
+    (pkg / "x.py").write_text("x = 2\n")
+    state = common.git_state(root)
+    assert state["dirty"] is True and state["dirty_files"] == ["src/dropless/x.py"]
+
+
+def test_history_goes_to_the_checkout_from_any_directory(tmp_path, monkeypatch):
+    pkg = _fake_checkout(tmp_path / "repo")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rec = common.Recorder.start(_args(), package_dir=pkg)
+    assert rec.path == tmp_path / "repo" / "benchmarks" / "history.jsonl"
+    record = rec.finish("unit", {"x": 1})
+    line = json.loads(rec.path.read_text().splitlines()[-1])
+    assert line == json.loads(json.dumps(record))
+    assert line["bench"] == "unit" and line["cwd"] == str(elsewhere)
+    assert line["dirty"] is False and line["commit"]
+    assert not (elsewhere / "benchmarks").exists()
+    assert common.section_path(None, "unit", rec) == tmp_path / "repo/benchmarks/sections/unit.md"
+    # this package, imported from the checkout under test, resolves to that checkout
+    real = common.find_checkout()
+    assert real == Path(dropless.__file__).resolve().parents[2]
+
+
+def test_load_figures_in_every_record(tmp_path):
+    rec = common.Recorder.start(_args(history=str(tmp_path / "h.jsonl")))
+    record = rec.finish("unit", {})
+    for when in ("before", "after"):
+        load = record["load"][when]
+        assert len(load["loadavg"]) == 3 and all(v >= 0 for v in load["loadavg"])
+        assert isinstance(load["busy_processes"], int) and load["busy_processes"] >= 0
+    text = common.load_sentence(record["load"])
+    assert f"{record['load']['before']['loadavg'][0]:.2f} before" in text
+    assert common.provenance(record).endswith(text)
+
+
+def test_load_sample_counts_a_busy_process_outside_its_own_tree(tmp_path):
+    # a spinner named dlspin (its command name comes from the file it executes),
+    # re-parented away from this process (the shell exits at once)
+    spin = tmp_path / "dlspin"
+    spin.symlink_to(sys.executable)
+    out = subprocess.run(
+        ["sh", "-c", f"{spin} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(out.stdout.strip())
+    try:
+        time.sleep(0.2)
+        sample = common.load_sample(window_s=1.0, busy_share=0.05)
+    finally:
+        os.kill(pid, 9)
+    assert sample["busy_processes"] >= 1
+    assert any(b.startswith("dlspin ") for b in sample["busy"]), sample
+
+
+def test_history_refused_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    installed = tmp_path / "site-packages" / "dropless"
+    installed.mkdir(parents=True)
+    assert common.find_checkout(installed) is None
+    with pytest.raises(ValueError, match="not from a git checkout.*--history FILE"):
+        common.history_path("", False, installed)
+    path, why = common.history_path(None, False, installed)  # not asked: a note, no line
+    assert path is None and "not from a git checkout" in why
+    assert common.history_path(str(tmp_path / "h.jsonl"), False, installed)[0] is not None
+    # through the CLI: refused before anything is measured
+    monkeypatch.setattr(common, "PACKAGE_DIR", installed)
+    assert main(["bench", "fp8", "--T", "100000000", "--history"]) == 2
+    assert "--history: this dropless runs from" in capsys.readouterr().err
+
+
+def test_timed_children_get_no_malloc_settings(tmp_path, monkeypatch, capsys):
+    (tmp_path / "envprobe.py").write_text(
+        "import json, os\nprint(json.dumps(sorted(k for k in os.environ "
+        "if k.startswith('MALLOC_') or k == 'GLIBC_TUNABLES')))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    assert common.run_child("envprobe", {}) == []
+    # in-process timers refuse instead
+    assert main(["bench", "layer", "--no-history"]) == 2
+    assert "MALLOC_MMAP_THRESHOLD_" in capsys.readouterr().err
+
+
+def test_e2e_times_and_measures_memory_in_separate_children(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_child(module, args, timeout=1800):
+        calls.append(args)
+        out = {"impl": args["impl"], "first_loss": 5.0, "threads": 1}
+        if args["mode"] == "memory":
+            return out | {"peak_step_mib": 10.0, "peak_fwd_bwd_mib": 10.0,
+                          "peak_optimizer_mib": 5.0, "memory_tracked": True}  # fmt: skip
+        return out | {"step_s": 1.0, "best_step_s": 0.9, "tokens_per_s": 64.0}
+
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    hist = tmp_path / "h.jsonl"
+    args = p.parse_args(["--quick", "--impls", "grouped_mm,dropless", "--history", str(hist)])
+    assert e2e.run(args) == 0
+    modes = [c["mode"] for c in calls]
+    assert modes == ["time"] * 6 + ["memory"] * 2  # 3 rounds x 2, then one memory child each
+    line = json.loads(hist.read_text())
+    assert line["figures"]["rows"]["dropless"]["peak_step_mib"] == 10.0
+    assert "load" in line and line["figures"]["allocator"].startswith("timing: default")
+
+
+def test_busy_core_pins_a_spinner():
+    from dropless.bench.layer import start_busy_core
+
+    proc, core = start_busy_core(-1)
+    try:
+        assert core == max(os.sched_getaffinity(0))
+        assert os.sched_getaffinity(proc.pid) == {core}
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ValueError, match="--busy-core 4096"):
+        start_busy_core(4096)
+
+
+def test_every_bench_takes_the_history_and_section_options(capsys):
+    from dropless.cli.bench import BENCHES
+    from dropless.cli.main import build_parser
+
+    parser = build_parser()
+    for name in BENCHES:
+        args = parser.parse_args(["bench", name, "--history", "h.jsonl", "--section", ""])
+        assert args.history == "h.jsonl" and args.section == "" and not args.no_history
+        assert parser.parse_args(["bench", name, "--history"]).history == ""
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "layer, e2e, fp8, ep, jax, train" in capsys.readouterr().out
+
+
+def test_section_blocks_replace_their_own_key_and_drop_prose(tmp_path):
+    path = tmp_path / "layer.md"
+    path.write_text(
+        "## Old title\n\nHand-written notes.\n\n<!-- layer:a -->\nA1\n<!-- /layer:a -->\n"
+        "\nMore notes.\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
+    )
+    common.replace_block(path, "a", "<!-- layer:a -->\nA2\n<!-- /layer:a -->\n", "layer", "## T")
+    assert path.read_text() == (
+        "## T\n\n<!-- layer:a -->\nA2\n<!-- /layer:a -->\n\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
+    )

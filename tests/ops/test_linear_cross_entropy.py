@@ -1,0 +1,172 @@
+"""linear_cross_entropy (both backends) against F.cross_entropy(F.linear(...)): loss and
+gradients of h, weight and bias, with ignored labels, label smoothing and chunk edges."""
+
+# T tokens, D hidden, V vocabulary
+
+import pytest
+import torch
+
+from dropless.ops import linear_cross_entropy
+from dropless.ops import reference as ref
+from dropless.ops.linear_cross_entropy import torch_linear_cross_entropy_available
+
+BACKENDS = ["chunked"] + (["torch"] if torch_linear_cross_entropy_available() else [])
+
+CASES = {
+    # name: (T, D, V, chunk, fraction of labels ignored)
+    "multi_chunk": (37, 16, 50, 8, 0.3),  # T not a multiple of the chunk
+    "V_odd_one_chunk": (12, 8, 23, 64, 0.0),
+    "T=1": (1, 8, 11, 4, 0.0),
+    "all_ignored": (9, 8, 13, 4, 1.0),
+    "chunk=1": (5, 4, 7, 1, 0.2),
+}
+
+
+def _inputs(T, D, V, ignored, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.rand(T, generator=g) < ignored] = -100
+    return h, w, b, y
+
+
+def _loss_and_grads(fn, h, w, b, y, scale=1.7):
+    loss = fn(h, w, y, b)
+    params = [t for t in (h, w, b) if t is not None]
+    # a fixed, uneven upstream gradient (per token for reduction='none')
+    upstream = (
+        torch.linspace(-1, 2, loss.numel()).to(loss.dtype).reshape(loss.shape)
+        if loss.dim()
+        else scale
+    )
+    grads = torch.autograd.grad((loss * upstream).sum(), params)
+    return loss, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_fp32(case, reduction, backend):
+    T, D, V, chunk, ignored = CASES[case]
+    h, w, b, y = _inputs(T, D, V, ignored, torch.float32)
+    kw = dict(reduction=reduction)
+
+    def ours(*a):
+        return linear_cross_entropy(*a, chunk_size=chunk, backend=backend, **kw)
+
+    def stock(*a):
+        return ref.linear_cross_entropy_reference(*a, **kw)
+
+    l0, g0 = _loss_and_grads(stock, h, w, b, y)
+    l1, g1 = _loss_and_grads(ours, h, w, b, y)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for a, c in zip(g1, g0):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    if case == "all_ignored" and reduction == "mean":
+        assert torch.isnan(l1) and all((g == 0).all() for g in g1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("smoothing", [0.1, 1.0])
+def test_label_smoothing_matches_reference(smoothing, reduction):
+    h, w, b, y = _inputs(29, 12, 31, 0.25, torch.float32, seed=3)
+    kw = dict(label_smoothing=smoothing, reduction=reduction)
+    l0, g0 = _loss_and_grads(lambda *a: ref.linear_cross_entropy_reference(*a, **kw), h, w, b, y)
+    l1, g1 = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk_size=8, **kw), h, w, b, y)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunked_gradcheck_fp64(smoothing, reduction):
+    h, w, b, y = _inputs(7, 4, 9, 0.3, torch.float64, seed=5)
+
+    def fn(h, w, b):
+        return linear_cross_entropy(
+            h, w, y, b, label_smoothing=smoothing, reduction=reduction,
+            chunk_size=3, backend="chunked",
+        )  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
+def test_chunked_never_saves_full_logits():
+    """No tensor of T*V elements is kept for backward (the point of the op)."""
+    T, D, V = 64, 8, 96
+    h, w, _, y = _inputs(T, D, V, 0.0, torch.float32, bias=False)
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_cross_entropy(h, w, y, chunk_size=16, backend="chunked")
+    assert sizes and max(sizes) <= max(T * D, V * D) < T * V
+    sizes.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ref.linear_cross_entropy_reference(h, w, y)
+    assert max(sizes) >= T * V  # the composition does keep them
+
+
+def test_batched_shapes_and_auto_backend():
+    h, w, b, y = _inputs(24, 8, 17, 0.2, torch.float32)
+    h3, y3 = h.reshape(2, 12, 8), y.reshape(2, 12)
+    loss = linear_cross_entropy(h3, w, y3, b)
+    torch.testing.assert_close(loss, ref.linear_cross_entropy_reference(h, w, y, b))
+    per_token = linear_cross_entropy(h3, w, y3, b, reduction="none")
+    assert per_token.shape == (2, 12) and per_token.dtype == torch.float32
+
+
+def test_bad_input():
+    h, w, b, y = _inputs(4, 8, 10, 0.0, torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        linear_cross_entropy(h, w, y, backend="cuda")
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(h, w, y, reduction="avg")
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_cross_entropy(h, w[:, :4], y)
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(h, w, y[:3])
+    with pytest.raises(TypeError, match="int64"):
+        linear_cross_entropy(h, w, y.int())
+    with pytest.raises(ValueError, match="chunk_size"):
+        linear_cross_entropy(h, w, y, chunk_size=0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(h, w, y, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="no label smoothing"):
+        linear_cross_entropy(h, w, y, label_smoothing=0.1, backend="torch")
+
+
+def test_torch_backend_missing_is_an_error(monkeypatch):
+    import torch.nn.functional as F
+
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    h, w, _, y = _inputs(4, 8, 10, 0.0, torch.float32)
+    with pytest.raises(ValueError, match="torch >= 2.13"):
+        linear_cross_entropy(h, w, y, backend="torch")
+    # auto falls back to the chunked Function, same numbers
+    torch.testing.assert_close(
+        linear_cross_entropy(h, w, y), ref.linear_cross_entropy_reference(h, w, y)
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_rounds_like_the_stock_head(backend):
+    """bf16 operands: the chunked backend rounds the logits to bf16 where the stock head
+    does (same numbers); torch's op keeps them in fp32 (close, not equal)."""
+    h, w, b, y = _inputs(37, 16, 50, 0.25, torch.bfloat16)
+    l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
+    l1, g1 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, chunk_size=8, backend=backend), h, w, b, y
+    )
+    assert l1.dtype == torch.float32 and [g.dtype for g in g1] == [torch.bfloat16] * 3
+    tol = dict(rtol=1e-5, atol=1e-5) if backend == "chunked" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(l1, l0, **tol)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, **({} if backend == "chunked" else tol))

@@ -1,0 +1,181 @@
+"""The layer order of DESIGN.md, enforced: every import of every module under
+src/dropless (module level and inside functions, relative ones resolved, and module
+names written as strings for lazy imports) must stay inside this table.
+
+A package may always import itself. `dropless` itself (the package `__init__` and
+`__main__`) sits on top: it may import every layer, and only `bench` and `cli` import it.
+`jax` imports no module of ours but the torch-free specs module.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = "dropless"  # the top-level package's own modules
+
+_BELOW_HF = {"ops", "kernels", "nn", "quant", "parallel"}
+_TRAIN_AND_BELOW = _BELOW_HF | {"hf", "train"}
+ALLOWED: dict[str, set[str]] = {
+    "ops": set(),
+    "kernels": {"ops"},
+    "nn": {"ops"},
+    "quant": {"ops", "kernels"},
+    "parallel": {"ops", "kernels", "nn", "quant"},
+    "hf": _BELOW_HF,
+    "train": _BELOW_HF | {"hf"},
+    "bench": _TRAIN_AND_BELOW | {"jax", ROOT},
+    "cli": _TRAIN_AND_BELOW | {"jax", "bench", ROOT},
+    "jax": set(),
+    ROOT: _TRAIN_AND_BELOW | {"jax", "bench", "cli"},
+}
+#: single modules a package may import although their package is not in its row
+ALLOWED_MODULES: dict[str, set[str]] = {"jax": {"dropless.ops.specs"}}
+
+_MODULE_STRING = re.compile(r"dropless(\.[A-Za-z_]\w*)+")
+
+
+def module_name(path: Path, src: Path) -> tuple[str, bool]:
+    """(dotted name, is a package __init__) of a source file under `src`."""
+    parts = list(path.relative_to(src).with_suffix("").parts)
+    is_pkg = parts[-1] == "__init__"
+    if is_pkg:
+        parts = parts[:-1]
+    return ".".join(parts), is_pkg
+
+
+def _resolve(node: ast.ImportFrom, modname: str, is_pkg: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = modname.split(".") if is_pkg else modname.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(path: Path, src: Path) -> list[tuple[int, str]]:
+    """(line, dotted module) of every import in the file, wherever it is written."""
+    modname, is_pkg = module_name(path, src)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(node, modname, is_pkg)
+            for a in node.names:
+                # `from pkg import mod` imports the module pkg.mod when there is one
+                sub = f"{target}.{a.name}"
+                found.append((node.lineno, sub if _is_module(sub, src) else target))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # importlib.import_module("dropless.x") and lazy-export tables name modules
+            if _MODULE_STRING.fullmatch(node.value) and _is_module(node.value, src):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def _is_module(dotted: str, src: Path) -> bool:
+    p = src.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def package_of(dotted: str) -> str | None:
+    """Layer of a module of ours (ROOT for `dropless` itself), None for other packages."""
+    parts = dotted.split(".")
+    if parts[0] != "dropless":
+        return None
+    if len(parts) == 1 or parts[1] in ("__init__", "__main__"):
+        return ROOT
+    return parts[1]
+
+
+def violations(src: Path) -> list[str]:
+    """Every import outside the table, as 'file:line: a -> b' lines."""
+    bad = []
+    for path in sorted((src / "dropless").rglob("*.py")):
+        modname, _ = module_name(path, src)
+        own = package_of(modname)
+        for line, target in imports_of(path, src):
+            dest = package_of(target)
+            if dest is None or dest == own:
+                continue
+            if dest in ALLOWED.get(own, set()) or target in ALLOWED_MODULES.get(own, set()):
+                continue
+            bad.append(f"{path.relative_to(src)}:{line}: {own} -> {target}")
+    return bad
+
+
+def test_every_import_follows_the_layer_order():
+    assert (SRC / "dropless" / "ops").is_dir()
+    bad = violations(SRC)
+    assert not bad, "imports against the layer order (DESIGN.md):\n" + "\n".join(bad)
+
+
+def test_every_package_has_a_row():
+    packages = {p.name for p in (SRC / "dropless").iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(ALLOWED) - {ROOT}
+
+
+FAKE = {
+    "dropless/__init__.py": "",
+    "dropless/ops/__init__.py": "from .dispatch import pick\n",
+    "dropless/ops/dispatch.py": (
+        "def pick():\n    import dropless.quant  # lazy, still a violation\n    return 1\n"
+    ),
+    "dropless/ops/specs.py": "import dataclasses\n",
+    "dropless/quant/__init__.py": "from ..ops import dispatch\nfrom ..kernels import k\n",
+    "dropless/kernels/__init__.py": "k = 1\n",
+    "dropless/nn/__init__.py": '_LAZY = {"x": "dropless.hf"}\n',
+    "dropless/hf/__init__.py": "from ..parallel import mesh\n",
+    "dropless/parallel/__init__.py": "",
+    "dropless/parallel/mesh.py": "from ..hf import x\n",
+    "dropless/jax/__init__.py": "from ..ops.specs import A\nfrom .. import ops\n",
+    "dropless/jax/routing.py": "import importlib\nimportlib.import_module('dropless.ops.dispatch')\n",
+}
+
+
+def test_the_checker_catches_planted_violations(tmp_path):
+    for rel, text in FAKE.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    bad = violations(tmp_path)
+    assert sorted(bad) == sorted(
+        [
+            "dropless/ops/dispatch.py:2: ops -> dropless.quant",
+            "dropless/nn/__init__.py:1: nn -> dropless.hf",
+            "dropless/parallel/mesh.py:1: parallel -> dropless.hf",
+            "dropless/jax/__init__.py:2: jax -> dropless.ops",
+            "dropless/jax/routing.py:2: jax -> dropless.ops.dispatch",
+        ]
+    ), bad
+
+
+def test_import_dropless_stays_light():
+    code = (
+        "import sys, dropless\n"
+        "heavy = ['triton', 'torch._dynamo', 'transformers', 'jax', 'dropless.quant', "
+        "'dropless.hf', 'dropless.train']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+        "print('triton' in dropless.ops.gemm_backends())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    loaded, triton_registered = out.stdout.splitlines()
+    assert loaded == "[]", f"import dropless loaded {loaded}"
+    assert triton_registered == "True"  # registered at import, without importing triton
+
+
+@pytest.mark.parametrize("name", ["dropless.ops.specs"])
+def test_the_spec_module_imports_only_the_standard_library(name):
+    path = SRC.joinpath(*name.split(".")).with_suffix(".py")
+    for _, target in imports_of(path, SRC):
+        top = target.split(".")[0]
+        assert top in sys.stdlib_module_names or top == "__future__", target

@@ -87,3 +87,86 @@ def test_lr_schedules(schedule, checks):
     ).optim
     for step, want in checks:
         assert lr_factor(step, 110, o) == pytest.approx(want, abs=1e-9), (schedule, step)
+
+
+def _with_section(monkeypatch):
+    """Config with one more section holding a list, a bool and a string (the shape later
+    keys such as finetune.lora_targets take)."""
+    import dataclasses
+
+    from dropless.train import config as config_mod
+
+    @dataclasses.dataclass
+    class Finetune:
+        lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["experts"])
+        layers: list[int] = dataclasses.field(default_factory=list)
+        saved_fp8: bool = False
+        name: str = "x"
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(Config)]
+    fields.append(("finetune", Finetune, dataclasses.field(default_factory=Finetune)))
+    monkeypatch.setattr(config_mod, "Config", dataclasses.make_dataclass("Config", fields))
+    return config_mod
+
+
+def test_lists_booleans_and_strings(monkeypatch, tmp_path):
+    cm = _with_section(monkeypatch)
+    f = tmp_path / "run.toml"
+    f.write_text(
+        '[finetune]\nlora_targets = ["experts", "attention"]\nsaved_fp8 = true\nname = "a b"\n'
+    )
+    cfg = cm.load_config(f)
+    assert cfg.finetune.lora_targets == ["experts", "attention"] and cfg.finetune.saved_fp8 is True
+    sets = [
+        'finetune.lora_targets=["attention"]',
+        "finetune.layers=[1, 2]",
+        "finetune.saved_fp8=false",
+        "finetune.name=2024",
+    ]
+    cfg = cm.load_config(f, sets)
+    assert cfg.finetune.lora_targets == ["attention"] and cfg.finetune.layers == [1, 2]
+    assert cfg.finetune.saved_fp8 is False and cfg.finetune.name == "2024"  # a string stays one
+    assert cm.load_config(
+        None, ["finetune.lora_targets=experts,attention"]
+    ).finetune.lora_targets == ["experts", "attention"]
+    assert cm.load_config(cm.dump_config(cfg, tmp_path / "out.toml")) == cfg
+    for bad, msg in (
+        ("finetune.layers=[1, 2.5]", "finetune.layers=2.5: expected a int"),
+        ("finetune.layers=[1, nan]", "must be a finite number"),
+        ("finetune.lora_targets=[1]", "finetune.lora_targets=1: expected a string, got int"),
+        ("finetune.saved_fp8=[true]", "expected true or false"),
+        ("finetune.lora_target=[]", "did you mean 'finetune.lora_targets'?"),
+    ):
+        with pytest.raises(ValueError) as e:
+            cm.load_config(None, [bad])
+        assert msg in str(e.value), bad
+
+
+def test_python_310_falls_back_to_tomli(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    import tomllib as real
+
+    from dropless.train import config as config_mod
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10: no tomllib
+    monkeypatch.setitem(sys.modules, "tomli", real)  # the PyPI package of the same parser
+    spec = importlib.util.spec_from_file_location(
+        "dropless.train.config_py310", config_mod.__file__
+    )
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dropless.train.config_py310", mod)
+    spec.loader.exec_module(mod)
+    assert mod.tomllib is real
+    (tmp_path / "c.toml").write_text("[train]\nsteps = 3\n")
+    assert mod.load_config(tmp_path / "c.toml").train.steps == 3
+
+
+def test_examples_load():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert len(examples) >= 3
+    for f in examples:
+        load_config(f)  # every key known, every value valid

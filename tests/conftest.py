@@ -32,6 +32,7 @@ BUDGETS = {
     "parallel": 180,
     "quant": 120,
     "train": 180,
+    "faults": 120,
     "jax": 90,
 }
 _spent: dict[str, float] = {}

@@ -32,7 +32,10 @@ def test_sigint_sigterm_and_a_second_ctrl_c(finished_run, tmp_path, continued):
         assert "Traceback" not in err, name
         steps = [s for s, _ in ckpt.list_checkpoints(run)]
         if name == "twice":  # stopped at once: nothing saved past step 8
-            assert "interrupted at once (second Ctrl-C)" in err and steps == [4, 8]
+            assert (
+                "interrupted at once (Ctrl-C outside a step, or a second one)" in err
+                and steps == [4, 8]
+            )
             continue
         assert f"stopped by {name} after step 9; checkpoint " in err
         assert f"Resume with: dropless train --run-dir {run} --resume" in err

@@ -1,6 +1,6 @@
 """Runs `dropless` with faults injected through `TrainHooks` (never through the library's
-environment). argv[1] is a JSON list of jobs {"spec": {...}, "argv": [...], "stderr": path};
-the spec has any of
+environment). argv[1] is a JSON list of jobs {"spec": {...}, "argv": [...], "stderr": path},
+or one spec followed by the dropless arguments; a spec has any of
 
     {"rank": 1,                               # only this rank (default: every rank)
      "checkpoint": ["before_manifest", 9],    # SIGKILL at this phase of this step's save
@@ -72,6 +72,8 @@ def run_forked(jobs: list[dict]) -> list[int]:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     jobs = json.loads(sys.argv[1])
+    if isinstance(jobs, dict):  # one spec, then the dropless arguments
+        jobs = [{"spec": jobs, "argv": sys.argv[2:]}]
     if len(jobs) == 1 and "stderr" not in jobs[0]:
         sys.exit(run(jobs[0]))
     print(json.dumps(run_forked(jobs)), flush=True)

@@ -3,8 +3,8 @@ the problem and the fix."""
 
 import pytest
 import torch
+from train_util import tiny_args
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config import load_config
 from dropless.train.recipes import TINY

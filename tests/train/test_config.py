@@ -170,3 +170,21 @@ def test_examples_load():
     assert len(examples) >= 3
     for f in examples:
         load_config(f)  # every key known, every value valid
+
+
+def test_activation_checkpointing_uses_the_name_transformers_has():
+    from dropless.train.trainer import enable_activation_checkpointing
+
+    calls = []
+
+    class New:
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            calls.append(("new", activation_checkpointing_kwargs))
+
+    class Old:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(("old", gradient_checkpointing_kwargs))
+
+    enable_activation_checkpointing(New())
+    enable_activation_checkpointing(Old())
+    assert calls == [("new", {"use_reentrant": False}), ("old", {"use_reentrant": False})]

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
+from train_util import tiny_args
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 

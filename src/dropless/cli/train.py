@@ -91,8 +91,8 @@ def run(args) -> int:
         if getattr(args, "debug", False):
             raise
         _say(
-            "dropless train: interrupted at once (second Ctrl-C); the steps since the last complete "
-            "checkpoint are lost; continue with --resume"
+            "dropless train: interrupted at once (Ctrl-C outside a step, or a second one); the steps "
+            "since the last complete checkpoint are lost; --resume continues from that checkpoint"
         )
         return 130
     except (ValueError, OSError, CheckpointException) as e:

@@ -90,10 +90,159 @@ def _cfg(family: str):
             routed_scaling_factor=1.5,
             first_k_dense_replace=1,
         )
+    if family in MORE:
+        return _more(family)
     raise KeyError(family)
 
 
+_MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8)
+
+#: families once on the stock fallback: model type -> config overrides on top of COMMON
+#: (sizes small; hybrid families get one attention/full layer so a cache has one)
+MORE = {
+    "nemotron_h": dict(
+        layers_block_type=["mamba", "moe", "attention", "moe"],
+        head_dim=8,
+        intermediate_size=24,
+        moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        ssm_state_size=8,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        n_groups=2,
+        chunk_size=8,
+        num_hidden_layers=None,
+    ),
+    "deepseek_v2": dict(
+        **{**_MLA, "q_lora_rank": None},
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        num_key_value_heads=4,
+        n_group=2,
+        topk_group=1,
+        topk_method="group_limited_greedy",
+    ),
+    "qwen3_next": dict(
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "qwen3_5_moe_text": dict(
+        head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "qwen3_vl_moe": dict(
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+    ),
+    "phimoe": dict(head_dim=8, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoe": dict(intermediate_size=16, num_local_experts=6, num_experts_per_tok=2),
+    "jamba": dict(
+        intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=1,
+        expert_layer_offset=0,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+    ),
+    "minimax": dict(
+        head_dim=8,
+        intermediate_size=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+        block_size=4,
+    ),
+    "dots1": dict(
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+    ),
+    "ernie4_5_moe": dict(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        moe_num_experts=6,
+        moe_k=2,
+        moe_layer_start_index=0,
+        moe_num_shared_experts=1,
+    ),
+    "hunyuan_v1_moe": dict(
+        head_dim=8,
+        intermediate_size=16,
+        num_experts=6,
+        moe_topk=2,
+        num_shared_expert=1,
+    ),
+    "flex_olmo": dict(intermediate_size=16, num_experts=6, num_experts_per_tok=2),
+}
+
+
+_TINY_VISION = dict(
+    depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+    deepstack_visual_indexes=[0], num_position_embeddings=16, patch_size=4,
+)  # fmt: skip
+
+
+def _more(family: str):
+    import transformers as tf
+
+    if family == "qwen3_vl_moe":  # the text experts of a vision-language model
+        text = {**COMMON, **MORE[family]}
+        top = {k: text.pop(k) for k in ("tie_word_embeddings", "pad_token_id", "bos_token_id")}
+        text.pop("eos_token_id")
+        return tf.Qwen3VLMoeConfig(text_config=text, vision_config=_TINY_VISION, **top)
+    cls = type(tf.AutoConfig.for_model(family))
+    return cls(**{**COMMON, **MORE[family]})
+
+
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe"]
+MORE_FAMILIES = list(MORE)
+
+
+def auto_class(cfg):
+    """AutoModelForCausalLM, or the image-text-to-text one for a vision-language config."""
+    import transformers as tf
+
+    if type(cfg) in tf.AutoModelForCausalLM._model_mapping:
+        return tf.AutoModelForCausalLM
+    return tf.AutoModelForImageTextToText
 
 
 def config(family: str, **overrides):
@@ -112,8 +261,10 @@ def spread_routing(model, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in dh.moe_layers(model):
-            w = layer.router.weight
-            w.copy_(torch.randn(w.shape, generator=g) * 0.5)
+            named = (getattr(layer.block, n, None) for n in ("gate", "router"))
+            router = layer.router or next((m for m in named if m is not None), None)
+            for w in [] if router is None else router.parameters():  # hunyuan: gate.wg
+                w.copy_(torch.randn(w.shape, generator=g) * 0.5)
             bias = layer.expert_bias
             if bias is not None:
                 bias.copy_(torch.randn(bias.shape, generator=g) * 0.05)
@@ -123,25 +274,23 @@ def spread_routing(model, seed: int = 0) -> None:
 
 def build(family: str, implementation: str | None = "eager", seed: int = 0, **overrides):
     """A tiny CausalLM of `family` in fp32 with routing spread; implementation None = default."""
-    import transformers as tf
 
     torch.manual_seed(seed)
     kwargs = {"attn_implementation": "eager"}
     if implementation is not None:
         kwargs["experts_implementation"] = implementation
-    model = tf.AutoModelForCausalLM.from_config(config(family, **overrides), **kwargs)
+    model = auto_class(cfg := config(family, **overrides)).from_config(cfg, **kwargs)
     spread_routing(model, seed)
     return model.float()
 
 
 def clone_into(src, implementation: str | None):
     """A second model of the same family and weights, built with `implementation`."""
-    import transformers as tf
 
     cfg = src.config.__class__.from_dict(src.config.to_dict())
     kwargs = {"attn_implementation": "eager"}
     if implementation is not None:
         kwargs["experts_implementation"] = implementation
-    model = tf.AutoModelForCausalLM.from_config(cfg, **kwargs).float()
+    model = auto_class(cfg).from_config(cfg, **kwargs).float()
     model.load_state_dict(src.state_dict())
     return model

@@ -1,5 +1,6 @@
-"""Every supported family: patched == stock eager (logits, loss, every gradient, aux loss),
-greedy generation, save/load round trip, and the expert score bias."""
+"""Whole models: patched == stock eager (logits, loss, every gradient, aux loss), greedy
+generation, save/load round trip; the expert score bias for the families with a biased
+router. ALL covers the seven first families and those that once fell back to stock."""
 
 # T tokens, E experts, K top-k
 
@@ -10,12 +11,17 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from families import FAMILIES, build, clone_into
+from families import FAMILIES, MORE_FAMILIES, auto_class, build, clone_into
 
 import dropless
 import dropless.hf as dh
 
 VOCAB = 96
+ALL = FAMILIES + MORE_FAMILIES
+
+
+def _calls() -> int:
+    return sum(dh.CALLS.values())
 
 
 def _ids(seed=1, B=2, L=9):
@@ -33,7 +39,7 @@ def _run_patched(fn):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_training_step_matches_stock_eager(family):
     stock = build(family, "eager")
     dropless.patch()
@@ -42,10 +48,13 @@ def test_training_step_matches_stock_eager(family):
     n_moe = len(dh.moe_layers(patched))
     assert n_moe >= 1
     ids = _ids()
-    ref = stock(ids, labels=ids, output_router_logits=True)
-    before = dh.CALLS[family]
+    try:
+        ref = stock(ids, labels=ids, output_router_logits=True)
+    except AttributeError as e:  # granitemoe on transformers 5.17: aux_loss is an int there
+        pytest.skip(f"stock eager itself fails on this transformers version: {e}")
+    before = _calls()
     out = _run_patched(lambda: patched(ids, labels=ids, output_router_logits=True))
-    assert dh.CALLS[family] - before == n_moe  # every MoE layer ran the dropless path
+    assert _calls() - before == n_moe  # every MoE layer ran the dropless path
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
     if getattr(ref, "aux_loss", None) is not None:  # families with a load-balancing loss
@@ -56,14 +65,18 @@ def test_training_step_matches_stock_eager(family):
     checked = 0
     for name, p in patched.named_parameters():
         g_ref = grads[name].grad
-        assert p.grad is not None and g_ref is not None, name
+        if g_ref is None:  # unused by this input (a vision tower) or not trained (a bias)
+            assert p.grad is None, name
+            checked += 1
+            continue
+        assert p.grad is not None, name
         scale = float(g_ref.abs().max())
         torch.testing.assert_close(p.grad, g_ref, rtol=1e-4, atol=1e-5 * scale, msg=name)
         checked += 1
     assert checked == len(grads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_greedy_generation_matches(family):
     stock = build(family, "eager").eval()
     dh.patch_model(patched := clone_into(stock, "eager").eval())
@@ -71,17 +84,17 @@ def test_greedy_generation_matches(family):
     with torch.no_grad():
         ref = stock.generate(
             prompt,
-            max_new_tokens=4,
+            max_new_tokens=3,
             do_sample=False,
             output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
         )
-        before = dh.CALLS[family]
+        before = _calls()
         got = _run_patched(
-            lambda: patched.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+            lambda: patched.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
         )
-    assert dh.CALLS[family] > before
+    assert _calls() > before
     # compare ids up to the first step whose top-2 margin is too small to be decisive
     n_sure = 0
     for scores in ref.scores:
@@ -98,9 +111,8 @@ def test_greedy_generation_matches(family):
         )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL)
 def test_save_pretrained_loads_in_stock(family, tmp_path):
-    import transformers as tf
 
     model = build(family, "eager")
     dh.patch_model(model)
@@ -110,7 +122,7 @@ def test_save_pretrained_loads_in_stock(family, tmp_path):
     model.save_pretrained(tmp_path)
     dh.unpatch()  # stock Transformers from here on
     assert model.get_experts_implementation()[""] == "eager"  # back to what it had
-    stock = tf.AutoModelForCausalLM.from_pretrained(
+    stock = auto_class(model.config).from_pretrained(
         tmp_path, attn_implementation="eager", experts_implementation="eager"
     )
     with torch.no_grad():

@@ -37,6 +37,11 @@ def test_patch_makes_default_and_unpatch_restores_exactly():
     dropless.patch()
     dropless.patch()  # idempotent
     assert dh.is_patched() and _snapshot() != stock_state
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    # registered through the public mapping only: the class-wide one is untouched
+    assert ALL_EXPERTS_FUNCTIONS["dropless"] is dh.dropless_experts_forward
+    assert _snapshot()[0] == stock_state[0]
     during = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
     assert during.get_experts_implementation() == {"": "dropless"}
     explicit = tf.AutoModelForCausalLM.from_config(
@@ -172,22 +177,65 @@ def _phimoe(**kw):
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", **kw)
 
 
-def test_unsupported_family_falls_back_with_one_warning():
-    dropless.patch()
-    model = _phimoe()  # phimoe: experts interface, but routing dropless does not implement
+def test_phimoe_runs_ours_and_report_says_so():
+    report = dropless.patch()
+    assert "no patched MoE model yet" in str(report)
+    model = _phimoe()  # once a fallback family: the spec is read from what it computes
     assert model.get_experts_implementation() == {"": "dropless"}
-    stock = _phimoe(experts_implementation="grouped_mm")
+    stock = _phimoe(experts_implementation="eager")
     stock.load_state_dict(model.state_dict())
+    before = dh.PATH_CALLS[("phimoe", "fused")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
-            out = model(_ids()).logits
-            model(_ids(seed=2))
-    ours = [w for w in caught if issubclass(w.category, dh.DroplessFallbackWarning)]
-    assert len(ours) == 1 and "phimoe" in str(ours[0].message), [str(w.message) for w in caught]
-    assert dh.CALLS["phimoe"] == 0
-    with torch.no_grad():
-        assert torch.equal(out, stock(_ids()).logits)  # exactly the stock grouped_mm path
+            torch.testing.assert_close(
+                model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-5
+            )
+    assert not [w for w in caught if "dropless" in str(w.message)], caught
+    assert dh.PATH_CALLS[("phimoe", "fused")] - before == 2
+    assert report.families == {"phimoe": "fused"} and not report.fallbacks
+    assert report.modules_ours == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert "phimoe: 2 experts module(s) on the fused path (swiglu)" in str(report)
+    one = dh.report(stock)  # not patched: nothing of it runs dropless
+    assert one.records == []
+
+
+def _odd_experts_class():
+    """An experts class whose weights are not in the v5 layout dropless reads."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class OddExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.w_in = torch.nn.Parameter(torch.randn(3, 4, 6))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            w = self.w_in[top_k_index].sum(-1).sum(-1)  # [T, K]
+            return hidden_states * (w * top_k_weights).sum(-1, keepdim=True)
+
+    return OddExperts
+
+
+def test_unknown_layout_falls_back_to_its_own_forward_with_one_warning():
+    import transformers as tf
+
+    cls = _odd_experts_class()
+    cfg = tf.PretrainedConfig()
+    cfg._experts_implementation = "dropless"
+    dropless.patch()
+    module = cls(cfg)
+    spec = dh.experts_spec(module)
+    assert isinstance(spec, str) and "gate_up_proj" in spec
+    x, ids = torch.randn(5, 6), torch.randint(0, 3, (5, 2))
+    w = torch.rand(5, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = module(x, ids, w)
+        module(x, ids, w)
+    ours = [c for c in caught if issubclass(c.category, dh.DroplessFallbackWarning)]
+    assert len(ours) == 1 and "gate_up_proj" in str(ours[0].message)
+    assert torch.equal(out, type(module).forward.__wrapped__(module, x, ids, w))
 
 
 def test_bad_input_messages(monkeypatch):
@@ -207,11 +255,10 @@ def test_bad_input_messages(monkeypatch):
         dropless.patch_model(dense)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         dropless.patch_model(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match=r"'phimoe' is not supported.*Supported: qwen3_moe"):
-        dropless.patch_model(_phimoe())
     dropless.patch()
-    with pytest.raises(ValueError, match=r"family 'phimoe'.*grouped_mm"):
-        _phimoe(experts_implementation="dropless")
+    assert _phimoe(experts_implementation="dropless").get_experts_implementation()[""] == (
+        "dropless"
+    )
     with pytest.raises(ValueError, match="no Mixture-of-Experts"):
         tf.AutoModelForCausalLM.from_config(
             tf.LlamaConfig(
@@ -227,7 +274,7 @@ def test_bad_input_messages(monkeypatch):
     with pytest.raises(ValueError, match="expert_bias=True"):
         from dropless.hf.routers import add_expert_bias
 
-        add_expert_bias(torch.nn.Linear(2, 2), "phimoe", 2)
+        add_expert_bias(torch.nn.Linear(2, 2), "unknown_family", 2)
     dh.check_version("5.17.0")
     dh.check_version("5.24.0.dev0")
     for bad in ("4.57.1", "6.0.0", "5.16.2"):

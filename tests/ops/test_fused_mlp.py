@@ -308,7 +308,7 @@ def test_path_choice_and_errors():
     assert pick_mlp_path(x, w, None) == "loop"  # the CPU default (docs/performance.md)
     x, ids_TK, w_TK, gu, dn, _, _ = _problem()
     with pytest.raises(ValueError, match="activation"):
-        ops.expert_mlp(x, ids_TK, w_TK, gu, dn, activation="gelu")
+        ops.expert_mlp(x, ids_TK, w_TK, gu, dn, activation="no_such_kind")
     with pytest.raises(ValueError, match="not a grouped-GEMM backend"):
         ops.expert_mlp(x, ids_TK, w_TK, gu, dn, backend="nope")
     with pytest.raises(ValueError, match="counts"):

@@ -123,10 +123,10 @@ def test_swiglu_config_matches_reference_and_keywords(act):
     assert torch.autograd.gradcheck(lambda h, p: ops.swiglu(h, p, activation=act), args)
 
 
-def test_non_gated_is_refused_by_the_ops():
+def test_non_gated_runs_in_ops_and_is_refused_by_the_layer():
     act = ActivationConfig(gated=False)
-    with pytest.raises(ValueError, match="gated=False"):
-        ops.swiglu(torch.randn(2, 4), activation=act)
+    h = torch.randn(2, 4, dtype=torch.float64)
+    torch.testing.assert_close(ops.swiglu(h, activation=act), torch.nn.functional.silu(h))
     with pytest.raises(ValueError, match="gated=False"):
         dropless.MoE(16, 8, 4, 2, activation=act)
 

@@ -21,6 +21,7 @@ from _checks_fsdp import (  # noqa: F401
     hsdp_x_ep,
 )
 from _checks_hf import hf_ep_equals_single, hf_fsdp_x_ep_train  # noqa: F401
+from _checks_load import hf_sharded_load  # noqa: F401
 
 CHECKS = {
     2: [
@@ -39,6 +40,7 @@ CHECKS = {
         "hsdp_only",
         "hf_ep_equals_single",
         "hf_fsdp_x_ep_train",
+        "hf_sharded_load",
         "ckpt_resume_w2",
     ],
     4: [

@@ -173,7 +173,7 @@ def test_examples_load():
 
 
 def test_activation_checkpointing_uses_the_name_transformers_has():
-    from dropless.train.trainer import enable_activation_checkpointing
+    from dropless.train.model import enable_activation_checkpointing
 
     calls = []
 

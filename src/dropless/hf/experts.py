@@ -5,11 +5,16 @@ which sets layout flags on the instance (`has_gate`, `has_bias`, `is_transposed`
 `is_concatenated`, `has_post_expert_norm`, `_is_expert_parallel`) and dispatches
 `forward(hidden_states, top_k_index, top_k_weights)` through `ExpertsInterface` by
 `config._experts_implementation`. `dropless_experts_forward` is registered there under
-"dropless": it reads the flags and the gate function of the module, then runs
-`dropless.ops.expert_mlp` (sort by expert -> grouped GEMM -> SwiGLU x prob -> grouped
-GEMM -> combine), so every fast path and low-precision recipe registered in `ops`
-applies. A module whose semantics we do not implement goes to the stock `grouped_mm`
-forward with one warning naming the family and the reason.
+"dropless". `experts_spec` reads the flags, the gate function and `act_fn` (what the
+module computes, see `gates.py`, never its family name) and picks:
+
+- the fused path: `dropless.ops.expert_mlp` (sort by expert -> grouped GEMM ->
+  activation x prob -> grouped GEMM -> combine) with the module's `ActivationConfig`, so
+  every fast path and low-precision recipe registered in `ops` applies; with a
+  post-expert norm, the same MLP without the prob, the norm, then the weighted combine;
+- the generic-gate path, for a gate with no fused form: our grouped GEMMs with the
+  module's own `_apply_gate` (or `act_fn`) between them under autograd;
+- a fallback to the class's own forward, only for weights not in the v5 layout.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k
@@ -23,37 +28,75 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import ActivationConfig, expert_mlp
-
-#: Families whose routing and expert layout are implemented and tested exactly.
-SUPPORTED_FAMILIES = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "deepseek_v3",
-    "gpt_oss",
-    "glm4_moe",
+from ..ops import (
+    ActivationConfig,
+    expert_mlp,
+    grouped_gemm,
+    grouped_mlp,
+    permute,
+    sort_by_expert,
+    unpermute,
 )
 
-#: Calls of the dropless experts path per family (tests and users can read it).
+#: Calls of the dropless experts path per family, and per (family, path) with path
+#: "fused" or "generic": cheap counters tests and users read to see which path ran.
 CALLS: collections.Counter = collections.Counter()
+PATH_CALLS: collections.Counter = collections.Counter()
 
 _WARNED: set = set()
+_HOOKS: dict = {}
 
 
 class DroplessFallbackWarning(UserWarning):
     """An experts module ran the stock implementation because dropless does not cover it."""
 
 
+class DroplessGenericGateWarning(UserWarning):
+    """An experts module runs dropless's grouped GEMMs with its own gate function between
+    them (under autograd), because that gate has no fused form."""
+
+
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """How one experts module computes, read from its v5 flags and gate function."""
+    """How one experts module computes, read from its v5 flags, gate function and act_fn.
+
+    path "fused": the expert MLP runs as one memory-lean Function computing `activation`
+    (an `ActivationConfig`: kind, gated, interleaved, alpha/limit); "generic":
+    dropless's grouped GEMMs with the module's own `_apply_gate` (or `act_fn`) between
+    them under autograd, `activation` None and `reason` saying why.
+    """
 
     family: str
-    activation: ActivationConfig  # kind, interleaved gate/up columns (gpt_oss), alpha/limit
+    activation: ActivationConfig | None
     trans_w: bool  # weights [E, out, in] (nn.Linear layout); False: [E, in, out]
     has_bias: bool
+    path: str = "fused"  # "fused" | "generic"
+    gated: bool = True  # False: one up projection, then act_fn
+    post_norm: bool = False  # a norm on each expert's output (has_post_expert_norm)
+    reason: str = ""  # why the generic path
+
+    def describe(self) -> str:
+        """One line: the activation and layout (docs/hf.md lists these)."""
+        act = self.activation
+        if act is None:
+            parts = [f"own gate ({self.reason})"]
+        else:
+            parts = [act.kind if len(act.kind) < 40 else act.kind.rsplit(".", 1)[-1]]
+            if act.kind == "gpt_oss":
+                parts.append(f"alpha={act.alpha:g} limit={act.limit:g}")
+            elif act.kind == "swiglu_clamp":
+                parts.append(f"limit={act.limit:g}")
+            if act.interleaved:
+                parts.append("interleaved")
+        if not self.gated:
+            parts.append("non-gated")
+        if not self.trans_w:
+            parts.append("[E, in, out] layout")
+        if self.has_bias:
+            parts.append("biases")
+        if self.post_norm:
+            parts.append("post-expert norm")
+        return ", ".join(parts)
 
 
 def family_of(module: nn.Module) -> str:
@@ -72,53 +115,47 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | str:
     """The spec of `module`, or a string saying why dropless does not run it."""
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
+    from .gates import fused_form
 
     family = family_of(module)
-    if family not in SUPPORTED_FAMILIES:
-        return f"family {family!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
-    if getattr(module, "_is_expert_parallel", False):
-        return "Transformers' own expert parallelism (tp_plan) is on; use dropless.parallel instead"
-    if getattr(module, "has_post_expert_norm", False):
-        return "a norm after each expert (has_post_expert_norm) is not implemented"
-    if not module.has_gate:
-        return "non-gated experts (has_gate=False) are not implemented"
-    gate_fn = getattr(type(module), "_apply_gate", None)
-    trans_w = not module.is_transposed
-    if gate_fn is _default_apply_gate:
-        # the stock gate splits with chunk(2): [gate | up] whatever is_concatenated says
-        if not isinstance(getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation)):
-            return f"activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU"
-        return ExpertsSpec(family, ActivationConfig(), trans_w, bool(module.has_bias))
-    if family == "gpt_oss" and getattr(gate_fn, "__qualname__", "") == "GptOssExperts._apply_gate":
-        act = ActivationConfig(
-            "gpt_oss", interleaved=True, alpha=float(module.alpha), limit=float(module.limit)
-        )
-        return ExpertsSpec(family, act, trans_w, bool(module.has_bias))
-    return f"its gate function {getattr(gate_fn, '__qualname__', gate_fn)} is not implemented"
+    missing = _missing_weights(module)
+    if missing:
+        return f"expected 3-D expert weights {missing} (the Transformers v5 layout) are missing"
+    gated = bool(module.has_gate)
+    base = dict(
+        family=family,
+        trans_w=not module.is_transposed,
+        has_bias=bool(module.has_bias),
+        gated=gated,
+        post_norm=bool(getattr(module, "has_post_expert_norm", False)),
+    )
+    form = fused_form(module)
+    if isinstance(form, str):
+        return ExpertsSpec(activation=None, path="generic", reason=form, **base)
+    kind = form.pop("activation")
+    return ExpertsSpec(activation=ActivationConfig(kind, gated=gated, **form), **base)
+
+
+def _missing_weights(module: nn.Module) -> list[str]:
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    if module.has_bias:
+        names += [names[0] + "_bias", "down_proj_bias"]
+    return [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
 
 
 def _spec(module: nn.Module) -> ExpertsSpec | str:
-    # flags are fixed at construction except _is_expert_parallel, so cache by that
-    key = bool(getattr(module, "_is_expert_parallel", False))
-    cached = module.__dict__.get("_dropless_spec")
-    if cached is None or cached[0] != key:
-        cached = (key, experts_spec(module))
-        module.__dict__["_dropless_spec"] = cached
-    return cached[1]
+    # the flags, gate and act_fn are fixed at construction: compute once per module
+    spec = module.__dict__.get("_dropless_spec")
+    if spec is None:
+        spec = module.__dict__["_dropless_spec"] = experts_spec(module)
+    return spec
 
 
-def _warn_fallback(family: str, reason: str) -> None:
-    if (family, reason) in _WARNED:
+def _warn_once(category, family: str, message: str) -> None:
+    if (family, message) in _WARNED:
         return
-    _WARNED.add((family, reason))
-    warnings.warn(
-        f"dropless: {family} experts run the stock Transformers implementation (grouped_mm): "
-        f"{reason}.",
-        DroplessFallbackWarning,
-        stacklevel=3,
-    )
+    _WARNED.add((family, message))
+    warnings.warn(f"dropless: {family} experts {message}", category, stacklevel=4)
 
 
 def _in_backward() -> bool:
@@ -136,6 +173,54 @@ def _record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
     module.__dict__["_dropless_counts_E"] = counts_E.clone() if total is None else total + counts_E
 
 
+class _HookHandle:
+    def __init__(self, key: int):
+        self.key = key
+
+    def remove(self) -> None:
+        _HOOKS.pop(self.key, None)
+
+
+def register_experts_hook(fn) -> _HookHandle:
+    """Call `fn(module, top_k_index, top_k_weights)` on every dropless experts call.
+
+    The ids and weights are the router's own choice for that call (e.g. to compute a
+    balancing loss from the experts each layer actually selected). Returns a handle
+    whose `remove()` unregisters it. No cost when no hook is registered."""
+    if not callable(fn):
+        raise TypeError(f"register_experts_hook needs a callable, got {type(fn).__name__}")
+    key = max(_HOOKS, default=0) + 1
+    _HOOKS[key] = fn
+    return _HookHandle(key)
+
+
+def _weights(module: nn.Module, spec: ExpertsSpec):
+    first = "gate_up_proj" if spec.gated else "up_proj"
+    w1, w2 = getattr(module, first), module.down_proj
+    if not spec.has_bias:
+        return w1, w2, None, None
+    return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias
+
+
+def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
+    """Sorted rows through grouped GEMMs, the module's gate (generic path) or the fused
+    MLP without the prob (post-expert norm), the norm, then the weighted combine."""
+    sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
+    x_SD = permute(x_TD, sp)
+    if spec.path == "fused":
+        y_SD = grouped_mlp(
+            x_SD, sp.counts, None, w1, w2, gate_up_bias=b1, down_bias=b2,
+            activation=spec.activation, trans_w=spec.trans_w,
+        )  # fmt: skip
+    else:
+        h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, trans_w=spec.trans_w)
+        a_SF = module._apply_gate(h_SN) if spec.gated else module.act_fn(h_SN)
+        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, sp.counts, b2, trans_w=spec.trans_w)
+    if spec.post_norm:
+        y_SD = module.post_expert_norm(y_SD)
+    return unpermute(y_SD, sp, weights_TK.to(y_SD.dtype)), sp
+
+
 def dropless_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -145,23 +230,32 @@ def dropless_experts_forward(
     """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops."""
     spec = _spec(self)
     if isinstance(spec, str):
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        _warn_fallback(family_of(self), spec)
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    gate_up, down = self.gate_up_proj, self.down_proj
-    x_TD = hidden_states.to(gate_up.dtype)
-    out_TD, sp = expert_mlp(
-        x_TD,
-        top_k_index.long(),
-        top_k_weights,
-        gate_up,
-        down,
-        gate_up_bias=self.gate_up_proj_bias if spec.has_bias else None,
-        down_bias=self.down_proj_bias if spec.has_bias else None,
-        activation=spec.activation,
-        trans_w=spec.trans_w,
-    )
+        _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
+        eager = type(self).forward.__wrapped__  # the class's forward, under the decorator
+        return eager(self, hidden_states, top_k_index, top_k_weights)
+    if _HOOKS:
+        for hook in list(_HOOKS.values()):
+            hook(self, top_k_index, top_k_weights)
+    w1, w2, b1, b2 = _weights(self, spec)
+    x_TD = hidden_states.to(w1.dtype)
+    ids_TK, keep_TK = top_k_index.long(), None
+    if getattr(self, "_is_expert_parallel", False):
+        # Transformers' own expert parallelism marks pairs of other ranks with ids >= E
+        keep_TK = ids_TK < w1.shape[0]
+    if spec.path == "fused" and not spec.post_norm:
+        out_TD, sp = expert_mlp(
+            x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
+            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w,
+        )  # fmt: skip
+    else:
+        if spec.path == "generic":
+            _warn_once(
+                DroplessGenericGateWarning, spec.family,
+                f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
+                "this keeps more activations for backward than the fused path.",
+            )  # fmt: skip
+        out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
     _record_counts(self, sp.counts_E)
     CALLS[spec.family] += 1
+    PATH_CALLS[(spec.family, spec.path)] += 1
     return out_TD.to(hidden_states.dtype)

@@ -40,8 +40,9 @@ class MoELayer:
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
-        """The router's score bias buffer [E] (e_score_correction_bias or dropless's expert_bias)."""
-        return None if self.router is None else router_bias(self.router)
+        """The score bias [E] the block routes with (e_score_correction_bias or equivalent, or
+        the expert_bias dropless added); None if there is none."""
+        return router_bias(self.router, self.block)
 
     @property
     def tokens_per_expert(self) -> torch.Tensor | None:

@@ -6,6 +6,9 @@ module instance a forward that sends tokens through `ExpertParallelDispatcher`; 
 grouped MLP on the local experts uses the same layout flags as the single-process
 dropless path (`dropless.hf.experts_spec`). The stock router is untouched. Expert
 parameters keep their names and global shapes, so DCP checkpoints reshard.
+
+`load_sharded_hf(model, path)` fills a model built on the meta device and sharded (EP,
+FSDP2) from a Transformers safetensors checkpoint, each rank reading only its shards.
 """
 
 # T tokens, D model dim, E experts (global), L local experts, K top-k, S rows
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
 from ..ops.expert_mlp import grouped_mlp
@@ -56,7 +60,9 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """Expert-parallelise every experts module of a dropless-patched HF model in place.
 
     Every rank must hold the same full weights first (same seed or the same
-    checkpoint). Returns the names of the MoE blocks changed; no-op when ep == 1.
+    checkpoint), or the model is on the meta device: then, after FSDP and
+    `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
+    Returns the names of the MoE blocks changed; no-op when ep == 1.
     Raises ValueError for an experts module dropless cannot run (the stock fallback
     has no expert-parallel path here).
     """
@@ -79,6 +85,11 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         if isinstance(spec, str):
             raise ValueError(
                 f"{layer.name}: expert parallelism needs the dropless experts path: {spec}"
+            )
+        if spec.path != "fused" or spec.post_norm or not spec.gated:
+            raise ValueError(
+                f"{layer.name}: expert parallelism runs the fused gated expert MLP only; this "
+                f"module computes {spec.describe()}. Train it with parallel.ep=1."
             )
         E = int(m.num_experts)
         if E % P:
@@ -107,3 +118,201 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
 def hf_dispatchers(model: nn.Module) -> list:
     """The expert-parallel dispatchers of a model sharded by `shard_hf_experts`."""
     return [m.__dict__["_dropless_ep"][1] for m in model.modules() if "_dropless_ep" in m.__dict__]
+
+
+# ---- loading a Transformers checkpoint into a sharded model, each rank its own part ------
+
+
+def _checkpoint_files(path) -> dict[str, str]:
+    """{checkpoint key: safetensors file} of a `save_pretrained` directory."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: str(p / f) for k, f in weight_map.items()}
+    single = p / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(
+            f"{str(p)!r} has no model.safetensors or model.safetensors.index.json; sharded loading "
+            "reads safetensors checkpoints (re-save the model with save_pretrained)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: str(single) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
+    """{model state key: ("direct", key) | ("merged", [[key per expert] per source], concat)}.
+
+    Checkpoint keys are renamed with the model's own Transformers conversion mapping; per-
+    expert tensors that it stacks (MergeModulelist) and concatenates (Concatenate, gate then
+    up) are read expert by expert, so a rank touches only the experts it owns.
+    """
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        apply_renamings,
+        rename_source_key,
+    )
+
+    transforms = get_model_conversion_mapping(model)
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    known = dict.fromkeys(model.state_dict().keys(), True)
+    prefix = getattr(model, "base_model_prefix", None)
+    plans: dict[str, tuple] = {}
+    merged: dict[str, tuple] = {}
+    for ck in ckpt_keys:
+        renamed = apply_renamings(ck, renamings)
+        conv = pat = None
+        for c in converters:
+            target, pat = c.rename_source_key(renamed)
+            if pat is not None:
+                conv = c
+                break
+        if conv is None:
+            target = renamed
+        target, _ = rename_source_key(target, [], [], prefix, known)
+        if conv is None:
+            plans[target] = ("direct", ck)
+            continue
+        ops = list(getattr(conv, "operations", []))
+        kinds = [(type(o), getattr(o, "dim", None)) for o in ops]
+        if kinds not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
+            raise ValueError(
+                f"sharded loading of {ck!r} -> {target!r}: the checkpoint conversion "
+                f"{[type(o).__name__ for o in ops]} is not implemented (stacked experts with an "
+                "optional gate/up concatenation are); train this model on one process"
+            )
+        m = re.search(re.escape(pat).replace(r"\*", r"(\d+)"), renamed)
+        if m is None:
+            raise ValueError(f"sharded loading: no expert index in {ck!r} for pattern {pat!r}")
+        sources = merged.setdefault(target, ({}, conv, len(kinds) == 2))[0]
+        sources.setdefault(pat, {})[int(m.group(1))] = ck
+    for target, (sources, conv, concat) in merged.items():
+        per_source = []
+        for pat in conv.source_patterns:
+            by_e = sources.get(pat, {})
+            if sorted(by_e) != list(range(len(by_e))) or not by_e:
+                raise ValueError(
+                    f"sharded loading of {target!r}: experts {sorted(by_e)} in the checkpoint"
+                )
+            per_source.append([by_e[e] for e in range(len(by_e))])
+        plans[target] = ("merged", per_source, concat)
+    return plans
+
+
+def _region(t) -> tuple[torch.Tensor, list[int]]:
+    """(this rank's local tensor, its global offset) for a plain tensor or a DTensor."""
+    if hasattr(t, "to_local"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        assert tuple(local.shape) == tuple(shape), (tuple(local.shape), tuple(shape))
+        return local, list(offset)
+    return t, [0] * t.dim()
+
+
+def _fill(local: torch.Tensor, plan, files: dict[str, str], offset: list[int]) -> None:
+    """Copy the checkpoint's values of region [offset, offset + local.shape) of one model
+    tensor into `local`, piece by piece (at most one expert's slice is held besides it)."""
+    import contextlib
+
+    from safetensors import safe_open
+
+    sl = [slice(o, o + s) for o, s in zip(offset, local.shape)]
+    keys = [plan[1]] if plan[0] == "direct" else [k for src in plan[1] for k in src]
+    with contextlib.ExitStack() as stack:  # files are mapped only while this tensor is read
+        handles = {}
+        for k in keys:
+            if files[k] not in handles:
+                handles[files[k]] = stack.enter_context(safe_open(files[k], framework="pt"))
+
+        def part(k, idx):
+            h = handles[files[k]]
+            return h.get_slice(k)[tuple(idx)] if idx else h.get_tensor(k)
+
+        if plan[0] == "direct":
+            local.copy_(part(plan[1], sl).reshape(local.shape))
+            return
+        per_source, concat = plan[1], plan[2]
+        for i, e in enumerate(range(sl[0].start, sl[0].stop)):
+            if not concat:
+                local[i].copy_(part(per_source[0][e], sl[1:]))
+                continue
+            start = 0
+            for src in per_source:  # gate rows, then up rows, along model dim 1
+                n = handles[files[src[e]]].get_slice(src[e]).get_shape()[0]
+                lo, hi = max(sl[1].start, start), min(sl[1].stop, start + n)
+                if lo < hi:
+                    piece = part(src[e], [slice(lo - start, hi - start), *sl[2:]])
+                    local[i, lo - sl[1].start : hi - sl[1].start].copy_(piece)
+                start += n
+
+
+@torch.no_grad()
+def load_sharded_hf(model: nn.Module, path) -> list[str]:
+    """Fill a model built on the meta device and sharded (expert parallelism, FSDP2) with the
+    weights of the Transformers checkpoint in `path`: each rank materializes only its own
+    shards and reads only their slices from the safetensors files (`safe_open` +
+    `get_slice`), cast to each parameter's dtype. Returns the state keys left unread (the
+    expert biases dropless added, zeroed). Call after `model.to_empty(device=...)`.
+
+    Raises ValueError for a checkpoint layout it cannot slice or a tensor it lacks.
+    """
+    from .layers import added_state_keys
+
+    files = _checkpoint_files(path)
+    plans = _plans(model, files)
+    _retie(model)
+    _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
+    added = set(added_state_keys(model))
+    done: set[int] = set()
+    unread = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in done:  # tied weights: one tensor under two names
+            continue
+        local, offset = _region(t)
+        plan = plans.get(name)
+        if plan is None:
+            if name in added:
+                local.zero_()
+                unread.append(name)
+                continue
+            tied = getattr(model, "all_tied_weights_keys", None) or {}
+            if name in tied:
+                continue
+            raise ValueError(
+                f"the checkpoint in {str(path)!r} has no tensor for {name!r}; "
+                "is it a checkpoint of this model family?"
+            )
+        if local.numel():
+            _fill(local, plan, files, offset)
+        done.add(id(t))
+    return unread
+
+
+def _retie(model: nn.Module) -> None:
+    # a plain `to_empty` gives tied parameters separate storage (FSDP2 keeps them shared)
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    split = [t for t, src in tied.items() if t in params and params[t] is not params.get(src)]
+    if split and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    # rotary inv_freq and the like are not in checkpoints: recompute them as Transformers does
+    init = getattr(model, "_init_weights", None)
+    for mod in model.modules():
+        if mod._non_persistent_buffers_set and init is not None:
+            init(mod)

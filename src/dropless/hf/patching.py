@@ -19,8 +19,9 @@ import weakref
 from torch import nn
 
 from ._compat import require_transformers
-from .experts import SUPPORTED_FAMILIES, dropless_experts_forward
+from .experts import dropless_experts_forward
 from .layers import moe_layers
+from .report import PatchReport, model_report
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
@@ -34,26 +35,27 @@ _defaulted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _register() -> None:
-    from transformers.integrations.moe import ExpertsInterface
+    # the public registration point: ALL_EXPERTS_FUNCTIONS[name] = fn, undone with del
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if _state["registered"]:
         return
-    mapping = ExpertsInterface._global_mapping
-    _state["prior"] = (IMPLEMENTATION in mapping, mapping.get(IMPLEMENTATION))
-    mapping[IMPLEMENTATION] = dropless_experts_forward
+    had = IMPLEMENTATION in ALL_EXPERTS_FUNCTIONS
+    _state["prior"] = (had, ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] if had else None)
+    ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = dropless_experts_forward
     _state["registered"] = True
 
 
 def _unregister() -> None:
-    from transformers.integrations.moe import ExpertsInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if not _state["registered"]:
         return
     had, value = _state["prior"]
     if had:
-        ExpertsInterface._global_mapping[IMPLEMENTATION] = value
+        ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = value
     else:
-        ExpertsInterface._global_mapping.pop(IMPLEMENTATION, None)
+        del ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION]
     _state["registered"] = False
     _state["prior"] = None
 
@@ -65,12 +67,6 @@ def _check_family(model) -> None:
             f"experts_implementation='dropless' asked for {type(model).__name__} ({family}), "
             "which has no Mixture-of-Experts layers using Transformers' experts interface; "
             "dropless only changes MoE models. Leave experts_implementation unset for it."
-        )
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(
-            f"experts_implementation='dropless' asked for model family {family!r}, which dropless "
-            f"does not support. Supported: {', '.join(SUPPORTED_FAMILIES)}. Use "
-            "experts_implementation='grouped_mm' (the stock default) for this model."
         )
 
 
@@ -124,17 +120,29 @@ def is_patched() -> bool:
     return _state["original_get_correct"] is not None
 
 
-def patch() -> None:
+def patch() -> PatchReport:
     """Register the "dropless" experts implementation and make it the default.
 
     Models built or loaded afterwards (`from_config`, `from_pretrained`) run their experts
-    through dropless; an explicit `experts_implementation=` still wins. Families dropless
-    does not implement run the stock path with one `DroplessFallbackWarning`.
+    through dropless; an explicit `experts_implementation=` still wins. Returns a
+    `PatchReport`, a live view of the patched models: print it (or read `.families`,
+    `.modules_ours`, `.generic`, `.fallbacks`) after building or loading them.
     Idempotent; undone exactly by `unpatch()`.
     """
     require_transformers()
     _register()
     _install_default()
+    return report()
+
+
+def report(model: nn.Module | None = None) -> PatchReport:
+    """What dropless runs in `model`, or in every model it switched (live view)."""
+    if model is not None:
+        return model_report(model)
+    return PatchReport(
+        "'dropless' is the default experts implementation of MoE models built or loaded",
+        lambda: list(_models.keys()),
+    )
 
 
 def _require_moe(model) -> list:
@@ -150,13 +158,6 @@ def _require_moe(model) -> list:
             "interface (no module decorated with @use_experts_implementation), so dropless has "
             "nothing to patch. Pass a MoE model (e.g. Qwen3-MoE, Mixtral, DeepSeek-V3)."
         )
-    for layer in layers:
-        if layer.family not in SUPPORTED_FAMILIES:
-            raise ValueError(
-                f"patch_model: model family {layer.family!r} is not supported by dropless. "
-                f"Supported: {', '.join(SUPPORTED_FAMILIES)}. Leave this model on the stock "
-                "experts implementation."
-            )
     return layers
 
 

@@ -60,18 +60,31 @@ def _forward_for(family: str):
     return None
 
 
-def router_bias(router: nn.Module) -> torch.Tensor | None:
-    """The router's expert score bias buffer: its own or the one dropless added, else None."""
-    for name in ("e_score_correction_bias", "expert_bias"):
-        bias = getattr(router, name, None)
-        if isinstance(bias, torch.Tensor):
-            return bias
+#: Names families give the score bias that shifts expert choice (not the weights).
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
+
+
+def router_bias(router: nn.Module | None, block: nn.Module | None = None) -> torch.Tensor | None:
+    """The expert score bias a MoE block routes with: the router's own (or one held by a
+    router submodule, e.g. Ernie-4.5's `moe_statics`), the block's (AFMoE, LFM2-MoE keep it
+    there), or the one dropless added; None if there is none."""
+    mods = [] if router is None else [m for _, m in router.named_modules()]
+    if block is not None:
+        mods.append(block)
+    for mod in mods:
+        for name in BIAS_NAMES:
+            bias = getattr(mod, name, None)
+            if isinstance(bias, torch.Tensor):
+                return bias
     return None
 
 
-def add_expert_bias(router: nn.Module, family: str, num_experts: int) -> bool:
-    """Give `router` an `expert_bias` buffer and a forward that uses it; False if it has one."""
-    if router_bias(router) is not None:
+def add_expert_bias(
+    router: nn.Module, family: str, num_experts: int, block: nn.Module | None = None
+) -> bool:
+    """Give `router` an `expert_bias` buffer and a forward that uses it; False if the router
+    (or its MoE `block`) already has a score bias."""
+    if router_bias(router, block) is not None:
         return False
     forward = _forward_for(family)
     if forward is None:

@@ -38,6 +38,11 @@ class GroupedExperts(nn.Module):
     ):
         super().__init__()
         activation = check_supported(as_activation(activation))
+        if not activation.gated:
+            raise ValueError(
+                "GroupedExperts: activation.gated=False (non-gated experts) is not "
+                "implemented here (its weights are gate/up [E, 2F, D]); use gated=True"
+            )
         E, D, F = num_experts, hidden_size, intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = E, D, F
         self.activation, self.backend = activation, backend

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from .activations import elementwise_fwd, elementwise_parts
 from .dispatch import pick_gemm_backend
 from .permute import gather_sum
 from .specs import ActivationConfig, as_activation
@@ -43,11 +44,23 @@ from .swiglu import _split, check_supported
 # --- activation pieces (no autograd; shared by both Functions) -----------------------
 
 
+def _gate_up(h, act: ActivationConfig):
+    return _split(h, act.interleaved) if act.gated else (h, None)
+
+
+def _is_glu(act: ActivationConfig) -> bool:
+    """The two kinds with hand-fused in-place forms; the others are in `activations`."""
+    return act.gated and act.kind in ("swiglu", "gpt_oss")
+
+
 def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
     """a = act(gate, up) * prob, written into `out` when given."""
-    gate, up = _split(h_n2F, act.interleaved)
+    gate, up = _gate_up(h_n2F, act)
     alpha, limit = act.alpha, act.limit
-    if act.kind == "swiglu":
+    if not _is_glu(act):
+        a = elementwise_fwd(gate, up, act.kind, limit)
+        a = out.copy_(a) if out is not None else a
+    elif act.kind == "swiglu":
         a = (
             torch.ops.aten.silu.out(gate, out=out)
             if out is not None
@@ -64,9 +77,12 @@ def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
 
 
 def _act_parts(h_n2F, act: ActivationConfig):
-    """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up)."""
-    gate, up = _split(h_n2F, act.interleaved)
+    """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up);
+    d_up is None for non-gated experts (gate is then the whole h)."""
+    gate, up = _gate_up(h_n2F, act)
     alpha, limit = act.alpha, act.limit
+    if not _is_glu(act):
+        return elementwise_parts(gate, up, act.kind, limit)
     if act.kind == "swiglu":
         sig = torch.sigmoid(gate)
         silu = gate * sig
@@ -86,7 +102,10 @@ def _act_parts(h_n2F, act: ActivationConfig):
 
 
 def _act_bwd(g_nF, d_gate, d_up, interleaved, out_n2F):
-    """dh = [g * d a0/d gate, g * d a0/d up] in the layout of h."""
+    """dh = [g * d a0/d gate, g * d a0/d up] in the layout of h (g * d a0/d h if d_up
+    is None: non-gated)."""
+    if d_up is None:
+        return torch.mul(g_nF, d_gate, out=out_n2F)
     og, ou = _split(out_n2F, interleaved)
     torch.mul(g_nF, d_gate, out=og)
     torch.mul(g_nF, d_up, out=ou)
@@ -124,9 +143,10 @@ class _LoopMLP(torch.autograd.Function):
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
         act, trans_w, num_out = cfg
         S, D = int(sum(counts)), x.shape[1]
-        F = (gate_up.shape[1] if trans_w else gate_up.shape[2]) // 2
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+        F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
-        h_S2F = x.new_empty(S, 2 * F)
+        h_S2F = x.new_empty(S, N)
         a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
         x_buf = x.new_empty(nmax, D) if token_S is not None else None
         out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
@@ -160,7 +180,8 @@ class _LoopMLP(torch.autograd.Function):
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
-        D, F = x.shape[1], h_S2F.shape[1] // 2
+        D, N = x.shape[1], h_S2F.shape[1]
+        F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gx = torch.zeros_like(x) if need[0] and token_S is not None else None
         if need[0] and token_S is None:
@@ -178,7 +199,7 @@ class _LoopMLP(torch.autograd.Function):
         da_buf, ap_buf, dh_buf = (
             x.new_empty(nmax, F),
             x.new_empty(nmax, F),
-            x.new_empty(nmax, 2 * F),
+            x.new_empty(nmax, N),
         )
         for e, lo, hi in _bounds(counts):
             n = hi - lo

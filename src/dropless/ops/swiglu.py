@@ -93,15 +93,15 @@ class _GptOssGLU(torch.autograd.Function):
 
 
 def check_supported(act: ActivationConfig) -> ActivationConfig:
-    """Raise ValueError for an activation these ops do not compute (yet)."""
-    if not act.gated:
+    """Raise ValueError for an activation these ops do not compute."""
+    from .activations import is_elementwise_kind
+
+    if act.kind in ("gpt_oss", "swiglu_clamp") and not act.gated:
+        raise ValueError(f"activation.kind={act.kind!r} needs gated=True (it uses gate and up)")
+    if act.kind != "gpt_oss" and not is_elementwise_kind(act.kind):
         raise ValueError(
-            "activation.gated=False (non-gated experts) is not implemented; use gated=True"
-        )
-    if act.kind not in ("swiglu", "gpt_oss"):
-        raise ValueError(
-            f"activation.kind={act.kind!r} has no implementation in dropless.ops; "
-            "implemented: ['gpt_oss', 'swiglu']"
+            f"activation.kind={act.kind!r} has no implementation in dropless.ops; register "
+            "an elementwise function with dropless.ops.activations.register_elementwise"
         )
     return act
 
@@ -121,8 +121,12 @@ def swiglu(
     act = check_supported(
         as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
     )
-    if h_S2F.dim() != 2 or h_S2F.shape[-1] % 2:
-        raise ValueError(f"h must be [S, 2F], got shape {tuple(h_S2F.shape)}")
+    if h_S2F.dim() != 2 or (act.gated and h_S2F.shape[-1] % 2):
+        raise ValueError(f"h must be [S, 2F] (gated) or [S, F], got shape {tuple(h_S2F.shape)}")
+    if act.kind not in ("swiglu", "gpt_oss") or not act.gated:
+        from .activations import ElementwiseAct
+
+        return ElementwiseAct.apply(h_S2F, prob_S, act.kind, act.gated, act.interleaved, act.limit)
     if act.kind == "swiglu":
         return _SwiGLU.apply(h_S2F, prob_S, act.interleaved)
     return _GptOssGLU.apply(h_S2F, prob_S, act.interleaved, act.alpha, act.limit)

@@ -81,11 +81,34 @@ def check_compatible(config, tok_vocab: int, seq_len: int) -> None:
         )
 
 
+def _from_pretrained_kwargs(mcfg) -> dict:
+    return dict(attn_implementation=mcfg.attn_implementation, dtype=torch.float32)
+
+
+def _switch_path(model: nn.Module, mcfg, expert_bias: bool) -> nn.Module:
+    """Patch to dropless (or keep stock), check it is a MoE model, no KV cache."""
+    layers = _hf().moe_layers(model)
+    if mcfg.implementation == "dropless":
+        _hf().patch_model(model, expert_bias=expert_bias)
+    elif expert_bias and not all(layer.expert_bias is not None for layer in layers):
+        raise ValueError(
+            "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their "
+            "own score bias (e_score_correction_bias or equivalent); this model has none: use "
+            "model.implementation='dropless', which adds one"
+        )
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no Mixture-of-Experts layers; dropless train needs a MoE model"
+        )
+    model.config.use_cache = False
+    return model
+
+
 def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Module:
     """The causal LM on `device` in fp32, patched to dropless unless implementation="stock"."""
     transformers = require_transformers()
     torch.manual_seed(seed)
-    kw = dict(attn_implementation=mcfg.attn_implementation, dtype=torch.float32)
+    kw = _from_pretrained_kwargs(mcfg)
     if mcfg.path:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             mcfg.path, local_files_only=True, **kw
@@ -93,18 +116,60 @@ def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Mod
     else:
         model = transformers.AutoModelForCausalLM.from_config(config, **kw)
     model.to(device)
-    if mcfg.implementation == "dropless":
-        _hf().patch_model(model, expert_bias=expert_bias)
-    elif expert_bias:
-        raise ValueError(
-            "train.expert_bias_rate > 0 needs model.implementation='dropless' (the stock router has no expert bias)"
-        )
-    if not _hf().moe_layers(model):
-        raise ValueError(
-            f"{type(model).__name__} has no Mixture-of-Experts layers; dropless train needs a MoE model"
-        )
-    model.config.use_cache = False
-    return model
+    return _switch_path(model, mcfg, expert_bias)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing under the name the installed Transformers has
+    (`activation_checkpointing_enable`; the deprecated `gradient_checkpointing_enable` before)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_training_model(
+    mcfg,
+    config,
+    parallel_cfg,
+    world: int,
+    *,
+    expert_bias: bool,
+    seed: int,
+    device,
+    activation_checkpointing: bool = False,
+):
+    """(model, parallel glue or None) for a run on `world` processes.
+
+    Fine-tuning a checkpoint (model.path) on several processes builds the model on the meta
+    device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
+    from the safetensors files (`dropless.hf.parallel.load_sharded_hf`), in the parameters'
+    dtype: no rank ever holds the whole model. Otherwise every rank builds the full model
+    (same seed) and shards it.
+    """
+    from .distributed import parallelize_for_training
+
+    sharded = world > 1 and bool(mcfg.path)
+    if sharded:
+        transformers = require_transformers()
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, **_from_pretrained_kwargs(mcfg)
+            )
+        _switch_path(model, mcfg, expert_bias)
+    else:
+        model = build_model(mcfg, config, expert_bias=expert_bias, seed=seed, device=device)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    par = parallelize_for_training(model, parallel_cfg, world)
+    if sharded:
+        model.to_empty(device=device)
+        from ..hf.parallel import load_sharded_hf
+
+        load_sharded_hf(model, mcfg.path)
+    return model, par
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""One optimizer step: micro-batches with gradient accumulation, the router losses, the
-checks that must pass before `optimizer.step()` (finite loss and gradient norm, no dropped
-token) and the learning-rate schedule."""
+"""One optimizer step: micro-batches with gradient accumulation, the router losses (taken
+from the model by `dropless.hf.RouterLosses`), the checks that must pass before
+`optimizer.step()` (finite loss and gradient norm, no dropped token) and the learning-rate
+schedule."""
 
 # B sequences, L sequence length, T tokens, E experts, K top-k, M MoE layers
 
@@ -38,29 +39,6 @@ class Precision:
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
-
-
-def router_losses(
-    layers, router_logits, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(balancing loss, z-loss) averaged over MoE layers, and the pairs per expert [M, E]
-    implied by the routers (used when the experts path records no counts)."""
-    from ..ops import load_balancing_loss, route, z_loss
-
-    lb, zl, counts = 0.0, 0.0, []
-    for layer, logits_TE in zip(layers, router_logits):
-        _, ids_TK, scores_TE = route(
-            logits_TE.float(),
-            top_k,
-            score_func="softmax",
-            renormalize=True,
-            expert_bias_E=layer.expert_bias,
-        )
-        lb = lb + load_balancing_loss(scores_TE, ids_TK)
-        zl = zl + z_loss(logits_TE)
-        counts.append(torch.bincount(ids_TK.reshape(-1), minlength=logits_TE.shape[-1]))
-    n = max(len(router_logits), 1)
-    return lb / n, zl / n, torch.stack(counts).cpu()
 
 
 def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> str:
@@ -110,51 +88,47 @@ class StepRunner:
     def _micro_step(self, xy_BL1: torch.Tensor):
         tc = self.cfg.train
         x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
-        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
-        with self.precision.autocast(), self.precision.recipe():
+        with self.precision.autocast(), self.precision.recipe(), self.router.capture():
             out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
         ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
-        # read before backward: activation checkpointing re-runs forwards there
-        counts_ME = _hf().tokens_per_expert(self.model, reset=True)
-        from_experts = counts_ME is not None
-        lb = zl = torch.zeros((), device=ce.device)
-        if self.need_router:
-            lb, zl, routed_ME = router_losses(self.layers, out.router_logits, self.top_k)
-            counts_ME = routed_ME if counts_ME is None else counts_ME
-        loss = ce + tc.aux_loss_coef * lb + tc.z_loss_coef * zl
+        # the model's own router outputs and selected experts (dropless.hf.router_losses)
+        rs = self.router.stats(out, x.shape, self.need_router)
+        loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
         with self.precision.recipe():  # activation checkpointing recomputes forwards in backward
             (loss / self.grad_accum).backward()
-        return ce.detach(), lb.detach(), zl.detach(), counts_ME, from_experts
+        return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
 
-    def _accumulate(self, state: TrainState, stop) -> tuple[torch.Tensor, bool, bool]:
+    def _accumulate(self, state: TrainState, stop) -> tuple[torch.Tensor, bool]:
         """Forward/backward over the micro-batches; returns the stats vector reduced over
-        processes (loss, lb, z, stop flag, counts [M*E]), whether there are counts (from the
-        experts or the routers) and whether the experts path measured them."""
+        processes (loss, lb, z, stop flag, counts [M*E], pairs the experts path computed)
+        and whether the experts path counted its pairs (the dropless path does, stock not)."""
         M, E = len(self.layers), self.layers[0].num_experts
-        sums = torch.zeros(4, dtype=torch.float64)
-        counts_ME = torch.zeros(M, E, dtype=torch.int64)
-        have_counts = from_experts = True
+        dev = self.env.device
+        # device accumulators: no host read until the step's one reduction below
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+        counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
+        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         for a in range(self.grad_accum):
             idx = micro_batch_indices(
                 state.sample_index, a, self.env.rank, self.world, self.global_batch, self.grad_accum
             )
-            xy = torch.from_numpy(self.sampler.batch(idx)).to(self.env.device)
-            ce, lb, zl, c, measured = self._micro_step(xy)
-            sums[:3] += torch.stack([ce, lb, zl]).double().cpu() / self.grad_accum
-            from_experts = from_experts and measured
-            if c is None:
-                have_counts = False
-            else:
-                counts_ME += c
+            xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
+            ce, lb, zl, c = self._micro_step(xy)
+            sums += torch.stack([ce, lb, zl]).double() / self.grad_accum
+            counts_ME += c.to(dev)
+        path_ME = _hf().tokens_per_expert(self.model, reset=True)
         self.hooks.after_backward(state.step + 1, self.model)
         # read after backward, so a signal during this step stops after this step; the
         # all-reduce below makes every process stop at the same step
-        sums[3] = float(stop())
-        stats = torch.cat([sums, counts_ME.double().reshape(-1)])
+        head = torch.cat([sums.cpu(), torch.tensor([float(stop())], dtype=torch.float64)])
+        pairs = torch.tensor(
+            [0.0 if path_ME is None else float(path_ME.sum())], dtype=torch.float64
+        )
+        stats = torch.cat([head, counts_ME.cpu().double().reshape(-1), pairs])
         if self.world > 1:
             dist.all_reduce(stats)
             stats[:3] /= self.world
-        return stats, have_counts, from_experts
+        return stats, path_ME is not None
 
     def _clip(self) -> float:
         clip = self.cfg.optim.grad_clip or float("inf")
@@ -162,9 +136,9 @@ class StepRunner:
             return float(self.parallel.clip_grad_norm_(self.params, clip))
         return float(torch.nn.utils.clip_grad_norm_(self.params, clip))
 
-    def _check_dropped(self, counts_ME: torch.Tensor, step: int) -> int:
+    def _check_dropped(self, pairs: float, step: int) -> int:
         expected = self.global_batch * self.seq_len * self.top_k * len(self.layers)
-        dropped = int(expected - counts_ME.sum())
+        dropped = int(expected - round(pairs))
         if dropped:
             raise DroppedTokensError(
                 f"step {step}: {dropped} (token, expert) pairs of {expected} were not computed by the experts; "
@@ -179,11 +153,11 @@ class StepRunner:
         on_nonfinite="stop", dropped tokens)."""
         self.model.train()
         tc = self.cfg.train
-        stats, have_counts, from_experts = self._accumulate(state, stop)
+        stats, path_counted = self._accumulate(state, stop)
         grad_norm = self._clip()
         loss, step = float(stats[0]), state.step + 1
         M, E = len(self.layers), self.layers[0].num_experts
-        counts_ME = stats[4:].reshape(M, E).round().long() if have_counts else None
+        counts_ME = stats[4:-1].reshape(M, E).round().long()
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         dropped = None
@@ -195,8 +169,8 @@ class StepRunner:
             state.skipped_steps += 1
             counts_ME = None
         else:
-            if from_experts:  # router-implied counts say nothing about what the experts did
-                dropped = self._check_dropped(counts_ME, step)
+            if path_counted:  # the routers' choices say nothing about what the experts computed
+                dropped = self._check_dropped(float(stats[-1]), step)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             state.skipped_in_a_row = 0
@@ -210,9 +184,9 @@ class StepRunner:
             "skipped": skipped, "stop": bool(stats[3] > 0), **ep_stats,
         }  # fmt: skip
 
-    def _update_expert_bias(self, counts_ME: torch.Tensor | None) -> None:
+    def _update_expert_bias(self, counts_ME: torch.Tensor) -> None:
         rate = self.cfg.train.expert_bias_rate
-        if counts_ME is None or rate <= 0:
+        if rate <= 0:
             return
         from ..ops import update_expert_bias
 
@@ -220,4 +194,4 @@ class StepRunner:
             update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
 
 
-__all__ = ["Precision", "StepRunner", "nonfinite_message", "router_losses"]
+__all__ = ["Precision", "StepRunner", "nonfinite_message"]

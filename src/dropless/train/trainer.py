@@ -23,7 +23,7 @@ from .errors import Interrupted
 from .evaluation import Evaluator
 from .hooks import TrainHooks
 from .interrupts import StopRequests
-from .model import FlopCounter, build_model
+from .model import FlopCounter, build_training_model
 from .run_log import RunLog
 from .rundir import claim
 from .setup import (
@@ -45,13 +45,13 @@ def _hf():
     return hf
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing under the name the installed Transformers has."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+def model_class_name(model) -> str:
+    """The model's class name; FSDP2 swaps in a subclass named FSDP<Name>, so the header
+    names the class the user asked for."""
+    cls = type(model)
+    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1:
+        return cls.__mro__[1].__name__
+    return cls.__name__
 
 
 class Trainer:
@@ -66,27 +66,20 @@ class Trainer:
         resume_from: Path | None,
         hooks: TrainHooks | None = None,
     ):
-        from . import distributed
-
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         self.hooks = hooks or TrainHooks()
         self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
         tc = cfg.train
         self.config_file = run_dir / "config.toml"
         self.data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
-        self.model = build_model(
-            cfg.model,
-            hf_config,
-            expert_bias=tc.expert_bias_rate > 0,
-            seed=tc.seed,
-            device=env.device,
-        )
-        self.model_name = type(self.model).__name__  # before FSDP renames the class
-        if tc.activation_checkpointing:
-            enable_activation_checkpointing(self.model)
         # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
-        self.parallel = distributed.parallelize_for_training(self.model, cfg.parallel, env.world)
+        self.model, self.parallel = build_training_model(
+            cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
+            seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
+        )  # fmt: skip
+        self.model_name = model_class_name(self.model)
         self.layers = _hf().moe_layers(self.model)
+        self.router = _hf().RouterLosses(self.model)
         router = self.layers[0].router
         self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -103,7 +96,7 @@ class Trainer:
             dump_config(cfg, self.config_file)
         micro_batch = tc.batch_size // (env.world * tc.grad_accum)
         self.stepper = StepRunner(
-            cfg, env, self.model, self.layers, self.top_k, self.optimizer, self.scheduler,
+            cfg, env, self.model, self.layers, self.router, self.top_k, self.optimizer, self.scheduler,
             self.parallel, self.data.sampler, self.precision, self.hooks,
         )  # fmt: skip
         self.evaluate = Evaluator(
@@ -226,4 +219,4 @@ def train(
             dist.destroy_process_group()
 
 
-__all__ = ["Trainer", "enable_activation_checkpointing", "lr_factor", "train"]
+__all__ = ["Trainer", "lr_factor", "model_class_name", "train"]

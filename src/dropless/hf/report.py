@@ -1,0 +1,116 @@
+"""What `patch()` / `patch_model()` did: which experts modules run which dropless path.
+
+A `PatchReport` is a live view: `report = dropless.patch()` then building or loading
+models makes them appear in `report` (it reads the models dropless switched, when
+asked). Printing it gives one line per family and one per module on a fallback.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+from .experts import _spec, family_of, is_experts_module
+
+
+@dataclass(frozen=True)
+class ModuleRecord:
+    """One experts module: its name in the model, family, path and what it computes.
+
+    path: "fused" (the memory-lean fused expert MLP), "generic" (dropless grouped GEMMs
+    with the module's own gate between them) or "fallback" (stock Transformers; detail
+    says why)."""
+
+    model: str
+    name: str
+    family: str
+    path: str
+    detail: str
+
+
+def _records(model: nn.Module, seen: set) -> list[ModuleRecord]:
+    if "dropless" not in model.get_experts_implementation().values():
+        return []
+    out = []
+    for name, mod in model.named_modules():
+        if not is_experts_module(mod) or id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        spec = _spec(mod)
+        if isinstance(spec, str):
+            path, detail = "fallback", spec
+        else:
+            path, detail = spec.path, spec.describe()
+        out.append(ModuleRecord(type(model).__name__, name, family_of(mod), path, detail))
+    return out
+
+
+class PatchReport:
+    """Which experts modules of the patched models run which path (read on access).
+
+    families: family -> its path(s), e.g. {"qwen3_moe": "fused"}; modules_ours: names
+    of experts modules on a dropless path; generic: name -> why its gate runs as is;
+    fallbacks: name -> why it runs stock Transformers. records: every module."""
+
+    def __init__(self, action: str, models: Callable[[], Iterable[nn.Module]]):
+        self.action = action
+        self._models = models
+
+    @property
+    def records(self) -> list[ModuleRecord]:
+        # a model's inner models (e.g. `model.model`) are tracked too: outermost first
+        models = sorted(self._models(), key=lambda m: -sum(1 for _ in m.modules()))
+        seen: set = set()
+        return [r for m in models for r in _records(m, seen)]
+
+    @property
+    def families(self) -> dict[str, str]:
+        paths: dict[str, list[str]] = {}
+        for r in self.records:
+            paths.setdefault(r.family, [])
+            if r.path not in paths[r.family]:
+                paths[r.family].append(r.path)
+        return {f: "+".join(sorted(p)) for f, p in sorted(paths.items())}
+
+    @property
+    def modules_ours(self) -> list[str]:
+        return [r.name for r in self.records if r.path != "fallback"]
+
+    @property
+    def generic(self) -> dict[str, str]:
+        return {r.name: r.detail for r in self.records if r.path == "generic"}
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        return {r.name: r.detail for r in self.records if r.path == "fallback"}
+
+    def __str__(self) -> str:
+        records = self.records
+        lines = [f"dropless: {self.action}"]
+        if not records:
+            lines.append("  no patched MoE model yet (models built or loaded afterwards count)")
+        by_family: dict[tuple[str, str, str], int] = {}
+        for r in records:
+            key = (r.family, r.path, r.detail)
+            by_family[key] = by_family.get(key, 0) + 1
+        for (family, path, detail), n in sorted(by_family.items()):
+            lines.append(f"  {family}: {n} experts module(s) on the {path} path ({detail})")
+        for name, why in self.fallbacks.items():
+            lines.append(f"  fallback {name}: {why}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def model_report(model: nn.Module, action: str = "patched one model") -> PatchReport:
+    """The report of one model (held weakly: the report does not keep it alive)."""
+    ref = weakref.ref(model)
+
+    def models():
+        m = ref()
+        return [] if m is None else [m]
+
+    return PatchReport(action, models)

@@ -1,0 +1,207 @@
+"""Router losses from what a Transformers MoE model computed, not from a re-route.
+
+    rl = RouterLosses(model)                        # hooks on every MoE layer's experts module
+    with rl.capture():
+        out = model(input_ids=x_BL, output_router_logits=True)
+    stats = rl.stats(out, x_BL.shape)               # RouterStats: aux, z, counts_ME (tensors)
+    rl.remove()
+
+- Families that define a balancing loss (`output_router_logits=True` -> `out.aux_loss`,
+  Transformers' `load_balancing_loss_func` over the layers' pooled counts and
+  probabilities) keep exactly that loss.
+- Families without one (DeepSeek-V3, Nemotron-H, GLM-4-MoE, ...) get DeepSeek-V3's
+  sequence-wise auxiliary loss (`dropless.ops.sequence_aux_loss`) per layer, on the
+  family's own scores (softmax, sigmoid or sqrt-softplus of the recorded router logits,
+  normalised per token) and the experts its router actually selected, as passed to the
+  experts module; averaged over layers.
+- counts_ME: the (token, expert) pairs each expert received per layer, for the aux-loss-free
+  expert-bias update; read from the experts call, so it holds for any experts path (ours,
+  stock, expert-parallel).
+
+Everything stays on the device: nothing here waits on the host.
+"""
+
+# B sequences, L tokens per sequence, T = B*L tokens, E experts, K top-k, M MoE layers
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import sequence_aux_loss, z_loss
+from .experts import _in_backward
+from .layers import moe_layers
+
+
+def _sqrtsoftplus(logits_TE: torch.Tensor) -> torch.Tensor:
+    return F.softplus(logits_TE).sqrt()
+
+
+#: Score functions routers apply to their logits (the aux loss normalises them per token).
+SCORE_FUNCS = {
+    "softmax": lambda logits_TE: logits_TE.softmax(-1),
+    "sigmoid": torch.sigmoid,
+    "sqrtsoftplus": _sqrtsoftplus,
+}
+
+
+@dataclass
+class RouterStats:
+    """Losses of one forward (0-dim tensors with grad) and the pairs per expert [M, E] (int64)."""
+
+    aux: torch.Tensor
+    z: torch.Tensor
+    counts_ME: torch.Tensor
+    source: str  # "model" (the family's own aux loss) or "sequence" (sequence-wise, ours)
+
+
+def identify_score_func(
+    logits_TE: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, hint: str | None
+) -> str:
+    """The score function whose scores at the selected experts are proportional, token by
+    token, to the routing weights the router produced (renormalisation and scaling keep
+    that ratio constant within a token). `hint` decides when the data cannot (top-1 with
+    renormalised weights) and breaks near-ties."""
+    spread = {}
+    w_TK = weights_TK.detach().double()
+    for name, fn in SCORE_FUNCS.items():
+        g_TK = fn(logits_TE.detach().double()).gather(1, ids_TK)
+        ratio_TK = w_TK / g_TK.clamp_min(1e-300)
+        rel = (ratio_TK.amax(1) - ratio_TK.amin(1)) / ratio_TK.abs().mean(1).clamp_min(1e-300)
+        spread[name] = float(rel.max())  # one host read per layer, once per run
+    best = min(spread, key=spread.get)
+    ranked = sorted(spread.values())
+    decisive = len(ranked) < 2 or ranked[1] > 100 * ranked[0] + 1e-6
+    if decisive:
+        return best
+    return hint if hint in SCORE_FUNCS else best
+
+
+def _score_hint(router: nn.Module | None, config) -> str | None:
+    declared = getattr(config, "scoring_func", None)
+    if declared in SCORE_FUNCS:
+        return declared
+    if router is not None and isinstance(
+        getattr(router, "e_score_correction_bias", None), torch.Tensor
+    ):
+        return "sigmoid"
+    return None
+
+
+class RouterLosses:
+    """Captures, per MoE layer and forward, the expert ids and routing weights the experts
+    module receives (a forward pre-hook, active only inside `capture()`), and turns them and
+    the model's recorded router logits into `RouterStats`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no MoE layers to take router losses from")
+        self.E = self.layers[0].num_experts
+        self._index = {id(layer.experts): m for m, layer in enumerate(self.layers)}
+        self._calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._active = False
+        self._score: dict[int, str] = {}
+        self._handles = [
+            layer.experts.register_forward_pre_hook(self._hook, with_kwargs=True)
+            for layer in self.layers
+        ]
+
+    def _hook(self, module, args, kwargs):
+        if not self._active or _in_backward():  # checkpointing re-runs forwards in backward
+            return None
+        names = ("hidden_states", "top_k_index", "top_k_weights")
+        got = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        self._calls.append(
+            (
+                self._index[id(module)],
+                got["top_k_index"].detach().long(),
+                got["top_k_weights"].detach(),
+            )
+        )
+        return None
+
+    @contextlib.contextmanager
+    def capture(self):
+        """Record the experts calls of the forwards run inside (earlier records are dropped)."""
+        self._calls = []
+        self._active = True
+        try:
+            yield self
+        finally:
+            self._active = False
+
+    def counts(self) -> torch.Tensor:
+        """int64 [M, E]: pairs per expert of the captured calls, on the model's device."""
+        device = self._calls[0][1].device if self._calls else torch.device("cpu")
+        counts_ME = torch.zeros(len(self.layers), self.E, dtype=torch.int64, device=device)
+        for m, ids_TK, _ in self._calls:
+            flat = ids_TK.reshape(-1).long()
+            counts_ME[m].scatter_add_(0, flat, torch.ones_like(flat))
+        return counts_ME
+
+    def stats(self, out, batch_shape: tuple[int, ...], need_losses: bool = True) -> RouterStats:
+        """Losses and counts of the forward that produced `out` (run inside `capture()` with
+        output_router_logits=True when `need_losses`). batch_shape: (B, L) of its input ids."""
+        counts_ME = self.counts()
+        zero = torch.zeros((), device=counts_ME.device)
+        if not need_losses:
+            return RouterStats(zero, zero, counts_ME, "none")
+        logits = getattr(out, "router_logits", None)
+        if not logits:
+            raise ValueError(
+                f"{type(self.model).__name__} returned no router_logits: call it with "
+                "output_router_logits=True to take router losses from it"
+            )
+        logits = [x for x in logits if isinstance(x, torch.Tensor)]
+        z = torch.stack([z_loss(x.reshape(-1, x.shape[-1])) for x in logits]).mean()
+        aux = getattr(out, "aux_loss", None)
+        if isinstance(aux, torch.Tensor):
+            return RouterStats(aux.float(), z, counts_ME, "model")
+        return RouterStats(self._sequence_aux(logits, batch_shape), z, counts_ME, "sequence")
+
+    def _sequence_aux(self, logits: list[torch.Tensor], batch_shape) -> torch.Tensor:
+        if len(logits) != len(self._calls):
+            raise ValueError(
+                f"{type(self.model).__name__}: {len(logits)} router_logits were recorded but the "
+                f"experts ran {len(self._calls)} times; the sequence-wise aux loss needs one per call "
+                "(set train.aux_loss_coef=0 to train this model without it)"
+            )
+        B = int(batch_shape[0])
+        losses = []
+        for logits_TE, (m, ids_TK, weights_TK) in zip(logits, self._calls):
+            logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1]).float()
+            T, K = ids_TK.shape
+            if T != logits_TE.shape[0] or T % B:
+                raise ValueError(
+                    f"MoE layer {self.layers[m].name}: router logits for {logits_TE.shape[0]} tokens, "
+                    f"experts called on {T}, batch of {B} sequences; they must agree"
+                )
+            func = self._score.get(m)
+            if func is None:
+                layer = self.layers[m]
+                hint = _score_hint(layer.router, getattr(layer.experts, "config", None))
+                func = self._score[m] = identify_score_func(logits_TE, weights_TK, ids_TK, hint)
+            scores_TE = SCORE_FUNCS[func](logits_TE)
+            losses.append(
+                sequence_aux_loss(scores_TE.reshape(B, T // B, -1), ids_TK.reshape(B, T // B, K))
+            )
+        return torch.stack(losses).mean()
+
+    def score_funcs(self) -> dict[str, str]:
+        """{MoE layer name: score function identified} for the layers seen so far."""
+        return {self.layers[m].name: f for m, f in sorted(self._score.items())}
+
+    def remove(self) -> None:
+        """Take the hooks off the model."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+__all__ = ["SCORE_FUNCS", "RouterLosses", "RouterStats", "identify_score_func"]

@@ -8,9 +8,10 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from faults_util import args  # noqa: E402
 
 from dropless.cli.main import main  # noqa: E402
+
+from .faults_util import args  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +42,7 @@ def finished_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def continued(finished_run, tmp_path_factory):
     """The records of the finished run continued to step 10 without faults."""
-    from faults_util import records
+    from .faults_util import records
 
     ref = tmp_path_factory.mktemp("continued") / "run"
     shutil.copytree(finished_run, ref)

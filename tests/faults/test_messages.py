@@ -104,7 +104,7 @@ TABLE = [
     ("model.py", "is above the model's maximum sequence length", "tests/train/test_bad_input.py::test_sequence_longer_than_the_model"),
     ("model.py", "has no Mixture-of-Experts layers", f"{HERE}[dense-model]"),
     ("model.py", "dropless train needs transformers", f"{HERE}[no-transformers]"),
-    ("model.py", "train.expert_bias_rate > 0 needs model.implementation='dropless'", f"{HERE}[stock-expert-bias]"),
+    ("model.py", "needs routers with their own score bias", f"{HERE}[stock-expert-bias]"),
     ("model.py", "is not available yet in this version", f"{HERE}[no-quant]"),
     ("plots.py", "plots need matplotlib", f"{HERE}[no-matplotlib]"),
     ("resume.py", "cannot continue with a changed", f"{FAULTS}/test_resume_checks.py::test_changed_fixed_key_is_refused_untouched"),
@@ -227,7 +227,7 @@ def _stock_bias(tmp, mp, rq):
 def _dropped(tmp, mp, rq):
     runner = StepRunner.__new__(StepRunner)
     runner.global_batch, runner.seq_len, runner.top_k, runner.layers = 2, 4, 2, [None]
-    runner._check_dropped(torch.tensor([[3, 4]]), step=5)  # 7 of 16 pairs
+    runner._check_dropped(7.0, step=5)  # the experts computed 7 of 16 pairs
 
 
 def _ep_experts(kind):
@@ -325,7 +325,7 @@ TRIGGERS = [
     ("no-hf-dir", lambda t, m, r: hf_config(ModelConfig(path=str(t)), 10), ValueError, "expected a local Hugging Face directory with config.json"),
     ("dense-model", _dense, ValueError, "Qwen3ForCausalLM has no Mixture-of-Experts layers"),
     ("no-transformers", lambda t, m, r: (_hide(m, "transformers"), require_transformers()), ModuleNotFoundError, "dropless train needs transformers"),
-    ("stock-expert-bias", _stock_bias, ValueError, "train.expert_bias_rate > 0 needs model.implementation='dropless'"),
+    ("stock-expert-bias", _stock_bias, ValueError, "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their own score bias"),
     ("no-quant", _no_quant, ValueError, "precision.recipe='mxfp8' is not available yet in this version"),
     ("no-matplotlib", lambda t, m, r: (_hide(m, "matplotlib"), plot_losses([], t / "l.png")), ModuleNotFoundError, "plots need matplotlib"),
     ("no-free-name", _no_free_name, ValueError, "could not find a free run directory name"),

@@ -3,11 +3,11 @@
 
 import math
 
-from faults_util import NaNAt, records, snapshot, weights_finite, with_hooks
-
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 from dropless.train.step import nonfinite_message
+
+from .faults_util import NaNAt, records, snapshot, weights_finite, with_hooks
 
 MORE = [
     "--resume",

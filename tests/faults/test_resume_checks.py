@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from faults_util import args, records, snapshot
 
 from dropless.cli.main import main
 from dropless.train.config import load_config
 from dropless.train.resume import check_resume
 from dropless.train.rundir import LOCK, MARKER, new_run_dir
+
+from .faults_util import args, records, snapshot
 
 
 @pytest.mark.parametrize(

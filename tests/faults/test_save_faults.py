@@ -6,11 +6,12 @@ import shutil
 import signal
 
 import pytest
-from faults_util import forked_children, records, snapshot
 
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 from dropless.train.hooks import CHECKPOINT_PHASES
+
+from .faults_util import forked_children, records, snapshot
 
 MORE = ["--resume", "--set", "train.steps=10", "--set", "checkpoint.every=1"]
 

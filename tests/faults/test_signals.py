@@ -6,10 +6,10 @@ and a rank killed during a save leaves the previous checkpoint whole."""
 import shutil
 import signal
 
-from faults_util import args, child, forked_children, records
-
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
+
+from .faults_util import args, child, forked_children, records
 
 MORE = ["--resume", "--set", "train.steps=10", "--set", "checkpoint.every=0"]
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from train_util import tiny_args  # noqa: E402
+from train_util import sub_env, tiny_args  # noqa: E402, F401  (also imported from conftest)
 
 from dropless.cli.main import main  # noqa: E402
 

@@ -188,3 +188,18 @@ def test_activation_checkpointing_uses_the_name_transformers_has():
     enable_activation_checkpointing(New())
     enable_activation_checkpointing(Old())
     assert calls == [("new", {"use_reentrant": False}), ("old", {"use_reentrant": False})]
+
+
+def test_header_names_the_class_under_fsdp():
+    from dropless.train.trainer import model_class_name
+
+    class Qwen3MoeForCausalLM:
+        pass
+
+    class FSDPModule:
+        pass
+
+    fsdp = type("FSDPQwen3MoeForCausalLM", (FSDPModule, Qwen3MoeForCausalLM), {})
+    assert (
+        model_class_name(fsdp()) == model_class_name(Qwen3MoeForCausalLM()) == "Qwen3MoeForCausalLM"
+    )

@@ -63,6 +63,7 @@ class StepRunner:
         env,
         model,
         layers,
+        router,
         top_k: int,
         optimizer,
         scheduler,
@@ -72,13 +73,10 @@ class StepRunner:
         hooks,
     ):
         self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
+        self.router = router  # dropless.hf.RouterLosses: the model's own router losses
         self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
-        self.parallel, self.sampler, self.precision, self.hooks = (
-            parallel,
-            sampler,
-            precision,
-            hooks,
-        )
+        self.parallel, self.sampler = parallel, sampler
+        self.precision, self.hooks = precision, hooks
         self.params = [p for p in model.parameters() if p.requires_grad]
         tc = cfg.train
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size

@@ -48,10 +48,10 @@ def _hf():
 def model_class_name(model) -> str:
     """The model's class name; FSDP2 swaps in a subclass named FSDP<Name>, so the header
     names the class the user asked for."""
-    cls = type(model)
-    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 1:
-        return cls.__mro__[1].__name__
-    return cls.__name__
+    return next(
+        (c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")),
+        type(model).__name__,
+    )
 
 
 class Trainer:

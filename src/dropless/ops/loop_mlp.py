@@ -1,0 +1,120 @@
+"""The per-expert loop behind `fused_mlp` (the CPU default); see fused_mlp.py for the
+contract and what is saved for backward."""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs
+
+from __future__ import annotations
+
+import torch
+
+from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
+
+# --- per-expert loop (CPU default) --------------------------------------------------
+
+
+def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
+    g = torch.empty_like(w, memory_format=torch.contiguous_format)
+    for e, n in enumerate(counts):
+        if not n:
+            g[e].zero_()
+    return g
+
+
+class _LoopMLP(torch.autograd.Function):
+    """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
+
+    @staticmethod
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
+        act, trans_w, num_out = cfg
+        S, D = int(sum(counts)), x.shape[1]
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+        F = N // 2 if act.gated else N
+        nmax = max(counts, default=0)
+        h_S2F = x.new_empty(S, N)
+        a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
+        x_buf = x.new_empty(nmax, D) if token_S is not None else None
+        out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
+        for e, lo, hi in _bounds(counts):
+            n = hi - lo
+            xe = (
+                torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n])
+                if token_S is not None
+                else x[lo:hi]
+            )
+            he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
+            if gu_bias is not None:
+                he.add_(gu_bias[e])
+            p = None if prob_S is None else prob_S[lo:hi]
+            a = _act_fwd(he, p, act, out=a_buf[:n])
+            ye = torch.mm(
+                a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
+            )
+            if d_bias is not None:
+                ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
+            if token_S is not None:
+                out.index_add_(0, token_S[lo:hi], ye)
+        ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F)
+        ctx.counts, ctx.cfg = counts, cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, g_out):
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
+        act, trans_w, _ = ctx.cfg
+        need = ctx.needs_input_grad
+        counts = ctx.counts
+        g_out = g_out.contiguous()
+        D, N = x.shape[1], h_S2F.shape[1]
+        F = N // 2 if act.gated else N
+        nmax = max(counts, default=0)
+        gx = torch.zeros_like(x) if need[0] and token_S is not None else None
+        if need[0] and token_S is None:
+            gx = torch.empty_like(x)
+        gp = prob_S.new_zeros(prob_S.shape) if prob_S is not None and need[1] else None
+        # weight gradients: every expert's slice is written by an mm(out=) below; only
+        # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
+        ggu = _empty_grad(gate_up, counts) if need[2] else None
+        gd = _empty_grad(down, counts) if need[3] else None
+        ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
+        gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
+        gathered = token_S is not None
+        x_buf = x.new_empty(nmax, D) if gathered else None
+        gy_buf = g_out.new_empty(nmax, D) if gathered else None
+        da_buf, ap_buf, dh_buf = (
+            x.new_empty(nmax, F),
+            x.new_empty(nmax, F),
+            x.new_empty(nmax, N),
+        )
+        for e, lo, hi in _bounds(counts):
+            n = hi - lo
+            idx = token_S[lo:hi] if gathered else None
+            gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
+            p = None if prob_S is None else prob_S[lo:hi]
+            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
+            if gd is not None:
+                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
+                # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
+                torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
+            if gdb is not None:
+                torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
+            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=da_buf[:n])
+            if gp is not None:
+                gpe = gp[lo:hi]
+                torch.sum(da * a0, 1, out=gpe)
+                if d_bias is not None:
+                    gpe.add_(torch.mv(gy, d_bias[e]))
+            if p is not None:
+                da.mul_(p.unsqueeze(1))
+            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
+            if ggb is not None:
+                torch.sum(dh, 0, out=ggb[e])
+            if ggu is not None:
+                xe = torch.index_select(x, 0, idx, out=x_buf[:n]) if gathered else x[lo:hi]
+                torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
+            if gx is not None:
+                w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
+                if gathered:
+                    gx.index_add_(0, idx, torch.mm(dh, w_in, out=x_buf[:n]))
+                else:
+                    torch.mm(dh, w_in, out=gx[lo:hi])
+        return gx, gp, ggu, gd, ggb, gdb, None, None, None

@@ -76,3 +76,24 @@ def test_disk_full_is_one_line_and_keeps_checkpoints(run_copy, monkeypatch, caps
     monkeypatch.undo()
     assert main(["train", "--run-dir", str(run_copy), *MORE[:1], "--set", "train.steps=9"]) == 0
     assert [s for s, _ in ckpt.list_checkpoints(run_copy)] == [8, 9]
+
+
+def test_unloadable_checkpoint_is_one_line_and_writes_nothing(run_copy, monkeypatch, capsys):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def broken(*args, **kwargs):
+        raise CheckpointException("load", {0: (RuntimeError("size mismatch for model.x"), None)})
+
+    monkeypatch.setattr(dcp, "load", broken)
+    before = snapshot(run_copy)
+    assert main(["train", "--run-dir", str(run_copy), *MORE]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert (
+        "the checkpoint could not be read or written (RuntimeError: size mismatch for model.x)"
+        in err
+    )
+    assert snapshot(run_copy) == before  # tokenizer, cache, config, metrics: as they were
+    with pytest.raises(CheckpointException):
+        main(["--debug", "train", "--run-dir", str(run_copy), *MORE])

@@ -54,7 +54,9 @@ def _one_line(e: BaseException) -> str:
             "(the last complete checkpoint is kept)"
         )
     if type(e).__name__ == "CheckpointException":
-        first = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
+        failures = getattr(e, "failures", None) or {}
+        causes = [f"{type(exc).__name__}: {exc}" for exc, _ in failures.values()]
+        first = (causes[0] if causes else str(e)).strip().splitlines()[0]
         return (
             f"the checkpoint could not be read or written ({first[:200]}); check the run directory's disk "
             "and files, or resume from an earlier checkpoints/step_* (dropless --debug train ... shows the traceback)"

@@ -106,13 +106,28 @@ def lr_factor(step: int, total: int, ocfg) -> float:
     )
 
 
-def build_optimizer(params: list[torch.nn.Parameter], ocfg) -> torch.optim.Optimizer:
-    """AdamW, no weight decay on 1-D parameters (norms, biases)."""
+def adamw_kernel(ocfg, par) -> dict:
+    """AdamW keyword for `optim.implementation`. "auto": the fused kernel with plain
+    tensors (on CPU it measured ~3.5x faster than foreach, ~4x the loop, at 87M params);
+    over DTensor parameters of several meshes (FSDP x EP) torch's own default."""
+    choice = ocfg.implementation
+    if choice == "auto":
+        return {"fused": True} if par is None else {}
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[
+        choice
+    ]
+
+
+def build_optimizer(params: list[torch.nn.Parameter], ocfg, parallel=None) -> torch.optim.Optimizer:
+    """AdamW, no weight decay on 1-D parameters (norms, biases); kernel per `adamw_kernel`."""
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": ocfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps)
+    return torch.optim.AdamW(
+        groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps,
+        **adamw_kernel(ocfg, parallel),
+    )  # fmt: skip
 
 
 def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.LambdaLR:
@@ -121,6 +136,7 @@ def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.Lam
 
 __all__ = [
     "RunData",
+    "adamw_kernel",
     "TrainState",
     "build_optimizer",
     "build_scheduler",

@@ -33,7 +33,7 @@ class Precision:
         bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and device.type == "cuda")
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.device_type = device.type
-        self.recipe = recipe_context(pcfg.recipe)
+        self.recipe = recipe_context(pcfg)
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -54,6 +54,29 @@ def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> 
     return f"step {step}: {' and '.join(bad)}; no weight was updated and no checkpoint was written or removed; {fix}"
 
 
+def fuse_cross_entropy(model) -> list:
+    """The model computes the loss from its hidden states given labels (no [T, V] logits,
+    `dropless.hf.fused_loss`). Returns the list each forward's cross-entropy is appended to
+    (read there: `out.loss` may include an aux loss the family adds)."""
+    from ..hf.fused_loss import enable_fused_cross_entropy
+
+    try:
+        enable_fused_cross_entropy(model)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"train.fused_cross_entropy=true: {e}; set train.fused_cross_entropy=false"
+        ) from None
+    fused_loss, seen = model.loss_function, []
+
+    def loss_function(*args, **kwargs):
+        loss = fused_loss(*args, **kwargs)
+        seen.append(loss)
+        return loss
+
+    model.loss_function = loss_function
+    return seen
+
+
 class StepRunner:
     """Runs `train_step` on a model, its optimizer and the run's sampler."""
 
@@ -71,12 +94,14 @@ class StepRunner:
         sampler,
         precision: Precision,
         hooks,
+        ce_seen: list | None = None,
     ):
         self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
         self.router = router  # dropless.hf.RouterLosses: the model's own router losses
         self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
         self.parallel, self.sampler = parallel, sampler
         self.precision, self.hooks = precision, hooks
+        self.ce_seen = ce_seen  # train.fused_cross_entropy: where the model's loss lands
         self.params = [p for p in model.parameters() if p.requires_grad]
         tc = cfg.train
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
@@ -86,9 +111,18 @@ class StepRunner:
     def _micro_step(self, xy_BL1: torch.Tensor):
         tc = self.cfg.train
         x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
+        kw = dict(output_router_logits=self.need_router, use_cache=False)
+        if self.ce_seen is not None:  # y as the already shifted labels
+            kw.update(labels=y, shift_labels=y)
+            self.ce_seen.clear()
         with self.precision.autocast(), self.precision.recipe(), self.router.capture():
-            out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
-        ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+            out = self.model(input_ids=x, **kw)
+        if self.ce_seen is not None:
+            assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
+            ce = self.ce_seen.pop()
+        else:
+            logits = out.logits.float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         # the model's own router outputs and selected experts (dropless.hf.router_losses)
         rs = self.router.stats(out, x.shape, self.need_router)
         loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
@@ -192,4 +226,4 @@ class StepRunner:
             update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
 
 
-__all__ = ["Precision", "StepRunner", "nonfinite_message"]
+__all__ = ["Precision", "StepRunner", "fuse_cross_entropy", "nonfinite_message"]

@@ -35,8 +35,15 @@ from .setup import (
     rank0_only,
     resolve_run_dir,
 )
-from .state import TrainState, build_optimizer, build_scheduler, lr_factor, prepare_data
-from .step import Precision, StepRunner
+from .state import (
+    TrainState,
+    adamw_kernel,
+    build_optimizer,
+    build_scheduler,
+    lr_factor,
+    prepare_data,
+)
+from .step import Precision, StepRunner, fuse_cross_entropy
 
 
 def _hf():
@@ -76,6 +83,7 @@ class Trainer:
         self.model, self.parallel = build_training_model(
             cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
             seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
+            fused_rmsnorm=tc.fused_rmsnorm,
         )  # fmt: skip
         self.model_name = model_class_name(self.model)
         self.layers = _hf().moe_layers(self.model)
@@ -83,7 +91,8 @@ class Trainer:
         router = self.layers[0].router
         self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        self.ce_seen = fuse_cross_entropy(self.model) if tc.fused_cross_entropy else None
+        self.optimizer = build_optimizer(self.params, cfg.optim, self.parallel)
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
         self.precision = Precision(cfg.precision, env.device)
         self.flops = FlopCounter.from_model(self.model)
@@ -97,7 +106,7 @@ class Trainer:
         micro_batch = tc.batch_size // (env.world * tc.grad_accum)
         self.stepper = StepRunner(
             cfg, env, self.model, self.layers, self.router, self.top_k, self.optimizer, self.scheduler,
-            self.parallel, self.data.sampler, self.precision, self.hooks,
+            self.parallel, self.data.sampler, self.precision, self.hooks, self.ce_seen,
         )  # fmt: skip
         self.evaluate = Evaluator(
             self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
@@ -219,4 +228,4 @@ def train(
             dist.destroy_process_group()
 
 
-__all__ = ["Trainer", "lr_factor", "model_class_name", "train"]
+__all__ = ["Trainer", "adamw_kernel", "lr_factor", "model_class_name", "train"]

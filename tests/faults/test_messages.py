@@ -16,13 +16,13 @@ import torch
 from dropless.parallel import EPGroupedExperts, ExpertParallelDispatcher, ParallelConfig, build_mesh
 from dropless.parallel import dispatcher as dispatcher_mod
 from dropless.train import checkpoint as ckpt
-from dropless.train.config import DataConfig, ModelConfig, dump_config, load_config
+from dropless.train.config import DataConfig, ModelConfig, PrecisionConfig, dump_config, load_config
 from dropless.train.data import eval_windows, load_corpus, read_documents, stdlib_corpus
 from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
 from dropless.train.metrics import MetricsWriter
 from dropless.train.model import build_model, hf_config, recipe_context, require_transformers
 from dropless.train.plots import plot_losses
-from dropless.train.step import StepRunner
+from dropless.train.step import StepRunner, fuse_cross_entropy
 from dropless.train.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -79,6 +79,10 @@ TABLE = [
     ("genomics.py", ": expected a positive count", f"{GENOMICS}::test_bits_per_base"),
     ("genomics.py", ": not a DNA tokenizer", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
     ("genomics.py", ", not this DNA tokenizer (", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
+    ("config.py", "has no effect with precision.recipe=", "tests/train/test_precision_config.py::test_bad_precision_options"),
+    ("config.py", "precision.margin=", f"{HERE}[margin-int]"),
+    ("model.py", "precision: ", f"{HERE}[recipe-option]"),
+    ("step.py", "train.fused_cross_entropy=true: ", f"{HERE}[fused-ce]"),
     ("data.py", "the embedded corpus is empty", f"{HERE}[no-stdlib]"),
     ("data.py", "does not exist; pass a .txt/.jsonl/.parquet file", "tests/train/test_bad_input.py::test_missing_data_path"),
     ("data.py", "files; point it at your data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
@@ -296,7 +300,16 @@ def _toml(text):
     return go
 
 
+def _recipe_option(tmp, mp, rq):
+    import types
+
+    recipe_context(types.SimpleNamespace(recipe="delayed", recipe_options=lambda: {"bogus": 1}))
+
+
 TRIGGERS = [
+    ("margin-int", lambda t, m, r: PrecisionConfig(recipe="delayed", margin=1.5), ValueError, "precision.margin=1.5: must be an integer >= 0"),
+    ("recipe-option", _recipe_option, ValueError, "precision: DelayedScaling.__init__() got an unexpected keyword argument 'bogus'"),
+    ("fused-ce", lambda t, m, r: fuse_cross_entropy(torch.nn.Linear(2, 2)), ValueError, "train.fused_cross_entropy=true: enable_fused_cross_entropy needs a Transformers causal LM"),
     ("no-metadata", lambda t, m, r: ckpt.load_checkpoint(t, None), ValueError, "is not a complete dropless checkpoint"),
     ("no-trainer-json", lambda t, m, r: ckpt.read_trainer_state(t), ValueError, "has no readable trainer.json"),
     ("negative", lambda t, m, r: load_config(None, ["train.z_loss_coef=-1"]), ValueError, "train.z_loss_coef=-1.0: must be a number >= 0"),

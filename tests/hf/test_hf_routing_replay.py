@@ -104,6 +104,9 @@ def _experts_ids(model, perturb: bool):
 @pytest.mark.parametrize("family", sorted(set(FAMILIES + MORE_FAMILIES) - NOT_REPLAYED))
 def test_recompute_sees_the_forward_choice(family):
     model = build(family)
+    if any(layer.router is None for layer in dh.moe_layers(model)):
+        # e.g. jamba on transformers 5.17: a plain nn.Linear router, top-k in the block
+        pytest.skip(f"{family}: no router module with top_k on this transformers release")
     dh.patch_model(model).train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     state = {k: v.clone() for k, v in model.state_dict().items()}

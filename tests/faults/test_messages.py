@@ -5,7 +5,6 @@ fails on a message missing from it, and on a table entry that no longer matches 
 The triggers that are plain function calls live here (`TRIGGERS`)."""
 
 import ast
-import builtins
 import sys
 from pathlib import Path
 
@@ -109,7 +108,6 @@ TABLE = [
     ("model.py", "has no Mixture-of-Experts layers", f"{HERE}[dense-model]"),
     ("model.py", "dropless train needs transformers", f"{HERE}[no-transformers]"),
     ("model.py", "needs routers with their own score bias", f"{HERE}[stock-expert-bias]"),
-    ("model.py", "is not available yet in this version", f"{HERE}[no-quant]"),
     ("plots.py", "plots need matplotlib", f"{HERE}[no-matplotlib]"),
     ("resume.py", "cannot continue with a changed", f"{FAULTS}/test_resume_checks.py::test_changed_fixed_key_is_refused_untouched"),
     ("resume.py", "--resume: the run was saved with parallel.ep=", f"{FAULTS}/test_resume_checks.py::test_saved_ep_that_does_not_fit_names_the_override"),
@@ -200,18 +198,6 @@ def test_every_table_entry_names_a_test():
 def _hide(monkeypatch, *modules):
     for m in modules:
         monkeypatch.setitem(sys.modules, m, None)
-
-
-def _no_quant(tmp, mp, rq):
-    real = builtins.__import__
-
-    def fake(name, globals=None, locals=None, fromlist=(), level=0):
-        if level and name == "quant" or name.endswith("dropless.quant"):
-            raise ImportError("hidden")
-        return real(name, globals, locals, fromlist, level)
-
-    mp.setattr(builtins, "__import__", fake)
-    recipe_context("mxfp8")
 
 
 def _dense(tmp, mp, rq):
@@ -339,7 +325,6 @@ TRIGGERS = [
     ("dense-model", _dense, ValueError, "Qwen3ForCausalLM has no Mixture-of-Experts layers"),
     ("no-transformers", lambda t, m, r: (_hide(m, "transformers"), require_transformers()), ModuleNotFoundError, "dropless train needs transformers"),
     ("stock-expert-bias", _stock_bias, ValueError, "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their own score bias"),
-    ("no-quant", _no_quant, ValueError, "precision.recipe='mxfp8' is not available yet in this version"),
     ("no-matplotlib", lambda t, m, r: (_hide(m, "matplotlib"), plot_losses([], t / "l.png")), ModuleNotFoundError, "plots need matplotlib"),
     ("no-free-name", _no_free_name, ValueError, "could not find a free run directory name"),
     ("no-run-to-resume", _no_run_to_resume, ValueError, "--resume without --run-dir: no run with a checkpoint"),

@@ -188,21 +188,16 @@ def recipe_context(precision):
     """A factory of the context to run forward in for the `precision` section (the FP8
     hook): `precision.recipe` with the options of the section (`recipe_options()`).
 
-    "none" needs nothing; the others come from `dropless.quant` when it is installed and
-    are a clear error until then (checked at startup, before any long work). A bare
-    recipe name is accepted too (no options).
+    "none" needs nothing; the others are `dropless.quant` recipes, built once here (at
+    startup, before any long work) so a bad option is reported early. A bare recipe name
+    is accepted too (no options).
     """
     name = precision if isinstance(precision, str) else precision.recipe
     options = {} if isinstance(precision, str) else precision.recipe_options()
     if name == "none":
         return _nothing
-    try:
-        from ..quant import autocast, recipe_from_name
-    except ImportError:
-        raise ValueError(
-            f"precision.recipe={name!r} is not available yet in this version (it arrives with the FP8 "
-            "issue: dropless.quant.recipe_from_name); use precision.recipe=none"
-        ) from None
+    from ..quant import autocast, recipe_from_name
+
     try:
         recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
     except (TypeError, ValueError) as e:

@@ -11,14 +11,6 @@ from dropless.train.recipes import TINY
 from dropless.train.setup import Env, preflight
 
 
-def _quant_ready() -> bool:
-    try:
-        from dropless.quant import recipe_from_name  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _fails(capsys, tmp_path, *args, run_dir=None):
     run_dir = run_dir or tmp_path / "run"
     assert main(["train", "--run-dir", str(run_dir), *tiny_args(), *args]) == 2

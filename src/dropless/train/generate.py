@@ -139,4 +139,8 @@ def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
         (out / "TOKENIZER.txt").write_text(
             "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
         )
+    mode = ckpt.default_file_mode()
+    for f in out.iterdir():  # safetensors creates model.safetensors 0600; give the usual mode
+        if f.is_file():
+            f.chmod(mode)
     return out

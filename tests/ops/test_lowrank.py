@@ -169,3 +169,17 @@ def test_lowrank_bad_shapes_raise():
         LowRank(a1, b1[:, :, :2], 1.0)
     with pytest.raises(TypeError, match="pair"):
         ops.expert_mlp(x, ids_TK, w_TK, gu, dn, lora=LowRank(a1, b1, 1.0))
+
+
+def test_lowrank_refused_under_a_low_precision_recipe():
+    (x, ids_TK, w_TK, gu, dn, _, _), (a1, b1, _, _) = _lora_problem("gate_up")
+
+    class Recipe:
+        kind = "mxfp8"
+
+    token = ops.set_recipe(Recipe())
+    try:
+        with pytest.raises(ValueError, match="full precision only"):
+            ops.expert_mlp(x, ids_TK, w_TK, gu, dn, lora=(LowRank(a1, b1, 1.0), None))
+    finally:
+        ops.reset_recipe(token)

@@ -107,3 +107,11 @@ def test_stock_peft_loads_the_adapter_and_convert_merges(lora_run, tmp_path):
     merged = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flops_of_a_frozen_base_count_no_weight_gradient():
+    from dropless.train.model import FlopCounter
+
+    full = FlopCounter(dense_params=10, expert_params=5, attn_per_seq_l2=1.0)
+    lora = FlopCounter(dense_params=10, expert_params=5, attn_per_seq_l2=1.0, frozen_base=True)
+    assert lora.step_flops(2, 4, 16) == full.step_flops(2, 4, 16) * 2 / 3

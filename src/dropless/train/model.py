@@ -219,6 +219,9 @@ class FlopCounter:
     dense_params: int
     expert_params: int
     attn_per_seq_l2: float  # multiply by L^2 per sequence
+    # LoRA: the frozen base gets no weight gradient, so backward is one forward's worth
+    # (input gradients only; the adapters' own FLOPs are left out): training = 2 * forward
+    frozen_base: bool = False
 
     @classmethod
     def from_model(cls, model: nn.Module) -> FlopCounter:
@@ -246,4 +249,4 @@ class FlopCounter:
         tokens = sequences * seq_len
         fwd = 2.0 * tokens * self.dense_params + 2.0 * routed_pairs * self.expert_params
         fwd += sequences * self.attn_per_seq_l2 * seq_len * seq_len
-        return 3.0 * fwd
+        return (2.0 if self.frozen_base else 3.0) * fwd

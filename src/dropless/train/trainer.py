@@ -102,6 +102,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
         self.precision = Precision(cfg.precision, env.device)
         self.flops = FlopCounter.from_model(self.model)
+        self.flops.frozen_base = self.lora
         self.state = TrainState(seed=tc.seed, world_size=env.world)
         if resume_from is not None:
             saved = ckpt.load_checkpoint(

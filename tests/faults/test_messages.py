@@ -141,6 +141,17 @@ TABLE = [
     ("mesh.py", "or -1 for world_size / dp_replicate", "tests/parallel/test_mesh_config.py::test_bad_fields"),
     ("mesh.py", "parallel.dispatcher=", "tests/parallel/test_mesh_config.py::test_bad_fields"),
     ("mesh.py", "must be an int >= 1", "tests/parallel/test_mesh_config.py::test_bad_fields"),
+    ("config.py", ": give one or more of ", f"{HERE}[lora-targets-config]"),
+    ("config.py", "finetune.method='lora' needs a checkpoint to adapt", f"{HERE}[lora-no-model-path]"),
+    ("generate.py", "is a LoRA run: its checkpoints hold the adapters only", f"{HERE}[convert-lora-no-merge]"),
+    ("generate.py", "is a full fine-tuning run (finetune.method='full')", f"{HERE}[convert-full-merge]"),
+    ("lora.py", "no experts module and no attention projection found", f"{HERE}[lora-targets-nothing]"),
+    ("lora.py", "finetune.method='lora' needs peft", f"{HERE}[no-peft]"),
+    ("setup.py", "finetune.method='lora' runs on one process in this version", f"{HERE}[lora-multi-process]"),
+    ("sft.py", "cuts every sample before its completion tokens", f"{HERE}[sft-seq-len]"),
+    ("sft.py", "chat-formatted data needs jinja2", f"{HERE}[no-jinja2]"),
+    ("sft.py", "the chat template does not render a conversation as a prefix", f"{HERE}[chat-template-prefix]"),
+    ("sft.py", "the supervised data has no records", f"{HERE}[sft-no-records]"),
 ]  # fmt: skip
 
 
@@ -292,6 +303,70 @@ def _recipe_option(tmp, mp, rq):
     recipe_context(types.SimpleNamespace(recipe="delayed", recipe_options=lambda: {"bogus": 1}))
 
 
+def _lora_cfg(tmp):
+    return load_config(None, ["finetune.method=lora", f"model.path={tmp}"])
+
+
+def _convert_run(method, merge):
+    from dropless.train import generate
+
+    def go(tmp, mp, rq):
+        cfg = _lora_cfg(tmp) if method == "lora" else load_config()
+        mp.setattr(generate, "load_run", lambda path: (cfg, None, None, None))
+        convert(tmp / "run", tmp / "out", merge=merge)
+
+    return go
+
+
+def _lora_multi_process(tmp, mp, rq):
+    from dropless.train.setup import Env, preflight
+
+    preflight(_lora_cfg(tmp), Env(0, 2, 0, torch.device("cpu")), tmp / "run", resume=False)
+
+
+def _no_peft(tmp, mp, rq):
+    from dropless.train.lora import require_peft
+
+    _hide(mp, "peft")
+    require_peft()
+
+
+def _lora_targets_nothing(tmp, mp, rq):
+    from dropless.train.lora import lora_targets
+
+    lora_targets(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["experts", "attention"])
+
+
+def _sft_seq_len(tmp, mp, rq):
+    from dropless.train.sft import encode_rows
+
+    recs = [{"prompt": "a prompt longer than the rows", "completion": "yes"}]
+    encode_rows(recs, "prompt_completion", ByteTokenizer(), 4, "completion", "")
+
+
+def _no_jinja2(tmp, mp, rq):
+    from dropless.train.sft import FALLBACK_TEMPLATE, _renderer
+
+    _hide(mp, "jinja2")
+    _renderer(FALLBACK_TEMPLATE)
+
+
+def _chat_template_prefix(tmp, mp, rq):
+    from dropless.train.sft import encode_rows
+
+    # renders only the number of turns: a conversation is no prefix of its longer turns
+    recs = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    ]
+    encode_rows(recs, "messages", ByteTokenizer(), 16, "completion", "{{ messages|length }}")
+
+
+def _sft_no_records(tmp, mp, rq):
+    from dropless.train.sft import RowSampler
+
+    RowSampler(np.zeros((0, 5), np.int64), np.zeros((0, 4), np.int64), seed=0)
+
+
 TRIGGERS = [
     ("margin-int", lambda t, m, r: PrecisionConfig(recipe="delayed", margin=1.5), ValueError, "precision.margin=1.5: must be an integer >= 0"),
     ("recipe-option", _recipe_option, ValueError, "precision: DelayedScaling.__init__() got an unexpected keyword argument 'bogus'"),
@@ -340,6 +415,17 @@ TRIGGERS = [
     ("ep-experts-type", _ep_experts("type"), TypeError, "experts must be a dropless GroupedExperts, got Linear"),
     ("ep-experts-split", _ep_experts("split"), ValueError, "num_experts=3 is not divisible by parallel.ep=2"),
     ("no-process-group", lambda t, m, r: build_mesh(ParallelConfig()), RuntimeError, "build_mesh needs torch.distributed initialised"),
+    ("lora-targets-config", lambda t, m, r: load_config(None, ['finetune.lora_targets=["mlp"]']), ValueError, "finetune.lora_targets=['mlp']: give one or more of 'experts', 'attention'"),
+    ("lora-no-model-path", lambda t, m, r: load_config(None, ["finetune.method=lora"]), ValueError, "finetune.method='lora' needs a checkpoint to adapt: set model.path=DIR"),
+    ("convert-lora-no-merge", _convert_run("lora", merge=False), ValueError, "run' is a LoRA run: its checkpoints hold the adapters only. Pass --merge"),
+    ("convert-full-merge", _convert_run("full", merge=True), ValueError, "run' is a full fine-tuning run (finetune.method='full'), there is no adapter to merge; drop --merge"),
+    ("lora-targets-nothing", _lora_targets_nothing, ValueError, "finetune.lora_targets=['experts', 'attention'] matches nothing in Sequential"),
+    ("no-peft", _no_peft, ModuleNotFoundError, "finetune.method='lora' needs peft: pip install 'dropless[lora]'"),
+    ("lora-multi-process", _lora_multi_process, ValueError, "finetune.method='lora' runs on one process in this version (got 2)"),
+    ("sft-seq-len", _sft_seq_len, ValueError, "train.seq_len=4 cuts every sample before its completion tokens"),
+    ("no-jinja2", _no_jinja2, ModuleNotFoundError, "chat-formatted data needs jinja2: pip install 'dropless[lora]'"),
+    ("chat-template-prefix", _chat_template_prefix, ValueError, "the chat template does not render a conversation as a prefix of its longer turns"),
+    ("sft-no-records", _sft_no_records, ValueError, "the supervised data has no records; point data.path at .jsonl data"),
 ]  # fmt: skip
 
 

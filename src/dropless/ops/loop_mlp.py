@@ -1,15 +1,36 @@
 """The per-expert loop behind `fused_mlp` (the CPU default); see fused_mlp.py for the
-contract and what is saved for backward."""
+contract and what is saved for backward.
 
-# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs
+Each expert is one work item (`expert_threads.run_experts`): gather its rows, gate/up
+GEMM, activation x prob, down GEMM, and, for the combine, an `index_add_` into the
+output committed in expert order. With more than one torch thread and experts big
+enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
+otherwise in the calling thread. Backward is the same per expert, writing the weight
+gradients straight into preallocated [E, ...] tensors.
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
+# n rows of one expert, N = 2F (gated) or F
 
 from __future__ import annotations
 
 import torch
 
+from .expert_threads import run_experts
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
 
-# --- per-expert loop (CPU default) --------------------------------------------------
+# Below this many forward FLOPs per expert (on average), handing experts to worker
+# threads costs more than it saves (a hand-off is tens of microseconds).
+MIN_THREADED_FLOPS = 2**21
+
+
+def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
+    if x.device.type != "cpu":
+        return 1
+    busy = sum(1 for n in counts if n)
+    if busy < 2 or sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
+        return 1
+    return torch.get_num_threads()
 
 
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
@@ -30,29 +51,38 @@ class _LoopMLP(torch.autograd.Function):
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
+        gathered = token_S is not None
         h_S2F = x.new_empty(S, N)
-        a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
-        x_buf = x.new_empty(nmax, D) if token_S is not None else None
-        out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
-        for e, lo, hi in _bounds(counts):
+        out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
+
+        def scratch():
+            return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
+
+        def compute(item, s, y_buf):
+            e, lo, hi = item
             n = hi - lo
-            xe = (
-                torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n])
-                if token_S is not None
-                else x[lo:hi]
-            )
+            xe = torch.index_select(x, 0, token_S[lo:hi], out=s["x"][:n]) if gathered else x[lo:hi]
             he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, act, out=a_buf[:n])
-            ye = torch.mm(
-                a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
-            )
+            a = _act_fwd(he, p, act, out=s["a"][:n])
+            ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if gathered else out[lo:hi])
             if d_bias is not None:
                 ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
-            if token_S is not None:
-                out.index_add_(0, token_S[lo:hi], ye)
+
+        def commit(item, y_buf):
+            _, lo, hi = item
+            out.index_add_(0, token_S[lo:hi], y_buf[: hi - lo])
+
+        run_experts(
+            list(_bounds(counts)),
+            compute,
+            workers=_num_workers(x, counts, 2 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if gathered else None,
+            new_out=lambda: x.new_empty(nmax, D),
+        )
         ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F)
         ctx.counts, ctx.cfg = counts, cfg
         return out
@@ -67,9 +97,10 @@ class _LoopMLP(torch.autograd.Function):
         D, N = x.shape[1], h_S2F.shape[1]
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
-        gx = torch.zeros_like(x) if need[0] and token_S is not None else None
-        if need[0] and token_S is None:
-            gx = torch.empty_like(x)
+        gathered = token_S is not None
+        gx = None
+        if need[0]:
+            gx = torch.zeros_like(x) if gathered else torch.empty_like(x)
         gp = prob_S.new_zeros(prob_S.shape) if prob_S is not None and need[1] else None
         # weight gradients: every expert's slice is written by an mm(out=) below; only
         # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
@@ -77,27 +108,33 @@ class _LoopMLP(torch.autograd.Function):
         gd = _empty_grad(down, counts) if need[3] else None
         ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
         gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
-        gathered = token_S is not None
-        x_buf = x.new_empty(nmax, D) if gathered else None
-        gy_buf = g_out.new_empty(nmax, D) if gathered else None
-        da_buf, ap_buf, dh_buf = (
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, N),
-        )
-        for e, lo, hi in _bounds(counts):
+
+        def scratch():
+            def rows(k):
+                return x.new_empty(nmax, k)
+
+            return {
+                "x": rows(D) if gathered else None,
+                "gy": rows(D) if gathered else None,
+                "da": rows(F),
+                "ap": rows(F),
+                "dh": rows(N),
+            }
+
+        def compute(item, s, dx_buf):
+            e, lo, hi = item
             n = hi - lo
             idx = token_S[lo:hi] if gathered else None
-            gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
+            gy = torch.index_select(g_out, 0, idx, out=s["gy"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
             a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
             if gd is not None:
-                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
+                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=s["ap"][:n])
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
                 torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
             if gdb is not None:
                 torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
-            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=da_buf[:n])
+            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
             if gp is not None:
                 gpe = gp[lo:hi]
                 torch.sum(da * a0, 1, out=gpe)
@@ -105,16 +142,26 @@ class _LoopMLP(torch.autograd.Function):
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:
                 da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
+            dh = _act_bwd(da, d_gate, d_up, act.interleaved, s["dh"][:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None:
-                xe = torch.index_select(x, 0, idx, out=x_buf[:n]) if gathered else x[lo:hi]
+                xe = torch.index_select(x, 0, idx, out=s["x"][:n]) if gathered else x[lo:hi]
                 torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
             if gx is not None:
                 w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
-                if gathered:
-                    gx.index_add_(0, idx, torch.mm(dh, w_in, out=x_buf[:n]))
-                else:
-                    torch.mm(dh, w_in, out=gx[lo:hi])
+                torch.mm(dh, w_in, out=dx_buf[:n] if gathered else gx[lo:hi])
+
+        def commit(item, dx_buf):
+            _, lo, hi = item
+            gx.index_add_(0, token_S[lo:hi], dx_buf[: hi - lo])
+
+        run_experts(
+            list(_bounds(counts)),
+            compute,
+            workers=_num_workers(x, counts, 4 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if gathered and gx is not None else None,
+            new_out=lambda: x.new_empty(nmax, D),
+        )
         return gx, gp, ggu, gd, ggb, gdb, None, None, None

@@ -119,6 +119,7 @@ class _LoopMLP(torch.autograd.Function):
                 "da": rows(F),
                 "ap": rows(F),
                 "dh": rows(N),
+                "act": [rows(F) for _ in range(4)],
             }
 
         def compute(item, s, dx_buf):
@@ -127,7 +128,8 @@ class _LoopMLP(torch.autograd.Function):
             idx = token_S[lo:hi] if gathered else None
             gy = torch.index_select(g_out, 0, idx, out=s["gy"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
+            act_bufs = [b[:n] for b in s["act"]]
+            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act, act_bufs)
             if gd is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=s["ap"][:n])
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
@@ -137,7 +139,8 @@ class _LoopMLP(torch.autograd.Function):
             da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
             if gp is not None:
                 gpe = gp[lo:hi]
-                torch.sum(da * a0, 1, out=gpe)
+                # act_bufs[0] is free once _act_parts returns
+                torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
                 if d_bias is not None:
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:

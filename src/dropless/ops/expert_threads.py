@@ -168,7 +168,7 @@ def run_experts(
                 commit(item, buf)
         return
     n = min(workers, len(items))
-    run = _Run(items, compute, commit, new_out, make_scratch, max_out=4 * n, active=n)
+    run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1, active=n)
     for w in _workers(n):
         w.tasks.put(run.work)
     with run.cond:

@@ -113,11 +113,11 @@ class _LoopMLP(torch.autograd.Function):
             def rows(k):
                 return x.new_empty(nmax, k)
 
+            # "rows": the gathered gy, then (once gy is used up) the gathered x;
+            # act[0] is free once _act_parts returns: ap, then the prob gradient's product
             return {
-                "x": rows(D) if gathered else None,
-                "gy": rows(D) if gathered else None,
+                "rows": rows(D) if gathered else None,
                 "da": rows(F),
-                "ap": rows(F),
                 "dh": rows(N),
                 "act": [rows(F) for _ in range(4)],
             }
@@ -126,12 +126,12 @@ class _LoopMLP(torch.autograd.Function):
             e, lo, hi = item
             n = hi - lo
             idx = token_S[lo:hi] if gathered else None
-            gy = torch.index_select(g_out, 0, idx, out=s["gy"][:n]) if gathered else g_out[lo:hi]
+            gy = torch.index_select(g_out, 0, idx, out=s["rows"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
             act_bufs = [b[:n] for b in s["act"]]
             a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act, act_bufs)
             if gd is not None:
-                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=s["ap"][:n])
+                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
                 torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
             if gdb is not None:
@@ -139,7 +139,6 @@ class _LoopMLP(torch.autograd.Function):
             da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
             if gp is not None:
                 gpe = gp[lo:hi]
-                # act_bufs[0] is free once _act_parts returns
                 torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
                 if d_bias is not None:
                     gpe.add_(torch.mv(gy, d_bias[e]))
@@ -149,7 +148,7 @@ class _LoopMLP(torch.autograd.Function):
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None:
-                xe = torch.index_select(x, 0, idx, out=s["x"][:n]) if gathered else x[lo:hi]
+                xe = torch.index_select(x, 0, idx, out=s["rows"][:n]) if gathered else x[lo:hi]
                 torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
             if gx is not None:
                 w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]

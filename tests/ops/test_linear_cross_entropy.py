@@ -139,7 +139,11 @@ def test_bad_input():
         linear_cross_entropy(h, w, y, chunk_size=0)
     with pytest.raises(ValueError, match="label_smoothing"):
         linear_cross_entropy(h, w, y, label_smoothing=1.5)
-    with pytest.raises(ValueError, match="no label smoothing"):
+    # torch < 2.13 has no F.linear_cross_entropy: naming it is refused for that reason instead
+    reason = (
+        "no label smoothing" if hasattr(torch.nn.functional, "linear_cross_entropy") else "torch"
+    )
+    with pytest.raises(ValueError, match=reason):
         linear_cross_entropy(h, w, y, label_smoothing=0.1, backend="torch")
 
 
@@ -159,7 +163,8 @@ def test_torch_backend_missing_is_an_error(monkeypatch):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_rounds_like_the_stock_head(backend):
     """bf16 operands: the chunked backend rounds the logits to bf16 where the stock head
-    does (same numbers); torch's op keeps them in fp32 (close, not equal)."""
+    does (same loss; gradients within bf16 rounding, since CPU bf16 GEMM reduction order
+    differs between torch releases); torch's op keeps them in fp32 (close, not equal)."""
     h, w, b, y = _inputs(37, 16, 50, 0.25, torch.bfloat16)
     l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
     l1, g1 = _loss_and_grads(
@@ -169,4 +174,5 @@ def test_bf16_rounds_like_the_stock_head(backend):
     tol = dict(rtol=1e-5, atol=1e-5) if backend == "chunked" else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(l1, l0, **tol)
     for a, c in zip(g1, g0):
-        torch.testing.assert_close(a, c, **({} if backend == "chunked" else tol))
+        bf16_tol = dict(rtol=1.6e-2, atol=1e-3)  # one bf16 ulp of the O(1e-2) gradient entries
+        torch.testing.assert_close(a, c, **(bf16_tol if backend == "chunked" else tol))

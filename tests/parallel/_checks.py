@@ -22,6 +22,7 @@ from _checks_fsdp import (  # noqa: F401
 )
 from _checks_hf import hf_ep_equals_single, hf_fsdp_x_ep_train  # noqa: F401
 from _checks_load import hf_sharded_load  # noqa: F401
+from _checks_replay import ep_routing_replay, hf_ep_routing_replay  # noqa: F401
 
 CHECKS = {
     2: [
@@ -33,12 +34,14 @@ CHECKS = {
         "ep_chunked_overlap",
         "ep_overlap_skewed",
         "ep_more_chunks_than_tokens",
+        "ep_routing_replay",
         "bad_mesh_in_group",
         "fsdp_only",
         "fsdp_x_ep",
         "fsdp_x_ep_overlap",
         "hsdp_only",
         "hf_ep_equals_single",
+        "hf_ep_routing_replay",
         "hf_fsdp_x_ep_train",
         "hf_sharded_load",
         "ckpt_resume_w2",

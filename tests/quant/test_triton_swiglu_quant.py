@@ -30,7 +30,28 @@ CASES = [
     "scaled_bitexact",
     "scaled_with_silu",
     "no_prob",
+    "int64_offsets",
 ]
+
+
+def _offsets_kernel():
+    """A one-program kernel that writes the quantize kernels' element offsets of rows
+    [base, base + 4) x columns [0, 2) for a row stride."""
+    import triton
+    import triton.language as tl
+
+    from dropless.quant.triton_swiglu_quant import _offsets
+
+    globals()["_offsets"] = _offsets  # jit functions resolve names in module globals
+
+    @triton.jit
+    def kernel(out_ptr, base, stride):
+        rows = base + tl.arange(0, 4)  # int32, as the kernels compute them
+        cols = tl.arange(0, 2)
+        o = _offsets(rows, cols, stride)
+        tl.store(out_ptr + tl.arange(0, 4)[:, None] * 2 + tl.arange(0, 2)[None, :], o)
+
+    return kernel
 
 
 def _h(S, F, seed, scale=3.0):
@@ -49,6 +70,14 @@ def check(case: str) -> None:
     from dropless.quant.mlp import _swiglu_f32
     from dropless.quant.triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
 
+    if case == "int64_offsets":
+        # h [S, 2F] with F = 4096: row 300_000 starts at element 2.46e9 > 2**31
+        out = torch.empty(4, 2, dtype=torch.int64)
+        base, stride = 300_000, 8192
+        _offsets_kernel()[(1,)](out, base, stride)
+        want = [[(base + i) * stride + j for j in range(2)] for i in range(4)]
+        assert out.tolist() == want, out.tolist()
+        return
     if case == "e4m3_encoding_exhaustive":
         # every E4M3 value, every midpoint between neighbours (ties), and beyond max
         vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()

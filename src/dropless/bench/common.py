@@ -35,6 +35,8 @@ OUTPUTS = ("benchmarks/", "BENCHMARKS.md")
 # Environment variables that change glibc malloc (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_,
 # MALLOC_ARENA_MAX, ... and GLIBC_TUNABLES=glibc.malloc.*): timings run without them.
 _MALLOC_PREFIX = "MALLOC_"
+# mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XLA_FLAGS")
 
 
@@ -383,3 +385,27 @@ def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {module} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rss_mib() -> float:
+    """This process's resident memory now (VmRSS from /proc/self/status), MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def follow_live_memory() -> bool:
+    """Make RSS track live tensors in this process: glibc serves blocks >= 128 KiB by mmap
+    and gives freed memory back at once (trimming the heap now). False where it cannot."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, 0) == 1
+        libc.malloc_trim(0)
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False

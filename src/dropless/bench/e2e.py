@@ -33,11 +33,13 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
+    follow_live_memory,
     load_sentence,
     peak_rss_mib,
     provenance,
     replace_block,
     reset_peak_rss,
+    rss_mib,
     run_child,
     section_path,
 )
@@ -60,7 +62,6 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
                                       "moe_intermediate_size": 768}}  # fmt: skip
 IMPLS = ("grouped_mm", "eager", "dropless")
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,28 +97,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --- the child: one implementation, one process -----------------------------------------
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _follow_live_memory() -> bool:
-    """Make RSS track live tensors: mmap blocks >= 128 KiB, give freed memory back."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024) == 1
-        ok &= libc.mallopt(_M_TRIM_THRESHOLD, 0) == 1
-        libc.malloc_trim(0)
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
 
 
 def _build(impl: str, shape: dict):
@@ -191,8 +170,8 @@ def child(args: dict) -> dict:
 
 
 def _measure_memory(fwd_bwd, opt_step) -> dict:
-    tracked = _follow_live_memory()  # also trims the heap: RSS = live memory from here
-    base = _rss_mib()
+    tracked = follow_live_memory()  # also trims the heap: RSS = live memory from here
+    base = rss_mib()
     reset_peak_rss()
     fwd_bwd()
     peak_fb = peak_rss_mib() - base  # activations + gradients

@@ -16,6 +16,10 @@ BENCHES = {
         "one MoE layer fwd+bwd vs the dense bound and Hugging Face v5",
     ),
     "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
+    "memory": (
+        "dropless.bench.memory",
+        "peak step memory per token at long sequences: stock vs the long-sequence recipe",
+    ),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
     "ep": ("dropless.bench.ep", "expert-parallel layer: time split with/without overlap"),
     "train": ("dropless.bench.train", "the default `dropless train` config, briefly: its summary"),

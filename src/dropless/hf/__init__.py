@@ -34,7 +34,9 @@ from .patching import (
     unpatch,
     unpatch_model,
 )
+from .replay import has_routing_replay, install_routing_replay, remove_routing_replay
 from .report import ModuleRecord, PatchReport
+from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from .router_losses import RouterLosses, RouterStats
 
 __all__ = [
@@ -52,13 +54,18 @@ __all__ = [
     "RouterStats",
     "added_state_keys",
     "check_version",
+    "disable_fused_rmsnorm",
     "dropless_experts_forward",
+    "enable_fused_rmsnorm",
     "experts_spec",
+    "has_routing_replay",
+    "install_routing_replay",
     "is_patched",
     "moe_layers",
     "patch",
     "patch_model",
     "register_experts_hook",
+    "remove_routing_replay",
     "report",
     "save_hf",
     "tokens_per_expert",

@@ -10,23 +10,38 @@ request into "dropless" for models whose experts use the interface and hands eve
 else to the original. `unpatch()` puts the original function object back, removes
 "dropless" from `ExpertsInterface`, and switches every live model dropless changed back
 to the implementation it had (removing any expert bias buffers it added).
+`patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
+routing-replay hooks (`dropless.hf.replay`) once their layers exist.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 from torch import nn
 
 from ._compat import require_transformers
 from .experts import dropless_experts_forward
+from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import moe_layers
+from .replay import install_routing_replay, remove_routing_replay
 from .report import PatchReport, model_report
+from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
 
-_state: dict = {"registered": False, "prior": None, "original_get_correct": None}
+_state: dict = {
+    "registered": False,
+    "prior": None,
+    "original_get_correct": None,
+    "original_post_init": None,
+    # options of the latest patch() call, applied to models built or loaded afterwards
+    "options": {"fused_cross_entropy": False, "fused_rmsnorm": False},
+}
+# models whose fused cross-entropy dropless turned on (turned off again on unpatch)
+_fused_ce: weakref.WeakSet = weakref.WeakSet()
 # model -> experts implementation to restore on unpatch (get_experts_implementation() form)
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # configs whose "dropless" came from our default (not asked for): id -> config. A model's
@@ -104,6 +119,45 @@ def _install_default() -> None:
     get_correct_experts_implementation.__doc__ = original.__doc__
     _state["original_get_correct"] = original
     PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
+    _install_post_init(PreTrainedModel)
+
+
+def _install_post_init(PreTrainedModel) -> None:
+    # the experts implementation is resolved in __init__, before the layers exist; the
+    # routers get their replay hooks once the model is built (post_init)
+    original = PreTrainedModel.__dict__["post_init"]
+
+    def post_init(self):
+        original(self)
+        if self in _models:
+            install_routing_replay(self)
+            _apply_options(self, **_state["options"])
+
+    post_init.__wrapped__ = original
+    post_init.__doc__ = original.__doc__
+    _state["original_post_init"] = original
+    PreTrainedModel.post_init = post_init
+
+
+def _is_causal_lm_head(model) -> bool:
+    get_head = getattr(model, "get_output_embeddings", None)
+    return callable(get_head) and isinstance(get_head(), nn.Linear)
+
+
+def _apply_options(model, *, fused_cross_entropy: bool, fused_rmsnorm: bool) -> None:
+    if fused_rmsnorm:
+        enable_fused_rmsnorm(model)
+    if fused_cross_entropy and _is_causal_lm_head(model):
+        try:
+            enable_fused_cross_entropy(model)
+        except (TypeError, ValueError) as e:
+            warnings.warn(
+                f"dropless: fused_cross_entropy is not applied to {type(model).__name__}: {e}",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        _fused_ce.add(model)
 
 
 def _uninstall_default() -> None:
@@ -113,6 +167,10 @@ def _uninstall_default() -> None:
     if original is not None:
         PreTrainedModel.get_correct_experts_implementation = original
         _state["original_get_correct"] = None
+    post_init = _state["original_post_init"]
+    if post_init is not None:
+        PreTrainedModel.post_init = post_init
+        _state["original_post_init"] = None
 
 
 def is_patched() -> bool:
@@ -120,19 +178,39 @@ def is_patched() -> bool:
     return _state["original_get_correct"] is not None
 
 
-def patch() -> PatchReport:
+def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> PatchReport:
     """Register the "dropless" experts implementation and make it the default.
 
     Models built or loaded afterwards (`from_config`, `from_pretrained`) run their experts
     through dropless; an explicit `experts_implementation=` still wins. Returns a
     `PatchReport`, a live view of the patched models: print it (or read `.families`,
     `.modules_ours`, `.generic`, `.fallbacks`) after building or loading them.
-    Idempotent; undone exactly by `unpatch()`.
+    Idempotent (the options of the latest call apply to models built afterwards); undone
+    exactly by `unpatch()`.
+
+    fused_cross_entropy: a causal LM given `labels` computes its loss from the hidden
+        states in chunks (`dropless.hf.fused_loss`) and returns `logits=None`; off by
+        default because code may read the logits.
+    fused_rmsnorm: RMSNorm modules run the Triton kernel for CUDA tensors
+        (`dropless.hf.rmsnorm`); CPU tensors keep the stock forward.
+    Every model on the dropless path also gets routing replay for activation
+    checkpointing (`dropless.hf.replay`).
     """
+    _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     require_transformers()
     _register()
     _install_default()
+    _state["options"] = {
+        "fused_cross_entropy": fused_cross_entropy,
+        "fused_rmsnorm": fused_rmsnorm,
+    }
     return report()
+
+
+def _check_options(**options) -> None:
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}={value!r}: expected True or False")
 
 
 def report(model: nn.Module | None = None) -> PatchReport:
@@ -161,15 +239,23 @@ def _require_moe(model) -> list:
     return layers
 
 
-def patch_model(model: nn.Module, expert_bias: bool = False) -> nn.Module:
+def patch_model(
+    model: nn.Module,
+    expert_bias: bool = False,
+    *,
+    fused_cross_entropy: bool = False,
+    fused_rmsnorm: bool = False,
+) -> nn.Module:
     """Switch an already built MoE model to the dropless experts path (in place; returns it).
 
     expert_bias=True also gives every router without a score bias an fp32 `expert_bias`
     buffer [E] (zeros) that shifts which experts are chosen, not their weights, for
     aux-loss-free balancing (`dropless.ops.update_expert_bias`); DeepSeek-V3 and GLM-4-MoE
-    routers keep using their `e_score_correction_bias`. Raises TypeError/ValueError for a
-    model that is not a supported MoE model.
+    routers keep using their `e_score_correction_bias`. `fused_cross_entropy` and
+    `fused_rmsnorm` as in `patch()`. Raises TypeError/ValueError for a model that is not a
+    supported MoE model.
     """
+    _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     layers = _require_moe(model)
     _register()
     previous = model.get_experts_implementation()
@@ -183,6 +269,13 @@ def patch_model(model: nn.Module, expert_bias: bool = False) -> nn.Module:
             if layer.router is None:
                 raise ValueError(f"expert_bias=True: MoE block {layer.name!r} has no router")
             add_expert_bias(layer.router, layer.family, layer.num_experts)
+    install_routing_replay(model)
+    if fused_cross_entropy and not _is_causal_lm_head(model):
+        raise TypeError(
+            f"fused_cross_entropy=True needs a causal LM with an nn.Linear output head; "
+            f"{type(model).__name__} has none"
+        )
+    _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     return model
 
 
@@ -191,6 +284,11 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     previous = _models.pop(model, None)
     if previous is None:
         previous = _stock_default(model)
+    remove_routing_replay(model)
+    disable_fused_rmsnorm(model)
+    if model in _fused_ce:
+        _fused_ce.discard(model)
+        disable_fused_cross_entropy(model)
     for layer in moe_layers(model):
         if layer.router is not None:
             remove_expert_bias(layer.router)
@@ -225,3 +323,4 @@ def unpatch() -> None:
         unpatch_model(model)
     _uninstall_default()
     _unregister()
+    _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}

@@ -38,7 +38,7 @@ class MoEConfig:
     or give its fields as keywords (score_func, renormalize, scaling_factor, n_group,
     topk_group, expert_bias; not both); `activation` an `ActivationConfig` (this layer
     computes the plain swiglu only). backend: grouped-GEMM backend ("tiled",
-    "ragged_dot", or None to pick by platform).
+    "ragged_dot", or None for the default, "tiled").
     """
 
     hidden_size: int

@@ -111,15 +111,64 @@ def _wgrad(a, b, counts):
 TRITON_PRIORITY = 5
 
 
+def _lazy(module: str, fn: str):
+    """fn of kernel module `module`, imported (with triton) on first call."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)(*args, **kwargs)
+
+    call.__name__ = fn
+    return call
+
+
+def _supports_rows(t: torch.Tensor) -> bool:
+    return (
+        t.is_cuda
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and (triton_importable())
+    )
+
+
+_ROW_OPS = None
+
+
+def triton_row_ops():
+    """The Triton kernels as a `dropless.ops.row_ops.RowOps` ("triton"): the gathers of
+    permute / combine and the SwiGLU (and gpt_oss) activation x prob, forward and
+    backward. Building it does not import triton."""
+    global _ROW_OPS
+    if _ROW_OPS is None:
+        from dropless.ops.row_ops import RowOps
+
+        _ROW_OPS = RowOps(
+            "triton",
+            _lazy("permute_kernels", "gather_rows"),
+            _lazy("permute_kernels", "gather_sum"),
+            _lazy("permute_kernels", "pair_dot"),
+            _lazy("swiglu_kernels", "swiglu_fwd"),
+            _lazy("swiglu_kernels", "swiglu_bwd"),
+            ("swiglu", "gpt_oss"),
+            supports=_supports_rows,
+            priority=10,
+        )
+    return _ROW_OPS
+
+
 def register_backend() -> None:
-    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` (idempotent;
-    done when this package is imported, which `import dropless` does).
+    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` and the
+    "triton" row ops (permute / combine / activation) in `dropless.ops.row_ops`
+    (idempotent; done when this package is imported, which `import dropless` does).
 
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
+    from ..ops.row_ops import register_row_ops
+
     register_gemm_backend(
-        GemmBackend("triton", _mm, _wgrad, supports=_supports, priority=TRITON_PRIORITY)
+        GemmBackend(
+            "triton", _mm, _wgrad, supports=_supports, priority=TRITON_PRIORITY, device_counts=True
+        )
     )
+    register_row_ops(triton_row_ops())
 
 
 def __getattr__(name: str) -> Any:
@@ -136,4 +185,10 @@ def __getattr__(name: str) -> Any:
 
 register_backend()
 
-__all__ = ["available", "register_backend", "triton_importable", *sorted(_EXPORTS)]
+__all__ = [
+    "available",
+    "register_backend",
+    "triton_importable",
+    "triton_row_ops",
+    *sorted(_EXPORTS),
+]

@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.ops.permute import _Permute, _Unpermute, _UnpermuteUnweighted
+
+from . import triton_row_ops
 from ._common import check_2d, check_index, row_blocks
 
 
@@ -180,48 +183,7 @@ def pair_dot(g_TN: torch.Tensor, y_SN: torch.Tensor, slot_TK: torch.Tensor) -> t
     return out
 
 
-# --- autograd -----------------------------------------------------------------------
-
-
-class _Permute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TD, token_S, slot_TK):
-        ctx.save_for_backward(slot_TK)
-        return gather_rows(x_TD, token_S)
-
-    @staticmethod
-    def backward(ctx, grad_SD):
-        (slot_TK,) = ctx.saved_tensors
-        return gather_sum(grad_SD, slot_TK), None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_SN, weights_TK, token_S, pair_S, slot_TK):
-        ctx.save_for_backward(y_SN, weights_TK, token_S, pair_S, slot_TK)
-        return gather_sum(y_SN, slot_TK, weights_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TN):
-        y_SN, weights_TK, token_S, pair_S, slot_TK = ctx.saved_tensors
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_y = gather_rows(grad_TN, token_S, weights_TK, pair_S)
-        if ctx.needs_input_grad[1]:
-            grad_w = pair_dot(grad_TN, y_SN, slot_TK).to(weights_TK.dtype)
-        return grad_y, grad_w, None, None, None
-
-
-class _UnpermuteUnweighted(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_SN, token_S, slot_TK):
-        ctx.save_for_backward(token_S)
-        return gather_sum(y_SN, slot_TK)
-
-    @staticmethod
-    def backward(ctx, grad_TN):
-        (token_S,) = ctx.saved_tensors
-        return gather_rows(grad_TN, token_S), None, None
+# --- autograd: the Functions of dropless.ops.permute with these kernels --------------
 
 
 def permute(x_TD: torch.Tensor, token_S: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
@@ -229,7 +191,7 @@ def permute(x_TD: torch.Tensor, token_S: torch.Tensor, slot_TK: torch.Tensor) ->
 
     token_S / slot_TK come from `dropless.ops.sort_by_expert` (`sp.token_S`, `sp.slot_TK`).
     """
-    return _Permute.apply(x_TD, token_S, slot_TK)
+    return _Permute.apply(x_TD, token_S, slot_TK, triton_row_ops())
 
 
 def unpermute(
@@ -245,5 +207,5 @@ def unpermute(
     Index tensors come from `dropless.ops.sort_by_expert`.
     """
     if weights_TK is None:
-        return _UnpermuteUnweighted.apply(y_SN, token_S, slot_TK)
-    return _Unpermute.apply(y_SN, weights_TK, token_S, pair_S, slot_TK)
+        return _UnpermuteUnweighted.apply(y_SN, token_S, slot_TK, triton_row_ops())
+    return _Unpermute.apply(y_SN, weights_TK, token_S, pair_S, slot_TK, triton_row_ops())

@@ -26,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dropless.ops.swiglu import activation as ops_activation
+
 from ..ops.specs import ActivationConfig
+from . import triton_row_ops
 from ._common import check_2d, row_blocks
 
 _GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
@@ -207,24 +210,6 @@ def swiglu_bwd(
     return grad_h, grad_p, a_SF
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_S2F, prob_S, interleaved, activation, alpha, limit):
-        ctx.save_for_backward(h_S2F, prob_S)
-        ctx.args = (interleaved, activation, alpha, limit)
-        return swiglu_fwd(h_S2F, prob_S, interleaved, activation, alpha, limit)
-
-    @staticmethod
-    def backward(ctx, g_SF):
-        h_S2F, prob_S = ctx.saved_tensors
-        interleaved, activation, alpha, limit = ctx.args
-        need_gp = prob_S is not None and ctx.needs_input_grad[1]
-        grad_h, grad_p, _ = swiglu_bwd(
-            g_SF, h_S2F, prob_S, interleaved, need_gp, False, activation, alpha, limit
-        )
-        return grad_h, grad_p, None, None, None, None
-
-
 def swiglu(
     h_S2F: torch.Tensor,
     prob_S: torch.Tensor | None = None,
@@ -236,6 +221,16 @@ def swiglu(
 ) -> torch.Tensor:
     """act(gate, up) * prob with autograd (saves h and prob only); see `swiglu_fwd`.
 
-    Same signature and semantics as `dropless.ops.swiglu`.
+    Same signature and semantics as `dropless.ops.swiglu` (its autograd Function, with
+    these kernels).
     """
-    return _SwiGLU.apply(h_S2F, prob_S, interleaved, activation, alpha, limit)
+    _check(h_S2F, prob_S, activation)
+    return ops_activation(
+        h_S2F,
+        prob_S,
+        triton_row_ops(),
+        activation=activation,
+        interleaved=interleaved,
+        alpha=alpha,
+        limit=limit,
+    )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..ops.losses import load_balancing_loss_global, z_loss
+from ..ops.replay import routing_replay
 from ..ops.routing import capacity_keep_mask, expert_capacity
 from ..ops.specs import ActivationConfig, RoutingConfig
 from .dispatcher import LocalDispatcher
@@ -160,7 +161,9 @@ class MoE(nn.Module):
         self._check_input(x)
         lead = x.shape[:-1]
         x_TD = x.reshape(-1, self.hidden_size)
-        r = self.router(x_TD)
+        # a checkpointed recompute routes as its forward did (dropless.ops.replay)
+        with routing_replay(self.router):
+            r = self.router(x_TD)
         keep_TK = None
         if self.capacity_factor is not None:
             cap = expert_capacity(x_TD.shape[0], self.top_k, self.num_experts, self.capacity_factor)

@@ -26,6 +26,7 @@ from .losses import (
     z_loss,
 )
 from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
+from .replay import remember, routing_replay
 from .routing import capacity_keep_mask, expert_capacity, route
 from .specs import ActivationConfig, RoutingConfig
 from .swiglu import swiglu
@@ -50,8 +51,10 @@ __all__ = [
     "register_gemm_backend",
     "register_recipe_gemm",
     "register_recipe_mlp",
+    "remember",
     "reset_recipe",
     "route",
+    "routing_replay",
     "sequence_aux_loss",
     "set_recipe",
     "sort_by_expert",

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+_LOG = logging.getLogger("dropless")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class GemmBackend:
     mm(a_SK, b_E.., counts, trans_b) -> [S, N]: rows of group e times b[e]^T (trans_b)
     or b[e]; wgrad(a_SM, b_SN, counts) -> [E, M, N]: per group a_e^T @ b_e.
     supports(a, b) says whether it can run on these operands (device, dtype, strides).
+    device_counts: whether mm/wgrad take the counts as a device tensor (no host sync);
+    otherwise they are handed a host list.
     """
 
     name: str
@@ -37,6 +42,7 @@ class GemmBackend:
     wgrad: Callable
     supports: Callable[[torch.Tensor, torch.Tensor], bool]
     priority: int = 0
+    device_counts: bool = False
 
 
 _BACKENDS: dict[str, GemmBackend] = {}
@@ -52,23 +58,41 @@ def gemm_backends() -> list[str]:
     return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: -b.priority)]
 
 
-def pick_gemm_backend(name: str | None, a: torch.Tensor, b: torch.Tensor) -> GemmBackend:
-    """The backend to use: `name` if given (error if it cannot run), else the best one."""
+def pick_gemm_backend(
+    name: str | None, a: torch.Tensor, b: torch.Tensor, *more: torch.Tensor
+) -> GemmBackend:
+    """The backend to use: `name` if given (error if it cannot run), else the best one.
+
+    `more`: further weights multiplied with inputs like `a` (e.g. the down projection
+    of an expert MLP), so one backend serves every GEMM of a layer: each must be
+    supported (dtype, device, 16-byte alignment of every dimension read).
+    """
+    weights = (b, *more)
     if name not in (None, "auto"):
         if name not in _BACKENDS:
             raise ValueError(
                 f"backend={name!r} is not a grouped-GEMM backend; known: {gemm_backends()}"
             )
         backend = _BACKENDS[name]
-        if not backend.supports(a, b):
+        if not all(backend.supports(a, w) for w in weights):
+            shapes = [tuple(w.shape) for w in weights]
             raise ValueError(
                 f"grouped-GEMM backend {name!r} cannot run on {a.dtype} tensors on "
-                f"{a.device.type}; use backend='auto' or one of {gemm_backends()}"
+                f"{a.device.type} with weights {shapes} (dtype, device or a dimension not a "
+                f"multiple of 16 bytes); use backend='auto' or one of {gemm_backends()}"
             )
         return backend
     for cand in sorted(_BACKENDS.values(), key=lambda b: -b.priority):
-        if cand.supports(a, b):
+        if all(cand.supports(a, w) for w in weights):
             return cand
+        if cand.priority > 0 and _LOG.isEnabledFor(logging.DEBUG):
+            _LOG.debug(
+                "grouped-GEMM backend %r skipped for %s %s with weights %s",
+                cand.name,
+                a.dtype,
+                a.device.type,
+                [tuple(w.shape) for w in weights],
+            )
     raise AssertionError("the 'loop' backend supports everything")
 
 

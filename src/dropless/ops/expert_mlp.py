@@ -158,11 +158,12 @@ def expert_mlp(
     if fused is not None and getattr(fused, "takes_tokens", False):
         # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
         # saved activations) for backward, instead of a permuted [S, D] copy
-        sp = sort_by_expert(ids_TK, num_experts, keep_TK)
+        # dropless: the counts stay on the device (the recipe MLP takes them there)
+        sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=keep_TK is not None)
         prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
         out_TD = fused(
             x_TD,
-            sp.counts,
+            sp.counts if keep_TK is not None else sp.counts_E,
             prob_S,
             gate_up,
             down,

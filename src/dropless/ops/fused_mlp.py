@@ -20,9 +20,11 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per
   layer, in `sort_by_expert`). Runs any dtype, fp64 included.
 - `_GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend
-  (`grouped_mm`, `triton`, ...), with the same saved tensors. Given the counts as a
-  device tensor and the `grouped_mm` backend (offsets computed on the device), it
-  never syncs with the host: the path used on CUDA and under `torch.compile`.
+  (`grouped_mm`, `triton`, ...), with the same saved tensors; its gathers and its
+  swiglu / gpt_oss activation come from the row-op registry (Triton kernels on CUDA).
+  Given the counts as a device tensor and a backend that takes them there (`grouped_mm`,
+  `triton`: offsets computed on the device), it never syncs with the host: the path
+  used on CUDA and under `torch.compile`.
 
 Both handle biases (the down bias is scaled by the prob), `activation="gpt_oss"`,
 interleaved gate/up, `trans_w=False` and dropped pairs (capacity mode: the caller's
@@ -38,9 +40,9 @@ import torch
 from .dispatch import pick_gemm_backend
 from .loop_mlp import _LoopMLP
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts
-from .permute import gather_sum
+from .row_ops import pick_row_ops
 from .specs import ActivationConfig, as_activation
-from .swiglu import check_supported
+from .swiglu import ACTIVATIONS, check_supported
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
@@ -53,17 +55,26 @@ def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
 
 
 class _GroupedMLP(torch.autograd.Function):
-    """Same contract as _LoopMLP; counts is a host list or a device tensor."""
+    """Same contract as _LoopMLP; counts is a host list or a device tensor.
+
+    The gathers (permute, combine) and, for the kinds it has, the activation x prob come
+    from the row-op registry (`row_ops.py`: Triton kernels on CUDA, fp32 accumulation);
+    other activations use the eager `_act_fwd` / `_act_parts` above."""
 
     @staticmethod
     def forward(
         ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
     ):
         act, trans_w, num_out = cfg
-        be = pick_gemm_backend(backend, x, gate_up)
-        if isinstance(counts, torch.Tensor) and be.name != "grouped_mm":
-            counts = counts.tolist()  # only grouped_mm takes device offsets
-        x_SD = x.index_select(0, token_S) if token_S is not None else x
+        be = pick_gemm_backend(backend, x, gate_up, down)
+        rk = pick_row_ops(x)
+        glu = act.gated and act.kind in ACTIVATIONS  # the kinds the row ops compute
+        rk_act = pick_row_ops(x, activation=act.kind) if glu else None
+        if isinstance(counts, torch.Tensor) and not be.device_counts:
+            counts = counts.tolist()  # host sync: this backend needs the bounds on the host
+        elif be.device_counts and not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(counts, device=x.device)  # one copy for every GEMM
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         S = x_SD.shape[0]
         rows_E = None
         if gu_bias is not None or d_bias is not None:
@@ -77,58 +88,89 @@ class _GroupedMLP(torch.autograd.Function):
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
-        a = _act_fwd(h, prob_S, act)
+        if rk_act is not None:
+            a = rk_act.act_fwd(h, prob_S, act.interleaved, act.kind, act.alpha, act.limit)
+        else:
+            a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
         del a
         if d_bias is not None:
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
-        out = gather_sum(y, slot_TK) if token_S is not None else y
+        out = rk.gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(
             x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E
         )
-        ctx.counts, ctx.cfg, ctx.be = counts, cfg, be
+        ctx.counts, ctx.cfg, ctx.be, ctx.rk, ctx.rk_act = counts, cfg, be, rk, rk_act
         return out
 
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
         act, trans_w, _ = ctx.cfg
-        be, counts, need = ctx.be, ctx.counts, ctx.needs_input_grad
+        be, rk, counts, need = ctx.be, ctx.rk, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
-        gy = g_out.index_select(0, token_S) if token_S is not None else g_out
-        p = None if prob_S is None else prob_S.unsqueeze(1)
-        a0, d_gate, d_up = _act_parts(h, act)
+        gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
         gx = gp = ggu = gd = ggb = gdb = None
-        if need[3]:
-            ap = a0 if p is None else a0 * p
-            gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
-            del ap
         if d_bias is not None and need[5]:
+            p = None if prob_S is None else prob_S.unsqueeze(1)
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
-        da = be.mm(gy, down, counts, not trans_w)
-        if p is not None and need[1]:
-            gp = (da * a0).sum(1)
-            if d_bias is not None:
-                gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
-        del a0
-        if p is not None:
-            da.mul_(p)
-        dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
-        del da, d_gate, d_up
+        if ctx.rk_act is not None:
+            dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need)
+        else:
+            dh, gp, gd = _act_backward_eager(ctx, gy, h, prob_S, down, counts, need)
+        if gp is not None and d_bias is not None:
+            gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
         if need[2]:
-            x_SD = x.index_select(0, token_S) if token_S is not None else x
+            x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
             del x_SD
         if need[0]:
             dx = be.mm(dh, gate_up, counts, not trans_w)
-            gx = gather_sum(dx, slot_TK) if token_S is not None else dx
+            gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
         if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
             raise AssertionError("wgrad returned the wrong number of groups")
         return gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None
+
+
+def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
+    """(dh, d prob, d down) with one activation-backward pass that also recomputes the
+    forward output for the down projection's weight grad."""
+    act, trans_w, _ = ctx.cfg
+    be = ctx.be
+    da = be.mm(gy, down, counts, not trans_w)
+    need_gp = prob_S is not None and need[1]
+    dh, gp, a = ctx.rk_act.act_bwd(
+        da, h, prob_S, act.interleaved, need_gp, need[3], act.kind, act.alpha, act.limit
+    )
+    del da
+    gd = None
+    if need[3]:
+        gd = be.wgrad(gy, a, counts) if trans_w else be.wgrad(a, gy, counts)
+    return dh, gp, gd
+
+
+def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need):
+    act, trans_w, _ = ctx.cfg
+    be = ctx.be
+    p = None if prob_S is None else prob_S.unsqueeze(1)
+    a0, d_gate, d_up = _act_parts(h, act)
+    gd = gp = None
+    if need[3]:
+        ap = a0 if p is None else a0 * p
+        gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
+        del ap
+    da = be.mm(gy, down, counts, not trans_w)
+    if p is not None and need[1]:
+        gp = (da * a0).sum(1)
+    del a0
+    if p is not None:
+        da.mul_(p)
+    dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
+    return dh, gp, gd
 
 
 # --- entry point ----------------------------------------------------------------------

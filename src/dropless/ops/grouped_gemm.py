@@ -53,6 +53,15 @@ register_gemm_backend(
 
 
 # --- torch._grouped_mm backend ------------------------------------------------------
+#
+# CUDA's rules for torch._grouped_mm (aten/src/ATen/native/cuda/Blas.cpp and
+# _meta_registrations.py, torch 2.11-2.13), which a CPU test checks every call against:
+# bf16 operands (sm90+); each operand's leading stride a multiple of 16 bytes; offsets
+# int32 cumulative ends. The grouped dimension must be the operand's outer (strided)
+# one, so a group's slice starts 16-byte aligned whatever the group sizes: in
+# 2D x 3D (forward, dgrad) `a` [S, K] is row-major; in 2D x 2D (wgrad) `a` [M, S] is
+# column-major (a_SM.t()) and `b` [S, N] row-major. A row-major [M, S] `a` would need
+# every group's row count to be a multiple of 8 (bf16), a device assert otherwise.
 
 
 def _offsets(counts, device):
@@ -63,8 +72,15 @@ def _offsets(counts, device):
     return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
 
+def aligned_dims(t: torch.Tensor, *dims: int) -> bool:
+    """Whether every dimension in `dims` spans a multiple of 16 bytes of t's dtype (what
+    CUDA's grouped GEMMs need of every dimension they read as a row stride)."""
+    align = max(1, 16 // t.element_size())
+    return all(d % align == 0 for d in dims)
+
+
 def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or b.dim() not in (2, 3):
         return False
     if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
         return False  # its fake (meta) kernel accepts only bf16, whatever the device
@@ -74,17 +90,17 @@ def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
         ok_dtype = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
     else:
         ok_dtype = False
-    # its kernels need 16-byte aligned row strides
-    align = 16 // a.element_size()
-    return (
-        ok_dtype
-        and a.shape[-1] % align == 0
-        and b.shape[-1] % align == 0
-        and b.shape[-2] % align == 0
-    )
+    # every dimension the GEMMs read: a weight [E, ., .] -> both of its dims (forward,
+    # dgrad and wgrad; the input's last dim is one of them); a wgrad's b [S, N] -> N (S
+    # is the grouped dim, cut by the offsets)
+    dims = (a.shape[-1], b.shape[-1]) + ((b.shape[-2],) if b.dim() == 3 else ())
+    return ok_dtype and aligned_dims(a, *dims)
 
 
 def _gmm_mm(a_SK, b, counts, trans_b, out=None):
+    S, N = a_SK.shape[0], (b.shape[1] if trans_b else b.shape[2])
+    if S == 0:  # nothing to compute; the empty operand's strides are not CUDA-valid
+        return out if out is not None else a_SK.new_empty(0, N)
     b_ekn = b.transpose(1, 2) if trans_b else b
     y = torch._grouped_mm(a_SK.contiguous(), b_ekn, offs=_offsets(counts, a_SK.device))
     if out is not None:
@@ -94,15 +110,20 @@ def _gmm_mm(a_SK, b, counts, trans_b, out=None):
 
 
 def _gmm_wgrad(a_SM, b_SN, counts):
-    if a_SM.shape[0] % (16 // a_SM.element_size()):
-        return _loop_wgrad(a_SM, b_SN, counts)  # a^T's row stride (S) must be 16-byte aligned
-    out = torch._grouped_mm(
-        a_SM.t().contiguous(), b_SN.contiguous(), offs=_offsets(counts, a_SM.device)
-    )
-    return out
+    """out[e] = a_e^T b_e. a^T goes in column-major (a view, no [S, M] copy)."""
+    E = counts.shape[0] if isinstance(counts, torch.Tensor) else len(counts)
+    if a_SM.shape[0] == 0:  # no rows: every group is empty
+        return a_SM.new_zeros(E, a_SM.shape[1], b_SN.shape[1])
+    offs = _offsets(counts, a_SM.device)
+    out = torch._grouped_mm(a_SM.contiguous().t(), b_SN.contiguous(), offs=offs)
+    # an empty group's block is not written by every kernel version: zero it on the device
+    empty_E = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+    return out.masked_fill_(empty_E.view(-1, 1, 1), 0)
 
 
-register_gemm_backend(GemmBackend("grouped_mm", _gmm_mm, _gmm_wgrad, _gmm_supports, priority=10))
+register_gemm_backend(
+    GemmBackend("grouped_mm", _gmm_mm, _gmm_wgrad, _gmm_supports, priority=10, device_counts=True)
+)
 
 
 # --- autograd -----------------------------------------------------------------------
@@ -112,11 +133,14 @@ class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_SD, w, bias_EN, counts, trans_w, backend):
         be = pick_gemm_backend(backend, x_SD, w)
-        y = be.mm(x_SD, w, counts, trans_w)
+        # one host->device copy of the counts serves the forward and both backward GEMMs
+        cnt = torch.tensor(counts, device=x_SD.device) if be.device_counts else counts
+        y = be.mm(x_SD, w, cnt, trans_w)
         if bias_EN is not None:
             y += _expand_bias(bias_EN, counts)
         ctx.save_for_backward(x_SD, w)
-        ctx.counts, ctx.trans_w, ctx.be, ctx.has_bias = counts, trans_w, be, bias_EN is not None
+        ctx.counts, ctx.trans_w, ctx.be, ctx.has_bias = cnt, trans_w, be, bias_EN is not None
+        ctx.host_counts = counts
         return y
 
     @staticmethod
@@ -131,19 +155,31 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = be.wgrad(grad_SN, x_SD, counts) if ctx.trans_w else be.wgrad(x_SD, grad_SN, counts)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = _group_sum(grad_SN, counts)
+            gb = _group_sum(grad_SN, ctx.host_counts)
         return gx, gw, gb, None, None, None
 
 
-def _expand_bias(bias_EN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Tensor:
+    """bias_EN[e(s)] for every row s; counts a host list, or a device tensor with the
+    row count S given (then nothing is read on the host)."""
+    if not isinstance(counts, torch.Tensor):
+        S = sum(counts)
+        counts = torch.tensor(counts, device=bias_EN.device)
     idx = torch.repeat_interleave(
-        torch.arange(len(counts), device=bias_EN.device),
-        torch.tensor(counts, device=bias_EN.device),
+        torch.arange(counts.numel(), device=bias_EN.device), counts, output_size=S
     )
     return bias_EN.index_select(0, idx)
 
 
-def _group_sum(g_SN: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
+    """Per-group row sums [E, N]; counts a host list or a device tensor (no sync)."""
+    if isinstance(counts, torch.Tensor):
+        e_S = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=g_SN.device),
+            counts.to(g_SN.device),
+            output_size=g_SN.shape[0],
+        )
+        return g_SN.new_zeros(counts.numel(), g_SN.shape[1]).index_add_(0, e_S, g_SN)
     out = g_SN.new_zeros(len(counts), g_SN.shape[1])
     for e, lo, hi in _bounds(counts):
         if hi > lo:

@@ -98,85 +98,138 @@ def _sort_sync_free(flat: torch.Tensor, num_experts: int, T: int, K: int) -> Sor
     )
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit inputs (sums of K rows or N products), else the input's dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _padded(rows_SN: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """rows with one zero row appended when some slot points past the end (capacity
+    mode only: in dropless mode S == T*K and nothing is read on the host)."""
+    T, K = slot_TK.shape
+    S, N = rows_SN.shape
+    if S < T * K and bool((slot_TK >= S).any()):
+        return torch.cat([rows_SN, rows_SN.new_zeros(1, N)])
+    return rows_SN
+
+
 def gather_sum(rows_SN: torch.Tensor, slot_TK: torch.Tensor, weights_TK=None) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * rows[slot[t,k]], rows past the end read as zero.
 
-    Summed in k order, one [T, N] gather at a time, so memory stays O(T*N).
+    Summed in k order in fp32 (16-bit inputs) and rounded once, one [T, N] gather at a
+    time, so memory stays O(T*N). The eager `RowOps.gather_sum`.
     """
     T, K = slot_TK.shape
-    S, N = rows_SN.shape
-    if S < T * K and bool((slot_TK >= S).any()):  # capacity mode only: dropped pairs
-        rows_SN = torch.cat([rows_SN, rows_SN.new_zeros(1, N)])
+    N = rows_SN.shape[1]
+    acc = _acc_dtype(rows_SN.dtype)
+    rows_SN = _padded(rows_SN, slot_TK)
     out = None
     for k in range(K):
-        part = rows_SN.index_select(0, slot_TK[:, k])
+        part = rows_SN.index_select(0, slot_TK[:, k]).to(acc)
         if weights_TK is not None:
-            part = part * weights_TK[:, k : k + 1].to(part.dtype)
+            part = part.mul_(weights_TK[:, k : k + 1].to(acc))
         out = part if out is None else out.add_(part)
     if out is None:
-        out = rows_SN.new_zeros(T, N)
-    return out
+        return rows_SN.new_zeros(T, N)
+    return out.to(rows_SN.dtype)
+
+
+def gather_rows_eager(x_TD, index_S, scale=None, scale_index_S=None) -> torch.Tensor:
+    """out[s] = x[index[s]] (* scale[scale_index[s]], scale read flat, product in fp32)."""
+    out = x_TD.index_select(0, index_S)
+    if scale is None:
+        return out
+    sidx = index_S if scale_index_S is None else scale_index_S
+    s = scale.reshape(-1).index_select(0, sidx).to(_acc_dtype(x_TD.dtype)).unsqueeze(1)
+    return (out.to(s.dtype) * s).to(x_TD.dtype)
+
+
+def pair_dot_eager(g_TN: torch.Tensor, y_SN: torch.Tensor, slot_TK: torch.Tensor) -> torch.Tensor:
+    """dots[t,k] = <g[t], y[slot[t,k]]> in fp32 (fp64 for fp64), 0 where slot >= S."""
+    acc = _acc_dtype(y_SN.dtype)
+    y_SN = _padded(y_SN, slot_TK)
+    g = g_TN.to(acc)
+    cols = [
+        torch.linalg.vecdot(g, y_SN.index_select(0, slot_TK[:, k]).to(acc))
+        for k in range(slot_TK.shape[1])
+    ]
+    if not cols:
+        return g.new_zeros(slot_TK.shape)
+    return torch.stack(cols, 1)
 
 
 class _Permute(torch.autograd.Function):
+    """x_SD = x_TD[token_S]; backward gathers each token's K slots (no scatter)."""
+
     @staticmethod
-    def forward(ctx, x_TD, token_S, slot_TK):
+    def forward(ctx, x_TD, token_S, slot_TK, impl):
         ctx.save_for_backward(slot_TK)
-        ctx.num_slots = token_S.shape[0]
-        return x_TD.index_select(0, token_S)
+        ctx.impl = impl
+        return impl.gather_rows(x_TD, token_S)
 
     @staticmethod
     def backward(ctx, grad_SD):
         (slot_TK,) = ctx.saved_tensors
-        return gather_sum(grad_SD.contiguous(), slot_TK), None, None
+        return ctx.impl.gather_sum(grad_SD.contiguous(), slot_TK), None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
+    """out = sum_k w[t,k] y[slot[t,k]]; grads: grad_y[s] = w[pair_S[s]] g[token_S[s]],
+    grad_w[t,k] = <g[t], y[slot[t,k]]>."""
+
     @staticmethod
-    def forward(ctx, y_SN, weights_TK, token_S, pair_S, slot_TK):
+    def forward(ctx, y_SN, weights_TK, token_S, pair_S, slot_TK, impl):
         ctx.save_for_backward(y_SN, weights_TK, token_S, pair_S, slot_TK)
-        return gather_sum(y_SN, slot_TK, weights_TK)
+        ctx.impl = impl
+        return impl.gather_sum(y_SN, slot_TK, weights_TK)
 
     @staticmethod
     def backward(ctx, grad_TN):
         y_SN, weights_TK, token_S, pair_S, slot_TK = ctx.saved_tensors
-        grad_TN = grad_TN.contiguous()
-        g_SN = grad_TN.index_select(0, token_S)
+        impl, grad_TN = ctx.impl, grad_TN.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_S = weights_TK.reshape(-1).index_select(0, pair_S).to(g_SN.dtype)
-            grad_y = g_SN * w_S.unsqueeze(1)
+            grad_y = impl.gather_rows(grad_TN, token_S, weights_TK, pair_S)
         if ctx.needs_input_grad[1]:
-            dot_S = (g_SN * y_SN).sum(-1).to(weights_TK.dtype)
-            grad_w_flat = weights_TK.new_zeros(weights_TK.numel())
-            grad_w_flat[pair_S] = dot_S  # each pair has at most one slot: no accumulation
-            grad_w = grad_w_flat.view_as(weights_TK)
-        return grad_y, grad_w, None, None, None
+            grad_w = impl.pair_dot(grad_TN, y_SN, slot_TK).to(weights_TK.dtype)
+        return grad_y, grad_w, None, None, None, None
 
 
-def permute(x_TD: torch.Tensor, sp: SortedPairs) -> torch.Tensor:
-    """Gather tokens into expert order: x_SD[s] = x_TD[token_S[s]]."""
-    return _Permute.apply(x_TD, sp.token_S, sp.slot_TK)
-
-
-def unpermute(
-    y_SN: torch.Tensor, sp: SortedPairs, weights_TK: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Combine expert outputs back into token order, weighted by weights_TK (or 1)."""
-    if weights_TK is None:
-        return _Permute_T.apply(y_SN, sp.token_S, sp.slot_TK)
-    return _Unpermute.apply(y_SN, weights_TK, sp.token_S, sp.pair_S, sp.slot_TK)
-
-
-class _Permute_T(torch.autograd.Function):
+class _UnpermuteUnweighted(torch.autograd.Function):
     """Unweighted combine: the transpose of permute (its backward is permute's forward)."""
 
     @staticmethod
-    def forward(ctx, y_SN, token_S, slot_TK):
+    def forward(ctx, y_SN, token_S, slot_TK, impl):
         ctx.save_for_backward(token_S)
-        return gather_sum(y_SN, slot_TK)
+        ctx.impl = impl
+        return impl.gather_sum(y_SN, slot_TK)
 
     @staticmethod
     def backward(ctx, grad_TN):
         (token_S,) = ctx.saved_tensors
-        return grad_TN.contiguous().index_select(0, token_S), None, None
+        return ctx.impl.gather_rows(grad_TN.contiguous(), token_S), None, None, None
+
+
+def _impl(t: torch.Tensor, impl):
+    if impl is not None:
+        return impl
+    from .row_ops import pick_row_ops
+
+    return pick_row_ops(t)
+
+
+def permute(x_TD: torch.Tensor, sp: SortedPairs, *, impl=None) -> torch.Tensor:
+    """Gather tokens into expert order: x_SD[s] = x_TD[token_S[s]].
+
+    impl: a `row_ops.RowOps` (default: the best registered one for x's device)."""
+    return _Permute.apply(x_TD, sp.token_S, sp.slot_TK, _impl(x_TD, impl))
+
+
+def unpermute(
+    y_SN: torch.Tensor, sp: SortedPairs, weights_TK: torch.Tensor | None = None, *, impl=None
+) -> torch.Tensor:
+    """Combine expert outputs back into token order, weighted by weights_TK (or 1)."""
+    impl = _impl(y_SN, impl)
+    if weights_TK is None:
+        return _UnpermuteUnweighted.apply(y_SN, sp.token_S, sp.slot_TK, impl)
+    return _Unpermute.apply(y_SN, weights_TK, sp.token_S, sp.pair_S, sp.slot_TK, impl)

@@ -7,6 +7,10 @@ The activation is described by an `ActivationConfig` (see `specs.py`): kind "swi
 (gate = columns [0, F), up = [F, 2F)) or "gpt_oss" (gate clamped above at `limit`, up
 clamped to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)), optionally with
 gate/up interleaved (gate = even columns, up = odd columns).
+
+One autograd Function (`_Activation`) takes its forward/backward implementation from
+the row-op registry (`row_ops.py`): the eager functions below (the specification, math
+in fp32, outputs rounded once to the input dtype) or a registered kernel (Triton on CUDA).
 """
 
 # S rows (sorted pairs), F expert hidden dim
@@ -17,6 +21,9 @@ import torch
 
 from .specs import ActivationConfig, as_activation
 
+ACTIVATIONS = ("swiglu", "gpt_oss")  # the kinds the row ops compute
+_GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
+
 
 def _split(h_S2F: torch.Tensor, interleaved: bool):
     if interleaved:
@@ -25,71 +32,109 @@ def _split(h_S2F: torch.Tensor, interleaved: bool):
     return h_S2F[:, :F], h_S2F[:, F:]
 
 
-def _gpt_oss(gate, up, alpha, limit):
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return gate * torch.sigmoid(gate * alpha) * (up + 1)
-
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_S2F, prob_S, interleaved):
-        gate, up = _split(h_S2F, interleaved)
-        out = torch.nn.functional.silu(gate) * up
-        if prob_S is not None:
-            out *= prob_S.unsqueeze(1).to(out.dtype)
-        ctx.save_for_backward(h_S2F, prob_S)
-        ctx.interleaved = interleaved
-        return out
-
-    @staticmethod
-    def backward(ctx, g_SF):
-        h_S2F, prob_S = ctx.saved_tensors
-        gate, up = _split(h_S2F, ctx.interleaved)
+def _parts(h_S2F, interleaved, activation, alpha, limit):
+    """(act, up, d act/d gate, d act/d up) in fp32 (fp64 for fp64); act excludes the
+    prob. For swiglu, `up` is returned and d act/d gate is given without its factor up:
+    the formulas are written exactly as the quantized MLP's (`dropless.quant.mlp`), so
+    both give the same bits before quantization."""
+    acc = torch.promote_types(h_S2F.dtype, torch.float32)
+    gate, up = (t.to(acc) for t in _split(h_S2F, interleaved))
+    if activation == "swiglu":
         sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_prob = None
-        if prob_S is not None:
-            if ctx.needs_input_grad[1]:
-                grad_prob = (g_SF * silu * up).sum(-1).to(prob_S.dtype)
-            g_SF = g_SF * prob_S.unsqueeze(1).to(g_SF.dtype)
-        d_gate = g_SF * up * (sig * (1 + gate * (1 - sig)))
-        d_up = g_SF * silu
-        if ctx.interleaved:
-            grad_h = torch.stack([d_gate, d_up], dim=-1).view_as(h_S2F)
-        else:
-            grad_h = torch.cat([d_gate, d_up], dim=-1)
-        return grad_h, grad_prob, None
+        act = torch.nn.functional.silu(gate) * up
+        return act, up, sig * (1 + gate * (1 - sig)), gate * sig
+    g = gate.clamp(max=limit)
+    u1 = up.clamp(-limit, limit).add_(1)
+    sig = torch.sigmoid(g * alpha)
+    glu = g * sig
+    # torch.clamp passes the gradient where min <= x <= max (inclusive)
+    d_glu = (sig + alpha * glu * (1 - sig)).mul_(gate <= limit)
+    return glu * u1, None, u1.mul_(d_glu), glu.mul_((up >= -limit) & (up <= limit))
 
 
-class _GptOssGLU(torch.autograd.Function):
-    """Recomputes the clamped GLU under autograd in backward: saves only h and prob."""
+def act_fwd_eager(
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    interleaved: bool = False,
+    activation: str = "swiglu",
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
+) -> torch.Tensor:
+    """act(gate, up) * prob (prob = 1 when None), fp32 math, in h's dtype; no autograd."""
+    act = _parts(h_S2F, interleaved, activation, alpha, limit)[0]
+    if prob_S is not None:
+        act = act * prob_S.to(act.dtype).unsqueeze(1)
+    return act.to(h_S2F.dtype)
+
+
+def act_bwd_eager(
+    grad_SF: torch.Tensor,
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None = None,
+    interleaved: bool = False,
+    need_prob_grad: bool = True,
+    recompute: bool = False,
+    activation: str = "swiglu",
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of `act_fwd_eager`: (grad_h, grad_prob or None, the forward output or None).
+
+    grad_prob when prob_S is given and need_prob_grad; with recompute the forward output
+    (act * prob, for the down projection's weight grad) comes back too. fp32 math.
+    """
+    act, up, d_gate, d_up = _parts(h_S2F, interleaved, activation, alpha, limit)
+    g = grad_SF.to(act.dtype)
+    grad_p = a = None
+    if prob_S is not None:
+        p = prob_S.to(act.dtype).unsqueeze(1)
+        if need_prob_grad:
+            gp = g * d_up * up if up is not None else g * act
+            grad_p = gp.sum(1).to(prob_S.dtype)
+        g = g * p
+        if recompute:
+            a = (act * p).to(h_S2F.dtype)
+    elif recompute:
+        a = act.to(h_S2F.dtype)
+    grad_h = torch.empty_like(h_S2F)
+    og, ou = _split(grad_h, interleaved)
+    og.copy_(g * up * d_gate if up is not None else g * d_gate)
+    ou.copy_(g * d_up)
+    return grad_h, grad_p, a
+
+
+class _Activation(torch.autograd.Function):
+    """act(h) * prob with autograd; `impl` (a `RowOps`) supplies forward and backward."""
 
     @staticmethod
-    def forward(ctx, h_S2F, prob_S, interleaved, alpha, limit):
-        gate, up = _split(h_S2F, interleaved)
-        out = _gpt_oss(gate, up, alpha, limit)
-        if prob_S is not None:
-            out = out * prob_S.unsqueeze(1).to(out.dtype)
+    def forward(ctx, h_S2F, prob_S, interleaved, activation, alpha, limit, impl):
         ctx.save_for_backward(h_S2F, prob_S)
-        ctx.args = (interleaved, alpha, limit)
-        return out
+        ctx.args, ctx.impl = (interleaved, activation, alpha, limit), impl
+        return impl.act_fwd(h_S2F, prob_S, interleaved, activation, alpha, limit)
 
     @staticmethod
     def backward(ctx, g_SF):
         h_S2F, prob_S = ctx.saved_tensors
-        interleaved, alpha, limit = ctx.args
-        with torch.enable_grad():
-            h = h_S2F.detach().requires_grad_(True)
-            p = None if prob_S is None else prob_S.detach().requires_grad_(ctx.needs_input_grad[1])
-            gate, up = _split(h, interleaved)
-            out = _gpt_oss(gate, up, alpha, limit)
-            if p is not None:
-                out = out * p.unsqueeze(1).to(out.dtype)
-            inputs = [h] + ([p] if p is not None and p.requires_grad else [])
-            grads = torch.autograd.grad(out, inputs, g_SF)
-        grad_prob = grads[1] if len(grads) > 1 else None
-        return grads[0], grad_prob, None, None, None
+        interleaved, activation, alpha, limit = ctx.args
+        need_gp = prob_S is not None and ctx.needs_input_grad[1]
+        grad_h, grad_p, _ = ctx.impl.act_bwd(
+            g_SF, h_S2F, prob_S, interleaved, need_gp, False, activation, alpha, limit
+        )
+        return grad_h, grad_p, None, None, None, None, None
+
+
+def activation(
+    h_S2F: torch.Tensor,
+    prob_S: torch.Tensor | None,
+    impl,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = _GPT_OSS.alpha,
+    limit: float = _GPT_OSS.limit,
+) -> torch.Tensor:
+    """`swiglu` computed by a given `RowOps` implementation (no picking, no checks)."""
+    return _Activation.apply(h_S2F, prob_S, interleaved, activation, alpha, limit, impl)
 
 
 def check_supported(act: ActivationConfig) -> ActivationConfig:
@@ -117,16 +162,23 @@ def swiglu(
 ) -> torch.Tensor:
     """act(gate, up) * prob for each row, act given by `activation` (an ActivationConfig,
     default swiglu). A kind name with `interleaved`, `alpha`, `limit` keywords is the
-    same description in keyword form."""
+    same description in keyword form.
+
+    Runs the best registered implementation for h's device (a Triton kernel on CUDA
+    where available, else the eager fp32 math above).
+    """
+    from .row_ops import pick_row_ops
+
     act = check_supported(
         as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
     )
     if h_S2F.dim() != 2 or (act.gated and h_S2F.shape[-1] % 2):
         raise ValueError(f"h must be [S, 2F] (gated) or [S, F], got shape {tuple(h_S2F.shape)}")
-    if act.kind not in ("swiglu", "gpt_oss") or not act.gated:
+    if prob_S is not None and prob_S.shape != (h_S2F.shape[0],):
+        raise ValueError(f"prob_S must be [S]={h_S2F.shape[0]}, got {tuple(prob_S.shape)}")
+    if act.kind not in ACTIVATIONS or not act.gated:
         from .activations import ElementwiseAct
 
         return ElementwiseAct.apply(h_S2F, prob_S, act.kind, act.gated, act.interleaved, act.limit)
-    if act.kind == "swiglu":
-        return _SwiGLU.apply(h_S2F, prob_S, act.interleaved)
-    return _GptOssGLU.apply(h_S2F, prob_S, act.interleaved, act.alpha, act.limit)
+    impl = pick_row_ops(h_S2F, activation=act.kind)
+    return _Activation.apply(h_S2F, prob_S, act.interleaved, act.kind, act.alpha, act.limit, impl)

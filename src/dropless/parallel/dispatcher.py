@@ -3,7 +3,9 @@
 Per chunk of tokens (one chunk unless overlap is asked for):
   1. sort the (token, k) pairs by global expert; global expert e lives on EP rank
      e // L (L = E / ep local experts), so the sorted rows are grouped by rank;
-  2. one all-to-all of the per-expert counts for all chunks (the only host sync);
+  2. one all-to-all of the per-expert counts for all chunks, then ONE host copy of
+     every count the layer needs on the host (send/receive splits, received rows per
+     chunk, the global token count): the only host sync of the layer;
   3. all-to-all of the rows with uneven splits (autograd-aware, `comm.py`);
   4. reorder the received rows from (source rank, local expert) to (local expert,
      source rank), run the local experts' grouped MLP, reorder back;
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.permute import permute, sort_by_expert, unpermute
+from ..ops.replay import remember
 from .comm import a2a_start, a2a_wait
 
 
@@ -43,10 +46,11 @@ class _RowPerm(torch.autograd.Function):
         return g_RD.contiguous().index_select(0, inv_R), None, None
 
 
-def _local_order(recv_PL: torch.Tensor):
+def _local_order(recv_PL: torch.Tensor, R: int):
     """Permutation taking rows laid out as (source p, expert l) blocks to (l, p) order.
 
-    Returns (perm, inverse) or None when the order is already right (P or L is 1).
+    R: the received row count (known on the host). Returns (perm, inverse) or None when
+    the order is already right (P or L is 1).
     """
     P, L = recv_PL.shape
     if P == 1 or L == 1:
@@ -55,7 +59,6 @@ def _local_order(recv_PL: torch.Tensor):
     src_start_PL = (torch.cumsum(sizes_PL, 0) - sizes_PL).view(P, L)
     sizes_LP = recv_PL.t().reshape(-1)
     dst_start_LP = torch.cumsum(sizes_LP, 0) - sizes_LP
-    R = int(sizes_LP.sum())
     shift = torch.repeat_interleave(
         src_start_PL.t().reshape(-1) - dst_start_LP, sizes_LP, output_size=R
     )
@@ -113,17 +116,20 @@ class ExpertParallelDispatcher:
         E, P = self._sizes(experts)
         L = E // P
         st, t0 = self.stats, time.perf_counter()
-        global_counts_E, n_tokens = self._global_counts(ids_TK, E)
         C = self.num_chunks  # the same on every rank (collectives pair up), even if T < C
         xs = torch.tensor_split(x_TD, C)
         ids = torch.tensor_split(ids_TK, C)
         ws = torch.tensor_split(weights_TK, C)
         keeps = torch.tensor_split(keep_TK, C) if keep_TK is not None else [None] * C
-        sps = [sort_by_expert(ids[c], E, keeps[c]) for c in range(C)]
+        # dropless: counts stay on the device; capacity mode reads them (one sync per chunk)
+        sps = [
+            sort_by_expert(ids[c], E, keeps[c], host_counts=keep_TK is not None) for c in range(C)
+        ]
         send_PCL = torch.stack([sp.counts_E for sp in sps], 0).view(C, P, L).transpose(0, 1)
-        recv_PCL = torch.empty_like(send_PCL.contiguous())
-        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
-        send_h, recv_h = send_PCL.sum(-1).tolist(), recv_PCL.sum(-1).tolist()  # host sync
+        # a checkpointed recompute reuses the forward's exchange: no collective, no sync
+        recv_PCL, send_h, recv_h, global_counts_E, n_tokens = remember(
+            (id(self), "counts"), lambda: self._exchange_counts(ids_TK, send_PCL, E)
+        )
         plans = []
         for c in range(C):
             out_splits, in_splits = [r[c] for r in recv_h], [s[c] for s in send_h]
@@ -146,10 +152,11 @@ class ExpertParallelDispatcher:
             t0 = time.perf_counter()
             buf, p = pend[c] if self.overlap else start_dispatch(c)
             x_RD = a2a_wait(buf, p)
-            order = _local_order(plans[c][2])
+            order = _local_order(plans[c][2], sum(plans[c][0]))
             if order is not None:
                 x_RD = _RowPerm.apply(x_RD, *order)
-            local_counts = plans[c][2].sum(0).tolist()
+            # a device tensor: the grouped path (CUDA) keeps it there, the CPU loop reads it
+            local_counts = plans[c][2].sum(0)
             t1 = time.perf_counter()
             st["dispatch_s"] += t1 - t0
             y_RD = experts.forward_sorted(x_RD, local_counts, None)
@@ -173,12 +180,28 @@ class ExpertParallelDispatcher:
         st["calls"] += 1
         return out_TD, tokens_per_expert_E, global_counts_E, n_tokens
 
+    def _exchange_counts(self, ids_TK, send_PCL, E):
+        """The layer's counts exchange: per-expert counts to the ranks that own the
+        experts (all-to-all), global counts for the balancing loss (all-reduce), and the
+        one host sync of the layer. Returns (recv_PCL, send_h, recv_h, global counts
+        [E], tokens)."""
+        P, C = send_PCL.shape[0], send_PCL.shape[1]
+        global_buf = self._global_counts(ids_TK, E)
+        recv_PCL = torch.empty_like(send_PCL.contiguous())
+        dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
+        send_PC, recv_PC = send_PCL.sum(-1), recv_PCL.sum(-1)
+        host = torch.cat([send_PC.reshape(-1), recv_PC.reshape(-1), global_buf[E:]])
+        host = host.tolist()  # the one host sync of the layer
+        send_h = [host[p * C : (p + 1) * C] for p in range(P)]
+        recv_h = [host[P * C + p * C : P * C + (p + 1) * C] for p in range(P)]
+        return recv_PCL, send_h, recv_h, global_buf[:E], int(host[-1])
+
     def _global_counts(self, ids_TK, E):
-        """Pairs routed to each expert and tokens, summed over the data-parallel group."""
-        c = torch.bincount(ids_TK.reshape(-1), minlength=E)
-        buf = torch.cat([c, c.new_tensor([ids_TK.shape[0]])])
+        """[E + 1]: pairs routed to each expert, then tokens, summed over the
+        data-parallel group (on the device: read with the layer's one host copy)."""
+        buf = _counts_and_tokens(ids_TK, E)
         dist.all_reduce(buf, group=self.dp_group)
-        return buf[:E], int(buf[E])
+        return buf
 
 
 class GlobalCountsDispatcher:
@@ -191,10 +214,23 @@ class GlobalCountsDispatcher:
     def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
         out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
         E = experts.num_experts
-        c = torch.bincount(ids_TK.reshape(-1), minlength=E)
-        buf = torch.cat([c, c.new_tensor([ids_TK.shape[0]])])
+        buf = remember((id(self), "global_counts"), lambda: self._reduce(ids_TK, E))
+        return out_TD, sp.counts_E, buf[:E], int(buf[E])  # host sync: the token count
+
+    def _reduce(self, ids_TK, E):
+        buf = _counts_and_tokens(ids_TK, E)
         dist.all_reduce(buf, group=self.dp_group)
-        return out_TD, sp.counts_E, buf[:E], int(buf[E])
+        return buf
+
+
+def _counts_and_tokens(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
+    """[E + 1] int64: pairs per expert, then the token count. index_add_, not bincount:
+    CUDA's bincount reads the max id on the host to size its output."""
+    flat = ids_TK.reshape(-1)
+    buf = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+    buf.index_add_(0, flat, torch.ones_like(flat))
+    buf[E] = ids_TK.shape[0]
+    return buf
 
 
 def _zero_stats() -> dict:

@@ -125,7 +125,10 @@ def amax(x: torch.Tensor, dims=None) -> torch.Tensor:
 def quantize_scaled(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> QTensor:
     """q = sat_cast(x * scale) with a given fp32 scale (scalar or broadcastable)."""
     scale = scale.float()
-    return QTensor(cast_fp8(x.float() * scale, fmt), torch.reciprocal(scale), fmt, scale=scale)
+    m = FP8_MAX[check_format(fmt)]
+    # one fp32 temporary: the product is clamped in place, then cast (clamp keeps NaN)
+    q = (x.float() * scale).clamp_(-m, m).to(FP8_DTYPES[fmt])
+    return QTensor(q, torch.reciprocal(scale), fmt, scale=scale)
 
 
 def quantize_current(x: torch.Tensor, fmt: str, dims=None, margin: int = 0) -> QTensor:
@@ -167,10 +170,10 @@ def _mx_blocks_last(x: torch.Tensor, fmt: str, scale_rule: str):
     e = mx_exponent(torch.where(bad, torch.zeros_like(a), a), fmt, scale_rule)
     inv = torch.ldexp(torch.ones_like(a), (-e).float())  # 1 / X, exact power of two
     q = cast_fp8(xf * inv.unsqueeze(-1), fmt)
-    if bool(bad.any()):
-        qb = q.view(torch.uint8)
-        qb[bad] = FP8_NAN  # bits 0x7F are NaN in both E4M3 and E5M2
-    return q, _e8m0(e, bad)
+    # bits 0x7F are NaN in both E4M3 and E5M2; a select on the device, not a host check
+    # of whether any block is bad (that would sync every quantization)
+    qb = torch.where(bad.unsqueeze(-1), FP8_NAN, q.view(torch.uint8))
+    return qb.view(q.dtype), _e8m0(e, bad)
 
 
 def _mx_dequant_last(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -192,23 +195,39 @@ def quantize_mx(
     return QTensor(q.flatten(-2), s, fmt, kind="mx", dim=dim, size=n)
 
 
-def padded_rows(counts: list[int], device=None) -> tuple[torch.Tensor, int]:
-    """Row map for groups padded to multiples of 32: rows_S[s] is source row s's padded row."""
-    starts, rows, p = [], [], 0
-    for c in counts:
-        rows.append(torch.arange(p, p + c))
-        p += -(-c // BLOCK) * BLOCK
+def padded_rows(counts, device=None, rows: int | None = None) -> tuple[torch.Tensor, int]:
+    """Row map for groups padded to multiples of 32: rows_S[s] is source row s's padded
+    row; returns (rows_S, padded row count).
+
+    counts: a host list, or a device tensor with `rows` (= sum of counts) given: then
+    nothing is read on the host and the padded count is the bound rows + 31 * E rounded
+    up to 32 (the rows past the last group are zeros)."""
+    if isinstance(counts, torch.Tensor):
+        if rows is None:
+            raise ValueError("padded_rows with device counts needs rows= (the sum of counts)")
+        c = counts.to(device=device, dtype=torch.long)
+        E = c.numel()
+        pad_c = (c + BLOCK - 1) // BLOCK * BLOCK
+        shift_E = (torch.cumsum(pad_c, 0) - pad_c) - (torch.cumsum(c, 0) - c)
+        e_S = torch.repeat_interleave(torch.arange(E, device=c.device), c, output_size=rows)
+        rows_S = torch.arange(rows, device=c.device) + shift_E.index_select(0, e_S)
+        return rows_S, -(-(rows + (BLOCK - 1) * E) // BLOCK) * BLOCK
+    starts, rows_l, p = [], [], 0
+    for n in counts:
+        rows_l.append(torch.arange(p, p + n))
+        p += -(-n // BLOCK) * BLOCK
         starts.append(p)
-    rows_S = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    rows_S = torch.cat(rows_l) if rows_l else torch.zeros(0, dtype=torch.long)
     return rows_S.to(device), p
 
 
 def quantize_mx_groups(
-    x_SN: torch.Tensor, counts: list[int], *, fmt: str = "e4m3", scale_rule: str = "floor"
+    x_SN: torch.Tensor, counts, *, fmt: str = "e4m3", scale_rule: str = "floor"
 ) -> QTensor:
     """MXFP8 column-wise (blocks of 32 rows) where no block straddles two groups:
-    each group of `counts` rows is zero padded to a multiple of 32 rows first."""
-    rows_S, s_pad = padded_rows(counts, x_SN.device)
+    each group of `counts` rows (a host list or a device tensor) is zero padded to a
+    multiple of 32 rows first."""
+    rows_S, s_pad = padded_rows(counts, x_SN.device, rows=x_SN.shape[0])
     xp = x_SN.new_zeros(s_pad, x_SN.shape[1]).index_copy_(0, rows_S, x_SN)
     q, s = _mx_blocks_last(xp.unflatten(0, (-1, BLOCK)).transpose(1, 2), fmt, scale_rule)
     return QTensor(q.transpose(1, 2).flatten(0, 1), s, fmt, kind="mx_groups", rows_S=rows_S)

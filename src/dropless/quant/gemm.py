@@ -10,14 +10,30 @@ reduction dim, so those quantizations are done once and reused.
 Backends: `emulated` dequantizes both operands to fp32 and runs the fp32 grouped GEMM
 (products of fp8 values and power-of-two / fp32 scales are exact in fp32, so it
 matches an fp32-accumulating FP8 GEMM up to summation order); `torch` runs row-wise
-FP8 through torch._scaled_grouped_mm on sm90+ (unverified: no GPU here).
+FP8 through torch._scaled_grouped_mm on sm90+ (unverified on a GPU); `bf16` (MXFP8 on
+sm90+, where torch has no MX grouped GEMM) dequantizes to bf16, which holds every MX
+value E4M3 x 2^k exactly (down to 2^-133), and runs the bf16 grouped GEMM: the same
+products at bf16 GEMM speed, while the saved activations stay in FP8.
+
+Counts may be a host list or a device tensor; nothing here reads a device tensor of
+counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
+
+Weights are quantized once per optimizer step: the quantized copy is cached per
+parameter, keyed by its version counter (bumped by every in-place update, e.g. the
+optimizer's), for the recipes whose weight quantization depends on the weight alone
+(current scaling, MXFP8; delayed scaling updates its history at every call). Not in a
+torch.distributed run: FSDP2 refills gathered weights without moving the counter.
 """
 
 # S rows (sorted pairs), D in features, N out features, E experts
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.dispatch import pick_gemm_backend
 from ..ops.grouped_gemm import _expand_bias, _group_sum
@@ -86,6 +102,51 @@ def quantize_operand(
     """
     fmt = recipe.bwd_format if role == "g" else recipe.fwd_format
     mode = scaling_mode(recipe)
+    if role == "w" and counts is None and recipe.kind != "delayed":
+        # current scaling derives the weight's scale from the weight itself: a scale
+        # handed back from forward is the one the cache would compute
+        return _cached_weight(recipe, t, dim, fmt, mode, key)
+    return _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale)
+
+
+_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
+    """The quantized weight, recomputed only when the weight changed since last time."""
+    owner = key if key is not None else w
+    if _cache_unsafe():
+        return _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
+    try:
+        version = w._version  # shared with the parameter w is a view of
+    except RuntimeError:  # inference tensors have no version counter
+        return _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
+    slot = (
+        recipe.kind, mode, fmt, dim, getattr(recipe, "scale_rule", None), recipe.margin
+        if hasattr(recipe, "margin") else 0,
+        w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
+    )  # fmt: skip
+    entries = _WEIGHTS.get(owner)
+    if entries is None:
+        entries = _WEIGHTS[owner] = {}
+    hit = entries.get(slot)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    q = _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
+    entries[slot] = (version, q)
+    return q
+
+
+def _cache_unsafe() -> bool:
+    """Whether the version counter cannot be trusted to say the weight changed: FSDP2
+    writes each all-gathered weight into the same tensor without moving its version
+    counter, so in a torch.distributed run (and while compiling) nothing is cached."""
+    if torch.compiler.is_compiling():
+        return True
+    return dist.is_available() and dist.is_initialized()
+
+
+def _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale) -> QTensor:
     if mode == "mx":
         if counts is not None:
             return quantize_mx_groups(t, counts, fmt=fmt, scale_rule=recipe.scale_rule)
@@ -105,14 +166,39 @@ def quantize_operand(
 # --- backends -------------------------------------------------------------------------------
 
 
-def _emu_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype) -> torch.Tensor:
-    a, b = aq.dequantize(), bq.dequantize()
-    return pick_gemm_backend(None, a, b).mm(a, b, counts, trans_b).to(out_dtype)
+def _for(backend, counts):
+    """counts as the GEMM backend takes them (a host list unless it takes device counts)."""
+    if isinstance(counts, torch.Tensor) and not backend.device_counts:
+        return counts.tolist()  # host sync: only backends without device offsets (CPU loop)
+    return counts
+
+
+def _hp_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, dtype) -> torch.Tensor:
+    a, b = aq.dequantize(dtype), bq.dequantize(dtype)
+    be = pick_gemm_backend(None, a, b)
+    return be.mm(a, b, _for(be, counts), trans_b).to(out_dtype)
+
+
+def _hp_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype, dtype) -> torch.Tensor:
+    a, b = aq.dequantize(dtype), bq.dequantize(dtype)
+    be = pick_gemm_backend(None, a, b)
+    return be.wgrad(a, b, _for(be, counts)).to(out_dtype)
+
+
+def _emu_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
+    return _hp_mm(aq, bq, counts, trans_b, out_dtype, torch.float32)
 
 
 def _emu_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
-    a, b = aq.dequantize(), bq.dequantize()
-    return pick_gemm_backend(None, a, b).wgrad(a, b, counts).to(out_dtype)
+    return _hp_wgrad(aq, bq, counts, out_dtype, torch.float32)
+
+
+def _bf16_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
+    return _hp_mm(aq, bq, counts, trans_b, out_dtype, torch.bfloat16)
+
+
+def _bf16_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
+    return _hp_wgrad(aq, bq, counts, out_dtype, torch.bfloat16)
 
 
 def torch_fp8_available(device: torch.device | None = None) -> bool:
@@ -123,48 +209,83 @@ def torch_fp8_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(dev)[0] >= 9
 
 
-def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype) -> torch.Tensor:
-    # Unverified (no GPU here). _scaled_grouped_mm takes e4m3 operands, b column-major
+_WARNED_E5M2 = False
+
+
+def _warn_e5m2_once() -> None:
+    global _WARNED_E5M2
+    if not _WARNED_E5M2:
+        _WARNED_E5M2 = True
+        warnings.warn(
+            "torch._scaled_grouped_mm takes E4M3 operands only: with fp8_format=HYBRID or "
+            "E5M2 the GEMMs that read E5M2 gradients (dgrad) run emulated in fp32, at fp32 "
+            "speed. Use fp8_format='E4M3' for real FP8 GEMMs throughout (see docs/fp8.md).",
+            stacklevel=3,
+        )
+
+
+def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
+    """fast_accum: the forward GEMMs' fast FP8 accumulation (as Transformer Engine; the
+    gradient GEMMs keep the precise one)."""
+    # Unverified on a GPU. _scaled_grouped_mm takes e4m3 operands, b column-major
     # [E, K, N], and row-wise fp32 scales [S] and [E, N]: a per-tensor scale is expanded.
     e4m3 = torch.float8_e4m3fn
     if aq.kind != "scaled" or aq.data.dtype != e4m3 or bq.data.dtype != e4m3:
+        _warn_e5m2_once()
         return _emu_mm(aq, bq, counts, trans_b, out_dtype)
+    if aq.data.shape[0] == 0:
+        return aq.data.new_zeros(0, bq.data.shape[1] if trans_b else bq.data.shape[2]).to(out_dtype)
     scale_a = aq.scale_inv.float().expand(aq.data.shape)[:, 0].contiguous()
     sb = bq.scale_inv.float().expand(bq.data.shape)
     if trans_b:  # data [E, N, K]: its transpose is already column-major
         b, scale_b = bq.data.transpose(1, 2), sb[:, :, 0].contiguous()
     else:  # data [E, K, N]
         b, scale_b = bq.data.transpose(1, 2).contiguous().transpose(1, 2), sb[:, 0, :].contiguous()
-    offs = torch.tensor(counts, device=aq.data.device).cumsum(0).to(torch.int32)
-    y = torch._scaled_grouped_mm(aq.data, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16)
+    if isinstance(counts, torch.Tensor):
+        offs = counts.to(aq.data.device).cumsum(0, dtype=torch.int32)
+    else:
+        offs = torch.tensor(counts, device=aq.data.device).cumsum(0).to(torch.int32)
+    y = torch._scaled_grouped_mm(
+        aq.data, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+        use_fast_accum=bool(fast_accum),
+    )  # fmt: skip
     return y.to(out_dtype)
 
 
-def _torch_wgrad(aq, bq, counts, out_dtype):
-    # weight gradient through the bf16 grouped GEMM on dequantized operands (unverified)
-    a, b = aq.dequantize(torch.bfloat16), bq.dequantize(torch.bfloat16)
-    return pick_gemm_backend(None, a, b).wgrad(a, b, counts).to(out_dtype)
+_torch_wgrad = _bf16_wgrad  # weight gradients: bf16 grouped GEMM on dequantized operands
+
+BACKENDS = {
+    "emulated": (_emu_mm, _emu_wgrad),
+    "torch": (_torch_mm, _torch_wgrad),
+    "bf16": (_bf16_mm, _bf16_wgrad),
+}
 
 
-BACKENDS = {"emulated": (_emu_mm, _emu_wgrad), "torch": (_torch_mm, _torch_wgrad)}
+def fp8_aligned(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether every dimension the FP8 GEMMs of x with these weights read is a multiple of
+    16 (16 bytes of FP8): x's features and both dims of each weight."""
+    return x.shape[-1] % 16 == 0 and all(
+        t.shape[-1] % 16 == 0 and t.shape[-2] % 16 == 0 for t in weights
+    )
 
 
-def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
+def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None, *more) -> str:
     """The quantized backend for this recipe and input: an explicit one must be able to
-    run (else ValueError); "auto" takes the real one where it exists, else emulated."""
-    aligned = x.shape[-1] % 16 == 0 and (
-        w is None or (w.shape[-1] % 16 == 0 and w.shape[-2] % 16 == 0)
-    )
-    real_ok = (
-        scaling_mode(recipe) != "mx" and x.is_cuda and aligned and torch_fp8_available(x.device)
-    )
+    run (else ValueError); "auto" takes the real one where it exists (row-wise FP8:
+    "torch"; MXFP8 on sm90+: "bf16"), else emulated. `more`: further weights of the
+    same layer (the down projection): every dimension any GEMM reads must be a
+    multiple of 16 (F too, the down GEMM's inner dim)."""
+    aligned = fp8_aligned(x, *[t for t in (w, *more) if t is not None])
+    gpu_ok = x.is_cuda and aligned and torch_fp8_available(x.device)
+    mx = scaling_mode(recipe) == "mx"
     if recipe.backend == "emulated":
         return "emulated"
     if recipe.backend == "torch":
-        if not real_ok:
+        if mx or not gpu_ok:
             why = (
-                "MXFP8 has no real grouped GEMM in this version (sm100 path not written)"
-                if scaling_mode(recipe) == "mx"
+                "MXFP8 has no real grouped GEMM here (torch's sm100 MX path is not wired; "
+                "backend='auto' runs it as bf16 GEMMs on exact dequantized values on sm90+)"
+                if mx
                 else "row-wise FP8 needs torch._scaled_grouped_mm on a CUDA sm90+ GPU and "
                 f"dims that are multiples of 16; got {x.device}, x {tuple(x.shape)}"
             )
@@ -172,7 +293,9 @@ def pick_backend(recipe, x: torch.Tensor, w: torch.Tensor | None = None) -> str:
                 f"recipe backend='torch' cannot run: {why}. Use backend='auto' or 'emulated'."
             )
         return "torch"
-    return "torch" if real_ok else "emulated"
+    if not gpu_ok:
+        return "emulated"
+    return "bf16" if mx else "torch"
 
 
 # --- autograd -----------------------------------------------------------------------------
@@ -199,7 +322,7 @@ class _QGroupedGemm(torch.autograd.Function):
         tensor_mode = scaling_mode(recipe) == "tensor"
         xq = quantize_operand(recipe, x_SD, "x", 1, key=key)
         wq = quantize_operand(recipe, w, "w", 2 if trans_w else 1, key=key)
-        y = mm(xq, wq, counts, trans_w, x_SD.dtype)
+        y = mm(xq, wq, counts, trans_w, x_SD.dtype, fast_accum=True)
         if bias_EN is not None:
             y = y + _expand_bias(bias_EN, counts).to(y.dtype)
         saved: list = []

@@ -110,21 +110,21 @@ class _QGroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, trans_w, recipe):
-        be = pick_backend(recipe, x, gate_up)
+        be = pick_backend(recipe, x, gate_up, down)
         mm, _ = BACKENDS[be]
         tensor_mode = scaling_mode(recipe) == "tensor"
         fwd_red, _ = (2, 1) if trans_w else (1, 2)
         x_SD = x if token_S is None else x.index_select(0, token_S)
         xq = quantize_operand(recipe, x_SD, "x", 1, key=gate_up)
         w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
-        h = mm(xq, w1q, counts, trans_w, x.dtype)
+        h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
         if b1 is not None:
-            h = h + _expand_bias(b1, counts).to(h.dtype)
+            h = h + _expand_bias(b1, counts, h.shape[0]).to(h.dtype)
         aq = swiglu_quant(h, prob_S, recipe, down)
         w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
-        y = mm(aq, w2q, counts, trans_w, x.dtype)
+        y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
         if b2 is not None:
-            b = _expand_bias(b2, counts)
+            b = _expand_bias(b2, counts, y.shape[0])
             y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
         saved: list = []
         if recipe.fp8_saved_activations:
@@ -210,7 +210,7 @@ class _QGroupedMLP(torch.autograd.Function):
                 g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts
             )
             if prob is not None and ctx.needs_input_grad[1]:
-                b_SD = _expand_bias(b2, counts).float()
+                b_SD = _expand_bias(b2, counts, g_SD.shape[0]).float()
                 dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
         # gate/up projection
         dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
@@ -258,13 +258,16 @@ def quantized_grouped_mlp(
     """
     if recipe is None:
         raise ValueError("quantized_grouped_mlp needs recipe=; use dropless.autocast(recipe=...)")
-    counts = [int(c) for c in counts]
+    if not isinstance(counts, torch.Tensor):  # a device tensor stays there (no sync)
+        counts = [int(c) for c in counts]
     if (token_S is None) != (slot_TK is None):
         raise ValueError("token_S and slot_TK go together (both from SortedPairs) or not at all")
     if token_S is not None and num_out is not None and num_out != x.shape[0]:
         raise ValueError(f"num_out={num_out} must equal x_TD.shape[0]={x.shape[0]}")
     act = activation if activation is not None else ActivationConfig()
     if act.kind != "swiglu" or act.interleaved:
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # host sync: the composed path takes host counts
         x_SD = x if token_S is None else permute_rows(x, token_S, slot_TK)
         h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w)
         a = swiglu(h, prob_S, activation=act)

@@ -58,11 +58,18 @@ def _e4m3_bits(v):
 
 
 @triton.jit
+def _offsets(rows, cols, stride):
+    """rows x stride + cols in int64: at real sizes an [S, 2F] tensor passes 2**31
+    elements (S = 131072, F = 8192), where int32 products wrap around."""
+    return rows.to(tl.int64)[:, None] * stride + cols[None, :]
+
+
+@triton.jit
 def _swiglu_tile(
     h_ptr, prob_ptr, rows, cols, S, F, stride_h, HAS_PROB: tl.constexpr, ACT: tl.constexpr
 ):
     mask = (rows < S)[:, None] & (cols < F)[None, :]
-    offs = rows[:, None] * stride_h + cols[None, :]
+    offs = _offsets(rows, cols, stride_h)
     gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
     if ACT:
@@ -113,11 +120,9 @@ def _mx_kernel(
     code = _e4m3_bits(v)
     code = tl.where(bad[:, None], 0x7F, code)
     row_ok = rows < S
-    tl.store(
-        q_ptr + rows[:, None] * stride_q + cols[None, :], code.to(tl.uint8), mask=row_ok[:, None]
-    )
+    tl.store(q_ptr + _offsets(rows, cols, stride_q), code.to(tl.uint8), mask=row_ok[:, None])
     sbits = tl.where(bad, 255, e + 127)
-    tl.store(s_ptr + rows * stride_s + blk, sbits.to(tl.uint8), mask=row_ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + blk, sbits.to(tl.uint8), mask=row_ok)
 
 
 @triton.jit
@@ -145,7 +150,7 @@ def _scaled_kernel(
     v = tl.minimum(tl.maximum(tl.where(nan, 0.0, v), -448.0), 448.0)
     code = tl.where(nan, 0x7F, _e4m3_bits(v))
     mask = (rows < S)[:, None] & (cols < F)[None, :]
-    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], code.to(tl.uint8), mask=mask)
+    tl.store(q_ptr + _offsets(rows, cols, stride_q), code.to(tl.uint8), mask=mask)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(amax_ptr + pid, tl.max(tl.max(tl.abs(a), axis=1), axis=0))
 

@@ -23,6 +23,7 @@ DTYPES = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
+ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
 
 
 def _positive(section: str, **values) -> None:
@@ -139,7 +140,9 @@ class TrainSection:
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
     z_loss_coef: float = 0.0  # router z-loss
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # per decoder layer, with routing replay
+    fused_cross_entropy: bool = True  # LM head + loss in chunks, never the full [T, V] logits
+    fused_rmsnorm: bool = True  # RMSNorm on the Triton kernel for CUDA tensors (CPU: stock)
 
     def __post_init__(self):
         _positive(
@@ -176,6 +179,9 @@ class OptimConfig:
     schedule: str = "cosine"
     decay_fraction: float = 0.2  # WSD: share of the steps spent decaying
     grad_clip: float = 1.0  # 0: off
+    # AdamW kernel: "auto" = fused on one process, torch's own choice over DTensor
+    # parameters (several processes); or "fused", "foreach", "loop" (one tensor at a time)
+    implementation: str = "auto"
 
     def __post_init__(self):
         _non_negative(
@@ -191,18 +197,80 @@ class OptimConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
                 raise ValueError(f"optim.{name}={v!r}: must be in [0, 1]")
         _choice("optim", "schedule", self.schedule, SCHEDULES)
+        _choice("optim", "implementation", self.implementation, ADAMW_IMPLEMENTATIONS)
+
+
+#: FP8 recipe options -> the recipes that take them (dropless.quant.recipe)
+RECIPE_OPTIONS = {
+    "fp8_format": ("delayed", "current", "mxfp8"),
+    "fp8_saved_activations": ("delayed", "current", "mxfp8"),
+    "backend": ("delayed", "current", "mxfp8"),
+    "scale_rule": ("mxfp8",),
+    "margin": ("delayed", "current"),
+    "granularity": ("current",),
+    "amax_history_len": ("delayed",),
+    "amax_compute_algo": ("delayed",),
+}
+FP8_FORMATS = ("", "E4M3", "E5M2", "HYBRID")  # "": the recipe's own default
+SCALE_RULES = ("", "floor", "rceil")  # "": the recipe's own default ("floor")
+BACKENDS = ("auto", "emulated", "torch")
+GRANULARITIES = ("tensor", "row")
+AMAX_ALGOS = ("max", "most_recent")
 
 
 @dataclass
 class PrecisionConfig:
-    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs."""
+    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs.
+
+    The other keys are the options of the recipe's Python class (`dropless.quant`):
+    fp8_format ("" = the recipe's default), fp8_saved_activations, backend and, per recipe,
+    scale_rule (mxfp8), margin (delayed, current), granularity (current), amax_history_len
+    and amax_compute_algo (delayed). Setting one the chosen recipe does not take is an error.
+    """
 
     dtype: str = "auto"
     recipe: str = "none"
+    fp8_format: str = ""
+    fp8_saved_activations: bool = False
+    backend: str = "auto"
+    scale_rule: str = ""
+    margin: int = 0
+    granularity: str = "tensor"
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
 
     def __post_init__(self):
         _choice("precision", "dtype", self.dtype, DTYPES)
         _choice("precision", "recipe", self.recipe, RECIPES)
+        if isinstance(self.fp8_format, str):
+            self.fp8_format = self.fp8_format.upper()
+        _choice("precision", "fp8_format", self.fp8_format, FP8_FORMATS)
+        _choice("precision", "backend", self.backend, BACKENDS)
+        _choice("precision", "scale_rule", self.scale_rule, SCALE_RULES)
+        _choice("precision", "granularity", self.granularity, GRANULARITIES)
+        _choice("precision", "amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
+        _non_negative("precision", margin=self.margin)
+        if not isinstance(self.margin, int):
+            raise ValueError(f"precision.margin={self.margin!r}: must be an integer >= 0")
+        _positive("precision", amax_history_len=self.amax_history_len)
+        defaults = PrecisionConfig.__dataclass_fields__
+        for name, recipes in RECIPE_OPTIONS.items():
+            if getattr(self, name) != defaults[name].default and self.recipe not in recipes:
+                raise ValueError(
+                    f"precision.{name}={getattr(self, name)!r} has no effect with "
+                    f"precision.recipe={self.recipe!r}: it is an option of "
+                    f"{' / '.join(map(repr, recipes))}; set such a recipe or leave it unset"
+                )
+
+    def recipe_options(self) -> dict:
+        """Keyword arguments of the recipe's class (`dropless.quant.recipe_from_name`):
+        the options this recipe takes, defaults of the class where the key is unset."""
+        defaults = PrecisionConfig.__dataclass_fields__
+        return {
+            name: getattr(self, name)
+            for name, recipes in RECIPE_OPTIONS.items()
+            if self.recipe in recipes and getattr(self, name) != defaults[name].default
+        }
 
 
 @dataclass

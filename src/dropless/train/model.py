@@ -129,8 +129,13 @@ def build_training_model(
     seed: int,
     device,
     activation_checkpointing: bool = False,
+    fused_rmsnorm: bool = False,
 ):
     """(model, parallel glue or None) for a run on `world` processes.
+
+    activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
+    dropless path. fused_rmsnorm: RMSNorm modules on the Triton kernel for CUDA tensors
+    (`dropless.hf.rmsnorm`; CPU tensors keep the stock forward).
 
     Fine-tuning a checkpoint (model.path) on several processes builds the model on the meta
     device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
@@ -153,6 +158,8 @@ def build_training_model(
         model = build_model(mcfg, config, expert_bias=expert_bias, seed=seed, device=device)
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if fused_rmsnorm:
+        _hf().enable_fused_rmsnorm(model)
     par = parallelize_for_training(model, parallel_cfg, world)
     if sharded:
         model.to_empty(device=device)
@@ -167,12 +174,16 @@ def _nothing():
     yield
 
 
-def recipe_context(name: str):
-    """A factory of the context to run forward in for `precision.recipe` (the FP8 hook).
+def recipe_context(precision):
+    """A factory of the context to run forward in for the `precision` section (the FP8
+    hook): `precision.recipe` with the options of the section (`recipe_options()`).
 
     "none" needs nothing; the others come from `dropless.quant` when it is installed and
-    are a clear error until then (checked at startup, before any long work).
+    are a clear error until then (checked at startup, before any long work). A bare
+    recipe name is accepted too (no options).
     """
+    name = precision if isinstance(precision, str) else precision.recipe
+    options = {} if isinstance(precision, str) else precision.recipe_options()
     if name == "none":
         return _nothing
     try:
@@ -182,7 +193,10 @@ def recipe_context(name: str):
             f"precision.recipe={name!r} is not available yet in this version (it arrives with the FP8 "
             "issue: dropless.quant.recipe_from_name); use precision.recipe=none"
         ) from None
-    recipe = recipe_from_name(name)
+    try:
+        recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"precision: {e}") from None
     return lambda: autocast(recipe=recipe)
 
 

@@ -109,7 +109,7 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
 
 def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
-    recipe_context(cfg.precision.recipe)
+    recipe_context(cfg.precision)
     from ..parallel.mesh import resolve_sizes
 
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work

@@ -65,6 +65,18 @@ def _hf():
     return hf
 
 
+def adamw_kernel(o, par) -> dict:
+    """AdamW keyword for `optim.implementation`. "auto": the fused kernel with plain
+    tensors (on CPU it measured ~3.5x faster than foreach, ~4x the loop, at 87M params);
+    over DTensor parameters of several meshes (FSDP x EP) torch's own default."""
+    choice = o.implementation
+    if choice == "auto":
+        return {"fused": True} if par is None else {}
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[
+        choice
+    ]
+
+
 class Trainer:
     """One run. `Trainer(cfg, run_dir, env, hf_config, resume_from).fit()` -> summary dict."""
 
@@ -88,6 +100,7 @@ class Trainer:
             seed=tc.seed,
             device=env.device,
             activation_checkpointing=tc.activation_checkpointing,
+            fused_rmsnorm=tc.fused_rmsnorm,
         )
         self.layers = _hf().moe_layers(self.model)
         self.router = _hf().RouterLosses(self.model)
@@ -98,6 +111,9 @@ class Trainer:
         )
         self.V = self.model.config.vocab_size
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._ce_seen: list[torch.Tensor] = []
+        if tc.fused_cross_entropy:
+            self._fuse_cross_entropy()
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, tc.steps, cfg.optim)
@@ -108,7 +124,7 @@ class Trainer:
             or (cfg.precision.dtype == "auto" and env.device.type == "cuda")
             else torch.float32
         )
-        self.recipe = recipe_context(cfg.precision.recipe)
+        self.recipe = recipe_context(cfg.precision)
         self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
         self.flops = FlopCounter.from_model(self.model)
         self.peak, self.peak_source = peak_tflops(env.device, self.dtype, cfg.log.peak_tflops)
@@ -164,6 +180,27 @@ class Trainer:
         )
         self.train_tokens = len(train)
 
+    def _fuse_cross_entropy(self) -> None:
+        """The model computes the loss from its hidden states given labels (no [T, V]
+        logits, `dropless.hf.fused_loss`); the cross-entropy alone (without the aux loss a
+        family adds to `out.loss`) is read where the model's loss function returns it."""
+        from ..hf.fused_loss import enable_fused_cross_entropy
+
+        try:
+            enable_fused_cross_entropy(self.model)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"train.fused_cross_entropy=true: {e}; set train.fused_cross_entropy=false"
+            ) from None
+        fused_loss = self.model.loss_function
+
+        def loss_function(*args, **kwargs):
+            loss = fused_loss(*args, **kwargs)
+            self._ce_seen.append(loss)
+            return loss
+
+        self.model.loss_function = loss_function
+
     def _optimizer(self) -> torch.optim.Optimizer:
         o = self.cfg.optim
         decay = [p for p in self.params if p.dim() >= 2]
@@ -172,7 +209,9 @@ class Trainer:
             {"params": decay, "weight_decay": o.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        return torch.optim.AdamW(
+            groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, **adamw_kernel(o, self.par)
+        )
 
     def _autocast(self):
         if self.dtype == torch.float32:
@@ -185,9 +224,18 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         tc = self.cfg.train
         x, y = xy_BL1[:, :-1], xy_BL1[:, 1:]
+        kw = dict(output_router_logits=self.need_router, use_cache=False)
+        if self.cfg.train.fused_cross_entropy:  # y as the already shifted labels
+            kw.update(labels=y, shift_labels=y)
+        self._ce_seen.clear()
         with self._autocast(), self.recipe(), self.router.capture():
-            out = self.model(input_ids=x, output_router_logits=self.need_router, use_cache=False)
-        ce = F.cross_entropy(out.logits.float().reshape(-1, out.logits.shape[-1]), y.reshape(-1))
+            out = self.model(input_ids=x, **kw)
+        if self.cfg.train.fused_cross_entropy:
+            assert len(self._ce_seen) == 1, "the fused loss ran once per forward"
+            ce = self._ce_seen.pop()
+        else:
+            logits = out.logits.float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         # the model's own router outputs and selected experts (dropless.hf.router_losses)
         rs = self.router.stats(out, x.shape, self.need_router)
         loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z

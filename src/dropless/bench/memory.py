@@ -1,0 +1,426 @@
+"""`dropless bench memory`: peak step memory per token of the pinned Qwen3-MoE at long
+sequence lengths (batch 1), stock Transformers v5 against dropless's long-sequence recipe.
+
+Rows (`--impls`):
+- `grouped_mm`: stock Transformers, `experts_implementation="grouped_mm"` (its default);
+- `grouped_mm-ckpt`: the same with its activation checkpointing (every decoder layer);
+- `dropless`: the long-sequence recipe: `dropless.patch()`, activation checkpointing and
+  the fused linear + cross-entropy head (`enable_fused_cross_entropy`);
+- `dropless-mxfp8` (not run by default): the recipe plus MXFP8 saved activations
+  (`dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True))`
+  around the forward and the backward, where checkpointing recomputes the layers). On
+  CPU the MXFP8 GEMMs are emulated (both operands dequantized to fp32 per GEMM): their
+  temporaries outweigh the smaller saved tensors, so this row raises the peak there.
+
+Every (length, implementation) runs in its own child process, once: AdamW's state is
+allocated first (a step with learning rate 0, no forward), then ONE timed step (forward,
+backward, AdamW) with no warm-up. Memory: glibc serves blocks >= 128 KiB by mmap and
+returns freed memory, so RSS follows live tensors; the step's peak is VmHWM (reset
+through /proc/self/clear_refs) minus VmRSS before the step (model, AdamW state, inputs).
+The time is that of this single step under those allocator settings: an indication, not
+a speed figure (`dropless bench e2e` times steps under the default allocator).
+
+A child whose address space would pass `--max-rss-gib` (RLIMIT_AS, set just before the
+step on top of what the process has mapped then) fails its allocation; that, a
+MemoryError, a RuntimeError about memory, or a child killed by SIGKILL (the kernel's
+out-of-memory killer) is recorded as out of memory, and not retried.
+"""
+
+# B batch (1), L sequence length
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import re
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    follow_live_memory,
+    load_sentence,
+    peak_rss_mib,
+    provenance,
+    replace_block,
+    reset_peak_rss,
+    rss_mib,
+    section_path,
+    timing_env,
+)
+from .e2e import QUICK, SHAPE
+
+IMPLS = ("grouped_mm", "grouped_mm-ckpt", "dropless", "dropless-mxfp8")
+DEFAULT_IMPLS = ("grouped_mm", "grouped_mm-ckpt", "dropless")
+BASELINE = "grouped_mm-ckpt"  # the ratio column: stock with its own checkpointing
+LABELS = {
+    "grouped_mm": "HF v5 `grouped_mm`",
+    "grouped_mm-ckpt": "HF v5 `grouped_mm` + activation checkpointing",
+    "dropless": "dropless: checkpointing + fused linear-CE",
+    "dropless-mxfp8": "dropless: checkpointing + fused linear-CE + MXFP8 saved activations",
+}
+MODEL_KEYS = tuple(k for k in SHAPE if k not in ("batch", "seq"))
+TITLE = """## Long sequences: peak step memory per token (`dropless bench memory`)
+
+The pinned Qwen3-MoE model at batch 1 and long sequence lengths, one training step
+(forward, backward, AdamW) per implementation and length, each in its own child
+process, no warm-up. Peak step memory: VmHWM (reset through /proc/self/clear_refs)
+minus VmRSS before the step (model, AdamW state and inputs allocated), with glibc
+serving blocks >= 128 KiB by mmap so RSS follows live tensors. Bytes per token = peak
+step memory / sequence length. A run that exceeds the memory limit is recorded as out
+of memory (OOM), not retried."""
+_M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
+_MEMORY_WORDS = re.compile(
+    r"out of memory|can't allocate memory|cannot allocate memory|bad_alloc|memoryerror"
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--seq-len", type=int, nargs="+", default=[8192, 32768], metavar="L",
+        help="sequence lengths, batch 1 (default: 8192 32768)",
+    )  # fmt: skip
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS),
+        help=f"comma list from {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-rss-gib", type=float, default=20.0,
+        help="memory limit of each child, GiB (default 20): above it the run is recorded as "
+        "out of memory",
+    )  # fmt: skip
+    p.add_argument(
+        "--timeout-s", type=float, default=3600.0,
+        help="wall-clock limit per child, seconds (default 3600): recorded as a timeout",
+    )  # fmt: skip
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads in each child (default: torch's default, all cores)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tiny", action="store_true", help="a tiny model for a smoke run (not a result)"
+    )
+    add_history_arguments(p)
+    add_section_argument(p, "memory")
+
+
+# --- the child: one implementation at one length, one process ---------------------------
+
+
+def _build(impl: str, shape: dict, seq: int):
+    import torch
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(
+        **{k: shape[k] for k in MODEL_KEYS},
+        max_position_embeddings=max(seq, 64), norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if impl.startswith("dropless"):
+        import dropless
+        from dropless.hf.fused_loss import enable_fused_cross_entropy
+
+        dropless.patch()
+        model = tf.AutoModelForCausalLM.from_config(cfg)
+        assert model.get_experts_implementation()[""] == "dropless"
+        enable_fused_cross_entropy(model)
+    else:
+        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
+    model = model.float().train()
+    if impl != "grouped_mm":
+        # older Transformers 5 releases name it gradient_checkpointing_enable only
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def _recipe(impl: str):
+    """The autocast context of a row: MXFP8 saved activations for `dropless-mxfp8`."""
+    if impl != "dropless-mxfp8":
+        return contextlib.nullcontext()
+    import dropless
+
+    return dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True))
+
+
+def _prime_adamw(model, opt) -> None:
+    """Allocate AdamW's state without training: one step at learning rate 0 on zero
+    gradients leaves every weight as it was (decoupled decay is scaled by the rate)."""
+    import torch
+
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+
+
+def _one_malloc_arena() -> bool:
+    """Keep every thread's small allocations in glibc's main arena: a new arena maps
+    64 MiB of address space it may never use, which would count against RLIMIT_AS."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, 1) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def _vm_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@contextlib.contextmanager
+def _address_space_limit(max_rss_gib: float):
+    """RLIMIT_AS = what is mapped now + (limit - resident now), so that allocations that
+    would take RSS past `max_rss_gib` fail; the previous limit is restored on exit.
+    Approximate by what is mapped but not yet resident (library pages, untouched stack),
+    a few MiB. Yields the limit in bytes."""
+    mapped, resident = _vm_kib("VmSize") * 1024, _vm_kib("VmRSS") * 1024
+    limit = mapped + max(int(max_rss_gib * 2**30) - resident, 0)
+    previous = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, previous[1]))
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, previous)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and bool(_MEMORY_WORDS.search(str(e).lower()))
+    )
+
+
+def child(args: dict) -> dict:
+    """One implementation at one length in this process: one step, its peak memory."""
+    import torch
+
+    shape, impl, seq = args["shape"], args["impl"], args["seq"]
+    arena_capped = _one_malloc_arena()
+    if args.get("threads"):
+        torch.set_num_threads(int(args["threads"]))
+    model = _build(impl, shape, seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    _prime_adamw(model, opt)
+    g = torch.Generator().manual_seed(1)
+    ids_BL = torch.randint(0, shape["vocab_size"], (1, seq), generator=g)
+    out = {"impl": impl, "seq": seq, "threads": torch.get_num_threads()}
+    out["malloc_arena_capped"] = arena_capped
+    # start the thread pools (their stacks are mapped once) before the limit
+    torch.ones(1 << 20).add_(1)
+    torch.ones(256, 256) @ torch.ones(256, 256)
+    gc.collect()
+    out["memory_tracked"] = follow_live_memory()
+    base = rss_mib()
+    out["steady_rss_mib"] = base
+    try:
+        with _address_space_limit(args["max_rss_gib"]) as out["limit_bytes"]:
+            out.update(_step(model, opt, ids_BL, impl, base), status="ok")
+    except (MemoryError, RuntimeError) as e:  # the limit is lifted again here
+        if not _is_oom(e):
+            raise
+        out.update(status="oom", error=f"{type(e).__name__}: {str(e)[:300]}")
+        out["process_peak_mib"] = peak_rss_mib()
+    return out
+
+
+def _step(model, opt, ids_BL, impl: str, base: float) -> dict:
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    with _recipe(impl):
+        loss = model(input_ids=ids_BL, labels=ids_BL, use_cache=False).loss
+    with _recipe(impl):  # checkpointing recomputes the layers' forwards in backward
+        loss.backward()
+    t_fb = time.perf_counter() - t0
+    peak_fb, process_fb = peak_rss_mib() - base, peak_rss_mib()
+    reset_peak_rss()
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t_opt = time.perf_counter() - t1
+    peak_opt, process_opt = peak_rss_mib() - base, peak_rss_mib()
+    return {
+        "loss": float(loss.detach()),
+        "step_s": t_fb + t_opt,
+        "peak_step_mib": max(peak_fb, peak_opt),
+        "peak_fwd_bwd_mib": peak_fb,
+        "peak_optimizer_mib": peak_opt,
+        "process_peak_mib": max(process_fb, process_opt),
+    }
+
+
+# --- the parent -------------------------------------------------------------------------
+
+
+def run_memory_child(args: dict, timeout: float) -> dict:
+    """One child under the default environment (malloc settings removed); an
+    out-of-memory end (exception, allocation abort, SIGKILL) or a timeout is a record,
+    any other failure raises RuntimeError with the child's error output."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dropless.bench.memory", json.dumps(args)],
+            capture_output=True, text=True, timeout=timeout, env=timing_env(),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"impl": args["impl"], "seq": args["seq"], "status": "timeout"}
+    return child_result(args, proc.returncode, proc.stdout, proc.stderr)
+
+
+def child_result(args: dict, returncode: int, stdout: str, stderr: str) -> dict:
+    """The record of a finished child: its JSON line; an out-of-memory record for a
+    child killed by SIGKILL or one whose error output speaks of memory; else RuntimeError."""
+    if returncode == 0:
+        return json.loads(stdout.strip().splitlines()[-1])
+    tail = stderr[-3000:]
+    if returncode == -signal.SIGKILL or _MEMORY_WORDS.search(tail.lower()):
+        lines = tail.strip().splitlines()
+        why = "killed by SIGKILL" if returncode < 0 or not lines else lines[-1]
+        return {"impl": args["impl"], "seq": args["seq"], "status": "oom", "error": why[:300]}
+    raise RuntimeError(
+        f"benchmark child ({args['impl']}, seq {args['seq']}) failed with exit status "
+        f"{returncode}:\n{tail}"
+    )
+
+
+def _check_args(args) -> list[str]:
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
+    if any(s < 2 for s in args.seq_len):
+        raise ValueError(f"--seq-len {args.seq_len}: every length must be >= 2")
+    if not args.max_rss_gib > 0:
+        raise ValueError(f"--max-rss-gib {args.max_rss_gib}: must be > 0 (GiB)")
+    if not args.timeout_s > 0:
+        raise ValueError(f"--timeout-s {args.timeout_s}: must be > 0 (seconds)")
+    return impls
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """bytes/token and the ratio to stock with checkpointing at the same length."""
+    base = {r["seq"]: r for r in rows if r["impl"] == BASELINE and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        r["bytes_per_token"] = r["peak_step_mib"] * 2**20 / r["seq"]
+        b = base.get(r["seq"])
+        if b and b["peak_step_mib"] > 0:
+            r["vs_baseline"] = r["peak_step_mib"] / b["peak_step_mib"]
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| seq len | implementation | peak step MiB | bytes/token | vs stock + checkpointing "
+        "| fwd+bwd / AdamW MiB | process peak GiB | step s | loss |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r['seq']} | {LABELS[r['impl']]} "
+        if r["status"] != "ok":
+            what = "**out of memory**" if r["status"] == "oom" else "**timed out**"
+            lines.append(head + f"| {what} | - | - | - | - | - | - |")
+            continue
+        ratio = f"{r['vs_baseline']:.2f}x" if "vs_baseline" in r else "-"
+        lines.append(
+            head + f"| {r['peak_step_mib']:,.0f} | {r['bytes_per_token']:,.0f} | {ratio} "
+            f"| {r['peak_fwd_bwd_mib']:,.0f} / {r['peak_optimizer_mib']:,.0f} "
+            f"| {r['process_peak_mib'] / 1024:.2f} | {r['step_s']:.1f} | {r['loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    impls = _check_args(args)
+    rec = Recorder.start(args)
+    shape = QUICK if args.tiny else SHAPE
+    rows = []
+    for seq in args.seq_len:
+        for impl in impls:
+            child_args = {
+                "shape": shape, "impl": impl, "seq": seq,
+                "max_rss_gib": args.max_rss_gib, "threads": args.threads,
+            }  # fmt: skip
+            r = run_memory_child(child_args, args.timeout_s)
+            rows.append(r)
+            shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
+            print(f"seq {seq:6d} {impl:16s} peak step {shown}", flush=True)
+    _add_ratios(rows)
+    table = _table(rows)
+    print(table)
+    figures = {
+        "shape": {k: shape[k] for k in MODEL_KEYS}, "batch": 1, "seq_lens": args.seq_len,
+        "impls": impls, "tiny": args.tiny, "max_rss_gib": args.max_rss_gib,
+        "threads": next((r["threads"] for r in rows if "threads" in r), None),
+        "allocator": "mallopt in each child: blocks >= 128 KiB by mmap, freed memory returned",
+        "rows": rows,
+    }  # fmt: skip
+    figures["dropless_vs_stock_ckpt"] = {
+        str(r["seq"]): r["vs_baseline"]
+        for r in rows
+        if r["impl"] == "dropless" and "vs_baseline" in r
+    }
+    record = rec.finish("memory", figures)
+    print(load_sentence(record["load"]))
+    section = section_path(args.section, "memory", rec)
+    if section is not None:
+        _write_section(section, table, record)
+    return 0
+
+
+def _summary(figures: dict) -> str:
+    ratios = figures.get("dropless_vs_stock_ckpt") or {}
+    if not ratios:
+        return "No dropless / stock-with-checkpointing ratio (a row is missing or out of memory)."
+    shown = ", ".join(f"**{r:.2f}x** at {seq}" for seq, r in ratios.items())
+    return f"dropless peak step memory vs stock with its activation checkpointing: {shown}."
+
+
+def _write_section(path: Path, table: str, record: dict) -> None:
+    f = record["figures"]
+    s = f["shape"]
+    key = "tiny" if f["tiny"] else "pinned"
+    block = "\n".join(
+        [
+            f"<!-- memory:{key} -->",
+            f"### Sequence lengths {', '.join(map(str, f['seq_lens']))}"
+            + (" (--tiny: a smoke run, not a result)" if f["tiny"] else ""),
+            "",
+            provenance(record),
+            "",
+            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
+            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
+            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
+            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch 1, fp32 on "
+            f"CPU, {f['threads']} torch thread(s), AdamW (fused). Memory limit per child: "
+            f"{f['max_rss_gib']:g} GiB. Step time: one step, no warm-up, under the memory-tracking "
+            "allocator settings (an indication, not a speed figure).",
+            "",
+            table,
+            "",
+            _summary(f),
+            f"<!-- /memory:{key} -->",
+            "",
+        ]
+    )
+    replace_block(path, key, block, "memory", TITLE)
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))

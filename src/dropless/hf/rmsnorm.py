@@ -1,0 +1,132 @@
+"""RMSNorm modules of a Transformers model on the Triton kernel for CUDA tensors.
+
+`enable_fused_rmsnorm(model)` gives every RMSNorm module of the model (a class whose name
+ends in "RMSNorm", with a `weight` [D] and an epsilon) an instance forward that, for a
+CUDA tensor of the weight's dtype, runs `dropless.kernels.rmsnorm.rms_norm` (Triton) and
+otherwise calls the module's own forward: CPU tensors never leave the stock code.
+
+Families normalise in different ways (Llama-style `w * x_hat`, Gemma-style `(1 + w) * x_hat`,
+fp32 upcasts), so each module is probed once, at its first CUDA call: the kernel and the
+module's own forward run on a small random input of that dtype and device, forward and
+input gradient; the kernel is kept only if they agree (to a few units of the dtype's
+rounding) and it ran at all (else one warning), otherwise the module stays on its own
+forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
+"""
+
+# R rows, D normalised dim
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+from torch import nn
+
+_ATTR = "_dropless_rmsnorm"  # per module: None (not probed yet), True (kernel) or False
+_PRIOR = "_dropless_rmsnorm_prior"  # an instance forward set before ours (e.g. by accelerate)
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+
+
+def _eps(module: nn.Module) -> float | None:
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def is_rmsnorm_module(module: nn.Module) -> bool:
+    """An RMSNorm by name with a vector weight and an epsilon (what the wiring takes)."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and _eps(module) is not None
+    )
+
+
+def _on_kernel_device(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # the kernel's output has x's dtype: only where stock returns that dtype too
+    return x.is_cuda and x.dtype == weight.dtype
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from ..kernels.rmsnorm import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+def _agrees(module: nn.Module, stock, x: torch.Tensor) -> bool:
+    """The kernel computes what `stock` does (output and input gradient) on a probe."""
+    D = module.weight.shape[0]
+    probe = torch.randn(4, D, dtype=x.dtype, device=x.device)
+    g = torch.randn(4, D, dtype=x.dtype, device=x.device)
+    try:
+        with torch.enable_grad():
+            xs, xk = probe.clone().requires_grad_(True), probe.clone().requires_grad_(True)
+            want = stock(xs)
+            got = _kernel(xk, module.weight.detach(), _eps(module))
+            if want.dtype != got.dtype or want.shape != got.shape:
+                return False
+            (gs,) = torch.autograd.grad(want, xs, g)  # no .grad of the module's weight
+            (gk,) = torch.autograd.grad(got, xk, g)
+    except Exception as e:  # a kernel that cannot run here must not stop the model
+        warnings.warn(
+            f"dropless: {type(module).__name__} keeps its own forward: the RMSNorm kernel "
+            f"failed its first call ({type(e).__name__}: {e})",
+            UserWarning,
+            stacklevel=4,
+        )
+        return False
+    tol = 4 * torch.finfo(x.dtype).eps
+    return all(
+        torch.allclose(a.float(), b.float(), rtol=tol, atol=tol) for a, b in ((got, want), (gk, gs))
+    )
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    stock = self.__dict__[_PRIOR] or types.MethodType(type(self).forward, self)
+    if args or kwargs or not _on_kernel_device(hidden_states, self.weight):
+        return stock(hidden_states, *args, **kwargs)
+    state = self.__dict__.get(_ATTR)
+    if state is None:
+        state = self.__dict__[_ATTR] = _agrees(self, stock, hidden_states)
+    if not state:
+        return stock(hidden_states)
+    return _kernel(hidden_states, self.weight, _eps(self))
+
+
+def enable_fused_rmsnorm(model: nn.Module) -> int:
+    """Wire every RMSNorm module of `model` to the Triton kernel for CUDA tensors
+    (idempotent); returns how many modules carry the wiring."""
+    n = 0
+    for module in model.modules():
+        if not is_rmsnorm_module(module):
+            continue
+        if _ATTR not in module.__dict__:
+            module.__dict__[_ATTR] = None
+            module.__dict__[_PRIOR] = vars(module).get("forward")
+            module.forward = types.MethodType(_fused_forward, module)
+        n += 1
+    return n
+
+
+def disable_fused_rmsnorm(model: nn.Module) -> None:
+    """Give every RMSNorm module of `model` its own forward back."""
+    for module in model.modules():
+        if _ATTR in module.__dict__:
+            del module.__dict__[_ATTR]
+            prior = module.__dict__.pop(_PRIOR, None)
+            if prior is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = prior
+
+
+def fused_rmsnorm_state(module: nn.Module):
+    """None (not wired), "unprobed", "kernel" or "stock" for one module."""
+    if _ATTR not in module.__dict__:
+        return None
+    return {None: "unprobed", True: "kernel", False: "stock"}[module.__dict__[_ATTR]]

@@ -1,0 +1,193 @@
+"""Routing replay: the recompute of a checkpointed forward routes exactly as the forward did.
+
+Activation checkpointing (`torch.utils.checkpoint` without reentrance, which Transformers'
+gradient checkpointing and `dropless train` use) runs a region's forward again inside
+backward. A router that runs again may choose other experts (low-precision noise, ties, a
+router weight or expert bias changed in between), and then token counts, all-to-all sizes
+and gradients no longer match the forward whose outputs the rest of the graph used.
+
+    with routing_replay(router):     # around the code that selects experts
+        weights, ids = router(x)
+
+In a checkpointed forward every `torch.topk` inside the block is recorded (its indices);
+in the recompute of that region each `torch.topk` returns the recorded indices, with its
+values gathered from the tensor it is now given, so weights and gradients are computed
+from the current scores at the experts the forward chose. `remember(key, compute)` does the
+same for any value that must not be computed twice (the expert-parallel counts exchange).
+
+Records live with the checkpoint region they belong to (the `_CheckpointFrame` torch keeps
+for it), per key in call order, so nested regions, several layers and micro-batches never
+mix, and records are freed with the graph. Outside a checkpointed region nothing is
+recorded and nothing changes. Reentrant checkpointing (`use_reentrant=True`) is not
+covered: its forward runs without grad and leaves nothing to tie a record to.
+"""
+
+# T tokens, E experts, K top-k
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# checkpoint frame -> {key: [records in forward order], ("cursor", gid, key): next index}
+_STORE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_TOPK = (torch.topk, torch.Tensor.topk)
+
+
+def _frame_class():
+    from torch.utils.checkpoint import _CheckpointFrame
+
+    return _CheckpointFrame
+
+
+def checkpoint_state() -> tuple[Any, Any] | None:
+    """(checkpoint frame, None) inside a checkpointed forward, (frame, recompute id) inside
+    its recompute, None elsewhere.
+
+    Read from the innermost saved-tensors hooks: torch's checkpoint installs a pack hook
+    that holds its frame (forward), or a weak reference to it and the id of the backward
+    the recompute serves (recompute)."""
+    if not torch.is_grad_enabled():
+        return None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:
+        return None
+    frame_cls = _frame_class()
+    frame, ref_frame, gid = None, None, None
+    for cell in getattr(inspect.unwrap(hooks[0]), "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, frame_cls):
+            frame = value
+        elif isinstance(value, weakref.ReferenceType) and isinstance(value(), frame_cls):
+            ref_frame = value()
+        elif gid is None and not isinstance(value, weakref.ReferenceType):
+            gid = value  # the graph task id (or exec group) torch recomputes for
+    if frame is not None:
+        return frame, None
+    if ref_frame is not None:
+        try:
+            hash(gid)
+        except TypeError:
+            gid = None
+        return ref_frame, (torch._C._current_graph_task_id() if gid is None else gid)
+    return None
+
+
+def _entries(frame, key) -> list:
+    table = _STORE.get(frame)
+    if table is None:
+        table = _STORE[frame] = {}
+    return table.setdefault(key, [])
+
+
+def _next_recorded(frame, gid, key):
+    table = _STORE.get(frame, {})
+    entries = table.get(key, [])
+    cursor = ("cursor", gid, key)
+    i = table.get(cursor, 0)
+    if i >= len(entries):
+        raise RuntimeError(
+            f"routing replay: the recompute asked for record {i + 1} of {key!r} but the forward "
+            f"recorded {len(entries)}; the checkpointed region ran different code in its recompute"
+        )
+    table[cursor] = i + 1
+    return entries[i]
+
+
+def remember(key, compute: Callable[[], Any]):
+    """`compute()` in a forward; in the recompute of a checkpointed forward, the value the
+    forward computed for the same `key` (in call order), without calling `compute`."""
+    state = checkpoint_state()
+    if state is None:
+        return compute()
+    frame, gid = state
+    if gid is None:
+        value = compute()
+        _entries(frame, key).append(value)
+        return value
+    return _next_recorded(frame, gid, key)
+
+
+class _TopKMode(TorchFunctionMode):
+    """Records (forward) or replays (recompute) the indices of every top-k in its scope."""
+
+    def __init__(self, frame, gid, key):
+        super().__init__()
+        self.frame, self.gid, self.key = frame, gid, key
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _TOPK:
+            return func(*args, **kwargs)
+        if self.gid is None:
+            out = func(*args, **kwargs)
+            _entries(self.frame, self.key).append(out.indices.detach())
+            return out
+        return _replayed_topk(self.frame, self.gid, self.key, *args, **kwargs)
+
+
+def _replayed_topk(frame, gid, key, x, k, dim=-1, largest=True, sorted=True):
+    ids = _next_recorded(frame, gid, key)
+    want = list(x.shape)
+    want[dim] = k
+    if list(ids.shape) != want:
+        raise RuntimeError(
+            f"routing replay: top-k of {key!r} recorded indices of shape {tuple(ids.shape)}, "
+            f"the recompute asks for {tuple(want)}; the recompute saw other inputs"
+        )
+    return torch.return_types.topk((_Pick.apply(x, ids, dim), ids))
+
+
+class _Pick(torch.autograd.Function):
+    """values = x.gather(dim, ids) with top-k's backward, saving what top-k saves (the
+    indices only), so the recompute saves the same tensors as the forward did."""
+
+    @staticmethod
+    def forward(ctx, x, ids, dim):
+        ctx.save_for_backward(ids)
+        ctx.dim, ctx.shape = dim, x.shape
+        return x.gather(dim, ids)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        return g.new_zeros(ctx.shape).scatter(ctx.dim, ids, g), None, None
+
+
+@contextlib.contextmanager
+def routing_replay(owner):
+    """Record the top-k choices made inside (checkpointed forward), or replay them (its
+    recompute). `owner`: the module that routes (one record list per owner and region)."""
+    state = checkpoint_state()
+    if state is None:
+        yield
+        return
+    with _TopKMode(state[0], state[1], (id(owner), "topk")):
+        yield
+
+
+def enter_routing_replay(owner) -> TorchFunctionMode | None:
+    """`routing_replay(owner)` entered by hand (forward pre-hook); close it with
+    `exit_routing_replay` (forward hook). None when nothing needs recording."""
+    state = checkpoint_state()
+    if state is None:
+        return None
+    mode = _TopKMode(state[0], state[1], (id(owner), "topk"))
+    mode.__enter__()
+    return mode
+
+
+def exit_routing_replay(mode: TorchFunctionMode | None) -> None:
+    """Close what `enter_routing_replay` opened (a no-op for None)."""
+    if mode is not None:
+        mode.__exit__(None, None, None)

@@ -1,0 +1,91 @@
+"""Registry of the memory-bound row ops of the expert path: gathers and activations.
+
+A `RowOps` bundles the raw (non-autograd) functions that the autograd Functions of
+`permute.py`, `swiglu.py` and `fused_mlp.py` call; those Functions exist once and take
+their implementation from here. "eager" (torch ops: the specification, fp32 sums and
+activation math) is always registered; `dropless.kernels` registers "triton" (CUDA
+tensors only) when it registers its grouped GEMM. Picking never chooses an
+implementation that cannot run the tensor; naming one that cannot raises.
+"""
+
+# T tokens, S sorted pairs, N features, K top-k, F expert hidden dim
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .permute import gather_rows_eager, gather_sum, pair_dot_eager
+from .swiglu import ACTIVATIONS, act_bwd_eager, act_fwd_eager
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """One implementation of the row ops (all raw: no autograd).
+
+    gather_rows(x_TD, index_S, scale=None, scale_index_S=None) -> x_SD (x's dtype):
+        out[s] = x[index[s]] * scale[scale_index[s]];
+    gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN: out[t] = sum_k w[t,k] *
+        rows[slot[t,k]] summed in fp32 in k order, slots >= S read as zero;
+    pair_dot(g_TN, y_SN, slot_TK) -> fp32 [T, K]: <g[t], y[slot[t,k]]> (0 when dropped);
+    act_fwd / act_bwd: as `swiglu.act_fwd_eager` / `act_bwd_eager`, for the kinds in
+    `activations`; supports(t): whether it runs on tensor t.
+    """
+
+    name: str
+    gather_rows: Callable
+    gather_sum: Callable
+    pair_dot: Callable
+    act_fwd: Callable
+    act_bwd: Callable
+    activations: tuple[str, ...]
+    supports: Callable[[torch.Tensor], bool]
+    priority: int = 0
+
+
+_ROW_OPS: dict[str, RowOps] = {}
+
+
+def register_row_ops(impl: RowOps) -> None:
+    """Register (or replace) a row-op implementation under its name."""
+    _ROW_OPS[impl.name] = impl
+
+
+def row_ops_names() -> list[str]:
+    """Registered row-op implementations, best first."""
+    return [r.name for r in sorted(_ROW_OPS.values(), key=lambda r: -r.priority)]
+
+
+def pick_row_ops(t: torch.Tensor, name: str | None = None, activation: str | None = None):
+    """The implementation for tensor t: `name` if given (error if it cannot run t),
+    else the best registered one that runs t (and `activation`, when given)."""
+    if name not in (None, "auto"):
+        if name not in _ROW_OPS:
+            raise ValueError(f"row ops {name!r} are not registered; known: {row_ops_names()}")
+        impl = _ROW_OPS[name]
+        if not impl.supports(t) or (activation is not None and activation not in impl.activations):
+            raise ValueError(
+                f"row ops {name!r} cannot run {activation or 'gathers'} on {t.dtype} tensors on "
+                f"{t.device.type}; leave the choice to auto or use one of {row_ops_names()}"
+            )
+        return impl
+    for impl in sorted(_ROW_OPS.values(), key=lambda r: -r.priority):
+        if impl.supports(t) and (activation is None or activation in impl.activations):
+            return impl
+    return EAGER
+
+
+EAGER = RowOps(
+    "eager",
+    gather_rows_eager,
+    gather_sum,
+    pair_dot_eager,
+    act_fwd_eager,
+    act_bwd_eager,
+    ACTIVATIONS,
+    supports=lambda t: True,
+    priority=0,
+)
+register_row_ops(EAGER)

@@ -1,0 +1,147 @@
+"""patch()/patch_model() options: fused linear cross-entropy and RMSNorm on the kernel (CUDA).
+
+fused_cross_entropy: a patched causal LM given labels returns stock's loss (and
+gradients) with logits=None; unpatch gives the logits back. fused_rmsnorm: CPU tensors
+keep the stock forward bit for bit and never reach the kernel; a tensor the kernel takes
+(a CUDA tensor, simulated here) runs it once the module passed its probe, and a norm that
+computes something else (Gemma-style `(1 + w)`) stays on its own forward.
+"""
+
+# B sequences, L tokens per sequence
+
+import pytest
+import torch
+from families import build, clone_into
+from torch import nn
+
+import dropless.hf as dh
+from dropless.hf import rmsnorm as hf_rmsnorm
+from dropless.hf.fused_loss import is_fused_cross_entropy_enabled
+from dropless.ops.reference import rms_norm_reference
+
+B, L = 2, 7
+
+
+def _ids(model):
+    return torch.randint(
+        2, model.config.vocab_size, (B, L), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_patch_fused_cross_entropy_matches_stock():
+    dh.patch(fused_cross_entropy=True)
+    model = build("qwen3_moe", implementation=None)
+    assert is_fused_cross_entropy_enabled(model)
+    stock = clone_into(model, "eager")  # an explicit implementation: not patched
+    assert not is_fused_cross_entropy_enabled(stock)
+    ids = _ids(model)
+    out, grads = _loss_and_grads(model, ids)
+    want, want_grads = _loss_and_grads(stock, ids)
+    assert out.logits is None and want.logits is not None
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], want_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits)
+    dh.unpatch()
+    assert not is_fused_cross_entropy_enabled(model)
+    assert model(input_ids=ids, labels=ids).logits is not None
+
+
+def test_fused_cross_entropy_is_off_by_default():
+    dh.patch()
+    model = build("qwen3_moe", implementation=None)
+    assert not is_fused_cross_entropy_enabled(model)
+    assert model(input_ids=_ids(model), labels=_ids(model)).logits is not None
+
+
+def test_patch_model_fused_cross_entropy_and_bad_options():
+    model = dh.patch_model(build("mixtral"), fused_cross_entropy=True)
+    assert is_fused_cross_entropy_enabled(model)
+    assert model(input_ids=_ids(model), labels=_ids(model)).logits is None
+    with pytest.raises(TypeError, match="fused_rmsnorm='yes': expected True or False"):
+        dh.patch(fused_rmsnorm="yes")
+    with pytest.raises(TypeError, match="needs a causal LM"):
+        dh.patch_model(model.model, fused_cross_entropy=True)
+
+
+class GemmaLikeRMSNorm(nn.Module):
+    """Normalises as Gemma does: (1 + w) * x_hat, which the kernel does not compute."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d) * 0.1)
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class LlamaLikeRMSNorm(nn.Module):
+    """w * x_hat, what the kernel computes."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def _norms(model):
+    return [m for m in model.modules() if hf_rmsnorm.is_rmsnorm_module(m)]
+
+
+def test_fused_rmsnorm_cpu_untouched_and_kernel_only_for_device_tensors(monkeypatch):
+    model = build("qwen3_moe")
+    stock = clone_into(model, "eager")
+    ids = _ids(model)
+    plain = dh.patch_model(model)(input_ids=ids).logits
+    dh.patch_model(model, fused_rmsnorm=True)
+    norms = _norms(model)
+    assert norms and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
+    calls = []
+
+    def kernel(x, w, eps):
+        calls.append(x.shape)
+        return rms_norm_reference(x, w, eps)
+
+    monkeypatch.setattr(hf_rmsnorm, "_kernel", kernel)
+    want = stock(input_ids=ids).logits
+    assert torch.equal(model(input_ids=ids).logits, plain)  # CPU: the stock forward, exactly
+    assert calls == [] and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
+
+    # a tensor the kernel takes (CUDA in real runs): probed once, then the kernel runs
+    monkeypatch.setattr(hf_rmsnorm, "_on_kernel_device", lambda x, w: x.dtype == w.dtype)
+    got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls and all(hf_rmsnorm.fused_rmsnorm_state(m) == "kernel" for m in norms)
+
+    gemma = GemmaLikeRMSNorm(16)
+    assert hf_rmsnorm.enable_fused_rmsnorm(gemma) == 1
+    x = torch.randn(3, 16)
+    assert torch.equal(gemma(x), GemmaLikeRMSNorm.forward(gemma, x))
+    assert hf_rmsnorm.fused_rmsnorm_state(gemma) == "stock"  # the probe refused the kernel
+
+    def failing(x, w, eps):
+        raise RuntimeError("no kernel for this device")
+
+    monkeypatch.setattr(hf_rmsnorm, "_kernel", failing)
+    llama = LlamaLikeRMSNorm(16)
+    hf_rmsnorm.enable_fused_rmsnorm(llama)
+    with pytest.warns(UserWarning, match="failed its first call"):
+        out = llama(x)
+    assert torch.equal(out, rms_norm_reference(x, llama.weight, 1e-6))
+    assert hf_rmsnorm.fused_rmsnorm_state(llama) == "stock"
+
+    dh.unpatch()
+    assert all(hf_rmsnorm.fused_rmsnorm_state(m) is None for m in norms)
+    assert all("forward" not in vars(m) for m in norms)

@@ -1,0 +1,69 @@
+"""`dropless train` dense-side defaults: the fused linear cross-entropy and the AdamW kernel.
+
+The fused loss is the same cross-entropy as the logits path: the first step's loss and
+gradient norm agree (fp32), with the same optimizer kernel on both sides.
+"""
+
+import json
+
+import pytest
+
+from conftest import tiny_args
+from dropless.cli.main import main
+from dropless.train.config import Config, load_config
+from dropless.train.trainer import adamw_kernel
+
+
+def _first_step(tmp_path, name, *extra):
+    run = tmp_path / name
+    args = tiny_args(
+        "train.steps=2", "log.every=1", "log.tensorboard=false", "log.plots=false",
+        "checkpoint.every=0", "optim.implementation=loop", "data.max_bytes=40000", *extra,
+    )  # fmt: skip
+    assert main(["train", "--run-dir", str(run), *args]) == 0
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in recs if r["step"] == 1)
+
+
+def test_fused_cross_entropy_trains_the_same_loss(tmp_path):
+    assert Config().train.fused_cross_entropy is True  # on by default
+    fused = _first_step(tmp_path, "fused")
+    plain = _first_step(tmp_path, "plain", "train.fused_cross_entropy=false")
+    assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+
+
+def test_adamw_kernel_choice():
+    o = load_config().optim
+    assert o.implementation == "auto"
+    assert adamw_kernel(o, par=None) == {"fused": True}
+    assert adamw_kernel(o, par=object()) == {}  # DTensors over several meshes: torch decides
+    for name, kw in (
+        ("fused", {"fused": True}),
+        ("foreach", {"foreach": True}),
+        ("loop", {"foreach": False}),
+    ):
+        assert adamw_kernel(load_config(None, [f"optim.implementation={name}"]).optim, None) == kw
+    with pytest.raises(ValueError, match="optim.implementation='apex': allowed values are"):
+        load_config(None, ["optim.implementation=apex"])
+
+
+def test_training_model_has_replay_and_rmsnorm_wiring_untouched_on_cpu():
+    import torch
+
+    from dropless.hf import has_routing_replay
+    from dropless.hf.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
+    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.recipes import tiny
+
+    cfg = tiny("train.activation_checkpointing=true")
+    assert cfg.train.fused_rmsnorm is True  # on by default (CUDA tensors only)
+    model, par = build_training_model(
+        cfg.model, hf_config(cfg.model, 257), cfg.parallel, 1, expert_bias=False, seed=0,
+        device=torch.device("cpu"), activation_checkpointing=True, fused_rmsnorm=True,
+    )  # fmt: skip
+    assert par is None and has_routing_replay(model) and model.is_gradient_checkpointing
+    norms = [m for m in model.modules() if is_rmsnorm_module(m)]
+    model.train()
+    model(input_ids=torch.randint(0, 257, (2, 8))).logits.sum().backward()
+    assert norms and all(fused_rmsnorm_state(m) == "unprobed" for m in norms)  # CPU: stock

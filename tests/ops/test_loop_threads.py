@@ -152,3 +152,25 @@ def test_worker_error_reaches_the_caller_and_the_pool_survives():
     expert_threads.run_experts(list(range(6)), lambda i, s, b: out.append(i), workers=2)
     assert sorted(out) == list(range(6))
     assert torch.get_num_threads() == keep  # starting workers left the caller's count alone
+
+
+def _in_forked_child(q):
+    out = []
+    expert_threads.run_experts(list(range(8)), lambda i, s, b: out.append(i), workers=2)
+    q.put(sorted(out))
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """Worker threads do not survive fork (e.g. DataLoader workers): the child must not
+    queue work to threads that are not there."""
+    import multiprocessing
+
+    expert_threads.run_experts(list(range(4)), lambda i, s, b: None, workers=2)
+    assert expert_threads._POOL  # the parent has its workers
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_in_forked_child, args=(q,))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(timeout=60)
+    assert got == list(range(8)) and p.exitcode == 0

@@ -154,6 +154,20 @@ def test_worker_error_reaches_the_caller_and_the_pool_survives():
     assert torch.get_num_threads() == keep  # starting workers left the caller's count alone
 
 
+def test_threads_under_inference_mode(threads):
+    """Tensors made under inference mode may only be written in inference mode: the
+    workers run in the caller's mode."""
+    g = torch.Generator().manual_seed(6)
+    T, K, E, D, F = 9, 2, 5, 8, 4
+    x = torch.randn(T, D, generator=g)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g)
+    gu, dn = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    with torch.inference_mode():
+        got = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
+    torch.testing.assert_close(got, expert_mlp_reference(x, ids_TK, w_TK, gu, dn))
+
+
 def _in_forked_child(q):
     out = []
     expert_threads.run_experts(list(range(8)), lambda i, s, b: out.append(i), workers=2)

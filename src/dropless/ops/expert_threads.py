@@ -86,6 +86,8 @@ class _Run:
         self.committing = False
         self.error: BaseException | None = None
         self.active = active
+        # grad and inference mode are per thread: the workers take the caller's
+        self.inference = torch.is_inference_mode_enabled()
 
     def _claim(self):
         with self.cond:
@@ -127,7 +129,7 @@ class _Run:
 
     def work(self) -> None:
         try:
-            with torch.no_grad():  # grad mode is per thread; these ops write into out=
+            with torch.inference_mode(self.inference), torch.no_grad():
                 scratch = self.make_scratch()
                 while True:
                     i, buf = self._claim()

@@ -168,6 +168,22 @@ def test_threads_under_inference_mode(threads):
     torch.testing.assert_close(got, expert_mlp_reference(x, ids_TK, w_TK, gu, dn))
 
 
+def test_a_dispatch_mode_sees_every_op(threads):
+    """Modes are per thread: under one (here a FLOP counter) the loop stays in the
+    calling thread, so the mode sees every expert GEMM."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    g = torch.Generator().manual_seed(7)
+    T, K, E, D, F = 9, 2, 5, 8, 4
+    x = torch.randn(T, D, generator=g)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g)
+    gu, dn = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    with FlopCounterMode(display=False) as fc:
+        ops.expert_mlp(x, ids_TK, w_TK, gu, dn)
+    assert fc.get_total_flops() == 2 * T * K * D * 3 * F  # gate/up [D -> 2F] + down [F -> D]
+
+
 def _in_forked_child(q):
     out = []
     expert_threads.run_experts(list(range(8)), lambda i, s, b: out.append(i), workers=2)

@@ -15,6 +15,7 @@ gradients straight into preallocated [E, ...] tensors.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .expert_threads import run_experts
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
@@ -24,8 +25,14 @@ from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
 MIN_THREADED_FLOPS = 2**21
 
 
+def _modes_active() -> bool:
+    """A TorchDispatchMode / TorchFunctionMode (a FLOP counter, a debug mode) is per
+    thread: ops on worker threads would escape it, so the loop stays in this thread."""
+    return is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+
+
 def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or _modes_active():
         return 1
     busy = sum(1 for n in counts if n)
     if busy < 2 or sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:

@@ -17,10 +17,11 @@ from dropless.ops.specs import ActivationConfig
 
 @pytest.fixture
 def threads(monkeypatch):
-    """Two torch threads and no size floor: every multi-expert call goes to the workers."""
+    """Two torch threads and no floors: every multi-expert call goes to the workers."""
     keep = torch.get_num_threads()
     torch.set_num_threads(2)
     monkeypatch.setattr(loop_mlp, "MIN_THREADED_FLOPS", 0)
+    monkeypatch.setattr(loop_mlp, "MIN_EXPERTS_PER_THREAD", 1)
     yield
     torch.set_num_threads(keep)
 

@@ -23,6 +23,10 @@ from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
 MIN_THREADED_FLOPS = 2**21
+# Worker threads run single-threaded GEMMs, so they need enough experts to keep every
+# thread busy to the end: with fewer than this many per thread (e.g. 8 experts on a
+# 16-thread machine) the loop runs in the calling thread with multi-threaded ops.
+MIN_EXPERTS_PER_THREAD = 4
 
 
 def _modes_active() -> bool:
@@ -34,10 +38,12 @@ def _modes_active() -> bool:
 def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
     if x.device.type != "cpu" or _modes_active():
         return 1
-    busy = sum(1 for n in counts if n)
-    if busy < 2 or sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
+    busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
+    if busy < MIN_EXPERTS_PER_THREAD * threads:
         return 1
-    return torch.get_num_threads()
+    if sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
+        return 1
+    return threads
 
 
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:

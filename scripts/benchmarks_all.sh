@@ -8,6 +8,7 @@ dropless bench layer --shape qwen3 --rounds 5 --impls all
 dropless bench layer --shape mixtral --rounds 5
 dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1
 dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1
+dropless bench lora --rounds 3 --steps 2
 dropless bench memory --seq-len 8192 32768
 dropless bench fp8
 dropless bench ep --world 2 --tokens 1024

@@ -24,6 +24,7 @@ SECTIONS = {
         "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1",
         "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1",
     ],
+    "lora": ["dropless bench lora --rounds 3 --steps 2"],
     "memory": ["dropless bench memory --seq-len 8192 32768"],
     "fp8": ["dropless bench fp8"],
     "parallel": ["dropless bench ep --world 2 --tokens 1024"],

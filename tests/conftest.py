@@ -33,6 +33,7 @@ BUDGETS = {
     "parallel": 180,
     "quant": 120,
     "train": 180,
+    "faults": 120,
     "jax": 90,
     "gpu_check": 60,
 }

@@ -20,7 +20,11 @@ from _checks_fsdp import (  # noqa: F401
     hsdp_only,
     hsdp_x_ep,
 )
-from _checks_hf import hf_ep_equals_single, hf_fsdp_x_ep_train  # noqa: F401
+from _checks_hf import (  # noqa: F401
+    hf_ep_equals_single,
+    hf_ep_lora_equals_single,
+    hf_fsdp_x_ep_train,
+)
 from _checks_load import hf_sharded_load  # noqa: F401
 from _checks_replay import ep_routing_replay, hf_ep_routing_replay  # noqa: F401
 
@@ -41,6 +45,7 @@ CHECKS = {
         "fsdp_x_ep_overlap",
         "hsdp_only",
         "hf_ep_equals_single",
+        "hf_ep_lora_equals_single",
         "hf_ep_routing_replay",
         "hf_fsdp_x_ep_train",
         "hf_sharded_load",

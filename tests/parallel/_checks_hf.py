@@ -100,3 +100,73 @@ def hf_fsdp_x_ep_train(rank, world):
         torch.testing.assert_close(
             full, rp[name].detach(), rtol=RTOL, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def hf_ep_lora_equals_single(rank, world):
+    """LoRA factors owned by the experts modules, sharded with the experts over ep: logits
+    and every adapter gradient equal one process; the base gets no gradient."""
+    from dropless.hf.layers import moe_layers
+    from dropless.hf.lora import attach_expert_lora
+
+    model = _model()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(7)
+    for layer in moe_layers(model):
+        attach_expert_lora(layer.experts, 4, 8, generator=g)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (world * B, L), generator=g)
+    w = torch.randn(world * B, L, V, generator=g)
+    ref = copy.deepcopy(model)
+    (ref(input_ids=ids).logits * w).sum().backward()
+    pm = build_mesh(ParallelConfig(ep=world), num_experts=E)
+    ep = copy.deepcopy(model)
+    assert len(shard_hf_experts(ep, pm)) == 2
+    sl = slice(rank * B, (rank + 1) * B)
+    logits = ep(input_ids=ids[sl]).logits
+    (logits * w[sl]).sum().backward()
+    torch.testing.assert_close(logits, ref(input_ids=ids[sl]).logits, rtol=RTOL, atol=ATOL)
+    rp = dict(ref.named_parameters())
+    Le, n = E // world, 0
+    for name, p in ep.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, name
+            continue
+        assert "lora_" in name and hasattr(p, "to_local"), name  # sharded with the experts
+        got, want = p.grad.to_local(), rp[name].grad[rank * Le : (rank + 1) * Le]
+        torch.testing.assert_close(
+            got, want, rtol=RTOL, atol=ATOL, msg=lambda m, k=name: f"{k}: {m}"
+        )
+        n += 1
+    assert n == 8  # 2 layers x (A, B) x (gate_up, down)
+    # saved as a PEFT adapter: gathered from the shards, the same file as one process
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    from dropless.hf.lora import save_expert_lora_as_peft
+
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # one directory on this machine for every rank
+    d = box[0]
+    save_expert_lora_as_peft(ep, f"{d}/ep")  # collective: every rank gathers
+    save_expert_lora_as_peft(ref, f"{d}/one")
+    if rank == 0:
+        got, want = (
+            load_file(f"{d}/ep/adapter_model.safetensors"),
+            load_file(f"{d}/one/adapter_model.safetensors"),
+        )
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    dist.barrier()
+    # loaded back into a sharded model's own factors: each rank takes its experts' slice
+    from dropless.hf.lora import load_peft_into_experts
+
+    fresh = copy.deepcopy(model)
+    shard_hf_experts(fresh, pm)
+    with torch.no_grad():
+        for layer in moe_layers(fresh):
+            for name in ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down"):
+                getattr(layer.experts, name).to_local().zero_()
+    assert load_peft_into_experts(fresh, f"{d}/one") == 4
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(input_ids=ids[sl]).logits, logits, rtol=RTOL, atol=ATOL)

@@ -101,6 +101,6 @@ def test_local_order_groups_rows_by_local_expert(recv):
             blocks[p, e] = list(range(start, start + recv[p][e]))
             start += recv[p][e]
     want = [r for e in range(L) for p in range(P) for r in blocks[p, e]]
-    perm, inv = _local_order(recv_PL)
+    perm, inv = _local_order(recv_PL, start)
     assert perm.tolist() == want
     assert perm[inv].tolist() == list(range(start))

@@ -1,7 +1,6 @@
 """Training tests: tiny configs (byte tokenizer, hidden 32, 2 layers, 4 experts), one
 thread so in-process and subprocess runs are bit-comparable, one shared finished run."""
 
-import os
 import shutil
 
 import pytest
@@ -9,22 +8,9 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from train_util import sub_env, tiny_args  # noqa: E402, F401  (also imported from conftest)
 
 from dropless.cli.main import main  # noqa: E402
-from dropless.train.recipes import TINY  # noqa: E402
-
-
-def tiny_args(*extra: str) -> list[str]:
-    args = []
-    for item in (*TINY, *extra):
-        args += ["--set", item]
-    return args
-
-
-def sub_env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env.pop("DROPLESS_TEST_KILL_AFTER_FIRST_FILE", None)
-    return env
 
 
 @pytest.fixture(autouse=True)

@@ -3,20 +3,12 @@ the problem and the fix."""
 
 import pytest
 import torch
+from train_util import tiny_args
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config import load_config
 from dropless.train.recipes import TINY
 from dropless.train.setup import Env, preflight
-
-
-def _quant_ready() -> bool:
-    try:
-        from dropless.quant import recipe_from_name  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _fails(capsys, tmp_path, *args, run_dir=None):
@@ -87,15 +79,11 @@ def test_unknown_precision_recipe(capsys, tmp_path):
     assert "precision.recipe='fp4': allowed values are 'none', 'delayed', 'current', 'mxfp8'" in err
 
 
-def test_fp8_recipe_resolves_or_says_not_available(capsys, tmp_path):
+def test_fp8_recipe_resolves():
     from dropless.train.model import recipe_context
 
-    if _quant_ready():  # dropless.quant is installed: the recipe resolves to an autocast
-        with recipe_context("mxfp8")() as recipe:
-            assert type(recipe).__name__ == "MXFP8BlockScaling"
-    else:
-        err = _fails(capsys, tmp_path, "--set", "precision.recipe=mxfp8")
-        assert "precision.recipe='mxfp8' is not available yet" in err
+    with recipe_context("mxfp8")() as recipe:
+        assert type(recipe).__name__ == "MXFP8BlockScaling"
 
 
 def test_expert_parallel_layout_checked_before_work(capsys, tmp_path):

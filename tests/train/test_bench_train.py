@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import tiny_args
+from train_util import tiny_args
+
 from dropless.cli.main import main
 
 

@@ -87,3 +87,120 @@ def test_lr_schedules(schedule, checks):
     ).optim
     for step, want in checks:
         assert lr_factor(step, 110, o) == pytest.approx(want, abs=1e-9), (schedule, step)
+
+
+def _with_section(monkeypatch):
+    """Config with one more section holding a list, a bool and a string (the shape later
+    keys such as finetune.lora_targets take; under its own name)."""
+    import dataclasses
+
+    from dropless.train import config as config_mod
+
+    @dataclasses.dataclass
+    class Finetune:
+        lora_targets: list[str] = dataclasses.field(default_factory=lambda: ["experts"])
+        layers: list[int] = dataclasses.field(default_factory=list)
+        saved_fp8: bool = False
+        name: str = "x"
+
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(Config)]
+    fields.append(("probe", Finetune, dataclasses.field(default_factory=Finetune)))
+    monkeypatch.setattr(config_mod, "Config", dataclasses.make_dataclass("Config", fields))
+    return config_mod
+
+
+def test_lists_booleans_and_strings(monkeypatch, tmp_path):
+    cm = _with_section(monkeypatch)
+    f = tmp_path / "run.toml"
+    f.write_text(
+        '[probe]\nlora_targets = ["experts", "attention"]\nsaved_fp8 = true\nname = "a b"\n'
+    )
+    cfg = cm.load_config(f)
+    assert cfg.probe.lora_targets == ["experts", "attention"] and cfg.probe.saved_fp8 is True
+    sets = [
+        'probe.lora_targets=["attention"]',
+        "probe.layers=[1, 2]",
+        "probe.saved_fp8=false",
+        "probe.name=2024",
+    ]
+    cfg = cm.load_config(f, sets)
+    assert cfg.probe.lora_targets == ["attention"] and cfg.probe.layers == [1, 2]
+    assert cfg.probe.saved_fp8 is False and cfg.probe.name == "2024"  # a string stays one
+    assert cm.load_config(None, ["probe.lora_targets=experts,attention"]).probe.lora_targets == [
+        "experts",
+        "attention",
+    ]
+    assert cm.load_config(cm.dump_config(cfg, tmp_path / "out.toml")) == cfg
+    for bad, msg in (
+        ("probe.layers=[1, 2.5]", "probe.layers=2.5: expected a int"),
+        ("probe.layers=[1, nan]", "must be a finite number"),
+        ("probe.lora_targets=[1]", "probe.lora_targets=1: expected a string, got int"),
+        ("probe.saved_fp8=[true]", "expected true or false"),
+        ("probe.lora_target=[]", "did you mean 'probe.lora_targets'?"),
+    ):
+        with pytest.raises(ValueError) as e:
+            cm.load_config(None, [bad])
+        assert msg in str(e.value), bad
+
+
+def test_python_310_falls_back_to_tomli(monkeypatch, tmp_path):
+    import importlib.util
+    import sys
+
+    import tomllib as real
+
+    from dropless.train import config as config_mod
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10: no tomllib
+    monkeypatch.setitem(sys.modules, "tomli", real)  # the PyPI package of the same parser
+    spec = importlib.util.spec_from_file_location(
+        "dropless.train.config_py310", config_mod.__file__
+    )
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "dropless.train.config_py310", mod)
+    spec.loader.exec_module(mod)
+    assert mod.tomllib is real
+    (tmp_path / "c.toml").write_text("[train]\nsteps = 3\n")
+    assert mod.load_config(tmp_path / "c.toml").train.steps == 3
+
+
+def test_examples_load():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+    assert len(examples) >= 3
+    for f in examples:
+        load_config(f)  # every key known, every value valid
+
+
+def test_activation_checkpointing_uses_the_name_transformers_has():
+    from dropless.train.model import enable_activation_checkpointing
+
+    calls = []
+
+    class New:
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+            calls.append(("new", activation_checkpointing_kwargs))
+
+    class Old:
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            calls.append(("old", gradient_checkpointing_kwargs))
+
+    enable_activation_checkpointing(New())
+    enable_activation_checkpointing(Old())
+    assert calls == [("new", {"use_reentrant": False}), ("old", {"use_reentrant": False})]
+
+
+def test_header_names_the_class_under_fsdp():
+    from dropless.train.trainer import model_class_name
+
+    class Qwen3MoeForCausalLM:
+        pass
+
+    class FSDPModule:
+        pass
+
+    fsdp = type("FSDPQwen3MoeForCausalLM", (FSDPModule, Qwen3MoeForCausalLM), {})
+    assert (
+        model_class_name(fsdp()) == model_class_name(Qwen3MoeForCausalLM()) == "Qwen3MoeForCausalLM"
+    )

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+from train_util import sub_env, tiny_args
 
-from conftest import sub_env, tiny_args
 from dropless.cli.main import main
 
 STEPS = (
@@ -33,7 +33,8 @@ def test_two_processes_match_one(tmp_path):
         env=sub_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es) on cpu" in proc.stdout
+    assert "2 processes on cpu" in proc.stdout
+    assert "dropless train: Qwen3MoeForCausalLM" in proc.stdout  # not FSDP's wrapper class
     a, b = losses(one), losses(two)
     assert [s for s, *_ in a] == [s for s, *_ in b] == [0, 1, 2, 3, 4]
     for (_, la, ea), (_, lb, eb) in zip(a, b):

@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
+from train_util import tiny_args
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 
@@ -134,3 +134,58 @@ def test_fine_tune_with_every_option(tiny_run, tmp_path):
         want_ME += 0.05 * torch.sign(c.mean(1, keepdim=True) - c)
     assert want_ME.abs().sum() > 0
     torch.testing.assert_close(bias_ME, want_ME, rtol=0, atol=1e-6)
+
+
+def test_stock_path_one_log_point(tmp_path, capsys):
+    """The stock experts path records no counts: `dropped` is null, not 0. A single log
+    point still draws a visible load heatmap, without matplotlib warnings."""
+    import warnings
+
+    import matplotlib.image
+
+    run = tmp_path / "stock"
+    extra = ("model.implementation=stock", "train.steps=1", "log.every=1", "log.tensorboard=false")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", "--run-dir", str(run), *tiny_args(*extra)]) == 0
+    assert not [w for w in caught if "lim" in str(w.message)], [str(w.message) for w in caught]
+    recs = records(run)
+    assert recs[1]["dropped"] is None and "tokens_per_expert" in recs[1]  # router-implied counts
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["dropped"] is None
+    assert "dropped: not measured" in capsys.readouterr().out
+    img = matplotlib.image.imread(run / "expert_load.png")[..., :3]
+    assert len({tuple(px) for px in img.reshape(-1, 3)[::7].tolist()}) > 50  # not blank
+
+
+def test_header_and_summary_say_what_they_count(tiny_run, tmp_path, capsys):
+    half = tmp_path / "half"
+    shutil.copytree(tiny_run, half)
+    shutil.rmtree(half / "checkpoints" / "step_00000008")
+    assert main(["train", "--run-dir", str(half), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3MoeForCausalLM" in out and "1 process on cpu" in out
+    assert "MFU against a peak of" in out and "(training steps since the last log)" in out
+    summary = json.loads((half / "summary.json").read_text())
+    assert 0 < summary["tokens_per_s_wall"] < summary["tokens_per_s"]  # wall counts evaluations
+
+
+def test_cli_debug_and_bench_help(tmp_path, capsys):
+    bad = ["train", "--run-dir", str(tmp_path / "r"), "--set", "train.stepz=1"]
+    assert main(bad) == 2 and "Traceback" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="did you mean 'train.steps'"):
+        main(["--debug", *bad])
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "ep" in capsys.readouterr().out.split()
+
+
+def test_converted_files_have_the_usual_mode(tiny_run, tmp_path):
+    import os
+
+    out = tmp_path / "hf"
+    assert main(["convert", str(tiny_run), str(out)]) == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f.name

@@ -16,6 +16,10 @@ BENCHES = {
         "one MoE layer fwd+bwd vs the dense bound and Hugging Face v5",
     ),
     "e2e": ("dropless.bench.e2e", "a Qwen3-MoE training step: stock Transformers v5 vs patched"),
+    "lora": (
+        "dropless.bench.lora",
+        "a LoRA fine-tuning step: stock PEFT vs PEFT + dropless.patch(), full fine-tuning",
+    ),
     "memory": (
         "dropless.bench.memory",
         "peak step memory per token at long sequences: stock vs the long-sequence recipe",

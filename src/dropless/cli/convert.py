@@ -16,13 +16,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "out_dir",
         help="new directory for the Hugging Face model (config.json, model.safetensors, tokenizer)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: fold the adapters into the base weights and write the merged model",
+    )
 
 
 def run(args) -> int:
     from ..train.generate import convert
 
     try:
-        out = convert(args.checkpoint, args.out_dir)
+        out = convert(args.checkpoint, args.out_dir, merge=args.merge)
     except ValueError as e:
         print(f"dropless convert: error: {e}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -16,38 +17,89 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.steps=100 (repeatable)",
+        help='override a config key, e.g. --set train.steps=100 or --set \'x.y=["a", "b"]\' (repeatable)',
     )
     p.add_argument(
         "--run-dir",
         default=None,
-        help="where checkpoints, metrics and plots go (default: runs/<timestamp>)",
+        help="where checkpoints, metrics and plots go (default: a new runs/<timestamp>)",
     )
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --run-dir from its last checkpoint",
+        help="continue the run in --run-dir (default: the newest under ./runs) from its last "
+        "complete checkpoint, with that run's config unless CONFIG is given",
     )
 
 
-def run(args) -> int:
+def _resumed_config(run_dir: str) -> str | None:
+    """The config a bare --resume continues with: the run's last resolved config (written
+    once a start or resume got past loading), else the newest checkpoint's copy."""
     from pathlib import Path
 
-    from ..train import load_config
-    from ..train.trainer import train
+    from ..train import checkpoint as ckpt
 
-    config = args.config
-    if (
-        config is None
-        and args.resume
-        and args.run_dir
-        and (Path(args.run_dir) / "config.toml").is_file()
-    ):
-        config = str(Path(args.run_dir) / "config.toml")  # a resumed run keeps its config
+    ck = ckpt.latest_checkpoint(run_dir, verify=False)
+    for f in [Path(run_dir) / "config.toml"] + ([ck / "config.toml"] if ck else []):
+        if f.is_file():
+            return str(f)
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        where = f" ({e.filename})" if e.filename else ""
+        return (
+            f"{e.strerror}{where}; check free space and permissions of the run directory, then --resume "
+            "(the last complete checkpoint is kept)"
+        )
+    if type(e).__name__ == "CheckpointException":
+        failures = getattr(e, "failures", None) or {}
+        causes = [f"{type(exc).__name__}: {exc}" for exc, _ in failures.values()]
+        first = (causes[0] if causes else str(e)).strip().splitlines()[0]
+        return (
+            f"the checkpoint could not be read or written ({first[:200]}); check the run directory's disk "
+            "and files, or resume from an earlier checkpoints/step_* (dropless --debug train ... shows the traceback)"
+        )
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _say(text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the same message
+        print(text, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from torch.distributed.checkpoint import CheckpointException
+
+    from ..train import trainer
+    from ..train.config import load_config
+    from ..train.errors import TrainingStopped
+    from ..train.setup import latest_run
+
     try:
+        config, run_dir = args.config, args.run_dir
+        if args.resume and config is None:  # a resumed run keeps its own config
+            run_dir = run_dir or str(latest_run())
+            config = _resumed_config(run_dir)
         cfg = load_config(config, args.overrides)
-        train(cfg, run_dir=args.run_dir, resume=args.resume)
-    except ValueError as e:
-        print(f"dropless train: error: {e}", file=sys.stderr)
+        trainer.train(cfg, run_dir=run_dir, resume=args.resume)
+    except TrainingStopped as e:
+        if getattr(args, "debug", False):
+            raise
+        _say(f"dropless train: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        if getattr(args, "debug", False):
+            raise
+        _say(
+            "dropless train: interrupted at once (Ctrl-C outside a step, or a second one); the steps "
+            "since the last complete checkpoint are lost; --resume continues from that checkpoint"
+        )
+        return 130
+    except (ValueError, OSError, CheckpointException) as e:
+        if getattr(args, "debug", False):
+            raise
+        _say(f"dropless train: error: {_one_line(e)}")
         return 2
     return 0

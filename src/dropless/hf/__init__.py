@@ -25,6 +25,7 @@ from .experts import (
     register_experts_hook,
 )
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
+from .lora import DroplessLoRAFallbackWarning
 from .patching import (
     IMPLEMENTATION,
     is_patched,
@@ -46,6 +47,7 @@ __all__ = [
     "SUPPORTED_RANGE",
     "DroplessFallbackWarning",
     "DroplessGenericGateWarning",
+    "DroplessLoRAFallbackWarning",
     "ExpertsSpec",
     "MoELayer",
     "ModuleRecord",

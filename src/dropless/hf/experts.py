@@ -31,11 +31,19 @@ from torch import nn
 from ..ops import (
     ActivationConfig,
     expert_mlp,
+    get_recipe,
     grouped_gemm,
     grouped_mlp,
     permute,
     sort_by_expert,
     unpermute,
+)
+from .lora import (
+    DroplessLoRAFallbackWarning,
+    attached_lowrank,
+    experts_weights,
+    folded_weights,
+    raw_weight,
 )
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
@@ -140,7 +148,8 @@ def _missing_weights(module: nn.Module) -> list[str]:
     names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
     if module.has_bias:
         names += [names[0] + "_bias", "down_proj_bias"]
-    return [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
+    # raw: reading a weight PEFT parametrizes would run its LoRA fold
+    return [n for n in names if raw_weight(module, n) is None]
 
 
 def _spec(module: nn.Module) -> ExpertsSpec | str:
@@ -195,11 +204,26 @@ def register_experts_hook(fn) -> _HookHandle:
 
 
 def _weights(module: nn.Module, spec: ExpertsSpec):
+    """(w1, w2, b1, b2, lora): the base weights and PEFT's LoRA factors when the fused
+    path can run them, else the weights as read (PEFT folds its update into them)."""
     first = "gate_up_proj" if spec.gated else "up_proj"
-    w1, w2 = getattr(module, first), module.down_proj
+    w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
+    if lora is None and not reason:
+        lora = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
+    if lora is not None and (spec.path != "fused" or spec.post_norm or get_recipe() is not None):
+        where = (
+            "under a low-precision recipe"
+            if get_recipe() is not None
+            else f"on the {spec.path} path"
+        )
+        reason = f"LoRA factors run in the fused expert MLP only, not {where}"
+        w1, w2 = folded_weights(module, (first, "down_proj"))
+        lora = None
+    if reason:
+        _warn_once(DroplessLoRAFallbackWarning, spec.family, f"run PEFT's own LoRA fold: {reason}.")
     if not spec.has_bias:
-        return w1, w2, None, None
-    return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias
+        return w1, w2, None, None, lora
+    return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias, lora
 
 
 def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
@@ -236,7 +260,7 @@ def dropless_experts_forward(
     if _HOOKS:
         for hook in list(_HOOKS.values()):
             hook(self, top_k_index, top_k_weights)
-    w1, w2, b1, b2 = _weights(self, spec)
+    w1, w2, b1, b2, lora = _weights(self, spec)
     x_TD = hidden_states.to(w1.dtype)
     ids_TK, keep_TK = top_k_index.long(), None
     if getattr(self, "_is_expert_parallel", False):
@@ -245,7 +269,7 @@ def dropless_experts_forward(
     if spec.path == "fused" and not spec.post_norm:
         out_TD, sp = expert_mlp(
             x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
-            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w,
+            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w, lora=lora,
         )  # fmt: skip
     else:
         if spec.path == "generic":

@@ -65,7 +65,10 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     for name, mod in modules.items():
         if not is_experts_module(mod):
             continue
-        block_name = name.rpartition(".")[0]
+        owner = name
+        while owner.endswith(".base_layer"):  # PEFT wraps it (LoRA on its weights)
+            owner = owner[: -len(".base_layer")]
+        block_name = owner.rpartition(".")[0]
         block = modules[block_name] if block_name else model
         attr, router = _find_router(block)
         router_name = None if attr is None else (f"{block_name}.{attr}" if block_name else attr)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..ops.expert_mlp import grouped_mlp
 from ..parallel.experts import PARAM_NAMES, _local
+from .lora import LORA_PARAMS, attached_lowrank
 
 
 class _LocalExperts:
@@ -42,6 +43,7 @@ class _LocalExperts:
             down_bias=_local(m.down_proj_bias) if s.has_bias else None,
             activation=s.activation,
             trans_w=s.trans_w,
+            lora=attached_lowrank(m),  # this rank's shards of the module's own factors
         )
 
 
@@ -95,7 +97,7 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         if E % P:
             raise ValueError(f"{layer.name}: num_experts={E} is not divisible by parallel.ep={P}")
         L = E // P
-        for name in PARAM_NAMES:
+        for name in (*PARAM_NAMES, *LORA_PARAMS):  # LoRA factors shard with their experts
             p = getattr(m, name, None)
             if not isinstance(p, nn.Parameter):
                 continue

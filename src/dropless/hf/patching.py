@@ -25,6 +25,7 @@ from ._compat import require_transformers
 from .experts import dropless_experts_forward
 from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import moe_layers
+from .lora import install_lean_activation, uninstall_lean_activation
 from .replay import install_routing_replay, remove_routing_replay
 from .report import PatchReport, model_report
 from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
@@ -53,6 +54,7 @@ def _register() -> None:
     # the public registration point: ALL_EXPERTS_FUNCTIONS[name] = fn, undone with del
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+    install_lean_activation()  # PEFT imported already: its LoRA on our experts never folds
     if _state["registered"]:
         return
     had = IMPLEMENTATION in ALL_EXPERTS_FUNCTIONS
@@ -323,4 +325,5 @@ def unpatch() -> None:
         unpatch_model(model)
     _uninstall_default()
     _unregister()
+    uninstall_lean_activation()
     _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}

@@ -18,6 +18,7 @@ from .dispatch import (
 from .expert_mlp import expert_mlp, grouped_mlp
 from .grouped_gemm import grouped_gemm
 from .linear_cross_entropy import linear_cross_entropy
+from .lora import LowRank
 from .losses import (
     load_balancing_loss,
     load_balancing_loss_global,
@@ -34,6 +35,7 @@ from .swiglu import swiglu
 __all__ = [
     "ActivationConfig",
     "GemmBackend",
+    "LowRank",
     "RoutingConfig",
     "SortedPairs",
     "capacity_keep_mask",

@@ -19,6 +19,7 @@ import torch
 from .dispatch import get_recipe, pick_gemm_backend, recipe_mlp
 from .fused_mlp import fused_mlp, pick_mlp_path
 from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
+from .lora import LowRank
 from .permute import SortedPairs, permute, sort_by_expert, unpermute
 from .specs import ActivationConfig, as_activation
 from .swiglu import check_supported, swiglu
@@ -47,6 +48,15 @@ def _composed_mlp(
         b_SD = _expand_bias(down_bias, counts)
         y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
     return y
+
+
+def _check_no_recipe(recipe, lora) -> None:
+    if recipe is not None and lora is not None:
+        raise ValueError(
+            "low-rank (LoRA) factors run at full precision only, but a low-precision recipe "
+            f"({getattr(recipe, 'kind', recipe)!r}) is active: call outside dropless.autocast, "
+            "or fold the update into the weights first"
+        )
 
 
 def _device_offsets_ok(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> bool:
@@ -82,6 +92,7 @@ def grouped_mlp(
     alpha: float | None = None,
     limit: float | None = None,
     backend: str | None = None,
+    lora: tuple[LowRank | None, LowRank | None] | None = None,
 ) -> torch.Tensor:
     """Expert MLP on rows sorted by expert (`counts` rows each), scaled by prob_S.
 
@@ -91,6 +102,8 @@ def grouped_mlp(
     counts: host list, or a device tensor (kept on the device, no sync, when the
     grouped_mm backend runs these operands). activation: an ActivationConfig (default
     swiglu), or a kind name with the `interleaved`, `alpha`, `limit` keywords.
+    lora: optional low-rank updates (gate_up, down), each a `LowRank` or None: computed
+    as thin GEMMs beside the base ones, never folded into the weights (full precision only).
     """
     kw = dict(
         gate_up_bias=gate_up_bias,
@@ -104,6 +117,7 @@ def grouped_mlp(
     )
     _activation(kw)
     recipe = get_recipe()
+    _check_no_recipe(recipe, lora)
     if recipe is not None:
         counts = _check_counts(x_SD, gate_up, counts)
         fused = recipe_mlp(recipe)
@@ -128,7 +142,7 @@ def grouped_mlp(
             )
     else:
         counts = _check_counts(x_SD, gate_up, counts)
-    return fused_mlp(x_SD, prob_S, gate_up, down, counts, path=path, **kw)
+    return fused_mlp(x_SD, prob_S, gate_up, down, counts, path=path, lora=lora, **kw)
 
 
 def expert_mlp(
@@ -147,13 +161,15 @@ def expert_mlp(
     grouped_mm path without keep_TK (CUDA, or under torch.compile) nothing is read
     on the host and the returned SortedPairs has `counts=None`; elsewhere the counts
     are read on the host once, in `sort_by_expert`. `mlp_kwargs` are those of
-    `grouped_mlp` (biases, activation, trans_w, backend).
+    `grouped_mlp` (biases, activation, trans_w, backend, lora).
     """
     num_experts = gate_up.shape[0]
     backend = mlp_kwargs.get("backend")
     mlp_kwargs = dict(mlp_kwargs)
     _activation(mlp_kwargs)
+    lora = mlp_kwargs.pop("lora", None)  # only the fused Functions take it
     recipe = get_recipe()
+    _check_no_recipe(recipe, lora)
     fused = recipe_mlp(recipe) if recipe is not None else None
     if fused is not None and getattr(fused, "takes_tokens", False):
         # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
@@ -185,7 +201,7 @@ def expert_mlp(
         # the host-count paths run eagerly: one graph break around sort + MLP (see
         # docs/performance.md) instead of a graph specialised on every routing
         return _expert_mlp_eager(
-            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, **mlp_kwargs
+            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, lora=lora, **mlp_kwargs
         )
     sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=not sync_free)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
@@ -200,6 +216,7 @@ def expert_mlp(
         slot_TK=sp.slot_TK,
         num_out=x_TD.shape[0],
         path=path,
+        lora=lora,
         **mlp_kwargs,
     )
     return out_TD, sp

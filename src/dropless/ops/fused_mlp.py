@@ -29,6 +29,10 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
 Both handle biases (the down bias is scaled by the prob), `activation="gpt_oss"`,
 interleaved gate/up, `trans_w=False` and dropped pairs (capacity mode: the caller's
 SortedPairs leave them out). Low-precision recipes never come here (see expert_mlp.py).
+
+Both take optional low-rank (LoRA) factors for either projection (`lora.py`): the update
+runs as two thin GEMMs per expert beside the base GEMM, saves the [S, r] intermediate
+and computes gradients for the factors only when the base weights need none.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs
@@ -39,6 +43,15 @@ import torch
 
 from .dispatch import pick_gemm_backend
 from .loop_mlp import _LoopMLP
+from .lora import (
+    LowRank,
+    _lora_inputs,
+    _lowranks,
+    check_lowrank,
+    grouped_lowrank_bwd,
+    grouped_lowrank_dx,
+    grouped_lowrank_fwd,
+)
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts
 from .row_ops import pick_row_ops
 from .specs import ActivationConfig, as_activation
@@ -63,12 +76,27 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, backend
+        ctx,
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gu_bias,
+        d_bias,
+        token_S,
+        slot_TK,
+        counts,
+        cfg,
+        backend,
+        *lora,
     ):
         act, trans_w, num_out = cfg
+        lr1, lr2 = _lowranks(lora)
         be = pick_gemm_backend(backend, x, gate_up, down)
         rk = pick_row_ops(x)
-        glu = act.gated and act.kind in ACTIVATIONS  # the kinds the row ops compute
+        # the kinds the row ops compute; a down-projection update needs the eager
+        # activation backward (its gradient joins before the activation's)
+        glu = act.gated and act.kind in ACTIVATIONS and lr2 is None
         rk_act = pick_row_ops(x, activation=act.kind) if glu else None
         if isinstance(counts, torch.Tensor) and not be.device_counts:
             counts = counts.tolist()  # host sync: this backend needs the bounds on the host
@@ -85,6 +113,7 @@ class _GroupedMLP(torch.autograd.Function):
             )
             rows_E = _expert_of_row(counts_E, S)
         h = be.mm(x_SD, gate_up, counts, trans_w)
+        u1 = grouped_lowrank_fwd(be, x_SD, lr1, counts, h) if lr1 is not None else None
         del x_SD  # recomputed in backward
         if gu_bias is not None:
             h += gu_bias.index_select(0, rows_E)
@@ -93,47 +122,62 @@ class _GroupedMLP(torch.autograd.Function):
         else:
             a = _act_fwd(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
+        u2 = grouped_lowrank_fwd(be, a, lr2, counts, y) if lr2 is not None else None
         del a
         if d_bias is not None:
             b_SD = d_bias.index_select(0, rows_E)
             y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
         out = rk.gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(
-            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E
-        )
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E, u1, u2,
+            *lora[:4],
+        )  # fmt: skip
         ctx.counts, ctx.cfg, ctx.be, ctx.rk, ctx.rk_act = counts, cfg, be, rk, rk_act
+        ctx.lora_scales = lora[4:]
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = saved[:10]
+        u1, u2, *ABAB = saved[10:]
+        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
         act, trans_w, _ = ctx.cfg
         be, rk, counts, need = ctx.be, ctx.rk, ctx.counts, ctx.needs_input_grad
         E = gate_up.shape[0]
         g_out = g_out.contiguous()
         gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
-        gx = gp = ggu = gd = ggb = gdb = None
+        gx = gp = ggu = gd = ggb = gdb = g1a = g1b = g2a = g2b = None
         if d_bias is not None and need[5]:
             p = None if prob_S is None else prob_S.unsqueeze(1)
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
         if ctx.rk_act is not None:
             dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need)
         else:
-            dh, gp, gd = _act_backward_eager(ctx, gy, h, prob_S, down, counts, need)
+            dh, gp, gd, g2a, g2b = _act_backward_eager(
+                ctx, gy, h, prob_S, down, counts, need, lr2, u2
+            )
         if gp is not None and d_bias is not None:
             gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
         if gu_bias is not None and need[4]:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
-        if need[2]:
+        if need[2] or lr1 is not None:
             x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
+        if need[2]:
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
+        if lr1 is not None:
+            gu1, g1a, g1b = grouped_lowrank_bwd(be, dh, x_SD, u1, lr1, counts, need[11], need[12])
+        if need[2] or lr1 is not None:
             del x_SD
         if need[0]:
             dx = be.mm(dh, gate_up, counts, not trans_w)
+            if lr1 is not None:
+                grouped_lowrank_dx(be, gu1, lr1, counts, dx)
             gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
         if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
             raise AssertionError("wgrad returned the wrong number of groups")
-        return gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None
+        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None)
+        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
 
 
 def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
@@ -153,24 +197,31 @@ def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
     return dh, gp, gd
 
 
-def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need):
+def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=None):
+    """(dh, d prob, d down, dA, dB of the down projection's low-rank update)."""
     act, trans_w, _ = ctx.cfg
     be = ctx.be
     p = None if prob_S is None else prob_S.unsqueeze(1)
     a0, d_gate, d_up = _act_parts(h, act)
-    gd = gp = None
-    if need[3]:
+    gd = gp = g2a = g2b = None
+    if need[3] or lr2 is not None:
         ap = a0 if p is None else a0 * p
+    if need[3]:
         gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
-        del ap
     da = be.mm(gy, down, counts, not trans_w)
+    if lr2 is not None:
+        gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need[13], need[14])
+        grouped_lowrank_dx(be, gu2, lr2, counts, da)
+        del gu2
+    if need[3] or lr2 is not None:
+        del ap
     if p is not None and need[1]:
         gp = (da * a0).sum(1)
     del a0
     if p is not None:
         da.mul_(p)
     dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
-    return dh, gp, gd
+    return dh, gp, gd, g2a, g2b
 
 
 # --- entry point ----------------------------------------------------------------------
@@ -213,6 +264,7 @@ def fused_mlp(
     limit: float | None = None,
     path: str = "loop",
     backend: str | None = None,
+    lora: tuple[LowRank | None, LowRank | None] | None = None,
 ) -> torch.Tensor:
     """The fused expert MLP (internal; callers use `expert_mlp` / `grouped_mlp`).
 
@@ -220,6 +272,8 @@ def fused_mlp(
     out [num_out, D]; without, x is x_SD (sorted rows) and the result is y_SD.
     counts: host list (required by path "loop") or device tensor (path "grouped").
     `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
+    `lora`: optional low-rank updates (gate_up, down) of the projections, each a
+    `LowRank` or None (see `lora.py`).
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
@@ -227,13 +281,30 @@ def fused_mlp(
         as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
     )
     cfg = (act, bool(trans_w), num_out)
+    extra = _checked_lora(lora, gate_up, down, trans_w)
     if path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
         return _LoopMLP.apply(
-            x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg
+            x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg, *extra
         )
     be = None if backend in (None, "auto", "loop") else backend
     return _GroupedMLP.apply(
-        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be
+        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be, *extra
     )
+
+
+def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
+    if lora is None:
+        return ()
+    if not isinstance(lora, (tuple, list)) or len(lora) != 2:
+        raise TypeError(
+            "lora must be a pair (gate_up update, down update), each a LowRank or None; "
+            f"got {type(lora).__name__}"
+        )
+    E = gate_up.shape[0]
+    n1_out, n1_in = gate_up.shape[1:] if trans_w else gate_up.shape[:0:-1]
+    n2_out, n2_in = down.shape[1:] if trans_w else down.shape[:0:-1]
+    check_lowrank(lora[0], E, n1_in, n1_out, "gate_up")
+    check_lowrank(lora[1], E, n2_in, n2_out, "down")
+    return _lora_inputs(lora)

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .expert_threads import run_experts
+from .lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
@@ -58,8 +59,9 @@ class _LoopMLP(torch.autograd.Function):
     """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
 
     @staticmethod
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg):
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
         act, trans_w, num_out = cfg
+        lr1, lr2 = _lowranks(lora)
         S, D = int(sum(counts)), x.shape[1]
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
         F = N // 2 if act.gated else N
@@ -67,6 +69,8 @@ class _LoopMLP(torch.autograd.Function):
         gathered = token_S is not None
         h_S2F = x.new_empty(S, N)
         out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
+        u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
+        u2_SR = x.new_empty(S, lr2.rank) if lr2 is not None else None
 
         def scratch():
             return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
@@ -76,11 +80,15 @@ class _LoopMLP(torch.autograd.Function):
             n = hi - lo
             xe = torch.index_select(x, 0, token_S[lo:hi], out=s["x"][:n]) if gathered else x[lo:hi]
             he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
+            if lr1 is not None:
+                lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, u1_SR[lo:hi])
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
             a = _act_fwd(he, p, act, out=s["a"][:n])
             ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if gathered else out[lo:hi])
+            if lr2 is not None:
+                lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, u2_SR[lo:hi])
             if d_bias is not None:
                 ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
 
@@ -96,14 +104,20 @@ class _LoopMLP(torch.autograd.Function):
             commit=commit if gathered else None,
             new_out=lambda: x.new_empty(nmax, D),
         )
-        ctx.save_for_backward(x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F)
-        ctx.counts, ctx.cfg = counts, cfg
+        ctx.save_for_backward(
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *lora[:4]
+        )
+        ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F = ctx.saved_tensors
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *ABAB = (
+            ctx.saved_tensors
+        )
         act, trans_w, _ = ctx.cfg
+        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
+        ABAB = ABAB or (None,) * 4
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
@@ -121,6 +135,10 @@ class _LoopMLP(torch.autograd.Function):
         gd = _empty_grad(down, counts) if need[3] else None
         ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
         gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
+        g1a, g1b, g2a, g2b = (
+            _empty_grad(t, counts) if t is not None and need[9 + i] else None
+            for i, t in enumerate(ABAB)
+        )
 
         def scratch():
             def rows(k):
@@ -143,13 +161,20 @@ class _LoopMLP(torch.autograd.Function):
             p = None if prob_S is None else prob_S[lo:hi]
             act_bufs = [b[:n] for b in s["act"]]
             a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act, act_bufs)
-            if gd is not None:
+            if gd is not None or g2a is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
+            if gd is not None:
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
                 torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
             if gdb is not None:
                 torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
             da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
+            if lr2 is not None:
+                xa = ap if g2a is not None else None
+                gu = lowrank_bwd(
+                    gy, xa, u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(g2a, e), _at(g2b, e)
+                )
+                da.addmm_(gu, lr2.a_ERI[e])
             if gp is not None:
                 gpe = gp[lo:hi]
                 torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
@@ -160,12 +185,20 @@ class _LoopMLP(torch.autograd.Function):
             dh = _act_bwd(da, d_gate, d_up, act.interleaved, s["dh"][:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
-            if ggu is not None:
+            if ggu is not None or g1a is not None:
                 xe = torch.index_select(x, 0, idx, out=s["rows"][:n]) if gathered else x[lo:hi]
+            if ggu is not None:
                 torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
+            if lr1 is not None:
+                xa = xe if g1a is not None else None
+                gu = lowrank_bwd(
+                    dh, xa, u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(g1a, e), _at(g1b, e)
+                )
             if gx is not None:
                 w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
-                torch.mm(dh, w_in, out=dx_buf[:n] if gathered else gx[lo:hi])
+                dx = torch.mm(dh, w_in, out=dx_buf[:n] if gathered else gx[lo:hi])
+                if lr1 is not None:
+                    dx.addmm_(gu, lr1.a_ERI[e])
 
         def commit(item, dx_buf):
             _, lo, hi = item
@@ -179,4 +212,5 @@ class _LoopMLP(torch.autograd.Function):
             commit=commit if gathered and gx is not None else None,
             new_out=lambda: x.new_empty(nmax, D),
         )
-        return gx, gp, ggu, gd, ggb, gdb, None, None, None
+        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None)
+        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())

@@ -258,3 +258,13 @@ def rms_norm_reference(
     s = x if residual is None else x + residual
     y = F.rms_norm(s, (s.shape[-1],), weight_D, eps)
     return y if residual is None else (y, s)
+
+
+def lowrank_fold_reference(
+    w_E: torch.Tensor, a_ERI: torch.Tensor, b_EOR: torch.Tensor, scale: float, trans_w: bool = True
+) -> torch.Tensor:
+    """An expert weight with its low-rank (LoRA) update folded in, in its storage layout:
+    W + scale * B_e A_e ([E, out, in] when trans_w, else [E, in, out]). Running the plain
+    expert MLP on the folded weights is the definition of the low-rank path."""
+    delta = torch.einsum("eor,eri->eoi", b_EOR, a_ERI) * scale
+    return w_E + (delta if trans_w else delta.transpose(1, 2))

@@ -13,8 +13,9 @@ from .config import Config, dump_config, known_keys, load_config
 __all__ = ["Config", "dump_config", "known_keys", "load_config", "train"]
 
 
-def train(cfg: Config, run_dir: str | None = None, resume: bool = False) -> dict:
-    """Run a training job (see `dropless.train.trainer.train`); returns the summary dict."""
+def train(cfg: Config, run_dir: str | None = None, resume: bool = False, hooks=None) -> dict:
+    """Run a training job (see `dropless.train.trainer.train`); returns the summary dict.
+    `hooks`: a `dropless.train.hooks.TrainHooks` called at fixed points of the run."""
     from .trainer import train as _train
 
-    return _train(cfg, run_dir=run_dir, resume=resume)
+    return _train(cfg, run_dir=run_dir, resume=resume, hooks=hooks)

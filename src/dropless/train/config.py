@@ -12,17 +12,36 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (dropless[train])
+    import tomli as tomllib
 
 RECIPES = ("none", "delayed", "current", "mxfp8")
 DTYPES = ("auto", "fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
+FINETUNE_METHODS = ("full", "lora")
+LORA_TARGETS = ("experts", "attention")
+LOSS_ON = ("completion", "all")
+# Transformers' attention registry ("eager" is built in)
+ATTENTION = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
+NONFINITE_POLICIES = ("stop", "skip")
+DECODE_ERRORS = ("strict", "replace")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
 
 
@@ -88,6 +107,7 @@ class ModelConfig:
             )
         _non_negative("model", vocab_size=self.vocab_size, init_std=self.init_std)
         _choice("model", "implementation", self.implementation, IMPLEMENTATIONS)
+        _choice("model", "attn_implementation", self.attn_implementation, ATTENTION)
 
 
 @dataclass
@@ -106,8 +126,12 @@ class DataConfig:
     tokenizer: str = "bpe"
     bpe_vocab_size: int = 2048
     reverse_complement: bool = False  # "dna": also train on each record's reverse complement
+    errors: str = "strict"  # .txt not UTF-8: "strict" reports it, "replace" decodes with U+FFFD
+    # supervised data (.jsonl with messages or prompt/completion): the tokens the loss covers
+    loss_on: str = "completion"
 
     def __post_init__(self):
+        _choice("data", "loss_on", self.loss_on, LOSS_ON)
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction={self.eval_fraction!r}: must be in (0, 1)")
         _non_negative("data", max_bytes=self.max_bytes)
@@ -125,6 +149,7 @@ class DataConfig:
                 f"data.reverse_complement=true needs data.tokenizer='dna' (got "
                 f"{self.tokenizer!r}): reverse complements exist only for nucleotide data"
             )
+        _choice("data", "errors", self.errors, DECODE_ERRORS)
 
 
 @dataclass
@@ -143,6 +168,8 @@ class TrainSection:
     activation_checkpointing: bool = False  # per decoder layer, with routing replay
     fused_cross_entropy: bool = True  # LM head + loss in chunks, never the full [T, V] logits
     fused_rmsnorm: bool = True  # RMSNorm on the Triton kernel for CUDA tensors (CPU: stock)
+    on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
+    max_skipped_steps: int = 5  # on_nonfinite="skip": stop after more than this many in a row
 
     def __post_init__(self):
         _positive(
@@ -158,7 +185,9 @@ class TrainSection:
             aux_loss_coef=self.aux_loss_coef,
             z_loss_coef=self.z_loss_coef,
             expert_bias_rate=self.expert_bias_rate,
+            max_skipped_steps=self.max_skipped_steps,
         )
+        _choice("train", "on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"
@@ -285,8 +314,13 @@ class ParallelConfig:
     ep: int = 1
     overlap_chunks: int = 1  # > 1: chunked all-to-all overlapped with expert compute
     dispatcher: str = "alltoall"  # the only one implemented ("deepep" is planned)
+    timeout_s: float = 1800.0  # collectives (and the wait for rank 0's data preparation)
 
     def __post_init__(self):
+        if isinstance(self.timeout_s, bool) or not self.timeout_s > 0:
+            raise ValueError(
+                f"parallel.timeout_s={self.timeout_s!r}: must be a number of seconds > 0"
+            )
         from ..parallel.mesh import ParallelConfig as Checked
 
         Checked(self.dp_replicate, self.dp_shard, self.ep, self.dispatcher, self.overlap_chunks)
@@ -321,6 +355,33 @@ class LogConfig:
 
 
 @dataclass
+class FinetuneConfig:
+    """How a checkpoint (model.path) is fine-tuned: every weight ("full") or LoRA adapters
+    ("lora": base frozen, only the adapters trained and checkpointed) on `lora_targets`
+    ("experts": the fused expert weights; "attention": the attention projections)."""
+
+    method: str = "full"
+    lora_rank: int = 16
+    lora_alpha: float = 0.0  # 0: 2 x lora_rank
+    lora_targets: list[str] = field(default_factory=lambda: ["experts", "attention"])
+
+    def __post_init__(self):
+        _choice("finetune", "method", self.method, FINETUNE_METHODS)
+        _positive("finetune", lora_rank=self.lora_rank)
+        _non_negative("finetune", lora_alpha=self.lora_alpha)
+        bad = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if bad or not self.lora_targets:
+            raise ValueError(
+                f"finetune.lora_targets={self.lora_targets!r}: give one or more of "
+                f"{', '.join(map(repr, LORA_TARGETS))}"
+            )
+
+    @property
+    def alpha(self) -> float:
+        return self.lora_alpha or 2.0 * self.lora_rank
+
+
+@dataclass
 class Config:
     """A whole run. Build one with `load_config` or `recipes.default()`."""
 
@@ -332,6 +393,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+
+    def __post_init__(self):
+        if self.finetune.method == "lora" and not self.model.path:
+            raise ValueError(
+                "finetune.method='lora' needs a checkpoint to adapt: set model.path=DIR "
+                "(a local Hugging Face directory)"
+            )
 
 
 def known_keys() -> list[str]:
@@ -353,34 +422,60 @@ def _unknown(key: str) -> ValueError:
     return ValueError(f"unknown config key {key!r}{hint}")
 
 
-def _coerce(key: str, value: Any, default: Any) -> Any:
-    """Convert a TOML or command-line value to the type of the field's default."""
-    kind = type(default)
-    if isinstance(value, str) and kind is not str:
-        text = value.strip()
-        if kind is bool:
-            if text.lower() in ("true", "1", "yes", "on"):
-                return True
-            if text.lower() in ("false", "0", "no", "off"):
-                return False
+def _field_types(section: type) -> dict[str, Any]:
+    return typing.get_type_hints(section)
+
+
+def _parse_cli(text: str) -> Any:
+    """A --set value: a TOML value (list, bool, number, quoted string) or, failing that,
+    the text itself (so `--set data.path=/a/b` needs no quotes)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _coerce_scalar(key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+            return False
+        if value in (0, 1) and not isinstance(value, float):
+            return bool(value)
+        if not isinstance(value, bool):
             raise ValueError(f"{key}={value!r}: expected true or false")
+        return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}={value!r}: expected a string, got {type(value).__name__}")
+        return value
+    if isinstance(value, str):
         try:
-            return kind(text)
+            value = float(value.strip())
         except ValueError:
-            pass
-        if kind is int:  # accept 1e5 or 100.0 for an int field when it is a whole number
-            try:
-                as_float = float(text)
-                if as_float.is_integer():
-                    return int(as_float)
-            except ValueError:
-                pass
-        raise ValueError(f"{key}={value!r}: expected a {kind.__name__}")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if kind is not type(value):
+            raise ValueError(f"{key}={value!r}: expected a {kind.__name__}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{key}={value!r}: expected a {kind.__name__}, got {type(value).__name__}")
-    return value
+    if not math.isfinite(value):
+        raise ValueError(f"{key}={value!r}: must be a finite number (not NaN or infinity)")
+    if kind is int:  # accept 1e5 or 100.0 for an int field when it is a whole number
+        if not float(value).is_integer():
+            raise ValueError(f"{key}={value!r}: expected a int")
+        return int(value)
+    return float(value)
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """Convert a TOML or command-line value to the field's type (scalars and lists)."""
+    if typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()] if item is str else [value]
+        if not isinstance(value, list):
+            raise ValueError(f"{key}={value!r}: expected a list, e.g. {key}=[...]")
+        return [_coerce_scalar(key, v, item) for v in value]
+    return _coerce_scalar(key, value, kind)
 
 
 def _apply(raw: dict[str, dict[str, Any]], key: str, value: Any) -> None:
@@ -392,7 +487,18 @@ def _apply(raw: dict[str, dict[str, Any]], key: str, value: Any) -> None:
         or name not in {f.name for f in dataclasses.fields(types_[section])}
     ):
         raise _unknown(key)
-    raw.setdefault(section, {})[name] = _coerce(key, value, getattr(types_[section](), name))
+    raw.setdefault(section, {})[name] = _coerce(key, value, _field_types(types_[section])[name])
+
+
+def _apply_cli(raw: dict[str, dict[str, Any]], key: str, text: str) -> None:
+    section, _, name = key.partition(".")
+    kind = (
+        _field_types(_section_types()[section]).get(name) if section in _section_types() else None
+    )
+    parsed = _parse_cli(text)
+    if kind is str and not isinstance(parsed, str):  # a path like 2024 or a name like true
+        parsed = text
+    _apply(raw, key, parsed)
 
 
 def load_config(
@@ -419,7 +525,7 @@ def load_config(
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.steps=100")
-        _apply(raw, key.strip(), value)
+        _apply_cli(raw, key.strip(), value.strip())
     types_ = _section_types()
     return Config(**{name: types_[name](**raw.get(name, {})) for name in types_})
 
@@ -428,22 +534,17 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def dump_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as TOML (every key, defaults included)."""
-    lines = [
-        "# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`"
-    ]
-    for section, table in config_to_dict(cfg).items():
-        lines.append(f"\n[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    try:
+        import tomli_w
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            "writing the run's config.toml needs tomli-w: pip install 'dropless[train]'"
+        ) from None
+    header = (
+        "# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`\n\n"
+    )
     p = Path(path)
-    p.write_text("\n".join(lines) + "\n")
+    p.write_text(header + tomli_w.dumps(config_to_dict(cfg)))
     return p

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import sysconfig
 import zlib
 from pathlib import Path
@@ -24,6 +26,7 @@ from .fasta import FASTA_SUFFIXES, is_fasta_path, read_fasta
 from .genomics import reverse_complement
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
+MIB = 1 << 20
 
 
 def _supported(p: Path) -> bool:
@@ -93,24 +96,59 @@ def _data_files(path: str, key: str) -> list[Path]:
     return files
 
 
-def _read_file(f: Path, text_field: str) -> list[str]:
-    if is_fasta_path(f):  # one document per record
-        return [r.sequence for r in read_fasta(f) if r.sequence]
-    if f.suffix == ".txt":
-        return [f.read_text(encoding="utf-8", errors="replace")]
-    if f.suffix == ".jsonl":
-        docs = []
-        with f.open(encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
+class _DecodeErrors:
+    """.txt files that are not valid UTF-8: counted, the first one named."""
+
+    def __init__(self, errors: str):
+        self.errors, self.count, self.first = errors, 0, None
+
+    def read(self, f: Path) -> str:
+        raw = f.read_bytes()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self.count += 1
+            self.first = self.first or f"{f} (byte {e.start})"
+            return raw.decode("utf-8", errors="replace")
+
+    def check(self, key: str) -> None:
+        if self.count and self.errors == "strict":
+            raise ValueError(
+                f"{key}: {self.count} .txt file(s) are not valid UTF-8 (first: {self.first}); convert them to UTF-8, "
+                "or set data.errors=replace to decode them with U+FFFD replacement characters"
+            )
+
+
+def _jsonl(f: Path, text_field: str) -> list[str]:
+    docs = []
+    with f.open("rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 row = json.loads(line)
-                if text_field not in row:
-                    raise ValueError(
-                        f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field"
-                    )
-                docs.append(str(row[text_field]))
-        return docs
+            except (UnicodeDecodeError, ValueError) as e:
+                raise ValueError(
+                    f"{f}:{n}: not a JSON line ({e}); fix or remove that line"
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{f}:{n}: expected a JSON object with a {text_field!r} field")
+            if text_field not in row:
+                raise ValueError(
+                    f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field"
+                )
+            docs.append(str(row[text_field]))
+    return docs
+
+
+def _read_file(f: Path, text_field: str, decode: _DecodeErrors) -> list[str]:
+    if is_fasta_path(f):  # one document per record
+        return [r.sequence for r in read_fasta(f) if r.sequence]
+    if f.suffix == ".txt":
+        return [decode.read(f)]
+    if f.suffix == ".jsonl":
+        return _jsonl(f, text_field)
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError:
@@ -124,17 +162,20 @@ def _read_file(f: Path, text_field: str) -> list[str]:
 
 
 def read_documents(
-    path: str, text_field: str, key: str = "data.path", max_bytes: int = 0
+    path: str, text_field: str, key: str = "data.path", max_bytes: int = 0, errors: str = "strict"
 ) -> list[str]:
-    """Documents of a .txt (one per file) / .jsonl / .parquet file or directory of them."""
+    """Documents of a .txt (one per file) / .jsonl / .parquet file or directory of them.
+    `errors`: "strict" refuses .txt files that are not UTF-8, "replace" decodes them lossily."""
     docs, size = [], 0
     files = _data_files(path, key)
+    decode = _DecodeErrors(errors)
     for f in files:
-        for d in _read_file(f, text_field):
+        for d in _read_file(f, text_field, decode):
             docs.append(d)
             size += len(d)
         if max_bytes and size >= max_bytes:
             break
+    decode.check(key)
     if size == 0:
         raise ValueError(
             f"{key}={path!r} holds no text (0 characters in {len(files)} file(s)); point it at non-empty data"
@@ -150,9 +191,10 @@ def load_corpus(cfg) -> tuple[list[str], list[str]]:
                 "data.eval_path is set but data.path is empty: give both, or neither for the embedded corpus"
             )
         return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes)
-    docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes)
+    errors = getattr(cfg, "errors", "strict")
+    docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes, errors=errors)
     if cfg.eval_path:
-        held = read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path")
+        held = read_documents(cfg.eval_path, cfg.text_field, key="data.eval_path", errors=errors)
         return _with_rc(cfg, docs), held
     if len(docs) < 20 and cfg.tokenizer == "dna":  # few long records: hold out each one's tail
         cuts = [int(len(d) * (1 - cfg.eval_fraction)) for d in docs]
@@ -186,35 +228,75 @@ def tokenize(tok, docs: list[str]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
 
 
-def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.ndarray]:
-    """Token streams (train, held-out), tokenized once and cached under `cache_dir`."""
-    key = json.dumps(
+def _fingerprint(f: Path) -> list:
+    """A file's identity for the token cache: size, mtime and a hash of its content
+    (all of it up to 2 MiB, else the first and last MiB)."""
+    st = f.stat()
+    h = hashlib.sha256()
+    with f.open("rb") as fh:
+        if st.st_size <= 2 * MIB:
+            h.update(fh.read())
+        else:
+            h.update(fh.read(MIB))
+            fh.seek(-MIB, 2)
+            h.update(fh.read(MIB))
+    return [str(f), st.st_size, st.st_mtime_ns, h.hexdigest()]
+
+
+def cache_key(cfg, tok) -> str:
+    """What the token cache depends on: settings, tokenizer and the data files' contents."""
+    files = []
+    for path, key in ((cfg.path, "data.path"), (cfg.eval_path, "data.eval_path")):
+        if path:
+            files += [_fingerprint(f) for f in _data_files(path, key)]
+    if not cfg.path:  # the embedded corpus: this Python's standard library
+        files.append([sysconfig.get_paths()["stdlib"], sys.version])
+    settings = (
+        "path",
+        "eval_path",
+        "text_field",
+        "eval_fraction",
+        "max_bytes",
+        "errors",
+        "reverse_complement",
+    )
+    return json.dumps(
         {
-            "data": {
-                k: getattr(cfg, k)
-                for k in (
-                    "path",
-                    "eval_path",
-                    "text_field",
-                    "eval_fraction",
-                    "max_bytes",
-                    "reverse_complement",
-                )  # fmt: skip
-            },
+            "data": {k: getattr(cfg, k, None) for k in settings},
             "tokenizer": cfg.tokenizer,
             "vocab": tok.vocab_size,
+            "files": files,
         },
         sort_keys=True,
     )
+
+
+def _save_npy(path: Path, a: np.ndarray) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        np.save(f, a)
+    os.replace(tmp, path)
+
+
+def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.ndarray]:
+    """Token streams (train, held-out), tokenized once and cached under `cache_dir`; each
+    file is replaced atomically and meta.json (the key) is written last."""
+    key = cache_key(cfg, tok)
     meta = cache_dir / "meta.json"
     if meta.is_file() and meta.read_text() == key:
-        return np.load(cache_dir / "train.npy"), np.load(cache_dir / "eval.npy")
+        try:
+            return np.load(cache_dir / "train.npy"), np.load(cache_dir / "eval.npy")
+        except (OSError, ValueError):
+            pass  # a damaged cache: tokenize again
     train_docs, held_docs = docs_fn()
     train, held = tokenize(tok, train_docs), tokenize(tok, held_docs)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    np.save(cache_dir / "train.npy", train)
-    np.save(cache_dir / "eval.npy", held)
-    meta.write_text(key)
+    meta.unlink(missing_ok=True)
+    _save_npy(cache_dir / "train.npy", train)
+    _save_npy(cache_dir / "eval.npy", held)
+    tmp = meta.with_name("meta.json.tmp")
+    tmp.write_text(key)
+    os.replace(tmp, meta)
     return train, held
 
 

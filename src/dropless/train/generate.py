@@ -49,7 +49,12 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
         seed=cfg.train.seed,
         device=device,
     )
-    ckpt.load_checkpoint(ck, model, restore_rng=False)
+    lora = cfg.finetune.method == "lora"
+    if lora:  # the checkpoint holds the adapters; the base comes from model.path
+        from .lora import apply_lora
+
+        model = apply_lora(model, cfg.finetune, cfg.model.path)
+    ckpt.load_checkpoint(ck, model, restore_rng=False, trainable_only=lora)
     model.eval()
     return cfg, tok, model, ck
 
@@ -88,11 +93,28 @@ def sample(
     return tok.decode(out)
 
 
-def convert(path: str | Path, out_dir: str | Path) -> Path:
-    """Write a training checkpoint as a Hugging Face `save_pretrained` directory."""
+def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
+    """Write a training checkpoint as a Hugging Face `save_pretrained` directory.
+
+    merge: for a LoRA run (finetune.method="lora"), fold the adapters into the weights
+    (PEFT's `merge_and_unload`) and write the merged stock model."""
     from .. import hf
 
     cfg, tok, model, ck = load_run(path)
+    lora = cfg.finetune.method == "lora"
+    if lora and not merge:
+        raise ValueError(
+            f"{str(path)!r} is a LoRA run: its checkpoints hold the adapters only. Pass --merge "
+            "to write the base model with the adapters folded in (the adapter alone, in PEFT's "
+            "format, is in the run's adapter/ directory)"
+        )
+    if merge and not lora:
+        raise ValueError(
+            f"--merge: {str(path)!r} is a full fine-tuning run (finetune.method='full'), there "
+            "is no adapter to merge; drop --merge"
+        )
+    if lora:
+        model = model.merge_and_unload()
     if cfg.train.expert_bias_rate > 0:
         print(
             "note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it"
@@ -117,4 +139,8 @@ def convert(path: str | Path, out_dir: str | Path) -> Path:
         (out / "TOKENIZER.txt").write_text(
             "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
         )
+    mode = ckpt.default_file_mode()
+    for f in out.iterdir():  # safetensors creates model.safetensors 0600; give the usual mode
+        if f.is_file():
+            f.chmod(mode)
     return out

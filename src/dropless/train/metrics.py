@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,10 +57,13 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory (VmHWM from /proc/self/status), MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -91,11 +95,7 @@ class MetricsWriter:
         if resume_step is None:
             self.path.write_text("")
         elif self.path.is_file():  # drop records past the checkpoint; they are redone
-            keep = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line and json.loads(line)["step"] <= resume_step
-            ]
+            keep = [json.dumps(r) for r in read_metrics(run_dir) if r["step"] <= resume_step]
             self.path.write_text("".join(x + "\n" for x in keep))
         self.tb = None
         if tensorboard:
@@ -132,10 +132,24 @@ class MetricsWriter:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl; a line that is not a JSON record (a write cut short
+    by a crash) is dropped with a warning."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or "step" not in rec:
+            warnings.warn(f"{path}:{n}: dropping a truncated or invalid metrics line", stacklevel=2)
+            continue
+        out.append(rec)
+    return out
 
 
 class Progress:

@@ -119,6 +119,16 @@ def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Mod
     return _switch_path(model, mcfg, expert_bias)
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing under the name the installed Transformers has
+    (`activation_checkpointing_enable`; the deprecated `gradient_checkpointing_enable` before)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def build_training_model(
     mcfg,
     config,
@@ -157,7 +167,7 @@ def build_training_model(
     else:
         model = build_model(mcfg, config, expert_bias=expert_bias, seed=seed, device=device)
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     if fused_rmsnorm:
         _hf().enable_fused_rmsnorm(model)
     par = parallelize_for_training(model, parallel_cfg, world)
@@ -178,21 +188,16 @@ def recipe_context(precision):
     """A factory of the context to run forward in for the `precision` section (the FP8
     hook): `precision.recipe` with the options of the section (`recipe_options()`).
 
-    "none" needs nothing; the others come from `dropless.quant` when it is installed and
-    are a clear error until then (checked at startup, before any long work). A bare
-    recipe name is accepted too (no options).
+    "none" needs nothing; the others are `dropless.quant` recipes, built once here (at
+    startup, before any long work) so a bad option is reported early. A bare recipe name
+    is accepted too (no options).
     """
     name = precision if isinstance(precision, str) else precision.recipe
     options = {} if isinstance(precision, str) else precision.recipe_options()
     if name == "none":
         return _nothing
-    try:
-        from ..quant import autocast, recipe_from_name
-    except ImportError:
-        raise ValueError(
-            f"precision.recipe={name!r} is not available yet in this version (it arrives with the FP8 "
-            "issue: dropless.quant.recipe_from_name); use precision.recipe=none"
-        ) from None
+    from ..quant import autocast, recipe_from_name
+
     try:
         recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
     except (TypeError, ValueError) as e:
@@ -214,12 +219,19 @@ class FlopCounter:
     dense_params: int
     expert_params: int
     attn_per_seq_l2: float  # multiply by L^2 per sequence
+    # LoRA: the frozen base gets no weight gradient, so backward is one forward's worth
+    # (input gradients only; the adapters' own FLOPs are left out): training = 2 * forward
+    frozen_base: bool = False
 
     @classmethod
     def from_model(cls, model: nn.Module) -> FlopCounter:
         layers = _hf().moe_layers(model)
         expert_mods = {id(layer.experts) for layer in layers}
-        dense = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        dense = sum(
+            m.weight.numel()
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".lora_" not in n  # LoRA factors: not dense layers
+        )
         dense += sum(
             layer.router.weight.numel()
             for layer in layers
@@ -237,4 +249,4 @@ class FlopCounter:
         tokens = sequences * seq_len
         fwd = 2.0 * tokens * self.dense_params + 2.0 * routed_pairs * self.expert_params
         fwd += sequences * self.attn_per_seq_l2 * seq_len * seq_len
-        return 3.0 * fwd
+        return (2.0 if self.frozen_base else 3.0) * fwd

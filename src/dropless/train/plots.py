@@ -77,6 +77,8 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
         layout="constrained",
     )
     vmax = max(2.0, float(load_NLE.max()))
+    # one column per logged step, centred on it (a single log point still gets a width)
+    half = (steps[-1] - steps[0]) / max(len(steps) - 1, 1) / 2 or 0.5
     im = None
     for i in range(nrows * cols):
         ax = axes[i // cols][i % cols]
@@ -84,7 +86,7 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
             ax.axis("off")
             continue
         im = ax.imshow(load_NLE[:, i, :].T, aspect="auto", cmap="magma", vmin=0, vmax=vmax, interpolation="nearest",
-                       extent=(steps[0], steps[-1], load_NLE.shape[2] - 0.5, -0.5))  # fmt: skip
+                       extent=(steps[0] - half, steps[-1] + half, load_NLE.shape[2] - 0.5, -0.5))  # fmt: skip
         ax.set_title(f"MoE layer {i}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("expert", fontsize=8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+from .run_log import rate
+
 
 def _fmt(v, spec: str) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
@@ -12,35 +14,47 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
-def finish_report(trainer, summary: dict, records: list[dict]) -> None:
+def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
     """Write plots and summary.json into the run directory and print the table (rank 0)."""
-    run_dir = trainer.run_dir
-    if trainer.cfg.log.plots:
+    if cfg.log.plots:
         from .plots import plot_expert_load, plot_losses
 
         summary["plot_loss"] = str(plot_losses(records, run_dir / "loss.png"))
         load = plot_expert_load(records, run_dir / "expert_load.png")
         summary["plot_expert_load"] = str(load) if load else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if trainer.cfg.log.progress == "none":
+    if cfg.log.progress == "none":
         return
     s = summary
     ratio = (
         s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
     )
+    dropped = (
+        "dropped: not measured (the experts path records no counts)"
+        if s.get("dropped") is None
+        else f"dropped {s['dropped']}"
+    )
+    skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
     rows = [
-        ("steps", f"{s['steps']}"),
+        ("steps", f"{s['steps']}{skipped}"),
         (
             "wall time",
             f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s; process CPU time {s['cpu_s']:.1f} s)",
         ),
         (
             "throughput",
-            f"{s['tokens_per_s']:,.0f} tokens/s, {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process",
+            f"{s['tokens_per_s']:,.0f} tokens/s in training steps ({s['tokens_per_s_wall']:,.0f} tokens/s counting "
+            f"evaluation and checkpoints), {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process",
         ),
         (
             "MFU",
-            f"{_fmt(s['mfu'], '.1%')} of {s['peak_tflops'] * 1e3:.1f} GFLOP/s ({s['peak_source']})",
+            f"{_fmt(s['mfu'], '.1%')} of {rate(s['peak_tflops'])} per process ({s['peak_source']}"
+            + (
+                "; the highest measured during the run"
+                if s["peak_source"].startswith("measured")
+                else ""
+            )
+            + ")",
         ),
         (
             "held-out bits/byte",
@@ -50,7 +64,7 @@ def finish_report(trainer, summary: dict, records: list[dict]) -> None:
             "loss",
             f"train {_fmt(s['final_loss'], '.4f')}, held-out {_fmt(s['final_eval_loss'], '.4f')} nats/token",
         ),
-        ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, dropped 0"),
+        ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, {dropped}"),
         ("peak memory", f"{s['peak_memory_mib']:,.0f} MiB"),
     ]
     paths = [

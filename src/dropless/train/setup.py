@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -14,6 +14,8 @@ from . import checkpoint as ckpt
 from .data import _data_files
 from .genomics import DNATokenizer
 from .model import check_compatible, hf_config, recipe_context
+from .resume import check_resume
+from .rundir import new_run_dir
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
 
 
@@ -31,8 +33,9 @@ class Env:
         return self.rank == 0
 
 
-def init_env() -> Env:
-    """Join the torchrun process group (gloo on CPU, NCCL on GPU) if there is one."""
+def init_env(timeout_s: float = 1800.0) -> Env:
+    """Join the torchrun process group (gloo on CPU, NCCL on GPU) if there is one; every
+    collective (the wait while rank 0 prepares the data included) is bounded by `timeout_s`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -41,7 +44,9 @@ def init_env() -> Env:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(
-            backend="nccl" if cuda else "gloo", device_id=device if cuda else None
+            backend="nccl" if cuda else "gloo",
+            device_id=device if cuda else None,
+            timeout=timedelta(seconds=timeout_s),
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Env(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device)
@@ -56,34 +61,53 @@ def broadcast(obj, env: Env):
     return box[0]
 
 
-def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
-    """The run directory: given, or (resume) the newest under runs/, or runs/<timestamp>."""
-    if run_dir is None and env.main:
-        if resume:
-            runs = sorted(
-                (p for p in Path("runs").glob("*") if ckpt.latest_checkpoint(p)),
-                key=lambda p: p.stat().st_mtime,
-            )
-            if not runs:
-                raise ValueError(
-                    "--resume without --run-dir: no run with a checkpoint under ./runs; pass --run-dir RUN_DIR"
-                )
-            run_dir = str(runs[-1])
-        else:
-            run_dir = time.strftime("runs/%Y%m%d-%H%M%S")
-    return Path(broadcast(run_dir, env))
+def rank0_only(fn, env: Env):
+    """`fn()` on rank 0 (None elsewhere); a user error (ValueError/OSError) there is raised
+    on every rank, so no process waits at a collective that never comes."""
+    result, err = None, None
+    if env.main:
+        try:
+            result = fn()
+        except (ValueError, OSError) as e:
+            err = e
+    msg = broadcast(None if err is None else str(err), env)
+    if err is not None:
+        raise err
+    if msg is not None:  # rank 0 failed: every rank stops with its message
+        raise ValueError(msg)
+    return result
 
 
-def check_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
+def on_rank0(fn, env: Env):
+    """`fn()` on rank 0, its result on every rank (see `rank0_only`)."""
+    return broadcast(rank0_only(fn, env), env)
+
+
+def rank0_first(fn, env: Env):
+    """`fn()` on rank 0, then (once it succeeded) on the other ranks, which read the cache
+    it filled. The wait is a collective bounded by parallel.timeout_s."""
+    result = rank0_only(fn, env)
+    return result if env.main else fn()
+
+
+def latest_run(root: str | Path = "runs") -> Path:
+    """The run under `root` whose newest checkpoint was written last."""
+    found = [
+        (p, ckpt.latest_checkpoint(p, verify=False)) for p in Path(root).glob("*") if p.is_dir()
+    ]
+    found = [(p, c) for p, c in found if c is not None]
+    if not found:
         raise ValueError(
-            f"the run directory {str(run_dir)!r} is not writable ({e.strerror}); pass --run-dir to a writable directory"
-        ) from None
+            f"--resume without --run-dir: no run with a checkpoint under ./{root}; pass --run-dir RUN_DIR"
+        )
+    return max(found, key=lambda pc: pc[1].stat().st_mtime)[0]
+
+
+def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
+    """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
+    if run_dir is None:
+        run_dir = on_rank0(lambda: str(latest_run() if resume else new_run_dir()), env)
+    return Path(run_dir)
 
 
 def tokenizer_vocab(cfg, run_dir: Path) -> int:
@@ -112,27 +136,33 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     recipe_context(cfg.precision)
     from ..parallel.mesh import resolve_sizes
 
+    resume_from = None
+    if resume:
+        resume_from = on_rank0(lambda: ckpt.latest_checkpoint(run_dir), env)
+        if resume_from is None:
+            raise ValueError(
+                f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
+            )
+        check_resume(cfg, resume_from, env.world)
+    elif ckpt.list_checkpoints(run_dir):
+        raise ValueError(
+            f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
+        )
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
+    if cfg.finetune.method == "lora" and env.world > 1:
+        raise ValueError(
+            f"finetune.method='lora' runs on one process in this version (got {env.world}); "
+            "run without torchrun, or use finetune.method='full'"
+        )
+    if cfg.finetune.method == "lora":
+        from .lora import require_peft
+
+        require_peft()
     per = env.world * cfg.train.grad_accum
     if cfg.train.batch_size % per:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} is not divisible by the number of processes ({env.world}) "
             f"x train.grad_accum ({cfg.train.grad_accum}); use a multiple of {per} (batch_size is the global batch)"
-        )
-    if env.main:
-        check_writable(run_dir)
-    if env.world > 1:
-        dist.barrier()
-    resume_from = None
-    if resume:
-        resume_from = ckpt.latest_checkpoint(run_dir)
-        if resume_from is None:
-            raise ValueError(
-                f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
-            )
-    elif ckpt.list_checkpoints(run_dir):
-        raise ValueError(
-            f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
         )
     if cfg.data.path:
         _data_files(cfg.data.path, "data.path")

@@ -9,6 +9,7 @@ be reported in bits per byte whatever the vocabulary.
 
 from __future__ import annotations
 
+import filecmp
 import shutil
 from collections.abc import Iterable
 from functools import lru_cache
@@ -161,9 +162,14 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | DNATo
 def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
     """The run's tokenizer: "bytes", "dna", "bpe" (trained on `texts()` once, then cached in
     `run_tok_dir`) or a directory to load (copied into `run_tok_dir`)."""
+    # a run that already saved its tokenizer (a resumed one) writes nothing here
     if spec == "bytes":
         tok = ByteTokenizer()
+        if (run_tok_dir / "bytes").is_file():
+            return tok
     elif spec == "dna":
+        if DNATokenizer.is_saved_in(run_tok_dir):
+            return DNATokenizer.from_dir(run_tok_dir)
         tok = DNATokenizer()
     elif spec == "bpe":
         if (run_tok_dir / TOKENIZER_FILE).is_file():
@@ -178,8 +184,10 @@ def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
         tok = HFTokenizer.from_dir(src)
         run_tok_dir.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
+            dst = run_tok_dir / f.name
             if f.is_file() and f.name.endswith((".json", ".txt", ".model")):
-                shutil.copy2(f, run_tok_dir / f.name)
+                if not (dst.is_file() and filecmp.cmp(f, dst, shallow=False)):
+                    shutil.copy2(f, dst)
         return tok
     tok.save(run_tok_dir)
     return tok

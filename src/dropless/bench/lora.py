@@ -1,0 +1,294 @@
+"""`dropless bench lora`: one LoRA fine-tuning step (forward + backward + AdamW on the
+adapters) of the pinned Qwen3-MoE config of `bench e2e`, PEFT LoRA r=16 on the experts
+(`target_parameters`) and the attention projections (`target_modules`):
+
+- `peft`: stock PEFT on stock Transformers v5 (`grouped_mm`, its default): PEFT folds
+  `W + s * B @ A` into each expert weight on every forward;
+- `peft_dropless`: the same PEFT code after `dropless.patch()`: the adapter runs as thin
+  grouped GEMMs inside dropless's expert Function, no fold, no base-weight gradient;
+- `full` / `full_dropless`: full fine-tuning (every weight trained) on stock / patched
+  Transformers, for reference.
+
+Protocol as `bench e2e`: each row in its own child process, the order rotating every
+round; timing children under the default allocator; peak step memory in separate
+children (mallopt so RSS follows live tensors). Every child starts from the same seed,
+so the first-step losses of the LoRA rows (and of the full rows) must agree.
+"""
+
+# B batch, L sequence length
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from .common import (
+    Recorder,
+    add_history_arguments,
+    add_section_argument,
+    load_sentence,
+    provenance,
+    replace_block,
+    run_child,
+    section_path,
+)
+from .e2e import QUICK, SHAPE, _build, _measure_memory
+
+IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
+DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
+TITLE = "## LoRA fine-tuning step: stock PEFT vs PEFT + `dropless.patch()`"
+RANK = 16
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each runs every row once (>= 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per child (default 2)")
+    p.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list from {','.join(IMPLS)}"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads in each child (default: torch's default, all cores)",
+    )  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    add_history_arguments(p)
+    add_section_argument(p, "lora")
+
+
+# --- the child ------------------------------------------------------------------------------
+
+
+def build_model(impl: str, shape: dict, rank: int = RANK):
+    """The row's model: PEFT-wrapped (LoRA rows) or plain (full rows), fp32, train mode."""
+    if impl.startswith("peft"):
+        import peft  # before patch(): dropless then registers PEFT's factors without a fold
+    model = _build("dropless" if impl.endswith("dropless") else "grouped_mm", shape)
+    if not impl.startswith("peft"):
+        return model
+
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_parameters=EXPERTS, target_modules=ATTENTION
+    )
+    return peft.get_peft_model(model, config)
+
+
+def child(args: dict) -> dict:
+    """One row in this process: mode "time" (default allocator) or "memory"."""
+    import torch
+
+    shape, impl = args["shape"], args["impl"]
+    if args.get("threads"):
+        torch.set_num_threads(int(args["threads"]))
+    model = build_model(impl, shape, args.get("rank", RANK))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(1)
+    ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+
+    def fwd_bwd() -> float:
+        loss = model(input_ids=ids_BL, labels=ids_BL).loss
+        loss.backward()
+        return float(loss.detach())
+
+    def opt_step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    first_loss = fwd_bwd()
+    opt_step()
+    out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
+    out["trainable"] = sum(p.numel() for p in params)
+    out["threads"] = torch.get_num_threads()
+    out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
+    if out["mode"] == "memory":
+        out.update(_measure_memory(fwd_bwd, opt_step))
+    else:
+        times = []
+        for _ in range(args["steps"]):
+            t0 = time.perf_counter()
+            fwd_bwd()
+            opt_step()
+            times.append(time.perf_counter() - t0)
+        out["step_s"] = statistics.median(times)
+        out["best_step_s"] = min(times)
+        out["tokens_per_s"] = shape["batch"] * shape["seq"] / out["step_s"]
+    if impl.endswith("dropless"):
+        import dropless.hf as dh
+
+        out["dropless_calls"] = sum(dh.CALLS.values())
+    return out
+
+
+# --- the parent -----------------------------------------------------------------------------
+
+_LABELS = {
+    "peft": "stock PEFT LoRA, HF v5 `grouped_mm`",
+    "peft_dropless": "PEFT LoRA + `dropless.patch()`",
+    "full": "full fine-tuning, HF v5 `grouped_mm`",
+    "full_dropless": "full fine-tuning + `dropless.patch()`",
+}
+
+
+def _check_args(args) -> list[str]:
+    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
+    if args.rounds < 1 or args.steps < 1 or args.rank < 1:
+        raise ValueError("--rounds, --steps and --rank must be >= 1 (--rounds >= 3 for a result)")
+    return impls
+
+
+def _table(rows: dict) -> str:
+    base = rows.get("peft")
+    lines = [
+        "| row | trainable params | tokens/s median (best) | step s | peak step MiB "
+        "| vs stock PEFT tokens/s | vs stock PEFT peak step memory | first loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for impl, r in rows.items():
+        speed = mem = "-"
+        if base:
+            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+            if r.get("peak_step_mib") is not None and base.get("peak_step_mib"):
+                mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x"
+        peak = r.get("peak_step_mib")
+        lines.append(
+            f"| {_LABELS[impl]} | {r['trainable']:,} | {r['tokens_per_s']:.0f} "
+            f"({r['best_tokens_per_s']:.0f}) | {r['step_s']:.2f} "
+            f"| {'-' if peak is None else f'{peak:.1f}'} | {speed} | {mem} | {r['first_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def _rounds(args, impls, shape) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {i: [] for i in impls}
+    common = {"shape": shape, "steps": args.steps, "rank": args.rank, "threads": args.threads}
+    for r in range(args.rounds):
+        for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
+            out = run_child("dropless.bench.lora", {**common, "impl": impl, "mode": "time"})
+            results[impl].append(out)
+            print(
+                f"round {r + 1}/{args.rounds} {impl:14s} {out['tokens_per_s']:8.0f} tokens/s "
+                f"loss {out['first_loss']:.4f}",
+                flush=True,
+            )
+    return results
+
+
+def _memory(args, impls, shape) -> dict[str, dict]:
+    out = {}
+    for impl in impls:
+        m = run_child(
+            "dropless.bench.lora",
+            {"shape": shape, "impl": impl, "mode": "memory", "steps": 0, "rank": args.rank,
+             "threads": args.threads},
+        )  # fmt: skip
+        out[impl] = m
+        print(f"memory {impl:14s} peak step {m['peak_step_mib']:.0f} MiB", flush=True)
+    return out
+
+
+def rows_of(results: dict, memory: dict, shape: dict) -> dict:
+    rows = {}
+    for impl, outs in results.items():
+        mem = memory.get(impl, {})
+        rows[impl] = {
+            "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
+            "step_s": statistics.median(o["step_s"] for o in outs),
+            "best_tokens_per_s": shape["batch"]
+            * shape["seq"]
+            / min(o["best_step_s"] for o in outs),
+            "peak_step_mib": mem.get("peak_step_mib"),
+            "trainable": outs[0]["trainable"],
+            "first_loss": outs[0]["first_loss"],
+            "rounds": [o["tokens_per_s"] for o in outs],
+        }
+    return rows
+
+
+def _summary(rows: dict) -> str:
+    d, s = rows.get("peft_dropless"), rows.get("peft")
+    if not (d and s):
+        return ""
+    text = (
+        f"PEFT + dropless vs stock PEFT: **{d['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s**"
+    )
+    if d["peak_step_mib"] is not None and s["peak_step_mib"]:
+        text += f", **{d['peak_step_mib'] / s['peak_step_mib']:.2f}x peak step memory**"
+    return text + "."
+
+
+def run(args) -> int:
+    impls = _check_args(args)
+    rec = Recorder.start(args)
+    shape = QUICK if args.quick else SHAPE
+    results = _rounds(args, impls, shape)
+    memory = {} if args.no_memory else _memory(args, impls, shape)
+    rows = rows_of(results, memory, shape)
+    lora = [rows[i]["first_loss"] for i in ("peft", "peft_dropless") if i in rows]
+    if len(lora) == 2 and abs(lora[0] - lora[1]) > 1e-3 * abs(lora[0]):
+        print(f"WARNING: first-step losses of the LoRA rows differ: {lora}")
+    table = _table(rows)
+    print(table)
+    figures = {
+        "shape": shape, "rank": args.rank, "rounds": args.rounds, "steps": args.steps,
+        "quick": args.quick, "threads": next(iter(results.values()))[0]["threads"],
+        "allocator": "timing: default (no malloc settings); memory: separate children with mallopt",
+        "rows": rows,
+    }  # fmt: skip
+    d, s = rows.get("peft_dropless"), rows.get("peft")
+    if d and s:
+        figures["speedup_vs_peft"] = d["tokens_per_s"] / s["tokens_per_s"]
+        if d["peak_step_mib"] is not None and s["peak_step_mib"]:
+            figures["memory_vs_peft"] = d["peak_step_mib"] / s["peak_step_mib"]
+    summary = _summary(rows)
+    print(summary)
+    record = rec.finish("lora", figures)
+    print(load_sentence(record["load"]))
+    section = section_path(args.section, "lora", rec)
+    if section is not None:
+        _write_section(section, table, summary, record)
+    return 0
+
+
+def _write_section(path, table: str, summary: str, record: dict) -> None:
+    f = record["figures"]
+    s = f["shape"]
+    key = "lora" + ("-quick" if f["quick"] else "")
+    block = "\n".join(
+        [
+            f"<!-- lora:{key} -->",
+            provenance(record),
+            "",
+            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
+            f"{s['num_hidden_layers']} layers, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
+            f"moe_intermediate_size {s['moe_intermediate_size']}; batch {s['batch']} x seq {s['seq']}, fp32 "
+            f"on CPU, {f['threads']} torch thread(s). LoRA r={f['rank']} (alpha {2 * f['rank']}) on the "
+            f"experts (`target_parameters`) and q/k/v/o (`target_modules`); AdamW (fused) on the "
+            "trainable parameters.  ",
+            "Timing: each row in its own child process under the default allocator, order rotated, "
+            f"{f['rounds']} rounds x {f['steps']} timed step(s) after a warm-up (median). Peak step "
+            "memory: separate children, VmHWM minus VmRSS before the step, glibc serving blocks "
+            ">= 128 KiB by mmap.",
+            "",
+            table,
+            "",
+            summary + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
+            f"<!-- /lora:{key} -->",
+            "",
+        ]
+    )
+    replace_block(path, key, block, "lora", TITLE)
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))))

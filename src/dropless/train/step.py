@@ -1,0 +1,233 @@
+"""One optimizer step: micro-batches with gradient accumulation, the router losses (taken
+from the model by `dropless.hf.RouterLosses`), the checks that must pass before
+`optimizer.step()` (finite loss and gradient norm, no dropped token) and the learning-rate
+schedule."""
+
+# B sequences, L sequence length, T tokens, E experts, K top-k, M MoE layers
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import micro_batch_indices
+from .errors import DroppedTokensError, NonFiniteError
+from .model import recipe_context
+from .state import TrainState
+
+
+def _hf():
+    from .. import hf
+
+    return hf
+
+
+class Precision:
+    """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
+
+    def __init__(self, pcfg, device: torch.device):
+        bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and device.type == "cuda")
+        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.device_type = device.type
+        self.recipe = recipe_context(pcfg)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> str:
+    """What went wrong at `step` (which of loss / gradient norm) and what to do."""
+    bad = [
+        f"{n} is {v}" for n, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)
+    ]
+    fix = (
+        "resume from the last checkpoint with a lower optim.lr (--resume --set optim.lr=...)"
+        if policy == "stop"
+        else "lower optim.lr or raise train.max_skipped_steps, then --resume"
+    )
+    return f"step {step}: {' and '.join(bad)}; no weight was updated and no checkpoint was written or removed; {fix}"
+
+
+def fuse_cross_entropy(model) -> list:
+    """The model computes the loss from its hidden states given labels (no [T, V] logits,
+    `dropless.hf.fused_loss`). Returns the list each forward's cross-entropy is appended to
+    (read there: `out.loss` may include an aux loss the family adds)."""
+    from ..hf.fused_loss import enable_fused_cross_entropy
+
+    try:
+        enable_fused_cross_entropy(model)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"train.fused_cross_entropy=true: {e}; set train.fused_cross_entropy=false"
+        ) from None
+    fused_loss, seen = model.loss_function, []
+
+    def loss_function(*args, **kwargs):
+        loss = fused_loss(*args, **kwargs)
+        seen.append(loss)
+        return loss
+
+    model.loss_function = loss_function
+    return seen
+
+
+class StepRunner:
+    """Runs `train_step` on a model, its optimizer and the run's sampler."""
+
+    def __init__(
+        self,
+        cfg,
+        env,
+        model,
+        layers,
+        router,
+        top_k: int,
+        optimizer,
+        scheduler,
+        parallel,
+        sampler,
+        precision: Precision,
+        hooks,
+        ce_seen: list | None = None,
+    ):
+        self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
+        self.router = router  # dropless.hf.RouterLosses: the model's own router losses
+        self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
+        self.parallel, self.sampler = parallel, sampler
+        self.precision, self.hooks = precision, hooks
+        self.ce_seen = ce_seen  # train.fused_cross_entropy: where the model's loss lands
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        tc = cfg.train
+        self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
+        self.seq_len = tc.seq_len
+        self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
+
+    def _micro_step(self, xy_BL1: torch.Tensor, targets_BL: torch.Tensor | None = None):
+        tc = self.cfg.train
+        # supervised rows carry their own targets (IGNORE where no loss: prompt, padding)
+        x, y = xy_BL1[:, :-1], (xy_BL1[:, 1:] if targets_BL is None else targets_BL)
+        kw = dict(output_router_logits=self.need_router, use_cache=False)
+        if self.ce_seen is not None:  # y as the already shifted labels
+            kw.update(labels=y, shift_labels=y)
+            self.ce_seen.clear()
+        with self.precision.autocast(), self.precision.recipe(), self.router.capture():
+            out = self.model(input_ids=x, **kw)
+        if self.ce_seen is not None:
+            assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
+            ce = self.ce_seen.pop()
+        else:
+            logits = out.logits.float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        # the model's own router outputs and selected experts (dropless.hf.router_losses)
+        rs = self.router.stats(out, x.shape, self.need_router)
+        loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
+        with self.precision.recipe():  # activation checkpointing recomputes forwards in backward
+            (loss / self.grad_accum).backward()
+        return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
+
+    def _accumulate(self, state: TrainState, stop) -> tuple[torch.Tensor, bool]:
+        """Forward/backward over the micro-batches; returns the stats vector reduced over
+        processes (loss, lb, z, stop flag, counts [M*E], pairs the experts path computed)
+        and whether the experts path counted its pairs (the dropless path does, stock not)."""
+        M, E = len(self.layers), self.layers[0].num_experts
+        dev = self.env.device
+        # device accumulators: no host read until the step's one reduction below
+        sums = torch.zeros(3, dtype=torch.float64, device=dev)
+        counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
+        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
+        for a in range(self.grad_accum):
+            idx = micro_batch_indices(
+                state.sample_index, a, self.env.rank, self.world, self.global_batch, self.grad_accum
+            )
+            xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
+            tg = None
+            if hasattr(self.sampler, "batch_targets"):  # supervised data (sft.RowSampler)
+                tg = torch.from_numpy(self.sampler.batch_targets(idx)).to(dev)
+            ce, lb, zl, c = self._micro_step(xy, tg)
+            sums += torch.stack([ce, lb, zl]).double() / self.grad_accum
+            counts_ME += c.to(dev)
+        path_ME = _hf().tokens_per_expert(self.model, reset=True)
+        self.hooks.after_backward(state.step + 1, self.model)
+        # read after backward, so a signal during this step stops after this step; the
+        # all-reduce below makes every process stop at the same step
+        head = torch.cat([sums.cpu(), torch.tensor([float(stop())], dtype=torch.float64)])
+        pairs = torch.tensor(
+            [0.0 if path_ME is None else float(path_ME.sum())], dtype=torch.float64
+        )
+        stats = torch.cat([head, counts_ME.cpu().double().reshape(-1), pairs])
+        if self.world > 1:
+            dist.all_reduce(stats)
+            stats[:3] /= self.world
+        return stats, path_ME is not None
+
+    def _clip(self) -> float:
+        clip = self.cfg.optim.grad_clip or float("inf")
+        if self.parallel is not None:  # parameters on several DTensor meshes
+            return float(self.parallel.clip_grad_norm_(self.params, clip))
+        return float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+
+    def _check_dropped(self, pairs: float, step: int) -> int:
+        expected = self.global_batch * self.seq_len * self.top_k * len(self.layers)
+        dropped = int(expected - round(pairs))
+        if dropped:
+            raise DroppedTokensError(
+                f"step {step}: {dropped} (token, expert) pairs of {expected} were not computed by the experts; "
+                "the dropless path must compute every pair: report this with your config (model.implementation, precision.recipe, parallel.*)"
+            )
+        return dropped
+
+    def run(self, state: TrainState, stop=lambda: False) -> dict:
+        """One optimizer step; advances `state`. `stop()` says whether this process was
+        asked to stop (the result's "stop" is whether any process was). Raises before
+        `optimizer.step()` when a check fails (non-finite values under
+        on_nonfinite="stop", dropped tokens)."""
+        self.model.train()
+        tc = self.cfg.train
+        stats, path_counted = self._accumulate(state, stop)
+        grad_norm = self._clip()
+        loss, step = float(stats[0]), state.step + 1
+        M, E = len(self.layers), self.layers[0].num_experts
+        counts_ME = stats[4:-1].reshape(M, E).round().long()
+        lr = self.optimizer.param_groups[0]["lr"]
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        dropped = None
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+            state.skipped_in_a_row += 1
+            if tc.on_nonfinite == "stop" or state.skipped_in_a_row > tc.max_skipped_steps:
+                raise NonFiniteError(nonfinite_message(step, loss, grad_norm, tc.on_nonfinite))
+            state.skipped_steps += 1
+            counts_ME = None
+        else:
+            if path_counted:  # the routers' choices say nothing about what the experts computed
+                dropped = self._check_dropped(float(stats[-1]), step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            state.skipped_in_a_row = 0
+            self._update_expert_bias(counts_ME)
+        self.scheduler.step()  # a skipped step keeps its place in the schedule
+        state.step, state.sample_index = step, state.sample_index + self.global_batch
+        ep_stats = self.parallel.pop_stats() if self.parallel is not None else {}
+        return {
+            "loss": loss, "lb_loss": float(stats[1]), "z_loss": float(stats[2]), "lr": lr,
+            "grad_norm": grad_norm, "counts_ME": counts_ME, "dropped": dropped,
+            "skipped": skipped, "stop": bool(stats[3] > 0), **ep_stats,
+        }  # fmt: skip
+
+    def _update_expert_bias(self, counts_ME: torch.Tensor) -> None:
+        rate = self.cfg.train.expert_bias_rate
+        if rate <= 0:
+            return
+        from ..ops import update_expert_bias
+
+        for layer, c in zip(self.layers, counts_ME):
+            update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
+
+
+__all__ = ["Precision", "StepRunner", "fuse_cross_entropy", "nonfinite_message"]

@@ -1,0 +1,95 @@
+"""Shared pieces of the fault tests: the tiny run's arguments, subprocess environment,
+a snapshot of a directory's files, and hooks for in-process faults."""
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dropless.train import trainer
+from dropless.train.hooks import TrainHooks
+from dropless.train.recipes import TINY
+
+CHILD = Path(__file__).with_name("train_child.py")
+
+
+def args(*extra: str) -> list[str]:
+    out = []
+    for item in (*TINY, *extra):
+        out += ["--set", item]
+    return out
+
+
+def sub_env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def child(spec: dict, argv: list[str], torchrun: int = 0) -> subprocess.Popen:
+    """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0)."""
+    launch = [sys.executable]
+    if torchrun:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+    return subprocess.Popen(
+        [*launch, str(CHILD), json.dumps([{"spec": spec, "argv": argv}])],
+        env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def forked_children(jobs: list[tuple[dict, list[str]]], tmp: Path) -> list[tuple[int, str]]:
+    """Run each (spec, argv) in its own process, forked after one set of imports;
+    returns (exit status, stderr) per job (status < 0: killed by that signal)."""
+    items = [
+        {"spec": spec, "argv": argv, "stderr": str(tmp / f"job{i}.err")}
+        for i, (spec, argv) in enumerate(jobs)
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(CHILD), json.dumps(items)],
+        env=sub_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [(c, Path(j["stderr"]).read_text()) for c, j in zip(codes, items)]
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under `root` -> SHA-256 of its bytes."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def records(run_dir: Path) -> dict:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+class NaNAt(TrainHooks):
+    """Makes the gradients of step `step` NaN (all of them, on every rank)."""
+
+    def __init__(self, *steps: int):
+        self.steps = set(steps)
+
+    def after_backward(self, step, model):
+        if step in self.steps:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+
+
+def with_hooks(monkeypatch, hooks: TrainHooks) -> None:
+    """The CLI's next in-process run uses `hooks`."""
+    monkeypatch.setattr(trainer, "train", functools.partial(trainer.train, hooks=hooks))
+
+
+def weights_finite(ck: Path) -> bool:
+    from dropless.train.generate import load_run
+
+    _, _, model, _ = load_run(ck)
+    return all(torch.isfinite(p).all() for p in model.parameters())

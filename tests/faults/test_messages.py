@@ -1,0 +1,352 @@
+"""Every user-facing error message of dropless.train, dropless.cli and dropless.parallel
+is triggered by a test. `TABLE` maps each raise site (file and a literal part of its
+message) to that test; `test_every_message_is_in_the_table` scans the sources (AST) and
+fails on a message missing from it, and on a table entry that no longer matches a site.
+The triggers that are plain function calls live here (`TRIGGERS`)."""
+
+import ast
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dropless.parallel import EPGroupedExperts, ExpertParallelDispatcher, ParallelConfig, build_mesh
+from dropless.parallel import dispatcher as dispatcher_mod
+from dropless.train import checkpoint as ckpt
+from dropless.train.config import DataConfig, ModelConfig, PrecisionConfig, dump_config, load_config
+from dropless.train.data import eval_windows, load_corpus, read_documents, stdlib_corpus
+from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
+from dropless.train.metrics import MetricsWriter
+from dropless.train.model import build_model, hf_config, recipe_context, require_transformers
+from dropless.train.plots import plot_losses
+from dropless.train.step import StepRunner, fuse_cross_entropy
+from dropless.train.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    _require_tokenizers,
+    build_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = [ROOT / "src" / "dropless" / pkg for pkg in ("train", "cli", "parallel")]
+EXCEPTIONS = {
+    "ValueError", "TypeError", "RuntimeError", "NotImplementedError", "ModuleNotFoundError",
+    "OSError", "NonFiniteError", "DroppedTokensError", "Interrupted",
+}  # fmt: skip
+HERE = "tests/faults/test_messages.py::test_trigger"
+FAULTS = "tests/faults"
+GENOMICS = "tests/train/test_genomics.py"
+
+# (file, literal part of the message, test that triggers it)
+TABLE = [
+    ("checkpoint.py", "is not a complete dropless checkpoint (no .metadata)", f"{HERE}[no-metadata]"),
+    ("checkpoint.py", "); pick another checkpoints/step_* directory", f"{HERE}[no-trainer-json]"),
+    ("config.py", "unknown config key", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": allowed values are", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": expected a", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": must be a finite number", f"{FAULTS}/test_config_data.py::test_non_finite_numbers_are_refused"),
+    ("config.py", ": must be an integer >= 1", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": must be a number >= 0", f"{HERE}[negative]"),
+    ("config.py", "model.path and model.config are both set", f"{HERE}[path-and-config]"),
+    ("config.py", "exceeds model.num_experts=", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", "must be a multiple of model.num_kv_heads=", f"{HERE}[kv-heads]"),
+    ("config.py", ": must be in (0, 1)", f"{HERE}[eval-fraction]"),
+    ("config.py", ": must be an integer >= 300", f"{HERE}[bpe-vocab]"),
+    ("config.py", "data.tokenizer is empty", f"{HERE}[empty-tokenizer]"),
+    ("config.py", "must be divisible by train.grad_accum=", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": must be a number of seconds > 0", f"{HERE}[timeout]"),
+    ("config.py", ": expected true or false", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", ": expected a string, got", f"{HERE}[string-type]"),
+    ("config.py", ": expected a int", f"{HERE}[whole-number]"),
+    ("config.py", ": expected a list, e.g.", f"{HERE}[list-type]"),
+    ("config.py", "does not exist; pass a TOML file", f"{HERE}[no-config-file]"),
+    ("config.py", ": expected KEY=VALUE", "tests/train/test_config.py::test_bad_values"),
+    ("config.py", "needs tomli-w", f"{HERE}[no-tomli-w]"),
+    ("config.py", ": must be in [0, 1]", f"{HERE}[beta]"),
+    ("config.py", "is not valid TOML:", f"{HERE}[bad-toml]"),
+    ("config.py", "data.reverse_complement=true needs data.tokenizer='dna'", f"{GENOMICS}::test_dna_training_run_learns"),
+    ("fasta.py", "does not exist", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("fasta.py", "no FASTA records (no '>' header line)", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("fasta.py", "empty '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("fasta.py", "not a text FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("fasta.py", "unreadable compressed FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("fasta.py", "sequence data before the first '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("fasta.py", "is not an IUPAC nucleotide code", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("genomics.py", ": expected a positive int", f"{GENOMICS}::test_windows_stream_matches_one_stream"),
+    ("genomics.py", ": expected a positive count", f"{GENOMICS}::test_bits_per_base"),
+    ("genomics.py", ": not a DNA tokenizer", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
+    ("genomics.py", ", not this DNA tokenizer (", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
+    ("config.py", "has no effect with precision.recipe=", "tests/train/test_precision_config.py::test_bad_precision_options"),
+    ("config.py", "precision.margin=", f"{HERE}[margin-int]"),
+    ("model.py", "precision: ", f"{HERE}[recipe-option]"),
+    ("step.py", "train.fused_cross_entropy=true: ", f"{HERE}[fused-ce]"),
+    ("data.py", "the embedded corpus is empty", f"{HERE}[no-stdlib]"),
+    ("data.py", "does not exist; pass a .txt/.jsonl/.parquet file", "tests/train/test_bad_input.py::test_missing_data_path"),
+    ("data.py", "files; point it at your data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
+    ("data.py", "(columns: ", "tests/train/test_data.py::test_parquet"),
+    ("data.py", "file(s)); point it at non-empty data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
+    ("data.py", "the held-out data has ", f"{HERE}[short-held-out]"),
+    ("data.py", ": unsupported file type", "tests/train/test_data.py::test_txt_and_jsonl"),
+    ("data.py", "are not valid UTF-8", f"{FAULTS}/test_config_data.py::test_txt_decode_errors_are_reported_unless_replace"),
+    ("data.py", "needs pyarrow", f"{HERE}[no-pyarrow]"),
+    ("data.py", "data.eval_path is set but data.path is empty", f"{HERE}[eval-without-path]"),
+    ("data.py", "the training data has ", "tests/train/test_data.py::test_window_sampler_epochs_cover_every_window"),
+    ("data.py", ": expected a JSON object with a", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
+    ("data.py", "(fields: ", "tests/train/test_data.py::test_txt_and_jsonl"),
+    ("data.py", ": not a JSON line (", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
+    ("generate.py", "is not a directory; pass a run directory", "tests/train/test_run.py::test_generate_returns_text"),
+    ("generate.py", "has no complete checkpoint (checkpoints/step_*)", f"{HERE}[generate-no-checkpoint]"),
+    ("generate.py", ": not a dropless training run", f"{HERE}[no-run-config]"),
+    ("generate.py", "temperature, top_k and max_new_tokens must be >= 0", f"{HERE}[temperature]"),
+    ("generate.py", "is not empty; pass a new or empty directory", f"{HERE}[convert-not-empty]"),
+    ("metrics.py", "log.tensorboard=true needs tensorboard", f"{HERE}[no-tensorboard]"),
+    ("model.py", "expected a local Hugging Face directory with config.json", f"{HERE}[no-hf-dir]"),
+    ("model.py", "tokenizer/model vocabulary mismatch", "tests/train/test_bad_input.py::test_vocabulary_mismatch"),
+    ("model.py", "is above the model's maximum sequence length", "tests/train/test_bad_input.py::test_sequence_longer_than_the_model"),
+    ("model.py", "has no Mixture-of-Experts layers", f"{HERE}[dense-model]"),
+    ("model.py", "dropless train needs transformers", f"{HERE}[no-transformers]"),
+    ("model.py", "needs routers with their own score bias", f"{HERE}[stock-expert-bias]"),
+    ("plots.py", "plots need matplotlib", f"{HERE}[no-matplotlib]"),
+    ("resume.py", "cannot continue with a changed", f"{FAULTS}/test_resume_checks.py::test_changed_fixed_key_is_refused_untouched"),
+    ("resume.py", "--resume: the run was saved with parallel.ep=", f"{FAULTS}/test_resume_checks.py::test_saved_ep_that_does_not_fit_names_the_override"),
+    ("rundir.py", "could not find a free run directory name", f"{HERE}[no-free-name]"),
+    ("rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
+    ("rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
+    ("rundir.py", "is in use by process ", f"{FAULTS}/test_resume_checks.py::test_second_process_is_refused_and_dead_locks_are_taken_over"),
+    ("setup.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
+    ("setup.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),
+    ("setup.py", "is not divisible by the number of processes (", "tests/train/test_bad_input.py::test_batch_not_divisible_by_processes"),
+    ("setup.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("setup.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("step.py", "were not computed by the experts", f"{HERE}[dropped]"),
+    ("tokenizer.py", "the BPE tokenizer needs the `tokenizers` package", f"{HERE}[no-tokenizers]"),
+    ("tokenizer.py", "pass a directory saved by a Hugging Face fast tokenizer", f"{HERE}[no-tokenizer-json]"),
+    ("tokenizer.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-dir]"),
+    ("trainer.py", "written. Resume with: dropless train --run-dir", f"{FAULTS}/test_signals.py::test_sigint_sigterm_and_a_second_ctrl_c"),
+    ("trainer.py", "raise train.steps to continue it", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("mesh.py", "is not implemented (planned); allowed:", "tests/parallel/test_mesh_config.py::test_deepep_is_not_a_choice_but_a_clear_error"),
+    ("dispatcher.py", "must be an int >= 1", f"{HERE}[num-chunks]"),
+    ("dispatcher.py", "is not divisible by the EP group size", f"{HERE}[ep-group-size]"),
+    ("experts.py", "takes its weights from the full module", f"{HERE}[ep-experts-init]"),
+    ("experts.py", "holds only this rank's experts", f"{HERE}[ep-experts-forward]"),
+    ("experts.py", "experts must be a dropless GroupedExperts", f"{HERE}[ep-experts-type]"),
+    ("experts.py", "is not divisible by parallel.ep=", f"{HERE}[ep-experts-split]"),
+    ("mesh.py", "does not divide the world size", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
+    ("mesh.py", "parallel.dp_replicate x parallel.dp_shard =", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
+    ("mesh.py", "(expert parallelism borrows ranks from the FSDP shard dimension)", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
+    ("mesh.py", "every EP rank must own the same number of experts", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
+    ("mesh.py", "build_mesh needs torch.distributed initialised", f"{HERE}[no-process-group]"),
+    ("mesh.py", "or -1 for world_size / dp_replicate", "tests/parallel/test_mesh_config.py::test_bad_fields"),
+    ("mesh.py", "parallel.dispatcher=", "tests/parallel/test_mesh_config.py::test_bad_fields"),
+    ("mesh.py", "must be an int >= 1", "tests/parallel/test_mesh_config.py::test_bad_fields"),
+]  # fmt: skip
+
+
+def _literal(node) -> str:
+    """The constant text of a message (f-string placeholders become a separator)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "\x00".join(v.value if isinstance(v, ast.Constant) else "" for v in node.values)
+    if isinstance(node, ast.BinOp):
+        return _literal(node.left) + _literal(node.right)
+    return ""
+
+
+def raise_sites() -> list[tuple[str, int, str]]:
+    """(file, line, message text) of every exception built with a message in the sources."""
+    out = []
+    for pkg in SOURCES:
+        for f in sorted(pkg.glob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if (
+                    isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                    and n.func.id in EXCEPTIONS and n.args and _literal(n.args[0]).strip()
+                ):  # fmt: skip
+                    out.append((f.name, n.lineno, _literal(n.args[0])))
+    return out
+
+
+def test_every_message_is_in_the_table():
+    sites = raise_sites()
+    assert len(sites) > 60  # the scan sees the sources
+    missing = [
+        f"{f}:{line}: {text!r}"
+        for f, line, text in sites
+        if not any(tf == f and frag in text for tf, frag, _ in TABLE)
+    ]
+    assert not missing, "messages with no test in TABLE:\n" + "\n".join(missing)
+    stale = [e for e in TABLE if not any(f == e[0] and e[1] in t for f, _, t in sites)]
+    assert not stale, f"TABLE entries matching no raise site: {stale}"
+
+
+def test_every_table_entry_names_a_test():
+    ids = {t[0] for t in TRIGGERS}
+    for _, _, ref in TABLE:
+        path, _, name = ref.partition("::")
+        if path == "tests/faults/test_messages.py":
+            assert name.startswith("test_trigger[") and name[13:-1] in ids, ref
+            continue
+        assert f"def {name}(" in (ROOT / path).read_text(), ref
+
+
+# ---- triggers: (id, callable(tmp_path, monkeypatch, request), exception, text) ----------
+
+
+def _hide(monkeypatch, *modules):
+    for m in modules:
+        monkeypatch.setitem(sys.modules, m, None)
+
+
+def _dense(tmp, mp, rq):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)  # fmt: skip
+    build_model(ModelConfig(), cfg, expert_bias=False, seed=0, device="cpu")
+
+
+def _stock_bias(tmp, mp, rq):
+    mcfg = ModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                       num_experts=2, top_k=1, moe_intermediate_size=8, implementation="stock")  # fmt: skip
+    build_model(mcfg, hf_config(mcfg, 64), expert_bias=True, seed=0, device="cpu")
+
+
+def _dropped(tmp, mp, rq):
+    runner = StepRunner.__new__(StepRunner)
+    runner.global_batch, runner.seq_len, runner.top_k, runner.layers = 2, 4, 2, [None]
+    runner._check_dropped(7.0, step=5)  # the experts computed 7 of 16 pairs
+
+
+def _ep_experts(kind):
+    from dropless.nn import GroupedExperts
+
+    class Mesh:
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+    def go(tmp, mp, rq):
+        if kind == "type":
+            EPGroupedExperts.from_experts(torch.nn.Linear(2, 2), Mesh())
+        elif kind == "split":
+            EPGroupedExperts.from_experts(GroupedExperts(3, 4, 4), Mesh())
+        elif kind == "init":
+            EPGroupedExperts.__new__(EPGroupedExperts).reset_parameters()
+        else:
+            EPGroupedExperts.forward(None)
+
+    return go
+
+
+def _ep_group_size(tmp, mp, rq):
+    mp.setattr(dispatcher_mod, "_group_size", lambda group: 2)
+    ExpertParallelDispatcher(num_experts=3)._sizes(None)
+
+
+def _no_free_name(tmp, mp, rq):
+    from dropless.train import rundir
+
+    def taken(self, *a, exist_ok=False, **k):  # every name is already taken
+        if not exist_ok:
+            raise FileExistsError(self)
+
+    mp.setattr(rundir.Path, "mkdir", taken)
+    rundir.new_run_dir(tmp / "runs")
+
+
+def _convert_not_empty(tmp, mp, rq):
+    (tmp / "out").mkdir()
+    (tmp / "out" / "keep.txt").write_text("mine")
+    convert(rq.getfixturevalue("finished_run"), tmp / "out")
+
+
+def _no_run_config(tmp, mp, rq):
+    ck = tmp / "run" / "checkpoints" / "step_00000001"
+    ck.mkdir(parents=True)
+    (ck / ".metadata").write_text("")
+    load_run(ck)
+
+
+def _no_run_to_resume(tmp, mp, rq):
+    from dropless.train.setup import latest_run
+
+    latest_run(tmp / "runs")
+
+
+def _toml(text):
+    def go(tmp, mp, rq):
+        (tmp / "c.toml").write_text(text)
+        load_config(tmp / "c.toml")
+
+    return go
+
+
+def _recipe_option(tmp, mp, rq):
+    import types
+
+    recipe_context(types.SimpleNamespace(recipe="delayed", recipe_options=lambda: {"bogus": 1}))
+
+
+TRIGGERS = [
+    ("margin-int", lambda t, m, r: PrecisionConfig(recipe="delayed", margin=1.5), ValueError, "precision.margin=1.5: must be an integer >= 0"),
+    ("recipe-option", _recipe_option, ValueError, "precision: DelayedScaling.__init__() got an unexpected keyword argument 'bogus'"),
+    ("fused-ce", lambda t, m, r: fuse_cross_entropy(torch.nn.Linear(2, 2)), ValueError, "train.fused_cross_entropy=true: enable_fused_cross_entropy needs a Transformers causal LM"),
+    ("no-metadata", lambda t, m, r: ckpt.load_checkpoint(t, None), ValueError, "is not a complete dropless checkpoint"),
+    ("no-trainer-json", lambda t, m, r: ckpt.read_trainer_state(t), ValueError, "has no readable trainer.json"),
+    ("negative", lambda t, m, r: load_config(None, ["train.z_loss_coef=-1"]), ValueError, "train.z_loss_coef=-1.0: must be a number >= 0"),
+    ("path-and-config", lambda t, m, r: ModelConfig(path="a", config="b"), ValueError, "model.path and model.config are both set"),
+    ("kv-heads", lambda t, m, r: load_config(None, ["model.num_kv_heads=3"]), ValueError, "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("eval-fraction", lambda t, m, r: load_config(None, ["data.eval_fraction=1.5"]), ValueError, "data.eval_fraction=1.5: must be in (0, 1)"),
+    ("bpe-vocab", lambda t, m, r: load_config(None, ["data.bpe_vocab_size=100"]), ValueError, "data.bpe_vocab_size=100: must be an integer >= 300"),
+    ("empty-tokenizer", lambda t, m, r: load_config(None, ['data.tokenizer=""']), ValueError, "data.tokenizer is empty"),
+    ("timeout", lambda t, m, r: load_config(None, ["parallel.timeout_s=0"]), ValueError, "parallel.timeout_s=0.0: must be a number of seconds > 0"),
+    ("string-type", _toml("[data]\npath = 3\n"), ValueError, "data.path=3: expected a string, got int"),
+    ("whole-number", lambda t, m, r: load_config(None, ["train.steps=2.5"]), ValueError, "train.steps=2.5: expected a int"),
+    ("list-type", lambda t, m, r: __import__("dropless.train.config", fromlist=["_coerce"])._coerce("x.y", 3, list[str]), ValueError, "x.y=3: expected a list"),
+    ("no-config-file", lambda t, m, r: load_config(t / "nope.toml"), ValueError, "nope.toml' does not exist; pass a TOML file"),
+    ("no-tomli-w", lambda t, m, r: (_hide(m, "tomli_w"), dump_config(load_config(), t / "c.toml")), ModuleNotFoundError, "needs tomli-w: pip install 'dropless[train]'"),
+    ("beta", lambda t, m, r: load_config(None, ["optim.beta1=2"]), ValueError, "optim.beta1=2.0: must be in [0, 1]"),
+    ("bad-toml", _toml("[train\n"), ValueError, "is not valid TOML:"),
+    ("no-stdlib", lambda t, m, r: (m.setattr("dropless.train.data.stdlib_files", lambda: []), stdlib_corpus(0.1, 100)), ValueError, "the embedded corpus is empty"),
+    ("short-held-out", lambda t, m, r: eval_windows(np.arange(5), 8, 64), ValueError, "the held-out data has 5 tokens, fewer than train.seq_len + 1 = 9"),
+    ("no-pyarrow", lambda t, m, r: ((t / "a.parquet").write_bytes(b"x"), _hide(m, "pyarrow", "pyarrow.parquet"), read_documents(str(t / "a.parquet"), "text")), ModuleNotFoundError, "needs pyarrow"),
+    ("eval-without-path", lambda t, m, r: load_corpus(DataConfig(eval_path="x")), ValueError, "data.eval_path is set but data.path is empty"),
+    ("generate-no-checkpoint", lambda t, m, r: resolve_checkpoint(t), ValueError, "has no complete checkpoint (checkpoints/step_*)"),
+    ("no-run-config", _no_run_config, ValueError, ": not a dropless training run"),
+    ("temperature", lambda t, m, r: sample(None, ByteTokenizer(), "x", temperature=-1), ValueError, "temperature, top_k and max_new_tokens must be >= 0"),
+    ("convert-not-empty", _convert_not_empty, ValueError, "out' is not empty; pass a new or empty directory"),
+    ("no-tensorboard", lambda t, m, r: (_hide(m, "torch.utils.tensorboard"), MetricsWriter(t, True, None)), ModuleNotFoundError, "log.tensorboard=true needs tensorboard"),
+    ("no-hf-dir", lambda t, m, r: hf_config(ModelConfig(path=str(t)), 10), ValueError, "expected a local Hugging Face directory with config.json"),
+    ("dense-model", _dense, ValueError, "Qwen3ForCausalLM has no Mixture-of-Experts layers"),
+    ("no-transformers", lambda t, m, r: (_hide(m, "transformers"), require_transformers()), ModuleNotFoundError, "dropless train needs transformers"),
+    ("stock-expert-bias", _stock_bias, ValueError, "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their own score bias"),
+    ("no-matplotlib", lambda t, m, r: (_hide(m, "matplotlib"), plot_losses([], t / "l.png")), ModuleNotFoundError, "plots need matplotlib"),
+    ("no-free-name", _no_free_name, ValueError, "could not find a free run directory name"),
+    ("no-run-to-resume", _no_run_to_resume, ValueError, "--resume without --run-dir: no run with a checkpoint"),
+    ("tokenizer-vocab-dir", lambda t, m, r: __import__("dropless.train.setup", fromlist=["x"]).tokenizer_vocab(load_config(None, [f"data.tokenizer={t / 'nope'}"]), t), ValueError, "nope': not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"),
+    ("dropped", _dropped, RuntimeError, "step 5: 9 (token, expert) pairs of 16 were not computed by the experts"),
+    ("no-tokenizers", lambda t, m, r: (_hide(m, "tokenizers"), _require_tokenizers()), ModuleNotFoundError, "the BPE tokenizer needs the `tokenizers` package"),
+    ("no-tokenizer-json", lambda t, m, r: HFTokenizer.from_dir(t), ValueError, "has no tokenizer.json; pass a directory saved by a Hugging Face fast tokenizer"),
+    ("tokenizer-dir", lambda t, m, r: build_tokenizer(str(t / "nope"), t / "tok", list, 300), ValueError, "nope': not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"),
+    ("num-chunks", lambda t, m, r: ExpertParallelDispatcher(num_chunks=0), ValueError, "num_chunks=0 must be an int >= 1"),
+    ("ep-group-size", _ep_group_size, ValueError, "num_experts=3 is not divisible by the EP group size 2"),
+    ("ep-experts-init", _ep_experts("init"), RuntimeError, "takes its weights from the full module"),
+    ("ep-experts-forward", _ep_experts("forward"), RuntimeError, "holds only this rank's experts"),
+    ("ep-experts-type", _ep_experts("type"), TypeError, "experts must be a dropless GroupedExperts, got Linear"),
+    ("ep-experts-split", _ep_experts("split"), ValueError, "num_experts=3 is not divisible by parallel.ep=2"),
+    ("no-process-group", lambda t, m, r: build_mesh(ParallelConfig()), RuntimeError, "build_mesh needs torch.distributed initialised"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "trigger, exc, text", [t[1:] for t in TRIGGERS], ids=[t[0] for t in TRIGGERS]
+)
+def test_trigger(trigger, exc, text, tmp_path, monkeypatch, request):
+    with pytest.raises(exc) as e:
+        trigger(tmp_path, monkeypatch, request)
+    assert text in str(e.value)

@@ -1,0 +1,79 @@
+"""Runs `dropless` with faults injected through `TrainHooks` (never through the library's
+environment). argv[1] is a JSON list of jobs {"spec": {...}, "argv": [...], "stderr": path},
+or one spec followed by the dropless arguments; a spec has any of
+
+    {"rank": 1,                               # only this rank (default: every rank)
+     "checkpoint": ["before_manifest", 9],    # SIGKILL at this phase of this step's save
+     "kill_after_step": 3,                    # SIGKILL right after this optimizer step
+     "signal_in_step": [9, "SIGINT", 1]}      # send the signal (this many times) mid-step
+
+One job runs in this process (under torchrun too). Several jobs are forked from this
+process after the imports, each a real process of its own (so each dies its own death)
+without paying the imports again; the exit statuses are printed as a JSON list
+(negative: killed by that signal).
+"""
+
+import functools
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from dropless.cli.main import main
+from dropless.train import trainer
+from dropless.train.hooks import TrainHooks
+
+
+class Faults(TrainHooks):
+    def __init__(self, spec: dict):
+        self.spec = spec
+        self.mine = spec.get("rank") in (None, int(os.environ.get("RANK", "0")))
+
+    def on_checkpoint(self, phase, step):
+        if self.mine and self.spec.get("checkpoint") == [phase, step]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_step(self, step):
+        if self.mine and self.spec.get("kill_after_step") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_backward(self, step, model):
+        sig = self.spec.get("signal_in_step")
+        if self.mine and sig and sig[0] == step:
+            for _ in range(sig[2] if len(sig) > 2 else 1):
+                os.kill(os.getpid(), getattr(signal, sig[1]))
+
+
+def run(job: dict) -> int:
+    trainer.train = functools.partial(trainer.train, hooks=Faults(job.get("spec", {})))
+    return main(job["argv"])
+
+
+def run_forked(jobs: list[dict]) -> list[int]:
+    pids = []
+    for job in jobs:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                fd = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 2)
+                sys.stderr = os.fdopen(2, "w", buffering=1)
+                code = run(job)
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        pids.append(pid)
+    return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    jobs = json.loads(sys.argv[1])
+    if isinstance(jobs, dict):  # one spec, then the dropless arguments
+        jobs = [{"spec": jobs, "argv": sys.argv[2:]}]
+    if len(jobs) == 1 and "stderr" not in jobs[0]:
+        sys.exit(run(jobs[0]))
+    print(json.dumps(run_forked(jobs)), flush=True)

@@ -185,6 +185,32 @@ def test_a_dispatch_mode_sees_every_op(threads):
     assert fc.get_total_flops() == 2 * T * K * D * 3 * F  # gate/up [D -> 2F] + down [F -> D]
 
 
+def test_lora_factors_on_threads_equal_the_calling_thread(threads, monkeypatch):
+    g = torch.Generator().manual_seed(8)
+    T, K, E, D, F, r = 9, 2, 5, 8, 4, 2
+    x = torch.randn(T, D, generator=g)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g)
+    gu, dn = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    factors = [
+        torch.randn(shape, generator=g)
+        for shape in ((E, r, D), (E, 2 * F, r), (E, r, F), (E, D, r))
+    ]
+
+    def run():
+        leaves = [t.clone().requires_grad_(True) for t in [x, *factors]]
+        a1, b1, a2, b2 = leaves[1:]
+        lora = (ops.LowRank(a1, b1, 1.5), ops.LowRank(a2, b2, 0.5))
+        out = ops.expert_mlp(leaves[0], ids_TK, w_TK, gu, dn, lora=lora)[0]
+        out.backward(torch.ones_like(out))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got = run()
+    monkeypatch.setattr(loop_mlp, "MIN_THREADED_FLOPS", 2**62)
+    for a, b in zip(got, run()):
+        assert torch.equal(a, b)
+
+
 def _in_forked_child(q):
     out = []
     expert_threads.run_experts(list(range(8)), lambda i, s, b: out.append(i), workers=2)

@@ -36,6 +36,7 @@ BUDGETS = {
     "faults": 120,
     "jax": 90,
     "gpu_check": 60,
+    "bench": 60,
 }
 _spent: dict[str, float] = {}
 

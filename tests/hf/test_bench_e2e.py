@@ -12,13 +12,14 @@ from dropless.bench import e2e
 def test_child_runs_each_implementation_with_the_same_first_loss():
     outs = {
         impl: e2e.child({"shape": e2e.QUICK, "impl": impl, "steps": 1, "mode": "time"})
-        for impl in ("grouped_mm", "dropless")
+        for impl in ("grouped_mm", "dropless", "dropless-fused-ce")
     }
     assert outs["dropless"]["dropless_calls"] >= e2e.QUICK["num_hidden_layers"] * 2  # 2 steps
     assert outs["grouped_mm"]["dropless_calls"] is None
-    assert outs["dropless"]["first_loss"] == pytest.approx(
-        outs["grouped_mm"]["first_loss"], rel=1e-5
-    )
+    for impl in ("dropless", "dropless-fused-ce"):
+        assert outs[impl]["first_loss"] == pytest.approx(
+            outs["grouped_mm"]["first_loss"], rel=1e-5
+        )
     assert all(o["tokens_per_s"] > 0 for o in outs.values())
 
 

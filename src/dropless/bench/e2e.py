@@ -60,7 +60,7 @@ QUICK = dict(
 # (K * F) equal the 64-expert shape's and the two differ only in how they are grouped
 SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": 768}}  # fmt: skip
-IMPLS = ("grouped_mm", "eager", "dropless")
+IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
 
 
@@ -108,10 +108,12 @@ def _build(impl: str, shape: dict):
         max_position_embeddings=max(shape["seq"], 64), norm_topk_prob=True,
     )  # fmt: skip
     torch.manual_seed(0)
-    if impl == "dropless":
+    if impl.startswith("dropless"):
         import dropless
 
-        dropless.patch()  # the one line: models built afterwards use dropless
+        # the one line: models built afterwards use dropless (fused-ce: loss from
+        # dropless.ops.linear_cross_entropy, logits=None, opt-in)
+        dropless.patch(fused_cross_entropy=impl == "dropless-fused-ce")
         model = tf.AutoModelForCausalLM.from_config(cfg)
         assert model.get_experts_implementation()[""] == "dropless"
     else:
@@ -162,7 +164,7 @@ def child(args: dict) -> dict:
         out["best_step_s"] = min(times)
         out["tokens_per_s"] = shape["batch"] * shape["seq"] / statistics.median(times)
     out["dropless_calls"] = None
-    if impl == "dropless":
+    if impl.startswith("dropless"):
         import dropless.hf as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
@@ -217,9 +219,11 @@ def _table(rows: dict) -> str:
 
 
 def _label(impl: str) -> str:
-    return {"grouped_mm": "HF v5 `grouped_mm` (default)", "eager": "HF v5 `eager`"}.get(
-        impl, "HF v5 + `dropless.patch()`"
-    )
+    return {
+        "grouped_mm": "HF v5 `grouped_mm` (default)",
+        "eager": "HF v5 `eager`",
+        "dropless-fused-ce": "HF v5 + `dropless.patch(fused_cross_entropy=True)`",
+    }.get(impl, "HF v5 + `dropless.patch()`")
 
 
 def _check_args(args) -> list[str]:
@@ -320,6 +324,11 @@ def run(args) -> int:
         figures["best_speedup_vs_grouped_mm"] = d["best_tokens_per_s"] / g["best_tokens_per_s"]
         if d["peak_step_mib"] is not None and g["peak_step_mib"]:
             figures["memory_vs_grouped_mm"] = d["peak_step_mib"] / g["peak_step_mib"]
+    fce = rows.get("dropless-fused-ce")
+    if fce and g:
+        figures["fused_ce_speedup_vs_grouped_mm"] = fce["tokens_per_s"] / g["tokens_per_s"]
+        if fce["peak_step_mib"] is not None and g["peak_step_mib"]:
+            figures["fused_ce_memory_vs_grouped_mm"] = fce["peak_step_mib"] / g["peak_step_mib"]
     print(_summary(figures))
     record = rec.finish("e2e", figures)
     print(load_sentence(record["load"]))
@@ -338,6 +347,13 @@ def _summary(figures: dict) -> str:
     )
     if "memory_vs_grouped_mm" in figures:
         text += f", **{figures['memory_vs_grouped_mm']:.2f}x peak step memory**"
+    if "fused_ce_speedup_vs_grouped_mm" in figures:
+        text += (
+            f"; with `fused_cross_entropy=True`: "
+            f"{figures['fused_ce_speedup_vs_grouped_mm']:.2f}x tokens/s"
+        )
+        if "fused_ce_memory_vs_grouped_mm" in figures:
+            text += f", {figures['fused_ce_memory_vs_grouped_mm']:.2f}x peak step memory"
     return text + "."
 
 

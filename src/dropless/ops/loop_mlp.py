@@ -1,16 +1,50 @@
 """The per-expert loop behind `fused_mlp` (the CPU default); see fused_mlp.py for the
-contract and what is saved for backward."""
+contract and what is saved for backward.
 
-# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs
+Each expert is one work item (`expert_threads.run_experts`): gather its rows, gate/up
+GEMM, activation x prob, down GEMM, and, for the combine, an `index_add_` into the
+output committed in expert order. With more than one torch thread and experts big
+enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
+otherwise in the calling thread. Backward is the same per expert, writing the weight
+gradients straight into preallocated [E, ...] tensors.
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
+# n rows of one expert, N = 2F (gated) or F
 
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from .expert_threads import run_experts
 from .lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
 from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
 
-# --- per-expert loop (CPU default) --------------------------------------------------
+# Below this many forward FLOPs per expert (on average), handing experts to worker
+# threads costs more than it saves (a hand-off is tens of microseconds).
+MIN_THREADED_FLOPS = 2**21
+# Worker threads run single-threaded GEMMs, so they need enough experts to keep every
+# thread busy to the end: with fewer than this many per thread (e.g. 8 experts on a
+# 16-thread machine) the loop runs in the calling thread with multi-threaded ops.
+MIN_EXPERTS_PER_THREAD = 4
+
+
+def _modes_active() -> bool:
+    """A TorchDispatchMode / TorchFunctionMode (a FLOP counter, a debug mode) is per
+    thread: ops on worker threads would escape it, so the loop stays in this thread."""
+    return is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+
+
+def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
+    if x.device.type != "cpu" or _modes_active():
+        return 1
+    busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
+    if busy < MIN_EXPERTS_PER_THREAD * threads:
+        return 1
+    if sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
+        return 1
+    return threads
 
 
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
@@ -32,35 +66,44 @@ class _LoopMLP(torch.autograd.Function):
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
+        gathered = token_S is not None
         h_S2F = x.new_empty(S, N)
-        a_buf, y_buf = x.new_empty(nmax, F), x.new_empty(nmax, D)
-        x_buf = x.new_empty(nmax, D) if token_S is not None else None
-        out = x.new_zeros(num_out, D) if token_S is not None else x.new_empty(S, D)
+        out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
         u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
         u2_SR = x.new_empty(S, lr2.rank) if lr2 is not None else None
-        for e, lo, hi in _bounds(counts):
+
+        def scratch():
+            return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
+
+        def compute(item, s, y_buf):
+            e, lo, hi = item
             n = hi - lo
-            xe = (
-                torch.index_select(x, 0, token_S[lo:hi], out=x_buf[:n])
-                if token_S is not None
-                else x[lo:hi]
-            )
+            xe = torch.index_select(x, 0, token_S[lo:hi], out=s["x"][:n]) if gathered else x[lo:hi]
             he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
             if lr1 is not None:
                 lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, u1_SR[lo:hi])
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, act, out=a_buf[:n])
-            ye = torch.mm(
-                a, _wt(down, e, trans_w), out=y_buf[:n] if token_S is not None else out[lo:hi]
-            )
+            a = _act_fwd(he, p, act, out=s["a"][:n])
+            ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if gathered else out[lo:hi])
             if lr2 is not None:
                 lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, u2_SR[lo:hi])
             if d_bias is not None:
                 ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
-            if token_S is not None:
-                out.index_add_(0, token_S[lo:hi], ye)
+
+        def commit(item, y_buf):
+            _, lo, hi = item
+            out.index_add_(0, token_S[lo:hi], y_buf[: hi - lo])
+
+        run_experts(
+            list(_bounds(counts)),
+            compute,
+            workers=_num_workers(x, counts, 2 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if gathered else None,
+            new_out=lambda: x.new_empty(nmax, D),
+        )
         ctx.save_for_backward(
             x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *lora[:4]
         )
@@ -81,9 +124,10 @@ class _LoopMLP(torch.autograd.Function):
         D, N = x.shape[1], h_S2F.shape[1]
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
-        gx = torch.zeros_like(x) if need[0] and token_S is not None else None
-        if need[0] and token_S is None:
-            gx = torch.empty_like(x)
+        gathered = token_S is not None
+        gx = None
+        if need[0]:
+            gx = torch.zeros_like(x) if gathered else torch.empty_like(x)
         gp = prob_S.new_zeros(prob_S.shape) if prob_S is not None and need[1] else None
         # weight gradients: every expert's slice is written by an mm(out=) below; only
         # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
@@ -95,28 +139,36 @@ class _LoopMLP(torch.autograd.Function):
             _empty_grad(t, counts) if t is not None and need[9 + i] else None
             for i, t in enumerate(ABAB)
         )
-        gathered = token_S is not None
-        x_buf = x.new_empty(nmax, D) if gathered else None
-        gy_buf = g_out.new_empty(nmax, D) if gathered else None
-        da_buf, ap_buf, dh_buf = (
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, F),
-            x.new_empty(nmax, N),
-        )
-        for e, lo, hi in _bounds(counts):
+
+        def scratch():
+            def rows(k):
+                return x.new_empty(nmax, k)
+
+            # "rows": the gathered gy, then (once gy is used up) the gathered x;
+            # act[0] is free once _act_parts returns: ap, then the prob gradient's product
+            return {
+                "rows": rows(D) if gathered else None,
+                "da": rows(F),
+                "dh": rows(N),
+                "act": [rows(F) for _ in range(4)],
+            }
+
+        def compute(item, s, dx_buf):
+            e, lo, hi = item
             n = hi - lo
             idx = token_S[lo:hi] if gathered else None
-            gy = torch.index_select(g_out, 0, idx, out=gy_buf[:n]) if gathered else g_out[lo:hi]
+            gy = torch.index_select(g_out, 0, idx, out=s["rows"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act)
+            act_bufs = [b[:n] for b in s["act"]]
+            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act, act_bufs)
             if gd is not None or g2a is not None:
-                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=ap_buf[:n])
+                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
             if gd is not None:
                 # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
                 torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
             if gdb is not None:
                 torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
-            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=da_buf[:n])
+            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
             if lr2 is not None:
                 xa = ap if g2a is not None else None
                 gu = lowrank_bwd(
@@ -125,16 +177,16 @@ class _LoopMLP(torch.autograd.Function):
                 da.addmm_(gu, lr2.a_ERI[e])
             if gp is not None:
                 gpe = gp[lo:hi]
-                torch.sum(da * a0, 1, out=gpe)
+                torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
                 if d_bias is not None:
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:
                 da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, act.interleaved, dh_buf[:n])
+            dh = _act_bwd(da, d_gate, d_up, act.interleaved, s["dh"][:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None or g1a is not None:
-                xe = torch.index_select(x, 0, idx, out=x_buf[:n]) if gathered else x[lo:hi]
+                xe = torch.index_select(x, 0, idx, out=s["rows"][:n]) if gathered else x[lo:hi]
             if ggu is not None:
                 torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
             if lr1 is not None:
@@ -144,10 +196,21 @@ class _LoopMLP(torch.autograd.Function):
                 )
             if gx is not None:
                 w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
-                dx = torch.mm(dh, w_in, out=x_buf[:n] if gathered else gx[lo:hi])
+                dx = torch.mm(dh, w_in, out=dx_buf[:n] if gathered else gx[lo:hi])
                 if lr1 is not None:
                     dx.addmm_(gu, lr1.a_ERI[e])
-                if gathered:
-                    gx.index_add_(0, idx, dx)
+
+        def commit(item, dx_buf):
+            _, lo, hi = item
+            gx.index_add_(0, token_S[lo:hi], dx_buf[: hi - lo])
+
+        run_experts(
+            list(_bounds(counts)),
+            compute,
+            workers=_num_workers(x, counts, 4 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if gathered and gx is not None else None,
+            new_out=lambda: x.new_empty(nmax, D),
+        )
         grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None)
         return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())

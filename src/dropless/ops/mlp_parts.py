@@ -45,13 +45,22 @@ def _act_fwd(h_n2F, prob_n, act: ActivationConfig, out=None):
     return a
 
 
-def _act_parts(h_n2F, act: ActivationConfig):
+def _act_parts(h_n2F, act: ActivationConfig, bufs=None):
     """Recompute the activation: (a0 = act without prob, d a0/d gate, d a0/d up);
-    d_up is None for non-gated experts (gate is then the whole h)."""
+    d_up is None for non-gated experts (gate is then the whole h). `bufs`: four [n, F]
+    buffers the gated SwiGLU writes into instead of allocating (the first is free for
+    the caller once this returns)."""
     gate, up = _gate_up(h_n2F, act)
     alpha, limit = act.alpha, act.limit
     if not _is_glu(act):
         return elementwise_parts(gate, up, act.kind, limit)
+    if act.kind == "swiglu" and bufs is not None:
+        sig, silu, a0, d_gate = bufs
+        torch.sigmoid(gate, out=sig)
+        torch.mul(gate, sig, out=silu)
+        torch.mul(silu, up, out=a0)
+        torch.addcmul(a0, sig, torch.sub(up, a0, out=d_gate), out=d_gate)  # as below
+        return a0, d_gate, silu
     if act.kind == "swiglu":
         sig = torch.sigmoid(gate)
         silu = gate * sig

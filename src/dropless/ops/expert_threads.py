@@ -1,0 +1,181 @@
+"""Per-expert work of the CPU loop spread over worker threads, each running torch ops
+with one thread.
+
+Why: one expert's GEMM (a few hundred rows) is small for torch's OpenMP team. Every op
+ends in a barrier, and when another process holds one of the cores the whole team waits
+for its descheduled member, so the op runs at the speed of the slowest core. Here `n`
+long-lived threads (n = the caller's `torch.get_num_threads()`) take experts off a
+shared counter, each running the whole expert single-threaded: no barrier per op, a
+thread slowed by another process simply takes fewer experts (work stealing, not a
+static split), and one expert's rows stay in its core's cache from the first GEMM to
+the last. torch ops release the GIL, so the threads run in parallel.
+
+Determinism: results that several experts add into the same rows (the combine's
+`index_add_`) are committed in item order, one at a time, by whichever thread finishes
+the next item in line, so every row is summed in the order of the serial loop. Results
+that wait for their turn sit in a bounded pool of output buffers; a thread takes a
+buffer before it claims an item, so the lowest unfinished item always holds one and
+the pool cannot deadlock.
+
+Thread settings: `torch.set_num_threads(1)` inside a worker makes that thread's OpenMP
+and MKL calls single-threaded, but also sets the process-wide count that
+`torch.get_num_threads()` reports and that new threads start from; the caller's count
+is put back as soon as the workers are started.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+_POOL: list[_Worker] = []
+_POOL_LOCK = threading.Lock()
+
+
+class _Worker(threading.Thread):
+    def __init__(self):
+        super().__init__(name="dropless-expert-worker", daemon=True)
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready = threading.Event()
+
+    def run(self):
+        # the first parallel op of a thread reads the process-wide count once; read it
+        # now, so that the count of 1 set below is not undone by that lazy read later
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        self.ready.set()
+        while True:
+            self.tasks.get()()
+
+
+def _workers(n: int) -> list[_Worker]:
+    with _POOL_LOCK:
+        if len(_POOL) < n:
+            keep = torch.get_num_threads()
+            new = [_Worker() for _ in range(n - len(_POOL))]
+            for w in new:
+                w.start()
+            for w in new:
+                w.ready.wait()
+            torch.set_num_threads(keep)  # the workers' set_num_threads(1) changed it
+            _POOL.extend(new)
+        return _POOL[:n]
+
+
+def _forget_workers():
+    _POOL.clear()  # threads do not survive fork: a child starts its own
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
+class _Run:
+    """One call's shared state: the claim counter, the commit turn, the buffer pool."""
+
+    def __init__(self, items, compute, commit, new_out, make_scratch, max_out, active):
+        self.items, self.compute, self.commit = items, compute, commit
+        self.new_out, self.make_scratch, self.max_out = new_out, make_scratch, max_out
+        self.cond = threading.Condition()
+        self.next_claim = self.next_commit = self.n_out = 0
+        self.finished: dict[int, object] = {}
+        self.free: list = []
+        self.committing = False
+        self.error: BaseException | None = None
+        self.active = active
+        # grad and inference mode are per thread: the workers take the caller's
+        self.inference = torch.is_inference_mode_enabled()
+
+    def _claim(self):
+        with self.cond:
+            while True:
+                if self.error is not None or self.next_claim >= len(self.items):
+                    return None, None
+                if self.commit is None:
+                    buf = None
+                    break
+                if self.free:
+                    buf = self.free.pop()
+                    break
+                if self.n_out < self.max_out:
+                    self.n_out += 1
+                    buf = self.new_out()
+                    break
+                self.cond.wait()
+            self.next_claim += 1
+            return self.next_claim - 1, buf
+
+    def _finish(self, i: int, buf) -> None:
+        with self.cond:
+            self.finished[i] = buf
+            if self.committing:
+                return  # the committing thread takes it when its turn comes
+            self.committing = True
+        while True:
+            with self.cond:
+                buf = self.finished.pop(self.next_commit, None)
+                if buf is None or self.error is not None:
+                    self.committing = False
+                    return
+                j = self.next_commit
+            self.commit(self.items[j], buf)
+            with self.cond:
+                self.next_commit += 1
+                self.free.append(buf)
+                self.cond.notify_all()
+
+    def work(self) -> None:
+        try:
+            with torch.inference_mode(self.inference), torch.no_grad():
+                scratch = self.make_scratch()
+                while True:
+                    i, buf = self._claim()
+                    if i is None:
+                        break
+                    self.compute(self.items[i], scratch, buf)
+                    if self.commit is not None:
+                        self._finish(i, buf)
+        except BaseException as e:  # re-raised in the calling thread
+            with self.cond:
+                self.error = self.error or e
+        finally:
+            with self.cond:
+                self.active -= 1
+                self.cond.notify_all()
+
+
+def run_experts(
+    items: Sequence,
+    compute: Callable,
+    *,
+    workers: int,
+    make_scratch: Callable = dict,
+    commit: Callable | None = None,
+    new_out: Callable | None = None,
+) -> None:
+    """compute(item, scratch, out_buf) for every item; then, if given, commit(item,
+    out_buf) in item order, one at a time. `scratch` is one object per thread (from
+    make_scratch); out_buf comes from new_out() (None without commit) and is reused
+    once its item is committed. workers <= 1: a plain loop in the calling thread,
+    with its own torch thread count."""
+    if workers <= 1 or len(items) < 2:
+        scratch = make_scratch()
+        buf = new_out() if commit is not None else None
+        for item in items:
+            compute(item, scratch, buf)
+            if commit is not None:
+                commit(item, buf)
+        return
+    n = min(workers, len(items))
+    run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1, active=n)
+    for w in _workers(n):
+        w.tasks.put(run.work)
+    with run.cond:
+        while run.active:
+            run.cond.wait()
+    if run.error is not None:
+        raise run.error
+    assert commit is None or run.next_commit == len(items), "uncommitted expert results"

@@ -11,10 +11,13 @@ pair: at D=1024, F=384 that is 2816 values per pair against 768 here (3.7x less)
 
 Two implementations of the same Function, picked by `pick_mlp_path`:
 
-- `_LoopMLP` (the CPU default): one pass per expert that gathers that expert's rows
-  into a small buffer, runs both GEMMs with `torch.mm(out=)`, applies SwiGLU x prob in
-  place and `index_add_`s the result into the output (an expert sees a token at most
-  once, and experts are visited in order, so the sum is deterministic). Backward does
+- `_LoopMLP` (the CPU default, `loop_mlp.py`): one pass per expert that gathers that
+  expert's rows into a small buffer, runs both GEMMs with `torch.mm(out=)`, applies
+  SwiGLU x prob in place and `index_add_`s the result into the output (an expert sees a
+  token at most once, and results are added in expert order, so the sum is
+  deterministic). With enough experts per thread, the experts are spread over worker
+  threads running single-threaded GEMMs (`expert_threads.py`: work stealing, results
+  committed in expert order, bit-identical to the one-thread loop). Backward does
   the same per expert and writes the weight gradients straight into preallocated
   [E, ...] tensors. The working set of one expert stays in cache, and no [S, D]
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per

@@ -154,21 +154,25 @@ def child(args: dict) -> dict:
     if out["mode"] == "memory":
         out.update(_measure_memory(fwd_bwd, opt_step))
     else:
-        times = []
-        for _ in range(args["steps"]):
-            t0 = time.perf_counter()
-            fwd_bwd()
-            opt_step()
-            times.append(time.perf_counter() - t0)
-        out["step_s"] = statistics.median(times)
-        out["best_step_s"] = min(times)
-        out["tokens_per_s"] = shape["batch"] * shape["seq"] / statistics.median(times)
+        out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     out["dropless_calls"] = None
     if impl.startswith("dropless"):
         import dropless.hf as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
     return out
+
+
+def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int) -> dict:
+    """`steps` timed training steps: median and best step time, tokens/s from the median."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fwd_bwd()
+        opt_step()
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
 
 
 def _measure_memory(fwd_bwd, opt_step) -> dict:

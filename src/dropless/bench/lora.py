@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from .common import (
     Recorder,
@@ -36,7 +35,7 @@ from .common import (
     run_child,
     section_path,
 )
-from .e2e import QUICK, SHAPE, _build, _measure_memory
+from .e2e import QUICK, SHAPE, _build, _measure_memory, time_steps
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
@@ -111,15 +110,7 @@ def child(args: dict) -> dict:
     if out["mode"] == "memory":
         out.update(_measure_memory(fwd_bwd, opt_step))
     else:
-        times = []
-        for _ in range(args["steps"]):
-            t0 = time.perf_counter()
-            fwd_bwd()
-            opt_step()
-            times.append(time.perf_counter() - t0)
-        out["step_s"] = statistics.median(times)
-        out["best_step_s"] = min(times)
-        out["tokens_per_s"] = shape["batch"] * shape["seq"] / out["step_s"]
+        out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     if impl.endswith("dropless"):
         import dropless.hf as dh
 

@@ -40,7 +40,8 @@ GROUPS = [
     ("fused_mlp", 20, True),
     ("fp8", 20, False),
     ("expert_parallel", 20, False),
-    ("timing", 60, False),
+    ("timing", 75, False),
+    ("e2e", 45, False),
     ("compile", 60, False),
     ("jax", 30, False),
 ]
@@ -89,6 +90,23 @@ def _echo(stdout: str) -> None:
             print(ln, flush=True)
 
 
+def _print_tables(summary: dict) -> None:
+    """The figures (timing, e2e) as short tables, then one line per group."""
+    for group in ("timing", "e2e"):
+        res = summary["groups"].get(group, {}).get(group)
+        if not res or not res.get("rows"):
+            continue
+        print(f"\n{group}: {res.get('shape')} {res.get('dtype')}")
+        for name, row in res["rows"].items():
+            cells = ", ".join(f"{k}={v}" for k, v in row.items())
+            print(f"  {name:28s} {cells}")
+    print()
+    for name, g in summary["groups"].items():
+        bad = [c["name"] for c in g.get("checks", []) if c.get("status") == "fail"]
+        extra = f" failed: {bad}" if bad else (f" ({g['reason']})" if "reason" in g else "")
+        print(f"  {name:16s} {g['status']:8s} {g.get('seconds', '')}{extra}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="small shapes on CPU (no timing)")
@@ -123,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["failed"] = failed
     summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     summary["ok"] = not failed
+    _print_tables(summary)
     print(json.dumps({"gpu_check": summary}), flush=True)
     return 0 if not failed else 1
 

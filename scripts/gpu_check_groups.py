@@ -460,6 +460,12 @@ def timing(G: Group) -> None:
     G.extra["timing"] = run_timing(G)
 
 
+def e2e(G: Group) -> None:
+    from gpu_check_timing import run_e2e
+
+    G.extra["e2e"] = run_e2e(G)
+
+
 GROUPS = {
     "gemm_layouts": gemm_layouts,
     "moe_layer": moe_layer,
@@ -470,6 +476,7 @@ GROUPS = {
     "compile": compile_group,
     "jax": jax_group,
     "timing": timing,
+    "e2e": e2e,
 }
 
 

@@ -8,6 +8,9 @@ Rows, all with the same routing and weights:
 - grouped_mm_plain: argsort + torch._grouped_mm with autograd + index_add, written plainly;
 - hf_grouped_mm: Hugging Face `Qwen3MoeSparseMoeBlock` with experts_implementation
   "grouped_mm" (skipped when transformers is missing).
+- dropless_eager_row_ops: dropless with the eager row ops instead of the Triton kernels;
+- dropless_fp8_current_row / dropless_fp8_delayed / dropless_mxfp8_saved: dropless under
+  those recipes (E4M3; MXFP8 with FP8 saved activations).
 Each: median ms of `rounds` steps after warm-up, share of the bound, peak memory of a
 step above what was allocated before it; dropless also: host syncs per step.
 """
@@ -110,8 +113,38 @@ def run_timing(G) -> dict:
         xi = x.detach().requires_grad_(True)
         _plain(xi, *leaves, K).backward(g_out)
 
+    def ours_eager_rows():
+        # the same layer with the eager row ops (the reference) in place of the Triton ones
+        from dropless.ops import row_ops
+
+        saved = row_ops._ROW_OPS.pop("triton", None)
+        try:
+            ours()
+        finally:
+            if saved is not None:
+                row_ops.register_row_ops(saved)
+
+    def ours_recipe(recipe):
+        def step():
+            with dropless.autocast(recipe=recipe):
+                ours()
+
+        return step
+
     rows: dict = {}
-    steps = {"dense_bound": dense, "dropless": ours, "grouped_mm_plain": plain}
+    steps = {
+        "dense_bound": dense,
+        "dropless": ours,
+        "dropless_eager_row_ops": ours_eager_rows,
+        # E4M3 gradients too: torch's FP8 grouped GEMM takes no E5M2 operand (HYBRID's dgrad
+        # would run emulated, see docs/fp8.md)
+        "dropless_fp8_current_row": ours_recipe(
+            dropless.Float8CurrentScaling(granularity="row", fp8_format="E4M3")
+        ),
+        "dropless_fp8_delayed": ours_recipe(dropless.DelayedScaling(fp8_format="E4M3")),
+        "dropless_mxfp8_saved": ours_recipe(dropless.MXFP8BlockScaling(fp8_saved_activations=True)),
+        "grouped_mm_plain": plain,
+    }
     try:
         block = _hf(SHAPE, w_r, gu, dn)
 
@@ -132,16 +165,102 @@ def run_timing(G) -> dict:
     for r in rows.values():
         if bound and "ms" in r:
             r["share_of_bound"] = round(bound / r["ms"], 3)
-    with G.check("timing dropless host syncs"):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ours()
-        torch.cuda.set_sync_debug_mode(0)
-        n = sum("synchroniz" in str(c.message) for c in caught)
-        rows.setdefault("dropless", {})["host_syncs_per_step"] = n
-        G.record(
-            "timing dropless host syncs", status="ok" if n == 0 else "fail", note=f"{n} per step"
-        )
+    for row in ("dropless", "dropless_fp8_current_row", "dropless_fp8_delayed"):
+        with G.check(f"timing {row} host syncs"):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                steps[row]()
+            torch.cuda.set_sync_debug_mode(0)
+            n = sum("synchroniz" in str(c.message) for c in caught)
+            rows.setdefault(row, {})["host_syncs_per_step"] = n
+            G.record(
+                f"timing {row} host syncs", status="ok" if n == 0 else "fail", note=f"{n} per step"
+            )
     return dict(shape=SHAPE, dtype="bf16", rows=rows)
+
+
+# the e2e model: the pinned CPU config scaled to a GPU (Qwen3-like layer shape E64 K8)
+E2E = dict(
+    vocab_size=32768, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=384, intermediate_size=3072, tie_word_embeddings=False,
+    batch=8, seq=2048,
+)  # fmt: skip
+E2E_CPU = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+    moe_intermediate_size=32, intermediate_size=128, tie_word_embeddings=False,
+    batch=2, seq=16,
+)  # fmt: skip
+
+
+def _e2e_step_fn(impl: str, shape: dict, dev, dt):
+    import dropless
+    import transformers as tf
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    dropless.unpatch()
+    report = None
+    if impl.startswith("dropless"):
+        report = dropless.patch(fused_cross_entropy=impl == "dropless_fused_ce")
+    conf = {k: v for k, v in shape.items() if k not in ("batch", "seq")}
+    cfg = Qwen3MoeConfig(**conf, output_router_logits=True, router_aux_loss_coef=0.001)
+    torch.manual_seed(0)
+    kw = {} if report is not None else dict(experts_implementation="grouped_mm")
+    model = tf.AutoModelForCausalLM.from_config(cfg, **kw).to(device=dev, dtype=dt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    ids = ids.to(dev)
+
+    def step() -> float:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step, report
+
+
+def run_e2e(G) -> dict:
+    """A Qwen3-MoE training step (forward, backward, fused AdamW), bf16 on the GPU:
+    stock Transformers `grouped_mm` vs `dropless.patch()` (and with its fused linear +
+    cross-entropy). The first-step losses must agree; tokens/s from the median step."""
+    import dropless
+
+    shape = E2E_CPU if G.cpu else E2E
+    dev, dt = G.dev, (torch.float32 if G.cpu else torch.bfloat16)
+    rows: dict = {}
+    first: dict = {}
+    for impl in ("grouped_mm", "dropless", "dropless_fused_ce"):
+        with G.check(f"e2e {impl}"):
+            step, _ = _e2e_step_fn(impl, shape, dev, dt)
+            first[impl] = float(step())  # warm-up; AdamW allocates its state
+            if G.cpu:
+                G.record(f"e2e {impl}", status="ok", note=f"first loss {first[impl]:.4f}")
+                continue
+            ms, peak = _time(step, rounds=5, warmup=1)
+            del step
+            tok_s = shape["batch"] * shape["seq"] / (ms / 1e3)
+            rows[impl] = dict(
+                ms=round(ms, 2), tokens_per_s=round(tok_s), peak_step_gib=round(peak, 3)
+            )
+            G.record(
+                f"e2e {impl}",
+                status="ok",
+                note=f"{ms:.1f} ms, {tok_s:.0f} tok/s, peak {peak:.2f} GiB",
+            )
+    dropless.unpatch()
+    if "grouped_mm" in first:
+        ref = first["grouped_mm"]
+        for impl, loss in first.items():
+            G.record(f"e2e first loss {impl} vs grouped_mm", abs(loss - ref) / abs(ref), 2e-2)
+    base = rows.get("grouped_mm", {})
+    for r in rows.values():
+        if "ms" in r and base.get("ms"):
+            r["speed_vs_grouped_mm"] = round(base["ms"] / r["ms"], 3)
+            r["memory_vs_grouped_mm"] = round(r["peak_step_gib"] / base["peak_step_gib"], 3)
+    return dict(shape=shape, dtype=str(dt), rows=rows)

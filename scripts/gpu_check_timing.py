@@ -197,9 +197,10 @@ E2E_CPU = dict(
 
 
 def _e2e_step_fn(impl: str, shape: dict, dev, dt):
-    import dropless
     import transformers as tf
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    import dropless
 
     dropless.unpatch()
     report = None

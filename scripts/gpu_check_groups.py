@@ -298,17 +298,22 @@ def fp8(G: Group) -> None:
     }
     for name, make in recipes.items():
         with G.check(name):
-            moe, ref = _moe_pair(G, G.dt)
+            moe, _ = _moe_pair(G, G.dt)
             recipe = make()
             be = pick_backend(recipe, x.to(G.dt), moe.experts.gate_up_proj)
+            base = _moe_step(copy.deepcopy(moe), x.to(G.dt), g_out)
             with dropless.autocast(recipe=recipe), warnings.catch_warnings(record=True):
                 _moe_step(copy.deepcopy(moe), x.to(G.dt), g_out)  # delayed: a first history
                 out, gx, grads = _moe_step(moe, x.to(G.dt), g_out)
-            out_r, gx_r, grads_r = _moe_step(ref, x.double(), g_out)
+            # against the same model in the same dtype without the recipe: the same
+            # routing (the router is not quantized), so only the FP8 noise is measured; an
+            # fp64 reference would also count bf16 routing flips of near-tied experts
+            out_r, gx_r, grads_r = base
             pairs = [
                 (out, out_r),
                 (gx, gx_r),
                 (grads["experts.gate_up_proj"], grads_r["experts.gate_up_proj"]),
+                (grads["experts.down_proj"], grads_r["experts.down_proj"]),
             ]
             sqnr = min(
                 float(
@@ -320,8 +325,8 @@ def fp8(G: Group) -> None:
             # SQNR floor (dB): the expert MLP has four quantized operands per pass
             G.record(
                 name,
-                status="ok" if sqnr >= 15 else "fail",
-                note=f"backend={be} min SQNR {sqnr:.1f} dB (floor 15)",
+                status="ok" if sqnr >= 17 else "fail",
+                note=f"backend={be} min SQNR {sqnr:.1f} dB (floor 17)",
             )
             if not G.cpu:
                 with dropless.autocast(recipe=recipe):

@@ -17,9 +17,7 @@ def test_child_runs_each_implementation_with_the_same_first_loss():
     assert outs["dropless"]["dropless_calls"] >= e2e.QUICK["num_hidden_layers"] * 2  # 2 steps
     assert outs["grouped_mm"]["dropless_calls"] is None
     for impl in ("dropless", "dropless-fused-ce"):
-        assert outs[impl]["first_loss"] == pytest.approx(
-            outs["grouped_mm"]["first_loss"], rel=1e-5
-        )
+        assert outs[impl]["first_loss"] == pytest.approx(outs["grouped_mm"]["first_loss"], rel=1e-5)
     assert all(o["tokens_per_s"] > 0 for o in outs.values())
 
 

@@ -176,3 +176,18 @@ def test_bf16_rounds_like_the_stock_head(backend):
     for a, c in zip(g1, g0):
         bf16_tol = dict(rtol=1.6e-2, atol=1e-3)  # one bf16 ulp of the O(1e-2) gradient entries
         torch.testing.assert_close(a, c, **(bf16_tol if backend == "chunked" else tol))
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_matches_the_stock_head():
+    """On CUDA the chunked backend's weight gradient runs bf16 GEMMs with an fp32 sum
+    (not an fp32 SIMT GEMM): loss and gradients within bf16 rounding of the stock head."""
+    h, w, b, y = (t.cuda() for t in _inputs(300, 64, 500, 0.25, torch.bfloat16))
+    l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
+    l1, g1 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, chunk_size=128, backend="chunked"), h, w, b, y
+    )
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-4)
+    for a, c in zip(g1, g0):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-3)

@@ -19,6 +19,7 @@ with zeros (the data is stored padded to the block size).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,24 @@ FP8_EMAX = {"e4m3": 8, "e5m2": 15}
 SCALE_RULES = ("floor", "rceil")
 E8M0_NAN = 255
 FP8_NAN = 0x7F
+
+
+_HAS_TRITON: bool | None = None
+
+
+def _kernels(t: torch.Tensor, fmt: str = "e4m3"):
+    """The one-pass Triton casts (`triton_quant`, 2-D) for a CUDA tensor in E4M3 when
+    triton is installed, else None (the torch forms below, which are the specification)."""
+    global _HAS_TRITON
+    if not (t.is_cuda and fmt == "e4m3"):
+        return None
+    if _HAS_TRITON is None:
+        _HAS_TRITON = importlib.util.find_spec("triton") is not None
+    if not _HAS_TRITON:
+        return None
+    from . import triton_quant
+
+    return triton_quant
 
 
 def check_format(fmt: str) -> str:
@@ -96,11 +115,24 @@ class QTensor:
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        k = _kernels(self.data, self.fmt)
         if self.kind == "scaled":
+            if k is not None and self.data.dim() == 2 and self.scale_inv.dim() <= 2:
+                return k.dequant_scaled(self.data, self.scale_inv, dtype)
             return (self.data.float() * self.scale_inv).to(dtype)
         if self.kind == "mx":
+            if k is not None:  # blocks along the last dim: leading dims flatten
+                lead = self.data.shape[:-1]
+                d2 = self.data.reshape(-1, self.data.shape[-1])
+                s2 = self.scale_inv.reshape(-1, self.scale_inv.shape[-1])
+                x = k.mx_dequant(d2, s2, self.size, dtype).view(*lead, self.size)
+                return x.movedim(-1, self.dim)
             x = _mx_dequant_last(self.data, self.scale_inv)[..., : self.size]
             return x.movedim(-1, self.dim).to(dtype)
+        if k is not None:  # column blocks: the transposed views are row blocks
+            n = self.data.shape[0]
+            x = k.mx_dequant(self.data.t(), self.scale_inv.t(), n, dtype).t()
+            return x.index_select(0, self.rows_S)
         x = self.data.float().unflatten(0, (-1, BLOCK)) * self.scale_inv.float().unsqueeze(1)
         return x.flatten(0, 1).index_select(0, self.rows_S).to(dtype)
 
@@ -116,6 +148,10 @@ class QTensor:
 
 def amax(x: torch.Tensor, dims=None) -> torch.Tensor:
     """max |x| over `dims` (all when None), keepdim, fp32; NaN propagates."""
+    if x.is_cuda and (dims is None or isinstance(dims, int)) and x.numel():
+        # one pass, no |x| temporary; maximum propagates NaN like amax
+        lo, hi = torch.aminmax(x.detach(), dim=dims, keepdim=dims is not None)
+        return torch.maximum(hi.float(), lo.float().neg())
     a = x.detach().abs().float()
     if dims is None:
         return a.amax() if a.numel() else a.new_zeros(())
@@ -126,9 +162,19 @@ def quantize_scaled(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> QTensor:
     """q = sat_cast(x * scale) with a given fp32 scale (scalar or broadcastable)."""
     scale = scale.float()
     m = FP8_MAX[check_format(fmt)]
+    k = _kernels(x, fmt)
+    if k is not None and x.dim() == 2 and _broadcasts_2d(scale, x.shape):
+        return QTensor(k.scale_cast(x, scale), torch.reciprocal(scale), fmt, scale=scale)
     # one fp32 temporary: the product is clamped in place, then cast (clamp keeps NaN)
     q = (x.float() * scale).clamp_(-m, m).to(FP8_DTYPES[fmt])
     return QTensor(q, torch.reciprocal(scale), fmt, scale=scale)
+
+
+def _broadcasts_2d(scale: torch.Tensor, shape) -> bool:
+    """Whether scale is a scalar, a row [M, 1] or a column [1, N] of a [M, N] tensor."""
+    if scale.numel() == 1 and scale.dim() <= 2:
+        return True
+    return scale.dim() == 2 and tuple(scale.shape) in ((shape[0], 1), (1, shape[1]))
 
 
 def quantize_current(x: torch.Tensor, fmt: str, dims=None, margin: int = 0) -> QTensor:
@@ -188,6 +234,11 @@ def quantize_mx(
     dim = dim % x.dim()
     xt = x.movedim(dim, -1)
     n = xt.shape[-1]
+    k = _kernels(xt, fmt)
+    if k is not None:  # 2-D in place (any strides); leading dims flatten (a copy if need be)
+        q, s = k.mx_quantize(xt if xt.dim() == 2 else xt.reshape(-1, n), scale_rule)
+        lead = xt.shape[:-1]
+        return QTensor(q.view(*lead, -1), s.view(*lead, -1), fmt, kind="mx", dim=dim, size=n)
     pad = (-n) % BLOCK
     if pad:
         xt = torch.nn.functional.pad(xt, (0, pad))
@@ -229,5 +280,9 @@ def quantize_mx_groups(
     multiple of 32 rows first."""
     rows_S, s_pad = padded_rows(counts, x_SN.device, rows=x_SN.shape[0])
     xp = x_SN.new_zeros(s_pad, x_SN.shape[1]).index_copy_(0, rows_S, x_SN)
+    k = _kernels(xp, fmt)
+    if k is not None:  # column blocks of xp are row blocks of its transpose
+        q, s = k.mx_quantize(xp.t(), scale_rule)
+        return QTensor(q.t(), s.t(), fmt, kind="mx_groups", rows_S=rows_S)
     q, s = _mx_blocks_last(xp.unflatten(0, (-1, BLOCK)).transpose(1, 2), fmt, scale_rule)
     return QTensor(q.transpose(1, 2).flatten(0, 1), s, fmt, kind="mx_groups", rows_S=rows_S)

@@ -1,0 +1,201 @@
+"""Triton kernels for the FP8 casts of 2-D tensors on CUDA: one pass each, no fp32 copy.
+
+The torch forms in `formats.py` (the specification, and what CPU runs) make fp32
+temporaries: `(x.float() * scale).clamp_().to(fp8)` reads and writes ~25 bytes per
+element where the cast needs 3 (read bf16, write one byte). These kernels do the same
+arithmetic in registers and give the same bytes:
+
+- `scale_cast`: q = sat_cast_e4m3(x * scale), scale a scalar, a row or a column;
+- `dequant_scaled`: (q * scale_inv) in fp32, written in the output dtype;
+- `mx_quantize`: MXFP8 blocks of 32 along the last dim (E8M0 scales, "floor" or "rceil",
+  NaN/Inf blocks get scale 0xFF and elements 0x7F, a partial last block zero padded);
+- `mx_dequant`: q * 2**(s - 127), NaN where s is 0xFF.
+
+Every kernel takes arbitrary 2-D strides, so a transposed view (the column-wise
+quantization of a weight gradient's operand) needs no copy. E4M3 only: the E5M2
+gradients of HYBRID recipes take the torch path. Offsets are int64 (tensors past 2**31
+elements). Tested bit for bit against the torch path under TRITON_INTERPRET=1.
+"""
+
+# M rows, N columns, B MX blocks per row
+
+from __future__ import annotations
+
+import torch
+
+from .formats import BLOCK
+from .triton_swiglu_quant import _e4m3_bits, tl, triton
+
+E4M3 = torch.float8_e4m3fn
+E8M0 = torch.float8_e8m0fnu
+
+
+@triton.jit
+def _offs(rows, cols, s0, s1):
+    return rows.to(tl.int64)[:, None] * s0 + cols.to(tl.int64)[None, :] * s1
+
+
+@triton.jit
+def _e4m3_code(v):
+    """fp32 -> E4M3 byte: saturating (|v| > 448 and +-Inf give +-448), NaN keeps its sign
+    bit (0x7F / 0xFF), as torch's clamp-then-cast."""
+    nan = v != v
+    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
+    c = tl.minimum(tl.maximum(tl.where(nan, 0.0, v), -448.0), 448.0)
+    return tl.where(nan, 0x7F | sign, _e4m3_bits(c))
+
+
+@triton.jit
+def _e4m3_value(code):
+    """E4M3 byte (int32) -> fp32, exact; 0x7F / 0xFF are NaN."""
+    sign = (code & 0x80) << 24
+    e = (code >> 3) & 0xF
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2**-9
+    mag = tl.where(e == 0, sub, normal)
+    mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_cast_kernel(
+    x_ptr, s_ptr, q_ptr, M, N, sx0, sx1, ss0, ss1, sq0, sq1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    x = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
+    code = _e4m3_code(x * s)
+    tl.store(q_ptr + _offs(rows, cols, sq0, sq1), code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    code = tl.load(q_ptr + _offs(rows, cols, sq0, sq1), mask=mask, other=0).to(tl.int32)
+    s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
+    y = _e4m3_value(code) * s
+    tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mx_quant_kernel(
+    x_ptr, q_ptr, s_ptr, M, N, sx0, sx1, sq0, ss0,
+    RCEIL: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    blk = tl.program_id(1)
+    cols = blk * 32 + tl.arange(0, 32)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    a = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
+    absa = tl.abs(a)
+    bad = tl.max(((a != a) | (absa == float("inf"))).to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(a != a, 0.0, absa), axis=1)
+    amax = tl.where(bad, 0.0, amax)
+    # floor(log2(amax)) from the fp32 exponent bits; subnormal amaxes clamp to -127 either way
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
+    if RCEIL:
+        e = tl.maximum(e, -134)
+        thresh = (((e + 135) << 23) | 0x600000).to(tl.float32, bitcast=True)  # 448 * 2**e
+        e = e + (amax > thresh).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = tl.where(amax > 0, e, -127)
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+    v = tl.minimum(tl.maximum(a * inv[:, None], -448.0), 448.0)
+    code = tl.where(bad[:, None], 0x7F, _e4m3_bits(tl.where(bad[:, None], 0.0, v)))
+    q_offs = rows.to(tl.int64)[:, None] * sq0 + cols.to(tl.int64)[None, :]
+    tl.store(q_ptr + q_offs, code.to(tl.uint8), mask=row_ok[:, None])
+    sbits = tl.where(bad, 255, e + 127)
+    tl.store(s_ptr + rows.to(tl.int64) * ss0 + blk, sbits.to(tl.uint8), mask=row_ok)
+
+
+@triton.jit
+def _mx_dequant_kernel(
+    q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    code = tl.load(q_ptr + _offs(rows, cols, sq0, sq1), mask=mask, other=0).to(tl.int32)
+    sb = tl.load(s_ptr + _offs(rows, cols // 32, ss0, ss1), mask=mask, other=127).to(tl.int32)
+    # 2**(sb - 127): a normal float for sb >= 1, the subnormal 2**-127 for sb == 0
+    x = tl.where(sb > 0, sb << 23, 0x400000).to(tl.float32, bitcast=True)
+    x = tl.where(sb == 255, float("nan"), x)
+    y = _e4m3_value(code) * x
+    tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid(M: int, N: int, bm: int, bn: int) -> tuple[int, int]:
+    return (triton.cdiv(M, bm), triton.cdiv(N, bn))
+
+
+def scale_cast(x: torch.Tensor, scale: torch.Tensor, block=(32, 128)) -> torch.Tensor:
+    """sat_cast_e4m3(x * scale) for 2-D x; scale fp32 broadcastable to x (scalar, [M, 1]
+    or [1, N]). Returns a contiguous E4M3 tensor of x's shape."""
+    M, N = x.shape
+    s = scale.float().reshape([1] * (2 - scale.dim()) + list(scale.shape)).expand(M, N)
+    q = torch.empty(M, N, dtype=torch.uint8, device=x.device)
+    if M and N:
+        _scale_cast_kernel[_grid(M, N, *block)](
+            x, s, q, M, N, *x.stride(), *s.stride(), *q.stride(),
+            BLOCK_M=block[0], BLOCK_N=block[1],
+        )  # fmt: skip
+    return q.view(E4M3)
+
+
+def dequant_scaled(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, block=(32, 128)
+) -> torch.Tensor:
+    """(q * scale_inv) in fp32, as `dtype`, for 2-D E4M3 q; scale_inv broadcastable."""
+    M, N = q.shape
+    s = scale_inv.float()
+    s = s.reshape([1] * (2 - s.dim()) + list(s.shape)).expand(M, N)
+    out = torch.empty(M, N, dtype=dtype, device=q.device)
+    if M and N:
+        _dequant_kernel[_grid(M, N, *block)](
+            q.view(torch.uint8), s, out, M, N, *q.stride(), *s.stride(), *out.stride(),
+            BLOCK_M=block[0], BLOCK_N=block[1],
+        )  # fmt: skip
+    return out
+
+
+def mx_quantize(x: torch.Tensor, scale_rule: str = "floor", block_m: int = 32):
+    """MXFP8 E4M3 of 2-D x (any strides) in blocks of 32 along the last dim: returns
+    (data [M, B*32] E4M3, the partial last block zero padded; scales [M, B] E8M0)."""
+    if scale_rule not in ("floor", "rceil"):
+        raise ValueError(f"scale_rule={scale_rule!r}; allowed: ('floor', 'rceil')")
+    M, N = x.shape
+    B = -(-N // BLOCK)
+    q = torch.empty(M, B * BLOCK, dtype=torch.uint8, device=x.device)
+    s = torch.empty(M, B, dtype=torch.uint8, device=x.device)
+    if M and B:
+        _mx_quant_kernel[(triton.cdiv(M, block_m), B)](
+            x, q, s, M, N, *x.stride(), q.stride(0), s.stride(0),
+            RCEIL=scale_rule == "rceil", BLOCK_M=block_m,
+        )  # fmt: skip
+    return q.view(E4M3), s.view(E8M0)
+
+
+def mx_dequant(
+    q: torch.Tensor, s: torch.Tensor, n: int, dtype: torch.dtype, block=(32, 128)
+) -> torch.Tensor:
+    """q [M, >= n] E4M3 (any strides) times its E8M0 block scales s [M, B] along the
+    last dim: the first n columns, as a new [M, n] tensor of `dtype`."""
+    M = q.shape[0]
+    out = torch.empty(M, n, dtype=dtype, device=q.device)
+    if M and n:
+        _mx_dequant_kernel[_grid(M, n, *block)](
+            q.view(torch.uint8), s.view(torch.uint8), out, M, n, *q.stride(), *s.stride(),
+            *out.stride(), BLOCK_M=block[0], BLOCK_N=block[1],
+        )  # fmt: skip
+    return out

@@ -2,8 +2,9 @@
 
 On a GPU, reading a device value on the host waits for the device. On CPU nothing
 waits, so these calls are instrumented instead: `Tensor.item`, `.tolist`, `.cpu`,
-`bool(t)` / `int(t)` / `float(t)` / `operator.index(t)`, and `torch.tensor(data,
-device=...)` (a host-to-device copy from pageable memory, synchronous on CUDA).
+`bool(t)` / `int(t)` / `float(t)` / `operator.index(t)`, `torch.tensor(data,
+device=...)` (a host-to-device copy from pageable memory, synchronous on CUDA), and
+`t[i] = <python number>` (the same copy of a host scalar).
 Calls made by the instrumentation itself and by Python-level torch internals
 (e.g. `Tensor.__repr__`) are not counted unless they come from dropless.
 """
@@ -45,6 +46,16 @@ def count_syncs(monkeypatch=None):
 
         return inner
 
+    real_setitem = torch.Tensor.__setitem__
+
+    def setitem(self, index, value):
+        # `t[i] = 3` copies a host scalar to the device: a sync on CUDA (`fill_` is not)
+        if isinstance(value, (int, float, bool)):
+            where = _from_dropless()
+            if where is not None:
+                found.append(f"Tensor.__setitem__ (a host scalar) at {where}")
+        return real_setitem(self, index, value)
+
     def tensor(data, *a, **k):
         if k.get("device") is not None and not isinstance(data, torch.Tensor):
             where = _from_dropless()
@@ -56,11 +67,13 @@ def count_syncs(monkeypatch=None):
         for m, fn in saved.items():
             setattr(torch.Tensor, m, wrap(m, fn))
         torch.tensor = tensor
+        torch.Tensor.__setitem__ = setitem
         yield found
     finally:
         for m, fn in saved.items():
             setattr(torch.Tensor, m, fn)
         torch.tensor = real_tensor
+        torch.Tensor.__setitem__ = real_setitem
 
 
 if __name__ == "__main__":  # pragma: no cover - manual use

@@ -82,7 +82,8 @@ def check(case: str, device: str = "cpu") -> None:
     if case == "e4m3_decode_exhaustive":
         q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(8, 32)
         q = q.to(device)
-        _same_values(tq.dequant_scaled(q, torch.tensor(1.0), torch.float32), q.float())
+        one = torch.tensor(1.0, device=device)
+        _same_values(tq.dequant_scaled(q, one, torch.float32), q.float())
     elif case == "scale_cast_scalar_row_col":
         for dtype in (torch.float32, torch.bfloat16):
             x = _x(37, 70, 1, dtype, device)

@@ -150,6 +150,7 @@ def triton_row_ops():
             ("swiglu", "gpt_oss"),
             supports=_supports_rows,
             priority=10,
+            zero_groups=_lazy("group_kernels", "zero_groups"),
         )
     return _ROW_OPS
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_gemm, register_gemm_backend
+from .row_ops import pick_row_ops, zero_groups_eager
 
 
 def _bounds(counts: list[int]):
@@ -117,8 +118,10 @@ def _gmm_wgrad(a_SM, b_SN, counts):
     offs = _offsets(counts, a_SM.device)
     out = torch._grouped_mm(a_SM.contiguous().t(), b_SN.contiguous(), offs=offs)
     # an empty group's block is not written by every kernel version: zero it on the device
+    # (a Triton kernel on CUDA writes only those blocks; the eager form fills over all)
     empty_E = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-    return out.masked_fill_(empty_E.view(-1, 1, 1), 0)
+    rk = pick_row_ops(out)
+    return (rk.zero_groups or zero_groups_eager)(out, empty_E)
 
 
 register_gemm_backend(

@@ -50,8 +50,9 @@ def route_reference(
         grouped = choice_TE.view(T, n_group, per)
         group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
         keep_groups = group_scores.topk(topk_group, dim=-1).indices
+        # scatter_ of a scalar: no host index or host value copied to the device (no sync)
         mask = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
-        mask[torch.arange(T).unsqueeze(1), keep_groups] = True
+        mask.scatter_(1, keep_groups, True)
         mask_TE = mask.unsqueeze(-1).expand(T, n_group, per).reshape(T, E)
         choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
     ids_TK = choice_TE.topk(top_k, dim=-1).indices

@@ -31,7 +31,9 @@ class RowOps:
         rows[slot[t,k]] summed in fp32 in k order, slots >= S read as zero;
     pair_dot(g_TN, y_SN, slot_TK) -> fp32 [T, K]: <g[t], y[slot[t,k]]> (0 when dropped);
     act_fwd / act_bwd: as `swiglu.act_fwd_eager` / `act_bwd_eager`, for the kinds in
-    `activations`; supports(t): whether it runs on tensor t.
+    `activations`; supports(t): whether it runs on tensor t;
+    zero_groups(out_EMN, empty_E) -> out: out[e] = 0 where empty_E[e], in place (the
+    blocks of a grouped weight gradient whose group had no rows).
     """
 
     name: str
@@ -43,6 +45,11 @@ class RowOps:
     activations: tuple[str, ...]
     supports: Callable[[torch.Tensor], bool]
     priority: int = 0
+    zero_groups: Callable = None  # None: the eager masked fill
+
+
+def zero_groups_eager(out_EMN: torch.Tensor, empty_E: torch.Tensor) -> torch.Tensor:
+    return out_EMN.masked_fill_(empty_E.view(-1, *[1] * (out_EMN.dim() - 1)), 0)
 
 
 _ROW_OPS: dict[str, RowOps] = {}
@@ -87,5 +94,6 @@ EAGER = RowOps(
     ACTIVATIONS,
     supports=lambda t: True,
     priority=0,
+    zero_groups=zero_groups_eager,
 )
 register_row_ops(EAGER)

@@ -229,7 +229,7 @@ def _counts_and_tokens(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
     flat = ids_TK.reshape(-1)
     buf = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
     buf.index_add_(0, flat, torch.ones_like(flat))
-    buf[E] = ids_TK.shape[0]
+    buf[E:].fill_(ids_TK.shape[0])  # `buf[E] = n` would copy a host scalar: a sync
     return buf
 
 

@@ -143,7 +143,8 @@ def scale_cast(x: torch.Tensor, scale: torch.Tensor, block=(32, 128)) -> torch.T
     """sat_cast_e4m3(x * scale) for 2-D x; scale fp32 broadcastable to x (scalar, [M, 1]
     or [1, N]). Returns a contiguous E4M3 tensor of x's shape."""
     M, N = x.shape
-    s = scale.float().reshape([1] * (2 - scale.dim()) + list(scale.shape)).expand(M, N)
+    s = scale.to(x.device, torch.float32)
+    s = s.reshape([1] * (2 - s.dim()) + list(s.shape)).expand(M, N)
     q = torch.empty(M, N, dtype=torch.uint8, device=x.device)
     if M and N:
         _scale_cast_kernel[_grid(M, N, *block)](
@@ -158,7 +159,7 @@ def dequant_scaled(
 ) -> torch.Tensor:
     """(q * scale_inv) in fp32, as `dtype`, for 2-D E4M3 q; scale_inv broadcastable."""
     M, N = q.shape
-    s = scale_inv.float()
+    s = scale_inv.to(q.device, torch.float32)
     s = s.reshape([1] * (2 - s.dim()) + list(s.shape)).expand(M, N)
     out = torch.empty(M, N, dtype=dtype, device=q.device)
     if M and N:

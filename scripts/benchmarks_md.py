@@ -30,6 +30,10 @@ SECTIONS = {
     "parallel": ["dropless bench ep --world 2 --tokens 1024"],
     "train": ["dropless bench train"],
     "jax": ["dropless bench jax"],
+    "gpu": [
+        "python scripts/gpu_check.py (on a GPU machine, output saved as LOG)",
+        "python scripts/gpu_report.py LOG --commit SHA",
+    ],
 }
 HEADER = """# Benchmarks
 

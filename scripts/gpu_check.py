@@ -118,7 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown group(s) {unknown}; groups: {NAMES}")
     t_start = time.perf_counter()
-    summary: dict = {"mode": "cpu" if args.cpu else "gpu", "budget_s": args.budget, "groups": {}}
+    summary: dict = {
+        "mode": "cpu" if args.cpu else "gpu",
+        "budget_s": args.budget,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "groups": {},
+    }
     for name, est, interpret in GROUPS:
         if only and name not in only:
             continue

@@ -43,16 +43,16 @@ def render(
     s: dict, log: Path, commit: str, command: str, pytest_line: str | None, argv: list[str]
 ) -> str:
     info = next((g["info"] for g in s["groups"].values() if "info" in g), {})
-    when = dt.datetime.fromtimestamp(log.stat().st_mtime, dt.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"
-    )
+    when = s.get("date") or dt.datetime.fromtimestamp(
+        log.stat().st_mtime, dt.timezone.utc
+    ).strftime("%Y-%m-%d %H:%M UTC (the log file's time)")
     lines = [
         "## GPU check (`scripts/gpu_check.py`)",
         "",
         f"Command: `{command}` on the GPU machine; this section: "
         f"`python scripts/gpu_report.py {shlex.join(argv)}`  ",
         f"Commit {commit}; {info.get('device', '?')}, torch {info.get('torch', '?')}; "
-        f"log written {when}; the whole run took {s.get('elapsed_s')} s.  ",
+        f"run {when}; the whole run took {s.get('elapsed_s')} s.  ",
         f"Overall: {'every group passed' if s.get('ok') else 'FAILED: ' + str(s.get('failed'))}.",
         "",
     ]

@@ -209,6 +209,8 @@ def test_dna_training_run_learns(tmp_path, capsys):
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     first, last = recs[0]["eval_bpb"], recs[-1]["eval_bpb"]  # bits per base for "dna"
     assert first > 2.5 and last < first - 0.5, (first, last)  # random init: > 2 bits per base
+    assert recs[-1]["bpb_unit"] == "base"  # the log lines and the summary say bits/base
+    assert json.loads((run / "summary.json").read_text())["bpb_unit"] == "base"
     assert isinstance(load_tokenizer(run / "tokenizer"), DNATokenizer)
     capsys.readouterr()
     prompt = ["generate", str(run), "--prompt", "ACGG", "--max-new-tokens", "16"]

@@ -26,6 +26,7 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
     if cfg.log.progress == "none":
         return
     s = summary
+    unit = s.get("bpb_unit", "byte")  # "base" for the DNA tokenizer
     ratio = (
         s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
     )
@@ -57,8 +58,8 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
             + ")",
         ),
         (
-            "held-out bits/byte",
-            f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram byte model {_fmt(s['unigram_bpb'], '.3f')})",
+            f"held-out bits/{unit}",
+            f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram {unit} model {_fmt(s['unigram_bpb'], '.3f')})",
         ),
         (
             "loss",

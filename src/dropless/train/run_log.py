@@ -71,6 +71,8 @@ class RunLog:
         self.writer = MetricsWriter(run_dir, cfg.log.tensorboard, resume_step) if env.main else None
         self.window = Window()
         self.train_time = self.train_flops = 0.0
+        # the DNA tokenizer reads one base per byte of sequence: bits per byte are per base
+        self.bpb_unit = "base" if getattr(cfg.data, "tokenizer", None) == "dna" else "byte"
 
     def write(self, rec: dict) -> None:
         if self.writer is not None:
@@ -126,6 +128,7 @@ class RunLog:
             "tokens_seen": tokens_seen, "dropped": w.dropped if w.measured else None, "skipped_steps": w.skipped,
             "elapsed_s": elapsed_s, "cpu_s": cpu_s,
         }  # fmt: skip
+        rec["bpb_unit"] = self.bpb_unit
         rec.update({k: v for k, v in last.items() if k.startswith("ep_")})
         if w.counts_ME is not None:
             rec["tokens_per_expert"] = w.counts_ME.tolist()
@@ -139,7 +142,7 @@ class RunLog:
         load = f"  max/mean load {r['max_mean_load']:.2f}" if "max_mean_load" in r else ""
         skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
         return (
-            f"step {r['step']:>5}  loss {r['loss']:.4f}  held-out {r['eval_loss']:.4f} ({r['eval_bpb']:.3f} bits/byte)  "
+            f"step {r['step']:>5}  loss {r['loss']:.4f}  held-out {r['eval_loss']:.4f} ({r['eval_bpb']:.3f} bits/{r.get('bpb_unit', 'byte')})  "
             f"lr {r['lr']:.2e}  {r['tokens_per_s']:,.0f} tok/s  {r['tflops_per_process'] * 1e3:.1f} GFLOP/s  "
             f"MFU {r['mfu']:.1%} (training steps since the last log){load}{skipped}"
         )
@@ -177,7 +180,7 @@ class RunLog:
             "tflops_per_process": self.train_flops / train_s / W / 1e12,
             "mfu": self.train_flops / train_s / W / 1e12 / self.peak, "peak_tflops": self.peak,
             "peak_source": self.peak_source, "initial_bpb": init_bpb, "final_bpb": final.get("eval_bpb"),
-            "unigram_bpb": unigram_bpb,
+            "unigram_bpb": unigram_bpb, "bpb_unit": self.bpb_unit,
             "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
             "peak_memory_mib": peak_memory_mib(self.env.device), "max_mean_load": final.get("max_mean_load"),
             "dropped": sum(measured) if measured and None not in measured else None,

@@ -11,8 +11,9 @@ Rows, all with the same routing and weights:
 - dropless_eager_row_ops: dropless with the eager row ops instead of the Triton kernels;
 - dropless_fp8_current_row / dropless_fp8_delayed / dropless_mxfp8_saved: dropless under
   those recipes (E4M3; MXFP8 with FP8 saved activations).
-Each: median ms of `rounds` steps after warm-up, share of the bound, peak memory of a
-step above what was allocated before it; dropless also: host syncs per step.
+Each: median ms of `rounds` steps after warm-up (every step starts with no gradients, as
+after `zero_grad(set_to_none=True)`), share of the bound, peak memory of a step above what
+was allocated before it; dropless also: host syncs per step.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
@@ -97,12 +98,17 @@ def run_timing(G) -> dict:
     w2 = torch.randn(F, D, device=dev, dtype=dt, requires_grad=True)
     g_dense = torch.randn(T * K, D, device=dev, dtype=dt)
 
+    # every step starts from no gradients, as a training step after zero_grad(set_to_none)
+    # does: otherwise autograd adds each step's weight gradients into the last ones (an
+    # extra pass over every [E, ...] gradient that the dense rows' small weights hardly pay)
     def dense():
+        w1.grad = w2.grad = None
         h = x_dense @ w1
         y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2
         y.backward(g_dense)
 
     def ours():
+        moe.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
         out, aux = moe(xi)
         out.backward(g_out)
@@ -110,6 +116,8 @@ def run_timing(G) -> dict:
     leaves = [t.clone().requires_grad_(True) for t in (w_r, gu, dn)]
 
     def plain():
+        for t in leaves:
+            t.grad = None
         xi = x.detach().requires_grad_(True)
         _plain(xi, *leaves, K).backward(g_out)
 
@@ -149,6 +157,7 @@ def run_timing(G) -> dict:
         block = _hf(SHAPE, w_r, gu, dn)
 
         def hf():
+            block.zero_grad(set_to_none=True)
             xi = x.detach().view(1, T, D).requires_grad_(True)
             out = block(xi)
             (out[0] if isinstance(out, tuple) else out).backward(g_out.view(1, T, D))

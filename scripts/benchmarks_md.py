@@ -32,7 +32,7 @@ SECTIONS = {
     "jax": ["dropless bench jax"],
     "gpu": [
         "python scripts/gpu_check.py (on a GPU machine, output saved as LOG)",
-        "python scripts/gpu_report.py LOG --commit SHA",
+        "python scripts/gpu_report.py --run LOG SHA",
     ],
 }
 HEADER = """# Benchmarks

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """Write benchmarks/sections/gpu.md from the log of a `scripts/gpu_check.py` run.
 
-    python scripts/gpu_report.py LOG --commit SHA [--pytest PYTEST_LOG] [--command CMD]
+    python scripts/gpu_report.py --run LOG SHA [--run LOG2 SHA2 ...] [--pytest LOG PYTEST_LOG]
 
-LOG is the stdout of `gpu_check.py` on the GPU machine (its last line is the JSON
-summary); the section holds only what that summary measured: each group's status,
-the layer timing rows and the end-to-end rows, with the command, the commit the run
-was made on, the device and torch version the groups reported, and the log's date.
-`--pytest` adds the summary line of a `pytest -m gpu` run on the same machine. The
-log is kept beside the section (benchmarks/gpu/) and one line goes to
-benchmarks/history.jsonl.
+Each LOG is the stdout of one `gpu_check.py` run on a GPU machine (its last line is the
+JSON summary) and SHA the commit it ran on; the section holds only what the summaries
+measured, one subsection per run: each group's status, the layer timing rows and the
+end-to-end rows, with the command line, the device and torch version the groups
+reported, and the run's date. `--pytest` adds the summary line of a `pytest -m gpu`
+run on the machine of that LOG. The logs are kept beside the section (benchmarks/gpu/)
+and one line per run goes to benchmarks/history.jsonl.
 """
 
 from __future__ import annotations
@@ -39,21 +39,19 @@ def _rows(title: str, res: dict, cols: list[str]) -> list[str]:
     return out + [""]
 
 
-def render(
-    s: dict, log: Path, commit: str, command: str, pytest_line: str | None, argv: list[str]
-) -> str:
+def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str | None) -> list[str]:
     info = next((g["info"] for g in s["groups"].values() if "info" in g), {})
     when = s.get("date") or dt.datetime.fromtimestamp(
         log.stat().st_mtime, dt.timezone.utc
     ).strftime("%Y-%m-%d %H:%M UTC (the log file's time)")
+    argv = " ".join(s.get("argv", [])) if "argv" in s else None
+    cmd = f"python scripts/gpu_check.py {argv}".strip() if argv is not None else command
     lines = [
-        "## GPU check (`scripts/gpu_check.py`)",
+        f"### `{cmd}` on commit {commit}",
         "",
-        f"Command: `{command}` on the GPU machine; this section: "
-        f"`python scripts/gpu_report.py {shlex.join(argv)}`  ",
-        f"Commit {commit}; {info.get('device', '?')}, torch {info.get('torch', '?')}; "
-        f"run {when}; the whole run took {s.get('elapsed_s')} s.  ",
-        f"Overall: {'every group passed' if s.get('ok') else 'FAILED: ' + str(s.get('failed'))}.",
+        f"{info.get('device', '?')}, torch {info.get('torch', '?')}; run {when}; the whole run "
+        f"took {s.get('elapsed_s')} s; log `{log.relative_to(ROOT)}`.  ",
+        f"Overall: {'every group run passed' if s.get('ok') else 'FAILED: ' + str(s.get('failed'))}.",
         "",
     ]
     if pytest_line:
@@ -62,7 +60,8 @@ def render(
     for name, g in s["groups"].items():
         checks = g.get("checks", [])
         ok = sum(c.get("status") == "ok" for c in checks)
-        lines.append(f"| {name} | {g['status']} | {ok} / {len(checks)} | {g.get('seconds', '')} |")
+        status = g["status"] + (f" ({g['reason']})" if g.get("reason") else "")
+        lines.append(f"| {name} | {status} | {ok} / {len(checks)} | {g.get('seconds', '')} |")
     lines.append("")
     timing = s["groups"].get("timing", {}).get("timing")
     if timing:
@@ -87,34 +86,58 @@ def render(
             e2e,
             ["ms", "tokens_per_s", "speed_vs_grouped_mm", "peak_step_gib", "memory_vs_grouped_mm"],
         )
+    return lines
+
+
+def render(runs: list[tuple[dict, Path, str, str | None]], command: str, argv: list[str]) -> str:
+    lines = [
+        "## GPU check (`scripts/gpu_check.py`)",
+        "",
+        f"Command: `python scripts/gpu_report.py {shlex.join(argv)}`, from the logs of the "
+        "`gpu_check.py` runs below (each headed by its command line on the GPU machine). "
+        "Each run is on a fresh machine "
+        "of the same kind; their spread is the machine-to-machine variation of the figures.",
+        "",
+    ]
+    for s, log, commit, pytest_line in runs:
+        lines += render_run(s, log, commit, command, pytest_line)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("log", type=Path)
-    ap.add_argument("--commit", required=True, help="the commit the GPU run was made on")
-    ap.add_argument("--command", default="python scripts/gpu_check.py")
-    ap.add_argument("--pytest", type=Path, default=None, help="log of `pytest -m gpu` there")
+    ap.add_argument(
+        "--run", nargs=2, action="append", required=True, metavar=("LOG", "COMMIT"),
+        help="a gpu_check log and the commit it ran on (repeat for more runs)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--command", default="python scripts/gpu_check.py",
+        help="the command line of a run whose log does not record its argv",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pytest", nargs=2, action="append", default=[], metavar=("LOG", "PYTEST_LOG"),
+        help="the log of `pytest -m gpu` on the machine of run LOG",
+    )  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    log = args.log.resolve()
-    s = _summary(log)
-    pytest_line = None
-    if args.pytest:
-        tail = [ln for ln in args.pytest.read_text().splitlines() if " passed" in ln]
-        pytest_line = tail[-1].strip() if tail else "no summary line"
-    text = render(s, log, args.commit, args.command, pytest_line, argv)
+    pytest_of = {Path(a).resolve(): Path(b) for a, b in args.pytest}
+    runs = []
+    for log_name, commit in args.run:
+        log = Path(log_name).resolve()
+        pytest_line = None
+        if log in pytest_of:
+            tail = [ln for ln in pytest_of[log].read_text().splitlines() if " passed" in ln]
+            pytest_line = tail[-1].strip() if tail else "no summary line"
+        runs.append((_summary(log), log, commit, pytest_line))
+    text = render(runs, args.command, argv)
     (ROOT / "benchmarks" / "sections" / "gpu.md").write_text(text + "\n")
-    record = dict(
-        bench="gpu_check",
-        command=args.command,
-        commit=args.commit,
-        log=str(log.relative_to(ROOT)),
-        figures=s,
-    )
     with open(ROOT / "benchmarks" / "history.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+        for s, log, commit, _ in runs:
+            record = dict(
+                bench="gpu_check", command=args.command, commit=commit,
+                log=str(log.relative_to(ROOT)), figures=s,
+            )  # fmt: skip
+            f.write(json.dumps(record) + "\n")
     print(text)
     return 0
 

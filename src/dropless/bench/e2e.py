@@ -7,8 +7,9 @@ load from other processes hits them alike; >= 3 rounds. Timing children run unde
 default allocator (malloc settings removed from their environment, no mallopt): one
 warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s =
 batch*seq / median step time). Memory is measured in separate children, one per
-implementation after the timing rounds: glibc is told to serve blocks >= 128 KiB with
-mmap and to trim freed memory (mallopt), so the resident set follows the live tensors;
+implementation after the timing rounds: glibc is told, before the model is built, to
+serve blocks >= 128 KiB with mmap and to trim freed memory (mallopt), so the resident
+set follows the live tensors;
 after a warm-up step the child reads VmRSS (the steady state: weights, AdamW state),
 resets VmHWM (/proc/self/clear_refs) and runs one more step, forward+backward and the
 AdamW step measured apart; peak step memory = the larger of the two VmHWM minus that
@@ -127,6 +128,8 @@ def child(args: dict) -> dict:
     import torch
 
     shape, impl = args["shape"], args["impl"]
+    # memory mode: the allocator policy from the start, before the model's first allocation
+    tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
     model = _build(impl, shape)
@@ -152,7 +155,7 @@ def child(args: dict) -> dict:
     out["threads"] = torch.get_num_threads()
     out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if out["mode"] == "memory":
-        out.update(_measure_memory(fwd_bwd, opt_step))
+        out.update(_measure_memory(fwd_bwd, opt_step, tracked))
     else:
         out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     out["dropless_calls"] = None
@@ -175,8 +178,10 @@ def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int) -> dict:
     return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
 
 
-def _measure_memory(fwd_bwd, opt_step) -> dict:
-    tracked = follow_live_memory()  # also trims the heap: RSS = live memory from here
+def _measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:
+    """Peak RSS above the steady state of one forward+backward and of one AdamW step;
+    `follow_live_memory()` must have been called when the process started."""
+    follow_live_memory()  # trims the heap again: RSS = live memory from here
     base = rss_mib()
     reset_peak_rss()
     fwd_bwd()
@@ -383,7 +388,7 @@ def _write_section(path: Path, table: str, record: dict) -> None:
             f"order rotated; rounds per implementation {f['rounds_per_impl']}, {f['steps']} timed "
             "step(s) each after a warm-up (median over rounds; best = the fastest step seen). "
             "Peak step memory: separate children, VmHWM minus VmRSS before the step, with glibc "
-            "serving blocks >= 128 KiB by mmap so RSS follows live tensors.",
+            "serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors.",
             "",
             table,
             "",

@@ -29,6 +29,7 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
+    follow_live_memory,
     load_sentence,
     provenance,
     replace_block,
@@ -84,6 +85,8 @@ def child(args: dict) -> dict:
     import torch
 
     shape, impl = args["shape"], args["impl"]
+    # memory mode: the allocator policy from the start, before the model's first allocation
+    tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
     model = build_model(impl, shape, args.get("rank", RANK))
@@ -108,7 +111,7 @@ def child(args: dict) -> dict:
     out["threads"] = torch.get_num_threads()
     out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if out["mode"] == "memory":
-        out.update(_measure_memory(fwd_bwd, opt_step))
+        out.update(_measure_memory(fwd_bwd, opt_step, tracked))
     else:
         out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     if impl.endswith("dropless"):
@@ -269,7 +272,7 @@ def _write_section(path, table: str, summary: str, record: dict) -> None:
             "Timing: each row in its own child process under the default allocator, order rotated, "
             f"{f['rounds']} rounds x {f['steps']} timed step(s) after a warm-up (median). Peak step "
             "memory: separate children, VmHWM minus VmRSS before the step, glibc serving blocks "
-            ">= 128 KiB by mmap.",
+            ">= 128 KiB by mmap from the child's start.",
             "",
             table,
             "",

@@ -14,8 +14,8 @@ Rows (`--impls`):
 
 Every (length, implementation) runs in its own child process, once: AdamW's state is
 allocated first (a step with learning rate 0, no forward), then ONE timed step (forward,
-backward, AdamW) with no warm-up. Memory: glibc serves blocks >= 128 KiB by mmap and
-returns freed memory, so RSS follows live tensors; the step's peak is VmHWM (reset
+backward, AdamW) with no warm-up. Memory: glibc serves blocks >= 128 KiB by mmap (from
+the child's start) and returns freed memory, so RSS follows live tensors; the step's peak is VmHWM (reset
 through /proc/self/clear_refs) minus VmRSS before the step (model, AdamW state, inputs).
 The time is that of this single step under those allocator settings: an indication, not
 a speed figure (`dropless bench e2e` times steps under the default allocator).
@@ -74,7 +74,7 @@ The pinned Qwen3-MoE model at batch 1 and long sequence lengths, one training st
 (forward, backward, AdamW) per implementation and length, each in its own child
 process, no warm-up. Peak step memory: VmHWM (reset through /proc/self/clear_refs)
 minus VmRSS before the step (model, AdamW state and inputs allocated), with glibc
-serving blocks >= 128 KiB by mmap so RSS follows live tensors. Bytes per token = peak
+serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors. Bytes per token = peak
 step memory / sequence length. A run that exceeds the memory limit is recorded as out
 of memory (OOM), not retried."""
 _M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
@@ -214,6 +214,7 @@ def child(args: dict) -> dict:
 
     shape, impl, seq = args["shape"], args["impl"], args["seq"]
     arena_capped = _one_malloc_arena()
+    follow_live_memory()  # before the model's first allocation (see its docstring)
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
     model = _build(impl, shape, seq)

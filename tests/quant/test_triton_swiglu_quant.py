@@ -131,6 +131,13 @@ def check(case: str) -> None:
         else:
             _same_bytes(q.data, ref.data)
             assert float(amax) == float(a.abs().max())
+            # a NaN of each sign: the byte keeps the sign, as torch's cast does
+            h[2, 3], h[4, 7] = float("nan"), -float("nan")
+            q, _ = swiglu_quant_scaled(h, prob, "e4m3", scale, act=False, block_s=16, block_f=32)
+            gate, up = h.chunk(2, dim=1)
+            _same_bytes(
+                q.data, fm.quantize_scaled(gate * up * prob.unsqueeze(1), "e4m3", scale).data
+            )
         assert torch.equal(q.scale_inv, ref.scale_inv)
     else:
         raise AssertionError(case)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .formats import BLOCK
-from .triton_swiglu_quant import _e4m3_bits, tl, triton
+from .triton_swiglu_quant import _e4m3_code, _mx_encode, tl, triton
 
 E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -33,16 +33,6 @@ E8M0 = torch.float8_e8m0fnu
 @triton.jit
 def _offs(rows, cols, s0, s1):
     return rows.to(tl.int64)[:, None] * s0 + cols.to(tl.int64)[None, :] * s1
-
-
-@triton.jit
-def _e4m3_code(v):
-    """fp32 -> E4M3 byte: saturating (|v| > 448 and +-Inf give +-448), NaN keeps its sign
-    bit (0x7F / 0xFF), as torch's clamp-then-cast."""
-    nan = v != v
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-    c = tl.minimum(tl.maximum(tl.where(nan, 0.0, v), -448.0), 448.0)
-    return tl.where(nan, 0x7F | sign, _e4m3_bits(c))
 
 
 @triton.jit
@@ -97,24 +87,9 @@ def _mx_quant_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     a = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
-    absa = tl.abs(a)
-    bad = tl.max(((a != a) | (absa == float("inf"))).to(tl.int32), axis=1) > 0
-    amax = tl.max(tl.where(a != a, 0.0, absa), axis=1)
-    amax = tl.where(bad, 0.0, amax)
-    # floor(log2(amax)) from the fp32 exponent bits; subnormal amaxes clamp to -127 either way
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
-    if RCEIL:
-        e = tl.maximum(e, -134)
-        thresh = (((e + 135) << 23) | 0x600000).to(tl.float32, bitcast=True)  # 448 * 2**e
-        e = e + (amax > thresh).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    e = tl.where(amax > 0, e, -127)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-    v = tl.minimum(tl.maximum(a * inv[:, None], -448.0), 448.0)
-    code = tl.where(bad[:, None], 0x7F, _e4m3_bits(tl.where(bad[:, None], 0.0, v)))
+    code, sbits = _mx_encode(a, RCEIL)
     q_offs = rows.to(tl.int64)[:, None] * sq0 + cols.to(tl.int64)[None, :]
     tl.store(q_ptr + q_offs, code.to(tl.uint8), mask=row_ok[:, None])
-    sbits = tl.where(bad, 255, e + 127)
     tl.store(s_ptr + rows.to(tl.int64) * ss0 + blk, sbits.to(tl.uint8), mask=row_ok)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_gemm, register_gemm_backend
-from .row_ops import pick_row_ops, zero_groups_eager
+from .row_ops import pick_row_ops
 
 
 def _bounds(counts: list[int]):
@@ -120,8 +120,7 @@ def _gmm_wgrad(a_SM, b_SN, counts):
     # an empty group's block is not written by every kernel version: zero it on the device
     # (a Triton kernel on CUDA writes only those blocks; the eager form fills over all)
     empty_E = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
-    rk = pick_row_ops(out)
-    return (rk.zero_groups or zero_groups_eager)(out, empty_E)
+    return pick_row_ops(out).zero_groups(out, empty_E)
 
 
 register_gemm_backend(

@@ -21,6 +21,11 @@ from .permute import gather_rows_eager, gather_sum, pair_dot_eager
 from .swiglu import ACTIVATIONS, act_bwd_eager, act_fwd_eager
 
 
+def zero_groups_eager(out_EMN: torch.Tensor, empty_E: torch.Tensor) -> torch.Tensor:
+    """out[e] = 0 where empty_E[e], in place: a masked fill over the whole tensor."""
+    return out_EMN.masked_fill_(empty_E.view(-1, *[1] * (out_EMN.dim() - 1)), 0)
+
+
 @dataclass(frozen=True)
 class RowOps:
     """One implementation of the row ops (all raw: no autograd).
@@ -45,11 +50,7 @@ class RowOps:
     activations: tuple[str, ...]
     supports: Callable[[torch.Tensor], bool]
     priority: int = 0
-    zero_groups: Callable = None  # None: the eager masked fill
-
-
-def zero_groups_eager(out_EMN: torch.Tensor, empty_E: torch.Tensor) -> torch.Tensor:
-    return out_EMN.masked_fill_(empty_E.view(-1, *[1] * (out_EMN.dim() - 1)), 0)
+    zero_groups: Callable = zero_groups_eager
 
 
 _ROW_OPS: dict[str, RowOps] = {}
@@ -94,6 +95,5 @@ EAGER = RowOps(
     ACTIVATIONS,
     supports=lambda t: True,
     priority=0,
-    zero_groups=zero_groups_eager,
 )
 register_row_ops(EAGER)

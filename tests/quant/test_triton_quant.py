@@ -12,14 +12,11 @@ comparisons run compiled against torch's CUDA casts.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import child_main, run_interpreted
 
 MARK = "QUANT-CAST-TRITON:"
 CASES = [
@@ -221,18 +218,7 @@ def _dispatch_moe_steps(fm, tq, device):
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"interpreted run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1][len(MARK) :])
+    return run_interpreted(__file__, MARK)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -258,14 +244,4 @@ def test_amax_cuda_matches_torch():
 
 
 if __name__ == "__main__":
-    import traceback
-
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    results = {}
-    for c in CASES:
-        try:
-            check(c)
-            results[c] = None
-        except Exception:
-            results[c] = traceback.format_exc(limit=6)
-    print(MARK + json.dumps(results), flush=True)
+    child_main(CASES, check, MARK)

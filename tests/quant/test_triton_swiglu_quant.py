@@ -11,14 +11,9 @@ those cases allow a rare one-code difference.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from interpreted import child_main, run_interpreted
 
 MARK = "QUANT-TRITON:"
 CASES = [
@@ -145,18 +140,7 @@ def check(case: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"interpreted run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1][len(MARK) :])
+    return run_interpreted(__file__, MARK)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -165,14 +149,4 @@ def test_kernel_interpreted(interpreted, case):
 
 
 if __name__ == "__main__":
-    import traceback
-
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    results = {}
-    for c in CASES:
-        try:
-            check(c)
-            results[c] = None
-        except Exception:
-            results[c] = traceback.format_exc(limit=6)
-    print(MARK + json.dumps(results), flush=True)
+    child_main(CASES, check, MARK)

@@ -287,22 +287,28 @@ def _memory_runs(args, impls, shape) -> dict[str, dict]:
     return out
 
 
+def timing_figures(outs: list[dict], shape: dict) -> dict:
+    """One row's speed over its rounds (each a timing child's result): median tokens/s
+    and step time, tokens/s of the best step, the first loss, every round's tokens/s."""
+    return {
+        "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
+        "step_s": statistics.median(o["step_s"] for o in outs),
+        "best_tokens_per_s": shape["batch"] * shape["seq"] / min(o["best_step_s"] for o in outs),
+        "first_loss": outs[0]["first_loss"],
+        "rounds": [o["tokens_per_s"] for o in outs],
+    }
+
+
 def _rows(results: dict, memory: dict, shape: dict) -> dict:
     rows = {}
     for impl, outs in results.items():
         mem = memory.get(impl, {})
         rows[impl] = {
-            "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
-            "step_s": statistics.median(o["step_s"] for o in outs),
-            "best_tokens_per_s": shape["batch"]
-            * shape["seq"]
-            / min(o["best_step_s"] for o in outs),
+            **timing_figures(outs, shape),
             "peak_step_mib": mem.get("peak_step_mib"),
             "peak_fwd_bwd_mib": mem.get("peak_fwd_bwd_mib"),
             "peak_optimizer_mib": mem.get("peak_optimizer_mib"),
             "memory_tracked": mem.get("memory_tracked"),
-            "first_loss": outs[0]["first_loss"],
-            "rounds": [o["tokens_per_s"] for o in outs],
         }
     return rows
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 from .common import (
@@ -36,7 +35,7 @@ from .common import (
     run_child,
     section_path,
 )
-from .e2e import QUICK, SHAPE, _build, _measure_memory, time_steps
+from .e2e import QUICK, SHAPE, _build, _measure_memory, time_steps, timing_figures
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
@@ -196,15 +195,9 @@ def rows_of(results: dict, memory: dict, shape: dict) -> dict:
     for impl, outs in results.items():
         mem = memory.get(impl, {})
         rows[impl] = {
-            "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
-            "step_s": statistics.median(o["step_s"] for o in outs),
-            "best_tokens_per_s": shape["batch"]
-            * shape["seq"]
-            / min(o["best_step_s"] for o in outs),
+            **timing_figures(outs, shape),
             "peak_step_mib": mem.get("peak_step_mib"),
             "trainable": outs[0]["trainable"],
-            "first_loss": outs[0]["first_loss"],
-            "rounds": [o["tokens_per_s"] for o in outs],
         }
     return rows
 

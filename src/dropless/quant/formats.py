@@ -19,7 +19,6 @@ with zeros (the data is stored padded to the block size).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +34,14 @@ E8M0_NAN = 255
 FP8_NAN = 0x7F
 
 
-_HAS_TRITON: bool | None = None
-
-
 def _kernels(t: torch.Tensor, fmt: str = "e4m3"):
     """The one-pass Triton casts (`triton_quant`, 2-D) for a CUDA tensor in E4M3 when
     triton is installed, else None (the torch forms below, which are the specification)."""
-    global _HAS_TRITON
     if not (t.is_cuda and fmt == "e4m3"):
         return None
-    if _HAS_TRITON is None:
-        _HAS_TRITON = importlib.util.find_spec("triton") is not None
-    if not _HAS_TRITON:
+    from ..kernels import triton_importable
+
+    if not triton_importable():
         return None
     from . import triton_quant
 

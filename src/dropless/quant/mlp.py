@@ -21,11 +21,11 @@ gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import torch
 
+from ..kernels import triton_importable
 from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
 from ..ops.permute import gather_sum, permute, unpermute
 from ..ops.specs import ActivationConfig
@@ -69,7 +69,7 @@ def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
     fused = (
         h_S2F.is_cuda and recipe.fwd_format == "e4m3" and (mode == "mx" or recipe.kind == "delayed")
     )
-    if fused and importlib.util.find_spec("triton") is not None:
+    if fused and triton_importable():
         from .triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
 
         if mode == "mx":

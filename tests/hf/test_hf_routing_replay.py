@@ -3,7 +3,8 @@
 Between the forward and the backward every layer's expert score bias is changed, so a
 recompute that routes again sends tokens to other experts. With the replay hooks that
 `patch_model` / `patch()` install, every gradient equals the unperturbed run without
-checkpointing (fp64); with the hooks removed they differ.
+checkpointing (fp64); with the hooks removed they differ, or torch's checkpoint refuses
+the recompute's tensors of other shapes.
 """
 
 # B sequences, L tokens per sequence, V vocabulary
@@ -11,6 +12,7 @@ checkpointing (fp64); with the hooks removed they differ.
 import pytest
 import torch
 from families import FAMILIES, MORE_FAMILIES, build
+from torch.utils.checkpoint import CheckpointError
 
 import dropless.hf as dh
 from dropless.hf.experts import _in_backward
@@ -57,13 +59,20 @@ def test_checkpointed_grads_equal_unperturbed(family):
         model.load_state_dict(state)
         if not replay:
             remove_routing_replay(model)
-        got = _grads(model, ids, g, ckpt=True, perturb=True)
+        try:
+            got = _grads(model, ids, g, ckpt=True, perturb=True)
+        except CheckpointError as e:
+            # without replay the recompute routes elsewhere, and each expert's kept h
+            # (its token count as rows) has another shape: torch's checkpoint refuses
+            assert not replay and "different metadata" in str(e)
+            continue
         assert got.keys() == want.keys()
         same = [torch.allclose(got[n], want[n], rtol=1e-10, atol=1e-12) for n in want]
         if replay:
             bad = [n for n, ok in zip(want, same) if not ok]
             assert not bad, bad
         else:  # the test can fail: without replay the recompute routes elsewhere
+            # (here with the same counts per expert, so only the numbers tell)
             assert not all(same)
 
 
@@ -80,8 +89,10 @@ def test_patch_installs_and_unpatch_removes_replay():
 NOT_REPLAYED = {"phimoe", "hunyuan_v1_moe"}
 
 
-def _experts_ids(model, perturb: bool):
-    """Expert ids each experts call received in the forward and in the recompute."""
+def _experts_ids(model, perturb: bool, refused_ok: bool = False):
+    """Expert ids each experts call received in the forward and in the recompute.
+    refused_ok: a backward that torch's checkpoint stops (the recompute saved tensors of
+    other shapes, as a recompute that routes elsewhere does) still returns the ids seen."""
     seen = {"forward": [], "recompute": []}
     hook = dh.register_experts_hook(
         lambda mod, idx, w: seen["recompute" if _in_backward() else "forward"].append(idx.clone())
@@ -95,7 +106,11 @@ def _experts_ids(model, perturb: bool):
                 for layer in dh.moe_layers(model):
                     w = layer.router.weight
                     w.copy_(torch.randn(w.shape, generator=g, dtype=w.dtype) * 2.0)
-        out.sum().backward()
+        try:
+            out.sum().backward()
+        except CheckpointError as e:
+            if not (refused_ok and "different metadata" in str(e)):
+                raise
     finally:
         hook.remove()
     return seen["forward"], seen["recompute"][::-1]  # backward visits layers last-first
@@ -116,5 +131,6 @@ def test_recompute_sees_the_forward_choice(family):
     remove_routing_replay(model)  # the check bites: without replay the recompute moves
     model.load_state_dict(state)
     model.zero_grad()
-    fwd, rec = _experts_ids(model, perturb=True)
-    assert not all(torch.equal(a, b) for a, b in zip(fwd, rec))
+    fwd, rec = _experts_ids(model, perturb=True, refused_ok=True)
+    # refused part-way (fewer recomputes seen), or the ids differ
+    assert len(rec) < len(fwd) or not all(torch.equal(a, b) for a, b in zip(fwd, rec))

@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointError, checkpoint
 
 import dropless.nn.moe as moe_mod
 from dropless import MoE
@@ -52,6 +52,17 @@ def _assert_equal(got, want):
 
 def _differs(got, want) -> bool:
     return any(not torch.allclose(got[n], want[n], rtol=1e-9, atol=1e-12) for n in want)
+
+
+def _drifts(moe, x, g, perturb, want) -> bool:
+    """Without replay a recompute that routes elsewhere either saves tensors of other
+    shapes (each expert's kept h has its token count as rows; torch's checkpoint then
+    refuses) or, where the counts agree, gives other gradients."""
+    try:
+        got = _grads(moe, x, g, ckpt=True, perturb=perturb)
+    except CheckpointError as e:
+        return "different metadata" in str(e)
+    return _differs(got, want)
 
 
 def _layer(E, K, **kw):
@@ -94,8 +105,7 @@ def test_expert_bias_changed_before_recompute(case, monkeypatch):
     _assert_equal(_grads(copy.deepcopy(moe), x, g, ckpt=True, perturb=perturb), want)
     if K < E:  # the test can fail: without replay the recompute picks other experts
         monkeypatch.setattr(moe_mod, "routing_replay", lambda owner: contextlib.nullcontext())
-        stale = _grads(copy.deepcopy(moe), x, g, ckpt=True, perturb=perturb)
-        assert _differs(stale, want)
+        assert _drifts(copy.deepcopy(moe), x, g, perturb, want)
 
 
 class _ForceTopK(TorchFunctionMode):
@@ -132,7 +142,7 @@ def test_router_weight_changed_before_recompute(monkeypatch):
 
     _assert_equal(_grads(copy.deepcopy(moe), x, g, ckpt=True, perturb=perturb), want)
     monkeypatch.setattr(moe_mod, "routing_replay", lambda owner: contextlib.nullcontext())
-    assert _differs(_grads(copy.deepcopy(moe), x, g, ckpt=True, perturb=perturb), want)
+    assert _drifts(copy.deepcopy(moe), x, g, perturb, want)
 
 
 def test_nothing_recorded_outside_checkpointing():

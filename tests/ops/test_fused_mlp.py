@@ -313,3 +313,38 @@ def test_path_choice_and_errors():
         ops.expert_mlp(x, ids_TK, w_TK, gu, dn, backend="nope")
     with pytest.raises(ValueError, match="counts"):
         ops.grouped_mlp(x, [1, 2, 2, 0], None, gu, dn)
+
+
+@pytest.mark.parametrize("mode", ["frees", "retain_graph"])
+def test_loop_backward_frees_each_expert_h_only_with_the_graph(mode):
+    """The loop keeps one h per expert and a backward that frees the graph frees each as
+    soon as it is read; retain_graph keeps them, and a second backward gives the same
+    gradients."""
+    T, K, E, D, F = 8, 2, 4, 16, 4
+    x, ids_TK, w_TK, gu, dn, _, _ = _problem(T=T, K=K, E=E, D=D, F=F, ids="empty_expert")
+    leaves = [t.requires_grad_(True) for t in (x, gu, dn)]
+    sp = ops.sort_by_expert(ids_TK, E)
+    prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fused_mlp(
+            leaves[0], prob_S, leaves[1], leaves[2], sp.counts,
+            token_S=sp.token_S, slot_TK=sp.slot_TK, num_out=T, path="loop",
+        )  # fmt: skip
+    hs = [t for t in saved if t.dim() == 2 and t.shape[1] == 2 * F]
+    assert len(hs) == E and sorted(h.shape[0] for h in hs) == sorted(sp.counts)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    if mode == "frees":
+        out.backward(go)
+        assert all(h.untyped_storage().nbytes() == 0 for h in hs)
+        return
+    first = torch.autograd.grad(out, leaves, go, retain_graph=True)
+    assert all(h.untyped_storage().nbytes() == h.numel() * 4 for h in hs)
+    second = torch.autograd.grad(out, leaves, go)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -19,7 +19,9 @@ Two implementations of the same Function, picked by `pick_mlp_path`:
   threads running single-threaded GEMMs (`expert_threads.py`: work stealing, results
   committed in expert order, bit-identical to the one-thread loop). Backward does
   the same per expert and writes the weight gradients straight into preallocated
-  [E, ...] tensors. The working set of one expert stays in cache, and no [S, D]
+  [E, ...] tensors. h is kept as one tensor per expert, and a backward that frees the
+  graph frees each as soon as that expert has read it, so the kept h drains while the
+  weight gradients fill. The working set of one expert stays in cache, and no [S, D]
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per
   layer, in `sort_by_expert`). Runs any dtype, fp64 included.
 - `_GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend

@@ -7,6 +7,12 @@ output committed in expert order. With more than one torch thread and experts bi
 enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
 otherwise in the calling thread. Backward is the same per expert, writing the weight
 gradients straight into preallocated [E, ...] tensors.
+
+Each expert's gate/up output h is its own saved tensor, so that a backward that frees
+the graph (no retain_graph, no create_graph) can free it as soon as that expert's
+activation gradient is formed: the weight gradients fill up while the kept h drains,
+instead of both being whole at the end of the layer's backward (measured on the pinned
+e2e model: 20 MiB less peak step memory).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
@@ -47,6 +53,19 @@ def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
     return threads
 
 
+def _graph_released() -> bool:
+    """True inside a backward that frees the graph as it goes (retain_graph and
+    create_graph off): only then may a saved tensor be freed before its node ends, as
+    autograd would free it right after. False when torch cannot tell (a private call)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
+
+
+def _free(t: torch.Tensor) -> None:
+    """Give a tensor's memory back now; its storage is its own (allocated by the loop)."""
+    t.untyped_storage().resize_(0)
+
+
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     g = torch.empty_like(w, memory_format=torch.contiguous_format)
     for e, n in enumerate(counts):
@@ -67,7 +86,8 @@ class _LoopMLP(torch.autograd.Function):
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gathered = token_S is not None
-        h_S2F = x.new_empty(S, N)
+        items = list(_bounds(counts))
+        h_of = {}  # expert -> its [n, N] gate/up output, kept for backward
         out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
         u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
         u2_SR = x.new_empty(S, lr2.rank) if lr2 is not None else None
@@ -79,7 +99,7 @@ class _LoopMLP(torch.autograd.Function):
             e, lo, hi = item
             n = hi - lo
             xe = torch.index_select(x, 0, token_S[lo:hi], out=s["x"][:n]) if gathered else x[lo:hi]
-            he = torch.mm(xe, _wt(gate_up, e, trans_w), out=h_S2F[lo:hi])
+            he = h_of[e] = torch.mm(xe, _wt(gate_up, e, trans_w))
             if lr1 is not None:
                 lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, u1_SR[lo:hi])
             if gu_bias is not None:
@@ -97,31 +117,39 @@ class _LoopMLP(torch.autograd.Function):
             out.index_add_(0, token_S[lo:hi], y_buf[: hi - lo])
 
         run_experts(
-            list(_bounds(counts)),
+            items,
             compute,
             workers=_num_workers(x, counts, 2 * D * (N + F)),
             make_scratch=scratch,
             commit=commit if gathered else None,
             new_out=lambda: x.new_empty(nmax, D),
         )
+        # one h per expert, empty ones too: the number of saved tensors does not depend
+        # on the routing (activation checkpointing compares it with the recompute's)
+        empty = x.new_empty(0, N)
         ctx.save_for_backward(
-            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *lora[:4]
-        )
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *lora[:4],
+            *(h_of.get(e, empty) for e in range(len(counts))),
+        )  # fmt: skip
         ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, h_S2F, u1_SR, u2_SR, *ABAB = (
-            ctx.saved_tensors
-        )
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
+        ABAB, hs = rest[: 4 if ctx.lora_scales else 0], rest[4 if ctx.lora_scales else 0 :]
+        items = list(_bounds(ctx.counts))
+        # h is unpacked above and its storage is the loop's own; with the graph freed
+        # after this node anyway, each expert's h goes as soon as it has been read
+        release = _graph_released() and not _modes_active()
         act, trans_w, _ = ctx.cfg
         lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
         ABAB = ABAB or (None,) * 4
         need = ctx.needs_input_grad
         counts = ctx.counts
         g_out = g_out.contiguous()
-        D, N = x.shape[1], h_S2F.shape[1]
+        D = x.shape[1]
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gathered = token_S is not None
@@ -160,7 +188,9 @@ class _LoopMLP(torch.autograd.Function):
             gy = torch.index_select(g_out, 0, idx, out=s["rows"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
             act_bufs = [b[:n] for b in s["act"]]
-            a0, d_gate, d_up = _act_parts(h_S2F[lo:hi], act, act_bufs)
+            a0, d_gate, d_up = _act_parts(hs[e], act, act_bufs)
+            if release:
+                _free(hs[e])
             if gd is not None or g2a is not None:
                 ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
             if gd is not None:
@@ -205,7 +235,7 @@ class _LoopMLP(torch.autograd.Function):
             gx.index_add_(0, token_S[lo:hi], dx_buf[: hi - lo])
 
         run_experts(
-            list(_bounds(counts)),
+            items,
             compute,
             workers=_num_workers(x, counts, 4 * D * (N + F)),
             make_scratch=scratch,

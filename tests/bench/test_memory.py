@@ -105,7 +105,10 @@ def test_bytes_per_token_and_ratio_to_stock_with_checkpointing():
     assert "vs_baseline" not in rows[3]  # no stock row at that length
     table = memory._table(rows)
     assert "| 1024 | HF v5 `grouped_mm` | **out of memory** |" in table
-    assert "| 2048 | dropless: checkpointing + fused linear-CE | 300 | 153,600 | - |" in table
+    assert (
+        "| 2048 | dropless: checkpointing + fused linear-CE + RMSNorm | 300 | 153,600 | - |"
+        in table
+    )
     figures = {"dropless_vs_stock_ckpt": {"1024": 0.25, "2048": 0.5}}
     assert memory._summary(figures).endswith(": **0.25x** at 1024, **0.50x** at 2048.")
 

@@ -1,10 +1,11 @@
-"""patch()/patch_model() options: fused linear cross-entropy and RMSNorm on the kernel (CUDA).
+"""patch()/patch_model() options: fused linear cross-entropy and dropless's RMSNorm.
 
 fused_cross_entropy: a patched causal LM given labels returns stock's loss (and
-gradients) with logits=None; unpatch gives the logits back. fused_rmsnorm: CPU tensors
-keep the stock forward bit for bit and never reach the kernel; a tensor the kernel takes
-(a CUDA tensor, simulated here) runs it once the module passed its probe, and a norm that
-computes something else (Gemma-style `(1 + w)`) stays on its own forward.
+gradients) with logits=None; unpatch gives the logits back. fused_rmsnorm: a tensor of
+the weight's dtype (CPU here; CUDA runs the Triton kernel) goes to dropless's RMSNorm
+once the module passed its probe, with stock's logits and gradients and less kept for
+backward; other dtypes keep the stock forward; a norm that computes something else
+(Gemma-style `(1 + w)`) stays on its own forward.
 """
 
 # B sequences, L tokens per sequence
@@ -100,30 +101,59 @@ def _norms(model):
     return [m for m in model.modules() if hf_rmsnorm.is_rmsnorm_module(m)]
 
 
-def test_fused_rmsnorm_cpu_untouched_and_kernel_only_for_device_tensors(monkeypatch):
+def _saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps for backward in one forward (each storage once, parameters
+    left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids).logits.sum()
+    return sum(seen.values())
+
+
+def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
     model = build("qwen3_moe")
     stock = clone_into(model, "eager")
     ids = _ids(model)
-    plain = dh.patch_model(model)(input_ids=ids).logits
+    dh.patch_model(model)
+    plain = _saved_bytes(model, ids)
     dh.patch_model(model, fused_rmsnorm=True)
     norms = _norms(model)
     assert norms and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
     calls = []
+    real = hf_rmsnorm._kernel
 
-    def kernel(x, w, eps):
+    def counted(x, w, eps):
         calls.append(x.shape)
-        return rms_norm_reference(x, w, eps)
+        return real(x, w, eps)
 
-    monkeypatch.setattr(hf_rmsnorm, "_kernel", kernel)
-    want = stock(input_ids=ids).logits
-    assert torch.equal(model(input_ids=ids).logits, plain)  # CPU: the stock forward, exactly
-    assert calls == [] and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
-
-    # a tensor the kernel takes (CUDA in real runs): probed once, then the kernel runs
-    monkeypatch.setattr(hf_rmsnorm, "_on_kernel_device", lambda x, w: x.dtype == w.dtype)
-    got = model(input_ids=ids).logits
+    monkeypatch.setattr(hf_rmsnorm, "_kernel", counted)
+    got, want = model(input_ids=ids).logits, stock(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls and all(hf_rmsnorm.fused_rmsnorm_state(m) == "kernel" for m in norms)
+    got.sum().backward()
+    want.sum().backward()
+    grads = dict(stock.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-4, msg=name)
+    # per norm call, the normalised tensor is no longer kept: x's size less each
+    calls.clear()
+    lean = _saved_bytes(model, ids)
+    assert len(calls) == len(norms)
+    assert plain - lean >= sum(shape.numel() * 4 for shape in calls)
+
+    # another dtype than the weight's: the module's own forward, no call
+    calls.clear()
+    x = torch.randn(3, norms[0].weight.shape[0], dtype=torch.float64)
+    assert torch.equal(norms[0](x), type(norms[0]).forward(norms[0], x))
+    assert calls == []
 
     gemma = GemmaLikeRMSNorm(16)
     assert hf_rmsnorm.enable_fused_rmsnorm(gemma) == 1
@@ -145,3 +175,28 @@ def test_fused_rmsnorm_cpu_untouched_and_kernel_only_for_device_tensors(monkeypa
     dh.unpatch()
     assert all(hf_rmsnorm.fused_rmsnorm_state(m) is None for m in norms)
     assert all("forward" not in vars(m) for m in norms)
+
+
+def test_fused_rmsnorm_probe_inside_checkpointing_leaves_no_trace():
+    """The first call (the probe) happens inside a checkpointed forward: the recompute
+    must save as many tensors as the forward did, and the global RNG stream (dropout,
+    checkpointing's replayed RNG) must not move."""
+    model = build("qwen3_moe")
+    stock = clone_into(model, "eager")
+    ids = _ids(model)
+    dh.patch_model(model, fused_rmsnorm=True)
+    for m in (model, stock):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    torch.manual_seed(5)
+    got = model(input_ids=ids).logits
+    after_probe = torch.randn(3)
+    torch.manual_seed(5)
+    want = stock(input_ids=ids).logits
+    assert torch.equal(after_probe, torch.randn(3))
+    assert all(hf_rmsnorm.fused_rmsnorm_state(m) == "kernel" for m in _norms(model))
+    got.sum().backward()  # the recompute saves what the forward saved
+    want.sum().backward()
+    grads = dict(stock.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-4, msg=name)

@@ -1,5 +1,7 @@
-"""The RMSNorm entry point on CPU: torch's op, no Triton import, clear backend errors.
-(The Triton kernels themselves are checked under the interpreter in tests/triton.)"""
+"""The RMSNorm entry point on CPU: the lean torch op (`dropless.ops.rmsnorm`) against the
+reference (torch's op), forward and backward, what it keeps for backward, no Triton
+import, clear backend errors. (The Triton kernels themselves are checked under the
+interpreter in tests/triton.)"""
 
 import sys
 
@@ -7,6 +9,8 @@ import pytest
 import torch
 
 from dropless.kernels.rmsnorm import rms_norm
+from dropless.ops.reference import rms_norm_reference
+from dropless.ops.rmsnorm import rms_norm as lean_rms_norm
 
 
 def test_cpu_path_is_torch_op_with_residual():
@@ -27,3 +31,46 @@ def test_cpu_call_loads_no_kernel_module():
     sys.modules.pop("dropless.kernels.rmsnorm_kernels", None)
     rms_norm(torch.randn(3, 4), torch.ones(4))
     assert "dropless.kernels.rmsnorm_kernels" not in sys.modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 8), (3, 5, 16), (2, 4, 3, 7)])
+def test_torch_path_matches_reference_forward_and_backward(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype)
+    w = (torch.randn(shape[-1], generator=g) * 0.3 + 1).to(dtype)
+    gy = torch.randn(shape, generator=g).to(dtype)
+    got_in = [t.clone().requires_grad_(True) for t in (x, w)]
+    ref_in = [t.clone().requires_grad_(True) for t in (x, w)]
+    y = rms_norm(*got_in, 1e-5)
+    y_ref = rms_norm_reference(*ref_in, 1e-5)
+    assert y.dtype == y_ref.dtype == dtype
+    assert torch.equal(y, y_ref)  # same ops in the same precision
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(torch.autograd.grad(y, got_in, gy), torch.autograd.grad(y_ref, ref_in, gy)):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_torch_path_gradcheck_fp64():
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: lean_rms_norm(a, b, 1e-3), (x, w))
+    r = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b, c: rms_norm(a, b, 1e-3, residual=c)[0], (x, w, r))
+
+
+def test_torch_path_keeps_input_and_one_value_per_row():
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w = torch.ones(16, requires_grad=True)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lean_rms_norm(x, w)
+    others = [t for t in kept if t is not x and t is not w]
+    assert [tuple(t.shape) for t in others] == [(2, 5, 1)] and others[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="does not match the last dim"):
+        lean_rms_norm(x, torch.ones(8))

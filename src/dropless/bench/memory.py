@@ -4,8 +4,10 @@ sequence lengths (batch 1), stock Transformers v5 against dropless's long-sequen
 Rows (`--impls`):
 - `grouped_mm`: stock Transformers, `experts_implementation="grouped_mm"` (its default);
 - `grouped_mm-ckpt`: the same with its activation checkpointing (every decoder layer);
-- `dropless`: the long-sequence recipe: `dropless.patch()`, activation checkpointing and
-  the fused linear + cross-entropy head (`enable_fused_cross_entropy`);
+- `dropless`: the long-sequence recipe, as `dropless train` runs it by default:
+  `dropless.patch()`, activation checkpointing, the fused linear + cross-entropy head
+  (`enable_fused_cross_entropy`) and dropless's RMSNorm (`enable_fused_rmsnorm`: on CPU a
+  torch op that keeps the input and one value per row for backward);
 - `dropless-mxfp8` (not run by default): the recipe plus MXFP8 saved activations
   (`dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True))`
   around the forward and the backward, where checkpointing recomputes the layers). On
@@ -64,8 +66,8 @@ BASELINE = "grouped_mm-ckpt"  # the ratio column: stock with its own checkpointi
 LABELS = {
     "grouped_mm": "HF v5 `grouped_mm`",
     "grouped_mm-ckpt": "HF v5 `grouped_mm` + activation checkpointing",
-    "dropless": "dropless: checkpointing + fused linear-CE",
-    "dropless-mxfp8": "dropless: checkpointing + fused linear-CE + MXFP8 saved activations",
+    "dropless": "dropless: checkpointing + fused linear-CE + RMSNorm",
+    "dropless-mxfp8": "dropless: checkpointing + fused linear-CE + RMSNorm + MXFP8 saved activations",
 }
 MODEL_KEYS = tuple(k for k in SHAPE if k not in ("batch", "seq"))
 TITLE = """## Long sequences: peak step memory per token (`dropless bench memory`)
@@ -127,11 +129,13 @@ def _build(impl: str, shape: dict, seq: int):
     if impl.startswith("dropless"):
         import dropless
         from dropless.hf.fused_loss import enable_fused_cross_entropy
+        from dropless.hf.rmsnorm import enable_fused_rmsnorm
 
         dropless.patch()
         model = tf.AutoModelForCausalLM.from_config(cfg)
         assert model.get_experts_implementation()[""] == "dropless"
         enable_fused_cross_entropy(model)
+        enable_fused_rmsnorm(model)
     else:
         model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
     model = model.float().train()

@@ -193,8 +193,8 @@ def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> 
     fused_cross_entropy: a causal LM given `labels` computes its loss from the hidden
         states in chunks (`dropless.hf.fused_loss`) and returns `logits=None`; off by
         default because code may read the logits.
-    fused_rmsnorm: RMSNorm modules run the Triton kernel for CUDA tensors
-        (`dropless.hf.rmsnorm`); CPU tensors keep the stock forward.
+    fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.rmsnorm`): the
+        Triton kernel for CUDA tensors, a torch op that keeps less for backward elsewhere.
     Every model on the dropless path also gets routing replay for activation
     checkpointing (`dropless.hf.replay`).
     """

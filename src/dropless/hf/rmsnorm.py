@@ -1,16 +1,19 @@
-"""RMSNorm modules of a Transformers model on the Triton kernel for CUDA tensors.
+"""RMSNorm modules of a Transformers model on dropless's RMSNorm.
 
 `enable_fused_rmsnorm(model)` gives every RMSNorm module of the model (a class whose name
 ends in "RMSNorm", with a `weight` [D] and an epsilon) an instance forward that, for a
-CUDA tensor of the weight's dtype, runs `dropless.kernels.rmsnorm.rms_norm` (Triton) and
-otherwise calls the module's own forward: CPU tensors never leave the stock code.
+tensor of the weight's dtype, runs `dropless.kernels.rmsnorm.rms_norm`: the Triton kernel
+for CUDA tensors, the lean torch op (`dropless.ops.rmsnorm`) for the others, CPU
+included. Both keep only the input and one fp32 value per row for backward, where the
+stock modules also keep the normalised tensor (one more tensor of the input's size per
+norm). Other calls (another dtype, extra arguments) run the module's own forward.
 
 Families normalise in different ways (Llama-style `w * x_hat`, Gemma-style `(1 + w) * x_hat`,
-fp32 upcasts), so each module is probed once, at its first CUDA call: the kernel and the
-module's own forward run on a small random input of that dtype and device, forward and
-input gradient; the kernel is kept only if they agree (to a few units of the dtype's
-rounding) and it ran at all (else one warning), otherwise the module stays on its own
-forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
+fp32 upcasts), so each module is probed once, at its first call it would take: dropless's
+RMSNorm and the module's own forward run on a small random input of that dtype and
+device, forward and input gradient; it is kept only if they agree (to a few units of the
+dtype's rounding) and it ran at all (else one warning), otherwise the module stays on its
+own forward for good. `disable_fused_rmsnorm(model)` removes the wiring.
 """
 
 # R rows, D normalised dim
@@ -23,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-_ATTR = "_dropless_rmsnorm"  # per module: None (not probed yet), True (kernel) or False
+_ATTR = "_dropless_rmsnorm"  # per module: None (not probed yet), True (dropless's) or False
 _PRIOR = "_dropless_rmsnorm_prior"  # an instance forward set before ours (e.g. by accelerate)
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -48,8 +51,8 @@ def is_rmsnorm_module(module: nn.Module) -> bool:
 
 
 def _on_kernel_device(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # the kernel's output has x's dtype: only where stock returns that dtype too
-    return x.is_cuda and x.dtype == weight.dtype
+    # dropless's output has x's dtype: only where stock returns that dtype too
+    return x.dtype == weight.dtype and x.is_floating_point()
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,13 +61,24 @@ def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, weight, eps)
 
 
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _agrees(module: nn.Module, stock, x: torch.Tensor) -> bool:
-    """The kernel computes what `stock` does (output and input gradient) on a probe."""
+    """dropless's RMSNorm computes what `stock` does (output and input gradient) on a
+    probe.
+
+    The probe leaves no trace in the model's run: its random input comes from its own
+    generator (the global RNG stream, which dropout and checkpointing's recompute rely on,
+    is untouched), and what its autograd keeps goes past any saved-tensor hooks (a
+    checkpointed forward would otherwise save more tensors than its recompute)."""
     D = module.weight.shape[0]
-    probe = torch.randn(4, D, dtype=x.dtype, device=x.device)
-    g = torch.randn(4, D, dtype=x.dtype, device=x.device)
+    gen = torch.Generator(device=x.device).manual_seed(0)
+    probe = torch.randn(4, D, generator=gen, device=x.device).to(x.dtype)
+    g = torch.randn(4, D, generator=gen, device=x.device).to(x.dtype)
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             xs, xk = probe.clone().requires_grad_(True), probe.clone().requires_grad_(True)
             want = stock(xs)
             got = _kernel(xk, module.weight.detach(), _eps(module))
@@ -74,7 +88,7 @@ def _agrees(module: nn.Module, stock, x: torch.Tensor) -> bool:
             (gk,) = torch.autograd.grad(got, xk, g)
     except Exception as e:  # a kernel that cannot run here must not stop the model
         warnings.warn(
-            f"dropless: {type(module).__name__} keeps its own forward: the RMSNorm kernel "
+            f"dropless: {type(module).__name__} keeps its own forward: dropless's RMSNorm "
             f"failed its first call ({type(e).__name__}: {e})",
             UserWarning,
             stacklevel=4,
@@ -99,7 +113,7 @@ def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
 
 
 def enable_fused_rmsnorm(model: nn.Module) -> int:
-    """Wire every RMSNorm module of `model` to the Triton kernel for CUDA tensors
+    """Wire every RMSNorm module of `model` to dropless's RMSNorm (Triton on CUDA)
     (idempotent); returns how many modules carry the wiring."""
     n = 0
     for module in model.modules():
@@ -126,7 +140,8 @@ def disable_fused_rmsnorm(model: nn.Module) -> None:
 
 
 def fused_rmsnorm_state(module: nn.Module):
-    """None (not wired), "unprobed", "kernel" or "stock" for one module."""
+    """None (not wired), "unprobed", "kernel" (dropless's RMSNorm: the Triton kernel on
+    CUDA, the lean torch op elsewhere) or "stock" for one module."""
     if _ATTR not in module.__dict__:
         return None
     return {None: "unprobed", True: "kernel", False: "stock"}[module.__dict__[_ATTR]]

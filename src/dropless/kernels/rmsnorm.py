@@ -1,4 +1,5 @@
-"""RMSNorm entry point: the Triton kernels for CUDA tensors, torch's op everywhere else.
+"""RMSNorm entry point: the Triton kernels for CUDA tensors, the lean torch op
+(`dropless.ops.rmsnorm`: keeps x and one fp32 value per row for backward) everywhere else.
 
     y = rms_norm(x, weight, eps)                     # F.rms_norm(x, (D,), weight, eps)
     y, h = rms_norm(x, weight, eps, residual=r)      # normalises h = x + r, returns both
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.reference import rms_norm_reference
+from ..ops.rmsnorm import rms_norm as torch_rms_norm
 from . import available
 
 BACKENDS = ("auto", "torch", "triton")
@@ -29,7 +30,7 @@ def rms_norm(
 ):
     """RMSNorm over the last dim of x (of `x + residual` when given, returning
     `(normed, x + residual)`). backend "auto": Triton on CUDA with triton installed, else
-    torch; "triton" on a tensor it cannot run on raises ValueError."""
+    the torch op; "triton" on a tensor it cannot run on raises ValueError."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     use_triton = backend == "triton" or (backend == "auto" and available(x))
@@ -42,4 +43,6 @@ def rms_norm(
         from .rmsnorm_kernels import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight_D, eps, residual)
-    return rms_norm_reference(x, weight_D, eps, residual)
+    s = x if residual is None else x + residual
+    y = torch_rms_norm(s, weight_D, eps)
+    return y if residual is None else (y, s)

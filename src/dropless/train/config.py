@@ -167,7 +167,7 @@ class TrainSection:
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
     activation_checkpointing: bool = False  # per decoder layer, with routing replay
     fused_cross_entropy: bool = True  # LM head + loss in chunks, never the full [T, V] logits
-    fused_rmsnorm: bool = True  # RMSNorm on the Triton kernel for CUDA tensors (CPU: stock)
+    fused_rmsnorm: bool = True  # dropless's RMSNorm (Triton on CUDA, a lean torch op on CPU)
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
     max_skipped_steps: int = 5  # on_nonfinite="skip": stop after more than this many in a row
 

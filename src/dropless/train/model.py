@@ -144,8 +144,8 @@ def build_training_model(
     """(model, parallel glue or None) for a run on `world` processes.
 
     activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
-    dropless path. fused_rmsnorm: RMSNorm modules on the Triton kernel for CUDA tensors
-    (`dropless.hf.rmsnorm`; CPU tensors keep the stock forward).
+    dropless path. fused_rmsnorm: RMSNorm modules on dropless's RMSNorm
+    (`dropless.hf.rmsnorm`: the Triton kernel for CUDA tensors, the lean torch op on CPU).
 
     Fine-tuning a checkpoint (model.path) on several processes builds the model on the meta
     device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards

@@ -16,6 +16,7 @@ from families import build, clone_into
 from torch import nn
 
 import dropless.hf as dh
+from dropless.bench.fp8 import saved_tensor_bytes
 from dropless.hf import rmsnorm as hf_rmsnorm
 from dropless.hf.fused_loss import is_fused_cross_entropy_enabled
 from dropless.ops.reference import rms_norm_reference
@@ -102,20 +103,8 @@ def _norms(model):
 
 
 def _saved_bytes(model, ids) -> int:
-    """Bytes autograd keeps for backward in one forward (each storage once, parameters
-    left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids).logits.sum()
-    return sum(seen.values())
+    """Bytes autograd keeps for backward in one forward (parameters left out)."""
+    return saved_tensor_bytes(lambda: model(input_ids=ids).logits, list(model.parameters()))[0]
 
 
 def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):

@@ -50,7 +50,7 @@ def is_rmsnorm_module(module: nn.Module) -> bool:
     )
 
 
-def _on_kernel_device(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # dropless's output has x's dtype: only where stock returns that dtype too
     return x.dtype == weight.dtype and x.is_floating_point()
 
@@ -102,7 +102,7 @@ def _agrees(module: nn.Module, stock, x: torch.Tensor) -> bool:
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     stock = self.__dict__[_PRIOR] or types.MethodType(type(self).forward, self)
-    if args or kwargs or not _on_kernel_device(hidden_states, self.weight):
+    if args or kwargs or not _takes(hidden_states, self.weight):
         return stock(hidden_states, *args, **kwargs)
     state = self.__dict__.get(_ATTR)
     if state is None:

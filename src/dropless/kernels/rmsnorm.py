@@ -43,6 +43,4 @@ def rms_norm(
         from .rmsnorm_kernels import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight_D, eps, residual)
-    s = x if residual is None else x + residual
-    y = torch_rms_norm(s, weight_D, eps)
-    return y if residual is None else (y, s)
+    return torch_rms_norm(x, weight_D, eps, residual)

@@ -86,7 +86,6 @@ class _LoopMLP(torch.autograd.Function):
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gathered = token_S is not None
-        items = list(_bounds(counts))
         h_of = {}  # expert -> its [n, N] gate/up output, kept for backward
         out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
         u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
@@ -117,7 +116,7 @@ class _LoopMLP(torch.autograd.Function):
             out.index_add_(0, token_S[lo:hi], y_buf[: hi - lo])
 
         run_experts(
-            items,
+            list(_bounds(counts)),
             compute,
             workers=_num_workers(x, counts, 2 * D * (N + F)),
             make_scratch=scratch,
@@ -137,8 +136,8 @@ class _LoopMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
-        ABAB, hs = rest[: 4 if ctx.lora_scales else 0], rest[4 if ctx.lora_scales else 0 :]
-        items = list(_bounds(ctx.counts))
+        n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in
+        ABAB, hs = rest[:n_lora], rest[n_lora:]
         # h is unpacked above and its storage is the loop's own; with the graph freed
         # after this node anyway, each expert's h goes as soon as it has been read
         release = _graph_released() and not _modes_active()
@@ -235,7 +234,7 @@ class _LoopMLP(torch.autograd.Function):
             gx.index_add_(0, token_S[lo:hi], dx_buf[: hi - lo])
 
         run_experts(
-            items,
+            list(_bounds(counts)),
             compute,
             workers=_num_workers(x, counts, 4 * D * (N + F)),
             make_scratch=scratch,

@@ -19,14 +19,10 @@ from __future__ import annotations
 import torch
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_D, eps: float):
-        xf = x.to(_acc(x.dtype))
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         rstd_R1 = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
         y = (xf * rstd_R1).mul_(weight_D).to(x.dtype)
         ctx.save_for_backward(x, weight_D, rstd_R1)
@@ -50,12 +46,20 @@ class _RMSNorm(torch.autograd.Function):
         return gx, gw_D, None
 
 
-def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight_D: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+):
     """RMSNorm over the last dim of x, times `weight_D` ([D]), keeping only x and one
-    fp32 value per row for backward."""
+    fp32 value per row for backward. With `residual`: of `x + residual`, returning
+    `(normed, x + residual)` (the Triton kernel's signature)."""
     if weight_D.dim() != 1 or weight_D.shape[0] != x.shape[-1]:
         raise ValueError(
             f"rms_norm: weight of shape {tuple(weight_D.shape)} does not match the last dim "
             f"of x {tuple(x.shape)}; expected a vector of {x.shape[-1]}"
         )
-    return _RMSNorm.apply(x, weight_D, float(eps))
+    s = x if residual is None else x + residual
+    y = _RMSNorm.apply(s, weight_D, float(eps))
+    return y if residual is None else (y, s)

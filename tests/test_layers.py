@@ -179,3 +179,89 @@ def test_the_spec_module_imports_only_the_standard_library(name):
     for _, target in imports_of(path, SRC):
         top = target.split(".")[0]
         assert top in sys.stdlib_module_names or top == "__future__", target
+
+
+def import_graph(src: Path) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports, wherever written (functions,
+    `if TYPE_CHECKING:` blocks and module-name strings included)."""
+    graph = {}
+    for path in sorted((src / "dropless").rglob("*.py")):
+        modname, _ = module_name(path, src)
+        graph[modname] = {t for _, t in imports_of(path, src) if package_of(t) and t != modname}
+    return graph
+
+
+def import_loops(src: Path) -> list[list[str]]:
+    """Every set of files that import each other in a loop (strongly connected
+    components of the import graph with more than one file), sorted."""
+    graph = import_graph(src)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                loops.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(loops)
+
+
+def test_no_file_imports_another_in_a_loop():
+    loops = import_loops(SRC)
+    assert not loops, "files that import each other (lazily counts too):\n" + "\n".join(
+        " <-> ".join(loop) for loop in loops
+    )
+
+
+def test_the_loop_finder_sees_lazy_and_type_checking_imports(tmp_path):
+    files = {
+        "dropless/__init__.py": "",
+        "dropless/ops/__init__.py": "",
+        "dropless/ops/a.py": "def f():\n    from . import b\n",
+        "dropless/ops/b.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import C\n"
+        ),
+        "dropless/ops/c.py": "from .a import f\n",
+        "dropless/ops/d.py": "from .a import f\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert import_loops(tmp_path) == [["dropless.ops.a", "dropless.ops.b", "dropless.ops.c"]]
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_is_over_80_lines():
+    long = []
+    for path in sorted((SRC / "dropless").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name}: {lines}")
+    assert not long, "functions over 80 lines (split where a name explains a part):\n" + "\n".join(
+        long
+    )

@@ -1,6 +1,7 @@
 """The checks each spawned group runs, by world size (one spawn per world size)."""
 
 from _checks_ckpt import ckpt_resume_w2, ckpt_save_w4  # noqa: F401
+from _checks_collectives import train_collectives  # noqa: F401
 from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
     bad_mesh_in_group,
     ep_bias_and_shared_expert,
@@ -50,6 +51,7 @@ CHECKS = {
         "hf_fsdp_x_ep_train",
         "hf_sharded_load",
         "ckpt_resume_w2",
+        "train_collectives",
     ],
     4: [
         "ep_uniform",

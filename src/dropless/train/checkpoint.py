@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .collectives import barrier
 from .hooks import TrainHooks
 
 DIRNAME = "checkpoints"
@@ -46,8 +47,7 @@ def _rank_world() -> tuple[int, int]:
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..hf.parallel import hf_dispatchers, shard_hf_experts
 from ..parallel.fsdp import apply_fsdp, clip_grad_norm_
 from ..parallel.mesh import ParallelMesh, build_mesh
+from .collectives import all_reduce
 
 
 class _QuietRedistribution(logging.Filter):
@@ -65,7 +65,7 @@ class TrainParallel:
                 [s["dispatch_s"], s["expert_s"], s["combine_s"], 2.0 * s["bytes_sent"]],
                 dtype=torch.float64,
             )
-        dist.all_reduce(t, group=self.pmesh.dp_group)
+        all_reduce(t, group=self.pmesh.dp_group)
         w = self.pmesh.world_size
         return {
             "ep_dispatch_s": float(t[0]) / w,

@@ -9,8 +9,9 @@ import math
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from .collectives import all_reduce
 
 
 class Evaluator:
@@ -40,7 +41,7 @@ class Evaluator:
         n = -(-len(mine) // self.micro_batch)
         if self.collective:  # forwards are collective (FSDP, EP): as many on every rank
             n_t = torch.tensor([n])
-            dist.all_reduce(n_t, op=dist.ReduceOp.MAX)
+            all_reduce(n_t, op="max")
             n = int(n_t)
         return n
 
@@ -69,7 +70,7 @@ class Evaluator:
             n = torch.tensor(float((y != -100).sum()), dtype=torch.float64)
             acc += torch.stack([nll.double().cpu(), n])
         if world > 1:
-            dist.all_reduce(acc)
+            all_reduce(acc)
         hf.tokens_per_expert(self.model, reset=True)
         return {
             "eval_loss": float(acc[0] / acc[1]),

@@ -11,12 +11,13 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from .collectives import broadcast_object
 from .data import _data_files
 from .genomics import DNATokenizer
 from .model import check_compatible, hf_config, recipe_context
 from .resume import check_resume
 from .rundir import new_run_dir
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer
+from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
 
 
 @dataclass
@@ -56,9 +57,7 @@ def broadcast(obj, env: Env):
     """rank 0's value of `obj` on every process."""
     if env.world == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(obj, src=0)
 
 
 def rank0_only(fn, env: Env):
@@ -112,7 +111,7 @@ def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
 
 def tokenizer_vocab(cfg, run_dir: Path) -> int:
     """The vocabulary size the run's tokenizer has (or will have once trained)."""
-    spec = cfg.data.tokenizer
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
     if spec == "bytes":
         return ByteTokenizer.vocab_size
     if spec == "dna":
@@ -168,9 +167,10 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
         _data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
         _data_files(cfg.data.eval_path, "data.eval_path")
-    config = hf_config(cfg.model, tokenizer_vocab(cfg, run_dir))
+    vocab = tokenizer_vocab(cfg, run_dir)
+    config = hf_config(cfg.model, vocab)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
-    check_compatible(config, tokenizer_vocab(cfg, run_dir), cfg.train.seq_len)
+    check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
         print(
             "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",

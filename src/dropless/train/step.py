@@ -11,9 +11,9 @@ import contextlib
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collectives import all_reduce
 from .data import micro_batch_indices
 from .errors import DroppedTokensError, NonFiniteError
 from .model import recipe_context
@@ -162,7 +162,7 @@ class StepRunner:
         )
         stats = torch.cat([head, counts_ME.cpu().double().reshape(-1), pairs])
         if self.world > 1:
-            dist.all_reduce(stats)
+            all_reduce(stats)
             stats[:3] /= self.world
         return stats, path_ME is not None
 

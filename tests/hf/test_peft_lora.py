@@ -14,6 +14,7 @@ import torch
 from families import build, clone_into
 
 import dropless.hf as dh
+from dropless.hf import expert_lora as el
 from dropless.hf import lora as hl
 
 peft = pytest.importorskip("peft")
@@ -204,15 +205,15 @@ def test_expert_owned_factors_match_peft(family):
     ps = peft.get_peft_model(stock, lora_config(family, attention=False))
     g = torch.Generator().manual_seed(0)
     for layer in dh.moe_layers(patched):
-        hl.attach_expert_lora(layer.experts, 8, 16, generator=g)
+        el.attach_expert_lora(layer.experts, 8, 16, generator=g)
     wrappers = _wrappers(ps)
     with torch.no_grad():
         for ref, layer in zip(dh.moe_layers(ps), dh.moe_layers(patched)):
             for which, name in (("first", "gate_up_proj"), ("down", "down_proj")):
                 w = wrappers[(ref.experts, name)]
                 a_w, b_w = w.lora_A["default"].weight, w.lora_B["default"].weight
-                a, b = hl.peft_to_experts(a_w, b_w, w.num_experts)
-                back = hl.experts_to_peft(a, b)
+                a, b = el.peft_to_experts(a_w, b_w, w.num_experts)
+                back = el.experts_to_peft(a, b)
                 assert torch.equal(back[0], a_w) and torch.equal(back[1], b_w)
                 getattr(layer.experts, f"lora_A_{which}").copy_(a)
                 getattr(layer.experts, f"lora_B_{which}").copy_(b)
@@ -225,11 +226,11 @@ def test_expert_owned_factors_save_as_a_peft_adapter(tmp_path):
     model = dh.patch_model(build("qwen3_moe", "eager").double())
     g = torch.Generator().manual_seed(1)
     for layer in dh.moe_layers(model):
-        hl.attach_expert_lora(layer.experts, 4, 8, generator=g)
+        el.attach_expert_lora(layer.experts, 4, 8, generator=g)
     ids = _ids()
     with torch.no_grad():
         want = model(ids).logits
-    hl.save_expert_lora_as_peft(model, tmp_path / "adapter")
+    el.save_expert_lora_as_peft(model, tmp_path / "adapter")
     dh.unpatch()
     stock = build("qwen3_moe", "eager").double()
     loaded = peft.PeftModel.from_pretrained(stock, tmp_path / "adapter")
@@ -239,7 +240,7 @@ def test_expert_owned_factors_save_as_a_peft_adapter(tmp_path):
     dh.patch()
     again = dh.patch_model(build("qwen3_moe", "eager").double())
     for layer in dh.moe_layers(again):
-        hl.attach_expert_lora(layer.experts, 4, 8)  # B zeros until loaded
-    assert hl.load_peft_into_experts(again, tmp_path / "adapter") == 4
+        el.attach_expert_lora(layer.experts, 4, 8)  # B zeros until loaded
+    assert el.load_peft_into_experts(again, tmp_path / "adapter") == 4
     with torch.no_grad():
         _close(again(ids).logits, want)

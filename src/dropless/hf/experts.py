@@ -38,13 +38,9 @@ from ..ops import (
     sort_by_expert,
     unpermute,
 )
-from .lora import (
-    DroplessLoRAFallbackWarning,
-    attached_lowrank,
-    experts_weights,
-    folded_weights,
-    raw_weight,
-)
+from .expert_lora import attached_lowrank
+from .layers import family_of
+from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
 #: "fused" or "generic": cheap counters tests and users read to see which path ran.
@@ -105,20 +101,6 @@ class ExpertsSpec:
         if self.post_norm:
             parts.append("post-expert norm")
         return ", ".join(parts)
-
-
-def family_of(module: nn.Module) -> str:
-    config = getattr(module, "config", None)
-    return str(getattr(config, "model_type", None) or type(module).__name__)
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """True for an instance of a class decorated with `@use_experts_implementation`."""
-    return (
-        hasattr(module, "has_gate")
-        and hasattr(module, "is_transposed")
-        and hasattr(module, "config")
-    )
 
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | str:

@@ -1,5 +1,8 @@
 """Find the MoE layers of a Transformers model; per-layer token counts; saving stock layout.
 
+An experts module is an instance of a class Transformers decorates with
+`@use_experts_implementation` (`is_experts_module`); its MoE block is its parent.
+
 The trainer uses `moe_layers(model)` to reach each layer's router, its expert score bias
 (for `dropless.ops.update_expert_bias`) and the tokens each expert received, and
 `save_hf` to write a checkpoint that stock Transformers loads.
@@ -15,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .experts import family_of, is_experts_module
 from .routers import router_bias
 
 
@@ -48,6 +50,20 @@ class MoELayer:
     def tokens_per_expert(self) -> torch.Tensor | None:
         """int64 [E]: pairs routed to each expert in the last dropless forward (None before one)."""
         return self.experts.__dict__.get("_dropless_last_counts_E")
+
+
+def family_of(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    return str(getattr(config, "model_type", None) or type(module).__name__)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for an instance of a class decorated with `@use_experts_implementation`."""
+    return (
+        hasattr(module, "has_gate")
+        and hasattr(module, "is_transposed")
+        and hasattr(module, "config")
+    )
 
 
 def _find_router(block: nn.Module) -> tuple[str | None, nn.Module | None]:

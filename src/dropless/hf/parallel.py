@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ops.expert_mlp import grouped_mlp
 from ..parallel.experts import PARAM_NAMES, _local
-from .lora import LORA_PARAMS, attached_lowrank
+from .expert_lora import LORA_PARAMS, attached_lowrank
 
 
 class _LocalExperts:

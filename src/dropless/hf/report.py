@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .experts import _spec, family_of, is_experts_module
+from .experts import _spec
+from .layers import family_of, is_experts_module
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""LoRA factors owned by the experts module: dropless's expert-parallel LoRA.
+
+PEFT's B [out, r*E] cannot be sharded by expert with a Shard placement (the expert index
+varies fastest). Under `dropless.hf.parallel.shard_hf_experts` the factors live instead as
+parameters of the experts module, A [E, r, in] and B [E, out, r] (`attach_expert_lora`),
+sharded with the experts (Shard(0) over "ep"); the dropless experts forward runs them as
+`LowRank` updates (`attached_lowrank`). They are converted to and from PEFT's layout on
+save (`save_expert_lora_as_peft`, a directory `PeftModel.from_pretrained` loads) and load
+(`load_peft_into_experts`). PEFT's own adapters on a single process are `dropless.hf.lora`.
+"""
+
+# E experts, r rank, I in features, O out features
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..ops import LowRank
+from .layers import moe_layers
+from .lora import raw_weight
+
+LORA_PARAMS = ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down")
+
+
+def peft_to_experts(lora_a_w: torch.Tensor, lora_b_w: torch.Tensor, num_experts: int):
+    """PEFT's `lora_A.weight [E*r, in]`, `lora_B.weight [out, r*E]` -> A [E, r, in],
+    B [E, out, r] (in/out of the projection as applied, whatever `is_transposed` is)."""
+    E = num_experts
+    a = lora_a_w.reshape(E, -1, lora_a_w.shape[-1])
+    b = lora_b_w.reshape(lora_b_w.shape[0], -1, E).permute(2, 0, 1)
+    return a, b
+
+
+def experts_to_peft(a_ERI: torch.Tensor, b_EOR: torch.Tensor):
+    """The inverse of `peft_to_experts`: (lora_A.weight [E*r, in], lora_B.weight [out, r*E])."""
+    E, r, n_in = a_ERI.shape
+    return a_ERI.reshape(E * r, n_in), b_EOR.permute(1, 2, 0).reshape(b_EOR.shape[1], r * E)
+
+
+def attach_expert_lora(
+    module: nn.Module, rank: int, alpha: float, generator: torch.Generator | None = None
+) -> None:
+    """Give an experts module its own LoRA factors as parameters (A with PEFT's default
+    init, B random too when `generator` is given, else zeros), base weights frozen.
+
+    For dropless's expert parallelism: `shard_hf_experts` shards them with the experts.
+    The single-process dropless path runs them the same way."""
+    if rank < 1:
+        raise ValueError(f"attach_expert_lora: rank={rank} must be >= 1")
+    names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+    trans_w = not module.is_transposed
+    for which, name in zip(("first", "down"), names):
+        w = raw_weight(module, name)
+        w.requires_grad_(False)
+        E, n_out, n_in = (w.shape[0], w.shape[1], w.shape[2]) if trans_w else (
+            w.shape[0], w.shape[2], w.shape[1],
+        )  # fmt: skip
+        bound = 1.0 / n_in**0.5
+        a = (torch.rand(E, rank, n_in, generator=generator, dtype=w.dtype) * 2 - 1) * bound
+        b = (
+            torch.randn(E, n_out, rank, generator=generator, dtype=w.dtype) * 0.1
+            if generator is not None
+            else torch.zeros(E, n_out, rank, dtype=w.dtype)
+        )
+        module.register_parameter(f"lora_A_{which}", nn.Parameter(a.to(w.device)))
+        module.register_parameter(f"lora_B_{which}", nn.Parameter(b.to(w.device)))
+    module.__dict__["_dropless_lora_scale"] = float(alpha) / rank
+
+
+def attached_lowrank(module: nn.Module):
+    """(gate_up LowRank, down LowRank) from factors `attach_expert_lora` registered (local
+    shards under expert parallelism), or None."""
+    scale = module.__dict__.get("_dropless_lora_scale")
+    if scale is None:
+        return None
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    A1, B1, A2, B2 = (local(getattr(module, n)) for n in LORA_PARAMS)
+    return LowRank(A1, B1, scale), LowRank(A2, B2, scale)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
+    """Write the factors `attach_expert_lora` gave the experts modules of `model` (gathered
+    when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
+    directory (adapter_config.json + adapter_model.safetensors) that
+    `PeftModel.from_pretrained(stock_model, out_dir)` loads."""
+    import peft
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    layers = [x for x in moe_layers(model) if "_dropless_lora_scale" in x.experts.__dict__]
+    if not layers:
+        raise ValueError(
+            "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
+        )
+    first = layers[0].experts
+    rank = first.lora_A_first.shape[1]
+    names = ("gate_up_proj" if first.has_gate else "up_proj", "down_proj")
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=first.__dict__["_dropless_lora_scale"] * rank,
+        target_parameters=[
+            f"{x.name.rpartition('.')[2]}.experts.{n}" for x in layers[:1] for n in names
+        ],
+        target_modules=[],
+    )
+    where = _peft_paths(model, config)
+    state = {}
+    for x in layers:
+        owner = next(n for n, m in model.named_modules() if m is x.experts)
+        for which, name in zip(("first", "down"), names):
+            a = _full(getattr(x.experts, f"lora_A_{which}")).detach()
+            b = _full(getattr(x.experts, f"lora_B_{which}")).detach()
+            a_w, b_w = experts_to_peft(a, b)
+            path = where[(owner, name)]
+            state[f"{path}.lora_A.weight"] = a_w.contiguous().cpu()
+            state[f"{path}.lora_B.weight"] = b_w.contiguous().cpu()
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    save_file(state, out / "adapter_model.safetensors")
+
+
+def _peft_paths(model: nn.Module, config) -> dict:
+    """{(experts module path, weight name): the ParamWrapper path PEFT would give it},
+    from PEFT itself wrapping a weightless (meta) copy of the model's structure."""
+    import copy
+
+    import peft
+    from peft.tuners.lora.layer import ParamWrapper
+
+    with torch.device("meta"):
+        skeleton = type(model)(copy.deepcopy(model.config))
+    wrapped = peft.get_peft_model(skeleton, copy.deepcopy(config))
+    where = {}
+    for path, mod in wrapped.named_modules():
+        if isinstance(mod, ParamWrapper):
+            owner = path.removeprefix("base_model.model.")
+            while owner.endswith(".base_layer"):
+                owner = owner[: -len(".base_layer")]
+            where[(owner, mod.parameter_name)] = path
+    return where
+
+
+def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
+    """Copy a PEFT adapter's expert factors (saved by PEFT or `save_expert_lora_as_peft`)
+    into the factors `attach_expert_lora` registered (this rank's shard under ep).
+    Returns the number of projections loaded."""
+    import peft
+    from safetensors.torch import load_file
+
+    config = peft.LoraConfig.from_pretrained(str(adapter_dir))
+    state = load_file(Path(adapter_dir) / "adapter_model.safetensors")
+    where = _peft_paths(model, config)
+    n = 0
+    with torch.no_grad():
+        for x in moe_layers(model):
+            if "_dropless_lora_scale" not in x.experts.__dict__:
+                continue
+            owner = next(k for k, m in model.named_modules() if m is x.experts)
+            names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
+            for which, name in zip(("first", "down"), names):
+                path = where.get((owner, name))
+                if path is None or f"{path}.lora_A.weight" not in state:
+                    raise ValueError(f"{adapter_dir}: no LoRA factors for {owner}.{name}")
+                a, b = peft_to_experts(
+                    state[f"{path}.lora_A.weight"], state[f"{path}.lora_B.weight"], x.num_experts
+                )
+                for t, full in (
+                    (getattr(x.experts, f"lora_A_{which}"), a),
+                    (getattr(x.experts, f"lora_B_{which}"), b),
+                ):
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    lo = _shard_offset(t)
+                    local.copy_(full[lo : lo + local.shape[0]])
+                n += 1
+            x.experts.__dict__["_dropless_lora_scale"] = float(config.lora_alpha) / config.r
+    return n
+
+
+def _shard_offset(t: torch.Tensor) -> int:
+    """First expert of this rank's Shard(0) slice (0 for a plain tensor)."""
+    if not hasattr(t, "to_local"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return int(offset[0])

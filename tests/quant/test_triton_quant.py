@@ -30,6 +30,7 @@ CASES = [
     "mx_3d_weights",
     "mx_groups",
     "int64_offsets",
+    "mx_block_is_formats_block",
     "dispatch_moe_steps",
 ]
 
@@ -167,6 +168,11 @@ def check(case: str, device: str = "cpu") -> None:
         out = torch.empty(4, 2, dtype=torch.int64, device=device)
         kernel[(1,)](out, 300_000, 8192, 1)
         assert out.tolist() == [[(300_000 + i) * 8192 + j for j in range(2)] for i in range(4)]
+    elif case == "mx_block_is_formats_block":
+        # the kernels' tile width is written where triton lives, apart from formats.py
+        from dropless.quant.triton_fp8 import MX_BLOCK
+
+        assert MX_BLOCK == fm.BLOCK == 32
     elif case == "dispatch_moe_steps":
         _dispatch_moe_steps(fm, tq, device)
     else:

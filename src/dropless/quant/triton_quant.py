@@ -14,7 +14,8 @@ arithmetic in registers and give the same bytes:
 Every kernel takes arbitrary 2-D strides, so a transposed view (the column-wise
 quantization of a weight gradient's operand) needs no copy. E4M3 only: the E5M2
 gradients of HYBRID recipes take the torch path. Offsets are int64 (tensors past 2**31
-elements). Tested bit for bit against the torch path under TRITON_INTERPRET=1.
+elements). The E4M3/E8M0 bit arithmetic is `triton_fp8.py`'s. Tested bit for bit
+against the torch path under TRITON_INTERPRET=1.
 """
 
 # M rows, N columns, B MX blocks per row
@@ -23,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import BLOCK
-from .triton_swiglu_quant import _e4m3_code, _mx_encode, tl, triton
+from .triton_fp8 import MX_BLOCK, e4m3_code, e4m3_value, mx_encode, tl, triton
 
 E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
@@ -33,19 +33,6 @@ E8M0 = torch.float8_e8m0fnu
 @triton.jit
 def _offs(rows, cols, s0, s1):
     return rows.to(tl.int64)[:, None] * s0 + cols.to(tl.int64)[None, :] * s1
-
-
-@triton.jit
-def _e4m3_value(code):
-    """E4M3 byte (int32) -> fp32, exact; 0x7F / 0xFF are NaN."""
-    sign = (code & 0x80) << 24
-    e = (code >> 3) & 0xF
-    m = code & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # m * 2**-9
-    mag = tl.where(e == 0, sub, normal)
-    mag = tl.where((e == 15) & (m == 7), float("nan"), mag)
-    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -58,7 +45,7 @@ def _scale_cast_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     x = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
-    code = _e4m3_code(x * s)
+    code = e4m3_code(x * s)
     tl.store(q_ptr + _offs(rows, cols, sq0, sq1), code.to(tl.uint8), mask=mask)
 
 
@@ -72,7 +59,7 @@ def _dequant_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     code = tl.load(q_ptr + _offs(rows, cols, sq0, sq1), mask=mask, other=0).to(tl.int32)
     s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
-    y = _e4m3_value(code) * s
+    y = e4m3_value(code) * s
     tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -87,7 +74,7 @@ def _mx_quant_kernel(
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     a = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
-    code, sbits = _mx_encode(a, RCEIL)
+    code, sbits = mx_encode(a, RCEIL)
     q_offs = rows.to(tl.int64)[:, None] * sq0 + cols.to(tl.int64)[None, :]
     tl.store(q_ptr + q_offs, code.to(tl.uint8), mask=row_ok[:, None])
     tl.store(s_ptr + rows.to(tl.int64) * ss0 + blk, sbits.to(tl.uint8), mask=row_ok)
@@ -106,7 +93,7 @@ def _mx_dequant_kernel(
     # 2**(sb - 127): a normal float for sb >= 1, the subnormal 2**-127 for sb == 0
     x = tl.where(sb > 0, sb << 23, 0x400000).to(tl.float32, bitcast=True)
     x = tl.where(sb == 255, float("nan"), x)
-    y = _e4m3_value(code) * x
+    y = e4m3_value(code) * x
     tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
 
 
@@ -151,8 +138,8 @@ def mx_quantize(x: torch.Tensor, scale_rule: str = "floor", block_m: int = 32):
     if scale_rule not in ("floor", "rceil"):
         raise ValueError(f"scale_rule={scale_rule!r}; allowed: ('floor', 'rceil')")
     M, N = x.shape
-    B = -(-N // BLOCK)
-    q = torch.empty(M, B * BLOCK, dtype=torch.uint8, device=x.device)
+    B = -(-N // MX_BLOCK)
+    q = torch.empty(M, B * MX_BLOCK, dtype=torch.uint8, device=x.device)
     s = torch.empty(M, B, dtype=torch.uint8, device=x.device)
     if M and B:
         _mx_quant_kernel[(triton.cdiv(M, block_m), B)](

@@ -5,18 +5,16 @@ Each program reads a [BLOCK_S, 32] tile of gate and the matching tile of up
 only the quantized a:
 
 - MXFP8 mode: the tile is BLOCK_S rows of one 32-column MX block, so the block amax is
-  a row max of the tile; the E8M0 exponent comes from the fp32 bits of the amax
-  (floor(log2) = biased exponent - 127; subnormal amaxes clamp to -127 either way),
-  with the "floor" or "rceil" rule; a block holding NaN/Inf gets scale 0xFF and
-  elements 0x7F; columns past F (the last partial block) are zeros.
+  a row max of the tile (`triton_fp8.mx_encode`); columns past F (the last partial
+  block) are zeros.
 - scaled mode (delayed scaling: the scale is known before the pass): q = a * scale
   (saturating; a NaN keeps its sign bit, as torch's cast), and each program writes its
   tile's amax for the history.
 
-The E4M3 encoding is done with integer ops on the fp32 bits (round to nearest even,
-saturating at 448, subnormals below 2**-6), so the interpreter and the GPU give the
-same bytes as torch's cast. ACT=False skips the silu (gate * up * prob): that mode is
-what the bit-exact tests use, since exp may differ by an ulp between libraries.
+The E4M3 and E8M0 encodings are those of `triton_fp8.py` (integer ops on the fp32
+bits), so the interpreter and the GPU give the same bytes as torch's cast. ACT=False
+skips the silu (gate * up * prob): that mode is what the bit-exact tests use, since exp
+may differ by an ulp between libraries.
 """
 
 # S rows (sorted pairs), F expert hidden dim, B MX blocks per row
@@ -26,66 +24,7 @@ from __future__ import annotations
 import torch
 
 from .formats import BLOCK, QTensor
-
-
-def _import_triton():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the fused SwiGLU+quantize kernel needs triton: pip install 'dropless[triton]'"
-        ) from e
-    return triton, tl
-
-
-triton, tl = _import_triton()
-
-
-@triton.jit
-def _e4m3_bits(v):
-    """fp32 (|v| <= 448, finite) -> E4M3 byte (int32), round to nearest even."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = tl.abs(v)
-    # subnormals (and zero): multiples of 2**-9, rounded with the 1.5 * 2**23 trick
-    m = (a * 512.0 + 12582912.0) - 12582912.0
-    sub = m.to(tl.int32)
-    b = a.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFFF + ((b >> 20) & 1)) & 0x7FF00000
-    normal = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7)
-    code = tl.where(a < 0.015625, sub, normal)
-    return code | sign
-
-
-@triton.jit
-def _e4m3_code(v):
-    """fp32 -> E4M3 byte: saturating (|v| > 448 and +-Inf give +-448), NaN keeps its sign
-    bit (0x7F / 0xFF), as torch's clamp-then-cast."""
-    nan = v != v
-    sign = (v.to(tl.int32, bitcast=True) >> 24) & 0x80
-    c = tl.minimum(tl.maximum(tl.where(nan, 0.0, v), -448.0), 448.0)
-    return tl.where(nan, 0x7F | sign, _e4m3_bits(c))
-
-
-@triton.jit
-def _mx_encode(a, RCEIL: tl.constexpr):
-    """MXFP8 of a [rows, 32] fp32 tile (one block per row): (E4M3 bytes [rows, 32],
-    E8M0 scale bytes [rows]), as described in the module docstring."""
-    absa = tl.abs(a)
-    bad = tl.max(((a != a) | (absa == float("inf"))).to(tl.int32), axis=1) > 0
-    amax = tl.where(bad, 0.0, tl.max(tl.where(a != a, 0.0, absa), axis=1))
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
-    if RCEIL:
-        e = tl.maximum(e, -134)
-        thresh = (((e + 135) << 23) | 0x600000).to(tl.float32, bitcast=True)  # 448 * 2**e
-        e = e + (amax > thresh).to(tl.int32)
-    e = tl.minimum(tl.maximum(e, -127), 127)
-    e = tl.where(amax > 0, e, -127)
-    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-    v = tl.minimum(tl.maximum(a * inv[:, None], -448.0), 448.0)
-    code = tl.where(bad[:, None], 0x7F, _e4m3_bits(tl.where(bad[:, None], 0.0, v)))
-    return code, tl.where(bad, 255, e + 127)
+from .triton_fp8 import e4m3_code, mx_encode, tl, triton
 
 
 @triton.jit
@@ -133,7 +72,7 @@ def _mx_kernel(
     blk = tl.program_id(1)
     cols = blk * 32 + tl.arange(0, 32)
     a = _swiglu_tile(h_ptr, prob_ptr, rows, cols, S, F, stride_h, HAS_PROB, ACT)
-    code, sbits = _mx_encode(a, RCEIL)
+    code, sbits = mx_encode(a, RCEIL)
     row_ok = rows < S
     tl.store(q_ptr + _offsets(rows, cols, stride_q), code.to(tl.uint8), mask=row_ok[:, None])
     tl.store(s_ptr + rows.to(tl.int64) * stride_s + blk, sbits.to(tl.uint8), mask=row_ok)
@@ -159,7 +98,7 @@ def _scaled_kernel(
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     a = _swiglu_tile(h_ptr, prob_ptr, rows, cols, S, F, stride_h, HAS_PROB, ACT)
     scale = tl.load(scale_ptr)
-    code = _e4m3_code(a * scale)
+    code = e4m3_code(a * scale)
     mask = (rows < S)[:, None] & (cols < F)[None, :]
     tl.store(q_ptr + _offsets(rows, cols, stride_q), code.to(tl.uint8), mask=mask)
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)

@@ -5,6 +5,7 @@ and `dropless convert` (a stock Hugging Face directory)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -93,6 +94,33 @@ def sample(
     return tok.decode(out)
 
 
+def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:
+    """The tokenizer the run trained with, beside the converted weights: a model directory's
+    own tokenizer files as they were copied into the run (tokenizer_config.json, special
+    tokens, chat template kept), a BPE trained by the run as a Transformers fast tokenizer,
+    and the byte and DNA tokenizers in their own saved form (a later `dropless train
+    --set model.path=OUT` finds each of them) with a note for other readers."""
+    if tok.kind == "bpe":
+        if (run_tok_dir / "tokenizer_config.json").is_file():
+            for f in run_tok_dir.iterdir():
+                if f.is_file():
+                    shutil.copy2(f, out / f.name)
+            return
+        from transformers import PreTrainedTokenizerFast
+
+        from .tokenizer import EOS
+
+        PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
+        return
+    tok.save(out)
+    note = (
+        "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
+        if tok.kind == "bytes"
+        else "DNA tokenizer (dropless): see dna_tokenizer.json for its bases and special tokens\n"
+    )
+    (out / "TOKENIZER.txt").write_text(note)
+
+
 def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
     """Write a training checkpoint as a Hugging Face `save_pretrained` directory.
 
@@ -129,16 +157,7 @@ def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
     if tok.eos_id is not None:
         model.config.eos_token_id = tok.eos_id
     hf.save_hf(model, out)
-    if tok.kind == "bpe":
-        from transformers import PreTrainedTokenizerFast
-
-        from .tokenizer import EOS
-
-        PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
-    else:
-        (out / "TOKENIZER.txt").write_text(
-            "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
-        )
+    ship_tokenizer(tok, resolve_checkpoint(path)[0] / "tokenizer", out)
     mode = ckpt.default_file_mode()
     for f in out.iterdir():  # safetensors creates model.safetensors 0600; give the usual mode
         if f.is_file():

@@ -66,13 +66,29 @@ def hf_config(mcfg, vocab_size: int):
     )  # fmt: skip
 
 
-def check_compatible(config, tok_vocab: int, seq_len: int) -> None:
-    """Fail fast on a tokenizer the model cannot embed or a sequence it cannot position."""
+def padding_rows(vocab_size: int) -> int:
+    """How many embedding rows past a checkpoint's tokenizer are taken for padding: models
+    round the table up (to 64..256 rows) or keep reserved ids, e.g. Qwen3 151,936 rows for
+    151,669 tokens, DeepSeek-V3 129,280 for 128,815; a gap beyond this is another tokenizer."""
+    return max(256, vocab_size // 100)
+
+
+def check_compatible(config, tok_vocab: int, seq_len: int, pretrained: bool = False) -> None:
+    """Fail fast on a tokenizer the model cannot embed or a sequence it cannot position.
+    pretrained: the embeddings are a checkpoint's (model.path), so the tokenizer must be
+    the one they were trained with: not larger, and not much smaller either."""
     v = getattr(config, "vocab_size", None)
     if v is not None and tok_vocab > v:
         raise ValueError(
             f"tokenizer/model vocabulary mismatch: the tokenizer has {tok_vocab} tokens but the model's "
             f"vocab_size is {v}; use the tokenizer the model was trained with (data.tokenizer=DIR) or a model with vocab_size >= {tok_vocab}"
+        )
+    if pretrained and v is not None and v - tok_vocab > padding_rows(v):
+        raise ValueError(
+            f"tokenizer/model vocabulary mismatch: the tokenizer has {tok_vocab} tokens but model.path's "
+            f"embeddings have {v} rows (more than {padding_rows(v)} padding rows): it is not the tokenizer "
+            "the model was trained with; leave data.tokenizer unset (model.path's own tokenizer) or set "
+            "it to the directory of the model's tokenizer"
         )
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:

@@ -159,6 +159,37 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | DNATo
     return HFTokenizer.from_dir(d)
 
 
+def _is_byte_dir(d: Path) -> bool:
+    """A byte tokenizer saved by `ByteTokenizer.save`, or described by an older `dropless
+    convert` (TOKENIZER.txt only)."""
+    notes = d / "TOKENIZER.txt"
+    return (d / "bytes").is_file() or (
+        notes.is_file() and notes.read_text().startswith("byte tokenizer")
+    )
+
+
+def resolve_spec(spec: str, model_path: str = "") -> str:
+    """`data.tokenizer` with "auto" resolved: the tokenizer saved beside the checkpoint of
+    `model_path` ("bytes", "dna" or its directory), or "bpe" for a model trained from scratch.
+    A checkpoint's embeddings only mean something for the ids of its own tokenizer."""
+    if spec != "auto":
+        return spec
+    if not model_path:
+        return "bpe"
+    d = Path(model_path)
+    if _is_byte_dir(d):
+        return "bytes"
+    if DNATokenizer.is_saved_in(d):
+        return "dna"
+    if (d / TOKENIZER_FILE).is_file():
+        return str(d)
+    raise ValueError(
+        f"model.path={model_path!r} holds no tokenizer ({TOKENIZER_FILE}), and data.tokenizer is unset: "
+        "set data.tokenizer to the directory of the tokenizer the model was trained with "
+        "(a new one would give its ids a meaning the trained embeddings do not have)"
+    )
+
+
 def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
     """The run's tokenizer: "bytes", "dna", "bpe" (trained on `texts()` once, then cached in
     `run_tok_dir`) or a directory to load (copied into `run_tok_dir`)."""

@@ -10,6 +10,7 @@ step and its checks), `evaluation` (held-out loss), `run_log` (metrics and summa
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from .state import (
     prepare_data,
 )
 from .step import Precision, StepRunner, fuse_cross_entropy
+from .tokenizer import resolve_spec
 
 
 def _hf():
@@ -218,11 +220,21 @@ class Trainer:
         return summary
 
 
+def with_tokenizer_resolved(cfg: Config) -> Config:
+    """`cfg` with data.tokenizer="auto" made concrete (see `tokenizer.resolve_spec`), so the
+    run's config.toml, its resume checks and its data cache name the tokenizer it used."""
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == cfg.data.tokenizer:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+
+
 def train(
     cfg: Config, run_dir: str | None = None, resume: bool = False, hooks: TrainHooks | None = None
 ) -> dict:
     """Run `dropless train` in this process (and its torchrun group); returns the summary.
     `hooks` (a `TrainHooks`) is called at fixed points of the run."""
+    cfg = with_tokenizer_resolved(cfg)
     env = init_env(cfg.parallel.timeout_s)
     lock = None
     try:

@@ -90,7 +90,7 @@ def _cfg(family: str):
             routed_scaling_factor=1.5,
             first_k_dense_replace=1,
         )
-    if family in MORE:
+    if family in MORE or family in BLOCK_BIAS:
         return _more(family)
     raise KeyError(family)
 
@@ -214,6 +214,31 @@ MORE = {
 }
 
 
+#: families whose expert score bias lives on the MoE block, not on its router (AFMoE's
+#: router has no `weight`, so `moe_layers` finds none): model type -> config overrides
+BLOCK_BIAS = {
+    "afmoe": dict(
+        head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        num_shared_experts=1,
+        num_dense_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        global_attn_every_n_layers=2,
+    ),
+    "lfm2_moe": dict(
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=2,
+        num_dense_layers=0,
+        layer_types=["conv", "full_attention"],
+    ),
+}
+
 _TINY_VISION = dict(
     depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
     deepstack_visual_indexes=[0], num_position_embeddings=16, patch_size=4,
@@ -229,7 +254,7 @@ def _more(family: str):
         text.pop("eos_token_id")
         return tf.Qwen3VLMoeConfig(text_config=text, vision_config=_TINY_VISION, **top)
     cls = type(tf.AutoConfig.for_model(family))
-    return cls(**{**COMMON, **MORE[family]})
+    return cls(**{**COMMON, **{**MORE, **BLOCK_BIAS}[family]})
 
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "glm4_moe"]

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from families import build, clone_into, config
+from families import BLOCK_BIAS, build, clone_into, config
 
 import dropless
 import dropless.hf as dh
@@ -377,3 +377,28 @@ def test_activation_checkpointing_counts_tokens_once():
     assert dh.CALLS["qwen3_moe"] - before == 2
     assert dh.tokens_per_expert(model).sum().item() == 14 * model.config.num_experts_per_tok
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", sorted(BLOCK_BIAS))
+def test_expert_bias_on_the_block_is_used_not_refused(family):
+    """AFMoE and LFM2-MoE keep the score bias on the MoE block: patch_model(expert_bias=True)
+    runs them on the dropless path with that bias (none added to the router)."""
+    model = build(family, "eager")
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        want = model(ids).logits
+    dh.patch_model(model, expert_bias=True)
+    assert dh.added_state_keys(model) == []
+    layers = dh.moe_layers(model)
+    for layer in layers:
+        assert layer.expert_bias is layer.block.expert_bias
+    before = dict(dh.CALLS)
+    with torch.no_grad():
+        # fp32 through other kernels (grouped GEMM, fused SwiGLU) than the eager loop
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-5)
+        assert dh.CALLS[family] == before.get(family, 0) + len(layers)
+        layer = layers[-1]
+        favoured = int(layer.tokens_per_expert.argmin())  # the expert picked least
+        layer.expert_bias[favoured] += 100.0
+        model(ids)
+    assert int(layer.tokens_per_expert[favoured]) == ids.numel()  # every token picks it

@@ -253,7 +253,8 @@ def patch_model(
     expert_bias=True also gives every router without a score bias an fp32 `expert_bias`
     buffer [E] (zeros) that shifts which experts are chosen, not their weights, for
     aux-loss-free balancing (`dropless.ops.update_expert_bias`); DeepSeek-V3 and GLM-4-MoE
-    routers keep using their `e_score_correction_bias`. `fused_cross_entropy` and
+    routers keep using their `e_score_correction_bias`, AFMoE and LFM2-MoE blocks their
+    `expert_bias`. `fused_cross_entropy` and
     `fused_rmsnorm` as in `patch()`. Raises TypeError/ValueError for a model that is not a
     supported MoE model.
     """
@@ -267,10 +268,7 @@ def patch_model(
     elif model not in _models:
         _models[model] = None
     if expert_bias:
-        for layer in layers:
-            if layer.router is None:
-                raise ValueError(f"expert_bias=True: MoE block {layer.name!r} has no router")
-            add_expert_bias(layer.router, layer.family, layer.num_experts)
+        _add_expert_biases(layers)
     install_routing_replay(model)
     if fused_cross_entropy and not _is_causal_lm_head(model):
         raise TypeError(
@@ -279,6 +277,18 @@ def patch_model(
         )
     _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     return model
+
+
+def _add_expert_biases(layers) -> None:
+    for layer in layers:
+        if layer.expert_bias is not None:  # the router's own, or the block's (AFMoE, LFM2-MoE)
+            continue
+        if layer.router is None:
+            raise ValueError(
+                f"expert_bias=True: MoE block {layer.name!r} has no router (no `gate`/`router` "
+                "child with a weight) to add a score bias to; call patch_model without it"
+            )
+        add_expert_bias(layer.router, layer.family, layer.num_experts, layer.block)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

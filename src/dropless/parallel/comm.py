@@ -112,11 +112,3 @@ def a2a_start(
 def a2a_wait(buf_ND: torch.Tensor, pending: Pending) -> torch.Tensor:
     """Finish a transfer started by `a2a_start` and return the received rows."""
     return _Wait.apply(buf_ND, pending)
-
-
-def exchange_counts(counts_PL: torch.Tensor, group=None) -> torch.Tensor:
-    """counts_PL[p, l]: rows this rank sends to rank p's local expert l (any leading
-    shape after P). Returns recv[p, l]: rows rank p sends to this rank's expert l."""
-    recv = torch.empty_like(counts_PL)
-    dist.all_to_all_single(recv, counts_PL.contiguous(), group=group)
-    return recv

@@ -13,7 +13,7 @@ so EP ranks still see different data. The root mesh is 2-D
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +26,18 @@ PLANNED_DISPATCHERS = ("deepep",)
 
 @dataclass
 class ParallelConfig:
-    """How a run is laid out over processes.
+    """How a run is laid out over processes (also the `[parallel]` section of
+    `dropless train`'s config).
 
-    dp_replicate: HSDP replica groups (1: plain FSDP). dp_shard: FSDP shard size;
-    -1 takes world_size / dp_replicate. ep: expert-parallel size, must divide
-    dp_shard (and the number of experts). dispatcher: "alltoall" (torch.distributed;
-    the only one implemented: "deepep" is planned, not implemented). overlap_chunks: split each
-    dispatch into this many chunks so one chunk's all-to-all overlaps another's
-    expert compute (1: no overlap).
+    Processes come from torchrun: world = dp_replicate x dp_shard. dp_replicate: HSDP
+    replica groups (1: plain FSDP). dp_shard: FSDP shard size; -1 takes world_size /
+    dp_replicate. ep: expert-parallel size, must divide dp_shard (and the number of
+    experts); experts are FSDP-sharded over the rest. dispatcher: "alltoall"
+    (torch.distributed; the only one implemented: "deepep" is planned, not implemented).
+    overlap_chunks: split each dispatch into this many chunks so one chunk's all-to-all
+    overlaps another's expert compute (1: no overlap). timeout_s: the process group's
+    timeout, for every collective (and the wait for rank 0's data preparation). The sizes
+    are checked against the world by `resolve_sizes`, before any work.
     """
 
     dp_replicate: int = 1
@@ -41,6 +45,7 @@ class ParallelConfig:
     ep: int = 1
     dispatcher: str = "alltoall"
     overlap_chunks: int = 1
+    timeout_s: float = 1800.0
 
     def __post_init__(self):
         for name in ("dp_replicate", "ep", "overlap_chunks"):
@@ -59,6 +64,12 @@ class ParallelConfig:
             )
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"parallel.dispatcher={self.dispatcher!r}; allowed: {DISPATCHERS}")
+        _check_timeout(self.timeout_s)
+
+
+def _check_timeout(t) -> None:
+    if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+        raise ValueError(f"parallel.timeout_s={t!r}: must be a number of seconds > 0")
 
 
 def as_parallel_config(cfg) -> ParallelConfig:
@@ -74,7 +85,7 @@ def as_parallel_config(cfg) -> ParallelConfig:
         return src
     if isinstance(src, dict):
         return ParallelConfig(**src)
-    names = ("dp_replicate", "dp_shard", "ep", "dispatcher", "overlap_chunks")
+    names = ("dp_replicate", "dp_shard", "ep", "dispatcher", "overlap_chunks", "timeout_s")
     return ParallelConfig(**{n: getattr(src, n) for n in names if hasattr(src, n)})
 
 
@@ -109,7 +120,7 @@ def resolve_sizes(cfg, world_size: int, num_experts: int | None = None) -> Paral
             f"must own the same number of experts: pick ep from "
             f"{[d for d in _divisors(S) if num_experts % d == 0]}"
         )
-    return ParallelConfig(R, S, ep, cfg.dispatcher, cfg.overlap_chunks)
+    return dataclasses.replace(cfg, dp_shard=S)
 
 
 def _divisors(n: int) -> list[int]:
@@ -187,8 +198,3 @@ def build_mesh(cfg, num_experts: int | None = None, device_type: str | None = No
     expert_mesh = root._unflatten("dp_shard", (S // ep, ep), ("dp_shard_mod_ep", "ep"))
     dp = root._flatten("dp")
     return ParallelMesh(cfg, root, expert_mesh, dp)
-
-
-def world_from_env() -> tuple[int, int]:
-    """(rank, world_size) from torchrun's environment, (0, 1) outside it."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

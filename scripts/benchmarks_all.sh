@@ -4,14 +4,14 @@
 # section records the load average and the other busy processes before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dropless bench layer --shape qwen3 --rounds 5 --impls all
-dropless bench layer --shape mixtral --rounds 5
-dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1
-dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1
-dropless bench lora --rounds 3 --steps 2
-dropless bench memory --seq-len 8192 32768
-dropless bench fp8
-dropless bench ep --world 2 --tokens 1024
-dropless bench train
-dropless bench jax
+dropless bench layer --shape qwen3 --rounds 5 --impls all --record
+dropless bench layer --shape mixtral --rounds 5 --record
+dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1 --record
+dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1 --record
+dropless bench lora --rounds 3 --steps 2 --record
+dropless bench memory --seq-len 8192 32768 --record
+dropless bench fp8 --record
+dropless bench ep --world 2 --tokens 1024 --record
+dropless bench train --record
+dropless bench jax --record
 python scripts/benchmarks_md.py

@@ -17,19 +17,19 @@ from pathlib import Path
 # section file -> the commands that write it (in the order they are run)
 SECTIONS = {
     "layer": [
-        "dropless bench layer --shape qwen3 --rounds 5 --impls all",
-        "dropless bench layer --shape mixtral --rounds 5",
+        "dropless bench layer --shape qwen3 --rounds 5 --impls all --record",
+        "dropless bench layer --shape mixtral --rounds 5 --record",
     ],
     "e2e": [
-        "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1",
-        "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1",
+        "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1 --record",
+        "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1 --record",
     ],
-    "lora": ["dropless bench lora --rounds 3 --steps 2"],
-    "memory": ["dropless bench memory --seq-len 8192 32768"],
-    "fp8": ["dropless bench fp8"],
-    "parallel": ["dropless bench ep --world 2 --tokens 1024"],
-    "train": ["dropless bench train"],
-    "jax": ["dropless bench jax"],
+    "lora": ["dropless bench lora --rounds 3 --steps 2 --record"],
+    "memory": ["dropless bench memory --seq-len 8192 32768 --record"],
+    "fp8": ["dropless bench fp8 --record"],
+    "parallel": ["dropless bench ep --world 2 --tokens 1024 --record"],
+    "train": ["dropless bench train --record"],
+    "jax": ["dropless bench jax --record"],
     "gpu": [
         "python scripts/gpu_check.py (on a GPU machine, output saved as LOG)",
         "python scripts/gpu_report.py --run LOG SHA",
@@ -39,9 +39,10 @@ HEADER = """# Benchmarks
 
 Generated: each section below is written by the `dropless bench` command it names (with
 the commit, machine, measured load and date of that run), and this file is assembled
-from `benchmarks/sections/*.md` by `python scripts/benchmarks_md.py`. Every run also
-appends a JSON line (exact command line, commit and dirty flag, machine, load average
-and busy processes before and after, figures) to `benchmarks/history.jsonl`.
+from `benchmarks/sections/*.md` by `python scripts/benchmarks_md.py`. Each of those
+runs (`--record`) also appended a JSON line (exact command line, commit and dirty flag,
+machine, load average and busy processes before and after, figures) to
+`benchmarks/history.jsonl`; a `dropless bench` run without `--record` writes no file.
 `bash scripts/benchmarks_all.sh` runs every generator in turn and then this assembly;
 run it on an otherwise idle machine.
 

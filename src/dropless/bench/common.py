@@ -7,8 +7,11 @@ A benchmark's run goes:
     ...measure...
     record = rec.finish("layer", figures)   # samples load again, appends one JSON line
 
-History lines go to the `benchmarks/history.jsonl` of the checkout this package runs
-from (found from the package's own location, not the current directory).
+Nothing is written unless asked: `--record` appends the history line to the
+`benchmarks/history.jsonl` of the checkout this package runs from (found from the
+package's own location, not the current directory) and rewrites the bench's
+`benchmarks/sections/NAME.md`; `--history FILE` / `--section FILE` write elsewhere.
+Every file written is named on stderr.
 """
 
 from __future__ import annotations
@@ -58,37 +61,44 @@ def find_checkout(package_dir: Path | None = None) -> Path | None:
 
 
 def add_history_arguments(p: argparse.ArgumentParser) -> None:
-    """`--history [FILE]` and `--no-history`, the same for every benchmark."""
+    """`--record`, `--history [FILE]` and `--no-history`, the same for every benchmark."""
     p.add_argument(
-        "--history", nargs="?", const="", default=None, metavar="FILE",
-        help="append the result to FILE (no FILE: the checkout's benchmarks/history.jsonl, "
-        "refused when not running from a checkout); by default a run from a checkout appends there",
+        "--record", action="store_true",
+        help="append the result to the checkout's benchmarks/history.jsonl and rewrite its "
+        "benchmarks/sections/ file (refused when not running from a checkout); "
+        "by default nothing is written",
     )  # fmt: skip
     p.add_argument(
-        "--no-history", action="store_true", help="do not append to benchmarks/history.jsonl"
-    )
+        "--history", nargs="?", const="", default=None, metavar="FILE",
+        help="append the result to FILE (no FILE: the checkout's benchmarks/history.jsonl)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-history", action="store_true",
+        help="append to no history file, even with --record (the default without --record)",
+    )  # fmt: skip
 
 
-def history_path(history: str | None, no_history: bool, package_dir: Path | None = None):
-    """-> (path or None, why not). Raises ValueError when `--history` without a file was
-    asked for outside a checkout."""
+def history_path(
+    history: str | None, no_history: bool, package_dir: Path | None = None, record: bool = False
+):
+    """-> (path or None, why not). Raises ValueError when the checkout's history was asked
+    for (`--record`, or `--history` without a file) outside a checkout."""
     if no_history:
         return None, "--no-history"
     if history:
         return Path(history).resolve(), ""
+    if history is None and not record:
+        return None, "not asked"
     root = find_checkout(package_dir)
     if root is not None:
         return root / HISTORY_IN_CHECKOUT, ""
-    msg = (
-        f"this dropless runs from {package_dir or PACKAGE_DIR}, not from a git checkout of the project "
-        "(<checkout>/src/dropless), so there is no benchmarks/history.jsonl to append to"
+    flag = "--record" if record else "--history"
+    raise ValueError(
+        f"{flag}: this dropless runs from {package_dir or PACKAGE_DIR}, not from a git checkout "
+        "of the project (<checkout>/src/dropless), so there is no benchmarks/history.jsonl to "
+        "append to. Run from a clone installed with `pip install -e .`, or give a file "
+        "(--history FILE)."
     )
-    if history is not None:  # --history given without a file
-        raise ValueError(
-            f"--history: {msg}. Run from a clone installed with `pip install -e .`, "
-            "give a file (--history FILE), or pass --no-history."
-        )
-    return None, msg
 
 
 def add_section_argument(p: argparse.ArgumentParser, name: str) -> None:
@@ -101,17 +111,33 @@ def add_section_argument(p: argparse.ArgumentParser, name: str) -> None:
 
 def section_path(section: str | None, name: str, rec: Recorder) -> Path | None:
     """The section file a benchmark writes: the one given; by default the checkout's, and
-    only when the run's history line went to the checkout's history (a section's figures
-    always have their line); None to skip."""
+    only with `--record` and when the run's history line went to the checkout's history
+    (a section's figures always have their line); None to skip."""
     if section == "":
         return None
     if section:
         return Path(section)
     root = find_checkout(rec.package_dir)
-    if root is None or rec.path != root / HISTORY_IN_CHECKOUT:
-        print("section: not written (--section FILE writes it)", file=sys.stderr)
+    if not rec.record or root is None or rec.path != root / HISTORY_IN_CHECKOUT:
+        print(
+            f"section: not written (--record writes benchmarks/sections/{name}.md, "
+            "--section FILE writes FILE)",
+            file=sys.stderr,
+        )
         return None
     return root / "benchmarks" / "sections" / f"{name}.md"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Write a whole section file and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"section: wrote {path}", file=sys.stderr)
+
+
+def progress(text: str) -> None:
+    """One progress line on stderr (stdout keeps the tables), flushed at once."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def replace_block(path: Path, key: str, block: str, name: str, title: str) -> None:
@@ -124,8 +150,7 @@ def replace_block(path: Path, key: str, block: str, name: str, title: str) -> No
     old = path.read_text() if path.exists() else ""
     blocks = {m.group(1): m.group(0) for m in pattern.finditer(old)}
     blocks[key] = block if block.endswith("\n") else block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(title + "\n\n" + "\n".join(blocks.values()))
+    write_section(path, title + "\n\n" + "\n".join(blocks.values()))
 
 
 # --- what a record holds ----------------------------------------------------------------------
@@ -275,19 +300,28 @@ class Recorder:
     load_after: dict = field(default_factory=dict)
     started: str = ""
     package_dir: Path | None = None
+    record: bool = False
 
     @classmethod
     def start(cls, args, package_dir: Path | None = None) -> Recorder:
         """Resolve the history file first (so a refusal comes before an hour of
         measuring), check the allocator, then sample the load."""
+        record = bool(getattr(args, "record", False))
         path, why = history_path(
-            getattr(args, "history", None), getattr(args, "no_history", False), package_dir
+            getattr(args, "history", None), getattr(args, "no_history", False), package_dir, record
         )
         if why and not getattr(args, "no_history", False):
-            print(f"history: not recorded ({why}; --history FILE records it)", file=sys.stderr)
+            print(
+                f"history: not recorded ({why}; --record appends to the checkout's "
+                "benchmarks/history.jsonl, --history FILE to FILE)",
+                file=sys.stderr,
+            )
         command, argv = command_line()
         before = load_sample()
-        return cls(path, why, command, argv, before, started=_now(), package_dir=package_dir)
+        return cls(
+            path, why, command, argv, before, started=_now(), package_dir=package_dir,
+            record=record,
+        )  # fmt: skip
 
     @property
     def load(self) -> dict:
@@ -313,6 +347,7 @@ class Recorder:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+            print(f"history: appended to {self.path}", file=sys.stderr)
         return record
 
 

@@ -37,6 +37,7 @@ from .common import (
     follow_live_memory,
     load_sentence,
     peak_rss_mib,
+    progress,
     provenance,
     replace_block,
     reset_peak_rss,
@@ -258,6 +259,7 @@ def _timing_rounds(args, impls, shape) -> dict[str, list[dict]]:
         if args.eager_rounds is not None and r >= args.eager_rounds:
             order = [i for i in order if i != "eager"]
         for impl in order:
+            progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
             out = run_child(
                 "dropless.bench.e2e",
                 {**common, "impl": impl, "mode": "time", "threads": args.threads},
@@ -275,6 +277,7 @@ def _memory_runs(args, impls, shape) -> dict[str, dict]:
     """One memory child per implementation (mallopt inside it), separate from timing."""
     out = {}
     for impl in impls:
+        progress(f"memory: measuring {impl} (its own process)")
         m = run_child(
             "dropless.bench.e2e",
             {

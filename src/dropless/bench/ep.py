@@ -25,6 +25,7 @@ from .common import (
     provenance,
     require_default_allocator,
     section_path,
+    write_section,
 )
 
 SETTINGS = (
@@ -133,8 +134,7 @@ def run(a) -> int:
     print(text)
     section = section_path(a.section, "parallel", rec)
     if section is not None:
-        section.parent.mkdir(parents=True, exist_ok=True)
-        section.write_text(text)
+        write_section(section, text)
     return 0
 
 

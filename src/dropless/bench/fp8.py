@@ -25,6 +25,7 @@ from .common import (
     provenance,
     require_default_allocator,
     section_path,
+    write_section,
 )
 
 SHAPE = dict(T=512, D=1024, F=384, E=64, K=8)  # the Qwen3-30B-A3B layer scaled down (DESIGN.md)
@@ -197,8 +198,7 @@ def run(args) -> int:
     print(text)
     section = section_path(args.section, "fp8", rec)
     if section is not None:
-        section.parent.mkdir(parents=True, exist_ok=True)
-        section.write_text(text)
+        write_section(section, text)
     return 0
 
 

@@ -234,7 +234,7 @@ def _table(rows: dict, shape: str, record: dict) -> str:
 
 
 def run(args) -> int:
-    from dropless.bench.common import Recorder, section_path
+    from dropless.bench.common import Recorder, progress, section_path, write_section
 
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS]
@@ -262,6 +262,7 @@ def run(args) -> int:
                 print(f"{impl}: not run ({rows[impl]['status']})", flush=True)
                 continue
         rounds = args.ragged_rounds if impl == "ragged_dot" else args.rounds
+        progress(f"timing {impl}: {rounds} round(s) in its own process")
         rows[impl] = _run_child(dict(base, impl=impl, rounds=rounds))
         print(json.dumps(rows[impl]), flush=True)
     shape = f"E={args.experts}, K={args.top_k}, D={args.hidden}, F={args.ffn}, T={args.tokens}"
@@ -278,8 +279,7 @@ def run(args) -> int:
     print(text)
     section = section_path(args.section, "jax", rec)
     if section is not None:
-        section.parent.mkdir(parents=True, exist_ok=True)
-        section.write_text(text)
+        write_section(section, text)
     return 0
 
 

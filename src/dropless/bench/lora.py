@@ -30,6 +30,7 @@ from .common import (
     add_section_argument,
     follow_live_memory,
     load_sentence,
+    progress,
     provenance,
     replace_block,
     run_child,
@@ -167,6 +168,7 @@ def _rounds(args, impls, shape) -> dict[str, list[dict]]:
     common = {"shape": shape, "steps": args.steps, "rank": args.rank, "threads": args.threads}
     for r in range(args.rounds):
         for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
+            progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
             out = run_child("dropless.bench.lora", {**common, "impl": impl, "mode": "time"})
             results[impl].append(out)
             print(
@@ -180,6 +182,7 @@ def _rounds(args, impls, shape) -> dict[str, list[dict]]:
 def _memory(args, impls, shape) -> dict[str, dict]:
     out = {}
     for impl in impls:
+        progress(f"memory: measuring {impl} (its own process)")
         m = run_child(
             "dropless.bench.lora",
             {"shape": shape, "impl": impl, "mode": "memory", "steps": 0, "rank": args.rank,

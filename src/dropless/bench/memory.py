@@ -51,6 +51,7 @@ from .common import (
     follow_live_memory,
     load_sentence,
     peak_rss_mib,
+    progress,
     provenance,
     replace_block,
     reset_peak_rss,
@@ -362,6 +363,7 @@ def run(args) -> int:
                 "shape": shape, "impl": impl, "seq": seq,
                 "max_rss_gib": args.max_rss_gib, "threads": args.threads,
             }  # fmt: skip
+            progress(f"seq {seq}: measuring {impl} (its own process)")
             r = run_memory_child(child_args, args.timeout_s)
             rows.append(r)
             shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]

@@ -16,6 +16,7 @@ from .common import (
     provenance,
     require_default_allocator,
     section_path,
+    write_section,
 )
 
 # summary keys that are figures (the rest are paths of the run's files)
@@ -58,8 +59,7 @@ def run(args) -> int:
     print(text)
     section = section_path(args.section, "train", rec)
     if section is not None:
-        section.parent.mkdir(parents=True, exist_ok=True)
-        section.write_text(text)
+        write_section(section, text)
     return 0
 
 

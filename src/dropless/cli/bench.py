@@ -1,6 +1,7 @@
 """`dropless bench NAME`: each benchmark is a module in `dropless.bench` with
-`add_arguments(parser)` and `run(args)`. Run from a checkout, a result appends one line
-to its benchmarks/history.jsonl and rewrites its section in benchmarks/sections/."""
+`add_arguments(parser)` and `run(args)`. A run writes no file unless asked: with
+`--record`, run from a checkout, it appends one line to the checkout's
+benchmarks/history.jsonl and rewrites its section in benchmarks/sections/."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from .main import add_subcommands
+from .subcommands import add_subcommands
 
 BENCHES = {
     "layer": (

@@ -9,6 +9,8 @@ import argparse
 import importlib
 
 from .. import __version__
+from .bench import BENCHES
+from .subcommands import add_subcommands
 
 # command -> (module, one-line help)
 COMMANDS = {
@@ -18,7 +20,7 @@ COMMANDS = {
     ),
     "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
     "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
-    "bench": ("dropless.cli.bench", "benchmarks: layer, e2e, fp8, ep, jax, train"),
+    "bench": ("dropless.cli.bench", "benchmarks: " + ", ".join(BENCHES)),
     "demo": ("dropless.cli.demo", "run the MoE layer on random data and show what it did"),
 }
 
@@ -32,14 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_subcommands(sub, COMMANDS, "_module")
     return parser
-
-
-def add_subcommands(sub, table: dict[str, tuple[str, str]], dest: str) -> None:
-    """One subparser per (module, help) entry; `args.<dest>` names the module to run."""
-    for name, (module, help_) in table.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(**{dest: module})
-        importlib.import_module(module).add_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,11 @@ def apply_fsdp(
     for m in model.modules():
         hf_ep = "_dropless_ep" in m.__dict__  # an HF experts module (see hf/parallel.py)
         if isinstance(m, EPGroupedExperts) or hf_ep:
-            # several chunks may call forward_sorted in one step: keep it gathered
-            fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, "reshard_after_forward": False})
+            # dropless.nn experts: several chunks may call forward_sorted in one step, keep
+            # them gathered. HF experts run once per layer: reshard as the dense units do, so
+            # no unsharded expert copy outlives its layer's forward.
+            keep = {} if hf_ep else {"reshard_after_forward": False}
+            fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, **keep})
             m.set_gradient_divide_factor(float(world))
             shard_size = pmesh.config.dp_shard // pmesh.config.ep
             if shard_size > 1 and "nccl" not in str(dist.get_backend()):

@@ -75,10 +75,23 @@ class TrainParallel:
         }
 
 
-def parallelize_for_training(model: nn.Module, parallel_cfg, world: int) -> TrainParallel | None:
+def mixed_precision_policy(compute_dtype: torch.dtype):
+    """FSDP2's policy for a run computing in `compute_dtype`: parameters all-gathered and
+    used in that dtype, gradients reduced in fp32 (None for fp32 compute)."""
+    if compute_dtype == torch.float32:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def parallelize_for_training(
+    model: nn.Module, parallel_cfg, world: int, compute_dtype: torch.dtype = torch.float32
+) -> TrainParallel | None:
     """Shard a dropless-patched Transformers model per `parallel_cfg` (fields
     dp_replicate, dp_shard, ep; see `ParallelConfig`). Returns None for one process
-    (after checking ep == 1)."""
+    (after checking ep == 1). compute_dtype: the run's autocast dtype; with bf16 every
+    FSDP2 unit gathers bf16 parameters and reduces fp32 gradients."""
     from ..hf.layers import moe_layers
 
     layers = moe_layers(model)
@@ -91,5 +104,7 @@ def parallelize_for_training(model: nn.Module, parallel_cfg, world: int) -> Trai
     quiet_dtensor_warnings()
     pm = build_mesh(parallel_cfg, num_experts)
     shard_hf_experts(model, pm)
-    apply_fsdp(model, pm, blocks=_decoder_layers(model))
+    apply_fsdp(
+        model, pm, blocks=_decoder_layers(model), mp_policy=mixed_precision_policy(compute_dtype)
+    )
     return TrainParallel(model, pm)

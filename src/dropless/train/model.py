@@ -156,8 +156,12 @@ def build_training_model(
     device,
     activation_checkpointing: bool = False,
     fused_rmsnorm: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
 ):
     """(model, parallel glue or None) for a run on `world` processes.
+
+    compute_dtype: the run's autocast dtype; under FSDP2 (several processes) bf16 makes every
+    unit gather bf16 parameters and reduce fp32 gradients.
 
     activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
     dropless path. fused_rmsnorm: RMSNorm modules on dropless's RMSNorm
@@ -186,7 +190,7 @@ def build_training_model(
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
         _hf().enable_fused_rmsnorm(model)
-    par = parallelize_for_training(model, parallel_cfg, world)
+    par = parallelize_for_training(model, parallel_cfg, world, compute_dtype)
     if sharded:
         model.to_empty(device=device)
         from ..hf.parallel import load_sharded_hf

@@ -82,11 +82,12 @@ class Trainer:
         tc = cfg.train
         self.config_file = run_dir / "config.toml"
         self.data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
+        self.precision = Precision(cfg.precision, env.device)
         # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
         self.model, self.parallel = build_training_model(
             cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
             seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
-            fused_rmsnorm=tc.fused_rmsnorm,
+            fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=self.precision.dtype,
         )  # fmt: skip
         self.model_name = model_class_name(self.model)
         self.lora = cfg.finetune.method == "lora"
@@ -102,7 +103,6 @@ class Trainer:
         self.ce_seen = fuse_cross_entropy(inner) if tc.fused_cross_entropy else None
         self.optimizer = build_optimizer(self.params, cfg.optim, self.parallel)
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
-        self.precision = Precision(cfg.precision, env.device)
         self.flops = FlopCounter.from_model(self.model)
         self.flops.frozen_base = self.lora
         self.state = TrainState(seed=tc.seed, world_size=env.world)

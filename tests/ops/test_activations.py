@@ -4,12 +4,16 @@ elementwise functions, non-gated experts): the fused expert MLP (both paths) and
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dropless import ops
 from dropless.ops import ActivationConfig
+from dropless.ops import activations as A
 from dropless.ops.activations import REGISTERED, register_elementwise
 from dropless.ops.fused_mlp import fused_mlp
 from dropless.ops.reference import activation_reference, expert_mlp_reference
@@ -108,3 +112,61 @@ def test_bad_activation_kinds():
         register_elementwise("gelu", F.gelu, "again")
     with pytest.raises(TypeError, match="callable"):
         register_elementwise("test_not_callable", 3, "x")
+
+
+MODULE_ACTS = [
+    *ACTS,
+    ActivationConfig("swiglu"),
+    ActivationConfig("swiglu", interleaved=True),
+    ActivationConfig("gpt_oss", limit=0.8),
+    ActivationConfig("gpt_oss", interleaved=True, alpha=1.3, limit=1.1),
+]
+
+
+@pytest.mark.parametrize("act", MODULE_ACTS, ids=lambda a: f"{a.kind}-{a.gated}-{a.interleaved}")
+@pytest.mark.parametrize("buffers", [False, True], ids=["alloc", "into_buffers"])
+def test_the_activation_module_matches_the_reference(act, buffers):
+    """forward, recomputed parts and input gradient of `ops.activations` (the one torch
+    home of the math) against autograd through the reference, in float64; the buffer
+    forms (the loop's in-place path) give the same values."""
+    g = torch.Generator().manual_seed(2)
+    n, F_ = 5, 4
+    h = torch.randn(n, 2 * F_ if act.gated else F_, generator=g, dtype=torch.float64) * 1.5
+    p = torch.rand(n, generator=g, dtype=torch.float64)
+    gy = torch.randn(n, F_, generator=g, dtype=torch.float64)
+    fn = REGISTERED.get(act.kind)
+    kw = dict(gated=act.gated, interleaved=act.interleaved, alpha=act.alpha, limit=act.limit)
+    hr, pr = h.clone().requires_grad_(True), p.clone().requires_grad_(True)
+    want = activation_reference(hr, act.kind, fn=fn, **kw) * pr[:, None]
+    want_h, want_p = torch.autograd.grad(want, (hr, pr), gy)
+    bufs = [h.new_empty(n, F_) for _ in range(4)] if buffers else None
+    out = h.new_empty(n, F_) if buffers else None
+    h0 = h.clone()
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(A.act_forward(h, p, act, out=out), want.detach(), **tol)
+    a0, d_gate, d_up = A.act_parts(h, act, bufs)
+    torch.testing.assert_close(a0 * p[:, None], want.detach(), **tol)
+    dh = A.act_input_grad(gy * p[:, None], d_gate, d_up, act.interleaved, torch.empty_like(h))
+    torch.testing.assert_close(dh, want_h, **tol)
+    dh2, dp, a = A.act_backward(gy, h, p, act, recompute=True)
+    torch.testing.assert_close((dh2, dp, a), (want_h, want_p, want.detach()), **tol)
+    assert torch.equal(h, h0), "the activation math must not write into h"
+
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "dropless"
+
+
+def test_no_other_torch_file_writes_an_activation_derivative():
+    """One home for the math: outside `ops/activations.py` (and the reference, which
+    derives by autograd) no torch file of ops, nn or quant computes a sigmoid of a gate."""
+    pattern = re.compile(r"sigmoid\((gate|g\b|g \*|gate \*)|sigmoid_\(\)\.mul_\(g\)")
+    allowed = {SRC / "ops" / "activations.py", SRC / "ops" / "reference.py"}
+    offenders = [
+        f"{path.relative_to(SRC)}:{i}"
+        for folder in ("ops", "nn", "quant")
+        for path in sorted((SRC / folder).glob("*.py"))
+        if path not in allowed and not path.name.startswith("triton")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == [], offenders

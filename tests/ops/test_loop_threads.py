@@ -78,13 +78,13 @@ def _run(case: str, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_threads_equal_the_calling_thread_loop(case, threads, monkeypatch):
     seen = set()
-    act_fwd = loop_mlp._act_fwd
+    act_fwd = loop_mlp.act_forward
 
     def spy(*a, **kw):
         seen.add(threading.current_thread().name)
         return act_fwd(*a, **kw)
 
-    monkeypatch.setattr(loop_mlp, "_act_fwd", spy)
+    monkeypatch.setattr(loop_mlp, "act_forward", spy)
     got = _run(case)
     workers_used = seen - {threading.current_thread().name}
     monkeypatch.setattr(loop_mlp, "MIN_THREADED_FLOPS", 2**62)

@@ -30,7 +30,7 @@ from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
 from .replay import remember, routing_replay
 from .routing import capacity_keep_mask, expert_capacity, route
 from .specs import ActivationConfig, RoutingConfig
-from .swiglu import swiglu
+from .swiglu import expert_activation, swiglu
 
 __all__ = [
     "ActivationConfig",
@@ -39,6 +39,7 @@ __all__ = [
     "RoutingConfig",
     "SortedPairs",
     "capacity_keep_mask",
+    "expert_activation",
     "expert_capacity",
     "expert_mlp",
     "gather_sum",

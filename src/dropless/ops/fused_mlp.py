@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from .activations import ACTIVATIONS, act_forward, act_input_grad, act_parts
 from .dispatch import pick_gemm_backend
 from .loop_mlp import _LoopMLP
 from .lora import (
@@ -57,10 +58,9 @@ from .lora import (
     grouped_lowrank_dx,
     grouped_lowrank_fwd,
 )
-from .mlp_parts import _act_bwd, _act_fwd, _act_parts
 from .row_ops import pick_row_ops
 from .specs import ActivationConfig, as_activation
-from .swiglu import ACTIVATIONS, check_supported
+from .swiglu import check_supported
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
@@ -77,7 +77,7 @@ class _GroupedMLP(torch.autograd.Function):
 
     The gathers (permute, combine) and, for the kinds it has, the activation x prob come
     from the row-op registry (`row_ops.py`: Triton kernels on CUDA, fp32 accumulation);
-    other activations use the eager `_act_fwd` / `_act_parts` above."""
+    other activations use the eager `activations.act_forward` / `act_parts`."""
 
     @staticmethod
     def forward(
@@ -125,7 +125,7 @@ class _GroupedMLP(torch.autograd.Function):
         if rk_act is not None:
             a = rk_act.act_fwd(h, prob_S, act.interleaved, act.kind, act.alpha, act.limit)
         else:
-            a = _act_fwd(h, prob_S, act)
+            a = act_forward(h, prob_S, act)
         y = be.mm(a, down, counts, trans_w)
         u2 = grouped_lowrank_fwd(be, a, lr2, counts, y) if lr2 is not None else None
         del a
@@ -207,7 +207,7 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=Non
     act, trans_w, _ = ctx.cfg
     be = ctx.be
     p = None if prob_S is None else prob_S.unsqueeze(1)
-    a0, d_gate, d_up = _act_parts(h, act)
+    a0, d_gate, d_up = act_parts(h, act)
     gd = gp = g2a = g2b = None
     if need[3] or lr2 is not None:
         ap = a0 if p is None else a0 * p
@@ -225,7 +225,7 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=Non
     del a0
     if p is not None:
         da.mul_(p)
-    dh = _act_bwd(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
+    dh = act_input_grad(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
     return dh, gp, gd, g2a, g2b
 
 

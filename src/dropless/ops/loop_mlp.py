@@ -23,9 +23,10 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from .activations import act_forward, act_input_grad, act_parts
 from .expert_threads import run_experts
 from .lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
-from .mlp_parts import _act_bwd, _act_fwd, _act_parts, _bounds, _wt
+from .mlp_parts import _bounds, _wt
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
@@ -104,7 +105,7 @@ class _LoopMLP(torch.autograd.Function):
             if gu_bias is not None:
                 he.add_(gu_bias[e])
             p = None if prob_S is None else prob_S[lo:hi]
-            a = _act_fwd(he, p, act, out=s["a"][:n])
+            a = act_forward(he, p, act, out=s["a"][:n])
             ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if gathered else out[lo:hi])
             if lr2 is not None:
                 lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, u2_SR[lo:hi])
@@ -172,7 +173,7 @@ class _LoopMLP(torch.autograd.Function):
                 return x.new_empty(nmax, k)
 
             # "rows": the gathered gy, then (once gy is used up) the gathered x;
-            # act[0] is free once _act_parts returns: ap, then the prob gradient's product
+            # act[0] is free once act_parts returns: ap, then the prob gradient's product
             return {
                 "rows": rows(D) if gathered else None,
                 "da": rows(F),
@@ -187,7 +188,7 @@ class _LoopMLP(torch.autograd.Function):
             gy = torch.index_select(g_out, 0, idx, out=s["rows"][:n]) if gathered else g_out[lo:hi]
             p = None if prob_S is None else prob_S[lo:hi]
             act_bufs = [b[:n] for b in s["act"]]
-            a0, d_gate, d_up = _act_parts(hs[e], act, act_bufs)
+            a0, d_gate, d_up = act_parts(hs[e], act, act_bufs)
             if release:
                 _free(hs[e])
             if gd is not None or g2a is not None:
@@ -211,7 +212,7 @@ class _LoopMLP(torch.autograd.Function):
                     gpe.add_(torch.mv(gy, d_bias[e]))
             if p is not None:
                 da.mul_(p.unsqueeze(1))
-            dh = _act_bwd(da, d_gate, d_up, act.interleaved, s["dh"][:n])
+            dh = act_input_grad(da, d_gate, d_up, act.interleaved, s["dh"][:n])
             if ggb is not None:
                 torch.sum(dh, 0, out=ggb[e])
             if ggu is not None or g1a is not None:

@@ -17,13 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .permute import gather_rows_eager, gather_sum, pair_dot_eager
-from .swiglu import ACTIVATIONS, act_bwd_eager, act_fwd_eager
+from .activations import ACTIVATIONS, act_bwd_eager, act_fwd_eager
+from .eager_rows import gather_rows_eager, gather_sum, pair_dot_eager, zero_groups_eager
 
-
-def zero_groups_eager(out_EMN: torch.Tensor, empty_E: torch.Tensor) -> torch.Tensor:
-    """out[e] = 0 where empty_E[e], in place: a masked fill over the whole tensor."""
-    return out_EMN.masked_fill_(empty_E.view(-1, *[1] * (out_EMN.dim() - 1)), 0)
+__all__ = [
+    "EAGER",
+    "RowOps",
+    "pick_row_ops",
+    "register_row_ops",
+    "row_ops_names",
+    "zero_groups_eager",
+]
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,7 @@ class RowOps:
     gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN: out[t] = sum_k w[t,k] *
         rows[slot[t,k]] summed in fp32 in k order, slots >= S read as zero;
     pair_dot(g_TN, y_SN, slot_TK) -> fp32 [T, K]: <g[t], y[slot[t,k]]> (0 when dropped);
-    act_fwd / act_bwd: as `swiglu.act_fwd_eager` / `act_bwd_eager`, for the kinds in
+    act_fwd / act_bwd: as `activations.act_fwd_eager` / `act_bwd_eager`, for the kinds in
     `activations`; supports(t): whether it runs on tensor t;
     zero_groups(out_EMN, empty_E) -> out: out[e] = 0 where empty_E[e], in place (the
     blocks of a grouped weight gradient whose group had no rows).

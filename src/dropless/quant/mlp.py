@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from ..kernels import triton_importable
+from ..ops.activations import act_backward, act_forward
 from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
 from ..ops.permute import gather_sum, permute, unpermute
 from ..ops.specs import ActivationConfig
@@ -41,24 +42,19 @@ from .gemm import (
     scaling_mode,
 )
 
+_SWIGLU = ActivationConfig()
+
 
 def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
-    gate, up = h_S2F.float().chunk(2, dim=-1)
-    a = torch.nn.functional.silu(gate) * up
-    return a if prob_S is None else a * prob_S.float().unsqueeze(1)
+    """silu(gate) * up * prob in fp32 (the down GEMM's input before quantization)."""
+    return act_forward(h_S2F.float(), None if prob_S is None else prob_S.float(), _SWIGLU)
 
 
 def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
-    gate, up = h_S2F.float().chunk(2, dim=-1)
-    g = g_SF.float()
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    grad_prob = None
-    if prob_S is not None:
-        if want_prob:
-            grad_prob = (g * silu * up).sum(-1).to(prob_S.dtype)
-        g = g * prob_S.float().unsqueeze(1)
-    grad_h = torch.cat([g * up * (sig * (1 + gate * (1 - sig))), g * silu], dim=-1)
+    """(grad_h in fp32, grad_prob or None): the one SwiGLU backward of `ops.activations`."""
+    grad_h, grad_prob, _ = act_backward(
+        g_SF, h_S2F, prob_S, _SWIGLU, need_prob_grad=want_prob, grad_dtype=torch.float32
+    )
     return grad_h, grad_prob
 
 

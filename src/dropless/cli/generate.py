@@ -1,4 +1,5 @@
-"""`dropless generate RUN_DIR --prompt TEXT [--max-new-tokens N]`."""
+"""`dropless generate RUN_DIR --prompt TEXT [--max-new-tokens N]`: Transformers' `generate`
+(KV cache) on the run's model, on the dropless experts path."""
 
 from __future__ import annotations
 
@@ -17,6 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)"
     )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample among the most likely tokens holding this probability mass (1: all)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -32,6 +39,7 @@ def run(args) -> int:
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             context=cfg.train.seq_len,
             seed=args.seed,
         )

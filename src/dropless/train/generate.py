@@ -60,6 +60,19 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
     return cfg, tok, model, ck
 
 
+def _padding_mask(vocab_size: int):
+    """A Transformers logits processor that gives the embedding's padding rows (ids past
+    the tokenizer's vocabulary) no probability."""
+    from transformers import LogitsProcessor
+
+    class PaddingRows(LogitsProcessor):
+        def __call__(self, input_ids, scores_BV):
+            scores_BV[:, vocab_size:] = -float("inf")
+            return scores_BV
+
+    return PaddingRows()
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -69,29 +82,40 @@ def sample(
     *,
     temperature: float = 0.8,
     top_k: int = 40,
+    top_p: float = 1.0,
     context: int = 256,
     seed: int = 0,
 ) -> str:
-    """Continue `prompt` by sampling token by token (temperature, top-k); returns the new text."""
-    if temperature < 0 or top_k < 0 or max_new_tokens < 0:
-        raise ValueError("temperature, top_k and max_new_tokens must be >= 0")
+    """Continue `prompt` with Transformers' `generate` on `model` (the dropless path, its
+    KV cache on): greedy for temperature 0, else sampling with temperature, top-k (0: all)
+    and top-p; returns the new text. The prompt keeps its last `context` tokens; the
+    end-of-text token does not stop it (the text leaves it out)."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    if temperature < 0 or top_k < 0 or max_new_tokens < 0 or not 0 < top_p <= 1:
+        raise ValueError(
+            "temperature, top_k and max_new_tokens must be >= 0 and top_p in (0, 1] (got "
+            f"temperature={temperature}, top_k={top_k}, max_new_tokens={max_new_tokens}, top_p={top_p})"
+        )
+    if max_new_tokens == 0:
+        return ""
     ids = tok.encode(prompt) or ([tok.eos_id] if tok.eos_id is not None else [0])
-    g = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        x = torch.tensor([(ids + out)[-context:]], device=device)
-        logits_V = model(input_ids=x, use_cache=False).logits[0, -1].float().cpu()
-        logits_V[tok.vocab_size :] = -float("inf")  # padding rows of the embedding
-        if temperature == 0:
-            nxt = int(logits_V.argmax())
-        else:
-            if top_k:
-                kth = torch.topk(logits_V, min(top_k, tok.vocab_size)).values[-1]
-                logits_V[logits_V < kth] = -float("inf")
-            nxt = int(torch.multinomial(torch.softmax(logits_V / temperature, -1), 1, generator=g))
-        out.append(nxt)
-    return tok.decode(out)
+    x_BL = torch.tensor([ids[-context:]], device=device)
+    greedy = temperature == 0
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, use_cache=True,
+        do_sample=not greedy, temperature=None if greedy else temperature,
+        top_k=None if greedy or not top_k else min(top_k, tok.vocab_size),
+        top_p=None if greedy else top_p, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out_BL = model.generate(
+            input_ids=x_BL, attention_mask=torch.ones_like(x_BL), generation_config=gen,
+            logits_processor=LogitsProcessorList([_padding_mask(tok.vocab_size)]),
+        )  # fmt: skip
+    return tok.decode(out_BL[0, x_BL.shape[1] :].tolist())
 
 
 def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:

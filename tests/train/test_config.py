@@ -204,3 +204,69 @@ def test_header_names_the_class_under_fsdp():
     assert (
         model_class_name(fsdp()) == model_class_name(Qwen3MoeForCausalLM()) == "Qwen3MoeForCausalLM"
     )
+
+
+#: keys a resumed run may change, each with why (every other key is in resume.FIXED_KEYS)
+MAY_CHANGE_ON_RESUME = {
+    "model.init_std": "used only when weights are created",
+    "model.implementation": "the same parameters on either experts path",
+    "model.attn_implementation": "a kernel choice",
+    "data.eval_tokens": "how much held-out text is scored",
+    **{
+        f"train.{k}": "the loop's options, not the sample order or the tensors"
+        for k in (
+            "steps",
+            "grad_accum",
+            "aux_loss_coef",
+            "z_loss_coef",
+            "activation_checkpointing",
+            "fused_cross_entropy",
+            "fused_rmsnorm",
+            "on_nonfinite",
+            "max_skipped_steps",
+        )
+    },  # fmt: skip
+    # on/off is refused by changed_fixed_keys (the bias buffer); its value may change
+    "train.expert_bias_rate": "a rate; on/off is checked on its own",
+}
+
+
+def _docs_table_keys() -> list[str]:
+    """Keys in docs/train.md's configuration table (`section.a, b, c` rows name several)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "train.md").read_text()
+    section = text.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    keys = []
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first, *rest = line.split("`")[1].split(", ")
+        prefix = first.split(".")[0]
+        keys += [first] + [f"{prefix}.{name}" for name in rest]
+    return keys
+
+
+def test_every_key_is_documented_and_classified_for_resume():
+    import dataclasses
+
+    from dropless.train.config_schema import Config
+    from dropless.train.resume import FIXED_KEYS
+
+    walked = [
+        f"{s.name}.{f.name}"
+        for s in dataclasses.fields(Config)
+        for f in dataclasses.fields(type(getattr(Config(), s.name)))
+    ]
+    assert sorted(walked) == sorted(known_keys())
+    documented = _docs_table_keys()
+    assert [k for k in walked if k not in documented] == [], "keys missing in docs/train.md"
+    assert [k for k in documented if k not in walked] == [], "docs/train.md rows of no key"
+    assert len(documented) == len(set(documented))
+    may_change = dict(MAY_CHANGE_ON_RESUME)
+    for section in ("parallel", "optim", "precision", "log", "checkpoint"):  # run options
+        may_change.update({k: section for k in walked if k.startswith(section + ".")})
+    unclassified = [k for k in walked if (k in FIXED_KEYS) == (k in may_change)]
+    assert unclassified == [], "each key is either fixed on resume or may change"
+    assert set(FIXED_KEYS) <= set(walked)
+    assert {k for k in walked if k.startswith("finetune.")} <= set(FIXED_KEYS)

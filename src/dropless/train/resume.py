@@ -1,7 +1,8 @@
 """What `--resume` may change. A checkpoint fixes the model's shape, its tokenizer, the
-data it reads and the order it reads it in; everything else (steps, the learning-rate
-schedule, logging, checkpoint cadence, the process count and expert parallelism, by
-resharding) may differ from the run that wrote it."""
+data it reads and the order it reads it in, and the fine-tuning method with its adapters'
+shape; everything else (steps, the learning-rate schedule, logging, checkpoint cadence,
+the process count and expert parallelism, by resharding) may differ from the run that
+wrote it."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ FIXED_KEYS = (
     "model.moe_intermediate_size", "model.vocab_size", "model.max_position_embeddings",
     "model.tie_embeddings", "data.path", "data.eval_path", "data.text_field", "data.eval_fraction",
     "data.max_bytes", "data.tokenizer", "data.bpe_vocab_size", "data.errors", "data.reverse_complement",
-    "train.seq_len",
-    "train.batch_size", "train.seed",
+    "data.loss_on",  # supervised rows left without a loss token are dropped: the sample set
+    "train.seq_len", "train.batch_size", "train.seed",
+    # full vs LoRA and the adapters' shape and scale: what the checkpoint's tensors are
+    "finetune.method", "finetune.lora_rank", "finetune.lora_alpha", "finetune.lora_targets",
 )  # fmt: skip
 
 
@@ -77,4 +80,90 @@ def check_resume(cfg: Config, ckpt_dir: Path, world: int) -> None:
         ) from None
 
 
-__all__ = ["FIXED_KEYS", "changed_fixed_keys", "check_resume"]
+def resume_config_file(run_dir: str | Path) -> Path | None:
+    """The config a bare --resume continues with: the copy inside the newest checkpoint
+    that verifies (written with it, covered by its manifest), never the run directory's
+    config.toml, which a start cut short may have left stale or half written."""
+    from . import checkpoint as ckpt
+
+    ck = ckpt.latest_checkpoint(run_dir)
+    if ck is not None and (ck / "config.toml").is_file():
+        return ck / "config.toml"
+    return None
+
+
+def _damaged(run_dir: Path) -> str:
+    from . import checkpoint as ckpt
+
+    bad = ckpt.damaged_checkpoints(run_dir)
+    return "; ".join(bad[-3:]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "")
+
+
+def no_resume_point(run_dir: Path) -> ValueError:
+    """Why --resume cannot start in `run_dir`, with the one action that works."""
+    from . import checkpoint as ckpt
+
+    if not ckpt.list_checkpoints(run_dir):
+        return ValueError(
+            f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
+        )
+    return ValueError(
+        f"--resume: no checkpoint of {str(run_dir)!r} verifies ({_damaged(run_dir)}), so the run cannot "
+        "continue; start a new run with another --run-dir (the damaged checkpoints are left for inspection)"
+    )
+
+
+def check_fresh_start(run_dir: Path) -> None:
+    """A run without --resume must not start over a run that has checkpoints."""
+    from . import checkpoint as ckpt
+
+    if not ckpt.list_checkpoints(run_dir):
+        return
+    if ckpt.latest_checkpoint(run_dir) is None:
+        raise ValueError(
+            f"{str(run_dir)!r} holds checkpoints but none verifies ({_damaged(run_dir)}); "
+            "start the run in another --run-dir"
+        )
+    raise ValueError(
+        f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
+    )
+
+
+def nonfinite_fix(run_dir: Path, step: int, start_step: int, resumed: bool, policy: str) -> str:
+    """What to do after a non-finite loss or gradient at `step`: resume from the newest
+    checkpoint, from an older one when the newest produced the failure at once, or start
+    again when there is no checkpoint."""
+    from . import checkpoint as ckpt
+
+    lower = "lower optim.lr" + (" or raise train.max_skipped_steps" if policy == "skip" else "")
+    newest = ckpt.latest_checkpoint(run_dir)
+    if newest is None:
+        return f"no checkpoint was written yet, so there is nothing to resume: {lower} and run the same command again"
+    if resumed and step == start_step + 1:
+        older = [ck for _, ck in ckpt.list_checkpoints(run_dir) if ck != newest]
+        older = [ck for ck in older if ckpt.verify_checkpoint(ck) is None]
+        if older:
+            aside = run_dir / f"{newest.name}.nonfinite"
+            return (
+                f"the newest checkpoint {newest.name} gave it at once: set it aside "
+                f"(mv {newest} {aside}) and --resume from {older[-1].name} with a lower optim.lr "
+                "(--resume --set optim.lr=...)"
+            )
+        return (
+            f"the newest checkpoint {newest.name} gave it at once and there is no older one: "
+            "start a new run with a lower optim.lr and another --run-dir"
+        )
+    if policy == "stop":
+        return "resume from the last checkpoint with a lower optim.lr (--resume --set optim.lr=...)"
+    return f"{lower}, then --resume"
+
+
+__all__ = [
+    "FIXED_KEYS",
+    "changed_fixed_keys",
+    "check_fresh_start",
+    "check_resume",
+    "no_resume_point",
+    "nonfinite_fix",
+    "resume_config_file",
+]

@@ -27,6 +27,7 @@ from _checks_hf import (  # noqa: F401
     hf_fsdp_x_ep_train,
 )
 from _checks_load import hf_sharded_load  # noqa: F401
+from _checks_optim import fsdp_fused_adamw  # noqa: F401
 from _checks_precision import fsdp_bf16_policy, fsdp_experts_reshard_w4  # noqa: F401
 from _checks_replay import ep_routing_replay, hf_ep_routing_replay  # noqa: F401
 
@@ -54,6 +55,7 @@ CHECKS = {
         "ckpt_resume_w2",
         "train_collectives",
         "fsdp_bf16_policy",
+        "fsdp_fused_adamw",
     ],
     4: [
         "ep_uniform",

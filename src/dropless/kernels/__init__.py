@@ -17,8 +17,12 @@ their backward and save only what it needs):
   `pair_dot(g_TN, y_SN, slot_TK) -> dots_TK` (raw);
 - `swiglu(h_S2F, prob_S=None, *, activation="swiglu", interleaved=False, alpha, limit)
   -> a_SF` (autograd, as `dropless.ops.swiglu`; alpha/limit default to
-  `ActivationConfig`'s); `swiglu_fwd(...)`,
-  `swiglu_bwd(...)` (raw; the backward can also recompute the activation);
+  `ActivationConfig`'s; `activation` any gated kind of `activations.KINDS`);
+  `swiglu_fwd(...)`, `swiglu_bwd(...)` (raw; the backward can also recompute the
+  activation);
+- `activations`: every activation kind's forward and derivative as `@triton.jit` device
+  functions (`elementwise`, `glu`, `glu_fwd`), which every kernel applying an
+  activation calls;
 - `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
   counts may be a device tensor: no host sync), also registered as the "triton"
   grouped-GEMM backend by `register_backend()`.
@@ -147,6 +151,8 @@ def triton_row_ops():
             _lazy("permute_kernels", "pair_dot"),
             _lazy("swiglu_kernels", "swiglu_fwd"),
             _lazy("swiglu_kernels", "swiglu_bwd"),
+            # the kinds `dropless.ops.swiglu` hands to row ops; the kernels compute
+            # every gated kind of `activations.KINDS`
             ("swiglu", "gpt_oss"),
             supports=_supports_rows,
             priority=10,

@@ -60,13 +60,13 @@ def _jobs(dtype: str) -> list[tuple]:
                  "out_ptr": d}, dict(K=8, HAS_W=True, **rows), 4, 1))  # fmt: skip
     jobs.append((P._pair_dot_kernel, {"g_ptr": d, "y_ptr": d, "slot_ptr": "*i64",
                  "out_ptr": "*fp32"}, dict(K=8, BLOCK_P=16, BLOCK_N=256), 4, 1))  # fmt: skip
-    sw = dict(INTERLEAVED=False, GPT_OSS=False)
+    sw = dict(INTERLEAVED=False, ACTIVATION="swiglu")
     jobs.append((W._swiglu_fwd_kernel, {"h_ptr": d, "p_ptr": "*fp32", "a_ptr": d, "alpha": "fp32",
                  "limit": "fp32"}, dict(HAS_P=True, BLOCK_R=2, BLOCK_F=1024, **sw), 4, 1))  # fmt: skip
     jobs.append((W._swiglu_bwd_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32", "gh_ptr": d,
                  "gp_ptr": "*fp32", "a_ptr": d, "alpha": "fp32", "limit": "fp32"},
                  dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True, BLOCK_R=4, BLOCK_F=512,
-                      INTERLEAVED=True, GPT_OSS=True), 4, 1))  # fmt: skip
+                      INTERLEAVED=True, ACTIVATION="gpt_oss"), 4, 1))  # fmt: skip
     return jobs
 
 

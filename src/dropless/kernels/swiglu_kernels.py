@@ -1,20 +1,23 @@
-"""SwiGLU times the routing weight, forward and backward, one pass over memory each.
+"""SwiGLU (or another gated activation) times the routing weight, forward and backward,
+one pass over memory each.
 
 Algorithm. Row s of h_S2F holds gate = columns [0, F) and up = columns [F, 2F)
-(interleaved: gate = even columns, up = odd). With sig = sigmoid(gate):
+(interleaved: gate = even columns, up = odd). With act(gate, up) and its two partial
+derivatives from `activations.glu` (for swiglu, sig = sigmoid(gate)):
 
-    a[s, f]       = gate * sig * up * p[s]
-    grad_gate     = g * p[s] * up * sig * (1 + gate * (1 - sig))
-    grad_up       = g * p[s] * gate * sig
-    grad_p[s]     = sum_f g * gate * sig * up
+    a[s, f]       = act * p[s]                      (swiglu: gate * sig * up * p[s])
+    grad_gate     = g * p[s] * d act/d gate         (swiglu: up * sig * (1 + gate * (1 - sig)))
+    grad_up       = g * p[s] * d act/d up           (swiglu: gate * sig)
+    grad_p[s]     = sum_f g * act
 
 Forward: one program per tile of rows x columns. Backward: one program per tile of
 rows walks the F columns in tiles, so the grad_p row sum is a fixed-order register
 reduction (deterministic, no atomics); it can also write the recomputed activation `a`
 (the down projection's weight grad needs it), so nothing but h and p is saved.
-`activation="gpt_oss"` swaps in the clamped GLU (gate clamped above at `limit`, up to
-[-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)); the gradient passes where
-the clamp does not bind, as torch.clamp's. Math is in fp32; outputs are in h's dtype.
+`activation` is any kind of `activations.KINDS` (a constexpr: one compiled kernel per
+kind); "gpt_oss" is the clamped GLU (gate clamped above at `limit`, up to [-limit,
+limit], gate * sigmoid(alpha * gate) * (up + 1)), whose gradient passes where the clamp
+does not bind, as torch.clamp's. Math is in fp32; outputs are in h's dtype.
 Semantics equal `dropless.ops.swiglu`.
 """
 
@@ -31,6 +34,7 @@ from dropless.ops.swiglu import activation as ops_activation
 from ..ops.specs import ActivationConfig
 from . import triton_row_ops
 from ._common import check_2d, row_blocks
+from .activations import KINDS, glu, glu_fwd
 
 _GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
@@ -47,30 +51,9 @@ def _cols(offs_f, F, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _act(gate, up, alpha, limit, GPT_OSS: tl.constexpr):
-    """(act, d act/d gate, d act/d up), all fp32; act excludes the prob."""
-    if GPT_OSS:  # torch.clamp passes the gradient where min <= x <= max
-        g = tl.minimum(gate, limit)
-        u = tl.minimum(tl.maximum(up, -limit), limit)
-        sig = tl.sigmoid(alpha * g)
-        glu = g * sig
-        act = glu * (u + 1.0)
-        d_glu = tl.where(gate <= limit, sig + alpha * g * sig * (1.0 - sig), 0.0)
-        d_gate = (u + 1.0) * d_glu
-        d_up = tl.where((up >= -limit) & (up <= limit), glu, 0.0)
-    else:
-        sig = tl.sigmoid(gate)
-        glu = gate * sig
-        act = glu * up
-        d_gate = up * (sig * (1.0 + gate * (1.0 - sig)))
-        d_up = glu
-    return act, d_gate, d_up
-
-
-@triton.jit
 def _swiglu_fwd_kernel(
     h_ptr, p_ptr, a_ptr, S, F, stride_h, stride_a, alpha, limit,
-    HAS_P: tl.constexpr, INTERLEAVED: tl.constexpr, GPT_OSS: tl.constexpr,
+    HAS_P: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -81,7 +64,7 @@ def _swiglu_fwd_kernel(
     col_g, col_u = _cols(offs_f, F, INTERLEAVED)
     gate = tl.load(h_ptr + rows * stride_h + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0).to(tl.float32)
-    a, _, _ = _act(gate, up, alpha, limit, GPT_OSS)
+    a = glu_fwd(gate, up, alpha, limit, ACTIVATION)
     if HAS_P:
         a = a * tl.load(p_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)[:, None]
     tl.store(a_ptr + rows * stride_a + offs_f[None, :], a.to(a_ptr.dtype.element_ty), mask=mask)
@@ -91,7 +74,7 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     g_ptr, h_ptr, p_ptr, gh_ptr, gp_ptr, a_ptr, S, F, stride_g, stride_h, stride_gh, stride_a,
     alpha, limit, HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
-    INTERLEAVED: tl.constexpr, GPT_OSS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -109,7 +92,7 @@ def _swiglu_bwd_kernel(
         up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0)
         g = tl.load(g_ptr + rows * stride_g + offs_f[None, :], mask=mask, other=0.0)
         gate, up, g = gate.to(tl.float32), up.to(tl.float32), g.to(tl.float32)
-        act, d_gate, d_up = _act(gate, up, alpha, limit, GPT_OSS)
+        act, d_gate, d_up = glu(gate, up, alpha, limit, ACTIVATION)
         if NEED_GP:
             acc_p += g * act
         gp = g * p[:, None]
@@ -123,7 +106,7 @@ def _swiglu_bwd_kernel(
         tl.store(gp_ptr + offs_r, tl.sum(acc_p, axis=1).to(gp_ptr.dtype.element_ty), mask=mask_r)
 
 
-ACTIVATIONS = ("swiglu", "gpt_oss")
+ACTIVATIONS = KINDS  # every gated kind of `activations.py`
 
 
 def _check(h_S2F: torch.Tensor, prob_S: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -147,8 +130,9 @@ def swiglu_fwd(
 ) -> torch.Tensor:
     """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd.
 
-    act = silu(gate) * up ("swiglu"), or for "gpt_oss" with g = min(gate, limit),
-    u = clamp(up, -limit, limit): g * sigmoid(alpha * g) * (u + 1).
+    act is the gated kind `activation` of `activations.KINDS`: silu(gate) * up
+    ("swiglu"), or for "gpt_oss" with g = min(gate, limit), u = clamp(up, -limit,
+    limit): g * sigmoid(alpha * g) * (u + 1); see `activations.glu` for the others.
     """
     h_S2F = _check(h_S2F, prob_S, activation)
     S, F = h_S2F.shape[0], h_S2F.shape[1] // 2
@@ -160,7 +144,7 @@ def swiglu_fwd(
     grid = (triton.cdiv(S, br), triton.cdiv(F, bf))
     _swiglu_fwd_kernel[grid](
         h_S2F, p, a_SF, S, F, h_S2F.stride(0), a_SF.stride(0), float(alpha), float(limit),
-        HAS_P=prob_S is not None, INTERLEAVED=interleaved, GPT_OSS=activation == "gpt_oss",
+        HAS_P=prob_S is not None, INTERLEAVED=interleaved, ACTIVATION=activation,
         BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
     )  # fmt: skip
     return a_SF
@@ -204,7 +188,7 @@ def swiglu_bwd(
         S, F, grad_SF.stride(0), h_S2F.stride(0), grad_h.stride(0),
         a_SF.stride(0) if recompute else 0, float(alpha), float(limit),
         HAS_P=prob_S is not None, NEED_GP=need_gp, RECOMPUTE=recompute,
-        INTERLEAVED=interleaved, GPT_OSS=activation == "gpt_oss",
+        INTERLEAVED=interleaved, ACTIVATION=activation,
         BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
     )  # fmt: skip
     return grad_h, grad_p, a_SF

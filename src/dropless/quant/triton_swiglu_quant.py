@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.activations import glu_fwd
 from .formats import BLOCK, QTensor
 from .triton_fp8 import e4m3_code, mx_encode, tl, triton
 
@@ -43,7 +44,7 @@ def _swiglu_tile(
     gate = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + offs + F, mask=mask, other=0.0).to(tl.float32)
     if ACT:
-        a = gate * tl.sigmoid(gate) * up
+        a = glu_fwd(gate, up, 0.0, 0.0, "swiglu")
     else:
         a = gate * up
     if HAS_PROB:

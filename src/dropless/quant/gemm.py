@@ -10,10 +10,15 @@ reduction dim, so those quantizations are done once and reused.
 Backends: `emulated` dequantizes both operands to fp32 and runs the fp32 grouped GEMM
 (products of fp8 values and power-of-two / fp32 scales are exact in fp32, so it
 matches an fp32-accumulating FP8 GEMM up to summation order); `torch` runs row-wise
-FP8 through torch._scaled_grouped_mm on sm90+ (unverified on a GPU); `bf16` (MXFP8 on
-sm90+, where torch has no MX grouped GEMM) dequantizes to bf16, which holds every MX
-value E4M3 x 2^k exactly (down to 2^-133), and runs the bf16 grouped GEMM: the same
-products at bf16 GEMM speed, while the saved activations stay in FP8.
+FP8 through torch._scaled_grouped_mm on sm90+; `bf16` (MXFP8 on sm90+, where torch has
+no MX grouped GEMM) dequantizes to bf16, which holds every MX value E4M3 x 2^k exactly
+(down to 2^-133), and runs the bf16 grouped GEMM: the same products at bf16 GEMM speed,
+while the saved activations stay in FP8. Both ran on an H200 (torch 2.11) at commit
+5d8f939, 2026-11-30 (BENCHMARKS.md, "GPU check": a MoE forward+backward under row-wise
+E4M3, delayed HYBRID and MXFP8 recipes above the SQNR floor with no host sync, and the
+layer timings). This file's GEMM code is unchanged since; the Triton FP8 casts it
+quantizes with on CUDA (`triton_quant.py`) changed afterwards (7bebe2e, one shared
+encoder) and have not run on a GPU since.
 
 Counts may be a host list or a device tensor; nothing here reads a device tensor of
 counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
@@ -227,8 +232,9 @@ def _warn_e5m2_once() -> None:
 def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
     """fast_accum: the forward GEMMs' fast FP8 accumulation (as Transformer Engine; the
     gradient GEMMs keep the precise one)."""
-    # Unverified on a GPU. _scaled_grouped_mm takes e4m3 operands, b column-major
-    # [E, K, N], and row-wise fp32 scales [S] and [E, N]: a per-tensor scale is expanded.
+    # Ran on an H200 at commit 5d8f939 (2026-11-30; see the module docstring).
+    # _scaled_grouped_mm takes e4m3 operands, b column-major [E, K, N], and row-wise
+    # fp32 scales [S] and [E, N]: a per-tensor scale is expanded.
     e4m3 = torch.float8_e4m3fn
     if aq.kind != "scaled" or aq.data.dtype != e4m3 or bq.data.dtype != e4m3:
         _warn_e5m2_once()

@@ -63,3 +63,40 @@ def test_resume_with_other_adapters_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert "--resume: the checkpoint" in err and named in err and err.count("\n") == 1, err
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.beta1=1", "optim.beta1=1.0: must be in [0, 1) (AdamW's moving-average decay"),
+        ("optim.beta2=1", "optim.beta2=1.0: must be in [0, 1)"),
+        ("train.seed=1e30", "train.seed=1000000000000000019884624838656: must be an integer in [0, 2**63) (torch.manual_seed's range)"),
+        ("train.seed=-1", "train.seed=-1: must be an integer in [0, 2**63)"),
+        ("parallel.timeout_s=1e300", "parallel.timeout_s=1e+300: must be at most 1e+09 seconds"),
+        ("parallel.timeout_s=1e10", "torch.distributed's limit is int64 nanoseconds"),
+        ("train.steps=1e19", "train.steps=10000000000000000000: must be below 2**63 (torch counts in int64)"),
+        ("train.max_skipped_steps=1e30", "train.max_skipped_steps=1000000000000000019884624838656: must be below 2**63"),
+        ("model.num_experts=1500000.5", "model.num_experts=1500000.5: expected an int (a whole number, e.g. 1500000)"),
+    ],
+)  # fmt: skip
+def test_values_torch_would_reject_are_refused_naming_the_key(tmp_path, override, message, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *args(override)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not run.exists()  # refused before the run directory is made
+
+
+def test_config_objects_check_the_same_ranges():
+    from dropless.train.config_schema import OptimConfig, TrainSection
+
+    with pytest.raises(ValueError, match=r"optim.beta2=1: must be in \[0, 1\)"):
+        OptimConfig(beta2=1)
+    with pytest.raises(ValueError, match=r"optim.lr=inf: must be a finite number"):
+        OptimConfig(lr=float("inf"))
+    with pytest.raises(
+        ValueError, match=r"train.seed=9223372036854775808: must be an integer in \[0, 2\*\*63\)"
+    ):
+        TrainSection(seed=2**63)
+    assert TrainSection(seed=2**63 - 1).seed == 2**63 - 1
+    assert OptimConfig(beta1=0, beta2=0.999999).beta2 == 0.999999

@@ -46,7 +46,7 @@ def test_dump_roundtrip(tmp_path):
             "optim.schedule='linear': allowed values are 'cosine', 'wsd', 'constant'",
         ),
         ("train.steps=0", "train.steps=0: must be an integer >= 1"),
-        ("train.steps=abc", "train.steps='abc': expected a int"),
+        ("train.steps=abc", "train.steps='abc': expected an int"),
         ("log.tensorboard=maybe", "expected true or false"),
         ("model.top_k=9", "model.top_k=9 exceeds model.num_experts=8"),
         ("train.grad_accum=3", "train.batch_size=8 must be divisible by train.grad_accum=3"),
@@ -132,7 +132,7 @@ def test_lists_booleans_and_strings(monkeypatch, tmp_path):
     ]
     assert cm.load_config(cm.dump_config(cfg, tmp_path / "out.toml")) == cfg
     for bad, msg in (
-        ("probe.layers=[1, 2.5]", "probe.layers=2.5: expected a int"),
+        ("probe.layers=[1, 2.5]", "probe.layers=2.5: expected an int (a whole number, e.g. 2)"),
         ("probe.layers=[1, nan]", "must be a finite number"),
         ("probe.lora_targets=[1]", "probe.lora_targets=1: expected a string, got int"),
         ("probe.saved_fp8=[true]", "expected true or false"),

@@ -67,9 +67,19 @@ class ParallelConfig:
         _check_timeout(self.timeout_s)
 
 
+#: torch.distributed holds a timeout in int64 nanoseconds (about 292 years): a larger one
+#: wraps around into a negative timeout that fails the first connection
+MAX_TIMEOUT_S = 1e9
+
+
 def _check_timeout(t) -> None:
     if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
         raise ValueError(f"parallel.timeout_s={t!r}: must be a number of seconds > 0")
+    if not t <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"parallel.timeout_s={t!r}: must be at most {MAX_TIMEOUT_S:g} seconds (about 31 years; "
+            "torch.distributed's limit is int64 nanoseconds); use e.g. 1800"
+        )
 
 
 def as_parallel_config(cfg) -> ParallelConfig:

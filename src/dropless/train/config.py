@@ -102,18 +102,21 @@ def _coerce_scalar(key: str, value: Any, kind: type) -> Any:
         if not isinstance(value, str):
             raise ValueError(f"{key}={value!r}: expected a string, got {type(value).__name__}")
         return value
+    what = "an int" if kind is int else "a number"
     if isinstance(value, str):
         try:
             value = float(value.strip())
         except ValueError:
-            raise ValueError(f"{key}={value!r}: expected a {kind.__name__}") from None
+            raise ValueError(f"{key}={value!r}: expected {what}") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{key}={value!r}: expected a {kind.__name__}, got {type(value).__name__}")
+        raise ValueError(f"{key}={value!r}: expected {what}, got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"{key}={value!r}: must be a finite number (not NaN or infinity)")
     if kind is int:  # accept 1e5 or 100.0 for an int field when it is a whole number
         if not float(value).is_integer():
-            raise ValueError(f"{key}={value!r}: expected a int")
+            raise ValueError(
+                f"{key}={value!r}: expected an int (a whole number, e.g. {math.floor(value)})"
+            )
         return int(value)
     return float(value)
 
@@ -197,9 +200,9 @@ def dump_config(cfg: Config, path: str | Path) -> Path:
     header = (
         "# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`\n\n"
     )
-    p = Path(path)
-    p.write_text(header + tomli_w.dumps(config_to_dict(cfg)))
-    return p
+    from .atomic import write_atomic  # temp + fsync + rename: a crash leaves the old file whole
+
+    return write_atomic(path, header + tomli_w.dumps(config_to_dict(cfg)))
 
 
 __all__ = [

@@ -6,6 +6,7 @@ allowed. `config.py` reads TOML files and `--set` overrides into these classes; 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..parallel.mesh import ParallelConfig
@@ -32,16 +33,31 @@ DECODE_ERRORS = ("strict", "replace")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
 
 
+#: torch and numpy hold counts, sizes and seeds in int64: a larger int fails deep inside them
+INT64_END = 2**63
+
+
+def _in_range(section: str, name: str, v) -> None:
+    if isinstance(v, int) and v >= INT64_END:
+        raise ValueError(
+            f"{section}.{name}={v!r}: must be below 2**63 (torch counts in int64); use a smaller value"
+        )
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{section}.{name}={v!r}: must be a finite number")
+
+
 def _positive(section: str, **values) -> None:
     for name, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{section}.{name}={v!r}: must be an integer >= 1")
+        _in_range(section, name, v)
 
 
 def _non_negative(section: str, **values) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise ValueError(f"{section}.{name}={v!r}: must be a number >= 0")
+        _in_range(section, name, v)
 
 
 def _choice(section: str, name: str, value, allowed) -> None:
@@ -167,9 +183,16 @@ class TrainSection:
             batch_size=self.batch_size,
             grad_accum=self.grad_accum,
         )
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < INT64_END
+        ):
+            raise ValueError(
+                f"train.seed={self.seed!r}: must be an integer in [0, 2**63) (torch.manual_seed's range)"
+            )
         _non_negative(
             "train",
-            seed=self.seed,
             aux_loss_coef=self.aux_loss_coef,
             z_loss_coef=self.z_loss_coef,
             expert_bias_rate=self.expert_bias_rate,
@@ -209,10 +232,16 @@ class OptimConfig:
             warmup_steps=self.warmup_steps,
             grad_clip=self.grad_clip,
         )
-        for name in ("min_lr_ratio", "beta1", "beta2", "decay_fraction"):
+        for name in ("min_lr_ratio", "decay_fraction"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
                 raise ValueError(f"optim.{name}={v!r}: must be in [0, 1]")
+        for name in ("beta1", "beta2"):  # AdamW divides by 1 - beta**step: 1 is refused by torch
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+                raise ValueError(
+                    f"optim.{name}={v!r}: must be in [0, 1) (AdamW's moving-average decay, e.g. 0.9 or 0.95)"
+                )
         _choice("optim", "schedule", self.schedule, SCHEDULES)
         _choice("optim", "implementation", self.implementation, ADAMW_IMPLEMENTATIONS)
 

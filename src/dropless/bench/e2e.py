@@ -16,6 +16,12 @@ AdamW step measured apart; peak step memory = the larger of the two VmHWM minus 
 baseline. That setting changes speed (the stock model's larger temporaries page-fault
 more under it), which is why no timing is taken with it. Every child starts from the same
 seed, so the first-step losses of the three implementations must agree (printed as a check).
+
+`--device cuda`: the model in bf16 on the GPU, fused AdamW, the step timed between device
+synchronizations; peak step memory from the caching allocator (max_memory_allocated
+above memory_allocated before the step, forward+backward and the AdamW step apart),
+measured in the timing child after its timed steps (allocator statistics do not change
+speed), so there are no memory children.
 """
 
 # B batch, L sequence length
@@ -60,8 +66,14 @@ QUICK = dict(
 )  # fmt: skip
 # Mixtral-like: 8 experts top-2 with 4x the expert width, so the routed FLOPs per token
 # (K * F) equal the 64-expert shape's and the two differ only in how they are grouped
+# qwen3-gpu: the pinned CPU shape scaled to a GPU (the GPU tables of scripts/gpu_check.py)
 SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_per_tok": 2,
-                                      "moe_intermediate_size": 768}}  # fmt: skip
+                                      "moe_intermediate_size": 768},
+          "qwen3-gpu": dict(
+    vocab_size=32768, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=384, intermediate_size=3072, tie_word_embeddings=False,
+    batch=8, seq=2048)}  # fmt: skip
 IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
 
@@ -92,7 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shape", choices=sorted(SHAPES), default="qwen3",
-        help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs",
+        help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs; "
+        "qwen3-gpu: qwen3 at a GPU's size (vocab 32768, hidden 1024, batch 8 x 2048)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None,
+        help="cpu (fp32) or cuda (bf16; default: cuda when available)",
     )  # fmt: skip
     add_history_arguments(p)
     add_section_argument(p, "e2e")
@@ -101,7 +118,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --- the child: one implementation, one process -----------------------------------------
 
 
-def _build(impl: str, shape: dict):
+def _build(impl: str, shape: dict, device: str = "cpu"):
+    """The model for one row: fp32 on CPU (bf16 matmul there is ~80x slower), bf16 on CUDA."""
     import torch
     import transformers as tf
 
@@ -120,6 +138,8 @@ def _build(impl: str, shape: dict):
         assert model.get_experts_implementation()[""] == "dropless"
     else:
         model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl)
+    if device == "cuda":
+        return model.to(device=device, dtype=torch.bfloat16).train()
     return model.float().train()
 
 
@@ -128,29 +148,30 @@ def child(args: dict) -> dict:
     or "memory" (mallopt so RSS follows live tensors, peak step memory, no timing)."""
     import torch
 
-    shape, impl = args["shape"], args["impl"]
+    shape, impl, device = args["shape"], args["impl"], args.get("device", "cpu")
     # memory mode: the allocator policy from the start, before the model's first allocation
     tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
-    model = _build(impl, shape)
-    # fused: torch's CPU AdamW kernel (fastest, no parameter-sized temporaries);
+    model = _build(impl, shape, device)
+    # fused: torch's AdamW kernel (fastest, no parameter-sized temporaries);
     # foreach: the default multi-tensor path, whose temporaries are parameter-sized
     fused = args.get("optimizer", "fused") == "fused"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
     g = torch.Generator().manual_seed(1)
     ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    ids_BL = ids_BL.to(device)
 
-    def fwd_bwd() -> float:
+    def fwd_bwd():  # the loss stays a tensor: reading it would sync the device each step
         loss = model(input_ids=ids_BL, labels=ids_BL).loss
         loss.backward()
-        return float(loss.detach())
+        return loss.detach()
 
     def opt_step() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    first_loss = fwd_bwd()  # warm-up: AdamW state allocated here
+    first_loss = float(fwd_bwd())  # warm-up: AdamW state allocated here
     opt_step()
     out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
     out["threads"] = torch.get_num_threads()
@@ -158,7 +179,11 @@ def child(args: dict) -> dict:
     if out["mode"] == "memory":
         out.update(_measure_memory(fwd_bwd, opt_step, tracked))
     else:
-        out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
+        sync = torch.cuda.synchronize if device == "cuda" else None
+        tokens = shape["batch"] * shape["seq"]
+        out.update(time_steps(fwd_bwd, opt_step, args["steps"], tokens, sync))
+        if device == "cuda":
+            out.update(_measure_cuda_memory(fwd_bwd, opt_step))
     out["dropless_calls"] = None
     if impl.startswith("dropless"):
         import dropless.hf as dh
@@ -167,13 +192,17 @@ def child(args: dict) -> dict:
     return out
 
 
-def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int) -> dict:
-    """`steps` timed training steps: median and best step time, tokens/s from the median."""
+def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int, sync=None) -> dict:
+    """`steps` timed training steps: median and best step time, tokens/s from the median.
+    `sync` (a device's synchronize) runs before the clock starts and before it stops."""
+    sync = sync or (lambda: None)
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         fwd_bwd()
         opt_step()
+        sync()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
@@ -197,6 +226,25 @@ def _measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:
         "steady_rss_mib": base,
         "memory_tracked": tracked,
     }
+
+
+def _measure_cuda_memory(fwd_bwd, opt_step) -> dict:
+    """Peak CUDA memory above the steady state (weights, AdamW state; no gradients) of
+    one forward+backward and of one AdamW step, from the caching allocator's counters."""
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    peaks = []
+    for part in (fwd_bwd, opt_step):
+        torch.cuda.reset_peak_memory_stats()
+        part()
+        torch.cuda.synchronize()
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+    return {
+        "peak_step_mib": max(peaks), "peak_fwd_bwd_mib": peaks[0], "peak_optimizer_mib": peaks[1],
+        "steady_mib": base / 2**20, "memory_tracked": True,
+    }  # fmt: skip
 
 
 # --- the parent ---------------------------------------------------------------------------
@@ -250,10 +298,19 @@ def _check_args(args) -> list[str]:
     return impls
 
 
-def _timing_rounds(args, impls, shape) -> dict[str, list[dict]]:
+def _device(args) -> str:
+    import torch
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; use --device cpu")
+    return dev
+
+
+def _timing_rounds(args, impls, shape, device: str = "cpu") -> dict[str, list[dict]]:
     """Timing children only (default allocator), the order rotated every round."""
     results: dict[str, list[dict]] = {i: [] for i in impls}
-    common = {"shape": shape, "steps": args.steps, "optimizer": args.optimizer}
+    common = {"shape": shape, "steps": args.steps, "optimizer": args.optimizer, "device": device}
     for r in range(args.rounds):
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
         if args.eager_rounds is not None and r >= args.eager_rounds:
@@ -318,24 +375,44 @@ def _rows(results: dict, memory: dict, shape: dict) -> dict:
 
 def run(args) -> int:
     impls = _check_args(args)
+    device = _device(args)
     rec = Recorder.start(args)
     shape = QUICK if args.quick else SHAPES[args.shape]
-    results = _timing_rounds(args, impls, shape)
-    memory = {} if args.no_memory else _memory_runs(args, impls, shape)
+    results = _timing_rounds(args, impls, shape, device)
+    if device == "cuda":  # measured by the timing children (the last round's)
+        memory = {} if args.no_memory else {i: o[-1] for i, o in results.items()}
+    else:
+        memory = {} if args.no_memory else _memory_runs(args, impls, shape)
     rows = _rows(results, memory, shape)
     losses = [r["first_loss"] for r in rows.values()]
-    if max(losses) - min(losses) > 1e-3 * max(abs(x) for x in losses):
+    # fp32: the rows differ by summation order only; bf16: by its rounding of the logits
+    tol = 2e-2 if device == "cuda" else 1e-3
+    if max(losses) - min(losses) > tol * max(abs(x) for x in losses):
         print(f"WARNING: first-step losses differ between implementations: {losses}")
     table = _table(rows)
     print(table)
     first = next(iter(results.values()))[0]
+    how = "memory: separate children with mallopt" if device == "cpu" else "memory: CUDA allocator"
     figures = {
         "rounds_per_impl": {i: len(o) for i, o in results.items()},
         "shape": shape, "rounds": args.rounds, "steps": args.steps, "quick": args.quick,
-        "optimizer": args.optimizer, "threads": first["threads"],
-        "allocator": "timing: default (no malloc settings); memory: separate children with mallopt",
+        "optimizer": args.optimizer, "threads": first["threads"], "device": device,
+        "dtype": "bfloat16" if device == "cuda" else "float32",
+        "allocator": f"timing: default (no malloc settings); {how}",
         "rows": rows,
     }  # fmt: skip
+    _ratios(figures, rows)
+    print(_summary(figures))
+    record = rec.finish("e2e", figures)
+    print(load_sentence(record["load"]))
+    section = section_path(args.section, "e2e", rec)
+    if section is not None:
+        _write_section(section, table, record)
+    return 0
+
+
+def _ratios(figures: dict, rows: dict) -> None:
+    """The headline ratios against stock `grouped_mm`, added to `figures`."""
     d, g = rows.get("dropless"), rows.get("grouped_mm")
     if d and g:
         figures["speedup_vs_grouped_mm"] = d["tokens_per_s"] / g["tokens_per_s"]
@@ -347,13 +424,6 @@ def run(args) -> int:
         figures["fused_ce_speedup_vs_grouped_mm"] = fce["tokens_per_s"] / g["tokens_per_s"]
         if fce["peak_step_mib"] is not None and g["peak_step_mib"]:
             figures["fused_ce_memory_vs_grouped_mm"] = fce["peak_step_mib"] / g["peak_step_mib"]
-    print(_summary(figures))
-    record = rec.finish("e2e", figures)
-    print(load_sentence(record["load"]))
-    section = section_path(args.section, "e2e", rec)
-    if section is not None:
-        _write_section(section, table, record)
-    return 0
 
 
 def _summary(figures: dict) -> str:
@@ -379,11 +449,22 @@ def _write_section(path: Path, table: str, record: dict) -> None:
     """Replace this shape's block of the section file (the other shape's block is kept)."""
     f = record["figures"]
     s = f["shape"]
+    device = f.get("device", "cpu")
     key = f"{s['num_experts']}e-top{s['num_experts_per_tok']}" + ("-quick" if f["quick"] else "")
+    key += "" if device == "cpu" else f"-{device}"
+    where = "fp32 on CPU" if device == "cpu" else f"bf16 on {device.upper()}"
+    memory = (
+        "Peak step memory: separate children, VmHWM minus VmRSS before the step, with glibc "
+        "serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors."
+        if device == "cpu"
+        else "Peak step memory: the CUDA caching allocator's max_memory_allocated above "
+        "memory_allocated before the step (weights and AdamW state), in the timing child."
+    )
     block = "\n".join(
         [
             f"<!-- e2e:{key} -->",
-            f"### {s['num_experts']} experts top-{s['num_experts_per_tok']}",
+            f"### {s['num_experts']} experts top-{s['num_experts_per_tok']}"
+            + ("" if device == "cpu" else f", {device.upper()}"),
             "",
             provenance(record),
             "",
@@ -391,13 +472,12 @@ def _write_section(path: Path, table: str, record: dict) -> None:
             f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
             f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
             f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
-            f"{s['seq']}, fp32 on CPU, {f['threads']} torch thread(s); forward + backward + "
+            f"{s['seq']}, {where}, {f['threads']} torch thread(s); forward + backward + "
             f"AdamW ({f['optimizer']}).  ",
             "Timing: each implementation in its own child process under the default allocator, "
             f"order rotated; rounds per implementation {f['rounds_per_impl']}, {f['steps']} timed "
             "step(s) each after a warm-up (median over rounds; best = the fastest step seen). "
-            "Peak step memory: separate children, VmHWM minus VmRSS before the step, with glibc "
-            "serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors.",
+            + memory,
             "",
             table,
             "",

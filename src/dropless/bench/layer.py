@@ -33,6 +33,7 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     peak_rss_mib,
+    progress,
     provenance,
     replace_block,
     require_default_allocator,
@@ -40,12 +41,15 @@ from .common import (
     run_child,
     section_path,
 )
+from .layer_impls import DROPLESS_VARIANTS, EXPERT_PATHS, RECIPES, hf_block, route, variant_context
 
 SHAPES = {
     "qwen3": dict(E=64, K=8, D=1024, F=384, T=[2048], dtype="float32"),
     "mixtral": dict(E=8, K=2, D=1024, F=3584, T=[2048], dtype="float32"),
     "qwen3-30b": dict(E=128, K=8, D=2048, F=768, T=[8192, 32768], dtype="bfloat16"),
+    "tiny": dict(E=6, K=2, D=64, F=32, T=[48], dtype="float32"),  # a smoke shape, not a result
 }
+# `--impls all`: the rows of the CPU tables
 IMPLS = (
     "dense",
     "dropless",
@@ -55,6 +59,8 @@ IMPLS = (
     "hf-grouped_mm",
     "hf-eager",
 )
+# rows asked for by name, the GPU tables' (`scripts/gpu_check.py`)
+EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS)
 DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
 TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
 
@@ -65,10 +71,14 @@ variants with the same router (`composed`: argsort + `grouped_mm` autograd nodes
 combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
 `Qwen3MoeSparseMoeBlock` (`experts_implementation="grouped_mm"` and `"eager"`, same
 weights, same routes), and the dense bound (the same six GEMMs with M = T*K rows as
-dense `torch.mm`). Peak memory: each implementation once more in its own child process,
-VmHWM (reset through /proc/self/clear_refs) minus VmRSS once inputs and weights are
-allocated (on CUDA: max_memory_allocated minus memory_allocated). Skewed rows: a router
-bias sends about half the pairs to 4 experts."""
+dense `torch.mm`). Rows asked for by name (the GPU tables): `grouped_mm-plain` (argsort +
+`torch._grouped_mm` + index_add written plainly), `dropless` under a recipe
+(`dropless-fp8-current-row`, `dropless-fp8-delayed`: E4M3; `dropless-mxfp8-saved`: MXFP8
+with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`). Peak
+memory: on CPU each implementation once more in its own child process, VmHWM (reset
+through /proc/self/clear_refs) minus VmRSS once inputs and weights are allocated; on CUDA
+one more step in the same process, max_memory_allocated minus memory_allocated before it.
+Skewed rows: a router bias sends about half the pairs to 4 experts."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impls",
         default=",".join(DEFAULT_IMPLS),
-        help=f"comma list from {','.join(IMPLS)} or 'all' (default: {','.join(DEFAULT_IMPLS)})",
+        help=f"comma list from {','.join(IMPLS + EXTRA_IMPLS)} or 'all' (= {','.join(IMPLS)}; "
+        f"default: {','.join(DEFAULT_IMPLS)})",
     )
     p.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
     p.add_argument(
@@ -135,134 +146,78 @@ def _skew_bias(x_TD, w_ED, K) -> float:
     return hi
 
 
-def _route(x_TD, w_router_ED, K):
-    probs = torch.softmax((x_TD @ w_router_ED.t()).float(), dim=-1)
-    w_TK, ids_TK = probs.topk(K, dim=-1)
-    return ids_TK, (w_TK / w_TK.sum(-1, keepdim=True)).to(x_TD.dtype)
-
-
 def _build(name: str, cfg: dict):
-    """-> (step, params, check): step() runs forward+backward once."""
-    from dropless import nn as dnn
-    from dropless import ops
-
-    E, K, D, F = cfg["E"], cfg["K"], cfg["D"], cfg["F"]
+    """-> (step, params, forward): step() runs forward+backward once."""
     x_TD, w_router, gate_up, down, grad_TD = _setup(cfg)
-    dev, dtype = x_TD.device, x_TD.dtype
     x_TD.requires_grad_(name != "dense")
     if name == "dense":
-        M = x_TD.shape[0] * K
-        xm, gy = x_TD.repeat(K, 1), grad_TD.repeat(K, 1)
-        hm, am = (
-            torch.randn(M, 2 * F, device=dev, dtype=dtype),
-            torch.randn(M, F, device=dev, dtype=dtype),
-        )
-        wgu, wd = gate_up[0].clone(), down[0].clone()
-
-        def step():
-            torch.mm(xm, wgu.t())  # forward gate/up
-            torch.mm(am, wd.t())  # forward down
-            torch.mm(gy, wd)  # d act
-            torch.mm(gy.t(), am)  # d W_down
-            torch.mm(hm, wgu)  # d x
-            torch.mm(hm.t(), xm)  # d W_gate_up
-
-        return step, [], None
+        return _dense_bound(x_TD, gate_up, down, grad_TD, cfg["K"]), [], None
     if name.startswith("hf-"):
-        block = _hf_block(cfg, name[3:], w_router, gate_up, down)
-        params = list(block.parameters())
+        block = hf_block(cfg, name[3:], w_router, gate_up, down)
 
         def step():
             block(x_TD.unsqueeze(0)).backward(grad_TD.unsqueeze(0))
 
-        return step, params + [x_TD], lambda: block(x_TD.unsqueeze(0))[0]
-    if name in ("dropless", "dropless-grouped"):
-        backend = "grouped_mm" if name == "dropless-grouped" else None
-        moe = dnn.MoE(D, F, E, K, renormalize=True, backend=backend, device=dev, dtype=dtype)
-        with torch.no_grad():
-            moe.router.weight.copy_(w_router)
-            moe.experts.gate_up_proj.copy_(gate_up)
-            moe.experts.down_proj.copy_(down)
-
-        def step():
-            moe(x_TD)[0].backward(grad_TD)
-
-        return step, list(moe.parameters()) + [x_TD], lambda: moe(x_TD)[0]
-    # experts-path variants with the router of `_route` (identical routing)
-    w_router.requires_grad_(True)
-    gate_up.requires_grad_(True)
-    down.requires_grad_(True)
+        return step, list(block.parameters()) + [x_TD], lambda: block(x_TD.unsqueeze(0))[0]
+    if name in ("dropless", "dropless-grouped", *DROPLESS_VARIANTS):
+        return _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD)
+    # experts-path variants with the router of `route` (identical routing)
+    leaves = [t.requires_grad_(True) for t in (w_router, gate_up, down)]
 
     def forward():
-        ids_TK, w_TK = _route(x_TD, w_router, K)
-        if name == "composed":  # argsort + grouped_mm autograd nodes, as written plainly
-            from dropless.ops.expert_mlp import _composed_mlp
-
-            sp = ops.sort_by_expert(ids_TK, E)
-            prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
-            y = _composed_mlp(
-                ops.permute(x_TD, sp),
-                sp.counts,
-                prob_S,
-                gate_up,
-                down,
-                gate_up_bias=None,
-                down_bias=None,
-                trans_w=True,
-                backend=None,
-            )
-            return ops.unpermute(y, sp)
-        return _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down)
+        ids_TK, w_TK = route(x_TD, w_router, cfg["K"])
+        return EXPERT_PATHS[name](x_TD, ids_TK, w_TK, gate_up, down)
 
     def step():
         forward().backward(grad_TD)
 
-    return step, [w_router, gate_up, down, x_TD], forward
+    return step, [*leaves, x_TD], forward
 
 
-def _bmm_padded(x_TD, ids_TK, w_TK, gate_up, down):
-    """bmm over experts padded to the largest count (autograd through index ops)."""
-    from dropless import ops
+def _dense_bound(x_TD, gate_up, down, grad_TD, K):
+    """The six GEMMs of the experts with M = T*K rows as dense torch.mm: the bound."""
+    M, F = x_TD.shape[0] * K, down.shape[2]
+    dev, dtype = x_TD.device, x_TD.dtype
+    xm, gy = x_TD.detach().repeat(K, 1), grad_TD.repeat(K, 1)
+    hm = torch.randn(M, 2 * F, device=dev, dtype=dtype)
+    am = torch.randn(M, F, device=dev, dtype=dtype)
+    wgu, wd = gate_up[0].clone(), down[0].clone()
 
-    E = gate_up.shape[0]
-    sp = ops.sort_by_expert(ids_TK, E)
-    C = max(sp.counts)
-    starts = torch.tensor([0] + sp.counts[:-1]).cumsum(0)
-    expert_S = torch.repeat_interleave(torch.arange(E), torch.tensor(sp.counts))
-    row_S = (expert_S * C + torch.arange(sp.num_slots) - starts[expert_S]).to(x_TD.device)
-    x_pad = x_TD.new_zeros(E * C, x_TD.shape[1]).index_copy(
-        0, row_S, x_TD.index_select(0, sp.token_S)
+    def step():
+        torch.mm(xm, wgu.t())  # forward gate/up
+        torch.mm(am, wd.t())  # forward down
+        torch.mm(gy, wd)  # d act
+        torch.mm(gy.t(), am)  # d W_down
+        torch.mm(hm, wgu)  # d x
+        torch.mm(hm.t(), xm)  # d W_gate_up
+
+    return step
+
+
+def _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD):
+    """`dropless.MoE` with the shared weights; a variant runs in its context (a recipe's
+    autocast, the eager row ops)."""
+    from dropless import nn as dnn
+
+    E, K, D, F = cfg["E"], cfg["K"], cfg["D"], cfg["F"]
+    backend = "grouped_mm" if name == "dropless-grouped" else None
+    moe = dnn.MoE(
+        D, F, E, K, renormalize=True, backend=backend, device=x_TD.device, dtype=x_TD.dtype
     )
-    h = torch.bmm(x_pad.view(E, C, -1), gate_up.transpose(1, 2))
-    gate, up = h.chunk(2, dim=-1)
-    y = torch.bmm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2)).view(E * C, -1)
-    y_SD = y.index_select(0, row_S)
-    return ops.unpermute(y_SD, sp, w_TK)
-
-
-def _hf_block(cfg, impl, w_router, gate_up, down):
-    try:
-        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImportError(
-            "the Hugging Face rows need transformers: pip install 'dropless[hf]'"
-        ) from e
-    conf = Qwen3MoeConfig(
-        hidden_size=cfg["D"],
-        moe_intermediate_size=cfg["F"],
-        num_experts=cfg["E"],
-        num_experts_per_tok=cfg["K"],
-        norm_topk_prob=True,
-        experts_implementation=impl,
-    )
-    block = Qwen3MoeSparseMoeBlock(conf).to(device=w_router.device, dtype=w_router.dtype)
-    assert block.experts.config._experts_implementation == impl
     with torch.no_grad():
-        block.gate.weight.copy_(w_router)
-        block.experts.gate_up_proj.copy_(gate_up)
-        block.experts.down_proj.copy_(down)
-    return block
+        moe.router.weight.copy_(w_router)
+        moe.experts.gate_up_proj.copy_(gate_up)
+        moe.experts.down_proj.copy_(down)
+
+    def step():
+        with variant_context(name):
+            moe(x_TD)[0].backward(grad_TD)
+
+    def forward():
+        with variant_context(name):
+            return moe(x_TD)[0]
+
+    return step, list(moe.parameters()) + [x_TD], forward
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -291,18 +246,9 @@ def _memory_child(cfg: dict) -> dict:
     """Run in a fresh process: the peak memory of one step above inputs + weights."""
     torch.set_num_threads(os.cpu_count())
     step, params, _ = _build(cfg["impl"], cfg)
-    dev = torch.device(cfg["device"])
     gc.collect()
-    if dev.type == "cuda":
-        _sync(dev)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        _sync(dev)
-        return {
-            "peak_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
-            "how": "cuda max_memory_allocated",
-        }
+    if cfg["device"] == "cuda":
+        return _cuda_peak(step, params)
     with open("/proc/self/status") as f:
         base = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
     if not reset_peak_rss():
@@ -312,6 +258,21 @@ def _memory_child(cfg: dict) -> dict:
         "peak_mib": peak_rss_mib() - base,
         "how": "VmHWM after clear_refs, minus VmRSS before the step",
     }
+
+
+def _cuda_peak(step, params) -> dict:
+    """One step's peak CUDA memory above what is allocated before it (no gradients
+    held, as after zero_grad(set_to_none=True)): exact in-process, the caching
+    allocator counts every tensor."""
+    _zero(params)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    _zero(params)
+    return {"peak_mib": peak, "how": "cuda max_memory_allocated minus memory_allocated"}
 
 
 def _check_same(cfg, impls) -> dict:
@@ -327,27 +288,40 @@ def _check_same(cfg, impls) -> dict:
     return {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in outs.items()}
 
 
-def _run_case(cfg: dict, impls, args) -> list[dict]:
+def _time_impls(cfg: dict, impls, args) -> tuple[dict, dict]:
+    """-> ({impl: [ms per round]}, {impl: memory}): the implementations interleaved within
+    each round; on CUDA the memory step runs here too, on CPU in a child per impl."""
     dev = torch.device(cfg["device"])
     built = {name: _build(name, cfg)[:2] for name in impls}
-    for _ in range(args.warmup):
-        for name in impls:
-            _time_once(*built[name], dev)
+    label = f"T={cfg['T']} {'skewed' if cfg['skewed'] else 'uniform'}"
     times = {name: [] for name in impls}
-    for _ in range(args.rounds):
+    for r in range(args.warmup + args.rounds):
         for name in impls:
-            times[name].append(_time_once(*built[name], dev))
+            what = "warm-up" if r < args.warmup else f"round {r - args.warmup + 1}/{args.rounds}"
+            progress(f"{label} {what}: timing {name}")
+            ms = _time_once(*built[name], dev)
+            if r >= args.warmup:
+                times[name].append(ms)
+    memory = {name: {"peak_mib": None, "how": "skipped"} for name in impls}
+    if not args.no_memory and dev.type == "cuda":
+        memory = {name: _cuda_peak(*built[name]) for name in impls}
     del built
     gc.collect()
+    if not args.no_memory and dev.type != "cuda":
+        for name in impls:
+            progress(f"{label} memory: measuring {name} (its own process)")
+            memory[name] = run_child("dropless.bench.layer", {**cfg, "impl": name})
+    return times, memory
+
+
+def _run_case(cfg: dict, impls, args) -> list[dict]:
+    times, memory = _time_impls(cfg, impls, args)
     diffs = _check_same(cfg, impls)
     K, D, F, T = cfg["K"], cfg["D"], cfg["F"], cfg["T"]
     flops = 18.0 * T * K * D * F  # 3 GEMMs (fwd, dgrad, wgrad) x (gate/up 4MDF + down 2MDF)
     med = {n: statistics.median(v) for n, v in times.items()}
     rows = []
     for name in impls:
-        mem = {"peak_mib": None, "how": "skipped"}
-        if not args.no_memory:
-            mem = run_child("dropless.bench.layer", {**cfg, "impl": name})
         rows.append(
             {
                 "impl": name,
@@ -360,8 +334,8 @@ def _run_case(cfg: dict, impls, args) -> list[dict]:
                 "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name]
                 if "hf-grouped_mm" in med
                 else None,
-                "peak_mib": mem["peak_mib"],
-                "memory_how": mem["how"],
+                "peak_mib": memory[name]["peak_mib"],
+                "memory_how": memory[name]["how"],
                 "max_rel_diff": diffs.get(name),
             }
         )
@@ -406,9 +380,11 @@ def _check_args(args, dev: str) -> list[str]:
     if args.rounds < 3:
         raise ValueError(f"--rounds {args.rounds}: must be >= 3 (the figure is a median)")
     impls = IMPLS if args.impls == "all" else [s.strip() for s in args.impls.split(",")]
-    bad = [n for n in impls if n not in IMPLS]
+    bad = [n for n in impls if n not in IMPLS + EXTRA_IMPLS]
     if bad:
-        raise ValueError(f"--impls: unknown {bad}; allowed: {', '.join(IMPLS)} or all")
+        raise ValueError(
+            f"--impls: unknown {bad}; allowed: {', '.join(IMPLS + EXTRA_IMPLS)} or all"
+        )
     return list(impls)
 
 
@@ -464,8 +440,8 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
         text.append(_table(rows, args.shape, cfg, busy_core))
     table = "\n".join(text)
     print(table)
-    for r in all_rows:
-        if r["max_rel_diff"] is not None and r["max_rel_diff"] > 1e-3:
+    for r in all_rows:  # a recipe's rows differ by its quantization noise
+        if r["impl"] not in RECIPES and (r["max_rel_diff"] or 0) > 1e-3:
             print(
                 f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
             )

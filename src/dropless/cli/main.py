@@ -10,6 +10,7 @@ import importlib
 
 from .. import __version__
 from .bench import BENCHES
+from .messages import missing_module_line, one_line_warnings, say_error
 from .subcommands import add_subcommands
 
 # command -> (module, one-line help)
@@ -42,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    with one_line_warnings():
+        try:
+            return int(importlib.import_module(args._module).run(args) or 0)
+        except ModuleNotFoundError as e:  # an optional extra that is not installed
+            if args.debug:
+                raise
+            say_error(missing_module_line(args.command, e))
+            return 2
 
 
 if __name__ == "__main__":

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,8 +63,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def _say(text: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank has the same message
-        print(text, file=sys.stderr, flush=True)
+    from .messages import say_error
+
+    say_error(text)
 
 
 def run(args) -> int:

@@ -49,6 +49,11 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[
     return measure_cpu_tflops(), "measured fp32 matmul on this CPU"
 
 
+def rate(tflops: float) -> str:
+    """A FLOP rate in the unit that reads best (CPU peaks are GFLOP/s, GPU peaks TFLOP/s)."""
+    return f"{tflops:.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.4g} GFLOP/s"
+
+
 def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from .run_log import rate
+from .metrics import rate
 
 
 def _fmt(v, spec: str) -> str:
@@ -14,8 +14,8 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
-def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
-    """Write plots and summary.json into the run directory and print the table (rank 0)."""
+def write_outputs(cfg, run_dir, summary: dict, records: list[dict]) -> None:
+    """The plots (when log.plots) and summary.json; the plots' paths go into `summary`."""
     if cfg.log.plots:
         from .plots import plot_expert_load, plot_losses
 
@@ -23,9 +23,25 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
         load = plot_expert_load(records, run_dir / "expert_load.png")
         summary["plot_expert_load"] = str(load) if load else None
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if cfg.log.progress == "none":
-        return
-    s = summary
+
+
+def _steps(s: dict) -> str:
+    skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
+    stopped = f", interrupted by {s['stopped_by']}" if s.get("interrupted") else ""
+    return f"{s['steps']}{skipped}{stopped}"
+
+
+def _mfu(s: dict) -> str:
+    measured = s["peak_source"].startswith("measured")
+    return (
+        f"{_fmt(s['mfu'], '.1%')} of {rate(s['peak_tflops'])} per process ({s['peak_source']}"
+        + ("; the highest measured during the run" if measured else "")
+        + ")"
+    )
+
+
+def summary_rows(s: dict) -> list[tuple[str, str]]:
+    """The figures of the summary table, one (label, text) per row."""
     unit = s.get("bpb_unit", "byte")  # "base" for the DNA tokenizer
     ratio = (
         s["final_bpb"] / s["initial_bpb"] if s["final_bpb"] and s["initial_bpb"] else float("nan")
@@ -35,9 +51,8 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
         if s.get("dropped") is None
         else f"dropped {s['dropped']}"
     )
-    skipped = f" ({s['skipped_steps']} skipped: non-finite)" if s.get("skipped_steps") else ""
-    rows = [
-        ("steps", f"{s['steps']}{skipped}"),
+    return [
+        ("steps", _steps(s)),
         (
             "wall time",
             f"{s['wall_s']:.1f} s (training {s['train_s']:.1f} s; process CPU time {s['cpu_s']:.1f} s)",
@@ -47,16 +62,7 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
             f"{s['tokens_per_s']:,.0f} tokens/s in training steps ({s['tokens_per_s_wall']:,.0f} tokens/s counting "
             f"evaluation and checkpoints), {s['tflops_per_process'] * 1e3:.2f} GFLOP/s per process",
         ),
-        (
-            "MFU",
-            f"{_fmt(s['mfu'], '.1%')} of {rate(s['peak_tflops'])} per process ({s['peak_source']}"
-            + (
-                "; the highest measured during the run"
-                if s["peak_source"].startswith("measured")
-                else ""
-            )
-            + ")",
-        ),
+        ("MFU", _mfu(s)),
         (
             f"held-out bits/{unit}",
             f"{_fmt(s['final_bpb'], '.3f')} (initial {_fmt(s['initial_bpb'], '.3f')}, x{_fmt(ratio, '.2f')}; unigram {unit} model {_fmt(s['unigram_bpb'], '.3f')})",
@@ -68,21 +74,26 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
         ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, {dropped}"),
         ("peak memory", f"{s['peak_memory_mib']:,.0f} MiB"),
     ]
+
+
+def path_rows(s: dict) -> list[tuple[str, str]]:
+    """Where the run's files are, one (label, path) per row (those the run wrote)."""
     paths = [
         ("run dir", s["run_dir"]),
         ("checkpoint", s["checkpoint"]),
         ("metrics", s["metrics"]),
         ("config", s["config"]),
     ]
-    paths += [
-        (k, s[v])
-        for k, v in (
-            ("tensorboard", "tensorboard"),
-            ("loss plot", "plot_loss"),
-            ("load plot", "plot_expert_load"),
-        )
-        if s.get(v)
-    ]
+    optional = (
+        ("tensorboard", "tensorboard"),
+        ("loss plot", "plot_loss"),
+        ("load plot", "plot_expert_load"),
+    )
+    return paths + [(k, s[v]) for k, v in optional if s.get(v)]
+
+
+def print_table(rows: list[tuple[str, str]], paths: list[tuple[str, str]]) -> None:
+    """The summary as a rich table, or aligned plain lines without rich."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -99,3 +110,10 @@ def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
     for k, v in paths:
         table.add_row(k, v)
     Console().print(table)
+
+
+def finish_report(cfg, run_dir, summary: dict, records: list[dict]) -> None:
+    """Write plots and summary.json into the run directory and print the table (rank 0)."""
+    write_outputs(cfg, run_dir, summary, records)
+    if cfg.log.progress != "none":
+        print_table(summary_rows(summary), path_rows(summary))

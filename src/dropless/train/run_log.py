@@ -18,13 +18,9 @@ from .metrics import (
     measure_cpu_tflops,
     peak_memory_mib,
     peak_tflops,
+    rate,
     read_metrics,
 )
-
-
-def rate(tflops: float) -> str:
-    """A FLOP rate in the unit that reads best (CPU peaks are GFLOP/s, GPU peaks TFLOP/s)."""
-    return f"{tflops:.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.4g} GFLOP/s"
 
 
 def processes(n: int) -> str:
@@ -82,6 +78,7 @@ class RunLog:
         self,
         model_name: str,
         n_params: int,
+        n_trainable: int,
         layers,
         top_k: int,
         vocab: int,
@@ -90,8 +87,9 @@ class RunLog:
         train_tokens: int,
     ) -> str:
         tc = self.cfg.train
+        trainable = f" ({n_trainable / 1e6:.2f}M trainable)" if n_trainable != n_params else ""
         return (
-            f"dropless train: {model_name} {n_params / 1e6:.2f}M params, {len(layers)} MoE layers x "
+            f"dropless train: {model_name} {n_params / 1e6:.2f}M params{trainable}, {len(layers)} MoE layers x "
             f"{layers[0].num_experts} experts top-{top_k}, vocab {vocab} ({tok_kind}); {processes(self.env.world)} on "
             f"{self.env.device.type}, {str(dtype).replace('torch.', '')}; {train_tokens:,} training tokens; "
             f"global batch {tc.batch_size} x {tc.seq_len}; MFU against a peak of {rate(self.peak)} per process "
@@ -159,8 +157,10 @@ class RunLog:
         setup_s: float,
         config_file,
         unigram_bpb: float,
+        stopped_by: str | None = None,
     ) -> dict:
-        """The end-of-run summary; rank 0 also writes plots, summary.json and the table."""
+        """The end-of-run summary; rank 0 also writes plots, summary.json and the table.
+        stopped_by: the signal that interrupted the run (the summary is marked interrupted)."""
         records = read_metrics(self.run_dir) if self.env.main else []
         evals = [r for r in records if "eval_bpb" in r]
         init_bpb = state.initial_eval_bpb
@@ -174,7 +174,8 @@ class RunLog:
         train_s = max(self.train_time, 1e-9)
         measured = [r["dropped"] for r in records[1:] if "dropped" in r]
         summary = {
-            "run_dir": str(self.run_dir), "steps": state.step, "wall_s": wall, "train_s": self.train_time,
+            "run_dir": str(self.run_dir), "steps": state.step, "interrupted": stopped_by is not None,
+            "stopped_by": stopped_by, "wall_s": wall, "train_s": self.train_time,
             "cpu_s": time.process_time() - cpu_start, "setup_s": setup_s,
             "tokens_per_s": tokens / train_s, "tokens_per_s_wall": tokens / max(wall - setup_s, 1e-9),
             "tflops_per_process": self.train_flops / train_s / W / 1e12,

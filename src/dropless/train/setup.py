@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -130,6 +131,19 @@ def tokenizer_vocab(cfg, run_dir: Path) -> int:
     return HFTokenizer.from_dir(spec).vocab_size
 
 
+def warn_all_warmup(cfg) -> None:
+    """A run no longer than its warmup never leaves it: the learning rate only rises (to
+    train.steps / optim.warmup_steps of optim.lr) and optim.schedule never applies."""
+    steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
+    if warmup and steps <= warmup:
+        warnings.warn(
+            f"train.steps={steps} <= optim.warmup_steps={warmup}: the whole run is warmup (the learning "
+            f"rate reaches {steps / warmup:.0%} of optim.lr and optim.schedule never applies); lower "
+            f"optim.warmup_steps (e.g. --set optim.warmup_steps={max(1, steps // 10)}) or raise train.steps",
+            stacklevel=2,
+        )
+
+
 def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
     recipe_context(cfg.precision)
@@ -171,6 +185,8 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     config = hf_config(cfg.model, vocab)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
     check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
+    if env.main:
+        warn_all_warmup(cfg)
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
         print(
             "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",

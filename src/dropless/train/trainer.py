@@ -111,7 +111,7 @@ class Trainer:
                 resume_from, self.model, self.optimizer, self.scheduler, trainable_only=self.lora
             )
             self.state = TrainState.from_dict({**saved, "world_size": env.world})
-        self.start_step = self.state.step
+        self.start_step, self.resumed_from = self.state.step, resume_from
         if env.main:  # only now: a refused resume leaves the run's files as they were
             dump_config(cfg, self.config_file)
         micro_batch = tc.batch_size // (env.world * tc.grad_accum)
@@ -129,7 +129,8 @@ class Trainer:
 
     def header(self) -> str:
         return self.log.header(
-            self.model_name, sum(p.numel() for p in self.params), self.layers, self.top_k,
+            self.model_name, sum(p.numel() for p in self.model.parameters()),
+            sum(p.numel() for p in self.params), self.layers, self.top_k,
             self.model.config.vocab_size, self.data.tokenizer.kind, self.precision.dtype,
             self.data.train_tokens,
         )  # fmt: skip
@@ -185,6 +186,10 @@ class Trainer:
             self.log.write({"step": 0, **ev, "unigram_bpb": self.data.unigram_bpb})
         setup_s = time.perf_counter() - self.t_start
         self.progress.line(self.header())
+        if self.resumed_from is not None:
+            self.progress.line(
+                f"dropless train: resumed from step {self.start_step} of {total} ({self.resumed_from})"
+            )
         tc = cfg.train
         with StopRequests(announce=env.main) as stops:
             while self.state.step < total:
@@ -206,18 +211,24 @@ class Trainer:
                 if (every and self.state.step % every == 0) or last or result["stop"]:
                     saved = self.save()
                 if result["stop"] and not last:
-                    self.progress.close()
-                    self.log.close()
-                    raise self._interrupted(stops.signum or signal.SIGTERM, saved)
-        self.progress.close()
+                    signum = stops.signum or signal.SIGTERM
+                    self._finish(setup_s, signal.Signals(signum).name)
+                    raise self._interrupted(signum, saved)
         if self.lora and env.main:  # the adapter in PEFT's format, for stock PEFT
             save_adapter(self.model, self.run_dir / ADAPTER_DIR)
-        summary = self.log.summary(
-            self.state, self.start_step, self.t_start, self.cpu_start, setup_s,
-            self.config_file, self.data.unigram_bpb,
-        )  # fmt: skip
-        self.log.close()
-        return summary
+        return self._finish(setup_s)
+
+    def _finish(self, setup_s: float, stopped_by: str | None = None) -> dict:
+        """Close the display, write plots and summary.json (marked interrupted when a
+        signal stopped the run), print the table; returns the summary."""
+        self.progress.close()
+        try:
+            return self.log.summary(
+                self.state, self.start_step, self.t_start, self.cpu_start, setup_s,
+                self.config_file, self.data.unigram_bpb, stopped_by,
+            )  # fmt: skip
+        finally:
+            self.log.close()
 
 
 def with_tokenizer_resolved(cfg: Config) -> Config:

@@ -84,9 +84,3 @@ def save_adapter(model, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
-
-
-def load_adapter(model: nn.Module, adapter_dir: str | Path):
-    """Stock PEFT's loader: `model` wrapped with the adapter saved in `adapter_dir`."""
-    peft = require_peft()
-    return peft.PeftModel.from_pretrained(model, str(adapter_dir))

@@ -4,6 +4,7 @@ bad input, moe_layers / tokens_per_expert, save_hf."""
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 
 import pytest
@@ -68,6 +69,64 @@ def test_patch_makes_default_and_unpatch_restores_exactly():
         during(_ids())  # runs on the stock path again
     dropless.unpatch()  # a second unpatch is a no-op
     assert _snapshot() == stock_state
+
+
+class _Stalling:
+    """A stock method whose `__doc__` (read while patch() wraps it) holds the first thread
+    there until a second one arrives, and the second until the first's patch() returned:
+    without a lock the second then wraps what the first installed."""
+
+    def __init__(self, fn, arrived: list, finished: dict):
+        self.fn, self.arrived, self.finished = fn, arrived, finished
+        self.second_in = threading.Event()
+
+    def __get__(self, obj, cls=None):
+        return self.fn.__get__(obj, cls)
+
+    @property
+    def __doc__(self):
+        self.arrived.append(threading.current_thread().name)
+        if len(self.arrived) == 1:
+            self.second_in.wait(timeout=0.5)  # under a lock the second never comes
+        else:
+            self.second_in.set()
+            self.finished[self.arrived[0]].wait(timeout=5)
+        return self.fn.__doc__
+
+
+def test_patch_from_two_threads_then_unpatch_restores_stock(monkeypatch):
+    from transformers import PreTrainedModel
+
+    pytest.importorskip("peft")
+    from peft.tuners.lora.layer import ParamWrapper
+
+    arrived, finished = [], {"a": threading.Event(), "b": threading.Event()}
+    getter = "get_correct_experts_implementation"
+    stalling = _Stalling(PreTrainedModel.__dict__[getter], arrived, finished)
+    monkeypatch.setattr(PreTrainedModel, getter, stalling)
+    stock_post_init = PreTrainedModel.__dict__["post_init"]
+    stock_activate = ParamWrapper.__dict__["_activate_lora"]
+    errors = []
+
+    def call(name):
+        try:
+            dropless.patch()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+        finished[name].set()
+
+    threads = [threading.Thread(target=call, args=(n,), name=n) for n in finished]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and len(arrived) >= 1
+    assert PreTrainedModel.__dict__[getter] is not stalling and dh.is_patched()
+    assert ParamWrapper.__dict__["_activate_lora"] is not stock_activate
+    dropless.unpatch()
+    assert PreTrainedModel.__dict__[getter] is stalling
+    assert PreTrainedModel.__dict__["post_init"] is stock_post_init
+    assert ParamWrapper.__dict__["_activate_lora"] is stock_activate
 
 
 def test_patch_model_and_unpatch_model():

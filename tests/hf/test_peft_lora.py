@@ -7,6 +7,7 @@ loading in stock PEFT on stock Transformers."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -156,6 +157,14 @@ def test_unpatch_restores_peft_activation():
     assert ParamWrapper._activate_lora is not before
     dh.unpatch()
     assert ParamWrapper._activate_lora is before
+
+
+def test_patch_covers_a_peft_imported_after_it(monkeypatch):
+    """patch() replaces PEFT's activation itself (importing peft when it is not imported
+    yet, simulated by hiding the top-level module), never a later forward."""
+    monkeypatch.delitem(sys.modules, "peft")
+    dh.patch()
+    assert ParamWrapper._activate_lora is hl._activate_lora_lean
 
 
 def _trainer_losses(patched: bool, tmp_path) -> list[float]:

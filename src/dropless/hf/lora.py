@@ -22,8 +22,9 @@ Registering PEFT's parametrization runs the fold once more (torch checks the sha
 dtype of its output unless `unsafe=True`). While dropless is patched in,
 `ParamWrapper._activate_lora` is replaced, for experts modules on the dropless path with
 one active adapter, by the same registration with `unsafe=True`: no fold at all. It is
-installed by `dropless.patch()` / `patch_model()` when peft is imported, or by the first
-adapted experts forward, and removed by `dropless.unpatch()`.
+installed by `dropless.patch()` / `patch_model()` when peft is installed (importing it
+there, so a peft imported later is covered too), under their lock, never from a forward,
+and removed by `dropless.unpatch()`.
 
 Anything else (several active adapters, whose delta PEFT sums into one tensor; a
 low-precision base weight; another parametrization) runs PEFT's own fold, with one
@@ -36,7 +37,7 @@ no parametrization: the plain path runs.
 from __future__ import annotations
 
 import contextlib
-import sys
+import importlib.util
 
 import torch
 from torch import nn
@@ -105,7 +106,6 @@ def experts_weights(
     reasons = [p for p in parts if isinstance(p, str)]
     if reasons:
         return getattr(module, names[0]), getattr(module, names[1]), None, reasons[0]
-    install_lean_activation()  # later steps register the factors without a fold
     w1, w2 = (raw_weight(module, n) for n in names)
     return w1, w2, (parts[0], parts[1]), ""
 
@@ -155,10 +155,11 @@ def _activate_lora_lean(self, active_adapters):
 
 def install_lean_activation() -> bool:
     """Make PEFT register its LoRA factors on dropless experts without folding them.
-    Idempotent; returns whether it is installed (False when peft is not imported)."""
+    Idempotent; returns whether it is installed (False when peft is not installed or has
+    no `_LoraFactorsProxy`). The caller holds `dropless.hf.patching`'s lock."""
     if _STATE["original"] is not None:
         return True
-    if "peft" not in sys.modules or _factors_proxy_class() is None:
+    if importlib.util.find_spec("peft") is None or _factors_proxy_class() is None:
         return False
     from peft.tuners.lora.layer import ParamWrapper
 

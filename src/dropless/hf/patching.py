@@ -11,11 +11,17 @@ else to the original. `unpatch()` puts the original function object back, remove
 "dropless" from `ExpertsInterface`, and switches every live model dropless changed back
 to the implementation it had (removing any expert bias buffers it added).
 `patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
-routing-replay hooks (`dropless.hf.replay`) once their layers exist.
+routing-replay hooks (`dropless.hf.replay`) once their layers exist, and replaces PEFT's
+`ParamWrapper._activate_lora` when peft is installed (`dropless.hf.lora`).
+
+These are process-wide class attributes: `patch()`, `patch_model()`, `unpatch()` and
+`unpatch_model()` change them under one lock, so calls from several threads install each
+wrapper once and `unpatch()` always finds the stock methods to put back.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -32,6 +38,10 @@ from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
+
+# held while the class attributes and the state below change (re-entrant: patch_model and
+# unpatch call helpers that take it too)
+_LOCK = threading.RLock()
 
 _state: dict = {
     "registered": False,
@@ -54,7 +64,7 @@ def _register() -> None:
     # the public registration point: ALL_EXPERTS_FUNCTIONS[name] = fn, undone with del
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    install_lean_activation()  # PEFT imported already: its LoRA on our experts never folds
+    install_lean_activation()  # PEFT's LoRA on our experts never folds
     if _state["registered"]:
         return
     had = IMPLEMENTATION in ALL_EXPERTS_FUNCTIONS
@@ -200,12 +210,13 @@ def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> 
     """
     _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     require_transformers()
-    _register()
-    _install_default()
-    _state["options"] = {
-        "fused_cross_entropy": fused_cross_entropy,
-        "fused_rmsnorm": fused_rmsnorm,
-    }
+    with _LOCK:
+        _register()
+        _install_default()
+        _state["options"] = {
+            "fused_cross_entropy": fused_cross_entropy,
+            "fused_rmsnorm": fused_rmsnorm,
+        }
     return report()
 
 
@@ -260,22 +271,23 @@ def patch_model(
     """
     _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     layers = _require_moe(model)
-    _register()
-    previous = model.get_experts_implementation()
-    model.set_experts_implementation(IMPLEMENTATION)
-    if IMPLEMENTATION not in previous.values():
-        _models[model] = previous
-    elif model not in _models:
-        _models[model] = None
-    if expert_bias:
-        _add_expert_biases(layers)
-    install_routing_replay(model)
     if fused_cross_entropy and not _is_causal_lm_head(model):
         raise TypeError(
             f"fused_cross_entropy=True needs a causal LM with an nn.Linear output head; "
             f"{type(model).__name__} has none"
         )
-    _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
+    with _LOCK:
+        _register()
+        previous = model.get_experts_implementation()
+        model.set_experts_implementation(IMPLEMENTATION)
+        if IMPLEMENTATION not in previous.values():
+            _models[model] = previous
+        elif model not in _models:
+            _models[model] = None
+        if expert_bias:
+            _add_expert_biases(layers)
+        install_routing_replay(model)
+        _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     return model
 
 
@@ -293,6 +305,12 @@ def _add_expert_biases(layers) -> None:
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Put one model back on the implementation it had and remove buffers dropless added."""
+    with _LOCK:
+        _restore_model(model)
+    return model
+
+
+def _restore_model(model: nn.Module) -> None:
     previous = _models.pop(model, None)
     if previous is None:
         previous = _stock_default(model)
@@ -307,7 +325,6 @@ def unpatch_model(model: nn.Module) -> nn.Module:
         layer.experts.__dict__.pop("_dropless_spec", None)
     if "dropless" in model.get_experts_implementation().values():
         _set_implementation(model, previous)
-    return model
 
 
 def _stock_default(model) -> str:
@@ -329,11 +346,12 @@ def unpatch() -> None:
     """Undo `patch()` and every `patch_model()`: stock Transformers behaviour, exactly.
 
     A no-op when nothing is patched (so it never needs a supported transformers)."""
-    if not (_state["registered"] or _state["original_get_correct"] or len(_models)):
-        return
-    for model in list(_models.keys()):
-        unpatch_model(model)
-    _uninstall_default()
-    _unregister()
-    uninstall_lean_activation()
-    _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}
+    with _LOCK:
+        if not (_state["registered"] or _state["original_get_correct"] or len(_models)):
+            return
+        for model in list(_models.keys()):
+            _restore_model(model)
+        _uninstall_default()
+        _unregister()
+        uninstall_lean_activation()
+        _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}

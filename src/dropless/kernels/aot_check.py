@@ -63,10 +63,11 @@ def _jobs(dtype: str) -> list[tuple]:
     sw = dict(INTERLEAVED=False, ACTIVATION="swiglu")
     jobs.append((W._swiglu_fwd_kernel, {"h_ptr": d, "p_ptr": "*fp32", "a_ptr": d, "alpha": "fp32",
                  "limit": "fp32"}, dict(HAS_P=True, BLOCK_R=2, BLOCK_F=1024, **sw), 4, 1))  # fmt: skip
-    jobs.append((W._swiglu_bwd_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32", "gh_ptr": d,
-                 "gp_ptr": "*fp32", "a_ptr": d, "alpha": "fp32", "limit": "fp32"},
-                 dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True, BLOCK_R=4, BLOCK_F=512,
-                      INTERLEAVED=True, ACTIVATION="gpt_oss"), 4, 1))  # fmt: skip
+    for kind in ("gpt_oss", "gelu"):  # the clamps; erf (the other kinds: sigmoid, as swiglu)
+        jobs.append((W._swiglu_bwd_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32", "gh_ptr": d,
+                     "gp_ptr": "*fp32", "a_ptr": d, "alpha": "fp32", "limit": "fp32"},
+                     dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True, BLOCK_R=4, BLOCK_F=512,
+                          INTERLEAVED=True, ACTIVATION=kind), 4, 1))  # fmt: skip
     return jobs
 
 

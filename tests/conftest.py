@@ -5,6 +5,9 @@ import os
 import pytest
 import torch
 
+# the `interpreted` and `import_check` fixtures: one child process under Triton's interpreter
+pytest_plugins = ["interpreted"]
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

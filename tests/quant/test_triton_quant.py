@@ -1,7 +1,7 @@
 """The one-pass Triton FP8 casts (`quant/triton_quant.py`) against the torch forms.
 
-Under TRITON_INTERPRET=1 in a child process (`python <this file>`, the variable set
-before triton is imported), every case compares bytes: the kernels must give exactly
+Under TRITON_INTERPRET=1 in the interpreted child process (tests/interpreted.py, the
+variable set before triton is imported), every case compares bytes: the kernels must give exactly
 what `formats.py`'s torch path gives (on CPU, where `_kernels` returns None). The
 "dispatch" cases route `formats.py` through the kernels for CPU tensors and check that
 a MoE step under each recipe is bit-identical. On a GPU (marker `gpu`) the same
@@ -16,9 +16,7 @@ import os
 
 import pytest
 import torch
-from interpreted import child_main, run_interpreted
 
-MARK = "QUANT-CAST-TRITON:"
 CASES = [
     "e4m3_decode_exhaustive",
     "scale_cast_scalar_row_col",
@@ -222,11 +220,6 @@ def _dispatch_moe_steps(fm, tq, device):
             _same_values(g.detach().cpu(), w.detach().cpu())
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    return run_interpreted(__file__, MARK)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_interpreted(interpreted, case):
     assert interpreted[case] is None, interpreted[case]
@@ -247,7 +240,3 @@ def test_amax_cuda_matches_torch():
         want = x.abs().float()
         want = want.amax() if dims is None else want.amax(dims, keepdim=True)
         _same_values(amax(x, dims), want)
-
-
-if __name__ == "__main__":
-    child_main(CASES, check, MARK)

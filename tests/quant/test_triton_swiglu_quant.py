@@ -1,8 +1,8 @@
 """The Triton SwiGLU x prob + quantize kernel against the torch quantizers.
 
-The kernel runs under TRITON_INTERPRET=1 in a child process (`python <this file>`),
-with the variable set before triton is imported; the parent test reads one JSON line
-of {case: None or the failure}. ACT=False cases (gate * up * prob, no exp) are compared
+The kernel runs under TRITON_INTERPRET=1 in the interpreted child process
+(tests/interpreted.py), the variable set before triton is imported; each test reports
+its case. ACT=False cases (gate * up * prob, no exp) are compared
 bit for bit; with the silu, exp may differ by an ulp between numpy and torch, so
 those cases allow a rare one-code difference.
 """
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import child_main, run_interpreted
 
-MARK = "QUANT-TRITON:"
 CASES = [
     "e4m3_encoding_exhaustive",
     "mx_floor_bitexact",
@@ -60,7 +58,7 @@ def _same_bytes(a, b):
     ).sum()
 
 
-def check(case: str) -> None:
+def check(case: str, device: str = "cpu") -> None:
     from dropless.quant import formats as fm
     from dropless.quant.mlp import _swiglu_f32
     from dropless.quant.triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
@@ -138,15 +136,6 @@ def check(case: str) -> None:
         raise AssertionError(case)
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict:
-    return run_interpreted(__file__, MARK)
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_interpreted(interpreted, case):
     assert interpreted[case] is None, interpreted[case]
-
-
-if __name__ == "__main__":
-    child_main(CASES, check, MARK)

@@ -4,7 +4,7 @@ Every kind's forward and derivative: the gated forms through the row kernels tha
 `activations.glu` (`swiglu_fwd` / `swiglu_bwd`), the elementwise f and f' through a
 one-program kernel that calls `activations.elementwise`, each against autograd through
 `dropless.ops.reference.activation_reference`. `check(case, device)` runs under
-TRITON_INTERPRET=1 in a child process (conftest.py), so nothing here imports triton at
+TRITON_INTERPRET=1 in a child process (tests/interpreted.py), so nothing here imports triton at
 module level; on a CUDA machine the same checks also run compiled (marker `gpu`).
 """
 

@@ -1,7 +1,7 @@
 """How the Triton kernels are found and picked: never imported or chosen for CPU tensors.
 
 These run in the pytest process and never import triton (that is part of what they check);
-the import check itself runs in the fresh child process of conftest.py.
+the import check itself runs in the fresh child process of tests/interpreted.py.
 """
 
 # S rows, D in features, N out features, E experts
@@ -17,7 +17,7 @@ from dropless.ops.dispatch import pick_gemm_backend
 
 
 def test_runs_without_triton_and_loads_no_kernels_on_cpu(import_check):
-    # checked first thing in the fresh child process of conftest.py (no second child)
+    # checked first thing in the fresh child process of tests/interpreted.py (no second child)
     if import_check is not None:
         pytest.fail(import_check, pytrace=False)
 

@@ -2,7 +2,7 @@
 activation x prob kernels) against the same path with the eager row ops, forward and
 backward, fp32.
 
-`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (conftest.py).
+`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py).
 On CPU the registry never picks the Triton row ops (CUDA only, by design), so the check
 swaps them in by replacing the fused path's picker for the duration of the call.
 """

@@ -1,6 +1,6 @@
 """Triton grouped GEMM (forward, dx, dw) against the reference, and as a GEMM backend.
 
-`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (conftest.py),
+`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py),
 so nothing here imports triton at module level; on a CUDA machine the same checks also
 run compiled (marker `gpu`) through the registered "triton" backend.
 """

@@ -1,6 +1,6 @@
 """Triton permute / unpermute (combine) kernels against the references, fwd and bwd.
 
-`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (conftest.py),
+`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py),
 so nothing here imports triton at module level; on a CUDA machine the same checks also
 run compiled (marker `gpu`).
 """

@@ -1,6 +1,6 @@
 """Triton RMSNorm (optional fused residual add) against torch's rms_norm, forward and backward.
 
-`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (conftest.py),
+`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py),
 so nothing here imports triton at module level; on a CUDA machine the same checks also
 run compiled (marker `gpu`).
 """

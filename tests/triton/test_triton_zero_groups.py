@@ -1,7 +1,7 @@
 """Triton zero_groups (the empty groups of a grouped weight gradient) against the
 eager masked fill.
 
-`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (conftest.py),
+`check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py),
 so nothing here imports triton at module level; on a CUDA machine the same checks also
 run compiled (marker `gpu`).
 """

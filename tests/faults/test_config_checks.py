@@ -100,3 +100,41 @@ def test_config_objects_check_the_same_ranges():
         TrainSection(seed=2**63)
     assert TrainSection(seed=2**63 - 1).seed == 2**63 - 1
     assert OptimConfig(beta1=0, beta2=0.999999).beta2 == 0.999999
+
+
+def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(tmp_path, capsys):
+    """model.num_experts=1e6 (787B parameters) invoked the OOM killer; now one line."""
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *args("model.num_experts=1e6")]) == 2
+    err = capsys.readouterr().err
+    assert "dropless train: error: the run needs at least " in err and err.count("\n") == 1, err
+    assert "GiB of host memory" in err and "model.num_experts=1000000" in err
+    assert not run.exists()
+
+
+def test_memory_estimate_counts_parameters_and_activations(monkeypatch, tmp_path, capsys):
+    from dropless.train import memory_fit
+    from dropless.train.config import load_config
+    from dropless.train.model import hf_config
+    from dropless.train.recipes import TINY
+
+    cfg = load_config(None, list(TINY))
+    config = hf_config(cfg.model, 257)
+    params = memory_fit.parameter_count(config)
+    import transformers
+
+    built = transformers.AutoModelForCausalLM.from_config(config)
+    assert params == sum(p.numel() for p in built.parameters())  # the meta count is exact
+    need = 16 * params + 4 * 32 * 4 * 32 * 2  # weights+grads+AdamW, one [T, D] per layer
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need)
+    memory_fit.check_fits_memory(cfg, config, 1, cpu)  # exactly enough: kept
+    monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(ValueError, match="lower model.num_experts=4, model.num_layers=2"):
+        memory_fit.check_fits_memory(cfg, config, 1, cpu)
+    # activations dominate: the batch keys are named; through the CLI, nothing is written
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), *args("train.batch_size=4096")]) == 2
+    err = capsys.readouterr().err
+    assert "lower train.batch_size=4096, train.seq_len=32 (or raise train.grad_accum=1)" in err, err
+    assert not run.exists()

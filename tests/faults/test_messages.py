@@ -64,6 +64,7 @@ TABLE = [
     ("config_schema.py", ": must be a finite number", f"{FAULTS}/test_config_checks.py::test_config_objects_check_the_same_ranges"),
     ("config_schema.py", "(torch.manual_seed's range)", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
     ("config_schema.py", ": must be in [0, 1) (AdamW's moving-average decay", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
+    ("memory_fit.py", "the run needs at least ", f"{FAULTS}/test_config_checks.py::test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built"),
     ("mesh.py", "torch.distributed's limit is int64 nanoseconds", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
     ("config.py", ": expected a list, e.g.", f"{HERE}[list-type]"),
     ("config.py", "does not exist; pass a TOML file", f"{HERE}[no-config-file]"),

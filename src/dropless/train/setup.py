@@ -185,6 +185,9 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     config = hf_config(cfg.model, vocab)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
     check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
+    from .memory_fit import check_fits_memory
+
+    check_fits_memory(cfg, config, env.world, env.device)  # before the model is built
     if env.main:
         warn_all_warmup(cfg)
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:

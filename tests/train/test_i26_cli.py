@@ -96,8 +96,9 @@ def test_a_missing_extra_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ModuleNotFoundError):  # --debug keeps the traceback
         main(["--debug", "train", "--run-dir", str(tmp_path / "r2"), *args])
-    from dropless.cli.messages import missing_module_line
+    from dropless.cli.messages import is_missing_extra, missing_module_line
 
+    assert not is_missing_extra(ModuleNotFoundError("x", name="dropless.train.gone"))
     bare = ModuleNotFoundError("No module named 'rich'", name="rich")
     assert missing_module_line("train", bare).startswith(
         "dropless train: error: No module named 'rich'; install rich (pip install 'dropless[train]'"

@@ -10,7 +10,7 @@ import importlib
 
 from .. import __version__
 from .bench import BENCHES
-from .messages import missing_module_line, one_line_warnings, say_error
+from .messages import is_missing_extra, missing_module_line, one_line_warnings, say_error
 from .subcommands import add_subcommands
 
 # command -> (module, one-line help)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return int(importlib.import_module(args._module).run(args) or 0)
         except ModuleNotFoundError as e:  # an optional extra that is not installed
-            if args.debug:
+            if args.debug or not is_missing_extra(e):
                 raise
             say_error(missing_module_line(args.command, e))
             return 2

@@ -32,6 +32,11 @@ def one_line_warnings(prog: str = "dropless"):
         warnings.showwarning = previous
 
 
+def is_missing_extra(e: ModuleNotFoundError) -> bool:
+    """A third-party module; one of dropless's own missing is a broken install (traceback)."""
+    return not (e.name or "").split(".")[0] == "dropless"
+
+
 def missing_module_line(command: str, e: ModuleNotFoundError) -> str:
     """Ours name the extra to install; a bare one ("No module named 'x'") gets the advice."""
     text = str(e).strip().splitlines()[0] if str(e) else f"No module named {e.name!r}"
@@ -49,4 +54,10 @@ def say_error(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-__all__ = ["missing_module_line", "one_line_warnings", "say_error", "warning_line"]
+__all__ = [
+    "is_missing_extra",
+    "missing_module_line",
+    "one_line_warnings",
+    "say_error",
+    "warning_line",
+]

@@ -4,7 +4,7 @@ backward, fp32.
 
 `check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py).
 On CPU the registry never picks the Triton row ops (CUDA only, by design), so the check
-swaps them in by replacing the fused path's picker for the duration of the call.
+registers them, for any tensor and above every other, for the duration of the call.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k
@@ -12,6 +12,7 @@ swaps them in by replacing the fused path's picker for the duration of the call.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -30,14 +31,18 @@ CASES = {
 
 @contextlib.contextmanager
 def _row_ops(impl):
-    from dropless.ops import fused_mlp
+    """Make `impl` what every row-op pick returns: registered first, for any tensor."""
+    from dropless.ops import row_ops
 
-    real = fused_mlp.pick_row_ops
-    fused_mlp.pick_row_ops = lambda t, name=None, activation=None: impl
+    real = dict(row_ops._ROW_OPS)
+    row_ops.register_row_ops(
+        dataclasses.replace(impl, name="swapped_in", supports=lambda t: True, priority=10**6)
+    )
     try:
         yield
     finally:
-        fused_mlp.pick_row_ops = real
+        row_ops._ROW_OPS.clear()
+        row_ops._ROW_OPS.update(real)
 
 
 def _run(impl, device, T, E, K, D, F, opt, seed=0):

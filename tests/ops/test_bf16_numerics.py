@@ -11,6 +11,7 @@ the whole fused MLP in bf16 against the fp64 reference, with bf16 tolerances.
 import torch
 
 from dropless import ops
+from dropless.ops.fused_mlp import fused_mlp
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.row_ops import EAGER
 
@@ -98,3 +99,32 @@ def test_fused_mlp_bf16_against_fp64_reference():
         # bf16 carries 8 significant bits (2**-8 = 3.9e-3): each output here is within
         # about one rounding of its GEMM inputs (measured 3.3e-3 to 3.8e-3)
         assert rel < 5e-3, (name, rel)
+
+
+def test_loop_and_grouped_paths_sum_tokens_alike_in_bf16():
+    """The combine and dx sum each token's expert rows in fp32 and round once on both
+    paths. With the same per-expert rows (relu2 runs the same torch math on both, the
+    GEMMs are per-expert mm on both: the dims are not 16-byte aligned, so no
+    _grouped_mm) and each token's experts in increasing order (the loop adds in expert
+    order, the grouped combine in k order), both give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    T, K, E, D, F = 12, 4, 6, 12, 6
+    x = torch.randn(T, D, generator=g).to(BF16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K].sort().values for _ in range(T)])
+    w = torch.rand(T, K, generator=g).to(BF16)
+    gu = torch.randn(E, 2 * F, D, generator=g).to(BF16)
+    dn = (torch.randn(E, D, F, generator=g) * 4).to(BF16)
+    gy = torch.randn(T, D, generator=g).to(BF16)
+    sp = ops.sort_by_expert(ids, E)
+    prob = w.reshape(-1)[sp.pair_S]
+    res = {}
+    for path in ("loop", "grouped"):
+        xr = x.clone().requires_grad_(True)
+        out = fused_mlp(
+            xr, prob, gu, dn, sp.counts, token_S=sp.token_S, slot_TK=sp.slot_TK, num_out=T,
+            activation="relu2", path=path,
+        )  # fmt: skip
+        out.backward(gy)
+        res[path] = (out.detach(), xr.grad)
+    assert torch.equal(res["loop"][0], res["grouped"][0])
+    assert torch.equal(res["loop"][1], res["grouped"][1])

@@ -231,3 +231,81 @@ def test_a_forked_child_starts_its_own_workers():
     got = q.get(timeout=60)
     p.join(timeout=60)
     assert got == list(range(8)) and p.exitcode == 0
+
+
+class _Twice(torch.overrides.TorchFunctionMode):
+    """A mode that changes results (every mm doubled): escaping it changes the numbers."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is torch.mm else out
+
+
+class _NoOpDispatch(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+MODES = {
+    "autocast_bf16": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    "inference": torch.inference_mode,
+    "function_mode": _Twice,
+    "dispatch_mode": _NoOpDispatch,
+    "no_autocast_inside_autocast": lambda: _nested_autocast_off(),
+}
+
+
+def _nested_autocast_off():
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    return stack
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_one_and_n_workers_agree_bitwise_under_each_mode(mode):
+    """Every thread-local mode a result depends on reaches the workers (or keeps the
+    items in the calling thread): the per-item results of 1 and 2 workers are the same
+    bits, dtype included. The items run autocast-eligible ops (mm without out=)."""
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(6, 32, 16, generator=g), torch.randn(6, 16, 8, generator=g)
+
+    def run(workers):
+        got = [None] * 6
+
+        def compute(e, scratch, buf):
+            got[e] = torch.mm(a[e], b[e]).relu()
+
+        keep = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            with MODES[mode]():
+                expert_threads.run_experts(list(range(6)), compute, workers=workers)
+        finally:
+            torch.set_num_threads(keep)
+        return got
+
+    one, many = run(1), run(2)
+    for e, (x, y) in enumerate(zip(one, many)):
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{mode}: item {e} differs"
+
+
+def test_workers_that_cannot_carry_a_guard_leave_the_items_to_the_caller(monkeypatch):
+    """A dispatch-key guard the workers cannot reproduce: every item runs in the calling
+    thread, none is lost or run twice."""
+    monkeypatch.setattr(expert_threads, "_dispatch_keys", lambda: (threading.get_ident(),))
+    ran = []
+
+    def compute(item, scratch, buf):
+        ran.append((item, threading.current_thread().name))
+
+    keep = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expert_threads.run_experts(list(range(5)), compute, workers=2)
+    finally:
+        torch.set_num_threads(keep)
+    assert [i for i, _ in ran] == list(range(5))
+    assert {name for _, name in ran} == {threading.current_thread().name}

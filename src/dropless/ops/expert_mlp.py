@@ -7,7 +7,8 @@ At full precision both run the memory-lean fused Function of `fused_mlp.py` (one
 autograd node that saves only h [S, 2F] and recomputes the rest). Under a
 low-precision recipe (`dropless.autocast`) they run the recipe's fused MLP if it
 registered one, else the MLP composed from the recipe's grouped GEMMs (`_composed_mlp`,
-also the specification the fused path is tested against).
+also the specification the fused path is tested against). Which of these runs, with
+which backend, is decided once per call by `mlp_plan.plan_expert_mlp`.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
@@ -16,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import get_recipe, pick_gemm_backend, recipe_mlp
-from .fused_mlp import fused_mlp, pick_mlp_path
+from .fused_mlp import fused_mlp
 from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
 from .lora import LowRank
+from .mlp_plan import plan_expert_mlp
 from .permute import SortedPairs, permute, sort_by_expert, unpermute
 from .specs import ActivationConfig, as_activation
 from .swiglu import check_supported, swiglu
@@ -48,21 +49,6 @@ def _composed_mlp(
         b_SD = _expand_bias(down_bias, counts)
         y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
     return y
-
-
-def _check_no_recipe(recipe, lora) -> None:
-    if recipe is not None and lora is not None:
-        raise ValueError(
-            "low-rank (LoRA) factors run at full precision only, but a low-precision recipe "
-            f"({getattr(recipe, 'kind', recipe)!r}) is active: call outside dropless.autocast, "
-            "or fold the update into the weights first"
-        )
-
-
-def _device_offsets_ok(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> bool:
-    """Whether the grouped path can take the counts as a device tensor (no host sync)."""
-    name = None if backend in (None, "auto") else backend
-    return pick_gemm_backend(name, x, w).name == "grouped_mm"
 
 
 def _activation(kw: dict) -> ActivationConfig:
@@ -100,7 +86,7 @@ def grouped_mlp(
     [E, D, 2F] and [E, F, D]. The prob scales the whole expert output, the down bias
     included: y = prob * (act @ down^T + b) = (prob * act) @ down^T + prob * b.
     counts: host list, or a device tensor (kept on the device, no sync, when the
-    grouped_mm backend runs these operands). activation: an ActivationConfig (default
+    grouped path's backend takes device counts: `GemmBackend.device_counts`). activation: an ActivationConfig (default
     swiglu), or a kind name with the `interleaved`, `alpha`, `limit` keywords.
     lora: optional low-rank updates (gate_up, down), each a `LowRank` or None: computed
     as thin GEMMs beside the base ones, never folded into the weights (full precision only).
@@ -115,34 +101,26 @@ def grouped_mlp(
         trans_w=trans_w,
         backend=backend,
     )
-    _activation(kw)
-    recipe = get_recipe()
-    _check_no_recipe(recipe, lora)
-    if recipe is not None:
+    act = _activation(kw)
+    plan = plan_expert_mlp(x_SD, gate_up, down, act, backend=backend, lora=lora)
+    if plan.path == "recipe":
         counts = _check_counts(x_SD, gate_up, counts)
-        fused = recipe_mlp(recipe)
-        if fused is not None:
-            return fused(x_SD, counts, prob_S, gate_up, down, **kw)
+        if plan.recipe_mlp is not None:
+            return plan.recipe_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
         return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
-    path = pick_mlp_path(x_SD, gate_up, backend)
-    keep_on_device = (
-        path == "grouped"
-        and isinstance(counts, torch.Tensor)
-        and _device_offsets_ok(x_SD, gate_up, backend)
-    )
-    if keep_on_device:
-        if (
-            counts.dim() != 1
-            or counts.numel() != gate_up.shape[0]
-            or counts.dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"counts must be a 1-D integer tensor with one entry per expert ({gate_up.shape[0]}), "
-                f"got {counts.dtype} of shape {tuple(counts.shape)}"
-            )
+    if plan.path == "grouped" and isinstance(counts, torch.Tensor) and plan.device_counts:
+        _check_device_counts(counts, gate_up.shape[0])
     else:
         counts = _check_counts(x_SD, gate_up, counts)
-    return fused_mlp(x_SD, prob_S, gate_up, down, counts, path=path, lora=lora, **kw)
+    return fused_mlp(x_SD, prob_S, gate_up, down, counts, plan=plan, lora=lora, **kw)
+
+
+def _check_device_counts(counts: torch.Tensor, num_experts: int) -> None:
+    if counts.dim() != 1 or counts.numel() != num_experts or counts.dtype.is_floating_point:
+        raise ValueError(
+            f"counts must be a 1-D integer tensor with one entry per expert ({num_experts}), "
+            f"got {counts.dtype} of shape {tuple(counts.shape)}"
+        )
 
 
 def expert_mlp(
@@ -158,66 +136,37 @@ def expert_mlp(
     """out[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t]); returns (out_TD, sorted pairs).
 
     Every pair is computed unless keep_TK (capacity mode) marks it dropped. On the
-    grouped_mm path without keep_TK (CUDA, or under torch.compile) nothing is read
+    grouped path without keep_TK, with a backend that takes device counts (grouped_mm,
+    triton: CUDA, or under torch.compile) nothing is read
     on the host and the returned SortedPairs has `counts=None`; elsewhere the counts
     are read on the host once, in `sort_by_expert`. `mlp_kwargs` are those of
     `grouped_mlp` (biases, activation, trans_w, backend, lora).
     """
-    num_experts = gate_up.shape[0]
-    backend = mlp_kwargs.get("backend")
     mlp_kwargs = dict(mlp_kwargs)
-    _activation(mlp_kwargs)
+    act = _activation(mlp_kwargs)
     lora = mlp_kwargs.pop("lora", None)  # only the fused Functions take it
-    recipe = get_recipe()
-    _check_no_recipe(recipe, lora)
-    fused = recipe_mlp(recipe) if recipe is not None else None
-    if fused is not None and getattr(fused, "takes_tokens", False):
-        # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
-        # saved activations) for backward, instead of a permuted [S, D] copy
-        # dropless: the counts stay on the device (the recipe MLP takes them there)
-        sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=keep_TK is not None)
-        prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
-        out_TD = fused(
-            x_TD,
-            sp.counts if keep_TK is not None else sp.counts_E,
-            prob_S,
-            gate_up,
-            down,
-            **mlp_kwargs,
-            token_S=sp.token_S,
-            slot_TK=sp.slot_TK,
-            num_out=x_TD.shape[0],
-        )
-        return out_TD, sp
-    path = None if recipe is not None else pick_mlp_path(x_TD, gate_up, backend)
-    if path is None:
-        sp = sort_by_expert(ids_TK, num_experts, keep_TK)
-        x_SD = permute(x_TD, sp)
-        prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
-        y_SD = grouped_mlp(x_SD, sp.counts, prob_S, gate_up, down, **mlp_kwargs)
-        return unpermute(y_SD, sp), sp
-    sync_free = path == "grouped" and keep_TK is None and _device_offsets_ok(x_TD, gate_up, backend)
-    if torch.compiler.is_compiling() and not sync_free:
-        # the host-count paths run eagerly: one graph break around sort + MLP (see
-        # docs/performance.md) instead of a graph specialised on every routing
+    plan = plan_expert_mlp(
+        x_TD, gate_up, down, act, backend=mlp_kwargs.get("backend"), lora=lora,
+        capacity=keep_TK is not None,
+    )  # fmt: skip
+    if plan.eager:
         return _expert_mlp_eager(
             x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, lora=lora, **mlp_kwargs
         )
-    sp = sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=not sync_free)
+    sp = sort_by_expert(ids_TK, gate_up.shape[0], keep_TK, host_counts=not plan.device_counts)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
-    counts = sp.counts_E if sync_free else sp.counts
+    counts = sp.counts_E if plan.device_counts else sp.counts
+    if plan.path == "recipe" and not plan.takes_tokens:
+        y_SD = grouped_mlp(permute(x_TD, sp), counts, prob_S, gate_up, down, **mlp_kwargs)
+        return unpermute(y_SD, sp), sp
+    tokens = dict(token_S=sp.token_S, slot_TK=sp.slot_TK, num_out=x_TD.shape[0])
+    if plan.path == "recipe":
+        # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
+        # saved activations) for backward, instead of a permuted [S, D] copy
+        out_TD = plan.recipe_mlp(x_TD, counts, prob_S, gate_up, down, **mlp_kwargs, **tokens)
+        return out_TD, sp
     out_TD = fused_mlp(
-        x_TD,
-        prob_S,
-        gate_up,
-        down,
-        counts,
-        token_S=sp.token_S,
-        slot_TK=sp.slot_TK,
-        num_out=x_TD.shape[0],
-        path=path,
-        lora=lora,
-        **mlp_kwargs,
+        x_TD, prob_S, gate_up, down, counts, plan=plan, lora=lora, **tokens, **mlp_kwargs
     )
     return out_TD, sp
 

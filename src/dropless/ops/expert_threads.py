@@ -17,6 +17,15 @@ that wait for their turn sit in a bounded pool of output buffers; a thread takes
 buffer before it claims an item, so the lowest unfinished item always holds one and
 the pool cannot deadlock.
 
+Thread-local modes: grad and inference mode, autocast (enabled, dtype, cache) and the
+dispatch keys a guard includes or excludes are per thread, and a result depends on them
+(autocast picks the GEMM dtype). Each call carries the caller's into its workers
+(`_Modes`); a worker checks that its dispatch-key state then equals the caller's, and if
+any part cannot be carried (a TorchFunctionMode / TorchDispatchMode: a Python mode is
+one object with its own state, not safe to enter on several threads; a dispatch guard
+the worker cannot reproduce) the items run in the calling thread instead, so 1 and N
+workers give the same bits under every mode.
+
 Thread settings: `torch.set_num_threads(1)` inside a worker makes that thread's OpenMP
 and MKL calls single-threaded, but also sets the process-wide count that
 `torch.get_num_threads()` reports and that new threads start from; the caller's count
@@ -25,12 +34,14 @@ is put back as soon as the workers are started.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 _POOL: list[_Worker] = []
 _POOL_LOCK = threading.Lock()
@@ -73,6 +84,40 @@ def _forget_workers():
 os.register_at_fork(after_in_child=_forget_workers)
 
 
+def _dispatch_keys() -> tuple[str, str]:
+    """This thread's local dispatch-key state (what guards and autocast include or exclude)."""
+    return (
+        repr(torch._C._dispatch_tls_local_include_set()),
+        repr(torch._C._dispatch_tls_local_exclude_set()),
+    )
+
+
+def python_modes_active() -> bool:
+    """A TorchDispatchMode / TorchFunctionMode is active (per thread, not carried)."""
+    return is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+
+
+class _Modes:
+    """The caller's thread-local modes, entered again in a worker (`enter`)."""
+
+    def __init__(self):
+        self.inference = torch.is_inference_mode_enabled()
+        self.grad = torch.is_grad_enabled()
+        self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.keys = _dispatch_keys()
+
+    def enter(self, stack: contextlib.ExitStack) -> bool:
+        """Enter the modes in this thread; False if its dispatch keys still differ."""
+        stack.enter_context(torch.inference_mode(self.inference))
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        enabled, dtype = self.autocast
+        stack.enter_context(
+            torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
+        )
+        return _dispatch_keys() == self.keys
+
+
 class _Run:
     """One call's shared state: the claim counter, the commit turn, the buffer pool."""
 
@@ -86,13 +131,13 @@ class _Run:
         self.committing = False
         self.error: BaseException | None = None
         self.active = active
-        # grad and inference mode are per thread: the workers take the caller's
-        self.inference = torch.is_inference_mode_enabled()
+        self.modes = _Modes()  # the caller's thread-local modes, carried into the workers
+        self.uncarried = False  # a worker could not reproduce them: the caller runs all
 
     def _claim(self):
         with self.cond:
             while True:
-                if self.error is not None or self.next_claim >= len(self.items):
+                if self.error or self.uncarried or self.next_claim >= len(self.items):
                     return None, None
                 if self.commit is None:
                     buf = None
@@ -129,7 +174,11 @@ class _Run:
 
     def work(self) -> None:
         try:
-            with torch.inference_mode(self.inference), torch.no_grad():
+            with contextlib.ExitStack() as stack:
+                if not self.modes.enter(stack):
+                    with self.cond:
+                        self.uncarried = True
+                    return
                 scratch = self.make_scratch()
                 while True:
                     i, buf = self._claim()
@@ -160,15 +209,9 @@ def run_experts(
     out_buf) in item order, one at a time. `scratch` is one object per thread (from
     make_scratch); out_buf comes from new_out() (None without commit) and is reused
     once its item is committed. workers <= 1: a plain loop in the calling thread,
-    with its own torch thread count."""
-    if workers <= 1 or len(items) < 2:
-        scratch = make_scratch()
-        buf = new_out() if commit is not None else None
-        for item in items:
-            compute(item, scratch, buf)
-            if commit is not None:
-                commit(item, buf)
-        return
+    with its own torch thread count; so is a call under a Python mode (see above)."""
+    if workers <= 1 or len(items) < 2 or python_modes_active():
+        return _run_here(items, compute, make_scratch, commit, new_out)
     n = min(workers, len(items))
     run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1, active=n)
     for w in _workers(n):
@@ -178,4 +221,17 @@ def run_experts(
             run.cond.wait()
     if run.error is not None:
         raise run.error
+    if run.uncarried:
+        # every worker applies the same modes, so none claimed an item
+        assert run.next_claim == 0, "expert items ran under different thread-local modes"
+        return _run_here(items, compute, make_scratch, commit, new_out)
     assert commit is None or run.next_commit == len(items), "uncommitted expert results"
+
+
+def _run_here(items, compute, make_scratch, commit, new_out) -> None:
+    scratch = make_scratch()
+    buf = new_out() if commit is not None else None
+    for item in items:
+        compute(item, scratch, buf)
+        if commit is not None:
+            commit(item, buf)

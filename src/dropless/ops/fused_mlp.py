@@ -9,7 +9,7 @@ expert outputs are never kept. The composed path (`grouped_gemm` + `swiglu` +
 `unpermute` autograd nodes) keeps x_SD [D], h [2F], the activation [F] and y [D] per
 pair: at D=1024, F=384 that is 2816 values per pair against 768 here (3.7x less).
 
-Two implementations of the same Function, picked by `pick_mlp_path`:
+Two implementations of the same Function, picked by `mlp_plan.plan_expert_mlp`:
 
 - `_LoopMLP` (the CPU default, `loop_mlp.py`): one pass per expert that gathers that
   expert's rows into a small buffer, runs both GEMMs with `torch.mm(out=)`, applies
@@ -46,8 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .activations import ACTIVATIONS, act_forward, act_input_grad, act_parts
-from .dispatch import pick_gemm_backend
+from .activations import act_forward, act_input_grad, act_parts
 from .loop_mlp import _LoopMLP
 from .lora import (
     LowRank,
@@ -58,11 +57,16 @@ from .lora import (
     grouped_lowrank_dx,
     grouped_lowrank_fwd,
 )
-from .row_ops import pick_row_ops
+from .mlp_parts import Needs, input_grads
+from .mlp_plan import PATHS, MlpPlan, pick_mlp_path, plan_grouped
 from .specs import ActivationConfig, as_activation
 from .swiglu import check_supported
 
+__all__ = ["PATHS", "fused_mlp", "pick_mlp_path"]
+
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
+
+_LORA_AT = 11  # where _GroupedMLP's low-rank factors start among its inputs
 
 
 def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
@@ -72,51 +76,40 @@ def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
     )
 
 
+def _counts_for(be, counts, device):
+    """The counts in the form the backend takes: a device tensor (one copy for every
+    GEMM) when it declares `device_counts`, else a host list (a sync for a tensor)."""
+    if isinstance(counts, torch.Tensor) and not be.device_counts:
+        return counts.tolist()
+    if be.device_counts and not isinstance(counts, torch.Tensor):
+        return torch.tensor(counts, device=device)
+    return counts
+
+
+def _rows_of_experts(counts, x, S, *biases):
+    """The expert of each sorted row when a bias needs it, else None."""
+    if all(b is None for b in biases):
+        return None
+    counts_E = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=x.device)
+    return _expert_of_row(counts_E, S)
+
+
 class _GroupedMLP(torch.autograd.Function):
-    """Same contract as _LoopMLP; counts is a host list or a device tensor.
+    """Same contract as _LoopMLP; counts is a host list or a device tensor; `plan` (an
+    `MlpPlan` of path "grouped") carries the GEMM backend and the row ops.
 
     The gathers (permute, combine) and, for the kinds it has, the activation x prob come
     from the row-op registry (`row_ops.py`: Triton kernels on CUDA, fp32 accumulation);
-    other activations use the eager `activations.act_forward` / `act_parts`."""
+    other activations use the torch math of `activations`."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        prob_S,
-        gate_up,
-        down,
-        gu_bias,
-        d_bias,
-        token_S,
-        slot_TK,
-        counts,
-        cfg,
-        backend,
-        *lora,
-    ):
-        act, trans_w, num_out = cfg
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, plan, *lora):  # fmt: skip
+        act, trans_w, _ = cfg
         lr1, lr2 = _lowranks(lora)
-        be = pick_gemm_backend(backend, x, gate_up, down)
-        rk = pick_row_ops(x)
-        # the kinds the row ops compute; a down-projection update needs the eager
-        # activation backward (its gradient joins before the activation's)
-        glu = act.gated and act.kind in ACTIVATIONS and lr2 is None
-        rk_act = pick_row_ops(x, activation=act.kind) if glu else None
-        if isinstance(counts, torch.Tensor) and not be.device_counts:
-            counts = counts.tolist()  # host sync: this backend needs the bounds on the host
-        elif be.device_counts and not isinstance(counts, torch.Tensor):
-            counts = torch.tensor(counts, device=x.device)  # one copy for every GEMM
+        be, rk, rk_act = plan.backend, plan.row_ops, plan.act_row_ops
+        counts = _counts_for(be, counts, x.device)
         x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
-        S = x_SD.shape[0]
-        rows_E = None
-        if gu_bias is not None or d_bias is not None:
-            counts_E = (
-                counts
-                if isinstance(counts, torch.Tensor)
-                else torch.tensor(counts, device=x.device)
-            )
-            rows_E = _expert_of_row(counts_E, S)
+        rows_E = _rows_of_experts(counts, x, x_SD.shape[0], gu_bias, d_bias)
         h = be.mm(x_SD, gate_up, counts, trans_w)
         u1 = grouped_lowrank_fwd(be, x_SD, lr1, counts, h) if lr1 is not None else None
         del x_SD  # recomputed in backward
@@ -137,8 +130,7 @@ class _GroupedMLP(torch.autograd.Function):
             x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E, u1, u2,
             *lora[:4],
         )  # fmt: skip
-        ctx.counts, ctx.cfg, ctx.be, ctx.rk, ctx.rk_act = counts, cfg, be, rk, rk_act
-        ctx.lora_scales = lora[4:]
+        ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales = counts, cfg, plan, lora[4:]
         return out
 
     @staticmethod
@@ -147,80 +139,84 @@ class _GroupedMLP(torch.autograd.Function):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = saved[:10]
         u1, u2, *ABAB = saved[10:]
         lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
-        act, trans_w, _ = ctx.cfg
-        be, rk, counts, need = ctx.be, ctx.rk, ctx.counts, ctx.needs_input_grad
-        E = gate_up.shape[0]
+        rk, need = ctx.plan.row_ops, Needs.of(ctx, _LORA_AT)
         g_out = g_out.contiguous()
         gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
-        gx = gp = ggu = gd = ggb = gdb = g1a = g1b = g2a = g2b = None
-        if d_bias is not None and need[5]:
+        gdb = None
+        if d_bias is not None and need.down_bias:
             p = None if prob_S is None else prob_S.unsqueeze(1)
             gdb = d_bias.new_zeros(d_bias.shape).index_add_(0, rows_E, gy if p is None else gy * p)
-        if ctx.rk_act is not None:
-            dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need)
+        g2a = g2b = None
+        if ctx.plan.act_row_ops is not None:
+            dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, need)
         else:
-            dh, gp, gd, g2a, g2b = _act_backward_eager(
-                ctx, gy, h, prob_S, down, counts, need, lr2, u2
-            )
+            dh, gp, gd, g2a, g2b = _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2, u2)
         if gp is not None and d_bias is not None:
             gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
-        if gu_bias is not None and need[4]:
+        del gy
+        ggb = None
+        if gu_bias is not None and need.gate_up_bias:
             ggb = gu_bias.new_zeros(gu_bias.shape).index_add_(0, rows_E, dh)
-        if need[2] or lr1 is not None:
-            x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
-        if need[2]:
+        gx, ggu, g1a, g1b = _gate_up_backward(ctx, dh, x, token_S, slot_TK, gate_up, lr1, u1, need)
+        base = (gx, gp, ggu, gd, ggb, gdb)
+        return input_grads(ctx, _LORA_AT, base, (g1a, g1b, g2a, g2b))
+
+
+def _gate_up_backward(ctx, dh, x, token_S, slot_TK, gate_up, lr1, u1, need):
+    """(dx combined back to tokens, d gate_up, dA, dB of its low-rank update) from dh."""
+    be, rk, counts, trans_w = ctx.plan.backend, ctx.plan.row_ops, ctx.counts, ctx.cfg[1]
+    ggu = g1a = g1b = gu1 = gx = None
+    if need.gate_up or lr1 is not None:
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
+        if need.gate_up:
             ggu = be.wgrad(dh, x_SD, counts) if trans_w else be.wgrad(x_SD, dh, counts)
         if lr1 is not None:
-            gu1, g1a, g1b = grouped_lowrank_bwd(be, dh, x_SD, u1, lr1, counts, need[11], need[12])
-        if need[2] or lr1 is not None:
-            del x_SD
-        if need[0]:
-            dx = be.mm(dh, gate_up, counts, not trans_w)
-            if lr1 is not None:
-                grouped_lowrank_dx(be, gu1, lr1, counts, dx)
-            gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
-        if gd is not None and gd.shape[0] != E:  # pragma: no cover - backend contract
-            raise AssertionError("wgrad returned the wrong number of groups")
-        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None, None, None)
-        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
+            gu1, g1a, g1b = grouped_lowrank_bwd(be, dh, x_SD, u1, lr1, counts, need.a1, need.b1)
+        del x_SD
+    if need.x:
+        dx = be.mm(dh, gate_up, counts, not trans_w)
+        if lr1 is not None:
+            grouped_lowrank_dx(be, gu1, lr1, counts, dx)
+        gx = rk.gather_sum(dx, slot_TK) if token_S is not None else dx
+    return gx, ggu, g1a, g1b
 
 
-def _act_backward_kernel(ctx, gy, h, prob_S, down, counts, need):
+def _act_backward_kernel(ctx, gy, h, prob_S, down, need):
     """(dh, d prob, d down) with one activation-backward pass that also recomputes the
     forward output for the down projection's weight grad."""
     act, trans_w, _ = ctx.cfg
-    be = ctx.be
+    be, counts = ctx.plan.backend, ctx.counts
     da = be.mm(gy, down, counts, not trans_w)
-    need_gp = prob_S is not None and need[1]
-    dh, gp, a = ctx.rk_act.act_bwd(
-        da, h, prob_S, act.interleaved, need_gp, need[3], act.kind, act.alpha, act.limit
+    need_gp = prob_S is not None and need.prob
+    dh, gp, a = ctx.plan.act_row_ops.act_bwd(
+        da, h, prob_S, act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit
     )
     del da
     gd = None
-    if need[3]:
+    if need.down:
         gd = be.wgrad(gy, a, counts) if trans_w else be.wgrad(a, gy, counts)
     return dh, gp, gd
 
 
-def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=None):
+def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     """(dh, d prob, d down, dA, dB of the down projection's low-rank update)."""
     act, trans_w, _ = ctx.cfg
-    be = ctx.be
+    be, counts = ctx.plan.backend, ctx.counts
     p = None if prob_S is None else prob_S.unsqueeze(1)
     a0, d_gate, d_up = act_parts(h, act)
     gd = gp = g2a = g2b = None
-    if need[3] or lr2 is not None:
+    if need.down or lr2 is not None:
         ap = a0 if p is None else a0 * p
-    if need[3]:
+    if need.down:
         gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
     da = be.mm(gy, down, counts, not trans_w)
     if lr2 is not None:
-        gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need[13], need[14])
+        gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, u2, lr2, counts, need.a2, need.b2)
         grouped_lowrank_dx(be, gu2, lr2, counts, da)
         del gu2
-    if need[3] or lr2 is not None:
+    if need.down or lr2 is not None:
         del ap
-    if p is not None and need[1]:
+    if p is not None and need.prob:
         gp = (da * a0).sum(1)
     del a0
     if p is not None:
@@ -230,24 +226,6 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, counts, need, lr2=None, u2=Non
 
 
 # --- entry point ----------------------------------------------------------------------
-
-PATHS = ("loop", "grouped")
-
-
-def pick_mlp_path(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str | None:
-    """Which fused path runs these operands: "loop", "grouped", or None (composed path).
-
-    auto: the per-expert loop on CPU (measured fastest there, see docs/performance.md),
-    the grouped GEMM path elsewhere. backend="loop" forces the loop, "grouped_mm" the
-    grouped path; other backends (e.g. "triton") use the grouped path with that backend.
-    """
-    if backend == "loop":
-        return "loop"
-    if backend in (None, "auto"):
-        if x.device.type == "cpu" and not torch.compiler.is_compiling():
-            return "loop"
-        return "grouped"
-    return "grouped"
 
 
 def fused_mlp(
@@ -270,6 +248,7 @@ def fused_mlp(
     path: str = "loop",
     backend: str | None = None,
     lora: tuple[LowRank | None, LowRank | None] | None = None,
+    plan: MlpPlan | None = None,
 ) -> torch.Tensor:
     """The fused expert MLP (internal; callers use `expert_mlp` / `grouped_mlp`).
 
@@ -278,7 +257,8 @@ def fused_mlp(
     counts: host list (required by path "loop") or device tensor (path "grouped").
     `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
     `lora`: optional low-rank updates (gate_up, down) of the projections, each a
-    `LowRank` or None (see `lora.py`).
+    `LowRank` or None (see `lora.py`). `plan`: the caller's `MlpPlan` (path "loop" or
+    "grouped"); without one, `path` and `backend` make it here.
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
@@ -287,16 +267,21 @@ def fused_mlp(
     )
     cfg = (act, bool(trans_w), num_out)
     extra = _checked_lora(lora, gate_up, down, trans_w)
-    if path == "loop":
+    if plan is None:
+        down_lora = lora is not None and lora[1] is not None
+        plan = MlpPlan("loop") if path == "loop" else plan_grouped(
+            x, gate_up, down, act, backend, down_lora=down_lora
+        )  # fmt: skip
+    if plan.path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
         return _LoopMLP.apply(
             x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg, *extra
         )
-    be = None if backend in (None, "auto", "loop") else backend
     return _GroupedMLP.apply(
-        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, be, *extra
-    )
+        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, plan,
+        *extra,
+    )  # fmt: skip
 
 
 def _checked_lora(lora, gate_up, down, trans_w) -> tuple:

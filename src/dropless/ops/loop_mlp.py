@@ -13,6 +13,10 @@ the graph (no retain_graph, no create_graph) can free it as soon as that expert'
 activation gradient is formed: the weight gradients fill up while the kept h drains,
 instead of both being whole at the end of the layer's backward (measured on the pinned
 e2e model: 20 MiB less peak step memory).
+
+The combine and the input gradient sum several experts' rows per token: for 16-bit
+inputs they are summed in fp32 and rounded once, as the grouped path's gathers do, so
+both paths give the same bits for the same expert outputs.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
@@ -20,13 +24,14 @@ e2e model: 20 MiB less peak step memory).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .activations import act_forward, act_input_grad, act_parts
-from .expert_threads import run_experts
+from .expert_threads import python_modes_active, run_experts
 from .lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
-from .mlp_parts import _bounds, _wt
+from .mlp_parts import Needs, _bounds, _wt, input_grads
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
@@ -37,14 +42,10 @@ MIN_THREADED_FLOPS = 2**21
 MIN_EXPERTS_PER_THREAD = 4
 
 
-def _modes_active() -> bool:
-    """A TorchDispatchMode / TorchFunctionMode (a FLOP counter, a debug mode) is per
-    thread: ops on worker threads would escape it, so the loop stays in this thread."""
-    return is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
-
-
 def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
-    if x.device.type != "cpu" or _modes_active():
+    # a Python mode (a FLOP counter, a debug mode) is per thread: `run_experts` keeps
+    # the items in this thread then, so none is planned for
+    if x.device.type != "cpu" or python_modes_active():
         return 1
     busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
     if busy < MIN_EXPERTS_PER_THREAD * threads:
@@ -67,6 +68,37 @@ def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
 
+_LORA_AT = 9  # where _LoopMLP's low-rank factors start among its inputs
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype token sums are accumulated in: fp32 for 16-bit inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_buffers(x: torch.Tensor, nmax: int, D: int):
+    """A factory of (rows in x's dtype, the same in the accumulation dtype or None):
+    one expert's result, converted before its turn to be summed into the tokens."""
+    acc = _acc_dtype(x.dtype)
+
+    def new():
+        return x.new_empty(nmax, D), (x.new_empty(nmax, D, dtype=acc) if acc != x.dtype else None)
+
+    return new
+
+
+def _sum_into(total, idx, bufs, n: int) -> None:
+    """total[idx] += the expert's n rows (already in total's dtype when converted)."""
+    rows, rows_acc = bufs
+    total.index_add_(0, idx, (rows_acc if rows_acc is not None else rows)[:n])
+
+
+def _to_acc(bufs, n: int) -> None:
+    rows, rows_acc = bufs
+    if rows_acc is not None:
+        rows_acc[:n].copy_(rows[:n])
+
+
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     g = torch.empty_like(w, memory_format=torch.contiguous_format)
     for e, n in enumerate(counts):
@@ -87,86 +119,61 @@ class _LoopMLP(torch.autograd.Function):
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
         gathered = token_S is not None
-        h_of = {}  # expert -> its [n, N] gate/up output, kept for backward
-        out = x.new_zeros(num_out, D) if gathered else x.new_empty(S, D)
-        u1_SR = x.new_empty(S, lr1.rank) if lr1 is not None else None
-        u2_SR = x.new_empty(S, lr2.rank) if lr2 is not None else None
+        st = SimpleNamespace(
+            x=x, prob_S=prob_S, gate_up=gate_up, down=down, gu_bias=gu_bias, d_bias=d_bias,
+            token_S=token_S, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2, gathered=gathered,
+            h_of={},  # expert -> its [n, N] gate/up output, kept for backward
+            out=x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D),
+            u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
+            u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
+        )  # fmt: skip
 
         def scratch():
             return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
 
-        def compute(item, s, y_buf):
-            e, lo, hi = item
-            n = hi - lo
-            xe = torch.index_select(x, 0, token_S[lo:hi], out=s["x"][:n]) if gathered else x[lo:hi]
-            he = h_of[e] = torch.mm(xe, _wt(gate_up, e, trans_w))
-            if lr1 is not None:
-                lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, u1_SR[lo:hi])
-            if gu_bias is not None:
-                he.add_(gu_bias[e])
-            p = None if prob_S is None else prob_S[lo:hi]
-            a = act_forward(he, p, act, out=s["a"][:n])
-            ye = torch.mm(a, _wt(down, e, trans_w), out=y_buf[:n] if gathered else out[lo:hi])
-            if lr2 is not None:
-                lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, u2_SR[lo:hi])
-            if d_bias is not None:
-                ye.add_(d_bias[e]) if p is None else ye.addr_(p, d_bias[e])
-
-        def commit(item, y_buf):
+        def commit(item, bufs):
             _, lo, hi = item
-            out.index_add_(0, token_S[lo:hi], y_buf[: hi - lo])
+            _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
 
         run_experts(
             list(_bounds(counts)),
-            compute,
+            lambda item, s, bufs: _forward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 2 * D * (N + F)),
             make_scratch=scratch,
             commit=commit if gathered else None,
-            new_out=lambda: x.new_empty(nmax, D),
+            new_out=_row_buffers(x, nmax, D),
         )
         # one h per expert, empty ones too: the number of saved tensors does not depend
         # on the routing (activation checkpointing compares it with the recompute's)
         empty = x.new_empty(0, N)
         ctx.save_for_backward(
-            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *lora[:4],
-            *(h_of.get(e, empty) for e in range(len(counts))),
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, st.u1_SR, st.u2_SR, *lora[:4],
+            *(st.h_of.get(e, empty) for e in range(len(counts))),
         )  # fmt: skip
         ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
-        return out
+        return st.out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
         n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in
         ABAB, hs = rest[:n_lora], rest[n_lora:]
-        # h is unpacked above and its storage is the loop's own; with the graph freed
-        # after this node anyway, each expert's h goes as soon as it has been read
-        release = _graph_released() and not _modes_active()
         act, trans_w, _ = ctx.cfg
         lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
-        ABAB = ABAB or (None,) * 4
-        need = ctx.needs_input_grad
-        counts = ctx.counts
-        g_out = g_out.contiguous()
+        counts, need = ctx.counts, Needs.of(ctx, _LORA_AT)
         D = x.shape[1]
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]
         F = N // 2 if act.gated else N
         nmax = max(counts, default=0)
-        gathered = token_S is not None
-        gx = None
-        if need[0]:
-            gx = torch.zeros_like(x) if gathered else torch.empty_like(x)
-        gp = prob_S.new_zeros(prob_S.shape) if prob_S is not None and need[1] else None
-        # weight gradients: every expert's slice is written by an mm(out=) below; only
-        # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
-        ggu = _empty_grad(gate_up, counts) if need[2] else None
-        gd = _empty_grad(down, counts) if need[3] else None
-        ggb = torch.zeros_like(gu_bias) if gu_bias is not None and need[4] else None
-        gdb = torch.zeros_like(d_bias) if d_bias is not None and need[5] else None
-        g1a, g1b, g2a, g2b = (
-            _empty_grad(t, counts) if t is not None and need[9 + i] else None
-            for i, t in enumerate(ABAB)
-        )
+        st = SimpleNamespace(
+            x=x, prob_S=prob_S, gate_up=gate_up, down=down, d_bias=d_bias, token_S=token_S,
+            u1_SR=u1_SR, u2_SR=u2_SR, hs=hs, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2,
+            g_out=g_out.contiguous(), gathered=token_S is not None,
+            # h is unpacked above and its storage is the loop's own; with the graph freed
+            # after this node anyway, each expert's h goes as soon as it has been read
+            release=_graph_released() and not python_modes_active(),
+            **_grad_buffers(need, token_S is not None, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts),
+        )  # fmt: skip
 
         def scratch():
             def rows(k):
@@ -175,72 +182,147 @@ class _LoopMLP(torch.autograd.Function):
             # "rows": the gathered gy, then (once gy is used up) the gathered x;
             # act[0] is free once act_parts returns: ap, then the prob gradient's product
             return {
-                "rows": rows(D) if gathered else None,
+                "rows": rows(D) if st.gathered else None,
                 "da": rows(F),
                 "dh": rows(N),
                 "act": [rows(F) for _ in range(4)],
             }
 
-        def compute(item, s, dx_buf):
-            e, lo, hi = item
-            n = hi - lo
-            idx = token_S[lo:hi] if gathered else None
-            gy = torch.index_select(g_out, 0, idx, out=s["rows"][:n]) if gathered else g_out[lo:hi]
-            p = None if prob_S is None else prob_S[lo:hi]
-            act_bufs = [b[:n] for b in s["act"]]
-            a0, d_gate, d_up = act_parts(hs[e], act, act_bufs)
-            if release:
-                _free(hs[e])
-            if gd is not None or g2a is not None:
-                ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
-            if gd is not None:
-                # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
-                torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
-            if gdb is not None:
-                torch.mv(gy.t(), p, out=gdb[e]) if p is not None else torch.sum(gy, 0, out=gdb[e])
-            da = torch.mm(gy, _wt(down, e, trans_w).t(), out=s["da"][:n])
-            if lr2 is not None:
-                xa = ap if g2a is not None else None
-                gu = lowrank_bwd(
-                    gy, xa, u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(g2a, e), _at(g2b, e)
-                )
-                da.addmm_(gu, lr2.a_ERI[e])
-            if gp is not None:
-                gpe = gp[lo:hi]
-                torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
-                if d_bias is not None:
-                    gpe.add_(torch.mv(gy, d_bias[e]))
-            if p is not None:
-                da.mul_(p.unsqueeze(1))
-            dh = act_input_grad(da, d_gate, d_up, act.interleaved, s["dh"][:n])
-            if ggb is not None:
-                torch.sum(dh, 0, out=ggb[e])
-            if ggu is not None or g1a is not None:
-                xe = torch.index_select(x, 0, idx, out=s["rows"][:n]) if gathered else x[lo:hi]
-            if ggu is not None:
-                torch.mm(dh.t(), xe, out=ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=ggu[e])
-            if lr1 is not None:
-                xa = xe if g1a is not None else None
-                gu = lowrank_bwd(
-                    dh, xa, u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(g1a, e), _at(g1b, e)
-                )
-            if gx is not None:
-                w_in = _wt(gate_up, e, trans_w).t()  # [2F, D]
-                dx = torch.mm(dh, w_in, out=dx_buf[:n] if gathered else gx[lo:hi])
-                if lr1 is not None:
-                    dx.addmm_(gu, lr1.a_ERI[e])
-
-        def commit(item, dx_buf):
+        def commit(item, bufs):
             _, lo, hi = item
-            gx.index_add_(0, token_S[lo:hi], dx_buf[: hi - lo])
+            _sum_into(st.gx, token_S[lo:hi], bufs, hi - lo)
 
         run_experts(
             list(_bounds(counts)),
-            compute,
+            lambda item, s, bufs: _backward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 4 * D * (N + F)),
             make_scratch=scratch,
-            commit=commit if gathered and gx is not None else None,
-            new_out=lambda: x.new_empty(nmax, D),
+            commit=commit if st.gathered and st.gx is not None else None,
+            new_out=_row_buffers(x, nmax, D),
         )
-        grads = (gx, gp, ggu, gd, ggb, gdb, None, None, None)
-        return grads + ((g1a, g1b, g2a, g2b, None) if ctx.lora_scales else ())
+        gx = None if st.gx is None else st.gx.to(x.dtype)
+        base = (gx, st.gp, st.ggu, st.gd, st.ggb, st.gdb)
+        return input_grads(ctx, _LORA_AT, base, (st.g1a, st.g1b, st.g2a, st.g2b))
+
+
+def _forward_expert(st, item, s, bufs) -> None:
+    """One expert's forward: gather its rows, gate/up GEMM (+ update, bias), activation
+    x prob, down GEMM (+ update, bias) into its rows of the output (or `bufs`)."""
+    e, lo, hi = item
+    n = hi - lo
+    x, lr1, lr2, trans_w = st.x, st.lr1, st.lr2, st.trans_w
+    xe = torch.index_select(x, 0, st.token_S[lo:hi], out=s["x"][:n]) if st.gathered else x[lo:hi]
+    he = st.h_of[e] = torch.mm(xe, _wt(st.gate_up, e, trans_w))
+    if lr1 is not None:
+        lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1_SR[lo:hi])
+    if st.gu_bias is not None:
+        he.add_(st.gu_bias[e])
+    p = None if st.prob_S is None else st.prob_S[lo:hi]
+    a = act_forward(he, p, st.act, out=s["a"][:n])
+    y_out = bufs[0][:n] if st.gathered else st.out[lo:hi]
+    ye = torch.mm(a, _wt(st.down, e, trans_w), out=y_out)
+    if lr2 is not None:
+        lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, st.u2_SR[lo:hi])
+    if st.d_bias is not None:
+        ye.add_(st.d_bias[e]) if p is None else ye.addr_(p, st.d_bias[e])
+    if st.gathered:
+        _to_acc(bufs, n)
+
+
+def _grad_buffers(need, gathered, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts) -> dict:
+    """The gradients the backward fills, allocated once (None where none is wanted)."""
+    # weight gradients: every expert's slice is written by an mm(out=) below; only
+    # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
+    a1, b1, a2, b2 = ABAB or (None,) * 4
+    gx = None
+    if need.x:  # x_TD: a sum over the token's experts, in fp32 for 16-bit; x_SD: one row each
+        gx = x.new_zeros(x.shape, dtype=_acc_dtype(x.dtype)) if gathered else torch.empty_like(x)
+    return dict(
+        gx=gx,
+        gp=prob_S.new_zeros(prob_S.shape) if prob_S is not None and need.prob else None,
+        ggu=_empty_grad(gate_up, counts) if need.gate_up else None,
+        gd=_empty_grad(down, counts) if need.down else None,
+        ggb=torch.zeros_like(gu_bias) if gu_bias is not None and need.gate_up_bias else None,
+        gdb=torch.zeros_like(d_bias) if d_bias is not None and need.down_bias else None,
+        g1a=_empty_grad(a1, counts) if a1 is not None and need.a1 else None,
+        g1b=_empty_grad(b1, counts) if b1 is not None and need.b1 else None,
+        g2a=_empty_grad(a2, counts) if a2 is not None and need.a2 else None,
+        g2b=_empty_grad(b2, counts) if b2 is not None and need.b2 else None,
+    )
+
+
+def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
+    """Through the down projection: its weight, bias and update gradients, and the
+    gradient of the activation output (da, before the prob scaling)."""
+    trans_w, lr2, gd = st.trans_w, st.lr2, st.gd
+    if gd is not None or st.g2a is not None:
+        ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
+    if gd is not None:
+        # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
+        torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
+    if st.gdb is not None:
+        torch.mv(gy.t(), p, out=st.gdb[e]) if p is not None else torch.sum(gy, 0, out=st.gdb[e])
+    da = torch.mm(gy, _wt(st.down, e, trans_w).t(), out=da_buf)
+    if lr2 is not None:
+        xa = ap if st.g2a is not None else None
+        gu = lowrank_bwd(
+            gy, xa, st.u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(st.g2a, e), _at(st.g2b, e)
+        )
+        da.addmm_(gu, lr2.a_ERI[e])
+    return da
+
+
+def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
+    """Through the gate/up projection: its weight and update gradients, and dx."""
+    n, trans_w, lr1 = hi - lo, st.trans_w, st.lr1
+    if st.ggu is not None or st.g1a is not None:
+        x = st.x
+        xe = (
+            torch.index_select(x, 0, st.token_S[lo:hi], out=s["rows"][:n])
+            if st.gathered
+            else x[lo:hi]
+        )
+    if st.ggu is not None:
+        torch.mm(dh.t(), xe, out=st.ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=st.ggu[e])
+    if lr1 is not None:
+        xa = xe if st.g1a is not None else None
+        gu = lowrank_bwd(
+            dh, xa, st.u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(st.g1a, e), _at(st.g1b, e)
+        )
+    if st.gx is not None:
+        w_in = _wt(st.gate_up, e, trans_w).t()  # [2F, D]
+        dx = torch.mm(dh, w_in, out=dx_out)
+        if lr1 is not None:
+            dx.addmm_(gu, lr1.a_ERI[e])
+
+
+def _backward_expert(st, item, s, bufs) -> None:
+    """One expert's backward: recompute its activation from the kept h, then back
+    through the down projection, the activation and the gate/up projection."""
+    e, lo, hi = item
+    n = hi - lo
+    gy = st.g_out[lo:hi]
+    if st.gathered:
+        gy = torch.index_select(st.g_out, 0, st.token_S[lo:hi], out=s["rows"][:n])
+    p = None if st.prob_S is None else st.prob_S[lo:hi]
+    act_bufs = [b[:n] for b in s["act"]]
+    a0, d_gate, d_up = act_parts(st.hs[e], st.act, act_bufs)
+    if st.release:
+        _free(st.hs[e])
+    da = _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, s["da"][:n])
+    if st.gp is not None:
+        gpe = st.gp[lo:hi]
+        torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
+        if st.d_bias is not None:
+            gpe.add_(torch.mv(gy, st.d_bias[e]))
+    if p is not None:
+        da.mul_(p.unsqueeze(1))
+    dh = act_input_grad(da, d_gate, d_up, st.act.interleaved, s["dh"][:n])
+    if st.ggb is not None:
+        torch.sum(dh, 0, out=st.ggb[e])
+    dx_out = None
+    if st.gx is not None:
+        dx_out = bufs[0][:n] if st.gathered else st.gx[lo:hi]
+    _gate_up_backward(st, e, lo, hi, dh, s, dx_out)
+    if st.gathered and st.gx is not None:
+        _to_acc(bufs, n)

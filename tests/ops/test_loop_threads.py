@@ -309,3 +309,23 @@ def test_workers_that_cannot_carry_a_guard_leave_the_items_to_the_caller(monkeyp
         torch.set_num_threads(keep)
     assert [i for i, _ in ran] == list(range(5))
     assert {name for _, name in ran} == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("workers", ["one", "two"])
+def test_the_loop_computes_in_its_inputs_dtype_under_autocast(workers, threads, monkeypatch):
+    """Under autocast the loop's result is that of its inputs' dtype, whatever the number
+    of workers (its buffers are in that dtype; the caller casts to choose the precision)."""
+    if workers == "one":
+        monkeypatch.setattr(loop_mlp, "MIN_THREADED_FLOPS", 2**62)
+    g = torch.Generator().manual_seed(10)
+    T, K, E, D, F = 9, 2, 5, 8, 4
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g)
+    gu, dn = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
+    want = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
+    (want_dx,) = torch.autograd.grad(want.sum(), x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
+    (got_dx,) = torch.autograd.grad(got.sum(), x)
+    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got_dx, want_dx)

@@ -99,6 +99,15 @@ def _to_acc(bufs, n: int) -> None:
         rows_acc[:n].copy_(rows[:n])
 
 
+def _run_in_input_dtype(items, compute, **kw) -> None:
+    """`run_experts` with autocast off: the loop writes into buffers of its inputs'
+    dtype (`out=` ops, which autocast leaves alone), so its few autocast-eligible GEMMs
+    must not switch dtype under it. The caller chooses the precision by the dtype of
+    what it passes in."""
+    with torch.autocast("cpu", enabled=False):
+        run_experts(items, compute, **kw)
+
+
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     g = torch.empty_like(w, memory_format=torch.contiguous_format)
     for e, n in enumerate(counts):
@@ -135,7 +144,7 @@ class _LoopMLP(torch.autograd.Function):
             _, lo, hi = item
             _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
 
-        run_experts(
+        _run_in_input_dtype(
             list(_bounds(counts)),
             lambda item, s, bufs: _forward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 2 * D * (N + F)),
@@ -192,7 +201,7 @@ class _LoopMLP(torch.autograd.Function):
             _, lo, hi = item
             _sum_into(st.gx, token_S[lo:hi], bufs, hi - lo)
 
-        run_experts(
+        _run_in_input_dtype(
             list(_bounds(counts)),
             lambda item, s, bufs: _backward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 4 * D * (N + F)),

@@ -58,7 +58,8 @@ def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
 def _graph_released() -> bool:
     """True inside a backward that frees the graph as it goes (retain_graph and
     create_graph off): only then may a saved tensor be freed before its node ends, as
-    autograd would free it right after. False when torch cannot tell (a private call)."""
+    autograd would free it right after. False when torch cannot tell: the flag is private
+    (torch's AOTAutograd reads it too), pinned by tests/ops/test_torch_internals.py."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return keep is not None and not keep()
 

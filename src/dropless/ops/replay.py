@@ -53,7 +53,9 @@ def checkpoint_state() -> tuple[Any, Any] | None:
 
     Read from the innermost saved-tensors hooks: torch's checkpoint installs a pack hook
     that holds its frame (forward), or a weak reference to it and the id of the backward
-    the recompute serves (recompute)."""
+    the recompute serves (recompute). torch offers no public query for this (only a
+    `context_fn` the caller of checkpoint would have to pass), so the behaviour is pinned
+    by tests/ops/test_torch_internals.py on every torch the project runs on."""
     if not torch.is_grad_enabled():
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -102,13 +102,23 @@ def test_config_objects_check_the_same_ranges():
     assert OptimConfig(beta1=0, beta2=0.999999).beta2 == 0.999999
 
 
-def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.num_experts=1e6", "lower model.num_experts=1000000, model.moe_intermediate_size=32"),
+        ("model.head_dim=1e9", "lower model.num_heads=2, model.num_kv_heads=1, model.head_dim=1000000000"),
+        ("model.vocab_size=1e12", "lower model.vocab_size=1000000000000, model.hidden_size=32 (embeddings: 100%"),
+    ],
+)  # fmt: skip
+def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(
+    tmp_path, override, named, capsys
+):
     """model.num_experts=1e6 (787B parameters) invoked the OOM killer; now one line."""
     run = tmp_path / "run"
-    assert main(["train", "--run-dir", str(run), *args("model.num_experts=1e6")]) == 2
+    assert main(["train", "--run-dir", str(run), *args(override)]) == 2
     err = capsys.readouterr().err
     assert "dropless train: error: the run needs at least " in err and err.count("\n") == 1, err
-    assert "GiB of host memory" in err and "model.num_experts=1000000" in err
+    assert "GiB of host memory" in err and named in err, err
     assert not run.exists()
 
 
@@ -130,7 +140,10 @@ def test_memory_estimate_counts_parameters_and_activations(monkeypatch, tmp_path
     monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need)
     memory_fit.check_fits_memory(cfg, config, 1, cpu)  # exactly enough: kept
     monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need - 1)
-    with pytest.raises(ValueError, match="lower model.num_experts=4, model.num_layers=2"):
+    with pytest.raises(
+        ValueError,
+        match="lower model.num_experts=4, model.moe_intermediate_size=32, model.hidden_size=32, model.num_layers=2 .experts: ",
+    ):
         memory_fit.check_fits_memory(cfg, config, 1, cpu)
     # activations dominate: the batch keys are named; through the CLI, nothing is written
     run = tmp_path / "run"

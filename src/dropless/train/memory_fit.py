@@ -29,12 +29,33 @@ TRAINED_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 FROZEN_BYTES = 4  # fp32 weight
 
 
-def parameter_count(hf_config) -> int:
-    """Parameters of the causal LM `hf_config` describes (tied weights once)."""
+#: parameter groups (by name) and the built-in model's keys that size each
+GROUPS = {
+    "embeddings": (("embed_tokens", "lm_head"), ("vocab_size", "hidden_size")),
+    "experts": (("experts",), ("num_experts", "moe_intermediate_size", "hidden_size", "num_layers")),
+    "attention": (("self_attn",), ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "num_layers")),
+    "other": ((), ("hidden_size", "num_layers")),
+}  # fmt: skip
+
+
+def _group(name: str) -> str:
+    return next((g for g, (parts, _) in GROUPS.items() if any(p in name for p in parts)), "other")
+
+
+def parameter_counts(hf_config) -> dict[str, int]:
+    """Parameters of the causal LM `hf_config` describes, per group of `GROUPS` (tied
+    weights once)."""
     transformers = require_transformers()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return sum(p.numel() for p in model.parameters())
+    counts = dict.fromkeys(GROUPS, 0)
+    for name, p in model.named_parameters():
+        counts[_group(name)] += p.numel()
+    return counts
+
+
+def parameter_count(hf_config) -> int:
+    return sum(parameter_counts(hf_config).values())
 
 
 def _meminfo_kib(name: str) -> int | None:
@@ -82,13 +103,15 @@ def device_bytes(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory
 
 
-def _model_keys(mcfg) -> str:
+def _model_keys(mcfg, counts: dict[str, int]) -> str:
+    """The keys that size the largest group of parameters."""
+    group = max(counts, key=counts.get)
+    share = f" ({group}: {counts[group] / max(sum(counts.values()), 1):.0%} of the parameters)"
     if mcfg.path:
-        return f"model.path={mcfg.path!r} (a smaller checkpoint, or finetune.method='lora')"
+        return f"model.path={mcfg.path!r}{share} (a smaller checkpoint, or finetune.method='lora')"
     if mcfg.config:
-        return f"model.config={mcfg.config!r} (a smaller model)"
-    names = ("num_experts", "num_layers", "hidden_size", "moe_intermediate_size")
-    return ", ".join(f"model.{n}={getattr(mcfg, n)}" for n in names)
+        return f"model.config={mcfg.config!r}{share} (a smaller model)"
+    return ", ".join(f"model.{n}={getattr(mcfg, n)}" for n in GROUPS[group][1]) + share
 
 
 def _batch_keys(tcfg) -> str:
@@ -105,35 +128,51 @@ def _activation_bytes(cfg, hf_config, world: int, value_bytes: int) -> int:
     return tokens * hidden * layers * value_bytes
 
 
-def _refuse(where: str, params: int, state: int, acts: int, have: int, cfg) -> ValueError:
-    keys = _batch_keys(cfg.train) if acts > state else _model_keys(cfg.model)
-    per = FROZEN_BYTES if cfg.finetune.method == "lora" else TRAINED_BYTES
-    return ValueError(
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def _check(where: str, have: int | None, counts: dict, each: str, state: int, acts: int, cfg):
+    """Raise when `state` (the parameters' bytes, `each` says why) plus `acts` exceeds `have`."""
+    if have is None or state + acts <= have:
+        return
+    params = sum(counts.values())
+    keys = _batch_keys(cfg.train) if acts > state else _model_keys(cfg.model, counts)
+    raise ValueError(
         f"the run needs at least {(state + acts) / GIB:.1f} GiB of {where} memory but {have / GIB:.1f} GiB "
-        f"is available: the model has {params / 1e9:.3g}B parameters ({per} bytes each for weights"
-        f"{', gradients and AdamW state' if per == TRAINED_BYTES else ''}: {state / GIB:.1f} GiB) and a "
-        f"micro-batch's activations take {acts / GIB:.1f} GiB; lower {keys}, or use more processes "
+        f"is available: the model has {_count(params)} parameters ({each}: {state / GIB:.1f} GiB) and "
+        f"a micro-batch's activations take {acts / GIB:.1f} GiB; lower {keys}, or use more processes "
         "or a machine with more memory"
     )
 
 
 def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
     """Refuse (ValueError naming the keys) a run this machine's memory cannot hold."""
-    params = parameter_count(hf_config)
-    per = FROZEN_BYTES if cfg.finetune.method == "lora" else TRAINED_BYTES
+    try:
+        counts = parameter_counts(hf_config)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError, ImportError):
+        return  # a model the meta device cannot build: its real build reports the problem
+    params = sum(counts.values())
+    lora = cfg.finetune.method == "lora"
+    per = FROZEN_BYTES if lora else TRAINED_BYTES
+    each = (
+        "4 bytes each for LoRA's frozen fp32 base"
+        if lora
+        else "16 bytes each for fp32 weights, gradients and AdamW state"
+    ) + (f", over {world} processes" if world > 1 else "")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this host (torchrun)
     cuda = device.type == "cuda"
     state = per * params // world
     acts = _activation_bytes(cfg, hf_config, world, 2 if cuda else 4)
-    build = 0 if (world > 1 and cfg.model.path) else FROZEN_BYTES * params
     host = available_host_bytes()
-    if host is not None:
-        need = max(build, 0 if cuda else state + acts)
-        if local * need > host:
-            host_state = max(build, 0 if cuda else state)
-            raise _refuse(
-                "host", params, local * host_state, 0 if cuda else local * acts, host, cfg
-            )
-    have = device_bytes(device)
-    if have is not None and state + acts > have:
-        raise _refuse(f"{device} device", params, state, acts, have, cfg)
+    if not cuda:  # training on the host: its state is the larger need, checked first
+        _check("host", host, counts, each, local * state, local * acts, cfg)
+    if not (world > 1 and cfg.model.path):  # each process builds the whole model on the host
+        build = "4 bytes each while it is built in fp32"
+        build += f", x {local} processes" if local > 1 else ""
+        _check("host", host, counts, build, local * FROZEN_BYTES * params, 0, cfg)
+    if cuda:
+        _check(f"{device} device", device_bytes(device), counts, each, state, acts, cfg)

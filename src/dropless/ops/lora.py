@@ -116,13 +116,6 @@ def lowrank_bwd(g_nO, x_nI, u_nR, b_OR, scale: float, ga_RI=None, gb_OR=None):
     return gu
 
 
-def zero_grads_of_empty(g_E, counts) -> None:
-    """Zero the per-expert gradient slices of experts without rows (the loop skips them)."""
-    for e, n in enumerate(counts):
-        if not n:
-            g_E[e].zero_()
-
-
 # --- whole S (grouped GEMMs) ---------------------------------------------------------
 
 

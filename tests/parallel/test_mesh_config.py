@@ -104,3 +104,29 @@ def test_local_order_groups_rows_by_local_expert(recv):
     perm, inv = _local_order(recv_PL, start)
     assert perm.tolist() == want
     assert perm[inv].tolist() == list(range(start))
+
+
+def test_one_parallel_config_for_the_library_and_dropless_train():
+    """`dropless train`'s [parallel] section is the parallel layer's ParallelConfig, with
+    every field and check (timeout_s included)."""
+    from dropless.train.config import ParallelConfig as TrainParallel
+    from dropless.train.config import load_config
+
+    assert TrainParallel is ParallelConfig
+    cfg = load_config(None, ["parallel.ep=2", "parallel.timeout_s=60"]).parallel
+    assert isinstance(cfg, ParallelConfig) and (cfg.ep, cfg.timeout_s) == (2, 60.0)
+    resolved = resolve_sizes(cfg, 4, 8)
+    assert (resolved.dp_shard, resolved.timeout_s) == (4, 60.0)  # resolving keeps every field
+    assert as_parallel_config({"timeout_s": 5}).timeout_s == 5
+    for bad, needle in (
+        ("parallel.ep=0", "parallel.ep=0 must be an int >= 1"),
+        ("parallel.timeout_s=0", "parallel.timeout_s=0.0: must be a number of seconds > 0"),
+        ("parallel.dispatcher=deepep", "is not implemented (planned)"),
+    ):
+        with pytest.raises(ValueError) as e:
+            load_config(None, [bad])
+        assert needle in str(e.value)
+    with pytest.raises(
+        ValueError, match=r"parallel.timeout_s=10000000000.0: must be at most 1e\+09 seconds"
+    ):
+        ParallelConfig(timeout_s=1e10)

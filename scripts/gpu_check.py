@@ -1,19 +1,22 @@
 #!/usr/bin/env python
-"""One command for the day a GPU is lent: correctness of every GPU path, then timing.
+"""One command for the day a GPU is lent: `pytest -m gpu`, then the timed tables.
 
-    python scripts/gpu_check.py                 # on the GPU machine, from the repo root
-    python scripts/gpu_check.py --cpu           # the same checks at small shapes on CPU
-    python scripts/gpu_check.py --only fp8,jax  # some groups only
+    python scripts/gpu_check.py                  # on the GPU machine, from the repo root
+    python scripts/gpu_check.py --cpu            # the smoke: the same steps on CPU, tiny
+    python scripts/gpu_check.py --only timing,e2e
 
-Needs nothing beyond torch (and, for their groups, triton, transformers, jax); `./src`
-is put on the path. Each group of checks runs in its own child process, so a device
-assert (which poisons the CUDA context) loses only that group. Correctness runs at
-small shapes against `dropless.ops.reference` in fp64 on the same device; timing runs
-only on a GPU, at the Qwen3-30B-A3B layer shape. A time budget (default 240 s, so a
-rerun fits in the ~10 minutes a GPU is lent) skips the groups that no longer fit and
-says so. Every check prints its max error and a status; the last line is one JSON
-summary. Exit status 0 when nothing failed (skipped groups do not fail the run).
-The checks themselves live in `gpu_check_groups.py` beside this file.
+Steps, in order, each a child process (a device assert, which poisons the CUDA
+context, loses one step): `pytest` runs `pytest -m gpu` (every GPU correctness check
+is an ordinary test marked `gpu`; on CPU they are skipped, and the CI suite runs them
+under Triton's interpreter); `timing` runs the layer table, `dropless bench layer
+--device cuda` at the Qwen3-30B-A3B layer shape (T=16384, bf16); `e2e` runs the step
+table, `dropless bench e2e --device cuda --shape qwen3-gpu`. A time budget (default
+240 s, so a rerun fits in the ~10 minutes a GPU is lent) skips the steps that no
+longer fit and says so. `./src` is put on the children's path (nothing is installed
+on the GPU machine). The last line of the output is one JSON summary, read by outside
+checks: `gpu_check.date`, `.argv`, the layer rows at `.groups.timing.timing.rows` and
+the step rows at `.groups.e2e.e2e.rows` (row names and fields below). Exit status 0
+when nothing failed (skipped steps do not fail the run).
 """
 
 from __future__ import annotations
@@ -21,133 +24,220 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-MARK = "GPU-CHECK-RESULT:"
+ROOT = Path(__file__).resolve().parent.parent
+# (step, rough seconds on a GPU machine including the child's start-up)
+STEPS = [("pytest", 90), ("timing", 70), ("e2e", 70)]
+NAMES = [s[0] for s in STEPS]
+HANG_FACTOR = 3  # a child running past 3x its estimate is stopped: one hang costs a step
+# `dropless bench layer` impl -> the summary's row name
+LAYER_ROWS = {
+    "dense": "dense_bound",
+    "dropless": "dropless",
+    "dropless-eager-row-ops": "dropless_eager_row_ops",
+    "dropless-fp8-current-row": "dropless_fp8_current_row",
+    "dropless-fp8-delayed": "dropless_fp8_delayed",
+    "dropless-mxfp8-saved": "dropless_mxfp8_saved",
+    "grouped_mm-plain": "grouped_mm_plain",
+    "hf-grouped_mm": "hf_grouped_mm",
+}
+E2E_ROWS = {
+    "grouped_mm": "grouped_mm",
+    "dropless": "dropless",
+    "dropless-fused-ce": "dropless_fused_ce",
+}
+LAYER_T = 16384
+# the bench command lines: (GPU, --cpu smoke); the smoke times tiny shapes, no memory
+LAYER_ARGS = (
+    ["--shape", "qwen3-30b", "--tokens", str(LAYER_T), "--device", "cuda", "--rounds", "10",
+     "--warmup", "3"],
+    ["--shape", "tiny", "--device", "cpu", "--rounds", "3", "--warmup", "1", "--no-memory"],
+)  # fmt: skip
+E2E_ARGS = (
+    ["--shape", "qwen3-gpu", "--device", "cuda", "--rounds", "1", "--steps", "5"],
+    ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-memory"],
+)
+PYTEST_PATHS = (["tests"], ["tests/gpu_check"])
 
-# (group, rough seconds on a GPU machine including the child's start-up, needs triton
-# under the interpreter on CPU); run in this order: correctness first, then the timing
-# (the figures for BENCHMARKS.md), then the groups whose start-up is slowest
-GROUPS = [
-    ("gemm_layouts", 15, False),
-    ("moe_layer", 15, False),
-    ("triton_kernels", 25, True),
-    ("fused_mlp", 20, True),
-    ("fp8", 20, False),
-    ("expert_parallel", 20, False),
-    ("timing", 75, False),
-    ("e2e", 45, False),
-    ("compile", 60, False),
-    ("jax", 30, False),
-]
-HANG_FACTOR = 3  # a child running past 3x its estimate is stopped: one hang costs a group
-NAMES = [g[0] for g in GROUPS]
 
-
-def _child(group: str, cpu: bool, interpret: bool, timeout: float) -> dict:
+def child_env(cpu: bool) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "2")
-        if interpret:  # read by triton at import: set before the child starts
-            env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, str(HERE / "gpu_check_groups.py"), group] + (["--cpu"] if cpu else [])
-    t0 = time.perf_counter()
+    return env
+
+
+def run_child(cmd: list[str], cpu: bool, timeout: float) -> tuple[str, int | None, str, str]:
+    """-> (status, exit code, stdout, stderr tail); the child's output goes on to this log."""
+    print("$ " + " ".join(cmd), flush=True)
     try:
         proc = subprocess.run(
-            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1.0)
-        )
+            cmd, env=child_env(cpu), cwd=ROOT, capture_output=True, text=True,
+            timeout=max(timeout, 1.0),
+        )  # fmt: skip
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        _echo(out)
-        return dict(status="timeout", seconds=round(time.perf_counter() - t0, 1), checks=[])
-    _echo(proc.stdout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
-    if not lines:
-        tail = (proc.stderr or "")[-3000:]
-        print(f"  [{group}] crashed (exit {proc.returncode}):\n{tail}", flush=True)
-        return dict(
-            status="crashed",
-            exit=proc.returncode,
-            stderr_tail=tail[-800:],
-            seconds=round(time.perf_counter() - t0, 1),
-            checks=[],
-        )
-    res = json.loads(lines[-1][len(MARK) :])
-    res["seconds"] = round(time.perf_counter() - t0, 1)
+        print(out, flush=True)
+        return "timeout", None, out, out[-800:]
+    print(proc.stdout + proc.stderr, flush=True)
+    status = "ok" if proc.returncode == 0 else "fail"
+    return status, proc.returncode, proc.stdout, proc.stderr[-800:]
+
+
+def pytest_step(cpu: bool, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    status, code, stdout, _ = run_child(cmd + PYTEST_PATHS[cpu], cpu, timeout)
+    if code == 5:  # pytest: nothing collected (no gpu test selected): not a failure
+        status = "ok"
+    # the last line: "19 passed, 191 deselected in 18.62s"
+    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    counts = {
+        k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error)", last)
+    }
+    return dict(status=status, exit=code, counts=counts, summary=last)
+
+
+def bench_step(bench: str, args: list[str], cpu: bool, timeout: float) -> tuple[dict, dict | None]:
+    """Run `dropless bench BENCH ARGS --history TMP` -> (step result, its history record)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        hist = Path(tmp) / "history.jsonl"
+        cmd = [sys.executable, "-m", "dropless", "bench", bench, *args, "--history", str(hist)]
+        status, code, _, tail = run_child(cmd, cpu, timeout)
+        record = json.loads(hist.read_text().splitlines()[-1]) if hist.exists() else None
+    res = dict(status=status if record or status != "ok" else "fail", exit=code)
+    if status != "ok":
+        res["stderr_tail"] = tail
+    return res, record
+
+
+def _round(v, nd=3):
+    return None if v is None else round(v, nd)
+
+
+def layer_table(record: dict) -> dict:
+    """The summary's layer table from a `bench layer` record: ms, peak_gib, share_of_bound."""
+    rows = {}
+    for r in record["figures"]["rows"]:
+        if r["routing"] != "uniform" or r["impl"] not in LAYER_ROWS:
+            continue
+        peak = r["peak_mib"]
+        rows[LAYER_ROWS[r["impl"]]] = dict(
+            ms=_round(r["ms"]), peak_gib=_round(None if peak is None else peak / 1024),
+            share_of_bound=_round(r["vs_bound"]), tflops=_round(r["gflops"] / 1e3),
+            max_rel_diff=_round(r["max_rel_diff"], 6),
+        )  # fmt: skip
+    r0 = record["figures"]["rows"][0]
+    shape = {k: r0.get(k) for k in ("T",)} | _layer_shape(record)
+    bound = "bench/layer.py's dense bound: the six GEMMs with M = T*K rows (with the input grad)"
+    return dict(shape=shape, dtype=_dtype(record), bound=bound, rows=rows)
+
+
+def _layer_shape(record: dict) -> dict:
+    from_cmd = record["figures"]["shape"]
+    shapes = {"qwen3-30b": dict(E=128, K=8, D=2048, F=768), "tiny": dict(E=6, K=2, D=64, F=32)}
+    return shapes.get(from_cmd, {"shape": from_cmd})
+
+
+def _dtype(record: dict) -> str:
+    return "bf16" if "cuda" in record["argv"] else "fp32"
+
+
+def e2e_table(record: dict) -> dict:
+    """The summary's step table: ms, tokens_per_s, peak_gib (= peak_step_gib), ratios."""
+    f = record["figures"]
+    rows = {}
+    for impl, r in f["rows"].items():
+        if impl not in E2E_ROWS:
+            continue
+        peak = r.get("peak_step_mib")
+        gib = None if peak is None else round(peak / 1024, 3)
+        rows[E2E_ROWS[impl]] = dict(
+            ms=round(r["step_s"] * 1e3, 2), tokens_per_s=round(r["tokens_per_s"]),
+            peak_gib=gib, peak_step_gib=gib, first_loss=round(r["first_loss"], 4),
+        )  # fmt: skip
+    base = rows.get("grouped_mm", {})
+    for r in rows.values():
+        r["speed_vs_grouped_mm"] = _ratio(r["tokens_per_s"], base.get("tokens_per_s"))
+        r["memory_vs_grouped_mm"] = _ratio(r["peak_gib"], base.get("peak_gib"))
+    return dict(shape=f["shape"], dtype=f.get("dtype", "float32"), rows=rows)
+
+
+def _ratio(a, b):
+    return None if a is None or not b else round(a / b, 3)
+
+
+def run_step(name: str, cpu: bool, timeout: float) -> dict:
+    if name == "pytest":
+        return pytest_step(cpu, timeout)
+    if name == "timing":
+        res, record = bench_step("layer", ["--no-skewed", "--impls", ",".join(LAYER_ROWS),
+                                           *LAYER_ARGS[cpu]], cpu, timeout)  # fmt: skip
+        if record:
+            res["timing"] = layer_table(record)
+        return res
+    res, record = bench_step("e2e", ["--impls", ",".join(E2E_ROWS), *E2E_ARGS[cpu]], cpu, timeout)
+    if record:
+        res["e2e"] = e2e_table(record)
     return res
 
 
-def _echo(stdout: str) -> None:
-    for ln in stdout.splitlines():
-        if not ln.startswith(MARK):
-            print(ln, flush=True)
-
-
-def _print_tables(summary: dict) -> None:
-    """The figures (timing, e2e) as short tables, then one line per group."""
+def print_tables(summary: dict) -> None:
+    """The two tables, then one line per step."""
     for group in ("timing", "e2e"):
         res = summary["groups"].get(group, {}).get(group)
-        if not res or not res.get("rows"):
+        if not res:
             continue
-        print(f"\n{group}: {res.get('shape')} {res.get('dtype')}")
+        print(f"\n{group}: {res['shape']} {res['dtype']}")
         for name, row in res["rows"].items():
-            cells = ", ".join(f"{k}={v}" for k, v in row.items())
-            print(f"  {name:28s} {cells}")
+            print(f"  {name:28s} " + ", ".join(f"{k}={v}" for k, v in row.items()))
     print()
     for name, g in summary["groups"].items():
-        bad = [c["name"] for c in g.get("checks", []) if c.get("status") == "fail"]
-        extra = f" failed: {bad}" if bad else (f" ({g['reason']})" if "reason" in g else "")
-        print(f"  {name:16s} {g['status']:8s} {g.get('seconds', '')}{extra}")
+        extra = f" ({g['reason']})" if "reason" in g else f" {g.get('counts', '')}"
+        print(f"  {name:8s} {g['status']:8s} {g.get('seconds', '')}{extra}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="small shapes on CPU (no timing)")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for all groups")
-    ap.add_argument("--only", default="", help=f"comma-separated groups of {NAMES}")
+    ap.add_argument("--cpu", action="store_true", help="the smoke: CPU, tiny shapes")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for all steps")
+    ap.add_argument("--only", default="", help=f"comma-separated steps of {NAMES}")
     args = ap.parse_args(argv)
     only = [g for g in args.only.split(",") if g]
     unknown = sorted(set(only) - set(NAMES))
     if unknown:
-        ap.error(f"unknown group(s) {unknown}; groups: {NAMES}")
+        ap.error(f"unknown step(s) {unknown}; steps: {NAMES}")
     t_start = time.perf_counter()
     summary: dict = {
-        "mode": "cpu" if args.cpu else "gpu",
-        "budget_s": args.budget,
+        "mode": "cpu" if args.cpu else "gpu", "budget_s": args.budget,
         "argv": sys.argv[1:] if argv is None else argv,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "groups": {},
-    }
-    for name, est, interpret in GROUPS:
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "groups": {},
+    }  # fmt: skip
+    for name, est in STEPS:
         if only and name not in only:
             continue
         left = args.budget - (time.perf_counter() - t_start)
-        if name == "timing" and args.cpu:
-            summary["groups"][name] = dict(status="skipped", reason="timing runs on a GPU only")
-            continue
-        if left < est:
+        if left < est * (0.5 if args.cpu else 1.0):
             reason = f"budget: needs ~{est} s, {left:.0f} s left (rerun with --only {name})"
             print(f"[{name}] skipped: {reason}", flush=True)
             summary["groups"][name] = dict(status="skipped", reason=reason)
             continue
         print(f"[{name}] running ({left:.0f} s of budget left)", flush=True)
+        t0 = time.perf_counter()
         # the estimates are a GPU machine's: on a (busy) CPU only the budget limits a child
         timeout = left if args.cpu else min(left, HANG_FACTOR * est)
-        summary["groups"][name] = _child(name, args.cpu, interpret and args.cpu, timeout)
-    failed = [
-        n for n, g in summary["groups"].items() if g["status"] in ("fail", "crashed", "timeout")
-    ]
-    summary["failed"] = failed
-    summary["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    summary["ok"] = not failed
-    _print_tables(summary)
+        res = run_step(name, args.cpu, timeout)
+        summary["groups"][name] = res | {"seconds": round(time.perf_counter() - t0, 1)}
+    failed = [n for n, g in summary["groups"].items() if g["status"] in ("fail", "timeout")]
+    summary |= dict(failed=failed, elapsed_s=round(time.perf_counter() - t_start, 1), ok=not failed)
+    print_tables(summary)
     print(json.dumps({"gpu_check": summary}), flush=True)
     return 0 if not failed else 1
 

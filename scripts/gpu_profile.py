@@ -5,9 +5,10 @@ For each case, one step after two warm-up steps runs under torch.profiler (with 
 stacks); printed: the CUDA kernels with the most device time, and every host
 synchronization (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize /
 a blocking cudaMemcpy) with the operator and the dropless source line that made it.
-Cases: layer_bf16, layer_fp8_row, layer_fp8_delayed, layer_mxfp8 (the Qwen3-30B-A3B
-layer of gpu_check_timing.py), e2e_dropless, e2e_fused_ce (its e2e model), ep1 (the
-expert-parallel dispatcher over a 1-rank NCCL group at the small shape). GPU only.
+Cases: layer_bf16, layer_fp8_row, layer_fp8_delayed, layer_mxfp8 (rows of
+`dropless bench layer --shape qwen3-30b` at the T of gpu_check.py's table),
+e2e_dropless, e2e_fused_ce (rows of `dropless bench e2e --shape qwen3-gpu`), ep1 (the
+expert-parallel dispatcher over a 1-rank NCCL group at a small shape). GPU only.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "src"), str(HERE)]
+LAYER_TOKENS = 16384  # the T of gpu_check.py's layer table
 
 SYNC_CALLS = (
     "cudaStreamSynchronize",
@@ -29,42 +31,38 @@ SYNC_CALLS = (
 )
 
 
-def _layer_step(recipe_name):
-    from gpu_check_timing import SHAPE
+def _layer_step(impl: str):
+    """One step of a `dropless bench layer` row at the GPU table's shape."""
+    from dropless.bench.layer import SHAPES, _build
 
-    import dropless
+    shape = {k: v for k, v in SHAPES["qwen3-30b"].items() if k != "T"}
+    cfg = {**shape, "T": LAYER_TOKENS, "device": "cuda", "skewed": False, "threads": 1}
+    step, params, _ = _build(impl, cfg)
 
-    E, K, D, F, T = (SHAPE[k] for k in "EKDFT")
-    torch.manual_seed(0)
-    moe = dropless.MoE(D, F, E, K, dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    g = torch.randn_like(x)
-    recipes = {
-        "bf16": None,
-        "fp8_row": lambda: dropless.Float8CurrentScaling(granularity="row", fp8_format="E4M3"),
-        "fp8_delayed": lambda: dropless.DelayedScaling(fp8_format="E4M3"),
-        "mxfp8": lambda: dropless.MXFP8BlockScaling(fp8_saved_activations=True),
-    }
-    make = recipes[recipe_name]
-    recipe = make() if make else None
+    def run():
+        for t in params:
+            t.grad = None
+        step()
+
+    return run
+
+
+def _e2e_step(impl: str):
+    """One training step of a `dropless bench e2e --device cuda --shape qwen3-gpu` row."""
+    from dropless.bench.e2e import SHAPES, _build
+
+    shape = SHAPES["qwen3-gpu"]
+    model = _build(impl, shape, "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
+    ids = ids.cuda()
 
     def step():
-        xi = x.detach().requires_grad_(True)
-        if recipe is None:
-            out, _ = moe(xi)
-            out.backward(g)
-        else:
-            with dropless.autocast(recipe=recipe):
-                out, _ = moe(xi)
-                out.backward(g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-    return step
-
-
-def _e2e_step(impl):
-    from gpu_check_timing import E2E, _e2e_step_fn
-
-    step, _ = _e2e_step_fn(impl, E2E, torch.device("cuda"), torch.bfloat16)
     return step
 
 
@@ -136,12 +134,12 @@ def profile(name: str, step) -> None:
 
 
 CASES = {
-    "layer_bf16": lambda: _layer_step("bf16"),
-    "layer_fp8_row": lambda: _layer_step("fp8_row"),
-    "layer_fp8_delayed": lambda: _layer_step("fp8_delayed"),
-    "layer_mxfp8": lambda: _layer_step("mxfp8"),
+    "layer_bf16": lambda: _layer_step("dropless"),
+    "layer_fp8_row": lambda: _layer_step("dropless-fp8-current-row"),
+    "layer_fp8_delayed": lambda: _layer_step("dropless-fp8-delayed"),
+    "layer_mxfp8": lambda: _layer_step("dropless-mxfp8-saved"),
     "e2e_dropless": lambda: _e2e_step("dropless"),
-    "e2e_fused_ce": lambda: _e2e_step("dropless_fused_ce"),
+    "e2e_fused_ce": lambda: _e2e_step("dropless-fused-ce"),
     "ep1": _ep_step,
 }
 

@@ -1,5 +1,6 @@
-"""`scripts/gpu_check.py --cpu` runs (a subset of its groups, in their child processes),
-so the script CI cannot run on a GPU never rots."""
+"""`scripts/gpu_check.py --cpu` runs its steps (pytest -m gpu, the layer and step tables
+at tiny shapes on CPU) and ends with the JSON summary that outside checks read, so the
+script CI cannot run on a GPU never rots."""
 
 import json
 import os
@@ -8,10 +9,17 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-SMOKE = ["gemm_layouts", "fused_mlp", "fp8", "expert_parallel"]
+# the contract: these rows and fields (more may be added)
+LAYER_ROWS = {
+    "dense_bound", "dropless", "dropless_fp8_current_row", "dropless_fp8_delayed",
+    "dropless_mxfp8_saved", "grouped_mm_plain", "hf_grouped_mm",
+}  # fmt: skip
+LAYER_FIELDS = {"ms", "peak_gib", "share_of_bound"}
+E2E_ROWS = {"grouped_mm", "dropless", "dropless_fused_ce"}
+E2E_FIELDS = {"ms", "peak_gib", "tokens_per_s", "speed_vs_grouped_mm", "memory_vs_grouped_mm"}
 
 
-def _run(*args, timeout=120):
+def _run(*args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
@@ -24,30 +32,41 @@ def _run(*args, timeout=120):
     return proc, json.loads(last)["gpu_check"]
 
 
-def test_cpu_subset_passes_and_ends_with_the_json_summary():
-    proc, summary = _run("--cpu", "--only", ",".join(SMOKE), "--budget", "100")
+def test_cpu_smoke_passes_and_ends_with_the_contract_summary():
+    proc, s = _run("--cpu", "--budget", "280")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert summary["ok"] and summary["mode"] == "cpu" and summary["failed"] == []
-    assert list(summary["groups"]) == SMOKE
-    for name in SMOKE:
-        group = summary["groups"][name]
-        assert group["status"] == "ok", (name, group)
-        ran = [c for c in group["checks"] if c["status"] == "ok"]
-        assert ran, name
-        for c in ran:  # every numeric check reports its error under its tolerance
-            assert c["err"] is None or c["err"] <= c["tol"], c
+    assert s["ok"] and s["mode"] == "cpu" and s["failed"] == [] and s["argv"][0] == "--cpu"
+    assert len(s["date"]) == len("2026-12-01 15:04 UTC") and s["date"].endswith(" UTC")
+    assert list(s["groups"]) == ["pytest", "timing", "e2e"]
+    assert all(g["status"] == "ok" for g in s["groups"].values()), s["groups"]
+    # on CPU every gpu-marked test is collected and skipped
+    assert s["groups"]["pytest"]["counts"]["skipped"] > 0, s["groups"]["pytest"]
+    layer = s["groups"]["timing"]["timing"]["rows"]
+    assert LAYER_ROWS <= set(layer)
+    for name in LAYER_ROWS:
+        assert LAYER_FIELDS <= set(layer[name]) and layer[name]["ms"] > 0, (name, layer[name])
+    assert layer["dense_bound"]["share_of_bound"] == 1.0
+    share = layer["dense_bound"]["ms"] / layer["dropless"]["ms"]  # both rounded to 3 places
+    assert abs(layer["dropless"]["share_of_bound"] - share) < 1e-2 * share
+    step = s["groups"]["e2e"]["e2e"]["rows"]
+    assert set(step) == E2E_ROWS
+    for name, row in step.items():
+        assert E2E_FIELDS <= set(row) and row["tokens_per_s"] > 0, (name, row)
+    assert step["grouped_mm"]["speed_vs_grouped_mm"] == 1.0
+    # the same seed and weights: the three rows start from the same loss
+    losses = {row["first_loss"] for row in step.values()}
+    assert max(losses) - min(losses) < 1e-3, losses
 
 
 def test_budget_skips_what_does_not_fit_and_says_so():
-    proc, summary = _run("--cpu", "--only", "jax,timing", "--budget", "0", timeout=30)
-    assert proc.returncode == 0
-    assert summary["groups"]["jax"]["status"] == "skipped"
-    assert "budget" in summary["groups"]["jax"]["reason"]
-    assert "GPU only" in summary["groups"]["timing"]["reason"]
+    proc, s = _run("--cpu", "--only", "timing,e2e", "--budget", "0", timeout=30)
+    assert proc.returncode == 0 and list(s["groups"]) == ["timing", "e2e"]
+    for g in s["groups"].values():
+        assert g["status"] == "skipped" and "budget" in g["reason"] and "--only" in g["reason"]
 
 
-def test_unknown_group_is_a_usage_error():
+def test_unknown_step_is_a_usage_error():
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True, timeout=30
     )
-    assert proc.returncode == 2 and "unknown group" in proc.stderr
+    assert proc.returncode == 2 and "unknown step" in proc.stderr

@@ -113,6 +113,9 @@ def bench_step(bench: str, args: list[str], cpu: bool, timeout: float) -> tuple[
         status, code, _, tail = run_child(cmd, cpu, timeout)
         record = json.loads(hist.read_text().splitlines()[-1]) if hist.exists() else None
     res = dict(status=status if record or status != "ok" else "fail", exit=code)
+    if record:
+        m = record["machine"]
+        res["info"] = dict(torch=m["torch"], device=m.get("gpu", "cpu"), commit=record["commit"])
     if status != "ok":
         res["stderr_tail"] = tail
     return res, record

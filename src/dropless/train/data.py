@@ -12,17 +12,19 @@ whatever the number of processes.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
 import sys
 import sysconfig
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from .fasta import FASTA_SUFFIXES, is_fasta_path, read_fasta
+from .fasta import FASTA_SUFFIXES, is_fasta_path, iter_fasta_pieces
 from .genomics import reverse_complement
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -102,14 +104,18 @@ class _DecodeErrors:
     def __init__(self, errors: str):
         self.errors, self.count, self.first = errors, 0, None
 
-    def read(self, f: Path) -> str:
-        raw = f.read_bytes()
+    def read(self, f: Path, limit: int = 0) -> str:
+        """The text of `f`; with `limit`, of its first `limit` bytes only (a character cut
+        at the limit is dropped)."""
+        with f.open("rb") as fh:
+            raw = fh.read(limit) if limit else fh.read()
+        final = not limit or len(raw) < limit
         try:
-            return raw.decode("utf-8")
+            return codecs.getincrementaldecoder("utf-8")().decode(raw, final=final)
         except UnicodeDecodeError as e:
             self.count += 1
             self.first = self.first or f"{f} (byte {e.start})"
-            return raw.decode("utf-8", errors="replace")
+            return codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=final)
 
     def check(self, key: str) -> None:
         if self.count and self.errors == "strict":
@@ -119,8 +125,8 @@ class _DecodeErrors:
             )
 
 
-def _jsonl(f: Path, text_field: str) -> list[str]:
-    docs = []
+def _jsonl(f: Path, text_field: str) -> Iterator[str]:
+    """The `text_field` of each line, read one line at a time."""
     with f.open("rb") as fh:
         for n, raw in enumerate(fh, 1):
             try:
@@ -138,39 +144,74 @@ def _jsonl(f: Path, text_field: str) -> list[str]:
                 raise ValueError(
                     f"{f}:{n} has no field {text_field!r} (fields: {sorted(row)}); set data.text_field"
                 )
-            docs.append(str(row[text_field]))
-    return docs
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"{f}:{n}: field {text_field!r} is {json.dumps(text)[:40]}, not a string; "
+                    "give every line text there, or remove that line"
+                )
+            yield text
 
 
-def _read_file(f: Path, text_field: str, decode: _DecodeErrors) -> list[str]:
-    if is_fasta_path(f):  # one document per record
-        return [r.sequence for r in read_fasta(f) if r.sequence]
-    if f.suffix == ".txt":
-        return [decode.read(f)]
-    if f.suffix == ".jsonl":
-        return _jsonl(f, text_field)
+def _fasta(f: Path, limit: int) -> Iterator[str]:
+    """Each record's sequence, joined from its lines; stops reading at `limit` characters."""
+    current, parts, size = None, [], 0
+    for index, _, piece in iter_fasta_pieces(f):
+        if index != current:
+            if parts:
+                yield "".join(parts)
+            current, parts = index, []
+        if piece:
+            parts.append(piece)
+            size += len(piece)
+            if limit and size >= limit:
+                break
+    if parts:
+        yield "".join(parts)
+
+
+def _parquet(f: Path, text_field: str) -> Iterator[str]:
     try:
         import pyarrow.parquet as pq
     except ModuleNotFoundError:
         raise ModuleNotFoundError(f"reading {f} needs pyarrow: pip install pyarrow") from None
-    table = pq.read_table(f)
-    if text_field not in table.column_names:
+    pf = pq.ParquetFile(f)
+    if text_field not in pf.schema_arrow.names:
         raise ValueError(
-            f"{f} has no column {text_field!r} (columns: {table.column_names}); set data.text_field"
+            f"{f} has no column {text_field!r} (columns: {pf.schema_arrow.names}); set data.text_field"
         )
-    return [str(t) for t in table.column(text_field).to_pylist() if t is not None]
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+
+
+def _read_file(f: Path, text_field: str, decode: _DecodeErrors, limit: int = 0) -> Iterator[str]:
+    """The documents of one file, read lazily; `limit` (characters, 0: none) lets a reader
+    that needs only the start of a file stop there."""
+    if is_fasta_path(f):  # one document per record
+        return _fasta(f, limit)
+    if f.suffix == ".txt":
+        return iter([decode.read(f, limit)])
+    if f.suffix == ".jsonl":
+        return _jsonl(f, text_field)
+    return _parquet(f, text_field)
 
 
 def read_documents(
     path: str, text_field: str, key: str = "data.path", max_bytes: int = 0, errors: str = "strict"
 ) -> list[str]:
-    """Documents of a .txt (one per file) / .jsonl / .parquet file or directory of them.
-    `errors`: "strict" refuses .txt files that are not UTF-8, "replace" decodes them lossily."""
+    """Documents of a .txt (one per file) / .jsonl / .parquet / FASTA file or directory of
+    them. `max_bytes` (0: no cap) is enforced while reading: files are read in a stream and
+    reading stops at the cap, the last document cut there. `errors`: "strict" refuses .txt
+    files that are not UTF-8, "replace" decodes them lossily."""
     docs, size = [], 0
     files = _data_files(path, key)
     decode = _DecodeErrors(errors)
     for f in files:
-        for d in _read_file(f, text_field, decode):
+        for d in _read_file(f, text_field, decode, max_bytes - size if max_bytes else 0):
+            if max_bytes and size + len(d) >= max_bytes:
+                docs.append(d[: max_bytes - size])
+                size = max_bytes
+                break
             docs.append(d)
             size += len(d)
         if max_bytes and size >= max_bytes:

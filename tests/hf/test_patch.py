@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from families import BLOCK_BIAS, build, clone_into, config
+from families import BLOCK_BIAS, auto_class, build, clone_into, config, spread_routing
 
 import dropless
 import dropless.hf as dh
@@ -461,3 +461,49 @@ def test_expert_bias_on_the_block_is_used_not_refused(family):
         layer.expert_bias[favoured] += 100.0
         model(ids)
     assert int(layer.tokens_per_expert[favoured]) == ids.numel()  # every token picks it
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_vl_moe"])  # vl: with sub-configs
+def test_a_config_that_built_a_stock_model_builds_dropless_after_patch(family, tmp_path):
+    """The A/B pattern: stock from a config, patch(), again from the same config object.
+    The config kept the stock default the first build resolved; the second model runs
+    dropless (on its own copy of the config), the first stays stock, an explicit request
+    still wins, and the report names each model's path."""
+    from transformers import PretrainedConfig
+
+    cfg = config(family)
+    torch.manual_seed(0)
+    stock = auto_class(cfg).from_config(cfg, attn_implementation="eager")
+    spread_routing(stock)
+    stock.save_pretrained(tmp_path)
+    setter = PretrainedConfig.__dict__["_experts_implementation"]
+    report = dropless.patch()
+    again = auto_class(cfg).from_config(cfg, attn_implementation="eager")
+    again.load_state_dict(stock.state_dict())
+    assert set(again.get_experts_implementation().values()) == {"dropless"}
+    assert set(stock.get_experts_implementation().values()) == {"grouped_mm"}
+    ids = _ids()
+    with torch.no_grad():
+        calls = sum(dh.CALLS.values())
+        want = stock(ids).logits
+        assert sum(dh.CALLS.values()) == calls  # the first model still runs stock
+        got = again(ids).logits
+    assert sum(dh.CALLS.values()) - calls == len(dh.moe_layers(again))
+    # fp32, other kernels (grouped GEMM, fused SwiGLU, index-add combine) than stock's
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    loaded = auto_class(cfg).from_pretrained(tmp_path, config=cfg)  # from_pretrained copies it
+    explicit = auto_class(cfg).from_pretrained(tmp_path, experts_implementation="grouped_mm")
+    assert set(loaded.get_experts_implementation().values()) == {"dropless"}
+    assert set(explicit.get_experts_implementation().values()) == {"grouped_mm"}
+    paths = {(m.address, m.implementation) for m in report.models}
+    assert paths == {
+        (f"{id(again):#x}", "dropless"),
+        (f"{id(loaded):#x}", "dropless"),
+        (f"{id(explicit):#x}", "grouped_mm"),
+    }
+    text = str(report)
+    assert f"{type(again).__name__} at {id(again):#x}: runs dropless" in text
+    assert f"at {id(explicit):#x}: runs stock 'grouped_mm'" in text
+    dropless.unpatch()
+    assert set(again.get_experts_implementation().values()) == {"grouped_mm"}
+    assert PretrainedConfig.__dict__["_experts_implementation"] is setter

@@ -36,7 +36,7 @@ from .patching import (
     unpatch_model,
 )
 from .replay import has_routing_replay, install_routing_replay, remove_routing_replay
-from .report import ModuleRecord, PatchReport
+from .report import ModelRecord, ModuleRecord, PatchReport
 from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from .router_losses import RouterLosses, RouterStats
 
@@ -50,6 +50,7 @@ __all__ = [
     "DroplessLoRAFallbackWarning",
     "ExpertsSpec",
     "MoELayer",
+    "ModelRecord",
     "ModuleRecord",
     "PatchReport",
     "RouterLosses",

@@ -14,6 +14,12 @@ to the implementation it had (removing any expert bias buffers it added).
 routing-replay hooks (`dropless.hf.replay`) once their layers exist, and replaces PEFT's
 `ParamWrapper._activate_lora` when peft is installed (`dropless.hf.lora`).
 
+A config object keeps the implementation a model built from it resolved, and Transformers
+hands that to the next model built from it as if asked for. `patch()` also wraps the
+`PretrainedConfig._experts_implementation` setter, which every explicit request passes,
+and `post_init` puts a new MoE model whose config holds the stock default no one asked
+for on a copy of the config set to dropless (`dropless.hf.configs`).
+
 These are process-wide class attributes: `patch()`, `patch_model()`, `unpatch()` and
 `unpatch_model()` change them under one lock, so calls from several threads install each
 wrapper once and `unpatch()` always finds the stock methods to put back.
@@ -28,6 +34,7 @@ import weakref
 from torch import nn
 
 from ._compat import require_transformers
+from .configs import give_own_config, install_request_marker, is_leftover, uninstall_request_marker
 from .experts import dropless_experts_forward
 from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import moe_layers
@@ -58,6 +65,8 @@ _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # configs whose "dropless" came from our default (not asked for): id -> config. A model's
 # submodules share its config, so post_init sees the already resolved value again.
 _defaulted: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# MoE models built since patch() that run a stock implementation (asked for explicitly)
+_stock: weakref.WeakSet = weakref.WeakSet()
 
 
 def _register() -> None:
@@ -132,6 +141,15 @@ def _install_default() -> None:
     _state["original_get_correct"] = original
     PreTrainedModel.get_correct_experts_implementation = get_correct_experts_implementation
     _install_post_init(PreTrainedModel)
+    install_request_marker()
+
+
+def _from_before_patch(model) -> bool:
+    """True for a MoE model built from a config that holds the stock default no one asked
+    for since patch() (a stock model was built from the same config object before)."""
+    return type(model)._can_set_experts_implementation() and is_leftover(
+        model.config, _state["original_get_correct"](model, None)
+    )
 
 
 def _install_post_init(PreTrainedModel) -> None:
@@ -141,9 +159,14 @@ def _install_post_init(PreTrainedModel) -> None:
 
     def post_init(self):
         original(self)
+        if self not in _models and _from_before_patch(self):
+            give_own_config(self)  # the models built from the config before keep their path
+            _switch(self)
         if self in _models:
             install_routing_replay(self)
             _apply_options(self, **_state["options"])
+        elif type(self)._can_set_experts_implementation():
+            _stock.add(self)
 
     post_init.__wrapped__ = original
     post_init.__doc__ = original.__doc__
@@ -183,6 +206,8 @@ def _uninstall_default() -> None:
     if post_init is not None:
         PreTrainedModel.post_init = post_init
         _state["original_post_init"] = None
+    uninstall_request_marker()
+    _stock.clear()
 
 
 def is_patched() -> bool:
@@ -233,6 +258,7 @@ def report(model: nn.Module | None = None) -> PatchReport:
     return PatchReport(
         "'dropless' is the default experts implementation of MoE models built or loaded",
         lambda: list(_models.keys()),
+        lambda: list(_stock),
     )
 
 
@@ -278,17 +304,23 @@ def patch_model(
         )
     with _LOCK:
         _register()
-        previous = model.get_experts_implementation()
-        model.set_experts_implementation(IMPLEMENTATION)
-        if IMPLEMENTATION not in previous.values():
-            _models[model] = previous
-        elif model not in _models:
-            _models[model] = None
+        _switch(model)
         if expert_bias:
             _add_expert_biases(layers)
         install_routing_replay(model)
         _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     return model
+
+
+def _switch(model) -> None:
+    """Put `model` on dropless, remembering the implementation to restore on unpatch."""
+    previous = model.get_experts_implementation()
+    model.set_experts_implementation(IMPLEMENTATION)
+    _stock.discard(model)
+    if IMPLEMENTATION not in previous.values():
+        _models[model] = previous
+    elif model not in _models:
+        _models[model] = None
 
 
 def _add_expert_biases(layers) -> None:

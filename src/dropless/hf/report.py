@@ -1,8 +1,10 @@
 """What `patch()` / `patch_model()` did: which experts modules run which dropless path.
 
 A `PatchReport` is a live view: `report = dropless.patch()` then building or loading
-models makes them appear in `report` (it reads the models dropless switched, when
-asked). Printing it gives one line per family and one per module on a fallback.
+models makes them appear in `report` (it reads the models dropless switched, and the MoE
+models built since `patch()` that run a stock implementation, when asked). Printing it
+gives one line per model and the path it runs, one per family and one per module on a
+fallback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ from torch import nn
 
 from .experts import _spec
 from .layers import family_of, is_experts_module
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """One MoE model: its class, where it lives (`id`, to tell two of one class apart) and
+    the experts implementation it runs ("dropless", or the stock one it asked for)."""
+
+    model: str
+    address: str
+    implementation: str
 
 
 @dataclass(frozen=True)
@@ -56,9 +68,26 @@ class PatchReport:
     of experts modules on a dropless path; generic: name -> why its gate runs as is;
     fallbacks: name -> why it runs stock Transformers. records: every module."""
 
-    def __init__(self, action: str, models: Callable[[], Iterable[nn.Module]]):
+    def __init__(
+        self,
+        action: str,
+        models: Callable[[], Iterable[nn.Module]],
+        stock_models: Callable[[], Iterable[nn.Module]] = list,
+    ):
         self.action = action
         self._models = models
+        self._stock_models = stock_models
+
+    @property
+    def models(self) -> list[ModelRecord]:
+        """Each model (not its inner models), the patched ones first, and what it runs."""
+        models = [*self._models(), *self._stock_models()]
+        inner = {id(sub) for m in models for sub in m.modules() if sub is not m}
+        return [
+            ModelRecord(type(m).__name__, f"{id(m):#x}", _implementation(m))
+            for m in models
+            if id(m) not in inner
+        ]
 
     @property
     def records(self) -> list[ModuleRecord]:
@@ -93,6 +122,9 @@ class PatchReport:
         lines = [f"dropless: {self.action}"]
         if not records:
             lines.append("  no patched MoE model yet (models built or loaded afterwards count)")
+        for m in self.models:
+            path = "dropless" if m.implementation == "dropless" else f"stock {m.implementation!r}"
+            lines.append(f"  model {m.model} at {m.address}: runs {path}")
         by_family: dict[tuple[str, str, str], int] = {}
         for r in records:
             key = (r.family, r.path, r.detail)
@@ -104,6 +136,11 @@ class PatchReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _implementation(model: nn.Module) -> str:
+    values = set(model.get_experts_implementation().values())
+    return "dropless" if "dropless" in values else "+".join(sorted(map(str, values)))
 
 
 def model_report(model: nn.Module, action: str = "patched one model") -> PatchReport:

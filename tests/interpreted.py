@@ -6,10 +6,10 @@ that uses the harness defines `CASES` (a dict name -> case, or a list of names) 
 `check(case, device)`; its CPU test takes the `interpreted` fixture ({case name: None if
 it passed, else the failure text}) and reports each case, and its `gpu` test calls
 `check(case, "cuda")` compiled on a GPU machine (`pytest -m gpu`). The first test that
-asks for the fixture starts ONE child, `python tests/interpreted.py FILE...`, for every
-test file of the session that uses it (TRITON_INTERPRET=1 and no CUDA device set before
-any import): importing torch and triton costs seconds, the interpreter budget is tight
-on 2 cores. The child first checks, with `import triton` made to fail, that dropless
+asks for the fixture in a folder starts ONE child, `python tests/interpreted.py FILE...`,
+for every test file of that folder in the session that uses it (TRITON_INTERPRET=1 and
+no CUDA device set before any import): importing torch and triton costs seconds, and a
+child per folder puts its time in that folder's budget. The child first checks, with `import triton` made to fail, that dropless
 works without triton (the `import_check` fixture), then runs every file's cases and
 prints one line, MARK + JSON {file: {case: failure or null}}.
 
@@ -112,21 +112,31 @@ else:
     import pytest
 
     @pytest.fixture(scope="session")
-    def interpreted_all(request) -> dict[str, dict[str, str | None]]:
+    def interpreted_children() -> dict[Path, dict[str, dict[str, str | None]]]:
+        """The results of each folder's child, filled as its first test asks."""
         if importlib.util.find_spec("triton") is None:
             pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-        paths = sorted(
-            {str(item.path) for item in request.session.items if "interpreted" in item.fixturenames}
-        )
-        return run_child(paths)
+        return {}
+
+    def _folder_results(request, children) -> dict[str, dict[str, str | None]]:
+        # one child per folder, so that each folder's time budget pays for its own checks
+        folder = request.node.path.parent
+        if folder not in children:
+            paths = {
+                str(item.path)
+                for item in request.session.items
+                if "interpreted" in item.fixturenames and item.path.parent == folder
+            }
+            children[folder] = run_child(sorted(paths))
+        return children[folder]
 
     @pytest.fixture
-    def interpreted(request, interpreted_all) -> dict[str, str | None]:
+    def interpreted(request, interpreted_children) -> dict[str, str | None]:
         """{case name: None if it passed, else the failure text} for this test file."""
-        return interpreted_all[str(request.node.path)]
+        return _folder_results(request, interpreted_children)[str(request.node.path)]
 
     @pytest.fixture
-    def import_check(interpreted_all) -> str | None:
+    def import_check(request, interpreted_children) -> str | None:
         """None if, with triton blocked, dropless imported, ran a CPU grouped GEMM, loaded
         no kernel module and named the extra to install; else what went wrong."""
-        return interpreted_all[IMPORT_CHECK]["cpu"]
+        return _folder_results(request, interpreted_children)[IMPORT_CHECK]["cpu"]

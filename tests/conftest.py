@@ -1,5 +1,6 @@
 """Shared test setup: markers (gpu skipped without CUDA), seeds, thread count."""
 
+import json
 import os
 
 import pytest
@@ -27,8 +28,9 @@ def _seed():
     yield
 
 
-# Per-folder time budgets (seconds on 2 cores), reported at the end of
-# every run so a slow folder shows up in CI before it eats the whole budget.
+# Per-folder time budgets (seconds on 2 cores), reported at the end of every run;
+# `--budget-report FILE` also writes them with the time spent as JSON, which .ci/run
+# checks (a folder over 1.5x its budget fails CI).
 BUDGETS = {
     "ops+nn": 120,
     "triton": 60,
@@ -50,6 +52,13 @@ def _folder(nodeid: str) -> str:
     return "ops+nn" if name in ("ops", "nn") else name
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--budget-report", metavar="FILE", default=None,
+        help="write {folder: {spent_s, budget_s}} as JSON at the end (read by .ci/run)",
+    )  # fmt: skip
+
+
 def pytest_runtest_logreport(report):
     _spent[_folder(report.nodeid)] = _spent.get(_folder(report.nodeid), 0.0) + report.duration
 
@@ -62,3 +71,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{name:10s} {spent:7.1f} s" + (f" / {budget} s{flag}" if budget else "")
         )
+    report = terminalreporter.config.getoption("--budget-report")
+    if report:
+        folders = {
+            n: {"spent_s": round(t, 1), "budget_s": BUDGETS.get(n)} for n, t in _spent.items()
+        }
+        with open(report, "w") as f:
+            json.dump(folders, f)

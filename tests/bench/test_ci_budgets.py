@@ -1,0 +1,57 @@
+"""The per-folder time budgets are enforced: pytest writes the time spent per folder
+(`--budget-report`, tests/conftest.py) and `.ci/check_budgets.py`, run by `.ci/run`,
+fails a folder over 1.5x its budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location(
+        "check_budgets", ROOT / ".ci" / "check_budgets.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pytest_writes_the_time_per_folder_and_its_budget(tmp_path):
+    report = tmp_path / "budgets.json"
+    test = "tests/bench/test_benchmarks_md.py::test_sections_without_a_command_are_refused"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    proc = subprocess.run(
+        [*cmd, "--budget-report", str(report)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    folders = json.loads(report.read_text())
+    assert list(folders) == ["bench"] and folders["bench"]["budget_s"] == 60
+    assert 0 <= folders["bench"]["spent_s"] < 60
+
+
+def test_a_folder_over_one_and_a_half_times_its_budget_fails(tmp_path):
+    check = _checker()
+    ok = {"hf": {"spent_s": 170.0, "budget_s": 120}, "other": {"spent_s": 5.0, "budget_s": None}}
+    assert check.over_budget(ok) == []  # 1.42x: within the tolerance
+    bad = ok | {"jax": {"spent_s": 136.0, "budget_s": 90}}
+    assert check.over_budget(bad) == ["jax: 136 s, budget 90 s (x1.5 = 135 s)"]
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(bad))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "check_budgets.py"), str(report)],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "OVER BUDGET: jax: 136 s" in proc.stderr
+    assert check.over_budget({"ops+nn": {"spent_s": 901.0, "budget_s": 900}}) == [
+        "the whole suite: 901 s, budget 900 s"
+    ]

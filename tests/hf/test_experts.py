@@ -25,6 +25,8 @@ def test_experts_hook_sees_each_call_and_is_removable():
     dh.dropless_experts_forward(module, x, ids, w)
     assert len(seen) == 1 and seen[0][0] is module
     assert torch.equal(seen[0][1], ids) and torch.equal(seen[0][2], w)
+    with pytest.raises(TypeError, match="needs a callable, got int"):
+        dh.register_experts_hook(3)
 
 
 def test_expert_parallel_sentinels_match_stock_grouped_mm():

@@ -116,6 +116,8 @@ def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
     dh.patch_model(model, fused_rmsnorm=True)
     norms = _norms(model)
     assert norms and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
+    report = dh.report(model)
+    assert report.rmsnorm == {"unprobed": len(norms)}
     calls = []
     real = hf_rmsnorm._kernel
 
@@ -127,6 +129,8 @@ def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
     got, want = model(input_ids=ids).logits, stock(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls and all(hf_rmsnorm.fused_rmsnorm_state(m) == "kernel" for m in norms)
+    assert report.rmsnorm == {"kernel": len(norms)}
+    assert f"RMSNorm: {len(norms)} module(s) on dropless's RMSNorm, 0 on" in str(report)
     got.sum().backward()
     want.sum().backward()
     grads = dict(stock.named_parameters())

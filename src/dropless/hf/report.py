@@ -3,8 +3,8 @@
 A `PatchReport` is a live view: `report = dropless.patch()` then building or loading
 models makes them appear in `report` (it reads the models dropless switched, and the MoE
 models built since `patch()` that run a stock implementation, when asked). Printing it
-gives one line per model and the path it runs, one per family and one per module on a
-fallback.
+gives one line per model and the path it runs, one per family, one per module on a
+fallback, and one for the RMSNorm modules `fused_rmsnorm` wired.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import nn
 
 from .experts import _spec
 from .layers import family_of, is_experts_module
+from .rmsnorm import fused_rmsnorm_state
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,21 @@ class PatchReport:
         return [r for m in models for r in _records(m, seen)]
 
     @property
+    def rmsnorm(self) -> dict[str, int]:
+        """RMSNorm modules `fused_rmsnorm` wired, by what they run: "kernel" (dropless's
+        RMSNorm), "stock" (their own forward: the first call's output differed or failed)
+        or "unprobed" (not called yet)."""
+        counts: dict[str, int] = {}
+        seen: set = set()
+        for model in self._models():
+            for mod in model.modules():
+                state = None if id(mod) in seen else fused_rmsnorm_state(mod)
+                seen.add(id(mod))
+                if state is not None:
+                    counts[state] = counts.get(state, 0) + 1
+        return counts
+
+    @property
     def families(self) -> dict[str, str]:
         paths: dict[str, list[str]] = {}
         for r in self.records:
@@ -133,6 +149,13 @@ class PatchReport:
             lines.append(f"  {family}: {n} experts module(s) on the {path} path ({detail})")
         for name, why in self.fallbacks.items():
             lines.append(f"  fallback {name}: {why}")
+        norms = self.rmsnorm
+        if norms:
+            lines.append(
+                f"  RMSNorm: {norms.get('kernel', 0)} module(s) on dropless's RMSNorm, "
+                f"{norms.get('stock', 0)} on their own forward, "
+                f"{norms.get('unprobed', 0)} not called yet"
+            )
         return "\n".join(lines)
 
     __repr__ = __str__

@@ -193,10 +193,6 @@ class RouterLosses:
             )
         return torch.stack(losses).mean()
 
-    def score_funcs(self) -> dict[str, str]:
-        """{MoE layer name: score function identified} for the layers seen so far."""
-        return {self.layers[m].name: f for m, f in sorted(self._score.items())}
-
     def remove(self) -> None:
         """Take the hooks off the model."""
         for h in self._handles:

@@ -222,3 +222,27 @@ def test_cli_main_and_bench_do_not_import_each_other():
     of_main = {m for _, m in imports_of(cli / "main.py", SRC)}
     assert "dropless.cli.bench" in of_main and "dropless.cli.main" not in of_bench
     assert "dropless.cli.subcommands" in of_bench & of_main
+
+
+TINY_FP8 = ["--T", "64", "--D", "64", "--F", "32", "--E", "4", "--K", "2"]
+
+
+def test_bench_writes_in_the_checkout_only_with_record(tmp_path, monkeypatch, capsys):
+    """Without --record a run from a checkout writes nothing there (no history line, no
+    section) and says so; with --record it writes both and names them."""
+    root = _fake_checkout(tmp_path / "repo").parents[1]
+    monkeypatch.setattr(common, "PACKAGE_DIR", root / "src" / "dropless")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".git" not in p.parts)
+    assert main(["bench", "fp8", *TINY_FP8]) == 0
+    err = capsys.readouterr().err
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".git" not in p.parts)
+    assert after == before  # nothing written, in the checkout or the current directory
+    assert "history: not recorded (not asked; --record" in err
+    assert "section: not written (--record writes benchmarks/sections/fp8.md" in err
+    assert main(["bench", "fp8", *TINY_FP8, "--record"]) == 0
+    err = capsys.readouterr().err
+    history, section = root / "benchmarks" / "history.jsonl", root / "benchmarks/sections/fp8.md"
+    assert json.loads(history.read_text())["bench"] == "fp8"
+    assert "| bf16 | " in section.read_text()
+    assert f"history: appended to {history}" in err and f"section: wrote {section}" in err

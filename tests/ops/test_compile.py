@@ -54,3 +54,19 @@ def test_moe_compiled_matches_eager(backend):
         for a, b in zip(gc, ge):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert graphs[1] == graphs[0], f"recompiled for new routes: {graphs}"
+
+
+@pytest.mark.parametrize(
+    "dtype, breaks",
+    [(torch.float32, 3), (torch.bfloat16, 4)],
+    ids=["fp32", "bf16"],
+)
+def test_graph_breaks_are_the_documented_ones(dtype, breaks):
+    """docs/performance.md lists the graph breaks of a dropless forward: no new one (e.g.
+    an out= into a non-contiguous view in the activation backward, which Dynamo breaks
+    on) may appear unnoticed."""
+    torch._dynamo.reset()
+    moe = MoE(16, 8, 4, 2, dtype=dtype)
+    x = torch.randn(2, 5, 16, dtype=dtype, requires_grad=True)
+    explained = torch._dynamo.explain(moe)(x)
+    assert explained.graph_break_count == breaks

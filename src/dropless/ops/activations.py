@@ -191,6 +191,12 @@ def act_input_grad(g_nF, d_gate, d_up, interleaved: bool, out_n2F):
     if d_up is None:
         return torch.mul(g_nF, d_gate, out=out_n2F)
     og, ou = split_gate_up(out_n2F, True, interleaved)
+    if torch.compiler.is_compiling():
+        # Dynamo breaks the graph on an out= view that is not contiguous; copy_ is the
+        # same values (the product is rounded once to out's dtype either way)
+        og.copy_(g_nF * d_gate)
+        ou.copy_(g_nF * d_up)
+        return out_n2F
     torch.mul(g_nF, d_gate, out=og)
     torch.mul(g_nF, d_up, out=ou)
     return out_n2F

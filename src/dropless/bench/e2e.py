@@ -73,6 +73,7 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
     vocab_size=32768, hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
     num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
     moe_intermediate_size=384, intermediate_size=3072, tie_word_embeddings=False,
+    output_router_logits=True, router_aux_loss_coef=0.001, norm_topk_prob=False,
     batch=8, seq=2048)}  # fmt: skip
 IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
@@ -123,10 +124,11 @@ def _build(impl: str, shape: dict, device: str = "cpu"):
     import torch
     import transformers as tf
 
+    # a shape may set any config key (qwen3-gpu: the router aux loss, as that table had)
     cfg = tf.Qwen3MoeConfig(
-        **{k: v for k, v in shape.items() if k not in ("batch", "seq")},
-        max_position_embeddings=max(shape["seq"], 64), norm_topk_prob=True,
-    )  # fmt: skip
+        **{"max_position_embeddings": max(shape["seq"], 64), "norm_topk_prob": True}
+        | {k: v for k, v in shape.items() if k not in ("batch", "seq")}
+    )
     torch.manual_seed(0)
     if impl.startswith("dropless"):
         import dropless

@@ -58,11 +58,11 @@ from .lora import (
     grouped_lowrank_fwd,
 )
 from .mlp_parts import Needs, input_grads
-from .mlp_plan import PATHS, MlpPlan, pick_mlp_path, plan_grouped
+from .mlp_plan import MlpPlan, pick_mlp_path, plan_grouped
 from .specs import ActivationConfig, as_activation
 from .swiglu import check_supported
 
-__all__ = ["PATHS", "fused_mlp", "pick_mlp_path"]
+__all__ = ["fused_mlp", "pick_mlp_path"]
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 

@@ -32,7 +32,7 @@ from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_mlp
 from .row_ops import RowOps, pick_row_ops
 from .specs import ActivationConfig
 
-PATHS = ("loop", "grouped", "recipe")
+PATHS = ("loop", "grouped", "recipe")  # the values of MlpPlan.path
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def plan_expert_mlp(
             device_counts=takes_tokens and not capacity,
         )
     path = path or pick_mlp_path(x, gate_up, backend)
-    if path not in ("loop", "grouped"):
-        raise ValueError(f"path={path!r}; expected 'loop' or 'grouped'")
+    if path not in PATHS[:2]:
+        raise ValueError(f"path={path!r}; expected 'loop' or 'grouped' (or None: automatic)")
     if path == "loop":
         plan = MlpPlan("loop")
     else:

@@ -5,6 +5,7 @@ fails on a message missing from it, and on a table entry that no longer matches 
 The triggers that are plain function calls live here (`TRIGGERS`)."""
 
 import ast
+import json
 import sys
 from pathlib import Path
 
@@ -122,12 +123,21 @@ TABLE = [
     ("rundir.py", "could not find a free run directory name", f"{HERE}[no-free-name]"),
     ("rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
     ("rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
-    ("rundir.py", "is in use by process ", f"{FAULTS}/test_resume_checks.py::test_second_process_is_refused_and_dead_locks_are_taken_over"),
+    ("rundir.py", "is in use by ", f"{FAULTS}/test_run_lock.py::test_second_process_is_refused_and_dead_locks_are_taken_over"),
     ("setup.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
     ("setup.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),
     ("setup.py", "is not divisible by the number of processes (", "tests/train/test_bad_input.py::test_batch_not_divisible_by_processes"),
-    ("setup.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
-    ("setup.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("resume.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("resume.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("resume.py", "verifies (", f"{FAULTS}/test_run_files.py::test_every_checkpoint_damaged_gives_one_way_out"),
+    ("resume.py", "does not exist (nothing was created)", f"{FAULTS}/test_run_files.py::test_no_folder_is_left_by_a_run_that_never_started"),
+    ("atomic.py", "vanished during the run (deleted or moved)", f"{FAULTS}/test_run_files.py::test_a_vanished_run_directory_stops_the_run"),
+    ("atomic.py", "is a symlink (to ", f"{FAULTS}/test_run_files.py::test_a_symlinked_metrics_or_config_file_is_refused"),
+    ("checkpoint.py", "; the checkpoint is damaged or was edited", f"{FAULTS}/test_integrity.py::test_crafted_trainer_json_is_one_line"),
+    ("checkpoint.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
+    ("checkpoint.py", "(or was removed while opening it)", f"{FAULTS}/test_integrity.py::test_a_checkpoint_without_a_manifest_is_not_loaded"),
+    ("data.py", ", not a string; give every line text there", "tests/train/test_data_cap.py::test_jsonl_text_that_is_not_a_string_is_refused"),
+    ("dcp_io.py", "is not DCP checkpoint metadata (", f"{FAULTS}/test_integrity.py::test_crafted_metadata_runs_no_code"),
     ("step.py", "were not computed by the experts", f"{HERE}[dropped]"),
     ("tokenizer.py", "the BPE tokenizer needs the `tokenizers` package", f"{HERE}[no-tokenizers]"),
     ("tokenizer.py", "pass a directory saved by a Hugging Face fast tokenizer", f"{HERE}[no-tokenizer-json]"),
@@ -288,6 +298,7 @@ def _no_run_config(tmp, mp, rq):
     ck = tmp / "run" / "checkpoints" / "step_00000001"
     ck.mkdir(parents=True)
     (ck / ".metadata").write_text("")
+    (ck / ckpt.MANIFEST).write_text(json.dumps(ckpt.build_manifest(ck, 1)))  # verifies
     load_run(ck)
 
 

@@ -62,6 +62,7 @@ def test_resume_refuses_finished_and_fresh_runs(tiny_run, tmp_path, capsys):
     assert "already at step 8 of train.steps=8; raise train.steps" in capsys.readouterr().err
     assert main(["train", "--run-dir", str(tiny_run), *tiny_args()]) == 2
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
+    (tmp_path / "new").mkdir()  # a run folder without checkpoints (a missing one: tests/faults)
     assert main(["train", "--run-dir", str(tmp_path / "new"), "--resume"]) == 2
     assert "has no complete checkpoint to resume from" in capsys.readouterr().err
 

@@ -31,17 +31,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _resumed_config(run_dir: str) -> str | None:
-    """The config a bare --resume continues with: the run's last resolved config (written
-    once a start or resume got past loading), else the newest checkpoint's copy."""
+    """The config a bare --resume continues with: the copy inside the newest checkpoint
+    that verifies (the run directory's own config.toml only for checkpoints older than
+    that copy)."""
     from pathlib import Path
 
     from ..train import checkpoint as ckpt
+    from ..train.resume import resume_config_file
 
-    ck = ckpt.latest_checkpoint(run_dir, verify=False)
-    for f in [Path(run_dir) / "config.toml"] + ([ck / "config.toml"] if ck else []):
-        if f.is_file():
-            return str(f)
-    return None
+    saved = resume_config_file(run_dir)
+    if saved is not None:
+        return str(saved)
+    legacy = Path(run_dir) / "config.toml"
+    return str(legacy) if ckpt.list_checkpoints(run_dir) and legacy.is_file() else None
 
 
 def _one_line(e: BaseException) -> str:

@@ -9,15 +9,21 @@ Layout of a run directory:
                                  rng/rank<r>.safetensors, manifest.json (written last)
     checkpoints/.tmp-step_...    a write in progress; renamed to step_... once complete
 
-Every file is fsynced; `manifest.json` (each file's size, and a SHA-256 of every file up to
-1 MiB) is written and fsynced last, then the directory is renamed. On load, a checkpoint
-whose files do not match its manifest is skipped with a warning and the previous complete
-one is used. DCP's `.metadata` (and the optimizer's non-tensor values) are pickled by torch:
-load only run directories you trust.
+Every file is fsynced; `manifest.json` (each file's size and SHA-256, computed while the
+file is written: DCP's shards through a hashing stream) is written and fsynced last, then
+the directory is renamed. A checkpoint is loaded only once every file matches its
+manifest; a run's newest checkpoint that does not is skipped, with a warning naming the
+file, for the previous one that does. DCP's `.metadata` is a pickle: it is read with an
+unpickler that admits only DCP's own metadata classes. A checkpoint is still code you
+trust: whoever can write it can also rewrite its manifest.
+
+Readers (`dropless generate` / `convert`) hold a shared `flock` on the manifest of the
+checkpoint they picked until it is loaded; pruning skips a checkpoint that is held.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -31,13 +37,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .atomic import run_dir_vanished
 from .collectives import barrier
+from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
 from .hooks import TrainHooks
 
 DIRNAME = "checkpoints"
 MANIFEST = "manifest.json"
-HASHED_MAX_BYTES = 1 << 20
-_STEP_RE = re.compile(r"^step_(\d{8})$")
+MANIFEST_FORMAT = 2  # format 1 hashed only files up to 1 MiB
+DIGESTS = "digests"  # each process's digests of the shards it wrote, for the manifest
+_STEP_RE = re.compile(r"^step_(\d{8,})$")  # step_{:08d}: 9 digits from step 10^8 on
 
 
 def _rank_world() -> tuple[int, int]:
@@ -79,48 +88,173 @@ def _files(ck: Path) -> list[Path]:
     return sorted(p for p in ck.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def build_manifest(ck: Path, step: int) -> dict:
+def build_manifest(ck: Path, step: int, digests: dict[str, str] | None = None) -> dict:
+    """Size and SHA-256 of every file of `ck`; `digests` ({relative name: sha256}, taken
+    while the files were written) spares reading them again."""
+    digests = digests or {}
     files = {}
     for p in _files(ck):
-        size = p.stat().st_size
-        entry = {"size": size}
-        if size <= HASHED_MAX_BYTES:
-            entry["sha256"] = _sha256(p)
-        files[p.relative_to(ck).as_posix()] = entry
-    return {"format": 1, "step": step, "files": files}
+        name = p.relative_to(ck).as_posix()
+        files[name] = {"size": p.stat().st_size, "sha256": digests.get(name) or _sha256(p)}
+    return {"format": MANIFEST_FORMAT, "step": step, "files": files}
 
 
-def verify_checkpoint(ck: str | Path) -> str | None:
-    """None if checkpoint `ck` matches its manifest, else what does not."""
-    ck = Path(ck)
+def _stat_key(ck: Path) -> tuple:
+    """What a verification result depends on: every file's identity, size and mtime."""
+    return tuple(
+        (p.relative_to(ck).as_posix(), s.st_ino, s.st_size, s.st_mtime_ns)
+        for p in sorted(ck.rglob("*"))
+        if p.is_file() and (s := p.stat())
+    )
+
+
+_verified: dict[Path, tuple] = {}  # checkpoint -> _stat_key when it last verified
+
+
+def _check(ck: Path) -> str | None:
     try:
         manifest = json.loads((ck / MANIFEST).read_text())
         files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        fmt = manifest.get("format", 1)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable {MANIFEST} ({e})"
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        return f"unreadable {MANIFEST} (its 'files' is not a table of tables)"
     for name, entry in files.items():
         p = ck / name
-        if not p.is_file():
-            return f"{name} is missing"
-        if p.stat().st_size != entry["size"]:
-            return f"{name} has {p.stat().st_size} bytes, the manifest says {entry['size']}"
+        if not p.is_file() or p.is_symlink():
+            return f"file {name} is missing"
+        if p.stat().st_size != entry.get("size"):
+            return (
+                f"file {name} has {p.stat().st_size} bytes, the manifest says {entry.get('size')}"
+            )
+        if "sha256" not in entry and fmt >= 2:
+            return f"file {name} has no checksum in {MANIFEST}"
         if "sha256" in entry and _sha256(p) != entry["sha256"]:
-            return f"{name} does not match its checksum"
+            return f"file {name} does not match its checksum"
     return None
+
+
+def verify_checkpoint(ck: str | Path) -> str | None:
+    """None if every file of checkpoint `ck` matches its manifest, else what does not
+    (one line naming the file). A checkpoint unchanged since it last verified in this
+    process is not read again."""
+    ck = Path(ck)
+    key = _stat_key(ck) if ck.is_dir() else None
+    if key is not None and _verified.get(ck) == key:
+        return None
+    problem = _check(ck)
+    if problem is None and key is not None:
+        _verified[ck] = key
+    return problem
+
+
+def skipped_warning(ck: Path, problem: str, fallback: Path | None) -> str:
+    then = (
+        f"using the previous complete one, {fallback.name}"
+        if fallback is not None
+        else "no older checkpoint verifies"
+    )
+    return f"skipping checkpoint {str(ck)!r}: {problem}; {then}"
 
 
 def latest_checkpoint(run_dir: str | Path, verify: bool = True) -> Path | None:
     """The newest complete checkpoint of a run (None if there is none). With `verify`, a
     checkpoint that does not match its manifest is skipped with a warning."""
+    skipped = []
+    found = None
     for _, ck in reversed(list_checkpoints(run_dir)):
         problem = verify_checkpoint(ck) if verify else None
         if problem is None:
-            return ck
-        warnings.warn(
-            f"skipping checkpoint {str(ck)!r}: {problem}; using the previous complete one",
-            stacklevel=2,
-        )
+            found = ck
+            break
+        skipped.append((ck, problem))
+    for ck, problem in skipped:
+        warnings.warn(skipped_warning(ck, problem, found), stacklevel=2)
+    return found
+
+
+def damaged_checkpoints(run_dir: str | Path) -> list[str]:
+    """'step_N: problem' for each checkpoint of a run that does not verify."""
+    out = []
+    for _, ck in list_checkpoints(run_dir):
+        problem = verify_checkpoint(ck)
+        if problem is not None:
+            out.append(f"{ck.name}: {problem}")
+    return out
+
+
+# ---- readers hold the checkpoint they load; pruning leaves a held one alone -------------
+
+_held: dict[Path, int] = {}  # checkpoint -> descriptor of its manifest under a shared flock
+
+
+def _open_locked(ck: Path, how: int) -> int | None:
+    """A descriptor of `ck`'s manifest locked with `how`; None when the checkpoint is gone
+    (pruned) or, with LOCK_NB, held by someone else."""
+    try:
+        fd = os.open(ck / MANIFEST, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, how)
+        held, now = os.fstat(fd), os.stat(ck / MANIFEST)
+        if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)  # moved away for pruning while we waited
     return None
+
+
+def hold(ck: str | Path) -> bool:
+    """Hold checkpoint `ck` against pruning until `release(ck)`; False if it is gone."""
+    ck = Path(ck)
+    if ck in _held:
+        return True
+    fd = _open_locked(ck, fcntl.LOCK_SH)
+    if fd is None:
+        return False
+    _held[ck] = fd
+    return True
+
+
+def release(ck: str | Path) -> None:
+    fd = _held.pop(Path(ck), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def pick_checkpoint(path: str | Path) -> tuple[Path, Path] | None:
+    """(run directory, checkpoint) to load for `path`, a run directory or one of its
+    checkpoints/step_* directories, held (`hold`) and verified. A checkpoint given by
+    name must verify (ValueError naming the file); for a run directory the newest one
+    that verifies is used, the next newest when pruning removes it first. None: the run
+    has no checkpoint."""
+    p = Path(path)
+    if (p / ".metadata").is_file() or (p / MANIFEST).is_file():
+        problem = verify_checkpoint(p) if hold(p) else f"{MANIFEST} is missing"
+        if problem is not None:
+            release(p)
+            raise ValueError(
+                f"checkpoint {str(p)!r} does not verify: {problem}; it was damaged or changed after it was "
+                "written: pass an older checkpoints/step_* directory, or the run directory (its newest "
+                "checkpoint that verifies is used)"
+            )
+        return p.parent.parent, p
+    skipped, found = [], None
+    for _, ck in reversed(list_checkpoints(p)):
+        if not hold(ck):
+            continue  # pruned since it was listed: the next newest
+        problem = verify_checkpoint(ck)
+        if problem is None:
+            found = ck
+            break
+        release(ck)
+        skipped.append((ck, problem))
+    for ck, problem in skipped:
+        warnings.warn(skipped_warning(ck, problem, found), stacklevel=2)
+    return None if found is None else (p, found)
 
 
 def remove_partial(run_dir: str | Path) -> None:
@@ -146,12 +280,14 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def write_synced(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and fsync it."""
-    with open(path, "wb") as f:
+def write_synced(path: Path, data: bytes) -> str:
+    """Write `data` to `path` (a new file: never through a symlink), fsync it; its SHA-256."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
 
 
 def _rng_tensors() -> tuple[dict, dict]:
@@ -196,12 +332,27 @@ def _scheduler_json(scheduler) -> dict:
     return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
 
 
+def _delete(ck: Path) -> None:
+    """Remove checkpoint `ck` unless a reader holds it (then a later save prunes it)."""
+    fd = _open_locked(ck, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        return
+    try:  # renamed under the lock: a reader that opens the manifest next finds it gone
+        gone = ck.with_name(f".tmp-{ck.name}-pruned")
+        os.replace(ck, gone)
+    except OSError:
+        os.close(fd)
+        return
+    os.close(fd)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
 def _prune(run_dir, keep: int) -> None:
     """Keep the newest `keep` checkpoints that match their manifests; delete older ones."""
     valid = 0
     for _, ck in reversed(list_checkpoints(run_dir)):
         if valid >= keep:
-            shutil.rmtree(ck, ignore_errors=True)
+            _delete(ck)
         elif verify_checkpoint(ck) is None:
             valid += 1
 
@@ -212,6 +363,34 @@ def _options(sd, trainable_only: bool):
     if not trainable_only:
         return None
     return sd.StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _run_dir_present(run_dir) -> Path:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise run_dir_vanished(root)
+    ckdir = root / DIRNAME
+    ckdir.mkdir(exist_ok=True)  # never its parents: a vanished run is not recreated
+    return ckdir
+
+
+def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
+    """DCP save into `tmp`; the shards' digests (relative name -> SHA-256). A full disk or a
+    read-only file system raises that OSError, not the serializer's message."""
+    dcp, _ = _dcp()
+    writer, fs = hashing_writer(tmp)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*assuming the intent is to save in a single process"
+        )
+        try:
+            dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
+        except Exception:
+            cause = first_os_error(fs)
+            if cause is not None:
+                raise cause from None
+            raise
+    return {Path(k).relative_to(tmp).as_posix(): v for k, v in fs.digests.items()}
 
 
 def save_checkpoint(
@@ -231,13 +410,16 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     hooks = hooks or TrainHooks()
-    dcp, sd = _dcp()
+    _, sd = _dcp()
     rank, _ = _rank_world()
     final = step_dir(run_dir, step)
     tmp = final.with_name(".tmp-" + final.name)
     if rank == 0:
+        _run_dir_present(run_dir)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir()
+        (tmp / "rng").mkdir()
+        (tmp / DIGESTS).mkdir()
     _barrier()
     tensors, meta = _rng_tensors()
     rng_file = tmp / "rng" / f"rank{rank}.safetensors"
@@ -246,11 +428,8 @@ def save_checkpoint(
     _fsync_path(rng_file)
     hooks.on_checkpoint("before_shards", step)
     model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*assuming the intent is to save in a single process"
-        )
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    digests = _write_shards({"model": model_sd, "optim": optim_sd}, tmp)
+    write_synced(tmp / DIGESTS / f"rank{rank}.json", json.dumps(digests).encode())
     _barrier()
     hooks.on_checkpoint("after_shards", step)
     if rank == 0:
@@ -262,20 +441,30 @@ def save_checkpoint(
     return final
 
 
+def _rank_digests(tmp: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted((tmp / DIGESTS).glob("rank*.json")):
+        out.update(json.loads(f.read_text()))
+    return out
+
+
 def _finish_write(
     tmp: Path, final: Path, step, scheduler, trainer_state, config_file, hooks
 ) -> None:
     """Rank 0: the small files, fsync everything, the manifest, then the rename."""
     trainer = {"step": step, **trainer_state, "scheduler": _scheduler_json(scheduler)}
-    write_synced(tmp / "trainer.json", (json.dumps(trainer, indent=1) + "\n").encode())
+    digests = _rank_digests(tmp)
+    data = (json.dumps(trainer, indent=1) + "\n").encode()
+    digests["trainer.json"] = write_synced(tmp / "trainer.json", data)
     if config_file is not None and Path(config_file).is_file():
-        write_synced(tmp / "config.toml", Path(config_file).read_bytes())
+        data = Path(config_file).read_bytes()
+        digests["config.toml"] = write_synced(tmp / "config.toml", data)
     for p in _files(tmp):  # DCP's files (its writer syncs shards; .metadata too, to be sure)
         _fsync_path(p)
-    for d in (tmp / "rng", tmp):
+    for d in (tmp / "rng", tmp / DIGESTS, tmp):
         _fsync_path(d)
     hooks.on_checkpoint("before_manifest", step)
-    manifest = build_manifest(tmp, step)
+    manifest = build_manifest(tmp, step, digests)
     write_synced(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     _fsync_path(tmp)
     hooks.on_checkpoint("before_rename", step)
@@ -286,14 +475,47 @@ def _finish_write(
     hooks.on_checkpoint("after_rename", step)
 
 
+#: trainer.json fields a resume reads, and the smallest value each may take
+_COUNTERS = {
+    "step": 0,
+    "sample_index": 0,
+    "skipped_steps": 0,
+    "skipped_in_a_row": 0,
+    "world_size": 1,
+}
+
+
+def _check_trainer(path: Path, d) -> dict:
+    def bad(what: str) -> ValueError:
+        return ValueError(
+            f"{str(path / 'trainer.json')!r}: {what}; the checkpoint is damaged or was edited: "
+            "pick another checkpoints/step_* directory"
+        )
+
+    if not isinstance(d, dict):
+        raise bad(f"expected a JSON object, found {type(d).__name__}")
+    for key, low in _COUNTERS.items():
+        v = d.get(key, low)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise bad(f"{key} is {v!r}, expected an integer >= {low}")
+    for key in ("initial_eval_loss", "initial_eval_bpb"):
+        v = d.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise bad(f"{key} is {v!r}, expected a number or null")
+    if not isinstance(d.get("scheduler", {}), dict):
+        raise bad(f"scheduler is {d['scheduler']!r}, expected a JSON object")
+    return d
+
+
 def read_trainer_state(path: str | Path) -> dict:
     """trainer.json of a checkpoint (step, sample index, scheduler state, ...)."""
     try:
-        return json.loads((Path(path) / "trainer.json").read_text())
+        d = json.loads((Path(path) / "trainer.json").read_text())
     except (OSError, ValueError) as e:
         raise ValueError(
             f"{str(path)!r} has no readable trainer.json ({e}); pick another checkpoints/step_* directory"
         ) from None
+    return _check_trainer(Path(path), d)
 
 
 def load_checkpoint(
@@ -308,14 +530,32 @@ def load_checkpoint(
     """Load a checkpoint into `model` (and `optimizer`, `scheduler`); returns the trainer
     state (trainer.json without the scheduler). trainable_only: the checkpoint holds only
     the parameters that train (LoRA)."""
-    dcp, sd = _dcp()
-    opts = _options(sd, trainable_only)
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ValueError(
             f"{str(path)!r} is not a complete dropless checkpoint (no .metadata); pick a checkpoints/step_* directory"
         )
+    try:
+        if not hold(path):
+            raise ValueError(
+                f"checkpoint {str(path)!r} has no {MANIFEST} (or was removed while opening it); "
+                "pick another checkpoints/step_* directory"
+            )
+        problem = verify_checkpoint(path)  # before any of it is unpickled
+        if problem is not None:
+            raise ValueError(
+                f"checkpoint {str(path)!r} does not verify: {problem}; pick another checkpoints/step_* directory"
+            )
+        return _load(path, model, optimizer, scheduler, restore_rng, trainable_only)
+    finally:  # held from the pick (or here) until loaded
+        release(path)
+
+
+def _load(path: Path, model, optimizer, scheduler, restore_rng: bool, trainable_only: bool):
+    dcp, sd = _dcp()
+    opts = _options(sd, trainable_only)
     trainer = read_trainer_state(path)
+    load_metadata(path / ".metadata")  # a refused pickle as a ValueError, not inside DCP's error
     if optimizer is not None:
         model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=opts)
         state = {"model": model_sd, "optim": optim_sd}
@@ -325,7 +565,7 @@ def load_checkpoint(
         warnings.filterwarnings(
             "ignore", message=".*assuming the intent is to load in a single process"
         )
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), storage_reader=SafeReader(str(path)))
     if optimizer is not None:
         sd.set_state_dict(
             model,

@@ -17,20 +17,19 @@ from .tokenizer import load_tokenizer
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) for a run directory or a checkpoints/step_* one."""
+    """(run directory, checkpoint directory) for a run directory or a checkpoints/step_* one:
+    verified, and held against a live run's pruning until loaded (`ckpt.pick_checkpoint`)."""
     p = Path(path)
     if not p.is_dir():
         raise ValueError(
             f"{str(p)!r} is not a directory; pass a run directory (dropless train --run-dir) or one of its checkpoints/step_* directories"
         )
-    if (p / ".metadata").is_file():
-        return p.parent.parent, p
-    found = ckpt.latest_checkpoint(p)
+    found = ckpt.pick_checkpoint(p)
     if found is None:
         raise ValueError(
             f"{str(p)!r} has no complete checkpoint (checkpoints/step_*); train first, or pass a checkpoint directory"
         )
-    return p, found
+    return found
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu"):

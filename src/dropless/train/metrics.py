@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .atomic import append_line, refuse_symlink, write_atomic
+
 # Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
 GPU_PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
 
@@ -98,10 +100,10 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, tensorboard: bool, resume_step: int | None):
         self.path = run_dir / "metrics.jsonl"
         if resume_step is None:
-            self.path.write_text("")
-        elif self.path.is_file():  # drop records past the checkpoint; they are redone
+            write_atomic(self.path, "")
+        elif refuse_symlink(self.path) or self.path.is_file():  # later records are redone
             keep = [json.dumps(r) for r in read_metrics(run_dir) if r["step"] <= resume_step]
-            self.path.write_text("".join(x + "\n" for x in keep))
+            write_atomic(self.path, "".join(x + "\n" for x in keep))
         self.tb = None
         if tensorboard:
             try:
@@ -116,8 +118,7 @@ class MetricsWriter:
             )
 
     def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_line(self.path, json.dumps(record))
         if self.tb is not None:
             for k, v in record.items():
                 if (

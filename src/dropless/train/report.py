@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from .atomic import write_atomic
 from .metrics import rate
 
 
@@ -22,7 +23,7 @@ def write_outputs(cfg, run_dir, summary: dict, records: list[dict]) -> None:
         summary["plot_loss"] = str(plot_losses(records, run_dir / "loss.png"))
         load = plot_expert_load(records, run_dir / "expert_load.png")
         summary["plot_expert_load"] = str(load) if load else None
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
 
 
 def _steps(s: dict) -> str:

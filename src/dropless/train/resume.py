@@ -84,9 +84,13 @@ def resume_config_file(run_dir: str | Path) -> Path | None:
     """The config a bare --resume continues with: the copy inside the newest checkpoint
     that verifies (written with it, covered by its manifest), never the run directory's
     config.toml, which a start cut short may have left stale or half written."""
+    import warnings
+
     from . import checkpoint as ckpt
 
-    ck = ckpt.latest_checkpoint(run_dir)
+    with warnings.catch_warnings():  # the checks of the resume itself say what was skipped
+        warnings.simplefilter("ignore")
+        ck = ckpt.latest_checkpoint(run_dir)
     if ck is not None and (ck / "config.toml").is_file():
         return ck / "config.toml"
     return None
@@ -103,6 +107,11 @@ def no_resume_point(run_dir: Path) -> ValueError:
     """Why --resume cannot start in `run_dir`, with the one action that works."""
     from . import checkpoint as ckpt
 
+    if not Path(run_dir).is_dir():
+        return ValueError(
+            f"--resume: the run directory {str(run_dir)!r} does not exist (nothing was created); "
+            "pass the --run-dir of the run to continue"
+        )
     if not ckpt.list_checkpoints(run_dir):
         return ValueError(
             f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
@@ -129,17 +138,20 @@ def check_fresh_start(run_dir: Path) -> None:
     )
 
 
-def nonfinite_fix(run_dir: Path, step: int, start_step: int, resumed: bool, policy: str) -> str:
-    """What to do after a non-finite loss or gradient at `step`: resume from the newest
-    checkpoint, from an older one when the newest produced the failure at once, or start
-    again when there is no checkpoint."""
+def nonfinite_fix(
+    run_dir: Path, resumed_from: Path | None, all_nonfinite: bool, policy: str
+) -> str:
+    """What to do after a non-finite loss or gradient: resume from the newest checkpoint;
+    from an older one when the newest is the one this run resumed from and every step
+    since was non-finite (`all_nonfinite`); start again when there is no checkpoint."""
     from . import checkpoint as ckpt
 
     lower = "lower optim.lr" + (" or raise train.max_skipped_steps" if policy == "skip" else "")
     newest = ckpt.latest_checkpoint(run_dir)
     if newest is None:
         return f"no checkpoint was written yet, so there is nothing to resume: {lower} and run the same command again"
-    if resumed and step == start_step + 1:
+    at_once = all_nonfinite and resumed_from is not None and Path(resumed_from) == newest
+    if at_once:
         older = [ck for _, ck in ckpt.list_checkpoints(run_dir) if ck != newest]
         older = [ck for ck in older if ckpt.verify_checkpoint(ck) is None]
         if older:
@@ -158,6 +170,12 @@ def nonfinite_fix(run_dir: Path, step: int, start_step: int, resumed: bool, poli
     return f"{lower}, then --resume"
 
 
+def with_nonfinite_fix(e: Exception, run_dir: Path, resumed_from, all_nonfinite: bool, policy: str):
+    """`e` (a NonFiniteError from the step) with its advice replaced by `nonfinite_fix`."""
+    head = str(e).rsplit("; ", 1)[0]  # the step's own advice is its last clause
+    return type(e)(f"{head}; {nonfinite_fix(run_dir, resumed_from, all_nonfinite, policy)}")
+
+
 __all__ = [
     "FIXED_KEYS",
     "changed_fixed_keys",
@@ -166,4 +184,5 @@ __all__ = [
     "no_resume_point",
     "nonfinite_fix",
     "resume_config_file",
+    "with_nonfinite_fix",
 ]

@@ -16,7 +16,7 @@ from .collectives import broadcast_object
 from .data import _data_files
 from .genomics import DNATokenizer
 from .model import check_compatible, hf_config, recipe_context
-from .resume import check_resume
+from .resume import check_fresh_start, check_resume, no_resume_point
 from .rundir import new_run_dir
 from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
 
@@ -153,14 +153,10 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     if resume:
         resume_from = on_rank0(lambda: ckpt.latest_checkpoint(run_dir), env)
         if resume_from is None:
-            raise ValueError(
-                f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
-            )
+            raise no_resume_point(run_dir)
         check_resume(cfg, resume_from, env.world)
-    elif ckpt.list_checkpoints(run_dir):
-        raise ValueError(
-            f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
-        )
+    else:
+        check_fresh_start(run_dir)
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
     if cfg.finetune.method == "lora" and env.world > 1:
         raise ValueError(

@@ -20,14 +20,15 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .config import Config, dump_config
-from .errors import Interrupted
+from .errors import Interrupted, NonFiniteError
 from .evaluation import Evaluator
 from .hooks import TrainHooks
 from .interrupts import StopRequests
 from .lora import ADAPTER_DIR, apply_lora, save_adapter
 from .model import FlopCounter, build_training_model
+from .resume import with_nonfinite_fix
 from .run_log import RunLog
-from .rundir import claim
+from .rundir import claim, discard_new_run
 from .setup import (
     Env,
     broadcast,
@@ -247,13 +248,25 @@ def train(
     `hooks` (a `TrainHooks`) is called at fixed points of the run."""
     cfg = with_tokenizer_resolved(cfg)
     env = init_env(cfg.parallel.timeout_s)
-    lock = None
+    lock, rdir = None, None
+    fresh = not resume and (run_dir is None or not Path(run_dir).exists())
     try:
-        rdir = resolve_run_dir(run_dir, resume, env)
-        lock = rank0_only(lambda: claim(rdir, resume), env)
-        hf_config, resume_from = preflight(cfg, env, rdir, resume)
-        trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks)
-        summary = trainer.fit()
+        try:
+            rdir = resolve_run_dir(run_dir, resume, env)
+            hf_config, resume_from = preflight(cfg, env, rdir, resume)
+            # the folder is marked and locked only once the config checks passed
+            lock = rank0_only(lambda: claim(rdir, resume), env)
+            trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks)
+        except BaseException:
+            if fresh and rdir is not None and env.main:  # a run that never started leaves no folder
+                discard_new_run(rdir, lock)
+            raise
+        try:
+            summary = trainer.fit()
+        except NonFiniteError as e:
+            s = trainer.state  # the failing step is not in s.step yet
+            every = s.skipped_in_a_row >= s.step - trainer.start_step + 1
+            raise with_nonfinite_fix(e, rdir, resume_from, every, cfg.train.on_nonfinite) from None
         return broadcast(summary, env)
     finally:
         if lock is not None:

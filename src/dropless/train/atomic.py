@@ -1,0 +1,72 @@
+"""Writing the files of a run directory so that a crash never leaves half a file and a
+symlink never redirects a write: a whole file goes to a temporary name in the same
+directory, is fsynced and renamed over the target; appends open the file with
+O_NOFOLLOW. A target that is a symlink is refused, naming it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def refuse_symlink(path: str | Path) -> None:
+    """ValueError if `path` is a symlink (a write there would land outside the run)."""
+    p = Path(path)
+    if p.is_symlink():
+        raise ValueError(
+            f"{str(p)!r} is a symlink (to {os.readlink(p)!r}); dropless writes only regular files "
+            "of the run directory: remove the link, or pass another --run-dir"
+        )
+
+
+def run_dir_vanished(run_dir: str | Path) -> ValueError:
+    return ValueError(
+        f"the run directory {str(run_dir)!r} vanished during the run (deleted or moved); the steps "
+        "since its last checkpoint are lost: start a new run, or restore the directory and --resume"
+    )
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, data: bytes | str, mode: int | None = None) -> Path:
+    """Replace `path` with `data` (temp file + fsync + rename + fsync of the directory)."""
+    p = Path(path)
+    refuse_symlink(p)
+    raw = data.encode() if isinstance(data, str) else data
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(p.parent)
+    return p
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line to `path` (created if missing), never through a symlink."""
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError:
+        refuse_symlink(p)  # ELOOP: say what it is
+        if not p.parent.is_dir():
+            raise run_dir_vanished(p.parent) from None
+        raise
+    with os.fdopen(fd, "a") as f:
+        f.write(line if line.endswith("\n") else line + "\n")
+
+
+__all__ = ["append_line", "refuse_symlink", "run_dir_vanished", "write_atomic"]

@@ -1,0 +1,104 @@
+"""The run lock is an flock held for the run's life: of processes that start together
+exactly one holds it, a holder in another PID namespace keeps others out, what the lock
+file says does not matter, and the kernel frees it when the holder dies."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dropless.cli.main import main
+from dropless.train.rundir import LOCK, RunLock
+
+from .faults_util import args, forked_children, snapshot
+
+HOLDER = Path(__file__).with_name("lock_holder.py")
+
+
+def _holder(run_dir: Path, *extra: str, launch=()) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*launch, sys.executable, str(HOLDER), str(run_dir), *extra],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(procs) -> None:
+    for p in procs:
+        p.stdin.close()
+        p.wait(timeout=10)
+
+
+def test_three_processes_at_once_one_holder_each_time(tmp_path):
+    for round_ in range(20):
+        run_dir = tmp_path / f"r{round_}"
+        run_dir.mkdir()
+        procs = [_holder(run_dir, "wait") for _ in range(3)]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        said = [p.stdout.readline().split()[0] for p in procs]
+        assert sorted(said) == ["lost", "lost", "won"], (round_, said)
+        _finish(procs)
+
+
+def test_a_holder_whose_details_are_unreadable_still_holds(tmp_path):
+    holder = _holder(tmp_path)
+    try:
+        assert holder.stdout.readline().strip() == "won"
+        (tmp_path / LOCK).write_text("")  # as if cut short while writing its details
+        with pytest.raises(ValueError, match="is in use by another process"):
+            RunLock(tmp_path).acquire()
+    finally:
+        _finish([holder])
+    lock = RunLock(tmp_path)
+    lock.acquire()  # released with the holder: taken at once
+    assert lock.held
+    lock.release()
+
+
+def test_holder_in_another_pid_namespace_keeps_the_lock(tmp_path):
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare for a PID namespace")
+    launch = ("unshare", "--pid", "--fork", "--mount-proc")
+    holder = _holder(tmp_path, launch=launch)
+    try:
+        assert holder.stdout.readline().strip() == "won"
+        # the pid it wrote is its own namespace's: no such process out here, or another one
+        with pytest.raises(ValueError, match=r"is in use by process \d+ on "):
+            RunLock(tmp_path).acquire()
+    finally:
+        _finish([holder])
+
+
+def test_second_process_is_refused_and_dead_locks_are_taken_over(run_copy, capsys):
+    holder = _holder(run_copy)
+    try:
+        assert holder.stdout.readline().strip() == "won"
+        before = snapshot(run_copy)
+        more = ["--resume", "--set", "train.steps=9"]
+        assert main(["train", "--run-dir", str(run_copy), *more]) == 2
+        err = capsys.readouterr().err
+        assert f"is in use by process {holder.pid} on" in err and "pass another --run-dir" in err
+        assert snapshot(run_copy) == before
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding it: the kernel releases the flock
+        holder.wait()
+    assert main(["train", "--run-dir", str(run_copy), *more]) == 0
+    assert not (run_copy / LOCK).exists()
+
+
+def test_three_dropless_train_starts_one_wins(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run_dir), *args("log.plots=false", "log.tensorboard=false")]
+    # the winner is killed after its first step; the others must have failed at the lock
+    jobs = [({"kill_after_step": 1}, argv) for _ in range(3)]
+    results = forked_children(jobs, tmp_path)
+    codes = sorted(c for c, _ in results)
+    assert codes == [-signal.SIGKILL, 2, 2], results
+    for code, err in results:
+        if code == 2:
+            assert "is in use by process " in err and err.count("\n") == 1, err

@@ -19,6 +19,10 @@ COMMANDS = {
         "dropless.cli.train",
         "train or fine-tune a MoE model (no arguments: a CPU demo run)",
     ),
+    "plan": (
+        "dropless.cli.plan",
+        "per-GPU memory and an estimated tokens/s of a layout, before launch",
+    ),
     "generate": ("dropless.cli.generate", "sample text from a training run's last checkpoint"),
     "convert": ("dropless.cli.convert", "export a training checkpoint to a Hugging Face directory"),
     "bench": ("dropless.cli.bench", "benchmarks: " + ", ".join(BENCHES)),

@@ -1,0 +1,399 @@
+"""`dropless plan`: the memory per GPU and an estimate of tokens/s, before launch, from
+the trainer's own code path.
+
+    p = make_plan(cfg, gpus=8, gpu_memory_gib=80, gpu="h100", skew=1.5)
+    p.peak_gib_per_gpu, p.fits, p.to_json()
+
+The memory is traced, not computed: the model is built on the meta device as
+`dropless train` builds it (patched experts, activation checkpointing, fused RMSNorm and
+cross-entropy, LoRA), sharded by `parallelize_for_training` (expert parallelism, FSDP2 /
+HSDP, the mixed-precision policy) over a fake process group of the target world size
+(`torch.testing._internal.distributed.fake_pg`, this process as rank 0), materialized as
+fake tensors (`FakeTensorMode`: no memory is used), and one micro-batch's forward and
+backward and the optimizer step run under torch's memory tracker (FSDPMemTracker under
+FSDP2, MemTracker on one process), which follows every tensor's storage. The experts
+forward is the one part that cannot run on fake tensors (data-dependent counts, the
+counts exchange, Triton kernels): it is replaced by the sizes the fused path declares
+(`plan_experts.py`), at the stated routing skew under expert parallelism.
+
+The trace runs on CPU fake tensors: CPU autocast stands for CUDA autocast, and the CPU
+torch ops' outputs for the CUDA kernels' (the Triton RMSNorm and SwiGLU row kernels
+return the same shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .plan_cost import Workload, cost_assumptions, gpu_kind, step_estimate
+from .plan_experts import declare_experts
+
+GIB = 2**30
+CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspaces, kernels' code
+NCCL_GIB = 0.5  # NCCL communicators' buffers, several processes only
+FRAGMENTATION = 0.05  # of the peak: the caching allocator's rounding and splits
+
+
+def model_dtype(cfg) -> torch.dtype:
+    """The parameters' dtype (`model.dtype`: "fp32" default, "bf16")."""
+    return torch.bfloat16 if getattr(cfg.model, "dtype", "fp32") == "bf16" else torch.float32
+
+
+def compute_dtype(cfg, on_gpu: bool = True) -> torch.dtype:
+    """The autocast dtype: precision.dtype, "auto" being bf16 on a GPU."""
+    d = cfg.precision.dtype
+    return torch.bfloat16 if d == "bf16" or (d == "auto" and on_gpu) else torch.float32
+
+
+def master_weights(cfg) -> bool:
+    return bool(getattr(cfg.optim, "master_weights", True))
+
+
+@contextlib.contextmanager
+def fake_world(world: int):
+    """A fake process group of `world` ranks (this process is rank 0): collectives return
+    at once and move nothing, so the model can be sharded as on `world` GPUs."""
+    if world == 1:
+        yield
+        return
+    if dist.is_initialized():
+        raise RuntimeError("the planner needs a process without a process group")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _prepare_probes(model: nn.Module) -> None:
+    """Run, on real data and outside the fake mode, the one-time checks the patched modules
+    do on their first call (the experts' fused form, RMSNorm agreement), which compare
+    values and so cannot run on fake tensors."""
+    from ..hf.experts import _spec
+    from ..hf.layers import moe_layers
+    from ..hf.rmsnorm import _ATTR
+
+    for layer in moe_layers(model):
+        _spec(layer.experts)
+    for m in model.modules():
+        if _ATTR in m.__dict__:
+            m.__dict__[_ATTR] = True  # the fused RMSNorm (its kernel agrees on the GPU)
+
+
+def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
+    """(model, TrainParallel or None, fused-loss list or None) on the meta device, built
+    and sharded as `Trainer` does; call inside `fake_world(world)`."""
+    from .distributed import parallelize_for_training
+    from .model import _switch_path, enable_activation_checkpointing, require_transformers
+
+    tc = cfg.train
+    transformers = require_transformers()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            hf_config, dtype=model_dtype(cfg), attn_implementation=cfg.model.attn_implementation
+        )
+    _switch_path(model, cfg.model, tc.expert_bias_rate > 0)
+    if tc.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if tc.fused_rmsnorm:
+        from ..hf import enable_fused_rmsnorm
+
+        enable_fused_rmsnorm(model)
+    _prepare_probes(model)
+    par = parallelize_for_training(model, cfg.parallel, world, cdtype)
+    if cfg.finetune.method == "lora":
+        from .lora import apply_lora
+
+        model = apply_lora(model, cfg.finetune, cfg.model.path)
+    seen = None
+    if tc.fused_cross_entropy:
+        from .step import fuse_cross_entropy
+
+        inner = model.get_base_model() if cfg.finetune.method == "lora" else model
+        seen = fuse_cross_entropy(inner)
+    return model, par, seen
+
+
+def _optimizer(cfg, params, par):
+    from .state import build_optimizer
+
+    opt = build_optimizer(params, cfg.optim, par)
+    if model_dtype(cfg) == torch.bfloat16 and type(opt).__name__ != "BF16AdamW":
+        from .bf16_adamw import BF16AdamW
+
+        o = cfg.optim
+        groups = [
+            {"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups
+        ]
+        opt = BF16AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, master_weights=master_weights(cfg))  # fmt: skip
+    return opt
+
+
+def micro_batch(cfg, world: int) -> int:
+    tc = cfg.train
+    return max(tc.batch_size // (world * tc.grad_accum), 1)
+
+
+def _category(name: str) -> str:
+    """Our breakdown's name for a tracker category."""
+    n = name.lower()
+    for key, ours in (
+        ("unsharded param", "unsharded_buffers"), ("unsharded grad", "unsharded_buffers"),
+        ("all gather", "unsharded_buffers"), ("reduce scatter", "unsharded_buffers"),
+        ("param", "parameters"), ("grad", "gradients"), ("opt", "optimizer_states"),
+        ("act", "activations"), ("buffer", "parameters"),
+    ):  # fmt: skip
+        if key in n:
+            return ours
+    return "temporaries"  # Temp, Inputs
+
+
+def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[str, int]:
+    """Bytes per category at the peak of one micro-batch + optimizer step, on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model.to_empty(device="cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(cfg, params, par)  # outside the mode: it reads the mesh's rank list
+    B, L = micro_batch(cfg, world), cfg.train.seq_len
+    V = int(model.config.vocab_size)
+    with mode:
+        _init_optimizer_state(opt)
+        tracker = FSDPMemTracker(model, opt) if par is not None else MemTracker()
+        if par is None:
+            tracker.track_external(model, opt)
+        with tracker:
+            ids = torch.randint(0, V, (B, L))
+            kw = {"use_cache": False}
+            if seen is not None:
+                kw.update(labels=ids, shift_labels=ids)
+            auto = (
+                torch.autocast("cpu", dtype=cdtype)
+                if cdtype != torch.float32
+                else contextlib.nullcontext()
+            )
+            with auto:
+                out = model(input_ids=ids, **kw)
+            if seen is not None:
+                loss = seen.pop()
+            else:
+                logits = out.logits.float()
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids.reshape(-1))
+            del out
+            loss.backward()
+        snap = tracker.get_tracker_snapshot("peak")
+    per = dict.fromkeys(("parameters", "gradients", "optimizer_states", "unsharded_buffers", "activations", "temporaries"), 0)  # fmt: skip
+    for device_snap in snap.values():
+        for name, b in device_snap.items():
+            if str(name) != "Total":
+                per[_category(getattr(name, "value", str(name)))] += int(b)
+    per["temporaries"] += _step_temporaries(opt)
+    return per
+
+
+def _init_optimizer_state(opt) -> None:
+    """Create the optimizer's state (one step on zero gradients) before the traced step:
+    from the second step on, forward and backward run beside it. The step itself is not
+    traced: a fake in-place fused kernel is traced as its out-of-place form, whose outputs
+    it does not allocate on the GPU."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _step_temporaries(opt) -> int:
+    """Bytes the optimizer step allocates beside the state: none for torch's fused AdamW
+    (in place); BF16AdamW's elementwise update holds a few fp32 tensors of one parameter's
+    local size (3 taken)."""
+    if type(opt).__name__ != "BF16AdamW":
+        return 0
+    local = [p.to_local() if hasattr(p, "to_local") else p for g in opt.param_groups for p in g["params"]]  # fmt: skip
+    return 3 * 4 * max((t.numel() for t in local), default=0)
+
+
+@dataclass
+class Plan:
+    """The plan of one layout: the JSON contract's fields, plus what printed it."""
+
+    gpus: int
+    gpu: str
+    gpu_memory_gib: float
+    peak_gib_per_gpu: float
+    reserve_gib: float
+    fits: bool
+    max_skew: float
+    skew: float
+    breakdown_gib: dict
+    tokens_per_s_per_gpu: float
+    step_s_estimate: float
+    activations_other_checkpointing_gib: float | None
+    all_to_all_gib: float
+    layout: dict
+    assumptions: dict = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def reserve_gib(world: int, peak_gib: float) -> float:
+    return CONTEXT_GIB + (NCCL_GIB if world > 1 else 0.0) + FRAGMENTATION * peak_gib
+
+
+def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
+    with fake_world(world):
+        model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
+        declare_experts(model, ep, skew)
+        per = trace_step(cfg, model, par, seen, world, cdtype)
+        workload = _workload(cfg, model, par, world, cdtype)
+    return per, workload
+
+
+def _workload(cfg, model, par, world: int, cdtype) -> Workload:
+    from ..hf.layers import moe_layers
+    from .model import FlopCounter
+
+    layers = moe_layers(model)
+    ex = layers[0].experts
+    per_expert = sum(math.prod(p.shape[1:]) for p in ex.parameters(recurse=False) if p.dim() == 3)
+    expert_total = sum(p.numel() for layer in layers for p in layer.experts.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    flops = FlopCounter.from_model(model)
+    ep = cfg.parallel.ep
+    dp_shard = par.pmesh.config.dp_shard if par is not None else 1
+    return Workload(
+        tokens=micro_batch(cfg, world) * cfg.train.seq_len, seq_len=cfg.train.seq_len,
+        top_k=int(getattr(model.config, "num_experts_per_tok", 1)), hidden=int(model.config.hidden_size),
+        moe_layers=len(layers), expert_params=per_expert, dense_params=flops.dense_params,
+        attn_per_seq_l2=flops.attn_per_seq_l2, dense_shard_params=total - expert_total,
+        expert_fsdp_params=expert_total // ep, dp_shard=dp_shard, ep=ep,
+        act_bytes=2 if cdtype == torch.bfloat16 else 4, frozen_base=cfg.finetune.method == "lora",
+        checkpointing=cfg.train.activation_checkpointing, overlap=cfg.parallel.overlap_chunks > 1,
+    )  # fmt: skip
+
+
+def _skew_cap(hf_config, ep: int) -> float:
+    """The largest load a rank can get over the mean: every token sends min(K, local
+    experts) of its K pairs to it, from all ep ranks."""
+    E = int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "n_routed_experts", 1))
+    K = int(getattr(hf_config, "num_experts_per_tok", 1))
+    return ep * min(K, max(E // ep, 1)) / K
+
+
+def _max_skew(peak_at, skew: float, budget_gib: float, world: int, cap: float) -> float:
+    """The skew at which peak + reserve reaches the budget (peak is linear in the skew:
+    only the expert rows grow with it), at most `cap`; 0 when balanced routing does not fit."""
+    room = (budget_gib - CONTEXT_GIB - (NCCL_GIB if world > 1 else 0.0)) / (1 + FRAGMENTATION)
+    p1, ps = peak_at(1.0), peak_at(skew)
+    if p1 > room:
+        return 0.0
+    slope = (ps - p1) / (skew - 1.0) if skew != 1.0 else 0.0
+    if slope <= 0:
+        return cap
+    return round(min(cap, 1.0 + (room - p1) / slope), 2)
+
+
+def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
+    mw = master_weights(cfg)
+    return {
+        "memory": "traced: the trainer's model build, sharding and one training step on fake "
+        "tensors over a fake process group; torch's memory tracker reads the peak",
+        "experts": "the expert MLP is not run on fake tensors (data-dependent counts, the counts "
+        "exchange, Triton kernels): its declared sizes are allocated (saved h [rows, 2F], "
+        "prob and indices; received rows and the send buffer under expert parallelism)",
+        "skew": f"the busiest expert-parallel rank computes {skew}x the mean rows"
+        if ep > 1
+        else "one expert-parallel rank holds every expert: routing skew does not change memory",
+        "parameters": f"{str(model_dtype(cfg)).removeprefix('torch.')}; compute "
+        f"{str(cdtype).removeprefix('torch.')} (autocast, FSDP2 param_dtype), fp32 reductions",
+        "optimizer": "AdamW fp32 moments" + (
+            (" + fp32 master copy" if mw else ", stochastic rounding, no master copy")
+            if model_dtype(cfg) == torch.bfloat16 else ""
+        ),
+        "router_losses": "not traced (a few [T, E] tensors per layer)",
+        "gradient_clipping": "not traced (one norm per parameter group)",
+        "reserve": f"{CONTEXT_GIB} GiB CUDA context and workspaces, {NCCL_GIB} GiB NCCL with "
+        f"several processes, {FRAGMENTATION:.0%} of the peak for allocator fragmentation",
+        "autocast": "CPU autocast and CPU ops stand for the CUDA ones (same output shapes)",
+        **cost_assumptions(gpu),
+    }  # fmt: skip
+
+
+def resolve_hf_config(cfg):
+    """The Transformers config `dropless train` would build (no weights are read)."""
+    from .model import hf_config
+
+    vocab = 0
+    if not (cfg.model.path or cfg.model.config):
+        from pathlib import Path
+
+        from .setup import tokenizer_vocab
+
+        vocab = tokenizer_vocab(cfg, Path("/nonexistent-run-dir"))  # bpe: its configured size
+    return hf_config(cfg.model, vocab)
+
+
+def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: float = 1.5, *, hf_config=None, compare_checkpointing: bool = True) -> Plan:  # fmt: skip
+    """The plan of `cfg` on `gpus` GPUs of `gpu_memory_gib` GiB each (see the module)."""
+    from ..parallel.mesh import resolve_sizes
+
+    if skew < 1.0:
+        raise ValueError(f"--skew {skew}: the busiest rank's load over the mean is at least 1.0")
+    kind = gpu_kind(gpu)
+    hf_config = hf_config if hf_config is not None else resolve_hf_config(cfg)
+    resolve_sizes(cfg.parallel, gpus, getattr(hf_config, "num_experts", None))
+    cdtype = compute_dtype(cfg)
+    ep = cfg.parallel.ep
+    cache: dict = {}
+
+    def peak_at(s: float) -> float:
+        if s not in cache:
+            cache[s] = _traced(cfg, hf_config, gpus, cdtype, ep, s)
+        return sum(cache[s][0].values()) / GIB
+
+    peak = peak_at(skew)
+    per, work = cache[skew]
+    cap = _skew_cap(hf_config, ep)
+    max_skew = _max_skew(peak_at, skew, gpu_memory_gib, gpus, cap) if ep > 1 else cap
+    other = None
+    if compare_checkpointing:
+        flipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=not cfg.train.activation_checkpointing))  # fmt: skip
+        other = _traced(flipped, hf_config, gpus, cdtype, ep, skew)[0]["activations"] / GIB
+    reserve = reserve_gib(gpus, peak)
+    est = step_estimate(work, kind, skew, cfg.train.grad_accum)
+    rows = math.ceil(work.tokens * work.top_k * (skew if ep > 1 else 1.0))
+    a2a = (work.tokens * work.top_k + rows) * work.hidden * work.act_bytes / GIB if ep > 1 else 0.0
+    return Plan(
+        gpus=gpus, gpu=gpu, gpu_memory_gib=gpu_memory_gib, peak_gib_per_gpu=round(peak, 6),
+        reserve_gib=round(reserve, 3), fits=peak + reserve <= gpu_memory_gib, max_skew=max_skew,
+        skew=skew, breakdown_gib={k: round(v / GIB, 6) for k, v in per.items()},
+        tokens_per_s_per_gpu=round(est["tokens_per_s_per_gpu"], 1), step_s_estimate=round(est["step_s"], 4),
+        activations_other_checkpointing_gib=None if other is None else round(other, 3),
+        all_to_all_gib=round(a2a, 3), layout=_layout(cfg, gpus, work, cdtype),
+        assumptions=plan_assumptions(cfg, cdtype, ep, skew, kind),
+    )  # fmt: skip
+
+
+def _layout(cfg, gpus: int, work: Workload, cdtype) -> dict:
+    return {
+        "dp_replicate": cfg.parallel.dp_replicate, "dp_shard": work.dp_shard, "ep": cfg.parallel.ep,
+        "micro_batch": micro_batch(cfg, gpus), "seq_len": cfg.train.seq_len,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "finetune": cfg.finetune.method, "model_dtype": str(model_dtype(cfg)).removeprefix("torch."),
+        "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": master_weights(cfg),
+    }  # fmt: skip

@@ -385,7 +385,7 @@ def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
         )
         try:
             dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
-        except Exception:
+        except BaseException:  # DCP's CheckpointException is a BaseException
             cause = first_os_error(fs)
             if cause is not None:
                 raise cause from None

@@ -127,10 +127,13 @@ def discard_new_run(run_dir: Path, lock: RunLock | None) -> None:
     if lock is not None and lock.held:
         for name in (MARKER, "config.toml", "tokenizer", "data", LOCK):
             p = run_dir / name
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.exists() or p.is_symlink():
-                p.unlink(missing_ok=True)
+            try:  # never raises: the error that stopped the run is the one to show
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.exists() or p.is_symlink():
+                    p.unlink(missing_ok=True)
+            except OSError:
+                pass
         lock.release()
     try:
         run_dir.rmdir()  # fails, and keeps it, if anything else is inside

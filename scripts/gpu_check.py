@@ -137,20 +137,11 @@ def layer_table(record: dict) -> dict:
             share_of_bound=_round(r["vs_bound"]), tflops=_round(r["gflops"] / 1e3),
             max_rel_diff=_round(r["max_rel_diff"], 6),
         )  # fmt: skip
-    r0 = record["figures"]["rows"][0]
-    shape = {k: r0.get(k) for k in ("T",)} | _layer_shape(record)
+    dims = dict(record["figures"]["dims"])
+    dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(dims.pop("dtype"), "?")
+    shape = dims | {"T": record["figures"]["rows"][0]["T"]}
     bound = "bench/layer.py's dense bound: the six GEMMs with M = T*K rows (with the input grad)"
-    return dict(shape=shape, dtype=_dtype(record), bound=bound, rows=rows)
-
-
-def _layer_shape(record: dict) -> dict:
-    from_cmd = record["figures"]["shape"]
-    shapes = {"qwen3-30b": dict(E=128, K=8, D=2048, F=768), "tiny": dict(E=6, K=2, D=64, F=32)}
-    return shapes.get(from_cmd, {"shape": from_cmd})
-
-
-def _dtype(record: dict) -> str:
-    return "bf16" if "cuda" in record["argv"] else "fp32"
+    return dict(shape=shape, dtype=dtype, bound=bound, rows=rows)
 
 
 def e2e_table(record: dict) -> dict:

@@ -427,8 +427,9 @@ def run(args) -> int:
         if busy is not None:
             busy.kill()
             busy.wait()
+    dims = {k: v for k, v in SHAPES[args.shape].items() if k != "T"}
     figures = {
-        "shape": args.shape, "rows": all_rows, "threads": torch.get_num_threads(),
+        "shape": args.shape, "dims": dims, "rows": all_rows, "threads": torch.get_num_threads(),
         "busy_core": core,
     }  # fmt: skip
     record = rec.finish("layer", figures)

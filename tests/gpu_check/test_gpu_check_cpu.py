@@ -70,3 +70,44 @@ def test_unknown_step_is_a_usage_error():
         [sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and "unknown step" in proc.stderr
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_records_become_the_summary_tables():
+    """A GPU run's records (memory measured) in the summary's units and names."""
+    gc = _script()
+    row = dict(routing="uniform", T=16384, gflops=5e5, max_rel_diff=None)
+    layer = {
+        "argv": ["python", "-m", "dropless", "bench", "layer", "--device", "cuda"],
+        "figures": {
+            "dims": dict(E=128, K=8, D=2048, F=768, dtype="bfloat16"),
+            "rows": [
+                row | dict(impl="dense", ms=6.0, vs_bound=1.0, peak_mib=1024.0),
+                row | dict(impl="dropless", ms=8.0, vs_bound=0.75, peak_mib=3072.0),
+                row | dict(impl="dropless", ms=9.0, vs_bound=0.7, peak_mib=1.0, routing="skewed"),
+            ],
+        },
+    }
+    t = gc.layer_table(layer)
+    assert t["shape"] == dict(E=128, K=8, D=2048, F=768, T=16384) and t["dtype"] == "bf16"
+    assert t["rows"]["dense_bound"] == dict(
+        ms=6.0, peak_gib=1.0, share_of_bound=1.0, tflops=500.0, max_rel_diff=None
+    )
+    assert t["rows"]["dropless"]["peak_gib"] == 3.0  # the uniform row, not the skewed one
+    e2e = {"figures": {"shape": {}, "dtype": "bfloat16", "rows": {
+        "grouped_mm": dict(step_s=0.07, tokens_per_s=200000.0, peak_step_mib=12 * 1024.0, first_loss=10.4),
+        "dropless": dict(step_s=0.05, tokens_per_s=300000.0, peak_step_mib=9 * 1024.0, first_loss=10.4),
+    }}}  # fmt: skip
+    rows = gc.e2e_table(e2e)["rows"]
+    assert rows["dropless"] == dict(
+        ms=50.0, tokens_per_s=300000, peak_gib=9.0, peak_step_gib=9.0, first_loss=10.4,
+        speed_vs_grouped_mm=1.5, memory_vs_grouped_mm=0.75,
+    )  # fmt: skip

@@ -83,7 +83,11 @@ def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str |
             "six-GEMM bound that later runs use, so `share_of_bound` here reads high.",
             "",
         ]
-        lines += _rows("Layer", timing, ["ms", "share_of_bound", "peak_gib", "host_syncs_per_step"])
+    if timing:
+        cols = ["ms", "share_of_bound", "peak_gib"]
+        if any("host_syncs_per_step" in r for r in timing["rows"].values()):
+            cols.append("host_syncs_per_step")  # the earlier form measured them here
+        lines += _rows("Layer", timing, cols)
     e2e = s["groups"].get("e2e", {}).get("e2e")
     if e2e:
         lines += [

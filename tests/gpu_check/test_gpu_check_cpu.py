@@ -111,3 +111,28 @@ def test_bench_records_become_the_summary_tables():
         ms=50.0, tokens_per_s=300000, peak_gib=9.0, peak_step_gib=9.0, first_loss=10.4,
         speed_vs_grouped_mm=1.5, memory_vs_grouped_mm=0.75,
     )  # fmt: skip
+
+
+def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
+    """BENCHMARKS.md's GPU section from this runner's summary: pytest counts, both tables,
+    and the six-GEMM bound named (the note for the earlier 5-GEMM bound left out)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT.parent / "gpu_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    info = dict(torch="2.11.0+cu130", device="NVIDIA H200", commit="abc")
+    summary = dict(argv=["--budget", "240"], date="2026-12-01 16:00 UTC", elapsed_s=200.0, ok=True, groups={
+        "pytest": dict(status="ok", counts={"passed": 40, "deselected": 900}, seconds=60.0),
+        "timing": dict(status="ok", info=info, seconds=70.0, timing=dict(
+            shape={}, dtype="bf16", bound="six", rows={"dense_bound": dict(ms=6.5, share_of_bound=1.0, peak_gib=1.8)})),
+        "e2e": dict(status="ok", info=info, seconds=70.0, e2e=dict(
+            shape={}, dtype="bfloat16", rows={"dropless": dict(ms=50.0, tokens_per_s=300000)})),
+    })  # fmt: skip
+    log = report.ROOT / "benchmarks" / "gpu" / "x.log"
+    text = "\n".join(report.render_run(summary, log, "abc1234", "", None))
+    assert "### `python scripts/gpu_check.py --budget 240` on commit abc1234" in text
+    assert "NVIDIA H200, torch 2.11.0+cu130; run 2026-12-01 16:00 UTC" in text
+    assert "| pytest | ok | 40 passed, 900 deselected | 60.0 |" in text
+    assert "| dense_bound | 6.5 | 1.0 | 1.8 |" in text and "| dropless | 50.0 | 300000 |" in text
+    assert "six GEMMs" in text and "5 of the" not in text

@@ -2,6 +2,7 @@
 exactly one holds it, a holder in another PID namespace keeps others out, what the lock
 file says does not matter, and the kernel frees it when the holder dies."""
 
+import json
 import os
 import shutil
 import signal
@@ -63,12 +64,17 @@ def test_a_holder_whose_details_are_unreadable_still_holds(tmp_path):
 def test_holder_in_another_pid_namespace_keeps_the_lock(tmp_path):
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare for a PID namespace")
-    launch = ("unshare", "--pid", "--fork", "--mount-proc")
-    holder = _holder(tmp_path, launch=launch)
+    # its pid there (sh is 1, each /bin/true one more) is one no process has out here
+    pid = next(p for p in range(20, 10_000) if not os.path.exists(f"/proc/{p}"))
+    script = f"i=0; while [ $i -lt {pid - 2} ]; do /bin/true; i=$((i+1)); done; {sys.executable} {HOLDER} {tmp_path}"
+    holder = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "won"
-        # the pid it wrote is its own namespace's: no such process out here, or another one
-        with pytest.raises(ValueError, match=r"is in use by process \d+ on "):
+        assert json.loads((tmp_path / LOCK).read_text())["pid"] == pid
+        with pytest.raises(ValueError, match=f"is in use by process {pid} on "):
             RunLock(tmp_path).acquire()
     finally:
         _finish([holder])

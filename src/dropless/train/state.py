@@ -148,21 +148,24 @@ def _mesh_of(p: torch.Tensor):
 
 def build_optimizer(params: list[torch.nn.Parameter], ocfg, parallel=None) -> torch.optim.Optimizer:
     """AdamW, no weight decay on 1-D parameters (norms, biases); kernel per `adamw_kernel`.
-    Parameters on different DTensor meshes (dense and expert units) go in separate groups:
-    one fused call may not mix meshes."""
-    groups: dict[tuple, dict] = {}
-    for p in params:
-        decay = p.dim() >= 2
-        group = groups.setdefault(
-            (decay, _mesh_of(p)),
-            {"params": [], "weight_decay": ocfg.weight_decay if decay else 0.0},
-        )
-        group["params"].append(p)
-    ordered = sorted(groups.items(), key=lambda kv: (not kv[0][0], str(kv[0][1])))
+
+    Three groups, the same on any number of processes (so a checkpoint resumes on another
+    world size): matrices, expert weights (3-D: [E, out, in] and their LoRA factors) and
+    1-D parameters. Under FSDP2 x EP the experts live on their own device mesh, and one
+    fused call may not mix meshes: the split keeps each group on one mesh. A group that
+    still spans several meshes falls back to torch's default kernel."""
+    groups = [
+        {"params": [p for p in params if p.dim() == 2], "weight_decay": ocfg.weight_decay},
+        {"params": [p for p in params if p.dim() >= 3], "weight_decay": ocfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    kernel = adamw_kernel(ocfg, parallel)
+    for g in groups:
+        if kernel.get("fused") and len({_mesh_of(p) for p in g["params"]}) > 1:
+            g["fused"] = False
     return torch.optim.AdamW(
-        [g for _, g in ordered] or [{"params": []}], lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2),
-        eps=ocfg.eps, **adamw_kernel(ocfg, parallel),
-    )  # fmt: skip
+        groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel
+    )
 
 
 def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.LambdaLR:

@@ -224,6 +224,7 @@ MAY_CHANGE_ON_RESUME = {
             "fused_rmsnorm",
             "on_nonfinite",
             "max_skipped_steps",
+            "preflight",
         )
     },  # fmt: skip
     # on/off is refused by changed_fixed_keys (the bias buffer); its value may change

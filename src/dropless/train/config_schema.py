@@ -174,6 +174,7 @@ class TrainSection:
     fused_rmsnorm: bool = True  # dropless's RMSNorm (Triton on CUDA, a lean torch op on CPU)
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
     max_skipped_steps: int = 5  # on_nonfinite="skip": stop after more than this many in a row
+    preflight: bool = True  # on GPUs: refuse a layout `dropless plan` predicts runs out of memory
 
     def __post_init__(self):
         _positive(

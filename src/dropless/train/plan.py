@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -167,11 +168,16 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
+        from ..hf.parallel import _retie
+
+        _retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params, par)  # outside the mode: it reads the mesh's rank list
     B, L = micro_batch(cfg, world), cfg.train.seq_len
     V = int(model.config.vocab_size)
-    with mode:
+    with mode, warnings.catch_warnings():
+        # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         _init_optimizer_state(opt)
         tracker = FSDPMemTracker(model, opt) if par is not None else MemTracker()
         if par is None:
@@ -195,21 +201,32 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids.reshape(-1))
             del out
             loss.backward()
-        snap = tracker.get_tracker_snapshot("peak")
+            del loss
+            loss_free = tracker.get_tracker_snapshot("current")  # after backward: the step's start
+        peak = _breakdown(tracker.get_tracker_snapshot("peak"))
+    at_step = _breakdown(loss_free)
+    at_step["temporaries"] += _step_temporaries(opt)
+    return peak if sum(peak.values()) >= sum(at_step.values()) else at_step
+
+
+def _breakdown(snap) -> dict[str, int]:
     per = dict.fromkeys(("parameters", "gradients", "optimizer_states", "unsharded_buffers", "activations", "temporaries"), 0)  # fmt: skip
     for device_snap in snap.values():
         for name, b in device_snap.items():
             if str(name) != "Total":
                 per[_category(getattr(name, "value", str(name)))] += int(b)
-    per["temporaries"] += _step_temporaries(opt)
     return per
 
 
 def _init_optimizer_state(opt) -> None:
-    """Create the optimizer's state (one step on zero gradients) before the traced step:
-    from the second step on, forward and backward run beside it. The step itself is not
-    traced: a fake in-place fused kernel is traced as its out-of-place form, whose outputs
-    it does not allocate on the GPU."""
+    """Create the optimizer's state before the traced step: from the second step on,
+    forward and backward run beside it. The step itself is not traced: a fake in-place
+    fused kernel is traced as its out-of-place form, whose outputs the GPU never holds."""
+    if hasattr(opt, "_state"):  # BF16AdamW creates its state per parameter
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt._state(p)
+        return
     for g in opt.param_groups:
         for p in g["params"]:
             p.grad = torch.zeros_like(p)
@@ -220,11 +237,12 @@ def _init_optimizer_state(opt) -> None:
 def _step_temporaries(opt) -> int:
     """Bytes the optimizer step allocates beside the state: none for torch's fused AdamW
     (in place); BF16AdamW's elementwise update holds a few fp32 tensors of one parameter's
-    local size (3 taken)."""
+    local size (5 taken: the fp32 gradient, the denominator, the fp32 weight, the rounding
+    noise and its result)."""
     if type(opt).__name__ != "BF16AdamW":
         return 0
     local = [p.to_local() if hasattr(p, "to_local") else p for g in opt.param_groups for p in g["params"]]  # fmt: skip
-    return 3 * 4 * max((t.numel() for t in local), default=0)
+    return 5 * 4 * max((t.numel() for t in local), default=0)
 
 
 @dataclass
@@ -334,18 +352,25 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
     }  # fmt: skip
 
 
+def _vocab(cfg) -> int:
+    """The built-in model's vocabulary as `dropless train` sizes it (a trained BPE at its
+    configured size; a checkpoint or config brings its own)."""
+    from .genomics import DNATokenizer
+    from .tokenizer import ByteTokenizer, HFTokenizer, resolve_spec
+
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == "bytes":
+        return ByteTokenizer.vocab_size
+    if spec == "dna":
+        return DNATokenizer.vocab_size
+    return cfg.data.bpe_vocab_size if spec == "bpe" else HFTokenizer.from_dir(spec).vocab_size
+
+
 def resolve_hf_config(cfg):
     """The Transformers config `dropless train` would build (no weights are read)."""
     from .model import hf_config
 
-    vocab = 0
-    if not (cfg.model.path or cfg.model.config):
-        from pathlib import Path
-
-        from .setup import tokenizer_vocab
-
-        vocab = tokenizer_vocab(cfg, Path("/nonexistent-run-dir"))  # bpe: its configured size
-    return hf_config(cfg.model, vocab)
+    return hf_config(cfg.model, 0 if (cfg.model.path or cfg.model.config) else _vocab(cfg))
 
 
 def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: float = 1.5, *, hf_config=None, compare_checkpointing: bool = True) -> Plan:  # fmt: skip
@@ -379,12 +404,12 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
     rows = math.ceil(work.tokens * work.top_k * (skew if ep > 1 else 1.0))
     a2a = (work.tokens * work.top_k + rows) * work.hidden * work.act_bytes / GIB if ep > 1 else 0.0
     return Plan(
-        gpus=gpus, gpu=gpu, gpu_memory_gib=gpu_memory_gib, peak_gib_per_gpu=round(peak, 6),
-        reserve_gib=round(reserve, 3), fits=peak + reserve <= gpu_memory_gib, max_skew=max_skew,
-        skew=skew, breakdown_gib={k: round(v / GIB, 6) for k, v in per.items()},
+        gpus=gpus, gpu=gpu, gpu_memory_gib=gpu_memory_gib, peak_gib_per_gpu=round(peak, 9),
+        reserve_gib=round(reserve, 6), fits=peak + reserve <= gpu_memory_gib, max_skew=max_skew,
+        skew=skew, breakdown_gib={k: round(v / GIB, 9) for k, v in per.items()},
         tokens_per_s_per_gpu=round(est["tokens_per_s_per_gpu"], 1), step_s_estimate=round(est["step_s"], 4),
-        activations_other_checkpointing_gib=None if other is None else round(other, 3),
-        all_to_all_gib=round(a2a, 3), layout=_layout(cfg, gpus, work, cdtype),
+        activations_other_checkpointing_gib=None if other is None else round(other, 9),
+        all_to_all_gib=round(a2a, 9), layout=_layout(cfg, gpus, work, cdtype),
         assumptions=plan_assumptions(cfg, cdtype, ep, skew, kind),
     )  # fmt: skip
 
@@ -397,3 +422,62 @@ def _layout(cfg, gpus: int, work: Workload, cdtype) -> dict:
         "finetune": cfg.finetune.method, "model_dtype": str(model_dtype(cfg)).removeprefix("torch."),
         "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": master_weights(cfg),
     }  # fmt: skip
+
+
+def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
+    """The single-key changes that the plan predicts would fit."""
+    tc, found = cfg.train, []
+    cands = []
+    if not tc.activation_checkpointing:
+        cands.append(
+            ("train.activation_checkpointing=true", {"train": {"activation_checkpointing": True}})
+        )
+    if micro_batch(cfg, gpus) > 1:
+        cands.append(
+            (f"train.grad_accum={2 * tc.grad_accum}", {"train": {"grad_accum": 2 * tc.grad_accum}})
+        )
+    E = int(getattr(hf_config, "num_experts", 0) or 0)
+    ep2 = 2 * cfg.parallel.ep
+    if ep2 <= gpus and E % ep2 == 0 and gpus % ep2 == 0:
+        cands.append((f"parallel.ep={ep2}", {"parallel": {"ep": ep2}}))
+    if cfg.finetune.method != "lora" and cfg.model.path:  # LoRA adapts a checkpoint
+        cands.append(("finetune.method=lora", {"finetune": {"method": "lora"}}))
+    for label, change in cands:
+        try:
+            c = cfg
+            for sec, kv in change.items():
+                c = dataclasses.replace(c, **{sec: dataclasses.replace(getattr(c, sec), **kv)})
+            p = make_plan(c, gpus, gpu_memory_gib, hf_config=hf_config, compare_checkpointing=False)
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        if p.fits:
+            found.append(f"{label} ({_gib(p.peak_gib_per_gpu + p.reserve_gib)} GiB)")
+    return found
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def device_memory_gib(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def check_plan_fits(cfg, hf_config, world: int, device: torch.device) -> None:
+    """`dropless train`'s preflight on GPUs: refuse (ValueError naming what would fit) a
+    layout the plan predicts runs out of memory, before any weight is loaded. CPU runs and
+    train.preflight=false skip it; so does a process already in a process group (torchrun),
+    where the plan cannot start its fake one (run `dropless plan` before launching)."""
+    if device.type != "cuda" or not getattr(cfg.train, "preflight", True) or dist.is_initialized():
+        return
+    gib = device_memory_gib(device)
+    p = make_plan(cfg, world, gib, hf_config=hf_config, compare_checkpointing=False)
+    if p.fits:
+        return
+    fixes = _suggestions(cfg, world, gib, hf_config)
+    raise ValueError(
+        f"the plan predicts this run does not fit: {_gib(p.peak_gib_per_gpu)} GiB of tensors + "
+        f"{_gib(p.reserve_gib)} GiB reserve per GPU > {_gib(gib)} GiB ({', '.join(f'{k} {_gib(v)}' for k, v in p.breakdown_gib.items())}); "
+        + (f"predicted to fit: {'; '.join(fixes)}" if fixes else "no single change of checkpointing, micro-batch, parallel.ep or LoRA fits: use more GPUs")
+        + "; set train.preflight=false to run anyway"
+    )  # fmt: skip

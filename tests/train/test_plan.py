@@ -1,0 +1,103 @@
+"""`dropless plan`: the JSON contract, the verdict and its exit code, bad input, the skew
+at which a layout stops fitting, and `dropless train`'s preflight refusal on GPUs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dropless.cli.main import main  # noqa: E402
+from dropless.train import plan as P  # noqa: E402
+from dropless.train.config import load_config  # noqa: E402
+
+CONTRACT = {
+    "peak_gib_per_gpu", "reserve_gib", "fits", "max_skew", "breakdown_gib",
+    "tokens_per_s_per_gpu", "assumptions",
+}  # fmt: skip
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_json_contract_and_fitting_verdict(capsys):
+    rc = main(["plan", "examples/tiny.toml", "--gpus", "1", "--gpu-memory-gib", "80", "--json"])
+    d = _json(capsys)
+    assert rc == 0 and d["fits"] is True
+    assert CONTRACT <= set(d)
+    assert sum(d["breakdown_gib"].values()) == pytest.approx(d["peak_gib_per_gpu"], abs=1e-8)
+    assert d["reserve_gib"] >= P.CONTEXT_GIB  # one process: no NCCL share
+    assert d["tokens_per_s_per_gpu"] > 0
+    assert "estimate" in d["assumptions"]["throughput"]
+    assert d["activations_other_checkpointing_gib"] < d["breakdown_gib"]["activations"] + 1e-9
+
+
+def test_does_not_fit_exits_1_and_says_so(capsys):
+    rc = main(["plan", "examples/tiny.toml", "--gpus", "1", "--gpu-memory-gib", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "does NOT fit" in out and "estimate" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--gpus", "3", "--set", "parallel.ep=2"], "parallel"),
+        (["--gpus", "1", "--skew", "0.5"], "--skew 0.5"),
+        (["--gpus", "0"], "--gpus 0"),
+    ],
+)
+def test_bad_input_is_one_error_line(capsys, args, needle):
+    rc = main(["plan", "examples/tiny.toml", "--gpu-memory-gib", "80", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_help_states_every_assumption(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    for word in ("fake process group", "declare", "reserve", "ESTIMATE", "387", "790", "skew"):
+        assert word in out, word
+
+
+def test_expert_parallel_memory_grows_with_skew_and_max_skew_bounds_it():
+    cfg = load_config("examples/tiny.toml", ["parallel.ep=2", "train.batch_size=64"])
+    hc = P.resolve_hf_config(cfg)
+    lo = P.make_plan(cfg, 2, 80, skew=1.0, hf_config=hc, compare_checkpointing=False)
+    hi = P.make_plan(cfg, 2, 80, skew=2.0, hf_config=hc, compare_checkpointing=False)
+    assert hi.peak_gib_per_gpu > lo.peak_gib_per_gpu
+    assert hi.all_to_all_gib > lo.all_to_all_gib > 0
+    assert lo.max_skew == P._skew_cap(hc, 2) == 2.0  # 80 GiB: fits at any possible skew
+    # a budget between the two peaks: the layout stops fitting at a skew between them
+    room = (hi.peak_gib_per_gpu + lo.peak_gib_per_gpu) / 2 * (1 + P.FRAGMENTATION)
+    budget = room + P.CONTEXT_GIB + P.NCCL_GIB
+    mid = P.make_plan(cfg, 2, budget, skew=2.0, hf_config=hc, compare_checkpointing=False)
+    assert not mid.fits and 1.0 < mid.max_skew < 2.0
+
+
+def test_preflight_refuses_a_predicted_oom_on_cuda_only(monkeypatch):
+    cfg = load_config("examples/tiny.toml", [])
+    hc = P.resolve_hf_config(cfg)
+    P.check_plan_fits(cfg, hc, 1, torch.device("cpu"))  # CPU: never traced
+    on = load_config("examples/tiny.toml", ["train.activation_checkpointing=true"])
+    need = [
+        (p.peak_gib_per_gpu + p.reserve_gib)
+        for p in (
+            P.make_plan(c, 1, 80, hf_config=hc, compare_checkpointing=False) for c in (cfg, on)
+        )
+    ]
+    assert need[1] < need[0]  # checkpointing keeps less for backward
+    monkeypatch.setattr(P, "device_memory_gib", lambda device: sum(need) / 2)
+    with pytest.raises(ValueError, match="does not fit") as e:
+        P.check_plan_fits(cfg, hc, 1, torch.device("cuda", 0))
+    msg = str(e.value)
+    assert "train.preflight=false" in msg
+    assert "predicted to fit: train.activation_checkpointing=true" in msg
+    P.check_plan_fits(on, hc, 1, torch.device("cuda", 0))  # the suggestion does fit
+    off = load_config("examples/tiny.toml", ["train.preflight=false"])
+    P.check_plan_fits(off, hc, 1, torch.device("cuda", 0))  # skipped when asked

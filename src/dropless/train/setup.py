@@ -192,3 +192,6 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
             flush=True,
         )
     return config, resume_from
+    from .plan import check_plan_fits
+
+    check_plan_fits(cfg, config, env.world, env.device)  # CUDA only: the traced plan

@@ -12,8 +12,10 @@ fixes:
   fused MLP saves, `ops/fused_mlp.py`), prob_S [R] and the sort indices token_S [R],
   slot_TK [T, K] (int64); with expert parallelism also the received rows [R, D] (the
   fused MLP's input there) and the all-to-all send buffer [S, D] while it is in flight;
-- backward allocates the recomputed x_SD [R, D] and dh [R, 2F] as temporaries, the
-  weights' gradients at the unsharded weights' shape and dtype, and dx [T, D].
+- backward allocates what the fused backward holds, in its order: the gathered output
+  gradient [R, D], d(activation) and the recomputed activation [R, F], dh [R, 2F], the
+  recomputed x_SD [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights'
+  shape and dtype, and dx [T, D].
 
 S = T x K pairs of this rank's tokens; R = the rows this rank's experts compute: S on one
 process (every expert is local, whatever the routing), ceil(S x skew) under expert
@@ -53,12 +55,22 @@ class _DeclaredExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
+        # the live set of `_GroupedMLP.backward`, in its order
         h = ctx.saved_tensors[0]
         s1, d1, s2, d2, rows, D = ctx.shapes
-        x_SD, dh = h.new_empty(rows, D), torch.empty_like(h)  # recompute, gate/up gradient
-        g1, g2 = h.new_empty(s1, dtype=d1), h.new_empty(s2, dtype=d2)
-        del x_SD, dh
-        return g_TD.new_empty(g_TD.shape), g1, g2, None, None, None
+        F = h.shape[1] // 2
+        gy, da = h.new_empty(rows, D), h.new_empty(rows, F)  # gathered grad, d(act out)
+        dh, a = torch.empty_like(h), h.new_empty(rows, F)  # d h, the recomputed activation
+        del da
+        g2, gp = h.new_empty(s2, dtype=d2), h.new_empty(rows)
+        del a, gy
+        x_SD = h.new_empty(rows, D)  # recomputed gather for the gate/up weight gradient
+        g1 = h.new_empty(s1, dtype=d1)
+        del x_SD
+        dx_SD = h.new_empty(rows, D)
+        dx = g_TD.new_empty(g_TD.shape)
+        del dx_SD, dh, gp
+        return dx, g1, g2, None, None, None
 
 
 def rows_computed(pairs: int, ep: int, skew: float) -> int:

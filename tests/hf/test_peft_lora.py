@@ -7,6 +7,8 @@ loading in stock PEFT on stock Transformers."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import warnings
 
@@ -159,12 +161,27 @@ def test_unpatch_restores_peft_activation():
     assert ParamWrapper._activate_lora is before
 
 
-def test_patch_covers_a_peft_imported_after_it(monkeypatch):
-    """patch() replaces PEFT's activation itself (importing peft when it is not imported
-    yet, simulated by hiding the top-level module), never a later forward."""
-    monkeypatch.delitem(sys.modules, "peft")
-    dh.patch()
-    assert ParamWrapper._activate_lora is hl._activate_lora_lean
+def test_patch_covers_a_peft_imported_after_it():
+    """patch() does not import peft; a peft imported after it gets the lean activation
+    as it is imported (never from a forward), and unpatch() takes it off again."""
+    code = (
+        "import inspect, sys, dropless\n"
+        "dropless.patch()\n"
+        "assert 'peft' not in sys.modules, 'patch() imported peft'\n"
+        "from peft.tuners.lora.layer import ParamWrapper\n"
+        "from dropless.hf.lora import _activate_lora_lean\n"
+        "assert ParamWrapper._activate_lora is _activate_lora_lean\n"
+        "assert 'class ParamWrapper' in inspect.getsource(ParamWrapper)\n"
+        "dropless.unpatch()\n"
+        "assert ParamWrapper._activate_lora is not _activate_lora_lean\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok"]
 
 
 def _trainer_losses(patched: bool, tmp_path) -> list[float]:

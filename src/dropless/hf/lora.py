@@ -22,9 +22,10 @@ Registering PEFT's parametrization runs the fold once more (torch checks the sha
 dtype of its output unless `unsafe=True`). While dropless is patched in,
 `ParamWrapper._activate_lora` is replaced, for experts modules on the dropless path with
 one active adapter, by the same registration with `unsafe=True`: no fold at all. It is
-installed by `dropless.patch()` / `patch_model()` when peft is installed (importing it
-there, so a peft imported later is covered too), under their lock, never from a forward,
-and removed by `dropless.unpatch()`.
+installed by `dropless.patch()` / `patch_model()` when PEFT's LoRA layer module is
+imported, or else by an import hook they leave that installs it as soon as peft is
+imported (never from a forward, and `patch()` does not import peft), and removed by
+`dropless.unpatch()`.
 
 Anything else (several active adapters, whose delta PEFT sums into one tensor; a
 low-precision base weight; another parametrization) runs PEFT's own fold, with one
@@ -37,7 +38,11 @@ no parametrization: the plain path runs.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
+import sys
+import threading
 
 import torch
 from torch import nn
@@ -117,7 +122,8 @@ def folded_weights(module: nn.Module, names: tuple[str, str]) -> tuple[torch.Ten
 
 # --- registration without the fold ------------------------------------------------------
 
-_STATE: dict = {"original": None}
+_STATE: dict = {"original": None, "class": None}
+_LOCK = threading.RLock()  # the class attribute and the import hook change under it
 _FULL_PRECISION = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -153,26 +159,69 @@ def _activate_lora_lean(self, active_adapters):
         self._remove_parametrizations()
 
 
-def install_lean_activation() -> bool:
-    """Make PEFT register its LoRA factors on dropless experts without folding them.
-    Idempotent; returns whether it is installed (False when peft is not installed or has
-    no `_LoraFactorsProxy`). The caller holds `dropless.hf.patching`'s lock."""
-    if _STATE["original"] is not None:
-        return True
-    if importlib.util.find_spec("peft") is None or _factors_proxy_class() is None:
-        return False
-    from peft.tuners.lora.layer import ParamWrapper
+_PEFT_LAYER = "peft.tuners.lora.layer"
 
-    _STATE["original"] = ParamWrapper._activate_lora
-    ParamWrapper._activate_lora = _activate_lora_lean
-    return True
+
+def _install_on(module) -> bool:
+    """Replace `ParamWrapper._activate_lora` of PEFT's layer module (idempotent)."""
+    with _LOCK:
+        if _STATE["original"] is not None:
+            return True
+        cls = getattr(module, "ParamWrapper", None)
+        if cls is None or getattr(module, "_LoraFactorsProxy", None) is None:
+            return False  # a peft without them: every parametrization is foreign
+        _STATE["original"], _STATE["class"] = cls._activate_lora, cls
+        cls._activate_lora = _activate_lora_lean
+        return True
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds PEFT's layer module as the path finder does and, once it has run, replaces
+    its `ParamWrapper._activate_lora`: a peft imported after `patch()` is covered without
+    `patch()` importing peft (~20 MiB) or a forward replacing a class attribute."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _PEFT_LAYER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self.loader  # tracebacks and inspect read the source through it
+        self.loader.exec_module(module)
+        _install_on(module)
+        with _LOCK:
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+
+
+_HOOK = _InstallAfterImport()
+
+
+def install_lean_activation() -> bool:
+    """Make PEFT register its LoRA factors on dropless experts without folding them: now
+    when PEFT's LoRA layer module is imported, else as soon as it is (an import hook; peft
+    is not imported here). Idempotent; returns whether it is installed now."""
+    module = sys.modules.get(_PEFT_LAYER)
+    if module is not None:
+        return _install_on(module)
+    with _LOCK:
+        if _HOOK not in sys.meta_path and importlib.util.find_spec("peft") is not None:
+            sys.meta_path.insert(0, _HOOK)
+    return False
 
 
 def uninstall_lean_activation() -> None:
-    """Restore PEFT's own `ParamWrapper._activate_lora`."""
-    if _STATE["original"] is None:
-        return
-    from peft.tuners.lora.layer import ParamWrapper
-
-    ParamWrapper._activate_lora = _STATE["original"]
-    _STATE["original"] = None
+    """Restore PEFT's own `ParamWrapper._activate_lora` and drop the import hook."""
+    with _LOCK:
+        if _HOOK in sys.meta_path:
+            sys.meta_path.remove(_HOOK)
+        if _STATE["original"] is None:
+            return
+        _STATE["class"]._activate_lora = _STATE["original"]
+        _STATE["original"] = _STATE["class"] = None

@@ -12,7 +12,7 @@ else to the original. `unpatch()` puts the original function object back, remove
 to the implementation it had (removing any expert bias buffers it added).
 `patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
 routing-replay hooks (`dropless.hf.replay`) once their layers exist, and replaces PEFT's
-`ParamWrapper._activate_lora` when peft is installed (`dropless.hf.lora`).
+`ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora`).
 
 A config object keeps the implementation a model built from it resolved, and Transformers
 hands that to the next model built from it as if asked for. `patch()` also wraps the

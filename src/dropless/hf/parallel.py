@@ -158,8 +158,6 @@ def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
 
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
-        Concatenate,
-        MergeModulelist,
         WeightConverter,
         apply_renamings,
         rename_source_key,
@@ -186,30 +184,44 @@ def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
         if conv is None:
             plans[target] = ("direct", ck)
             continue
-        ops = list(getattr(conv, "operations", []))
-        kinds = [(type(o), getattr(o, "dim", None)) for o in ops]
-        if kinds not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
-            raise ValueError(
-                f"sharded loading of {ck!r} -> {target!r}: the checkpoint conversion "
-                f"{[type(o).__name__ for o in ops]} is not implemented (stacked experts with an "
-                "optional gate/up concatenation are); train this model on one process"
-            )
+        concat = _concatenates(conv, ck, target)
         m = re.search(re.escape(pat).replace(r"\*", r"(\d+)"), renamed)
         if m is None:
             raise ValueError(f"sharded loading: no expert index in {ck!r} for pattern {pat!r}")
-        sources = merged.setdefault(target, ({}, conv, len(kinds) == 2))[0]
+        sources = merged.setdefault(target, ({}, conv, concat))[0]
         sources.setdefault(pat, {})[int(m.group(1))] = ck
     for target, (sources, conv, concat) in merged.items():
-        per_source = []
-        for pat in conv.source_patterns:
-            by_e = sources.get(pat, {})
-            if sorted(by_e) != list(range(len(by_e))) or not by_e:
-                raise ValueError(
-                    f"sharded loading of {target!r}: experts {sorted(by_e)} in the checkpoint"
-                )
-            per_source.append([by_e[e] for e in range(len(by_e))])
-        plans[target] = ("merged", per_source, concat)
+        plans[target] = ("merged", _keys_per_source(target, sources, conv), concat)
     return plans
+
+
+def _concatenates(conv, ck: str, target: str) -> bool:
+    """Whether the conversion of `ck` concatenates gate and up after stacking the experts
+    (the two conversions sharded loading implements)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    ops = list(getattr(conv, "operations", []))
+    kinds = [(type(o), getattr(o, "dim", None)) for o in ops]
+    if kinds not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
+        raise ValueError(
+            f"sharded loading of {ck!r} -> {target!r}: the checkpoint conversion "
+            f"{[type(o).__name__ for o in ops]} is not implemented (stacked experts with an "
+            "optional gate/up concatenation are); train this model on one process"
+        )
+    return len(kinds) == 2
+
+
+def _keys_per_source(target: str, sources: dict, conv) -> list[list[str]]:
+    """[[checkpoint key of expert e for e in 0..E) per source pattern of `conv`]."""
+    per_source = []
+    for pat in conv.source_patterns:
+        by_e = sources.get(pat, {})
+        if sorted(by_e) != list(range(len(by_e))) or not by_e:
+            raise ValueError(
+                f"sharded loading of {target!r}: experts {sorted(by_e)} in the checkpoint"
+            )
+        per_source.append([by_e[e] for e in range(len(by_e))])
+    return per_source
 
 
 def _region(t) -> tuple[torch.Tensor, list[int]]:

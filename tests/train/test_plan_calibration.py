@@ -70,9 +70,8 @@ def _measured_peak(cfg) -> int:
         ("examples/tiny.toml", []),
         ("examples/tiny.toml", ["train.activation_checkpointing=true"]),
         (None, ["data.tokenizer=bytes"]),  # dropless train's default model
-        (None, ["data.tokenizer=bytes", "train.activation_checkpointing=true"]),
     ],
-    ids=["tiny", "tiny-checkpointing", "default", "default-checkpointing"],
+    ids=["tiny", "tiny-checkpointing", "default"],
 )
 def test_plan_brackets_the_measured_peak(config, sets):
     cfg = load_config(config, ["precision.dtype=fp32", *sets])

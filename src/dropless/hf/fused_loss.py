@@ -81,7 +81,18 @@ def enable_fused_cross_entropy(
         sig=inspect.signature(type(model).forward),
         own_forwards=(vars(model).get("forward"), vars(head).get("forward")),
     )
-    forward, head_plain = model.forward, head.forward
+    fused_forward = _fused_forward(model, state, model.forward)
+    head_forward = _head_forward(head, state, head.forward)
+    loss_function = _loss_function(model, state)
+    vars(model)[_STATE_ATTR] = state
+    model.forward = fused_forward
+    head.forward = head_forward
+    model.loss_function = loss_function
+    return model
+
+
+def _fused_forward(model: nn.Module, state: _State, forward):
+    """The model's forward: given labels, arms the head for one fused loss."""
 
     def fused_forward(*args, **kwargs):
         labels = kwargs.get("labels")
@@ -96,6 +107,13 @@ def enable_fused_cross_entropy(
         finally:
             state.call = state.stand_in = state.loss = None
 
+    return fused_forward
+
+
+def _head_forward(head: nn.Module, state: _State, head_plain):
+    """The head's forward: when armed, the loss from the hidden states and an empty
+    stand-in for the logits."""
+
     def head_forward(hidden_BLD: torch.Tensor) -> torch.Tensor:
         if state.call is None:  # a call without labels, or the head used on its own
             return head_plain(hidden_BLD)
@@ -103,6 +121,12 @@ def enable_fused_cross_entropy(
         state.loss = _causal_lm_loss(hidden_BLD, head, call, state)
         state.stand_in = hidden_BLD.new_empty((*hidden_BLD.shape[:-1], 0))
         return state.stand_in
+
+    return head_forward
+
+
+def _loss_function(model: nn.Module, state: _State):
+    """The model's loss function: the fused loss for the stand-in, stock's otherwise."""
 
     def loss_function(logits, labels, vocab_size, **kwargs):
         if state.stand_in is None:
@@ -115,11 +139,7 @@ def enable_fused_cross_entropy(
             )
         return state.loss
 
-    vars(model)[_STATE_ATTR] = state
-    model.forward = fused_forward
-    head.forward = head_forward
-    model.loss_function = loss_function
-    return model
+    return loss_function
 
 
 def disable_fused_cross_entropy(model: nn.Module) -> nn.Module:

@@ -38,7 +38,7 @@ BUDGETS = {
     "parallel": 180,
     "quant": 120,
     "train": 180,
-    "faults": 120,
+    "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)
     "jax": 90,
     "gpu_check": 60,
     "bench": 60,

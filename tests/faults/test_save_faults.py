@@ -32,8 +32,10 @@ def test_sigkill_at_every_phase_of_a_save(finished_run, tmp_path, continued, cap
         assert ckpt.verify_checkpoint(ckpt.latest_checkpoint(run)) is None
         partial = run / "checkpoints" / ".tmp-step_00000009"
         assert partial.is_dir() == (phase != "after_rename"), phase
-        # a bare resume continues with the run's config (steps=10); step 10 is exact
-        assert main(["train", "--run-dir", str(run), "--resume"]) == 0, capsys.readouterr().err
+        # --resume continues with the newest complete checkpoint's config (steps=8 in step 8's,
+        # the killed resume's steps=10 only in step 9's): steps=10 is given again; step 10 is exact
+        more = ["--resume", "--set", "train.steps=10"]
+        assert main(["train", "--run-dir", str(run), *more]) == 0, capsys.readouterr().err
         got = records(run)
         assert got[10]["loss"] == continued[10]["loss"], phase
         assert got[10]["eval_loss"] == continued[10]["eval_loss"], phase

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from .config import Config, dump_config
@@ -32,6 +31,7 @@ from .rundir import claim, discard_new_run
 from .setup import (
     Env,
     broadcast,
+    close_env,
     init_env,
     preflight,
     rank0_first,
@@ -271,8 +271,9 @@ def train(
     finally:
         if lock is not None:
             lock.release()
-        if env.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if env.world > 1:
+            trainer = None  # its model and meshes hold the process groups
+            close_env()
 
 
 __all__ = ["Trainer", "adamw_kernel", "lr_factor", "model_class_name", "train"]

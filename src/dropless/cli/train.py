@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="continue the run in --run-dir (default: the newest under ./runs) from its last "
-        "complete checkpoint, with that run's config unless CONFIG is given",
+        "complete checkpoint, with the config saved in that checkpoint unless CONFIG is given",
     )
 
 

@@ -63,7 +63,9 @@ def install_request_marker() -> None:
 
     if _STATE["property"] is not None:
         return
-    prop = PretrainedConfig.__dict__["_experts_implementation"]
+    prop = PretrainedConfig.__dict__.get("_experts_implementation")
+    if not isinstance(prop, property) or prop.fset is None:
+        return  # another transformers layout: no leftover is told apart (is_leftover False)
 
     def mark(config, value):
         prop.fset(config, _asked(value))  # the sub-configs are set through this setter too
@@ -86,6 +88,8 @@ def uninstall_request_marker() -> None:
 def is_leftover(config, stock_default: str) -> bool:
     """True when `config` holds the stock default that no one asked for while patched: a
     model built from this config resolved it (before `patch()`), or it was set then."""
+    if _STATE["property"] is None:  # requests are not marked: none can be told apart
+        return False
     value = config._experts_implementation
     return isinstance(value, str) and not isinstance(value, Asked) and value == stock_default
 

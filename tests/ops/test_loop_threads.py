@@ -313,8 +313,9 @@ def test_workers_that_cannot_carry_a_guard_leave_the_items_to_the_caller(monkeyp
 
 @pytest.mark.parametrize("workers", ["one", "two"])
 def test_the_loop_computes_in_its_inputs_dtype_under_autocast(workers, threads, monkeypatch):
-    """Under autocast the loop's result is that of its inputs' dtype, whatever the number
-    of workers (its buffers are in that dtype; the caller casts to choose the precision)."""
+    """Under autocast the expert path casts its operands to the autocast dtype at its
+    entry and the loop computes in that dtype, whatever the number of workers: the same
+    bits as bf16 inputs without autocast (its buffers are in its inputs' dtype)."""
     if workers == "one":
         monkeypatch.setattr(loop_mlp, "MIN_THREADED_FLOPS", 2**62)
     g = torch.Generator().manual_seed(10)
@@ -323,9 +324,10 @@ def test_the_loop_computes_in_its_inputs_dtype_under_autocast(workers, threads, 
     ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
     w_TK = torch.rand(T, K, generator=g)
     gu, dn = torch.randn(E, 2 * F, D, generator=g), torch.randn(E, D, F, generator=g)
-    want = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
-    (want_dx,) = torch.autograd.grad(want.sum(), x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    bf = torch.bfloat16
+    want = ops.expert_mlp(x.to(bf), ids_TK, w_TK, gu.to(bf), dn.to(bf))[0]
+    (want_dx,) = torch.autograd.grad(want.float().sum(), x)
+    with torch.autocast("cpu", dtype=bf):
         got = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
-    (got_dx,) = torch.autograd.grad(got.sum(), x)
-    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got_dx, want_dx)
+    (got_dx,) = torch.autograd.grad(got.float().sum(), x)
+    assert got.dtype == bf and torch.equal(got, want) and torch.equal(got_dx, want_dx)

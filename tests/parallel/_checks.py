@@ -1,5 +1,6 @@
 """The checks each spawned group runs, by world size (one spawn per world size)."""
 
+from _checks_autocast import ep_autocast_bf16_moe, hf_ep_autocast_bf16  # noqa: F401
 from _checks_ckpt import ckpt_resume_w2, ckpt_save_w4  # noqa: F401
 from _checks_collectives import train_collectives  # noqa: F401
 from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
@@ -56,6 +57,8 @@ CHECKS = {
         "train_collectives",
         "fsdp_bf16_policy",
         "fsdp_fused_adamw",
+        "ep_autocast_bf16_moe",
+        "hf_ep_autocast_bf16",
     ],
     4: [
         "ep_uniform",

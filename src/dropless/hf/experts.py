@@ -38,6 +38,7 @@ from ..ops import (
     sort_by_expert,
     unpermute,
 )
+from ..ops.compute_dtype import expert_input
 from .expert_lora import attached_lowrank
 from .layers import family_of
 from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
@@ -243,7 +244,7 @@ def dropless_experts_forward(
         for hook in list(_HOOKS.values()):
             hook(self, top_k_index, top_k_weights)
     w1, w2, b1, b2, lora = _weights(self, spec)
-    x_TD = hidden_states.to(w1.dtype)
+    x_TD = expert_input(hidden_states, w1)  # under autocast: its dtype, else the weights'
     ids_TK, keep_TK = top_k_index.long(), None
     if getattr(self, "_is_expert_parallel", False):
         # Transformers' own expert parallelism marks pairs of other ranks with ids >= E

@@ -20,6 +20,7 @@ import types
 import torch
 from torch import nn
 
+from ..ops.compute_dtype import expert_input
 from ..ops.expert_mlp import grouped_mlp
 from ..parallel.experts import PARAM_NAMES, _local
 from .expert_lora import LORA_PARAMS, attached_lowrank
@@ -51,7 +52,8 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
     from .experts import CALLS, _record_counts
 
     local, disp = self.__dict__["_dropless_ep"]
-    x_TD = hidden_states.to(_local(self.gate_up_proj).dtype)
+    # under autocast its dtype, cast before the all-to-all (what crosses the wire)
+    x_TD = expert_input(hidden_states, _local(self.gate_up_proj))
     out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
     _record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
     CALLS[local.spec.family] += 1

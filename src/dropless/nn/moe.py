@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..ops.compute_dtype import autocast_dtype
 from ..ops.losses import load_balancing_loss_global, z_loss
 from ..ops.replay import routing_replay
 from ..ops.routing import capacity_keep_mask, expert_capacity
@@ -168,9 +169,14 @@ class MoE(nn.Module):
         if self.capacity_factor is not None:
             cap = expert_capacity(x_TD.shape[0], self.top_k, self.num_experts, self.capacity_factor)
             keep_TK = capacity_keep_mask(r.ids_TK, r.weights_TK, self.num_experts, cap)
-        weights_TK = r.weights_TK.to(x.dtype) if x.dtype != torch.float64 else r.weights_TK.double()
+        # under autocast the tokens enter the experts (and any all-to-all) in its dtype
+        dt = autocast_dtype(x_TD, self.experts.gate_up_proj)
+        x_e = x_TD if dt is None else x_TD.to(dt)
+        weights_TK = (
+            r.weights_TK.to(x_e.dtype) if x.dtype != torch.float64 else r.weights_TK.double()
+        )
         out_TD, tokens_per_expert, counts_E, n_tokens = self.dispatcher(
-            x_TD, r.ids_TK, weights_TK, self.experts, keep_TK
+            x_e, r.ids_TK, weights_TK, self.experts, keep_TK
         )
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)

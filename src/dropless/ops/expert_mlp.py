@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .compute_dtype import to_compute_dtype
+from .dispatch import get_recipe
 from .fused_mlp import fused_mlp
 from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
 from .lora import LowRank
@@ -102,6 +104,8 @@ def grouped_mlp(
         backend=backend,
     )
     act = _activation(kw)
+    if get_recipe() is None:  # a recipe quantizes its operands itself
+        x_SD, gate_up, down, lora = to_compute_dtype(x_SD, gate_up, down, kw, lora)
     plan = plan_expert_mlp(x_SD, gate_up, down, act, backend=backend, lora=lora)
     if plan.path == "recipe":
         counts = _check_counts(x_SD, gate_up, counts)
@@ -145,6 +149,8 @@ def expert_mlp(
     mlp_kwargs = dict(mlp_kwargs)
     act = _activation(mlp_kwargs)
     lora = mlp_kwargs.pop("lora", None)  # only the fused Functions take it
+    if get_recipe() is None:  # a recipe quantizes its operands itself
+        x_TD, gate_up, down, lora = to_compute_dtype(x_TD, gate_up, down, mlp_kwargs, lora)
     plan = plan_expert_mlp(
         x_TD, gate_up, down, act, backend=mlp_kwargs.get("backend"), lora=lora,
         capacity=keep_TK is not None,

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from .activations import act_forward, act_input_grad, act_parts
+from .compute_dtype import autocast_off
 from .loop_mlp import _LoopMLP
 from .lora import (
     LowRank,
@@ -103,6 +104,7 @@ class _GroupedMLP(torch.autograd.Function):
     other activations use the torch math of `activations`."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, plan, *lora):  # fmt: skip
         act, trans_w, _ = cfg
         lr1, lr2 = _lowranks(lora)
@@ -134,6 +136,7 @@ class _GroupedMLP(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g_out):
         saved = ctx.saved_tensors
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = saved[:10]

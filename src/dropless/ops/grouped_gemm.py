@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from .compute_dtype import autocast_dtype, autocast_off
 from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_gemm, register_gemm_backend
 from .row_ops import pick_row_ops
+from .weight_cache import cached_cast
 
 
 def _bounds(counts: list[int]):
@@ -133,6 +135,7 @@ register_gemm_backend(
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
+    @autocast_off
     def forward(ctx, x_SD, w, bias_EN, counts, trans_w, backend):
         be = pick_gemm_backend(backend, x_SD, w)
         # one host->device copy of the counts serves the forward and both backward GEMMs
@@ -146,6 +149,7 @@ class _GroupedGemm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @autocast_off
     def backward(ctx, grad_SN):
         x_SD, w = ctx.saved_tensors
         be, counts = ctx.be, ctx.counts
@@ -223,4 +227,8 @@ def grouped_gemm(
     recipe = get_recipe()
     if recipe is not None:
         return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w)
+    dt = autocast_dtype(x_SD, w, bias_EN)
+    if dt is not None:  # the autocast dtype, weights cast once per step (compute_dtype.py)
+        x_SD, w = x_SD.to(dt), cached_cast(w, dt)
+        bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
     return _GroupedGemm.apply(x_SD, w, bias_EN, counts, trans_w, backend)

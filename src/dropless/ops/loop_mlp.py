@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from .activations import act_forward, act_input_grad, act_parts
+from .compute_dtype import autocast_off
 from .expert_threads import python_modes_active, run_experts
 from .lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
 from .mlp_parts import Needs, _bounds, _wt, input_grads
@@ -121,6 +122,7 @@ class _LoopMLP(torch.autograd.Function):
     """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
 
     @staticmethod
+    @autocast_off
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
         act, trans_w, num_out = cfg
         lr1, lr2 = _lowranks(lora)
@@ -164,6 +166,7 @@ class _LoopMLP(torch.autograd.Function):
         return st.out.to(x.dtype)
 
     @staticmethod
+    @autocast_off
     def backward(ctx, g_out):
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
         n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in

@@ -1,0 +1,130 @@
+"""Checks in spawned processes: under `torch.autocast("cpu", dtype=torch.bfloat16)` with
+fp32 weights, expert parallelism moves bf16 over the all-to-all (forward and backward)
+and multiplies bf16 operands in every expert GEMM, for `dropless.MoE` and a patched
+Transformers model, within bf16 tolerance of one process under the same autocast."""
+
+# T tokens per rank, D model dim, F expert hidden dim, E experts
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from _checks_hf import B, E, L, V, _model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dropless.hf.parallel import shard_hf_experts
+from dropless.nn import MoE
+from dropless.ops.fused_mlp import _GroupedMLP
+from dropless.ops.grouped_gemm import _GroupedGemm
+from dropless.ops.loop_mlp import _LoopMLP
+from dropless.parallel import ParallelConfig, build_mesh, comm, shard_moe_experts
+
+BF16 = torch.bfloat16
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+# bf16's step is 2^-8 (0.4%): one expert layer differs from one process's bf16 run by
+# the order of its sums only; a few bf16 roundings of the output's norm
+RTOL = 2e-2
+
+
+class _GemmSpy(TorchDispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket.__name__ in GEMMS:
+            flat = [*args, *kwargs.values()]
+            self.seen.update(a.dtype for a in flat if isinstance(a, torch.Tensor))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _spies():
+    """(dtypes of all-to-all payloads, dtypes of expert GEMM operands) while active."""
+    payload, gemm = [], set()
+    launch = comm._launch
+    saved = [(cls, n, cls.__dict__[n]) for cls in (_LoopMLP, _GroupedMLP, _GroupedGemm)
+             for n in ("forward", "backward")]  # fmt: skip
+
+    def spy_launch(x, *a, **k):
+        payload.append(x.dtype)
+        return launch(x, *a, **k)
+
+    def wrap(fn):
+        def run(*a, **k):
+            with _GemmSpy(gemm):
+                return fn(*a, **k)
+
+        return staticmethod(run)
+
+    comm._launch = spy_launch
+    for cls, n, f in saved:
+        setattr(cls, n, wrap(f.__func__))
+    try:
+        yield payload, gemm
+    finally:
+        comm._launch = launch
+        for cls, n, f in saved:
+            setattr(cls, n, f)
+
+
+def _rel(a, ref) -> float:
+    return float((a.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
+
+
+def _check_spies(payload, gemm):
+    assert payload and set(payload) == {BF16}, payload  # dispatch, combine and their grads
+    assert len(payload) >= 4, payload
+    assert gemm == {BF16}, gemm
+
+
+def ep_autocast_bf16_moe(rank, world):
+    D, F, T = 16, 12, 8
+    torch.manual_seed(0)
+    moe = MoE(D, F, 8, 2)
+    x_all, g_all = torch.randn(world * T, D), torch.randn(world * T, D)
+    ref = copy.deepcopy(moe)
+    with torch.autocast("cpu", dtype=BF16):
+        out_r, _ = ref(x_all)
+    (out_r.float() * g_all).sum().backward()
+    pm = build_mesh(ParallelConfig(dp_shard=world, ep=world), num_experts=8)
+    ep = copy.deepcopy(moe)
+    shard_moe_experts(ep, pm)
+    sl = slice(rank * T, (rank + 1) * T)
+    with _spies() as (payload, gemm):
+        with torch.autocast("cpu", dtype=BF16):
+            out, _ = ep(x_all[sl].requires_grad_(True))
+        (out.float() * g_all[sl]).sum().backward()
+    _check_spies(payload, gemm)
+    assert out.dtype == BF16 and _rel(out, out_r[sl]) < RTOL
+    p = ep.experts.gate_up_proj
+    got = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+    Le = 8 // world
+    want = ref.experts.gate_up_proj.grad[rank * Le : (rank + 1) * Le]
+    assert got.dtype == torch.float32 and _rel(got, want) < RTOL
+
+
+def hf_ep_autocast_bf16(rank, world):
+    model = _model()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (world * B, L), generator=g)
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=BF16):
+        ref_logits = ref(input_ids=ids).logits
+    pm = build_mesh(ParallelConfig(ep=world), num_experts=E)
+    ep = copy.deepcopy(model)
+    assert len(shard_hf_experts(ep, pm)) == 2
+    sl = slice(rank * B, (rank + 1) * B)
+    with _spies() as (payload, gemm):
+        with torch.autocast("cpu", dtype=BF16):
+            out = ep(input_ids=ids[sl], labels=ids[sl])
+        out.loss.backward()
+    _check_spies(payload, gemm)
+    assert _rel(out.logits, ref_logits[sl]) < RTOL
+    grads = [p.grad for p in ep.parameters() if p.grad is not None]
+    assert grads and all(gr.dtype == torch.float32 for gr in grads)
+    dist.barrier()

@@ -1,0 +1,69 @@
+"""`dropless train examples/tiny.toml --set precision.dtype=bf16` runs its expert GEMMs in
+bf16 (fp32 weights under autocast) on one process, and completes under torchrun with 2
+processes and `parallel.ep=2` (the all-to-all moving bf16 is checked in
+tests/parallel/_checks_autocast.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from test_autocast import spy_expert_gemms
+
+from dropless.cli.main import main
+
+TINY_TOML = Path(__file__).parents[2] / "examples" / "tiny.toml"
+RUN = (
+    "precision.dtype=bf16",
+    "train.steps=2",
+    "train.seq_len=16",
+    "train.batch_size=2",
+    "data.max_bytes=20000",
+    "data.eval_tokens=64",
+    "log.every=1",
+    "checkpoint.every=0",
+    "log.plots=false",
+    "log.tensorboard=false",
+    "log.progress=plain",
+)
+
+
+def _args(*extra: str) -> list[str]:
+    out = [str(TINY_TOML)]
+    for item in (*RUN, *extra):
+        out += ["--set", item]
+    return out
+
+
+def _losses(run_dir: Path) -> list[float]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if r.get("loss") is not None]
+
+
+def test_train_bf16_one_process_runs_the_experts_in_bf16(tmp_path, monkeypatch):
+    seen = spy_expert_gemms(monkeypatch)
+    assert main(["train", "--run-dir", str(tmp_path / "run"), *_args()]) == 0
+    losses = _losses(tmp_path / "run")
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert seen and all(dts == {torch.bfloat16} for _, dts in seen), {
+        (op, tuple(map(str, d))) for op, d in seen
+    }
+
+
+def test_train_bf16_torchrun_ep2(tmp_path):
+    run = tmp_path / "ep"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "dropless", "train", "--run-dir", str(run), *_args("parallel.ep=2")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes on cpu" in proc.stdout
+    losses = _losses(run)
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

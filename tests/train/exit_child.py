@@ -3,7 +3,7 @@ after the imports (no torchrun: RANK, WORLD_SIZE and MASTER_ADDR / MASTER_PORT s
 each process leaving through the interpreter's own shutdown, where a finished run used
 to abort (SIGABRT, "terminate called without an active exception").
 
-    python exit_child.py ROOT mesh                                 # DTensor work, close_env
+    python exit_child.py ROOT mesh                                # DTensor work, close_env
     python exit_child.py ROOT train N_RUNS AT_ONCE [dropless train arguments ...]
 
 Prints one JSON line: per job, the exit status of rank 0 and rank 1 (negative: killed by
@@ -93,7 +93,7 @@ def run_pairs(root: Path, jobs: range, argv: list[str]) -> list[list[int]]:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
-    n, together = (int(sys.argv[3]), int(sys.argv[4])) if MODE == "train" else (1, 1)
+    n, together = (int(sys.argv[3]), int(sys.argv[4])) if MODE != "mesh" else (1, 1)
     out = []
     for first in range(0, n, together):
         out += run_pairs(root, range(first, min(n, first + together)), sys.argv[5:])

@@ -60,10 +60,35 @@ def test_no_process_group_thread_outlives_a_run(tmp_path):
 @pytest.mark.slow
 @SLOW
 def test_twenty_two_process_runs_exit_cleanly(tmp_path):
-    """The stress test: 20 two-process runs, two at a time (the abort showed on a busy
-    machine, about 1 run in 6 here before the fix): every process exits 0."""
-    codes = _jobs(tmp_path, "train", "20", "2", *RUN)
-    errors = {
-        f.name: f.read_text()[-500:] for f in tmp_path.glob("*.err") if "terminate" in f.read_text()
-    }
-    assert codes == [[0, 0]] * 20 and not errors, (codes, errors)
+    """The stress test, as the abort was seen: 20 `torchrun --nproc-per-node 2 -m dropless
+    train` runs (fresh interpreters; forked ones hid it), two at a time. Before the fix
+    about 1 run in 7 lost a rank to SIGABRT here (exit status 1 from torchrun)."""
+    args = tiny_args(
+        "train.steps=2", "optim.warmup_steps=0", "log.every=1", "checkpoint.every=0",
+        "log.plots=false", "log.tensorboard=false", "parallel.ep=2",
+    )  # fmt: skip
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    failed = []
+    for first in range(0, 20, 2):
+        procs = [
+            subprocess.Popen(
+                [*launch, "-m", "dropless", "train", "--run-dir", str(tmp_path / f"r{i}"), *args],
+                env=sub_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+            for i in (first, first + 1)
+        ]
+        for proc in procs:
+            err = proc.communicate(timeout=600)[1]
+            if proc.returncode != 0 or "terminate called" in err:
+                failed.append((proc.returncode, err[-600:]))
+    assert not failed, failed

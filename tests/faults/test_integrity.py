@@ -11,6 +11,7 @@ import pytest
 
 from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
+from dropless.train import manifest
 from dropless.train.generate import load_run
 
 from .faults_util import args
@@ -110,7 +111,7 @@ def test_a_held_checkpoint_is_not_pruned(run_copy):
 def test_a_checkpoint_pruned_before_it_is_held_gives_the_next(run_copy, monkeypatch):
     listed = ckpt.list_checkpoints(run_copy)
     shutil.rmtree(ckpt.step_dir(run_copy, 8))  # listed, then pruned by the live run
-    monkeypatch.setattr(ckpt, "list_checkpoints", lambda run_dir: listed)
+    monkeypatch.setattr(manifest, "list_checkpoints", lambda run_dir: listed)
     run, ck = ckpt.pick_checkpoint(run_copy)
     ckpt.release(ck)
     assert ck == ckpt.step_dir(run_copy, 4)

@@ -135,6 +135,7 @@ TABLE = [
     ("atomic.py", "is a symlink (to ", f"{FAULTS}/test_run_files.py::test_a_symlinked_metrics_or_config_file_is_refused"),
     ("checkpoint.py", "; the checkpoint is damaged or was edited", f"{FAULTS}/test_integrity.py::test_crafted_trainer_json_is_one_line"),
     ("checkpoint.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
+    ("manifest.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
     ("checkpoint.py", "(or was removed while opening it)", f"{FAULTS}/test_integrity.py::test_a_checkpoint_without_a_manifest_is_not_loaded"),
     ("data.py", ", not a string; give every line text there", "tests/train/test_data_cap.py::test_jsonl_text_that_is_not_a_string_is_refused"),
     ("dcp_io.py", "is not DCP checkpoint metadata (", f"{FAULTS}/test_integrity.py::test_crafted_metadata_runs_no_code"),

@@ -101,3 +101,18 @@ def test_preflight_refuses_a_predicted_oom_on_cuda_only(monkeypatch):
     P.check_plan_fits(on, hc, 1, torch.device("cuda", 0))  # the suggestion does fit
     off = load_config("examples/tiny.toml", ["train.preflight=false"])
     P.check_plan_fits(off, hc, 1, torch.device("cuda", 0))  # skipped when asked
+
+
+def test_lora_plan_traces_a_frozen_base(tmp_path):
+    """LoRA on a config-only model.path: the frozen base has parameters and no optimizer
+    state (torch's tracker refuses hooks on frozen parameters; the planner's skips them)."""
+    base = load_config("examples/tiny.toml", [])
+    P.resolve_hf_config(base).save_pretrained(tmp_path)  # config.json only, no weights
+    sets = [f"model.path={tmp_path}", "data.tokenizer=bytes"]
+    full = P.make_plan(load_config("examples/tiny.toml", sets), 1, 80, compare_checkpointing=False)
+    lora_cfg = load_config("examples/tiny.toml", [*sets, "finetune.method=lora", "finetune.lora_rank=1"])
+    lora = P.make_plan(lora_cfg, 1, 80, compare_checkpointing=False)
+    f, lo = full.breakdown_gib, lora.breakdown_gib
+    assert lo["parameters"] >= f["parameters"]  # the base plus the adapters
+    assert 0 < lo["optimizer_states"] < 0.2 * f["optimizer_states"]
+    assert lora.layout["finetune"] == "lora"

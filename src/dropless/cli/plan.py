@@ -72,7 +72,11 @@ def format_plan(p) -> str:
         f"  {'reserve':<20} {p.reserve_gib:10.2f}",
         f"verdict: {'fits' if p.fits else 'does NOT fit'} "
         f"({p.peak_gib_per_gpu + p.reserve_gib:.1f} of {p.gpu_memory_gib:g} GiB); "
-        f"stops fitting at skew {p.max_skew}",
+        + (
+            f"stops fitting at skew {p.max_skew}"
+            if lay["ep"] > 1
+            else "routing skew does not change memory with ep=1"
+        ),
         f"estimate: {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {p.step_s_estimate:.3f} s "
         "per step (cost model, not a measurement; see --help)",
     ]

@@ -179,7 +179,9 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         _init_optimizer_state(opt)
-        tracker = FSDPMemTracker(model, opt) if par is not None else MemTracker()
+        tracker = (
+            _tracker(FSDPMemTracker)(model, opt) if par is not None else _tracker(MemTracker)()
+        )
         if par is None:
             tracker.track_external(model, opt)
         with tracker:
@@ -216,6 +218,41 @@ def _breakdown(snap) -> dict[str, int]:
             if str(name) != "Total":
                 per[_category(getattr(name, "value", str(name)))] += int(b)
     return per
+
+
+def _tracker(base):
+    """torch's memory tracker, taught frozen parameters (it hooks every parameter to see
+    its gradient, and a parameter without requires_grad, LoRA's frozen base, refuses a
+    hook; those get none: they never have a gradient), keeping the device peak only."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    class Tracker(base):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            out = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+            if not install_grad_hooks:
+                return out
+            hooks = self._param_to_grad_hook_handles
+
+            def seen(g) -> None:
+                self._update_and_maybe_create_winfos(g, _MemRefType.GRAD)
+
+            def accumulated(q) -> None:
+                seen(q.grad)
+
+            for p in module.parameters():
+                if p.requires_grad and hooks.get(p) is None:
+                    hooks[p] = (p.register_hook(seen), p.register_post_accumulate_grad_hook(accumulated))  # fmt: skip
+            return out
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # the whole-device peak only: torch's version also walks every module seen so
+            # far on each allocation, which makes a 48-layer trace minutes long
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return Tracker
 
 
 def _init_optimizer_state(opt) -> None:
@@ -343,6 +380,8 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
             (" + fp32 master copy" if mw else ", stochastic rounding, no master copy")
             if model_dtype(cfg) == torch.bfloat16 else ""
         ),
+        "lora": "adapters on experts are counted as parameters and optimizer state; their "
+        "gradients and the few [rows, rank] activations of the expert path are not traced",
         "router_losses": "not traced (a few [T, E] tensors per layer)",
         "gradient_clipping": "not traced (one norm per parameter group)",
         "reserve": f"{CONTEXT_GIB} GiB CUDA context and workspaces, {NCCL_GIB} GiB NCCL with "

@@ -18,7 +18,7 @@ class GroupedLinear(nn.Module):
     weight [num_gemms, out_features, in_features], bias [num_gemms, out_features].
     `forward(x, m_splits)`: m_splits (list of ints or 1-D integer tensor) gives the rows
     of each group and sums to x.shape[0]. Under `dropless.autocast` the GEMM runs in
-    the active recipe's format.
+    the active recipe's format; under `torch.autocast`, in its dtype.
     """
 
     def __init__(

@@ -8,7 +8,10 @@ autograd node that saves only h [S, 2F] and recomputes the rest). Under a
 low-precision recipe (`dropless.autocast`) they run the recipe's fused MLP if it
 registered one, else the MLP composed from the recipe's grouped GEMMs (`_composed_mlp`,
 also the specification the fused path is tested against). Which of these runs, with
-which backend, is decided once per call by `mlp_plan.plan_expert_mlp`.
+which backend, is decided once per call by `mlp_plan.plan_expert_mlp`. Under
+`torch.autocast` both first cast their operands to the autocast dtype
+(`compute_dtype.py`: tokens per call, weights once per optimizer step), so the plan is
+made for, and the GEMMs run in, the dtype the user asked for.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs

@@ -123,6 +123,7 @@ TABLE = [
     ("rundir.py", "could not find a free run directory name", f"{HERE}[no-free-name]"),
     ("rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
     ("rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
+    ("rundir.py", "cannot be locked (", f"{FAULTS}/test_run_lock.py::test_a_file_system_without_flock_is_named"),
     ("rundir.py", "is in use by ", f"{FAULTS}/test_run_lock.py::test_second_process_is_refused_and_dead_locks_are_taken_over"),
     ("setup.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
     ("setup.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),

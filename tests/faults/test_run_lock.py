@@ -108,3 +108,17 @@ def test_three_dropless_train_starts_one_wins(tmp_path):
     for code, err in results:
         if code == 2:
             assert "is in use by process " in err and err.count("\n") == 1, err
+
+
+def test_a_file_system_without_flock_is_named(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(
+        ValueError, match=r"cannot be locked \(No locks available\): its file system"
+    ):
+        RunLock(tmp_path).acquire()

@@ -158,7 +158,12 @@ def _open_locked(ck: Path, how: int) -> int | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, how)
+        try:
+            fcntl.flock(fd, how)
+        except BlockingIOError:
+            raise
+        except OSError:
+            pass  # no flock on this file system: read without the hold
         held, now = os.fstat(fd), os.stat(ck / MANIFEST)
         if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino):
             return fd

@@ -70,6 +70,13 @@ class RunLock:
             except BlockingIOError:
                 os.close(fd)
                 raise ValueError(self._in_use()) from None
+            except OSError as e:  # e.g. a network file system mounted without flock support
+                os.close(fd)
+                raise ValueError(
+                    f"the run directory {str(self.path.parent)!r} cannot be locked ({e.strerror}): its file "
+                    "system does not support flock; pass a --run-dir on a local disk (or a file system "
+                    "mounted with flock support)"
+                ) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -99,10 +106,6 @@ class RunLock:
         except OSError:
             return False
         return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
-
-    def vanished(self) -> bool:
-        """Whether the run directory was deleted or moved since `acquire()`."""
-        return self.fd is not None and not self._is_current(self.fd)
 
     def release(self) -> None:
         """Drop the lock; never raises (the run's own error, if any, is the one to show)."""

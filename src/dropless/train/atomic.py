@@ -6,6 +6,7 @@ O_NOFOLLOW. A target that is a symlink is refused, naming it."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -34,17 +35,18 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | Path, data: bytes | str, mode: int | None = None) -> Path:
-    """Replace `path` with `data` (temp file + fsync + rename + fsync of the directory)."""
+@contextmanager
+def atomic_file(path: str | Path):
+    """A binary file object whose content replaces `path` (temp + fsync + rename + fsync of
+    the directory) when the block ends without an error; nothing changes otherwise."""
     p = Path(path)
     refuse_symlink(p)
-    raw = data.encode() if isinstance(data, str) else data
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    fd = os.open(tmp, flags, 0o666 if mode is None else mode)
+    fd = os.open(tmp, flags, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(raw)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, p)
@@ -52,7 +54,13 @@ def write_atomic(path: str | Path, data: bytes | str, mode: int | None = None) -
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(p.parent)
-    return p
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> Path:
+    """Replace `path` with `data` (see `atomic_file`)."""
+    with atomic_file(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    return Path(path)
 
 
 def append_line(path: str | Path, line: str) -> None:
@@ -69,4 +77,4 @@ def append_line(path: str | Path, line: str) -> None:
         f.write(line if line.endswith("\n") else line + "\n")
 
 
-__all__ = ["append_line", "refuse_symlink", "run_dir_vanished", "write_atomic"]
+__all__ = ["append_line", "atomic_file", "refuse_symlink", "run_dir_vanished", "write_atomic"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-import os
 import sys
 import sysconfig
 import zlib
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_file, write_atomic
 from .fasta import FASTA_SUFFIXES, is_fasta_path, iter_fasta_pieces
 from .genomics import reverse_complement
 
@@ -313,10 +313,8 @@ def cache_key(cfg, tok) -> str:
 
 
 def _save_npy(path: Path, a: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
+    with atomic_file(path) as f:
         np.save(f, a)
-    os.replace(tmp, path)
 
 
 def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.ndarray]:
@@ -335,9 +333,7 @@ def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.n
     meta.unlink(missing_ok=True)
     _save_npy(cache_dir / "train.npy", train)
     _save_npy(cache_dir / "eval.npy", held)
-    tmp = meta.with_name("meta.json.tmp")
-    tmp.write_text(key)
-    os.replace(tmp, meta)
+    write_atomic(meta, key)
     return train, held
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_file
+
 
 def _plt():
     try:
@@ -48,7 +50,8 @@ def plot_losses(records: list[dict], out: Path) -> Path:
     ax.legend(loc="upper right")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    with atomic_file(out) as f:  # never through a symlink, never half a file
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return out
 
@@ -92,6 +95,7 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
         ax.set_ylabel("expert", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="load / mean load")
     fig.suptitle("tokens per expert (1.0 = balanced)")
-    fig.savefig(out, dpi=110)
+    with atomic_file(out) as f:  # never through a symlink, never half a file
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
     return out

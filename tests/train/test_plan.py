@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from dropless.cli.main import main  # noqa: E402
 from dropless.train import plan as P  # noqa: E402
+from dropless.train import plan_preflight as PF  # noqa: E402
 from dropless.train.config import load_config  # noqa: E402
 
 CONTRACT = {
@@ -83,7 +84,7 @@ def test_expert_parallel_memory_grows_with_skew_and_max_skew_bounds_it():
 def test_preflight_refuses_a_predicted_oom_on_cuda_only(monkeypatch):
     cfg = load_config("examples/tiny.toml", [])
     hc = P.resolve_hf_config(cfg)
-    P.check_plan_fits(cfg, hc, 1, torch.device("cpu"))  # CPU: never traced
+    PF.check_plan_fits(cfg, hc, 1, torch.device("cpu"))  # CPU: never traced
     on = load_config("examples/tiny.toml", ["train.activation_checkpointing=true"])
     need = [
         (p.peak_gib_per_gpu + p.reserve_gib)
@@ -92,15 +93,15 @@ def test_preflight_refuses_a_predicted_oom_on_cuda_only(monkeypatch):
         )
     ]
     assert need[1] < need[0]  # checkpointing keeps less for backward
-    monkeypatch.setattr(P, "device_memory_gib", lambda device: sum(need) / 2)
+    monkeypatch.setattr(PF, "device_memory_gib", lambda device: sum(need) / 2)
     with pytest.raises(ValueError, match="does not fit") as e:
-        P.check_plan_fits(cfg, hc, 1, torch.device("cuda", 0))
+        PF.check_plan_fits(cfg, hc, 1, torch.device("cuda", 0))
     msg = str(e.value)
     assert "train.preflight=false" in msg
     assert "predicted to fit: train.activation_checkpointing=true" in msg
-    P.check_plan_fits(on, hc, 1, torch.device("cuda", 0))  # the suggestion does fit
+    PF.check_plan_fits(on, hc, 1, torch.device("cuda", 0))  # the suggestion does fit
     off = load_config("examples/tiny.toml", ["train.preflight=false"])
-    P.check_plan_fits(off, hc, 1, torch.device("cuda", 0))  # skipped when asked
+    PF.check_plan_fits(off, hc, 1, torch.device("cuda", 0))  # skipped when asked
 
 
 def test_lora_plan_traces_a_frozen_base(tmp_path):
@@ -110,9 +111,23 @@ def test_lora_plan_traces_a_frozen_base(tmp_path):
     P.resolve_hf_config(base).save_pretrained(tmp_path)  # config.json only, no weights
     sets = [f"model.path={tmp_path}", "data.tokenizer=bytes"]
     full = P.make_plan(load_config("examples/tiny.toml", sets), 1, 80, compare_checkpointing=False)
-    lora_cfg = load_config("examples/tiny.toml", [*sets, "finetune.method=lora", "finetune.lora_rank=1"])
+    lora_cfg = load_config(
+        "examples/tiny.toml", [*sets, "finetune.method=lora", "finetune.lora_rank=1"]
+    )
     lora = P.make_plan(lora_cfg, 1, 80, compare_checkpointing=False)
     f, lo = full.breakdown_gib, lora.breakdown_gib
     assert lo["parameters"] >= f["parameters"]  # the base plus the adapters
     assert 0 < lo["optimizer_states"] < 0.2 * f["optimizer_states"]
     assert lora.layout["finetune"] == "lora"
+
+
+def test_preflight_under_a_process_group_plans_in_a_child_process():
+    """torchrun: this process is in a process group, so the verdict comes from a fresh
+    process (the one a real run's rank 0 starts), with the same figures."""
+    cfg = load_config("examples/tiny.toml", [])
+    hc = P.resolve_hf_config(cfg)
+    here = PF.verdict(cfg, hc, 1, 0.5)
+    child = PF.verdict_in_child(cfg, 1, 0.5)
+    assert child["fits"] is here["fits"] is False
+    assert child["peak"] == pytest.approx(here["peak"], rel=1e-9)
+    assert child["fixes"] == here["fixes"]

@@ -1,0 +1,130 @@
+"""`dropless train`'s preflight on GPUs: the plan of the run's own layout (`plan.py`),
+refused before any weight is loaded when it predicts an out-of-memory, with the single
+changes the plan predicts would fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .plan import GIB, make_plan, micro_batch, resolve_hf_config
+
+
+def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
+    """The single-key changes that the plan predicts would fit."""
+    tc, found = cfg.train, []
+    cands = []
+    if not tc.activation_checkpointing:
+        cands.append(
+            ("train.activation_checkpointing=true", {"train": {"activation_checkpointing": True}})
+        )
+    if micro_batch(cfg, gpus) > 1:
+        cands.append(
+            (f"train.grad_accum={2 * tc.grad_accum}", {"train": {"grad_accum": 2 * tc.grad_accum}})
+        )
+    E = int(getattr(hf_config, "num_experts", 0) or 0)
+    ep2 = 2 * cfg.parallel.ep
+    if ep2 <= gpus and E % ep2 == 0 and gpus % ep2 == 0:
+        cands.append((f"parallel.ep={ep2}", {"parallel": {"ep": ep2}}))
+    if cfg.finetune.method != "lora" and cfg.model.path:  # LoRA adapts a checkpoint
+        cands.append(("finetune.method=lora", {"finetune": {"method": "lora"}}))
+    for label, change in cands:
+        try:
+            c = cfg
+            for sec, kv in change.items():
+                c = dataclasses.replace(c, **{sec: dataclasses.replace(getattr(c, sec), **kv)})
+            p = make_plan(c, gpus, gpu_memory_gib, hf_config=hf_config, compare_checkpointing=False)
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        if p.fits:
+            found.append(f"{label} ({_gib(p.peak_gib_per_gpu + p.reserve_gib)} GiB)")
+    return found
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def device_memory_gib(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / GIB
+
+
+def verdict(cfg, hf_config, world: int, gib: float) -> dict:
+    """The preflight's reading of the plan: fits, the figures, and the changes that would."""
+    p = make_plan(cfg, world, gib, hf_config=hf_config, compare_checkpointing=False)
+    fixes = (
+        []
+        if p.fits
+        else _suggestions(
+            cfg, world, gib, hf_config if hf_config is not None else resolve_hf_config(cfg)
+        )
+    )
+    return {
+        "fits": p.fits, "peak": p.peak_gib_per_gpu, "reserve": p.reserve_gib,
+        "breakdown": p.breakdown_gib, "fixes": fixes,
+    }  # fmt: skip
+
+
+_CHILD = (
+    "import json, sys; from dropless.train.config import load_config; "
+    "from dropless.train.plan_preflight import verdict; "
+    "print(json.dumps(verdict(load_config(sys.argv[1], []), None, int(sys.argv[2]), float(sys.argv[3]))))"
+)
+
+
+def verdict_in_child(cfg, world: int, gib: float) -> dict:
+    """`verdict` in a fresh Python process: one already in a process group (torchrun)
+    cannot start the fake one the plan shards over."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from .config import dump_config
+
+    with tempfile.TemporaryDirectory() as d:
+        path = dump_config(cfg, Path(d) / "config.toml")
+        r = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(path), str(world), str(gib)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+    if r.returncode:  # returned, not raised: every rank must get an answer (on_rank0)
+        return {"error": f"the plan's process failed: {r.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def check_plan_fits(cfg, hf_config, world: int, device: torch.device, on_rank0=None) -> None:
+    """`dropless train`'s preflight on GPUs: refuse (ValueError naming what would fit) a
+    layout the plan predicts runs out of memory, before any weight is loaded. CPU runs and
+    train.preflight=false skip it. Under torchrun rank 0 plans in a child process
+    (`on_rank0(fn)` runs fn there and hands every rank its result). A plan that cannot be
+    made (a model the fake tensors cannot trace) warns and lets the run go on: the real
+    build reports its own problems."""
+    if device.type != "cuda" or not getattr(cfg.train, "preflight", True):
+        return
+    gib = device_memory_gib(device)
+    try:
+        if dist.is_initialized():
+            run = on_rank0 or (lambda fn: fn())
+            v = run(lambda: verdict_in_child(cfg, world, gib))
+        else:
+            v = verdict(cfg, hf_config, world, gib)
+    except (RuntimeError, NotImplementedError, TypeError, AssertionError) as e:
+        warnings.warn(f"dropless: no memory plan for this run ({type(e).__name__}: {e}); train.preflight skipped", stacklevel=2)  # fmt: skip
+        return
+    if "error" in v:
+        warnings.warn(f"dropless: no memory plan for this run ({v['error']}); train.preflight skipped", stacklevel=2)  # fmt: skip
+        return
+    if v["fits"]:
+        return
+    fixes = v["fixes"]
+    raise ValueError(
+        f"the plan predicts this run does not fit: {_gib(v['peak'])} GiB of tensors + "
+        f"{_gib(v['reserve'])} GiB reserve per GPU > {_gib(gib)} GiB ({', '.join(f'{k} {_gib(x)}' for k, x in v['breakdown'].items())}); "
+        + (f"predicted to fit: {'; '.join(fixes)}" if fixes else "no single change of checkpointing, micro-batch, parallel.ep or LoRA fits: use more GPUs")
+        + " (dropless plan --help says how it is made); set train.preflight=false to run anyway"
+    )  # fmt: skip

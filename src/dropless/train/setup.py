@@ -229,6 +229,10 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     from .memory_fit import check_fits_memory
 
     check_fits_memory(cfg, config, env.world, env.device)  # before the model is built
+    from .plan_preflight import check_plan_fits
+
+    # CUDA only: the traced plan (under torchrun rank 0 plans in a child process)
+    check_plan_fits(cfg, config, env.world, env.device, lambda fn: on_rank0(fn, env))
     if env.main:
         warn_all_warmup(cfg)
     if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
@@ -237,6 +241,3 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
             flush=True,
         )
     return config, resume_from
-    from .plan import check_plan_fits
-
-    check_plan_fits(cfg, config, env.world, env.device)  # CUDA only: the traced plan

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_atomic
 from .fasta import iter_fasta_pieces
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -93,7 +94,7 @@ class DNATokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         spec = {"kind": self.kind, "specials": list(SPECIALS), "bases": BASES}
-        (d / TOKENIZER_FILE).write_text(json.dumps(spec, indent=1) + "\n")
+        write_atomic(d / TOKENIZER_FILE, json.dumps(spec, indent=1) + "\n")
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> DNATokenizer:

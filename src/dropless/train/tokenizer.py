@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import write_atomic
 from .genomics import DNATokenizer
 
 EOS = "<|endoftext|>"
@@ -77,7 +78,9 @@ class ByteTokenizer:
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "bytes").write_text("byte tokenizer: ids 0..255 are bytes, 256 is EOS\n")
+        write_atomic(
+            Path(directory) / "bytes", "byte tokenizer: ids 0..255 are bytes, 256 is EOS\n"
+        )
 
 
 class HFTokenizer:
@@ -141,7 +144,7 @@ class HFTokenizer:
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self.tok.save(str(Path(directory) / TOKENIZER_FILE))
+        write_atomic(Path(directory) / TOKENIZER_FILE, self.tok.to_str(pretty=True))
 
 
 def _is_byte_level(tok) -> bool:

@@ -1,6 +1,10 @@
 """The checks each spawned group runs, by world size (one spawn per world size)."""
 
-from _checks_autocast import ep_autocast_bf16_moe, hf_ep_autocast_bf16  # noqa: F401
+from _checks_autocast import (  # noqa: F401
+    ep_autocast_bf16_moe,
+    fsdp_autocast_casts_fresh_each_step,
+    hf_ep_autocast_bf16,
+)
 from _checks_ckpt import ckpt_resume_w2, ckpt_save_w4  # noqa: F401
 from _checks_collectives import train_collectives  # noqa: F401
 from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
@@ -59,6 +63,7 @@ CHECKS = {
         "fsdp_fused_adamw",
         "ep_autocast_bf16_moe",
         "hf_ep_autocast_bf16",
+        "fsdp_autocast_casts_fresh_each_step",
     ],
     4: [
         "ep_uniform",

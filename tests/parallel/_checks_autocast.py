@@ -1,7 +1,8 @@
 """Checks in spawned processes: under `torch.autocast("cpu", dtype=torch.bfloat16)` with
 fp32 weights, expert parallelism moves bf16 over the all-to-all (forward and backward)
 and multiplies bf16 operands in every expert GEMM, for `dropless.MoE` and a patched
-Transformers model, within bf16 tolerance of one process under the same autocast."""
+Transformers model, within bf16 tolerance of one process under the same autocast; under
+FSDP2 without a mixed-precision policy the cached weight casts follow every step."""
 
 # T tokens per rank, D model dim, F expert hidden dim, E experts
 
@@ -128,3 +129,38 @@ def hf_ep_autocast_bf16(rank, world):
     grads = [p.grad for p in ep.parameters() if p.grad is not None]
     assert grads and all(gr.dtype == torch.float32 for gr in grads)
     dist.barrier()
+
+
+def fsdp_autocast_casts_fresh_each_step(rank, world):
+    """FSDP2 without a mixed-precision policy under autocast: the experts' unsharded fp32
+    weights are re-gathered into the same Parameter objects every step; the weight cache
+    must re-cast them after each optimizer step (a stale cast would run step 2 with step
+    1's weights). Every rank feeds the same batch, so FSDP's mean gradient is the one
+    process's gradient and the losses must follow the one-process run."""
+    from torch.distributed.fsdp import fully_shard
+
+    D, F, T = 16, 12, 8
+    torch.manual_seed(0)
+    moe = MoE(D, F, 8, 2)
+    x, g = torch.randn(T, D), torch.randn(T, D)
+    ref, sharded = copy.deepcopy(moe), copy.deepcopy(moe)
+    fully_shard(sharded.experts, reshard_after_forward=True)
+    fully_shard(sharded)
+
+    def steps(model):
+        opt = torch.optim.SGD(model.parameters(), lr=2.0)
+        losses = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=BF16):
+                out, _ = model(x)
+            loss = (out.float() - g).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return losses
+
+    want, got = steps(ref), steps(sharded)
+    assert want[2] < 0.8 * want[1] < 0.8**2 * want[0], want  # each step moves the loss
+    for a, b in zip(got, want):
+        assert abs(a - b) <= RTOL * abs(b), (got, want)

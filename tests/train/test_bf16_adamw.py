@@ -67,3 +67,21 @@ def test_without_master_tiny_updates_still_move_the_weights():
 def test_refuses_bad_betas():
     with pytest.raises(ValueError, match="betas"):
         BF16AdamW(_params(torch.bfloat16), betas=(0.9, 1.0))
+
+
+def test_load_state_dict_keeps_fp32_states():
+    """torch's Optimizer.load_state_dict casts floating states to the parameter dtype;
+    the moments and master must come back in fp32, bit for bit."""
+    ps = _params(torch.bfloat16)
+    opt = BF16AdamW(ps, lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    opt.step()
+    sd = opt.state_dict()
+    fresh = BF16AdamW(ps, lr=1e-2)
+    fresh.load_state_dict(sd)
+    for p in ps:
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            if key in opt.state[p]:
+                got = fresh.state[p][key]
+                assert got.dtype == torch.float32 and torch.equal(got, opt.state[p][key]), key

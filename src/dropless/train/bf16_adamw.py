@@ -6,8 +6,9 @@ runs on the master, which is then rounded to nearest into the bf16 parameter; th
 torch's AdamW on fp32 weights, step for step. With `master_weights=False` the bf16
 parameter itself is updated, and the fp32 result is rounded stochastically (up or down
 with probabilities that make the rounding unbiased), so updates far below one bf16 ulp
-still move the weights on average instead of vanishing: 2 + 4 + 4 = 10 bytes per
-parameter instead of 16 for parameters, moments and master.
+still move the weights on average instead of vanishing. Bytes per parameter with its
+gradient: fp32 training 4 + 4 + 8 (moments) = 16; bf16 with a master 2 + 2 + 4 + 8 = 16;
+bf16 without one 2 + 2 + 8 = 12.
 
 Every operation is elementwise, so a DTensor parameter is updated through its local
 shard. Temporaries are at most a few tensors of one parameter's size, never the model's.
@@ -40,6 +41,10 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator=None) -> torch.Tensor:
     return torch.where(finite, rounded, x).to(torch.bfloat16)
 
 
+#: optimizer states kept in fp32 whatever the parameter's dtype
+_FP32_STATES = ("exp_avg", "exp_avg_sq", "master")
+
+
 class BF16AdamW(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam for bf16 parameters (fp32 parameters are updated as by
     torch's AdamW). See the module docstring for `master_weights`."""
@@ -58,6 +63,17 @@ class BF16AdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.master_weights = master_weights
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loader casts every floating state to its parameter's dtype: put the fp32
+        moments and master back in fp32, from the saved values (not the bf16 casts)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if key in _FP32_STATES and torch.is_tensor(value):
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]

@@ -13,6 +13,7 @@ from ..parallel.mesh import ParallelConfig
 
 RECIPES = ("none", "delayed", "current", "mxfp8")
 DTYPES = ("auto", "fp32", "bf16")
+PARAM_DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
@@ -88,6 +89,8 @@ class ModelConfig:
     init_std: float = 0.02
     implementation: str = "dropless"  # experts path: "dropless" (patched) or "stock" Transformers
     attn_implementation: str = "sdpa"
+    # parameter storage: "fp32", or "bf16" (half the bytes; see optim.master_weights)
+    dtype: str = "fp32"
 
     def __post_init__(self):
         if self.path and self.config:
@@ -111,6 +114,7 @@ class ModelConfig:
         _non_negative("model", vocab_size=self.vocab_size, init_std=self.init_std)
         _choice("model", "implementation", self.implementation, IMPLEMENTATIONS)
         _choice("model", "attn_implementation", self.attn_implementation, ATTENTION)
+        _choice("model", "dtype", self.dtype, PARAM_DTYPES)
 
 
 @dataclass
@@ -223,6 +227,9 @@ class OptimConfig:
     # AdamW kernel: "auto" = fused on one process, torch's own choice over DTensor
     # parameters (several processes); or "fused", "foreach", "loop" (one tensor at a time)
     implementation: str = "auto"
+    # model.dtype=bf16: an fp32 master copy of every parameter (sharded like the optimizer
+    # state), or (false) bf16 parameters updated with stochastic rounding
+    master_weights: bool = True
 
     def __post_init__(self):
         _non_negative(

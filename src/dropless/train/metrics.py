@@ -25,7 +25,10 @@ def measure_cpu_tflops(seconds: float = 0.5, n: int = 512, warmup: float = 0.5) 
     over `seconds` after `warmup` seconds untimed (a fresh process runs its first second
     of matmuls several times slower), in short bursts so a busy machine's quiet moments
     still count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    # its own generator: the global one is the run's (dropout, stochastic rounding), saved
+    # in checkpoints, and a measurement at each log step must not move it
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     end = time.perf_counter() + warmup
     while time.perf_counter() < end:
         a @ b

@@ -97,8 +97,15 @@ def check_compatible(config, tok_vocab: int, seq_len: int, pretrained: bool = Fa
         )
 
 
+def param_dtype(mcfg) -> torch.dtype:
+    """The dtype the parameters are stored in (`model.dtype`)."""
+    return torch.bfloat16 if getattr(mcfg, "dtype", "fp32") == "bf16" else torch.float32
+
+
 def _from_pretrained_kwargs(mcfg) -> dict:
-    return dict(attn_implementation=mcfg.attn_implementation, dtype=torch.float32)
+    # the weights load (or are created) straight in model.dtype: a bf16 run never holds an
+    # fp32 copy of a checkpoint
+    return dict(attn_implementation=mcfg.attn_implementation, dtype=param_dtype(mcfg))
 
 
 def _switch_path(model: nn.Module, mcfg, expert_bias: bool) -> nn.Module:
@@ -121,7 +128,8 @@ def _switch_path(model: nn.Module, mcfg, expert_bias: bool) -> nn.Module:
 
 
 def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Module:
-    """The causal LM on `device` in fp32, patched to dropless unless implementation="stock"."""
+    """The causal LM on `device` in `model.dtype`, patched to dropless unless
+    implementation="stock"."""
     transformers = require_transformers()
     torch.manual_seed(seed)
     kw = _from_pretrained_kwargs(mcfg)

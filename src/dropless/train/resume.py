@@ -16,7 +16,7 @@ FIXED_KEYS = (
     "model.path", "model.config", "model.hidden_size", "model.num_layers", "model.num_heads",
     "model.num_kv_heads", "model.head_dim", "model.num_experts", "model.top_k",
     "model.moe_intermediate_size", "model.vocab_size", "model.max_position_embeddings",
-    "model.tie_embeddings", "data.path", "data.eval_path", "data.text_field", "data.eval_fraction",
+    "model.tie_embeddings", "model.dtype", "optim.master_weights", "data.path", "data.eval_path", "data.text_field", "data.eval_fraction",
     "data.max_bytes", "data.tokenizer", "data.bpe_vocab_size", "data.errors", "data.reverse_complement",
     "data.loss_on",  # supervised rows left without a loss token are dropped: the sample set
     "train.seq_len", "train.batch_size", "train.seed",

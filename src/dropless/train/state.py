@@ -159,13 +159,22 @@ def build_optimizer(params: list[torch.nn.Parameter], ocfg, parallel=None) -> to
         {"params": [p for p in params if p.dim() >= 3], "weight_decay": ocfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    # no empty group (torch.distributed.checkpoint refuses them); the split depends on the
+    # model only, never on the world size
+    groups = [g for g in groups if g["params"]] or groups[:1]
+    betas = (ocfg.beta1, ocfg.beta2)
+    if any(p.dtype == torch.bfloat16 for p in params):  # model.dtype=bf16
+        from .bf16_adamw import BF16AdamW
+
+        return BF16AdamW(
+            groups, lr=ocfg.lr, betas=betas, eps=ocfg.eps,
+            master_weights=getattr(ocfg, "master_weights", True),
+        )  # fmt: skip
     kernel = adamw_kernel(ocfg, parallel)
     for g in groups:
         if kernel.get("fused") and len({_mesh_of(p) for p in g["params"]}) > 1:
             g["fused"] = False
-    return torch.optim.AdamW(
-        groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, **kernel
-    )
+    return torch.optim.AdamW(groups, lr=ocfg.lr, betas=betas, eps=ocfg.eps, **kernel)
 
 
 def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.LambdaLR:

@@ -185,3 +185,43 @@ def test_moe_under_checkpoint_recompute_reuses_the_cast():
         weight_cache._CACHE.__class__.__setitem__ = real
     assert n_forward >= 2 and made == []  # no weight cast again in the recompute
     assert m.experts.gate_up_proj.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_lora_factors_and_biases_under_autocast(backend):
+    """Frozen fp32 base weights, trainable fp32 factors and biases under bf16 autocast:
+    everything runs in bf16 and the factors' and biases' gradients are fp32, within bf16
+    tolerance of the fp32 run."""
+    from dropless.ops import LowRank
+
+    g = torch.Generator().manual_seed(3)
+    E, D, F, T, K, r = 4, 16, 8, 12, 2, 2
+
+    def leaf(*shape, scale=0.3, grad=True):
+        return torch.nn.Parameter(torch.randn(*shape, generator=g) * scale, requires_grad=grad)
+
+    gu, dn = leaf(E, 2 * F, D, grad=False), leaf(E, D, F, grad=False)
+    gb, db = leaf(E, 2 * F), leaf(E, D)
+    a1, b1, a2, b2 = leaf(E, r, D), leaf(E, 2 * F, r), leaf(E, r, F), leaf(E, D, r)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    lora = (LowRank(a1, b1, 2.0), LowRank(a2, b2, 0.5))
+    trained = (gb, db, a1, b1, a2, b2)
+
+    def run():
+        out, _ = expert_mlp(
+            x, ids, w, gu, dn, gate_up_bias=gb, down_bias=db, lora=lora, backend=backend
+        )
+        grads = torch.autograd.grad(out.float().pow(2).sum(), trained)
+        return out, grads
+
+    ref, ref_grads = run()
+    with torch.autocast("cpu", dtype=BF16):
+        out, grads = run()
+    assert out.dtype == BF16
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=3e-2 * float(ref.abs().max()))
+    for got, want in zip(grads, ref_grads):
+        assert got.dtype == torch.float32
+        err = float((got - want).norm() / want.norm())
+        assert err < 3e-2, err

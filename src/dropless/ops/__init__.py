@@ -2,7 +2,9 @@
 
 The grouped-GEMM backend registry and the active low-precision recipe live in
 `dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
-`ActivationConfig`) in `specs.py`.
+`ActivationConfig`) in `specs.py`; the dtype the experts compute in under `torch.autocast`
+in `compute_dtype.py`, and weights converted once per optimizer step (`cached_cast`) in
+`weight_cache.py`.
 """
 
 from .dispatch import (

@@ -125,6 +125,22 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     return model, par, seen
 
 
+def _mixed_dtypes(model: nn.Module, e: AssertionError) -> str:
+    """Why FSDP2 refused the model: parameters a family keeps in another dtype than
+    model.dtype (Transformers' `_keep_in_fp32_modules`), which `dropless train` would
+    meet in the same call."""
+    by = {}
+    for n, p in model.named_parameters():
+        by.setdefault(p.dtype, []).append(n)
+    odd = min(by.values(), key=len)
+    return (
+        f"FSDP2 refuses this model ({e}): {len(odd)} parameters are kept in "
+        f"{next(p.dtype for n, p in model.named_parameters() if n == odd[0])} (e.g. {odd[0]!r}) "
+        "beside the others, and one FSDP unit takes one dtype; dropless train stops there "
+        "too: use model.dtype=fp32 for this family on several GPUs"
+    )
+
+
 def _optimizer(cfg, params, par):
     from .state import build_optimizer
 
@@ -314,7 +330,12 @@ def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
     with fake_world(world):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
         declare_experts(model, ep, skew)
-        per = trace_step(cfg, model, par, seen, world, cdtype)
+        try:
+            per = trace_step(cfg, model, par, seen, world, cdtype)
+        except AssertionError as e:  # FSDP2's first forward checks the units' dtypes
+            if "uniform original parameter dtype" not in str(e):
+                raise
+            raise ValueError(_mixed_dtypes(model, e)) from None
         workload = _workload(cfg, model, par, world, cdtype)
     return per, workload
 

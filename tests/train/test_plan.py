@@ -131,3 +131,23 @@ def test_preflight_under_a_process_group_plans_in_a_child_process():
     assert child["fits"] is here["fits"] is False
     assert child["peak"] == pytest.approx(here["peak"], rel=1e-9)
     assert child["fixes"] == here["fixes"]
+
+
+def test_bf16_family_with_fp32_kept_parameters_is_a_clear_error(tmp_path, capsys):
+    """DeepSeek-V3 keeps its router weight in fp32 under dtype=bf16; FSDP2 takes one dtype
+    per unit, so the plan (like dropless train) stops, naming the parameter and the fix."""
+    import transformers
+
+    transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    args = ["plan", "--set", f"model.path={tmp_path}", "--set", "data.tokenizer=bytes"]
+    args += ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--gpus", "2"]
+    rc = main([*args, "--gpu-memory-gib", "80", "--set", "model.dtype=bf16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.dtype=fp32" in err and "mlp.gate.weight" in err
+    assert main([*args, "--gpu-memory-gib", "80"]) == 0  # fp32 parameters: one dtype

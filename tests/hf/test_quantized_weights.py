@@ -102,3 +102,134 @@ def test_block_size_from_the_config():
     C.quantization_config = {"weight_block_size": [0, 1]}
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8_block_size(C())
+
+
+# ---- loading checkpoints written in those formats ------------------------------------
+
+FP8_BLOCK = (8, 8)
+
+
+def _tiny_qwen3(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=32,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "plain")
+    return tmp_path / "plain"
+
+
+def _write_fp8(plain, out, reference):
+    """`out`: the checkpoint with every projection in block-FP8 (as Qwen3-*-FP8 ships it);
+    `reference`: the same tensors dequantised by Transformers, as a plain checkpoint."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(plain / "model.safetensors")
+    quant, deq = {}, {}
+    for k, w in sd.items():
+        if k.endswith("proj.weight") and "mlp.gate" not in k:
+            bn, bk = FP8_BLOCK
+            blocks = w.unflatten(0, (-1, bn)).unflatten(-1, (-1, bk)).abs().amax((1, 3))
+            scale = (blocks / 448.0).clamp_min(1e-12)
+            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            wq = (w / full).to(torch.float8_e4m3fn)
+            quant[k], quant[k + "_scale_inv"] = wq, scale
+            deq[k] = _dequantize_fp8_weight(wq, scale, list(FP8_BLOCK), torch.float32)
+        else:
+            quant[k] = deq[k] = w
+    for d, tensors in ((out, quant), (reference, deq)):
+        shutil.copytree(plain, d)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": list(FP8_BLOCK),
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_block_fp8_checkpoint_loads_as_transformers_dequantises_it(tmp_path):
+    import transformers
+
+    from dropless.hf.parallel import is_quantized_checkpoint
+    from dropless.train.config import ModelConfig, ParallelConfig
+    from dropless.train.model import build_training_model, hf_config
+
+    plain = _tiny_qwen3(tmp_path)
+    _write_fp8(plain, tmp_path / "fp8", tmp_path / "deq")
+    assert is_quantized_checkpoint(tmp_path / "fp8") and not is_quantized_checkpoint(plain)
+    mcfg = ModelConfig(path=str(tmp_path / "fp8"))
+    model, par = build_training_model(
+        mcfg, hf_config(mcfg, 64), ParallelConfig(), 1, expert_bias=False, seed=0,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    assert par is None
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # plain modules, no FP8
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32)
+    got, want = model.state_dict(), ref.state_dict()
+    assert set(want) <= set(got)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    ids = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(  # the dropless experts path against stock's
+        model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path):
+    """GPT-OSS ships its experts as MXFP4 `_blocks` / `_scales` ([E, out, G, 16], [E, out, G])."""
+    import json
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from dropless.train.config import ModelConfig, ParallelConfig
+    from dropless.train.model import build_training_model, hf_config
+
+    cfg = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GptOssForCausalLM(cfg).save_pretrained(tmp_path / "plain")
+    sd = load_file(tmp_path / "plain" / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    quant, deq = {}, {}
+    for k, w in sd.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            e, n_in, n_out = w.shape  # stored [E, in, out]; packed along `in`
+            blocks = torch.randint(
+                0, 256, (e, n_out, n_in // 32, 16), generator=gen, dtype=torch.uint8
+            )
+            scales = torch.randint(
+                122, 128, (e, n_out, n_in // 32), generator=gen, dtype=torch.uint8
+            )
+            quant[k + "_blocks"], quant[k + "_scales"] = blocks, scales
+            deq[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            quant[k] = deq[k] = w
+    for d, tensors in (("mxfp4", quant), ("deq", deq)):
+        shutil.copytree(tmp_path / "plain", tmp_path / d)
+        save_file(tensors, tmp_path / d / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
+    meta["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(meta))
+    mcfg = ModelConfig(path=str(tmp_path / "mxfp4"), attn_implementation="eager")
+    model, _ = build_training_model(
+        mcfg, hf_config(mcfg, 64), ParallelConfig(), 1, expert_bias=False, seed=0,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deq", dtype=torch.float32)
+    got = model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k

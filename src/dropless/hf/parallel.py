@@ -24,6 +24,13 @@ from ..ops.compute_dtype import expert_input
 from ..ops.expert_mlp import grouped_mlp
 from ..parallel.experts import PARAM_NAMES, _local
 from .expert_lora import LORA_PARAMS, attached_lowrank
+from .quantized_weights import (
+    FP8_SCALE_SUFFIX,
+    MXFP4_SUFFIXES,
+    dequantize_block_fp8,
+    dequantize_mxfp4,
+    fp8_block_size,
+)
 
 
 class _LocalExperts:
@@ -173,6 +180,16 @@ def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
     plans: dict[str, tuple] = {}
     merged: dict[str, tuple] = {}
     for ck in ckpt_keys:
+        if ck.endswith(FP8_SCALE_SUFFIX):  # read with its weight (_fill)
+            continue
+        if ck.endswith(MXFP4_SUFFIXES[0]):  # an MXFP4 weight: its _blocks and _scales
+            base = ck.removesuffix(MXFP4_SUFFIXES[0])
+            target = apply_renamings(base, renamings)
+            target, _ = rename_source_key(target, [], [], prefix, known)
+            plans[target] = ("mxfp4", base + MXFP4_SUFFIXES[0], base + MXFP4_SUFFIXES[1])
+            continue
+        if ck.endswith(MXFP4_SUFFIXES[1]):
+            continue
         renamed = apply_renamings(ck, renamings)
         conv = pat = None
         for c in converters:
@@ -238,15 +255,34 @@ def _region(t) -> tuple[torch.Tensor, list[int]]:
     return t, [0] * t.dim()
 
 
-def _fill(local: torch.Tensor, plan, files: dict[str, str], offset: list[int]) -> None:
+def _read(handles: dict, files: dict[str, str], key: str, stack):
+    from safetensors import safe_open
+
+    if files[key] not in handles:
+        handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
+    return handles[files[key]].get_tensor(key)
+
+
+def _fill(
+    local: torch.Tensor,
+    plan,
+    files: dict[str, str],
+    offset: list[int],
+    fp8_block: tuple[int, int] | None = None,
+) -> None:
     """Copy the checkpoint's values of region [offset, offset + local.shape) of one model
-    tensor into `local`, piece by piece (at most one expert's slice is held besides it)."""
+    tensor into `local`, piece by piece (at most one expert's slice is held besides it).
+    Quantised weights (block-FP8 beside their `_scale_inv`, MXFP4 `_blocks` / `_scales`)
+    are dequantised region by region into `local`'s dtype."""
     import contextlib
 
     from safetensors import safe_open
 
     sl = [slice(o, o + s) for o, s in zip(offset, local.shape)]
-    keys = [plan[1]] if plan[0] == "direct" else [k for src in plan[1] for k in src]
+    if plan[0] == "merged":
+        keys = [k for src in plan[1] for k in src]
+    else:
+        keys = [plan[1]] if plan[0] == "direct" else [plan[1], plan[2]]
     with contextlib.ExitStack() as stack:  # files are mapped only while this tensor is read
         handles = {}
         for k in keys:
@@ -255,8 +291,19 @@ def _fill(local: torch.Tensor, plan, files: dict[str, str], offset: list[int]) -
 
         def part(k, idx):
             h = handles[files[k]]
-            return h.get_slice(k)[tuple(idx)] if idx else h.get_tensor(k)
+            value = h.get_slice(k)[tuple(idx)] if idx else h.get_tensor(k)
+            if fp8_block is None or k + FP8_SCALE_SUFFIX not in files:
+                return value
+            scale = _read(handles, files, k + FP8_SCALE_SUFFIX, stack)
+            starts = [i.start or 0 for i in idx[-2:]] if idx else [0, 0]
+            lead = tuple(idx[:-2]) if idx else ()
+            return dequantize_block_fp8(value, scale[lead], fp8_block, local.dtype, *starts)
 
+        if plan[0] == "mxfp4":  # experts [E, in, out] from [E, out, G, 16] + [E, out, G]
+            blocks = part(plan[1], sl[:1])
+            scales = part(plan[2], sl[:1])
+            local.copy_(dequantize_mxfp4(blocks, scales, local.dtype)[(slice(None), *sl[1:])])
+            return
         if plan[0] == "direct":
             local.copy_(part(plan[1], sl).reshape(local.shape))
             return
@@ -289,6 +336,7 @@ def load_sharded_hf(model: nn.Module, path) -> list[str]:
 
     files = _checkpoint_files(path)
     plans = _plans(model, files)
+    fp8_block = _fp8_block(path) if _has_fp8(files) else None
     _retie(model)
     _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
     added = set(added_state_keys(model))
@@ -312,9 +360,29 @@ def load_sharded_hf(model: nn.Module, path) -> list[str]:
                 "is it a checkpoint of this model family?"
             )
         if local.numel():
-            _fill(local, plan, files, offset)
+            _fill(local, plan, files, offset, fp8_block)
         done.add(id(t))
     return unread
+
+
+def _fp8_block(path) -> tuple[int, int]:
+    """The block size in the checkpoint's own config.json (the model may have been built
+    from a copy without its quantization_config)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return fp8_block_size(types.SimpleNamespace(quantization_config=cfg.get("quantization_config")))
+
+
+def _has_fp8(files: dict[str, str]) -> bool:
+    return any(k.endswith(FP8_SCALE_SUFFIX) for k in files)
+
+
+def is_quantized_checkpoint(path) -> bool:
+    """Whether the safetensors checkpoint in `path` stores block-FP8 or MXFP4 weights."""
+    files = _checkpoint_files(path)
+    return _has_fp8(files) or any(k.endswith(MXFP4_SUFFIXES[0]) for k in files)
 
 
 def _retie(model: nn.Module) -> None:

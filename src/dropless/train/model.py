@@ -8,6 +8,7 @@ count per step that the metrics use and the one place precision recipes plug in.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,16 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def _without_quantization(config):
+    """A copy of `config` that builds plain (dequantised) modules: the weights are
+    dequantised while loading, and training needs full-precision parameters."""
+    if getattr(config, "quantization_config", None) is None:
+        return config
+    config = copy.deepcopy(config)
+    del config.quantization_config
+    return config
+
+
 def build_training_model(
     mcfg,
     config,
@@ -181,10 +192,14 @@ def build_training_model(
     dtype: no rank ever holds the whole model. Otherwise every rank builds the full model
     (same seed) and shards it.
     """
+    # several processes, or a quantised checkpoint (block-FP8, MXFP4): build on meta, then
+    # each rank reads (and dequantises into model.dtype) only its own slices
+    from ..hf.parallel import is_quantized_checkpoint
     from .distributed import parallelize_for_training
 
-    sharded = world > 1 and bool(mcfg.path)
+    sharded = bool(mcfg.path) and (world > 1 or is_quantized_checkpoint(mcfg.path))
     if sharded:
+        config = _without_quantization(config)
         transformers = require_transformers()
         torch.manual_seed(seed)
         with torch.device("meta"):

@@ -95,11 +95,13 @@ def step_estimate(w: Workload, gpu: GpuKind, skew: float, grad_accum: int) -> di
     a2a_bytes *= (w.ep - 1) / w.ep
     a2a_s = a2a_bytes / (A2A_EFFICIENCY * _link_gbs(w.ep, gpu) * 1e9) if w.ep > 1 else 0.0
     fsdp_s = 0.0
+    # an expert FSDP group's ranks are ep apart (ep is the inner mesh dim): inside one node
+    # only when the whole dp_shard group is
     for params, group in ((w.dense_shard_params, w.dp_shard), (w.expert_fsdp_params, w.dp_shard // w.ep)):  # fmt: skip
         if group > 1:
             share = (group - 1) / group
             moved = params * share * (2 * w.act_bytes + 4)  # 2 gathers + fp32 reduce-scatter
-            fsdp_s += moved / (_link_gbs(group, gpu) * 1e9)
+            fsdp_s += moved / (_link_gbs(w.dp_shard, gpu) * 1e9)
     micro_s = max(compute_s, fsdp_s) + (0.0 if w.overlap else a2a_s)
     if w.overlap:
         micro_s = max(micro_s, a2a_s)

@@ -16,6 +16,8 @@ import torch
 from dropless.parallel import EPGroupedExperts, ExpertParallelDispatcher, ParallelConfig, build_mesh
 from dropless.parallel import dispatcher as dispatcher_mod
 from dropless.train import checkpoint as ckpt
+from dropless.train import collectives
+from dropless.train.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
 from dropless.train.config import DataConfig, ModelConfig, PrecisionConfig, dump_config, load_config
 from dropless.train.data import eval_windows, load_corpus, read_documents, stdlib_corpus
 from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
@@ -42,6 +44,9 @@ GENOMICS = "tests/train/test_genomics.py"
 
 # (file, literal part of the message, test that triggers it)
 TABLE = [
+    ("bf16_adamw.py", "stochastic rounding takes fp32 input", f"{HERE}[sr-dtype]"),
+    ("bf16_adamw.py", "out of range", f"{HERE}[bf16-adamw-betas]"),
+    ("collectives.py", "all_reduce: op=", f"{HERE}[collective-op]"),
     ("checkpoint.py", "is not a complete dropless checkpoint (no .metadata)", f"{HERE}[no-metadata]"),
     ("checkpoint.py", "); pick another checkpoints/step_* directory", f"{HERE}[no-trainer-json]"),
     ("config.py", "unknown config key", "tests/train/test_config.py::test_bad_values"),
@@ -389,6 +394,9 @@ def _sft_no_records(tmp, mp, rq):
 
 
 TRIGGERS = [
+    ("sr-dtype", lambda t, m, r: stochastic_round_to_bf16(torch.zeros(2, dtype=torch.float64)), TypeError, "stochastic rounding takes fp32 input, got torch.float64"),
+    ("bf16-adamw-betas", lambda t, m, r: BF16AdamW([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0)), ValueError, "betas=(0.9, 1.0)"),
+    ("collective-op", lambda t, m, r: collectives.all_reduce(torch.zeros(1), op="avg"), ValueError, "all_reduce: op='avg'; expected one of ['max', 'min', 'sum']"),
     ("margin-int", lambda t, m, r: PrecisionConfig(recipe="delayed", margin=1.5), ValueError, "precision.margin=1.5: must be an integer >= 0"),
     ("recipe-option", _recipe_option, ValueError, "precision: DelayedScaling.__init__() got an unexpected keyword argument 'bogus'"),
     ("fused-ce", lambda t, m, r: fuse_cross_entropy(torch.nn.Linear(2, 2)), ValueError, "train.fused_cross_entropy=true: enable_fused_cross_entropy needs a Transformers causal LM"),

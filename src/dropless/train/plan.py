@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .plan_attention import declare_attention
 from .plan_cost import Workload, cost_assumptions, gpu_kind, step_estimate
 from .plan_experts import declare_experts
 
@@ -330,6 +331,7 @@ def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
     with fake_world(world):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
         declare_experts(model, ep, skew)
+        declare_attention(model)
         try:
             per = trace_step(cfg, model, par, seen, world, cdtype)
         except AssertionError as e:  # FSDP2's first forward checks the units' dtypes

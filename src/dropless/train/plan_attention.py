@@ -1,0 +1,60 @@
+"""The attention the planner traces in place of `sdpa` / FlashAttention.
+
+On fake CPU tensors `scaled_dot_product_attention` dispatches as on a CPU: where its CPU
+flash kernel does not apply (query/key and value head dims differ, as in DeepSeek-V3's
+MLA: 192 and 128) it falls back to the math path, which materializes the [B, H, L, L]
+scores; on a GPU the flash / memory-efficient kernels never do. So for `sdpa` and the
+FlashAttention implementations the planner's traced copy of the model (never a training
+model) runs one autograd Function with what those kernels declare: the output
+[B, H, L, Dv] and the fp32 log-sum-exp [B, H, L] kept for backward (with the inputs), and
+in backward the input gradients plus an fp32 accumulator of the query gradient.
+"""
+
+# B batch, H heads, L query length, Dq query/key head dim, Dv value head dim
+
+from __future__ import annotations
+
+import torch
+
+NAME = "dropless_plan_flash"  # registered with Transformers' attention and mask interfaces
+DECLARED = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+class _DeclaredAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        B, H, L, _ = q.shape
+        out = q.new_empty(B, H, L, v.shape[-1])
+        lse = q.new_empty(B, H, L, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, _, _ = ctx.saved_tensors
+        dq_accum = q.new_empty(q.shape, dtype=torch.float32)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del dq_accum
+        return dq, dk, dv
+
+
+def _attention(module, query, key, value, attention_mask, *args, **kwargs):
+    out = _DeclaredAttention.apply(query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def declare_attention(model) -> bool:
+    """Switch `model` (the planner's copy) to the declared attention when it runs one of
+    `DECLARED`; returns whether it did."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if getattr(model.config, "_attn_implementation", None) not in DECLARED:
+        return False
+    AttentionInterface.register(NAME, _attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = NAME
+    return True

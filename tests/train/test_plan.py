@@ -133,9 +133,8 @@ def test_preflight_under_a_process_group_plans_in_a_child_process():
     assert child["fixes"] == here["fixes"]
 
 
-def test_bf16_family_with_fp32_kept_parameters_is_a_clear_error(tmp_path, capsys):
-    """DeepSeek-V3 keeps its router weight in fp32 under dtype=bf16; FSDP2 takes one dtype
-    per unit, so the plan (like dropless train) stops, naming the parameter and the fix."""
+def _tiny_deepseek(path) -> None:
+    """A 2-layer DeepSeek-V3 config.json: MLA with query/key head dim 24, value 16."""
     import transformers
 
     transformers.DeepseekV3Config(
@@ -143,8 +142,32 @@ def test_bf16_family_with_fp32_kept_parameters_is_a_clear_error(tmp_path, capsys
         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
         topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=256,
-    ).save_pretrained(tmp_path)  # fmt: skip
+        qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=1024,
+    ).save_pretrained(path)  # fmt: skip
+
+
+def test_sdpa_is_traced_as_the_gpu_kernels_keep_it(tmp_path):
+    """With query and value head dims apart (MLA) CPU sdpa falls back to the math path and
+    materializes the [B, H, L, L] scores; GPU kernels do not, and neither does the plan:
+    its sdpa peak stays below eager attention's by more than one layer's fp32 scores."""
+    _tiny_deepseek(tmp_path)
+    sets = [f"model.path={tmp_path}", "data.tokenizer=bytes", "train.seq_len=512"]
+    sets += ["train.batch_size=2", "precision.dtype=fp32"]
+    peaks = {
+        attn: P.make_plan(
+            load_config(None, [*sets, f"model.attn_implementation={attn}"]), 1, 80,
+            compare_checkpointing=False,
+        ).peak_gib_per_gpu * 2**30
+        for attn in ("sdpa", "eager")
+    }  # fmt: skip
+    scores = 2 * 4 * 512 * 512 * 4  # B x H x L x L fp32
+    assert peaks["eager"] - peaks["sdpa"] > scores
+
+
+def test_bf16_family_with_fp32_kept_parameters_is_a_clear_error(tmp_path, capsys):
+    """DeepSeek-V3 keeps its router weight in fp32 under dtype=bf16; FSDP2 takes one dtype
+    per unit, so the plan (like dropless train) stops, naming the parameter and the fix."""
+    _tiny_deepseek(tmp_path)
     args = ["plan", "--set", f"model.path={tmp_path}", "--set", "data.tokenizer=bytes"]
     args += ["--set", "train.seq_len=16", "--set", "train.batch_size=2", "--gpus", "2"]
     rc = main([*args, "--gpu-memory-gib", "80", "--set", "model.dtype=bf16"])

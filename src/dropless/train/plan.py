@@ -410,6 +410,8 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         "reserve": f"{CONTEXT_GIB} GiB CUDA context and workspaces, {NCCL_GIB} GiB NCCL with "
         f"several processes, {FRAGMENTATION:.0%} of the peak for allocator fragmentation",
         "autocast": "CPU autocast and CPU ops stand for the CUDA ones (same output shapes)",
+        "attention": "sdpa / FlashAttention: the output and fp32 log-sum-exp the GPU kernels "
+        "keep (no [L, L] scores); eager and flex_attention traced as they run",
         **cost_assumptions(gpu),
     }  # fmt: skip
 

@@ -18,6 +18,8 @@ How the figures are made (every assumption is also in the JSON's "assumptions"):
              instead, the busiest expert-parallel rank computing --skew x the mean rows.
              max_skew: the skew at which the layout stops fitting (dropless layers have no
              capacity limit); with ep=1 skew changes nothing.
+  attention  sdpa / FlashAttention traced as the GPU kernels keep it (output and fp32
+             log-sum-exp, no [L, L] scores); eager and flex_attention as they run.
   reserve    0.75 GiB CUDA context, 0.5 GiB NCCL with several GPUs, 5% of the peak for
              fragmentation; fits = peak + reserve <= --gpu-memory-gib.
   throughput an ESTIMATE from a per-layer cost model: expert GEMMs at 387 TFLOP/s (the H200

@@ -1,12 +1,12 @@
 """The plan against a real run on CPU: measured <= plan <= 1.10 x measured, where
 measured is the peak of live tensor bytes of a real training step (the second: the
 optimizer state exists, as in every later step), read by torch's MemTracker (a
-TorchDispatchMode following every storage), with one intra-op thread. The expert path's
-worker threads run the items of a Python dispatch mode in the calling thread
-(`ops/expert_threads.py`), so the tracker sees the experts' tensors too. fp32, as a CPU
-run computes; one process (the plan's fake process group is the part CPU cannot
-measure against a real allocator; the world-8..256 layouts are checked in
-tests/parallel/test_plan_fake_pg.py)."""
+TorchDispatchMode following every storage; FSDPMemTracker under FSDP2), with one intra-op
+thread. The expert path's worker threads run the items of a Python dispatch mode in the
+calling thread (`ops/expert_threads.py`), so the tracker sees the experts' tensors too.
+fp32, as a CPU run computes; one process, and two gloo processes (FSDP2, EP=2 x FSDP2),
+the busiest rank against the plan's rank 0 at routing skew 1.5. The world-8..256 layouts
+are checked in tests/parallel/test_plan_fake_pg.py."""
 
 from __future__ import annotations
 
@@ -83,3 +83,82 @@ def test_plan_brackets_the_measured_peak(config, sets):
         torch.set_num_threads(threads)
     planned = P.make_plan(cfg, 1, 80, compare_checkpointing=False).peak_gib_per_gpu * 2**30
     assert measured <= planned <= 1.10 * measured, (measured, planned, planned / measured)
+
+
+LAYOUTS_2 = {"fsdp2": [], "ep2": ["parallel.ep=2"]}
+
+
+def _layout_peak(sets: list[str], rank: int, world: int) -> int:
+    """This rank's peak of live tensor bytes (FSDPMemTracker) in its second step."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from dropless.train.model import build_training_model
+    from dropless.train.state import build_optimizer
+    from dropless.train.step import fuse_cross_entropy
+
+    cfg = load_config("examples/tiny.toml", ["precision.dtype=fp32", *sets])
+    tc = cfg.train
+    model, par = build_training_model(
+        cfg.model, P.resolve_hf_config(cfg), cfg.parallel, world, expert_bias=False,
+        seed=0, device=torch.device("cpu"), fused_rmsnorm=tc.fused_rmsnorm,
+    )  # fmt: skip
+    seen = fuse_cross_entropy(model)
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim, par)
+    B, L, V = P.micro_batch(cfg, world), tc.seq_len, model.config.vocab_size
+    g = torch.Generator().manual_seed(rank)
+
+    def step():
+        ids = torch.randint(0, V, (B, L), generator=g)
+        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
+        loss = seen.pop()
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = FSDPMemTracker(model, opt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
+        with tracker:
+            step()
+    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+
+
+def _rank_peaks(rank: int, world: int, port: int, q) -> None:
+    """One gloo rank: its peak for each layout of LAYOUTS_2 in turn."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    q.put((rank, {name: _layout_peak(sets, rank, world) for name, sets in LAYOUTS_2.items()}))
+    dist.destroy_process_group()
+
+
+def test_plan_brackets_the_measured_peak_at_world_2_gloo():
+    """Two gloo processes, FSDP2 and EP=2 x FSDP2: the busiest rank's measured peak <= plan
+    (rank 0, routing skew 1.5) <= 1.10 x it."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_peaks, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    peaks = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for name, sets in LAYOUTS_2.items():
+        measured = max(peaks[r][name] for r in peaks)
+        cfg = load_config("examples/tiny.toml", ["precision.dtype=fp32", *sets])
+        plan = P.make_plan(cfg, 2, 80, compare_checkpointing=False).peak_gib_per_gpu * 2**30
+        assert measured <= plan <= 1.10 * measured, (name, measured, plan, plan / measured)

@@ -125,32 +125,26 @@ def _layout_peak(sets: list[str], rank: int, world: int) -> int:
     return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
 
-def _rank_peaks(rank: int, world: int, port: int, q) -> None:
+def _rank_peaks(rank: int, world: int, store: str, q) -> None:
     """One gloo rank: its peak for each layout of LAYOUTS_2 in turn."""
-    import os
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no TCP port another process on the machine could take first
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     q.put((rank, {name: _layout_peak(sets, rank, world) for name, sets in LAYOUTS_2.items()}))
     dist.destroy_process_group()
 
 
-def test_plan_brackets_the_measured_peak_at_world_2_gloo():
+def test_plan_brackets_the_measured_peak_at_world_2_gloo(tmp_path):
     """Two gloo processes, FSDP2 and EP=2 x FSDP2: the busiest rank's measured peak <= plan
     (rank 0, routing skew 1.5) <= 1.10 x it."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_peaks, args=(r, 2, port, q)) for r in range(2)]
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_rank_peaks, args=(r, 2, store, q)) for r in range(2)]
     for p in procs:
         p.start()
     peaks = dict(q.get(timeout=120) for _ in procs)

@@ -23,6 +23,7 @@ from dropless.train.data import eval_windows, load_corpus, read_documents, stdli
 from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
 from dropless.train.metrics import MetricsWriter
 from dropless.train.model import build_model, hf_config, recipe_context, require_transformers
+from dropless.train.plan_cost import gpu_kind
 from dropless.train.plots import plot_losses
 from dropless.train.step import StepRunner, fuse_cross_entropy
 from dropless.train.tokenizer import (
@@ -44,6 +45,11 @@ GENOMICS = "tests/train/test_genomics.py"
 
 # (file, literal part of the message, test that triggers it)
 TABLE = [
+    ("plan.py", "the planner needs a process without a process group", "tests/train/test_plan.py::test_planner_refuses_a_process_in_a_process_group"),
+    ("plan.py", "the busiest rank's load over the mean", "tests/train/test_plan.py::test_bad_input_is_one_error_line"),
+    ("plan.py", "expected at least one GPU and a positive memory size", "tests/train/test_plan.py::test_bad_input_is_one_error_line"),
+    ("plan_cost.py", "allowed GPU kinds are", f"{HERE}[gpu-kind]"),
+    ("plan_preflight.py", "the plan predicts this run does not fit", "tests/train/test_plan.py::test_preflight_refuses_a_predicted_oom_on_cuda_only"),
     ("bf16_adamw.py", "stochastic rounding takes fp32 input", f"{HERE}[sr-dtype]"),
     ("bf16_adamw.py", "out of range", f"{HERE}[bf16-adamw-betas]"),
     ("collectives.py", "all_reduce: op=", f"{HERE}[collective-op]"),
@@ -129,7 +135,6 @@ TABLE = [
     ("rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
     ("rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
     ("rundir.py", "cannot be locked (", f"{FAULTS}/test_run_lock.py::test_a_file_system_without_flock_is_named"),
-    ("rundir.py", "is in use by ", f"{FAULTS}/test_run_lock.py::test_second_process_is_refused_and_dead_locks_are_taken_over"),
     ("setup.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
     ("setup.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),
     ("setup.py", "is not divisible by the number of processes (", "tests/train/test_bad_input.py::test_batch_not_divisible_by_processes"),
@@ -394,6 +399,7 @@ def _sft_no_records(tmp, mp, rq):
 
 
 TRIGGERS = [
+    ("gpu-kind", lambda t, m, r: gpu_kind("a100"), ValueError, "--gpu 'a100': allowed GPU kinds are h100, h200, b200"),
     ("sr-dtype", lambda t, m, r: stochastic_round_to_bf16(torch.zeros(2, dtype=torch.float64)), TypeError, "stochastic rounding takes fp32 input, got torch.float64"),
     ("bf16-adamw-betas", lambda t, m, r: BF16AdamW([torch.nn.Parameter(torch.zeros(2))], betas=(0.9, 1.0)), ValueError, "betas=(0.9, 1.0)"),
     ("collective-op", lambda t, m, r: collectives.all_reduce(torch.zeros(1), op="avg"), ValueError, "all_reduce: op='avg'; expected one of ['max', 'min', 'sum']"),

@@ -174,3 +174,21 @@ def test_bf16_family_with_fp32_kept_parameters_is_a_clear_error(tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2 and "model.dtype=fp32" in err and "mlp.gate.weight" in err
     assert main([*args, "--gpu-memory-gib", "80"]) == 0  # fp32 parameters: one dtype
+
+
+def test_planner_refuses_a_process_in_a_process_group(tmp_path):
+    """The fake process group needs the default group slot: a process already in a real
+    group (torchrun) plans in a child (see the preflight test) and never here."""
+    import torch.distributed as dist
+
+    from dropless.train.plan import fake_world
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    try:
+        with pytest.raises(RuntimeError, match="needs a process without a process group"):
+            with fake_world(2):
+                pass
+    finally:
+        dist.destroy_process_group()

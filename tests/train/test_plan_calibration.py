@@ -131,7 +131,7 @@ def _rank_peaks(rank: int, world: int, store: str, q) -> None:
 
     torch.set_num_threads(1)
     # a file store: no TCP port another process on the machine could take first
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     q.put((rank, {name: _layout_peak(sets, rank, world) for name, sets in LAYOUTS_2.items()}))
     dist.destroy_process_group()
 

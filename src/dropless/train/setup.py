@@ -61,7 +61,7 @@ def _release_dtensor_caches() -> None:
     """Empty torch's DTensor caches whose entries hold DeviceMesh objects strongly (sharding
     propagation, redistribute plans and transforms, mesh topology): a mesh keeps its
     process groups, and so their worker threads, alive. Each is looked up by name, as
-    torch versions differ; `tests/train/test_i26_exit.py` fails if one is left holding them."""
+    torch versions differ; `tests/train/test_clean_exit.py` fails if one is left holding them."""
     import importlib
 
     def call(module: str, path: str) -> None:

@@ -27,8 +27,9 @@ def run_dir_vanished(run_dir: str | Path) -> ValueError:
     )
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -53,7 +54,7 @@ def atomic_file(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(p.parent)
+    fsync_path(p.parent)
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> Path:
@@ -77,4 +78,11 @@ def append_line(path: str | Path, line: str) -> None:
         f.write(line if line.endswith("\n") else line + "\n")
 
 
-__all__ = ["append_line", "atomic_file", "refuse_symlink", "run_dir_vanished", "write_atomic"]
+__all__ = [
+    "append_line",
+    "atomic_file",
+    "fsync_path",
+    "refuse_symlink",
+    "run_dir_vanished",
+    "write_atomic",
+]

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .atomic import run_dir_vanished
+from .atomic import fsync_path, run_dir_vanished
 from .collectives import barrier
 from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
 from .hooks import TrainHooks
@@ -75,14 +75,6 @@ def remove_partial(run_dir: str | Path) -> None:
     if _rank_world()[0] == 0 and root.is_dir():
         for p in root.glob(".tmp-step_*"):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def default_file_mode() -> int:
@@ -237,7 +229,7 @@ def save_checkpoint(
     rng_file = tmp / "rng" / f"rank{rank}.safetensors"
     save_file(tensors, str(rng_file), metadata=meta)
     os.chmod(rng_file, default_file_mode())  # safetensors creates files 0600
-    _fsync_path(rng_file)
+    fsync_path(rng_file)
     hooks.on_checkpoint("before_shards", step)
     model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
     digests = _write_shards({"model": model_sd, "optim": optim_sd}, tmp)
@@ -272,18 +264,18 @@ def _finish_write(
         data = Path(config_file).read_bytes()
         digests["config.toml"] = write_synced(tmp / "config.toml", data)
     for p in _files(tmp):  # DCP's files (its writer syncs shards; .metadata too, to be sure)
-        _fsync_path(p)
+        fsync_path(p)
     for d in (tmp / "rng", tmp / DIGESTS, tmp):
-        _fsync_path(d)
+        fsync_path(d)
     hooks.on_checkpoint("before_manifest", step)
     manifest = build_manifest(tmp, step, digests)
     write_synced(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    _fsync_path(tmp)
+    fsync_path(tmp)
     hooks.on_checkpoint("before_rename", step)
     if final.exists():  # re-saving the same step (e.g. a resumed run's end)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
     hooks.on_checkpoint("after_rename", step)
 
 

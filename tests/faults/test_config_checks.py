@@ -151,3 +151,29 @@ def test_memory_estimate_counts_parameters_and_activations(monkeypatch, tmp_path
     err = capsys.readouterr().err
     assert "lower train.batch_size=4096, train.seq_len=32 (or raise train.grad_accum=1)" in err, err
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "dtype, master, per_param",
+    [("fp32", "true", 16), ("bf16", "true", 16), ("bf16", "false", 12)],
+)
+def test_memory_estimate_follows_model_dtype_and_master_weights(
+    monkeypatch, dtype, master, per_param
+):
+    """bf16 weights and gradients with fp32 moments need 12 bytes a parameter, 16 with an
+    fp32 master: a lower bound must not refuse what fits."""
+    from dropless.train import memory_fit
+    from dropless.train.config import load_config
+    from dropless.train.model import hf_config
+    from dropless.train.recipes import TINY
+
+    cfg = load_config(None, [*TINY, f"model.dtype={dtype}", f"optim.master_weights={master}"])
+    config = hf_config(cfg.model, 257)
+    params = memory_fit.parameter_count(config)
+    need = per_param * params + 4 * 32 * 4 * 32 * 2  # the state, one [T, D] per layer
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need)
+    memory_fit.check_fits_memory(cfg, config, 1, cpu)  # exactly enough: kept
+    monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need - 1)
+    with pytest.raises(ValueError, match=f"{per_param} bytes each"):
+        memory_fit.check_fits_memory(cfg, config, 1, cpu)

@@ -3,11 +3,14 @@
 The parameter count comes from the model built on the meta device (exact for every
 family, no memory used). The figures are lower bounds, so a refusal is never wrong:
 
-- every process builds the whole model in fp32 on the host (4 bytes per parameter), except
-  a checkpoint fine-tuned on several processes, which each rank reads only in its shards;
-- training holds fp32 weights, gradients and AdamW's two moments, 16 bytes per trained
-  parameter (4 for the frozen base of a LoRA run), sharded over the processes (FSDP2/EP):
-  on the host for a CPU run, on each GPU for a CUDA run;
+- every process builds the whole model in `model.dtype` on the host (4 bytes per parameter
+  in fp32, 2 in bf16), except a checkpoint fine-tuned on several processes, which each
+  rank reads only in its shards;
+- training holds weights, gradients and AdamW's two fp32 moments: 16 bytes per trained
+  parameter in fp32 and in bf16 with an fp32 master, 12 in bf16 without one
+  (`optim.master_weights=false`); the frozen base of a LoRA run holds its weights only.
+  All of it is sharded over the processes (FSDP2/EP): on the host for a CPU run, on each
+  GPU for a CUDA run;
 - a micro-batch keeps at least one [tokens, hidden] activation per decoder layer for
   backward (4 bytes per value in fp32, 2 under bf16 autocast on GPU).
 
@@ -25,8 +28,20 @@ import torch
 from .model import require_transformers
 
 GIB = 2**30
-TRAINED_BYTES = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
-FROZEN_BYTES = 4  # fp32 weight
+MOMENTS_BYTES = 8  # AdamW's exp_avg + exp_avg_sq, fp32 whatever the parameters' dtype
+
+
+def state_bytes(cfg) -> tuple[int, int, str]:
+    """(bytes per trained parameter, bytes per stored weight, what they are) for the
+    parameter dtype and master copy the config asks for."""
+    weight = 2 if cfg.model.dtype == "bf16" else 4
+    master = 4 if weight == 2 and cfg.optim.master_weights else 0
+    what = (
+        "bf16 weights and gradients, an fp32 master and AdamW state"
+        if master
+        else f"{'bf16' if weight == 2 else 'fp32'} weights and gradients and fp32 AdamW state"
+    )
+    return 2 * weight + master + MOMENTS_BYTES, weight, what
 
 
 #: parameter groups (by name) and the built-in model's keys that size each
@@ -156,12 +171,14 @@ def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
     except (ValueError, TypeError, RuntimeError, NotImplementedError, ImportError):
         return  # a model the meta device cannot build: its real build reports the problem
     params = sum(counts.values())
+    trained, weight, what = state_bytes(cfg)
+    dtype = "bf16" if weight == 2 else "fp32"
     lora = cfg.finetune.method == "lora"
-    per = FROZEN_BYTES if lora else TRAINED_BYTES
+    per = weight if lora else trained
     each = (
-        "4 bytes each for LoRA's frozen fp32 base"
+        f"{weight} bytes each for LoRA's frozen {dtype} base"
         if lora
-        else "16 bytes each for fp32 weights, gradients and AdamW state"
+        else f"{trained} bytes each for {what}"
     ) + (f", over {world} processes" if world > 1 else "")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this host (torchrun)
     cuda = device.type == "cuda"
@@ -171,8 +188,8 @@ def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
     if not cuda:  # training on the host: its state is the larger need, checked first
         _check("host", host, counts, each, local * state, local * acts, cfg)
     if not (world > 1 and cfg.model.path):  # each process builds the whole model on the host
-        build = "4 bytes each while it is built in fp32"
+        build = f"{weight} bytes each while it is built in {dtype}"
         build += f", x {local} processes" if local > 1 else ""
-        _check("host", host, counts, build, local * FROZEN_BYTES * params, 0, cfg)
+        _check("host", host, counts, build, local * weight * params, 0, cfg)
     if cuda:
         _check(f"{device} device", device_bytes(device), counts, each, state, acts, cfg)

@@ -255,14 +255,6 @@ def _region(t) -> tuple[torch.Tensor, list[int]]:
     return t, [0] * t.dim()
 
 
-def _read(handles: dict, files: dict[str, str], key: str, stack):
-    from safetensors import safe_open
-
-    if files[key] not in handles:
-        handles[files[key]] = stack.enter_context(safe_open(files[key], framework="pt"))
-    return handles[files[key]].get_tensor(key)
-
-
 def _fill(
     local: torch.Tensor,
     plan,
@@ -279,22 +271,19 @@ def _fill(
     from safetensors import safe_open
 
     sl = [slice(o, o + s) for o, s in zip(offset, local.shape)]
-    if plan[0] == "merged":
-        keys = [k for src in plan[1] for k in src]
-    else:
-        keys = [plan[1]] if plan[0] == "direct" else [plan[1], plan[2]]
     with contextlib.ExitStack() as stack:  # files are mapped only while this tensor is read
         handles = {}
-        for k in keys:
+
+        def handle(k):
             if files[k] not in handles:
                 handles[files[k]] = stack.enter_context(safe_open(files[k], framework="pt"))
+            return handles[files[k]]
 
         def part(k, idx):
-            h = handles[files[k]]
-            value = h.get_slice(k)[tuple(idx)] if idx else h.get_tensor(k)
+            value = handle(k).get_slice(k)[tuple(idx)] if idx else handle(k).get_tensor(k)
             if fp8_block is None or k + FP8_SCALE_SUFFIX not in files:
                 return value
-            scale = _read(handles, files, k + FP8_SCALE_SUFFIX, stack)
+            scale = handle(k + FP8_SCALE_SUFFIX).get_tensor(k + FP8_SCALE_SUFFIX)
             starts = [i.start or 0 for i in idx[-2:]] if idx else [0, 0]
             lead = tuple(idx[:-2]) if idx else ()
             return dequantize_block_fp8(value, scale[lead], fp8_block, local.dtype, *starts)
@@ -314,7 +303,7 @@ def _fill(
                 continue
             start = 0
             for src in per_source:  # gate rows, then up rows, along model dim 1
-                n = handles[files[src[e]]].get_slice(src[e]).get_shape()[0]
+                n = handle(src[e]).get_slice(src[e]).get_shape()[0]
                 lo, hi = max(sl[1].start, start), min(sl[1].stop, start + n)
                 if lo < hi:
                     piece = part(src[e], [slice(lo - start, hi - start), *sl[2:]])

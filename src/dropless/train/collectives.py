@@ -78,15 +78,10 @@ def barrier(group=None) -> None:
         dist.barrier(group=group)
 
 
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 __all__ = [
     "all_reduce",
     "backend_device_types",
     "barrier",
     "broadcast_object",
     "collective_device",
-    "is_distributed",
 ]

@@ -36,9 +36,9 @@ class _FreshBytes(TorchDispatchMode):
 
 def fsdp_fused_adamw(rank, world):
     model = _model()
-    par = parallelize_for_training(model, ParallelConfig(ep=2), world)
+    parallelize_for_training(model, ParallelConfig(ep=2), world)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, load_config().optim, par)
+    opt = build_optimizer(params, load_config().optim)
     assert all(g["fused"] for g in opt.param_groups)
     meshes = {
         len({str(getattr(p, "device_mesh", None)) for p in g["params"]}) for g in opt.param_groups

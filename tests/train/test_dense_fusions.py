@@ -36,15 +36,14 @@ def test_fused_cross_entropy_trains_the_same_loss(tmp_path):
 def test_adamw_kernel_choice():
     o = load_config().optim
     assert o.implementation == "auto"
-    assert adamw_kernel(o, par=None) == {"fused": True}
-    # DTensors too: build_optimizer gives each mesh its own groups (tests/parallel fsdp_fused_adamw)
-    assert adamw_kernel(o, par=object()) == {"fused": True}
+    assert adamw_kernel(o) == {"fused": True}
+    # DTensors too: build_optimizer keeps each mesh in its own groups (tests/parallel fsdp_fused_adamw)
     for name, kw in (
         ("fused", {"fused": True}),
         ("foreach", {"foreach": True}),
         ("loop", {"foreach": False}),
     ):
-        assert adamw_kernel(load_config(None, [f"optim.implementation={name}"]).optim, None) == kw
+        assert adamw_kernel(load_config(None, [f"optim.implementation={name}"]).optim) == kw
     with pytest.raises(ValueError, match="optim.implementation='apex': allowed values are"):
         load_config(None, ["optim.implementation=apex"])
 

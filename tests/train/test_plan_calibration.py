@@ -103,7 +103,7 @@ def _layout_peak(sets: list[str], rank: int, world: int) -> int:
         seed=0, device=torch.device("cpu"), fused_rmsnorm=tc.fused_rmsnorm,
     )  # fmt: skip
     seen = fuse_cross_entropy(model)
-    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim, par)
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
     B, L, V = P.micro_batch(cfg, world), tc.seq_len, model.config.vocab_size
     g = torch.Generator().manual_seed(rank)
 

@@ -100,7 +100,7 @@ def check_compatible(config, tok_vocab: int, seq_len: int, pretrained: bool = Fa
 
 def param_dtype(mcfg) -> torch.dtype:
     """The dtype the parameters are stored in (`model.dtype`)."""
-    return torch.bfloat16 if getattr(mcfg, "dtype", "fp32") == "bf16" else torch.float32
+    return torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
 
 
 def _from_pretrained_kwargs(mcfg) -> dict:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .model import param_dtype
 from .plan_attention import declare_attention
 from .plan_cost import Workload, cost_assumptions, gpu_kind, step_estimate
 from .plan_experts import declare_experts
@@ -44,19 +45,10 @@ NCCL_GIB = 0.5  # NCCL communicators' buffers, several processes only
 FRAGMENTATION = 0.05  # of the peak: the caching allocator's rounding and splits
 
 
-def model_dtype(cfg) -> torch.dtype:
-    """The parameters' dtype (`model.dtype`: "fp32" default, "bf16")."""
-    return torch.bfloat16 if getattr(cfg.model, "dtype", "fp32") == "bf16" else torch.float32
-
-
 def compute_dtype(cfg, on_gpu: bool = True) -> torch.dtype:
     """The autocast dtype: precision.dtype, "auto" being bf16 on a GPU."""
     d = cfg.precision.dtype
     return torch.bfloat16 if d == "bf16" or (d == "auto" and on_gpu) else torch.float32
-
-
-def master_weights(cfg) -> bool:
-    return bool(getattr(cfg.optim, "master_weights", True))
 
 
 @contextlib.contextmanager
@@ -102,7 +94,9 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     transformers = require_transformers()
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            hf_config, dtype=model_dtype(cfg), attn_implementation=cfg.model.attn_implementation
+            hf_config,
+            dtype=param_dtype(cfg.model),
+            attn_implementation=cfg.model.attn_implementation,
         )
     _switch_path(model, cfg.model, tc.expert_bias_rate > 0)
     if tc.activation_checkpointing:
@@ -142,19 +136,11 @@ def _mixed_dtypes(model: nn.Module, e: AssertionError) -> str:
     )
 
 
-def _optimizer(cfg, params, par):
+def _optimizer(cfg, params):
+    """The optimizer `Trainer` builds (BF16AdamW for bf16 parameters)."""
     from .state import build_optimizer
 
-    opt = build_optimizer(params, cfg.optim, par)
-    if model_dtype(cfg) == torch.bfloat16 and type(opt).__name__ != "BF16AdamW":
-        from .bf16_adamw import BF16AdamW
-
-        o = cfg.optim
-        groups = [
-            {"params": g["params"], "weight_decay": g["weight_decay"]} for g in opt.param_groups
-        ]
-        opt = BF16AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, master_weights=master_weights(cfg))  # fmt: skip
-    return opt
+    return build_optimizer(params, cfg.optim)
 
 
 def micro_batch(cfg, world: int) -> int:
@@ -189,7 +175,7 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
 
         _retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _optimizer(cfg, params, par)  # outside the mode: it reads the mesh's rank list
+    opt = _optimizer(cfg, params)  # outside the mode: it reads the mesh's rank list
     B, L = micro_batch(cfg, world), cfg.train.seq_len
     V = int(model.config.vocab_size)
     with mode, warnings.catch_warnings():
@@ -387,7 +373,7 @@ def _max_skew(peak_at, skew: float, budget_gib: float, world: int, cap: float) -
 
 
 def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
-    mw = master_weights(cfg)
+    mw = cfg.optim.master_weights
     return {
         "memory": "traced: the trainer's model build, sharding and one training step on fake "
         "tensors over a fake process group; torch's memory tracker reads the peak",
@@ -397,11 +383,11 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         "skew": f"the busiest expert-parallel rank computes {skew}x the mean rows"
         if ep > 1
         else "one expert-parallel rank holds every expert: routing skew does not change memory",
-        "parameters": f"{str(model_dtype(cfg)).removeprefix('torch.')}; compute "
+        "parameters": f"{str(param_dtype(cfg.model)).removeprefix('torch.')}; compute "
         f"{str(cdtype).removeprefix('torch.')} (autocast, FSDP2 param_dtype), fp32 reductions",
         "optimizer": "AdamW fp32 moments" + (
             (" + fp32 master copy" if mw else ", stochastic rounding, no master copy")
-            if model_dtype(cfg) == torch.bfloat16 else ""
+            if param_dtype(cfg.model) == torch.bfloat16 else ""
         ),
         "lora": "adapters on experts are counted as parameters and optimizer state; their "
         "gradients and the few [rows, rank] activations of the expert path are not traced",
@@ -483,6 +469,6 @@ def _layout(cfg, gpus: int, work: Workload, cdtype) -> dict:
         "dp_replicate": cfg.parallel.dp_replicate, "dp_shard": work.dp_shard, "ep": cfg.parallel.ep,
         "micro_batch": micro_batch(cfg, gpus), "seq_len": cfg.train.seq_len,
         "activation_checkpointing": cfg.train.activation_checkpointing,
-        "finetune": cfg.finetune.method, "model_dtype": str(model_dtype(cfg)).removeprefix("torch."),
-        "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": master_weights(cfg),
+        "finetune": cfg.finetune.method, "model_dtype": str(param_dtype(cfg.model)).removeprefix("torch."),
+        "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": cfg.optim.master_weights,
     }  # fmt: skip

@@ -128,7 +128,7 @@ def lr_factor(step: int, total: int, ocfg) -> float:
     )
 
 
-def adamw_kernel(ocfg, par=None) -> dict:
+def adamw_kernel(ocfg) -> dict:
     """AdamW keyword for `optim.implementation`. "auto": the fused kernel (on CPU it
     measured ~3.5x faster than foreach, ~4x the loop, at 87M params; it updates in place,
     where foreach allocates parameter-sized temporaries), also over DTensor parameters,
@@ -146,7 +146,7 @@ def _mesh_of(p: torch.Tensor):
     return None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
 
 
-def build_optimizer(params: list[torch.nn.Parameter], ocfg, parallel=None) -> torch.optim.Optimizer:
+def build_optimizer(params: list[torch.nn.Parameter], ocfg) -> torch.optim.Optimizer:
     """AdamW, no weight decay on 1-D parameters (norms, biases); kernel per `adamw_kernel`.
 
     Three groups, the same on any number of processes (so a checkpoint resumes on another
@@ -170,7 +170,7 @@ def build_optimizer(params: list[torch.nn.Parameter], ocfg, parallel=None) -> to
             groups, lr=ocfg.lr, betas=betas, eps=ocfg.eps,
             master_weights=getattr(ocfg, "master_weights", True),
         )  # fmt: skip
-    kernel = adamw_kernel(ocfg, parallel)
+    kernel = adamw_kernel(ocfg)
     for g in groups:
         if kernel.get("fused") and len({_mesh_of(p) for p in g["params"]}) > 1:
             g["fused"] = False

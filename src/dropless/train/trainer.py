@@ -102,7 +102,7 @@ class Trainer:
         # LoRA: the Transformers model inside PEFT's wrapper computes the loss
         inner = self.model.get_base_model() if self.lora else self.model
         self.ce_seen = fuse_cross_entropy(inner) if tc.fused_cross_entropy else None
-        self.optimizer = build_optimizer(self.params, cfg.optim, self.parallel)
+        self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
         self.flops = FlopCounter.from_model(self.model)
         self.flops.frozen_base = self.lora

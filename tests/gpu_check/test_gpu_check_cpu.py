@@ -46,8 +46,12 @@ def test_cpu_smoke_passes_and_ends_with_the_contract_summary():
     for name in LAYER_ROWS:
         assert LAYER_FIELDS <= set(layer[name]) and layer[name]["ms"] > 0, (name, layer[name])
     assert layer["dense_bound"]["share_of_bound"] == 1.0
-    share = layer["dense_bound"]["ms"] / layer["dropless"]["ms"]  # both rounded to 3 places
-    assert abs(layer["dropless"]["share_of_bound"] - share) < 1e-2 * share
+    # the share is dense ms / dropless ms; the summary rounds all three to 3 places, so the
+    # share lies in the interval those roundings (+-0.0005 each) allow, however small the
+    # times are (at the CPU smoke's tiny shape a relative tolerance failed at random)
+    dense, mine, half = layer["dense_bound"]["ms"], layer["dropless"]["ms"], 5e-4
+    lo, hi = (dense - half) / (mine + half), (dense + half) / max(mine - half, 1e-12)
+    assert lo - half <= layer["dropless"]["share_of_bound"] <= hi + half, layer
     step = s["groups"]["e2e"]["e2e"]["rows"]
     assert set(step) == E2E_ROWS
     for name, row in step.items():

@@ -242,7 +242,9 @@ def child(args: dict) -> dict:
     except (MemoryError, RuntimeError) as e:  # the limit is lifted again here
         if not _is_oom(e):
             raise
-        out.update(status="oom", error=f"{type(e).__name__}: {str(e)[:300]}")
+        # where the limit strikes decides the words (MemoryError, "can't allocate memory",
+        # std::bad_alloc): the record says out of memory in every case
+        out.update(status="oom", error=f"out of memory ({type(e).__name__}: {str(e)[:300]})")
         out["process_peak_mib"] = peak_rss_mib()
     return out
 

@@ -229,6 +229,7 @@ MAY_CHANGE_ON_RESUME = {
     },  # fmt: skip
     # on/off is refused by changed_fixed_keys (the bias buffer); its value may change
     "train.expert_bias_rate": "a rate; on/off is checked on its own",
+    "parallel.force_distributed": "the same tensors, sharded over one process; DCP reshards",
 }
 
 

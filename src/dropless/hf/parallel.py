@@ -73,7 +73,8 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     Every rank must hold the same full weights first (same seed or the same
     checkpoint), or the model is on the meta device: then, after FSDP and
     `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
-    Returns the names of the MoE blocks changed; no-op when ep == 1.
+    Returns the names of the MoE blocks changed; no-op when ep == 1 (unless
+    parallel.force_distributed: then the 1-rank expert-parallel path, the node's code).
     Raises ValueError for an experts module dropless cannot run (the stock fallback
     has no expert-parallel path here).
     """
@@ -84,7 +85,7 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     from .layers import moe_layers
 
     cfg = pmesh.config
-    if cfg.ep == 1:
+    if cfg.ep == 1 and not cfg.force_distributed:
         return []
     P, r = pmesh.ep_mesh.size(), pmesh.ep_mesh.get_local_rank()
     done = []

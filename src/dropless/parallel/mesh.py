@@ -36,8 +36,11 @@ class ParallelConfig:
     (torch.distributed; the only one implemented: "deepep" is planned, not implemented).
     overlap_chunks: split each dispatch into this many chunks so one chunk's all-to-all
     overlaps another's expert compute (1: no overlap). timeout_s: the process group's
-    timeout, for every collective (and the wait for rank 0's data preparation). The sizes
-    are checked against the world by `resolve_sizes`, before any work.
+    timeout, for every collective (and the wait for rank 0's data preparation).
+    force_distributed: take the parallel path (FSDP2, DTensor experts, the all-to-all
+    dispatcher) on one process too, in a 1-process group when not under torchrun, so the
+    code a node runs can be checked on one device (a run of several processes always takes
+    it). The sizes are checked against the world by `resolve_sizes`, before any work.
     """
 
     dp_replicate: int = 1
@@ -46,6 +49,7 @@ class ParallelConfig:
     dispatcher: str = "alltoall"
     overlap_chunks: int = 1
     timeout_s: float = 1800.0
+    force_distributed: bool = False
 
     def __post_init__(self):
         for name in ("dp_replicate", "ep", "overlap_chunks"):
@@ -65,6 +69,11 @@ class ParallelConfig:
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"parallel.dispatcher={self.dispatcher!r}; allowed: {DISPATCHERS}")
         _check_timeout(self.timeout_s)
+        if not isinstance(self.force_distributed, bool):
+            raise ValueError(
+                f"parallel.force_distributed={self.force_distributed!r} must be true or false "
+                "(true: take the parallel path on one process too)"
+            )
 
 
 #: torch.distributed holds a timeout in int64 nanoseconds (about 292 years): a larger one
@@ -95,7 +104,7 @@ def as_parallel_config(cfg) -> ParallelConfig:
         return src
     if isinstance(src, dict):
         return ParallelConfig(**src)
-    names = ("dp_replicate", "dp_shard", "ep", "dispatcher", "overlap_chunks", "timeout_s")
+    names = [f.name for f in dataclasses.fields(ParallelConfig)]
     return ParallelConfig(**{n: getattr(src, n) for n in names if hasattr(src, n)})
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..hf.parallel import hf_dispatchers, shard_hf_experts
 from ..parallel.fsdp import apply_fsdp, clip_grad_norm_
-from ..parallel.mesh import ParallelMesh, build_mesh
+from ..parallel.mesh import ParallelMesh, as_parallel_config, build_mesh
 from .collectives import all_reduce
 
 
@@ -90,13 +90,15 @@ def parallelize_for_training(
 ) -> TrainParallel | None:
     """Shard a dropless-patched Transformers model per `parallel_cfg` (fields
     dp_replicate, dp_shard, ep; see `ParallelConfig`). Returns None for one process
-    (after checking ep == 1). compute_dtype: the run's autocast dtype; with bf16 every
-    FSDP2 unit gathers bf16 parameters and reduces fp32 gradients."""
+    (after checking ep == 1), unless parallel.force_distributed: then one process takes
+    the parallel path too, in the 1-process group `init_env` joined. compute_dtype: the
+    run's autocast dtype; with bf16 every FSDP2 unit gathers bf16 parameters and reduces
+    fp32 gradients."""
     from ..hf.layers import moe_layers
 
     layers = moe_layers(model)
     num_experts = layers[0].num_experts if layers else None
-    if world == 1:
+    if world == 1 and not as_parallel_config(parallel_cfg).force_distributed:
         from ..parallel.mesh import resolve_sizes
 
         resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error

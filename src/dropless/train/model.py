@@ -186,7 +186,8 @@ def build_training_model(
     dropless path. fused_rmsnorm: RMSNorm modules on dropless's RMSNorm
     (`dropless.hf.rmsnorm`: the Triton kernel for CUDA tensors, the lean torch op on CPU).
 
-    Fine-tuning a checkpoint (model.path) on several processes builds the model on the meta
+    Fine-tuning a checkpoint (model.path) on several processes (or on one under
+    parallel.force_distributed) builds the model on the meta
     device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
     from the safetensors files (`dropless.hf.parallel.load_sharded_hf`), in the parameters'
     dtype: no rank ever holds the whole model. Otherwise every rank builds the full model
@@ -195,9 +196,11 @@ def build_training_model(
     # several processes, or a quantised checkpoint (block-FP8, MXFP4): build on meta, then
     # each rank reads (and dequantises into model.dtype) only its own slices
     from ..hf.parallel import is_quantized_checkpoint
+    from ..parallel.mesh import as_parallel_config
     from .distributed import parallelize_for_training
 
-    sharded = bool(mcfg.path) and (world > 1 or is_quantized_checkpoint(mcfg.path))
+    forced = as_parallel_config(parallel_cfg).force_distributed  # the node's path on one process
+    sharded = bool(mcfg.path) and (world > 1 or forced or is_quantized_checkpoint(mcfg.path))
     if sharded:
         config = _without_quantization(config)
         transformers = require_transformers()

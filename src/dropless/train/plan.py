@@ -52,10 +52,11 @@ def compute_dtype(cfg, on_gpu: bool = True) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def fake_world(world: int):
+def fake_world(world: int, force_distributed: bool = False):
     """A fake process group of `world` ranks (this process is rank 0): collectives return
-    at once and move nothing, so the model can be sharded as on `world` GPUs."""
-    if world == 1:
+    at once and move nothing, so the model can be sharded as on `world` GPUs (one rank
+    too under parallel.force_distributed, which shards it at world 1)."""
+    if world == 1 and not force_distributed:
         yield
         return
     if dist.is_initialized():
@@ -314,7 +315,7 @@ def reserve_gib(world: int, peak_gib: float) -> float:
 
 
 def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
-    with fake_world(world):
+    with fake_world(world, cfg.parallel.force_distributed):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
         declare_experts(model, ep, skew)
         declare_attention(model)

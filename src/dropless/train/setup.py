@@ -31,30 +31,43 @@ class Env:
     world: int
     local_rank: int
     device: torch.device
+    #: the run takes the parallel path (FSDP2, DTensor experts): several processes, or one
+    #: under parallel.force_distributed
+    distributed: bool = False
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
 
-def init_env(timeout_s: float = 1800.0) -> Env:
+def init_env(timeout_s: float = 1800.0, force_distributed: bool = False) -> Env:
     """Join the torchrun process group (gloo on CPU, NCCL on GPU) if there is one; every
-    collective (the wait while rank 0 prepares the data included) is bounded by `timeout_s`."""
+    collective (the wait while rank 0 prepares the data included) is bounded by `timeout_s`.
+    force_distributed (parallel.force_distributed): one process joins a 1-process group too
+    (torchrun's, or an in-memory one without torchrun), so the run takes the parallel path."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or force_distributed) and not dist.is_initialized():
         atexit.register(close_env)
+        # no torchrun: a store in this process's memory serves a group of one
+        store = (
+            {}
+            if "MASTER_ADDR" in os.environ
+            else dict(store=dist.HashStore(), rank=0, world_size=1)
+        )
         dist.init_process_group(
             backend="nccl" if cuda else "gloo",
             device_id=device if cuda else None,
             timeout=timedelta(seconds=timeout_s),
+            **store,
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Env(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return Env(rank, world, local, device, distributed=world > 1 or force_distributed)
 
 
 def _release_dtensor_caches() -> None:

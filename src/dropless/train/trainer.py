@@ -247,7 +247,7 @@ def train(
     """Run `dropless train` in this process (and its torchrun group); returns the summary.
     `hooks` (a `TrainHooks`) is called at fixed points of the run."""
     cfg = with_tokenizer_resolved(cfg)
-    env = init_env(cfg.parallel.timeout_s)
+    env = init_env(cfg.parallel.timeout_s, cfg.parallel.force_distributed)
     lock, rdir = None, None
     fresh = not resume and (run_dir is None or not Path(run_dir).exists())
     try:
@@ -271,7 +271,7 @@ def train(
     finally:
         if lock is not None:
             lock.release()
-        if env.world > 1:
+        if env.distributed:
             trainer = None  # its model and meshes hold the process groups
             close_env()
 

@@ -1,0 +1,68 @@
+"""`parallel.force_distributed=true`: one process takes the parallel path (a 1-process gloo
+group, FSDP2, DTensor experts behind the all-to-all dispatcher) and its run equals the
+one-process run; a DCP checkpoint written under it resumes to the same losses, and a
+checkpoint of the one-process path resumes under it (DCP reshards)."""
+
+import json
+import shutil
+
+import pytest
+import torch.distributed as dist
+from train_util import tiny_args
+
+from dropless.cli.main import main
+
+FORCE = "parallel.force_distributed=true"
+# fp32: the same GEMMs in another order (a 1-rank all-to-all, FSDP2's gradient division by
+# its world of 1) move the last bits; 8 AdamW steps of the tiny model stay within 1e-5
+REL = 1e-5
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same(got, want, steps):
+    by_step = {r["step"]: r for r in want}
+    assert [r["step"] for r in got] == steps
+    for r in got:
+        w = by_step[r["step"]]
+        assert r["eval_loss"] == pytest.approx(w["eval_loss"], rel=REL), r["step"]
+        if "loss" in w:
+            assert r["loss"] == pytest.approx(w["loss"], rel=REL), r["step"]
+            assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), r["step"]
+            assert r["tokens_per_expert"] == w["tokens_per_expert"], r["step"]
+
+
+@pytest.fixture(scope="module")
+def forced_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("forced") / "run"
+    assert main(["train", "--run-dir", str(run_dir), *tiny_args(FORCE)]) == 0
+    return run_dir
+
+
+def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, tiny_run):
+    got = _records(forced_run)
+    _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
+    # the expert-parallel dispatcher ran (its stats are logged; one rank sends no bytes)
+    assert all(r["ep_bytes_per_step"] == 0 for r in got[1:])
+    assert all("ep_bytes_per_step" not in r for r in _records(tiny_run))
+    assert not dist.is_initialized()  # the 1-process group is left at the end of the run
+
+
+def test_forced_checkpoint_resumes_to_the_same_losses(forced_run, tmp_path):
+    half = tmp_path / "half"
+    shutil.copytree(forced_run, half)
+    shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4
+    assert main(["train", "--run-dir", str(half), "--resume"]) == 0  # config: the run dir's
+    _same(_records(half), _records(forced_run), [0, 2, 4, 6, 8])
+
+
+def test_one_process_checkpoint_resumes_under_force_distributed(tiny_run, tmp_path):
+    half = tmp_path / "half"
+    shutil.copytree(tiny_run, half)
+    shutil.rmtree(half / "checkpoints" / "step_00000008")
+    assert main(["train", "--run-dir", str(half), "--resume", "--set", FORCE]) == 0
+    got = _records(half)
+    _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
+    assert "ep_bytes_per_step" in got[-1]

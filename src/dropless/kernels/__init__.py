@@ -23,6 +23,10 @@ their backward and save only what it needs):
 - `activations`: every activation kind's forward and derivative as `@triton.jit` device
   functions (`elementwise`, `glu`, `glu_fwd`), which every kernel applying an
   activation calls;
+- `route(logits_TE, top_k, routing, expert_bias_E=None) -> (weights_TK, ids_TK,
+  scores_TE)` (autograd, as `dropless.ops.route`) and `sort_pairs(flat_P, num_buckets,
+  K)` (raw: the stable counting sort behind `dropless.ops.sort_by_expert`), registered
+  as the "triton" routing kernels;
 - `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
   counts may be a device tensor: no host sync), also registered as the "triton"
   grouped-GEMM backend by `register_backend()`.
@@ -54,6 +58,8 @@ _EXPORTS = {
     "swiglu_bwd": "swiglu_kernels",
     "grouped_mm": "gemm_kernels",
     "grouped_wgrad": "gemm_kernels",
+    "route": "routing_kernels",
+    "sort_pairs": "routing_kernels",
 }
 
 _TRITON_OK: bool | None = None
@@ -162,12 +168,14 @@ def triton_row_ops():
 
 
 def register_backend() -> None:
-    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch` and the
-    "triton" row ops (permute / combine / activation) in `dropless.ops.row_ops`
+    """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch`, the
+    "triton" row ops (permute / combine / activation) in `dropless.ops.row_ops` and the
+    "triton" routing kernels (routing, metadata sort) in `dropless.ops.routing`
     (idempotent; done when this package is imported, which `import dropless` does).
 
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
+    from ..ops.routing import RoutingKernels, register_routing_kernels
     from ..ops.row_ops import register_row_ops
 
     register_gemm_backend(
@@ -176,6 +184,15 @@ def register_backend() -> None:
         )
     )
     register_row_ops(triton_row_ops())
+    register_routing_kernels(
+        RoutingKernels(
+            "triton",
+            _lazy("routing_kernels", "route"),
+            _lazy("routing_kernels", "sort_by_expert"),
+            supports=lambda t: t.is_cuda and triton_importable(),
+            priority=10,
+        )
+    )
 
 
 def __getattr__(name: str) -> Any:

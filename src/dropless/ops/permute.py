@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .eager_rows import gather_sum
+from .routing import pick_routing_kernels
 from .row_ops import pick_row_ops
 
 __all__ = ["SortedPairs", "gather_sum", "permute", "sort_by_expert", "unpermute"]
@@ -26,7 +27,11 @@ class SortedPairs:
     token_S: the token of each slot; pair_S: its flat pair index t*K+k;
     slot_TK: the slot of each pair (S for a pair dropped by a capacity limit);
     counts_E: kept pairs per expert (device tensor); counts: the same on the host
-    (None when sorted with host_counts=False: read counts_E instead).
+    (None when sorted with host_counts=False: read counts_E instead). offsets_E: int32
+    cumulative ends of counts_E (expert e holds slots [offsets_E[e] - counts_E[e],
+    offsets_E[e])), the `offs` of `torch._grouped_mm`, computed once per layer.
+    The index tensors are int64 from the torch sort and int32 from a routing kernel
+    (`ops.routing.register_routing_kernels`; CUDA).
     """
 
     token_S: torch.Tensor
@@ -35,6 +40,7 @@ class SortedPairs:
     counts_E: torch.Tensor
     counts: list[int] | None
     num_dropped: int = 0
+    offsets_E: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -58,11 +64,14 @@ def sort_by_expert(
     """
     T, K = ids_TK.shape
     flat = ids_TK.reshape(-1)
+    if not host_counts and keep_TK is not None:
+        raise ValueError(
+            "host_counts=False needs keep_TK=None: the dropped count is data-dependent"
+        )
+    kernels = pick_routing_kernels(ids_TK)
+    if kernels is not None:
+        return kernels.sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=host_counts)
     if not host_counts:
-        if keep_TK is not None:
-            raise ValueError(
-                "host_counts=False needs keep_TK=None: the dropped count is data-dependent"
-            )
         return _sort_sync_free(flat, num_experts, T, K)
     if keep_TK is not None:
         # dropped pairs get the sentinel id E so they sort after every kept pair
@@ -83,6 +92,7 @@ def sort_by_expert(
         counts_E=counts_E,
         counts=counts,
         num_dropped=T * K - S,
+        offsets_E=counts_E.cumsum(0, dtype=torch.int32),
     )
 
 
@@ -100,6 +110,7 @@ def _sort_sync_free(flat: torch.Tensor, num_experts: int, T: int, K: int) -> Sor
         slot_TK=slot_flat.view(T, K),
         counts_E=counts_E,
         counts=None,
+        offsets_E=counts_E.cumsum(0, dtype=torch.int32),
     )
 
 

@@ -1,7 +1,11 @@
-"""Token-choice top-k routing, and the capacity limit kept for comparison runs.
+"""Token-choice top-k routing, the routing-kernel registry, and the capacity limit.
 
 The routing math is `reference.route_reference` (already vectorised torch); this module
-adds argument checks and the deterministic capacity rule.
+adds argument checks, the deterministic capacity rule and the registry of faster routing
+implementations: `dropless.kernels` registers "triton" (one kernel for scores, groups,
+bias, top-k and weights, forward and backward; one counting sort for the metadata),
+which `route` and `sort_by_expert` pick for CUDA tensors. The torch path stays the
+specification and runs everywhere else.
 """
 
 # T tokens, E experts, K top-k
@@ -9,11 +13,90 @@ adds argument checks and the deterministic capacity rule.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from .reference import route_reference
+from .replay import checkpoint_state
 from .specs import RoutingConfig, as_routing
+
+ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class RoutingKernels:
+    """A routing implementation besides the torch reference.
+
+    route(logits_TE, top_k, routing, expert_bias_E) -> (weights_TK, ids_TK, scores_TE)
+    with autograd, as `route_reference` (ties may go to the lowest expert index: torch.topk
+    leaves them unspecified); sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts)
+    -> `permute.SortedPairs` in the order of `permute.sort_by_expert`; supports(t): whether
+    it runs tensor t; max_experts: the widest router it takes (one tile of experts per token).
+    """
+
+    name: str
+    route: Callable
+    sort_by_expert: Callable
+    supports: Callable[[torch.Tensor], bool]
+    priority: int = 0
+    max_experts: int = 4096
+
+
+_KERNELS: dict[str, RoutingKernels] = {}
+
+
+def register_routing_kernels(kernels: RoutingKernels) -> None:
+    """Register (or replace) a routing implementation under its name."""
+    _KERNELS[kernels.name] = kernels
+
+
+def routing_kernel_names() -> list[str]:
+    """The routing implementations, best first: "reference" and the registered ones."""
+    best = sorted(_KERNELS.values(), key=lambda k: -k.priority)
+    return ["reference", *(k.name for k in best)]
+
+
+def pick_routing_kernels(t: torch.Tensor, name: str | None = None) -> RoutingKernels | None:
+    """The routing implementation for tensor t (None: the torch reference).
+
+    name None / "auto": the best registered one that runs t, none under torch.compile
+    (the torch ops compile). "reference": None. Another name must be registered and run t,
+    else ValueError."""
+    if name == "reference":
+        return None
+    if name not in (None, "auto"):
+        kernels = _KERNELS.get(name)
+        if kernels is None or not kernels.supports(t):
+            why = "is not registered" if kernels is None else f"cannot run {t.device.type} tensors"
+            raise ValueError(
+                f"routing backend {name!r} {why}; use one of {routing_kernel_names()} "
+                "or leave it to auto"
+            )
+        return kernels
+    if torch.compiler.is_compiling():
+        return None
+    for kernels in sorted(_KERNELS.values(), key=lambda k: -k.priority):
+        if kernels.supports(t):
+            return kernels
+    return None
+
+
+def _route_kernels(logits_TE: torch.Tensor, backend: str | None) -> RoutingKernels | None:
+    kernels = pick_routing_kernels(logits_TE, backend)
+    fits = kernels is not None and logits_TE.dtype in ROUTE_DTYPES
+    fits = fits and logits_TE.shape[1] <= kernels.max_experts
+    if backend in (None, "auto"):
+        # a checkpointed region records and replays torch.topk (ops.replay): keep it
+        return kernels if fits and checkpoint_state() is None else None
+    if kernels is not None and not fits:
+        raise ValueError(
+            f"routing backend {backend!r} takes {[str(d) for d in ROUTE_DTYPES]} logits of "
+            f"at most {kernels.max_experts} experts, got {logits_TE.dtype} with "
+            f"{logits_TE.shape[1]}; use backend='reference'"
+        )
+    return kernels
 
 
 def route(
@@ -27,6 +110,7 @@ def route(
     scaling_factor: float | None = None,
     n_group: int | None = None,
     topk_group: int | None = None,
+    backend: str | None = None,
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int64, scores_TE fp32).
 
@@ -37,6 +121,10 @@ def route(
     a config (not both). `expert_bias_E` [E] shifts selection, not the weights; it is
     required when `routing.expert_bias` is True and refused when it is False (the
     keyword form sets expert_bias from whether it is given).
+
+    backend: None / "auto" (a registered routing kernel for CUDA logits outside a
+    checkpointed region, else the torch reference), "reference", or a name of
+    `routing_kernel_names()` (ValueError when it cannot run these logits).
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
@@ -51,6 +139,9 @@ def route(
     )
     routing.check(logits_TE.shape[1], top_k)
     check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    kernels = _route_kernels(logits_TE, backend)
+    if kernels is not None:
+        return kernels.route(logits_TE, top_k, routing, expert_bias_E)
     return route_reference(logits_TE, top_k, routing, expert_bias_E=expert_bias_E)
 
 

@@ -1,0 +1,230 @@
+"""Triton routing kernel and routing-metadata sort against the torch reference.
+
+`check(case, device)` runs under TRITON_INTERPRET=1 in the folder's child process
+(tests/interpreted.py), in fp32 (bf16 logits: loaded and computed in fp32 as the
+reference does); on a CUDA machine the same checks run compiled (marker `gpu`). The
+tests at the bottom run in the pytest process and never import triton.
+"""
+
+# T tokens, E experts, K top-k, G expert groups, D model dim, S sorted pairs
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dropless.ops.specs import RoutingConfig
+
+# fp32 scores: softmax/sigmoid of the same fp32 logits, sums over <= 12 terms in another
+# order than torch's; a few ulps
+TOL = dict(rtol=2e-6, atol=1e-7)
+DSV3 = dict(score_func="sigmoid", renormalize=True, scaling_factor=2.5, expert_bias=True)
+
+# name -> ("route", T, E, K, routing fields, logits mode) or ("sort", T, E, K, mode)
+CASES = {
+    "softmax": ("route", 9, 6, 2, {}, "randn"),
+    "softmax_renorm_scaled": (
+        "route",
+        7,
+        8,
+        3,
+        dict(renormalize=True, scaling_factor=0.5),
+        "randn",
+    ),
+    "sigmoid_E_not_power_of_two": ("route", 10, 7, 2, dict(score_func="sigmoid"), "randn"),
+    "groups_on_dsv3": ("route", 9, 12, 3, dict(DSV3, n_group=4, topk_group=2), "randn"),
+    "groups_softmax_bias": (
+        "route",
+        6,
+        12,
+        4,
+        dict(n_group=3, topk_group=2, expert_bias=True),
+        "randn",
+    ),
+    "groups_of_one_expert": ("route", 5, 6, 2, dict(n_group=6, topk_group=3), "randn"),
+    "single_token_T1": ("route", 1, 5, 2, dict(renormalize=True), "randn"),
+    "K_equals_E": ("route", 6, 5, 5, dict(renormalize=True, score_func="sigmoid"), "randn"),
+    "expert_with_zero_tokens": ("route", 9, 6, 2, dict(expert_bias=True), "starve1"),
+    "all_tokens_on_one_expert": ("route", 9, 6, 1, dict(expert_bias=True), "flood3"),
+    "bf16_logits": ("route", 9, 10, 3, dict(renormalize=True), "bf16"),
+    "ties_lowest_index_first": ("route", 4, 6, 3, {}, "ties"),
+    "ties_groups_lowest_group_first": ("route", 3, 12, 3, dict(n_group=4, topk_group=2), "ties"),
+    "sort_random": ("sort", 19, 7, 3, "random"),
+    "sort_many_blocks_and_bucket_chunks": ("sort", 50, 21, 2, "random"),
+    "sort_expert_with_zero_tokens": ("sort", 12, 5, 2, "skip1"),
+    "sort_all_on_one_expert": ("sort", 9, 4, 2, "one"),
+    "sort_single_token_T1": ("sort", 1, 3, 2, "random"),
+    "sort_K_equals_E": ("sort", 6, 4, 4, "random"),
+    "sort_capacity_dropped": ("sort", 17, 5, 2, "drop"),
+    "sort_device_counts": ("sort", 13, 6, 2, "sync_free"),
+}
+
+
+def _logits(T, E, mode, gen):
+    if mode == "ties":
+        # rows of equal logits (and a row with a tie at the k-th place)
+        out = torch.zeros(T, E)
+        out[1, 2:5] = 1.0
+        out[2, ::2] = -1.0
+        return out
+    return torch.randn(T, E, generator=gen)
+
+
+def _bias(E, mode, gen):
+    bias = torch.randn(E, generator=gen) * 0.1
+    if mode == "starve1":
+        bias[1] = -1e4  # never chosen
+    if mode == "flood3":
+        bias[3] = 1e4  # every token's first choice
+    return bias
+
+
+def _route_check(T, E, K, fields, mode, device):
+    from dropless.kernels import routing_kernels as rk
+    from dropless.ops.reference import route_reference
+
+    routing = RoutingConfig(**fields)
+    gen = torch.Generator().manual_seed(T * 1000 + E * 10 + K)
+    logits = _logits(T, E, mode, gen)
+    if mode == "bf16":
+        logits = logits.bfloat16()
+    bias = _bias(E, mode, gen) if routing.expert_bias else None
+    g_w, g_s = torch.randn(T, K, generator=gen), torch.randn(T, E, generator=gen)
+
+    lg = logits.to(device).requires_grad_(True)
+    w, ids, s = rk.route(lg, K, routing, None if bias is None else bias.to(device))
+    assert w.dtype == s.dtype == torch.float32 and ids.dtype == torch.int64
+    lr = logits.clone().requires_grad_(True)
+    wr, idr, sr = route_reference(lr, K, routing, expert_bias_E=bias)
+    if mode == "ties":
+        # torch.topk leaves the order of equal scores unspecified; the kernel's rule is the
+        # lowest index first (experts, and groups), as a stable descending sort
+        _check_tie_rule(ids.cpu(), logits, K, routing)
+        idr = ids.cpu()
+        wr = sr.gather(1, idr)
+        wr = wr / (wr.sum(-1, keepdim=True) + 1e-20) if routing.renormalize else wr
+        wr = wr * routing.scaling_factor
+    assert torch.equal(ids.cpu(), idr), (ids, idr)
+    if mode == "starve1":
+        assert not (ids == 1).any()
+    if mode == "flood3":
+        assert (ids[:, 0] == 3).all()
+    torch.testing.assert_close(s.detach().cpu(), sr.detach(), **TOL)
+    torch.testing.assert_close(w.detach().cpu(), wr.detach(), **TOL)
+    # backward: through the weights only, the scores only, and both
+    for gw, gs in ((g_w, None), (None, g_s), (g_w, g_s)):
+        (dl,) = torch.autograd.grad(_loss(w, s, gw, gs), lg, retain_graph=True)
+        (dlr,) = torch.autograd.grad(_loss(wr, sr, gw, gs), lr, retain_graph=True)
+        assert dl.dtype == logits.dtype
+        if mode == "bf16":  # fp32 grads equal to ulps, each rounded to bf16 once: <= 1 ulp
+            err = (dl.cpu().float() - dlr.float()).abs().max()
+            assert err <= 2**-7 * dlr.float().abs().max(), err
+        else:
+            torch.testing.assert_close(dl.cpu(), dlr, **TOL)
+
+
+def _loss(w, s, g_w, g_s):
+    loss = 0 if g_w is None else (w * g_w.to(w.device)).sum()
+    return loss + (0 if g_s is None else (s * g_s.to(s.device)).sum())
+
+
+def _check_tie_rule(ids_TK, logits_TE, K, routing):
+    scores = logits_TE.float().softmax(-1)
+    choice = scores
+    if routing.n_group is not None:
+        T, E = scores.shape
+        per = E // routing.n_group
+        top2 = torch.sort(
+            scores.view(T, routing.n_group, per), dim=-1, descending=True, stable=True
+        )
+        group_score = top2.values[..., : min(2, per)].sum(-1)
+        groups = torch.sort(group_score, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros(T, routing.n_group, dtype=torch.bool)
+        keep.scatter_(1, groups[:, : routing.topk_group], True)
+        choice = scores.masked_fill(~keep.repeat_interleave(per, 1), float("-inf"))
+    want = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :K]
+    assert torch.equal(ids_TK, want), (ids_TK, want)
+
+
+def _sort_check(T, E, K, mode, device):
+    from dropless.kernels import routing_kernels as rk
+    from dropless.ops import permute, sort_by_expert, unpermute
+    from dropless.ops.reference import permute_reference
+
+    gen = torch.Generator().manual_seed(T * 100 + E * 10 + K)
+    ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+    if mode == "skip1":
+        ids = torch.where(ids == 1, torch.zeros_like(ids), ids)
+    if mode == "one":
+        ids = torch.full((T, K), E - 1, dtype=torch.long)
+    keep = torch.rand(T, K, generator=gen) > 0.3 if mode == "drop" else None
+    if keep is not None:
+        keep[0] = False  # a token with every pair dropped
+    host = mode != "sync_free"
+    sp = rk.sort_by_expert(
+        ids.to(device), E, None if keep is None else keep.to(device), host_counts=host
+    )
+    want = sort_by_expert(ids, E, keep, host_counts=host)  # the torch sort (CPU)
+    assert sp.token_S.dtype == sp.pair_S.dtype == sp.slot_TK.dtype == torch.int32
+    for name in ("token_S", "pair_S", "slot_TK", "counts_E", "offsets_E"):
+        got = getattr(sp, name).cpu().long()
+        assert torch.equal(got, getattr(want, name).long()), (name, got, getattr(want, name))
+    assert sp.counts == want.counts and sp.num_dropped == want.num_dropped
+    assert sp.offsets_E.dtype == torch.int32 and sp.counts_E.dtype == torch.int64
+    if keep is None:
+        assert torch.equal(sp.token_S.cpu().long(), permute_reference(torch.zeros(T, 1), ids, E)[1])
+    # the int32 metadata drives permute / combine as the int64 one does
+    x = torch.randn(T, 5, generator=gen)
+    x_SD = permute(x.to(device), sp)
+    assert torch.equal(x_SD.cpu(), permute(x, want))
+    assert torch.equal(unpermute(x_SD, sp).cpu(), unpermute(permute(x, want), want))
+
+
+def check(case, device: str) -> None:
+    if case[0] == "route":
+        return _route_check(*case[1:], device)
+    return _sort_check(*case[1:], device)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreted(interpreted, name):
+    if interpreted[name] is not None:
+        pytest.fail(interpreted[name], pytrace=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda(name):
+    check(CASES[name], "cuda")
+
+
+# --- picking (pytest process: no triton import) -------------------------------------
+
+
+def test_registered_and_never_picked_for_cpu_tensors():
+    import dropless.kernels  # noqa: F401  (registers "triton")
+    from dropless.ops import route, sort_by_expert
+    from dropless.ops.routing import pick_routing_kernels, routing_kernel_names
+
+    assert routing_kernel_names()[:1] == ["reference"] and "triton" in routing_kernel_names()
+    logits = torch.randn(4, 6)
+    assert pick_routing_kernels(logits) is None
+    assert pick_routing_kernels(logits, "auto") is None
+    w, ids, _ = route(logits, 2)
+    assert ids.dtype == torch.int64 and w.shape == (4, 2)
+    sp = sort_by_expert(ids, 6)
+    assert sp.pair_S.dtype == torch.int64  # the torch sort on CPU
+    assert torch.equal(sp.offsets_E, sp.counts_E.cumsum(0).to(torch.int32))
+
+
+def test_naming_a_routing_backend_that_cannot_run_raises():
+    from dropless.ops import route
+
+    logits = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="'triton' cannot run cpu tensors"):
+        route(logits, 2, backend="triton")
+    with pytest.raises(ValueError, match="'nope' is not registered"):
+        route(logits, 2, backend="nope")
+    w, ids, s = route(logits, 2, backend="reference")
+    assert ids.shape == (4, 2)

@@ -29,7 +29,10 @@ their backward and save only what it needs):
   as the "triton" routing kernels;
 - `grouped_mm(a, b, counts, trans_b, out=None)`, `grouped_wgrad(a, b, counts)` (raw;
   counts may be a device tensor: no host sync), also registered as the "triton"
-  grouped-GEMM backend by `register_backend()`.
+  grouped-GEMM backend by `register_backend()`;
+- `ce_rows(logits_CV, labels_C, scale_C, *, ignore_index, smoothing, grad) -> loss_C`
+  (raw): the cross-entropy row op of `dropless.ops.linear_cross_entropy`'s "fused"
+  backend, registered as the "triton" `dropless.ops.cross_entropy_rows.CERows`.
 
 `python -m dropless.kernels.aot_check` compiles every kernel for sm_80/sm_90 without a GPU.
 See docs/kernels.md.
@@ -170,11 +173,13 @@ def triton_row_ops():
 def register_backend() -> None:
     """Register the "triton" grouped-GEMM backend in `dropless.ops.dispatch`, the
     "triton" row ops (permute / combine / activation) in `dropless.ops.row_ops` and the
-    "triton" routing kernels (routing, metadata sort) in `dropless.ops.routing`
-    (idempotent; done when this package is imported, which `import dropless` does).
+    "triton" routing kernels (routing, metadata sort) in `dropless.ops.routing` and the
+    "triton" cross-entropy row op in `dropless.ops.cross_entropy_rows` (idempotent; done
+    when this package is imported, which `import dropless` does).
 
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
+    from ..ops.cross_entropy_rows import CERows, register_ce_rows
     from ..ops.routing import RoutingKernels, register_routing_kernels
     from ..ops.row_ops import register_row_ops
 
@@ -184,6 +189,8 @@ def register_backend() -> None:
         )
     )
     register_row_ops(triton_row_ops())
+    ce = _lazy("cross_entropy_kernels", "ce_rows")
+    register_ce_rows(CERows("triton", ce, supports=_supports_rows, priority=10))
     register_routing_kernels(
         RoutingKernels(
             "triton",

@@ -1,22 +1,37 @@
 """Linear layer + cross-entropy without the full `[T, V]` logits.
 
 `linear_cross_entropy(h, w, labels)` equals `F.cross_entropy(F.linear(h, w, b).float(), labels)`
-(the loss of a language-model head). Two backends:
+(the loss of a language-model head). Three backends:
 
-- "chunked": a custom autograd Function over chunks of tokens. The forward keeps one
-  chunk's fp32 logits at a time and saves only the per-token log-sum-exp; the backward
-  recomputes each chunk's logits and forms the gradients of h, w and b from them. Peak
-  extra memory is one chunk of logits instead of `T x V` fp32 values (plus their
-  gradient) that the plain composition keeps alive between forward and backward.
+- "fused" (reduction "mean"/"sum"): the gradients are computed in the forward, so the
+  backward only scales them by the incoming gradient (no logits are recomputed: three
+  GEMMs per chunk, not four). Chunks of C tokens (2,048-4,096 rows where a chunk's logits
+  fit `LOGITS_BUFFER_BYTES`, fewer for larger vocabularies): the logits go into one
+  reused `[C, V]` buffer in the input dtype (bf16 logits for a bf16 head, as the stock
+  head rounds them); one row op (`cross_entropy_rows`: a Triton kernel per row block on
+  CUDA, an in-place log-softmax on CPU) reads them for max / sum-exp / loss and writes the
+  scaled, masked gradient `softmax - onehot` over them; then `grad_h[chunk] = g @ W` and
+  `grad_W += g^T h[chunk]` accumulated in place into one fp32 buffer. No host syncs:
+  `ignore_index` and the mean's token count are masks and device scalars. Buffers: the
+  `[C, V]` chunk (freed after the forward), and kept from forward to backward `grad_h`
+  `[T, D]` (fp32 for 16-bit inputs), `grad_W` `[V, D]` fp32 and `grad_b` `[V]` fp32: O(T*D
+  + V*D), never O(T*V). The backward scales them in place, so a second backward through
+  the same graph (`retain_graph=True`) raises.
+- "chunked" (the reference of "fused"; every reduction): a custom autograd Function over
+  chunks of tokens. The forward keeps one chunk's fp32 logits at a time and saves only the
+  per-token log-sum-exp; the backward recomputes each chunk's logits and forms the
+  gradients of h, w and b from them.
 - "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
-  (torch >= 2.13), which chunks too and computes the gradients in its forward (three
-  GEMMs instead of the four of a recompute). It has no label smoothing.
+  (torch >= 2.13), which chunks too and computes the gradients in its forward. It has no
+  label smoothing.
 
-"auto" takes "torch" where it exists and supports the call and the inputs are fp32 or
-fp64, else "chunked". For bf16/fp16 inputs torch's op forms the logits in fp32 from the
-low-precision operands, more accurate than (and so not equal to) a head that rounds its
-logits to bf16 before `.float()`, as Transformers models do (about 1e-3 relative on the
-loss); the chunked backend rounds where the stock head does.
+"auto" takes "fused" for reductions "mean" and "sum"; for "none" (whose per-token
+incoming gradient cannot be folded into a weight gradient summed in the forward) "torch"
+where it exists and supports the call and the inputs are fp32 or fp64, else "chunked".
+For bf16/fp16 inputs torch's op forms the logits in fp32 from the low-precision operands,
+more accurate than (and so not equal to) a head that rounds its logits to bf16 before
+`.float()`, as Transformers models do (about 1e-3 relative on the loss); "fused" and
+"chunked" round where the stock head does.
 """
 
 # T tokens, D hidden (in features), V vocabulary (classes), C tokens in one chunk
@@ -28,9 +43,15 @@ import math
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "chunked", "torch")
+from .cross_entropy_rows import CERows, pick_ce_rows
+
+BACKENDS = ("auto", "fused", "chunked", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 _MIN_CHUNK = 128
+# "fused": one chunk's logits at most this large (bf16, V = 151,936: 3,456 rows), and
+# 4,096 rows at most (GEMMs of 2k+ rows run near peak; more only costs memory)
+LOGITS_BUFFER_BYTES = 1 << 30
+_MAX_FUSED_CHUNK = 4096
 
 
 def torch_linear_cross_entropy_available() -> bool:
@@ -42,6 +63,14 @@ def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
     """Rows per chunk so a chunk's logits are about as large as the hidden states
     (at least 128 rows, so each GEMM stays large enough to run near peak)."""
     return max(1, min(num_tokens, max(_MIN_CHUNK, math.ceil(num_tokens * hidden / max(vocab, 1)))))
+
+
+def fused_chunk_size(num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk of the "fused" backend: as many as fit `LOGITS_BUFFER_BYTES` of
+    logits in `dtype`, a multiple of 128, between 128 and 4,096 (and at most the tokens)."""
+    fit = LOGITS_BUFFER_BYTES // max(vocab * torch.empty((), dtype=dtype).element_size(), 1)
+    rows = max(_MIN_CHUNK, min(_MAX_FUSED_CHUNK, fit // _MIN_CHUNK * _MIN_CHUNK))
+    return max(1, min(num_tokens, rows))
 
 
 def linear_cross_entropy(
@@ -68,7 +97,12 @@ def linear_cross_entropy(
     _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend)
     h_TD = h.reshape(-1, h.shape[-1])
     labels_T = labels.reshape(-1)
-    if backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
+    if backend == "fused" or (backend == "auto" and reduction != "none"):
+        loss = fused_linear_cross_entropy(
+            h_TD, weight_VD, labels_T, bias_V, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, chunk_size=chunk_size,
+        )  # fmt: skip
+    elif backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
         loss = _torch_backend(
             h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size
         )
@@ -97,6 +131,12 @@ def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_
         )
     if bias_V is not None and tuple(bias_V.shape) != (weight_VD.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight_VD.shape[0]}]; got {tuple(bias_V.shape)}")
+    if backend == "fused" and reduction == "none":
+        raise ValueError(
+            "backend='fused' sums the weight gradient in the forward, which a per-token "
+            "incoming gradient (reduction='none') cannot scale; use reduction='mean' or "
+            "'sum', or backend='chunked' or 'auto'"
+        )
     if labels.dtype != torch.int64:
         raise TypeError(f"labels must be int64 class ids; got {labels.dtype}")
     if tuple(labels.shape) != tuple(h.shape[:-1]):
@@ -237,3 +277,121 @@ def _add_wgrad(grad_w_VD, d_CV, h_CD):
         except (RuntimeError, TypeError):
             return grad_w_VD.add_(d_CV.t() @ h_CD)
     return grad_w_VD.addmm_(d_CV.t().to(grad_w_VD.dtype), h_CD.to(grad_w_VD.dtype))
+
+
+def fused_linear_cross_entropy(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    rows: CERows | None = None,
+) -> torch.Tensor:
+    """The "fused" backend on 2-D `h_TD` (module docstring); reduction "mean" or "sum".
+
+    rows: the row-op implementation (default: the best registered one that runs the
+    logits chunk; tests pass the Triton kernel to run it on CPU under the interpreter).
+    Outside of autograd (no grad mode, or no input requiring a gradient) only the loss
+    is computed.
+    """
+    assert reduction in ("mean", "sum"), reduction
+    T = h_TD.shape[0]
+    chunk = chunk_size or fused_chunk_size(T, weight_VD.shape[0], h_TD.dtype)
+    args = (ignore_index, float(label_smoothing), reduction, chunk, rows)
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and t is not None and t.requires_grad for t in (h_TD, weight_VD, bias_V))
+    if not any(needs):
+        return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
+    return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, bias_V, labels_T, args, needs):
+        loss, grads = _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)
+        # saved as tensors (not ctx attributes) so saved-tensor hooks see and can offload them
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.layout = tuple(g is not None for g in grads)
+        ctx.dtypes = (h_TD.dtype, weight_VD.dtype, None if bias_V is None else bias_V.dtype)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.used:
+            raise RuntimeError(
+                "linear_cross_entropy(backend='fused') scales its forward-computed gradients "
+                "in place, so its graph cannot be run backward twice (retain_graph=True); "
+                "use backend='chunked' for that"
+            )
+        ctx.used = True
+        saved = iter(ctx.saved_tensors)
+        out = []
+        for present, dtype in zip(ctx.layout, ctx.dtypes):
+            g = next(saved) if present else None
+            # in place: the buffers are this backward's own (fp32 for 16-bit inputs)
+            out.append(None if g is None else g.mul_(grad_out.to(g.dtype)).to(dtype))
+        return out[0], out[1], out[2], None, None, None
+
+
+def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
+    """(loss, (grad_h, grad_w, grad_b)) for an incoming gradient of 1; the gradients
+    are None where not needed."""
+    ignore_index, smoothing, reduction, chunk, rows = args
+    T, V = h_TD.shape[0], weight_VD.shape[0]
+    dev, acc = h_TD.device, torch.promote_types(h_TD.dtype, torch.float32)
+    need_h, need_w, need_b = needs
+    grad = any(needs)
+    valid_T = labels_T != ignore_index
+    n_valid = valid_T.sum().to(acc)  # stays on the device: no host sync
+    one = torch.ones((), dtype=acc, device=dev)
+    scale_T = torch.where(valid_T, one / n_valid.clamp_min(1) if reduction == "mean" else one, 0)
+    loss_T = torch.empty(T, dtype=acc, device=dev)
+    grad_h = torch.empty(h_TD.shape, dtype=acc, device=dev) if need_h else None
+    grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=dev) if need_w else None
+    grad_b = torch.zeros(V, dtype=acc, device=dev) if need_b else None
+    buf_CV = torch.empty(min(chunk, T), V, dtype=h_TD.dtype, device=dev)
+    for s in range(0, T, chunk):
+        h_CD = h_TD[s : s + chunk]
+        x_CV = buf_CV[: h_CD.shape[0]]
+        if bias_V is None:
+            torch.mm(h_CD, weight_VD.t(), out=x_CV)
+        else:
+            torch.addmm(bias_V, h_CD, weight_VD.t(), out=x_CV)
+        impl = rows or pick_ce_rows(x_CV)
+        loss_T[s : s + chunk] = impl.run(
+            x_CV, labels_T[s : s + chunk], scale_T[s : s + chunk],
+            ignore_index=ignore_index, smoothing=smoothing, grad=grad,
+        )  # fmt: skip
+        if need_b:
+            grad_b.add_(x_CV.sum(0, dtype=acc))
+        if need_h:
+            _mm_into(grad_h[s : s + chunk], x_CV, weight_VD, accumulate=False)
+        if need_w:
+            _mm_into(grad_w, x_CV.t(), h_CD, accumulate=True)
+    total = loss_T.sum()
+    loss = total / n_valid if reduction == "mean" else total  # 0 / 0: NaN, as stock
+    return loss, (grad_h, grad_w, grad_b)
+
+
+def _mm_into(out, a, b, *, accumulate: bool):
+    """out = a @ b (out += a @ b with accumulate), in out's dtype (fp32 for 16-bit a, b).
+
+    16-bit operands on CUDA run the 16-bit GEMM writing fp32 into out (`out_dtype=`, in
+    place: no weight-sized temporary); on CPU they are upcast (16-bit matmul is slow
+    there)."""
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    if a.is_cuda:
+        try:
+            if accumulate:
+                return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            return torch.mm(a, b, out_dtype=out.dtype, out=out)
+        except (RuntimeError, TypeError):  # a torch without out_dtype: 16-bit result, fp32 sum
+            return out.add_(a @ b) if accumulate else out.copy_(a @ b)
+    a, b = a.to(out.dtype), b.to(out.dtype)
+    return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)

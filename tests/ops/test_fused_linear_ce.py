@@ -1,0 +1,202 @@
+"""linear_cross_entropy backend "fused" (gradients in the forward) against the "chunked"
+reference: loss and gradients of h, weight and bias, edge cases, the state kept between
+forward and backward (O(T*D + V*D), never O(T*V)), no host syncs, bad calls."""
+
+# T tokens, D hidden, V vocabulary
+
+import pytest
+import torch
+from sync_counter import count_syncs
+
+from dropless.ops import linear_cross_entropy
+from dropless.ops import reference as ref
+from dropless.ops.cross_entropy_rows import ce_rows_eager
+from dropless.ops.linear_cross_entropy import LOGITS_BUFFER_BYTES, fused_chunk_size
+
+CASES = {
+    # name: (T, D, V, chunk, fraction of labels ignored, label smoothing)
+    "multi_chunk": (37, 16, 50, 8, 0.3, 0.0),  # T not a multiple of the chunk, V not a power of 2
+    "one_chunk_V_odd": (12, 8, 23, None, 0.0, 0.0),
+    "T=1": (1, 8, 11, 4, 0.0, 0.0),
+    "all_ignored": (9, 8, 13, 4, 1.0, 0.0),
+    "chunk=1": (5, 4, 7, 1, 0.2, 0.0),
+    "smoothing": (29, 12, 31, 8, 0.25, 0.1),
+    "smoothing=1": (10, 6, 17, 3, 0.2, 1.0),
+}
+
+
+def _inputs(T, D, V, ignored, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(V, D, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    y = torch.randint(0, V, (T,), generator=g)
+    y[torch.rand(T, generator=g) < ignored] = -100
+    return h, w, b, y
+
+
+def _loss_and_grads(fn, h, w, b, y, upstream=1.7):
+    loss = fn(h, w, y, b)
+    params = [t for t in (h, w, b) if t is not None]
+    return loss, torch.autograd.grad(loss * upstream, params)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_chunked_fp32(case, reduction, bias):
+    T, D, V, chunk, ignored, smoothing = CASES[case]
+    h, w, b, y = _inputs(T, D, V, ignored, torch.float32, bias=bias)
+    kw = dict(reduction=reduction, label_smoothing=smoothing, chunk_size=chunk)
+    l0, g0 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, backend="chunked", **kw), h, w, b, y
+    )
+    l1, g1 = _loss_and_grads(lambda *a: linear_cross_entropy(*a, backend="fused", **kw), h, w, b, y)
+    # fp32, the same math in another order (per-row log-softmax, one sum over rows)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5, equal_nan=True)
+    for a, c in zip(g1, g0):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    if case == "all_ignored":
+        assert all((g == 0).all() for g in g1)
+        assert torch.isnan(l1) if reduction == "mean" else l1 == 0
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.3])
+def test_fused_matches_the_reference_fp64(smoothing):
+    """fp64 (gradcheck runs backward twice, which "fused" refuses: the reference backend
+    is gradchecked in test_linear_cross_entropy.py): equal to fp64 rounding."""
+    h, w, b, y = _inputs(7, 4, 9, 0.3, torch.float64, seed=5)
+    kw = dict(label_smoothing=smoothing)
+    l0, g0 = _loss_and_grads(lambda *a: ref.linear_cross_entropy_reference(*a, **kw), h, w, b, y)
+    l1, g1 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, chunk_size=3, backend="fused", **kw), h, w, b, y
+    )
+    assert l1.dtype == torch.float64
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=1e-12)
+    for a, c in zip(g1, g0):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_matches_the_stock_head_and_auto_takes_it(reduction):
+    """auto takes "fused" for mean and sum: batched shapes, against F.cross_entropy on
+    F.linear (the specification), also when only the weight needs a gradient."""
+    h, w, b, y = _inputs(24, 8, 17, 0.2, torch.float32)
+    y3 = y.reshape(2, 12)
+
+    def ours(h, w, y, b):
+        return linear_cross_entropy(h.reshape(2, 12, 8), w, y3, b, reduction=reduction)
+
+    def stock(h, w, y, b):
+        return ref.linear_cross_entropy_reference(h, w, y, b, reduction=reduction)
+
+    l0, g0 = _loss_and_grads(stock, h, w, b, y)
+    l1, g1 = _loss_and_grads(ours, h, w, b, y)
+    assert type(ours(h, w, y, b).grad_fn).__name__ == "_FusedLinearCEBackward"
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g1, g0):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+    (gw,) = torch.autograd.grad(ours(h.detach(), w, y, None), [w])
+    (gw0,) = torch.autograd.grad(stock(h.detach(), w, y, None), [w])
+    torch.testing.assert_close(gw, gw0, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_without_grad_computes_only_the_loss():
+    h, w, b, y = _inputs(37, 16, 50, 0.3, torch.float32)
+    want = ref.linear_cross_entropy_reference(h, w, y, b)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, y, b, chunk_size=8, backend="fused")
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    detached = [t.detach() for t in (h, w, b)]
+    loss = linear_cross_entropy(*detached[:2], y, detached[2], chunk_size=8, backend="fused")
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_keeps_O_TD_plus_VD_between_forward_and_backward():
+    """The bytes saved for backward are the gradients of h, W and b (the forward computed
+    them), nothing of T*V size: a chunk's logits are freed with the forward."""
+    T, D, V = 256, 8, 512
+    h, w, b, y = _inputs(T, D, V, 0.1, torch.float32)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = linear_cross_entropy(h, w, y, b, chunk_size=64, backend="fused")
+    total = sum(t.numel() * t.element_size() for t in saved)
+    assert total == 4 * (T * D + V * D + V)  # exactly the three fp32 gradient buffers
+    assert max(t.numel() for t in saved) < T * V // 16
+    loss.backward()
+    assert h.grad.shape == h.shape and w.grad.shape == w.shape and b.grad.shape == b.shape
+
+
+def test_fused_second_backward_is_refused():
+    h, w, b, y = _inputs(9, 4, 7, 0.0, torch.float32)
+    loss = linear_cross_entropy(h, w, y, b, backend="fused")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward twice"):
+        loss.backward()
+
+
+def test_fused_makes_no_host_sync():
+    h, w, b, y = _inputs(37, 16, 50, 0.3, torch.float32)
+    with count_syncs() as found:
+        linear_cross_entropy(h, w, y, b, chunk_size=8, backend="fused").backward()
+    assert found == []
+
+
+def test_fused_rejects_reduction_none_and_auto_keeps_it():
+    h, w, b, y = _inputs(6, 4, 9, 0.2, torch.float32)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        linear_cross_entropy(h, w, y, reduction="none", backend="fused")
+    per_token = linear_cross_entropy(h, w, y, b, reduction="none")
+    want = ref.linear_cross_entropy_reference(h, w, y, b, reduction="none")
+    torch.testing.assert_close(per_token, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_bf16_rounds_like_the_stock_head():
+    """bf16: the logits chunk is bf16 (as the stock head's output), the row op runs in
+    fp32 on it, so the loss is the stock one to fp32 rounding; gradients in bf16."""
+    h, w, b, y = _inputs(37, 16, 50, 0.25, torch.bfloat16)
+    l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
+    l1, g1 = _loss_and_grads(
+        lambda *a: linear_cross_entropy(*a, chunk_size=8, backend="fused"), h, w, b, y
+    )
+    assert l1.dtype == torch.float32 and [g.dtype for g in g1] == [torch.bfloat16] * 3
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g1, g0):
+        # one bf16 ulp of the O(1e-2) entries: fp32 sums in another order, rounded once
+        torch.testing.assert_close(a, c, rtol=1.6e-2, atol=1e-3)
+
+
+def test_row_op_eager_gradient_is_the_softmax_formula():
+    """The eager row op against the formula written out: loss and in-place gradient."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 11, generator=g, dtype=torch.float64) * 4
+    y = torch.tensor([3, -100, 0, 10, 5, -100])
+    scale = torch.rand(6, generator=g, dtype=torch.float64)
+    s = 0.2
+    logp = torch.log_softmax(x, 1)
+    valid = y != -100
+    onehot = torch.nn.functional.one_hot(y.clamp_min(0), 11).to(x.dtype)
+    want_loss = torch.where(valid, -(1 - s) * (logp * onehot).sum(1) - s * logp.mean(1), 0)
+    want_grad = (logp.exp() - (1 - s) * onehot - s / 11) * torch.where(valid, scale, 0)[:, None]
+    got = x.clone()
+    loss = ce_rows_eager(got, y, scale, ignore_index=-100, smoothing=s, grad=True)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_fused_chunk_size_fits_the_buffer():
+    # bf16 at Qwen3's vocabulary: 2-4k rows within the buffer; small vocabularies: 4,096
+    rows = fused_chunk_size(16384, 151936, torch.bfloat16)
+    assert 2048 <= rows <= 4096 and rows * 151936 * 2 <= LOGITS_BUFFER_BYTES and rows % 128 == 0
+    assert fused_chunk_size(16384, 32768, torch.bfloat16) == 4096
+    assert fused_chunk_size(100, 32768, torch.float32) == 100
+    assert fused_chunk_size(10**6, 10**8, torch.float32) == 128  # floor for huge vocabularies

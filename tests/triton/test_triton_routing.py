@@ -49,6 +49,9 @@ CASES = {
     "bf16_logits": ("route", 9, 10, 3, dict(renormalize=True), "bf16"),
     "ties_lowest_index_first": ("route", 4, 6, 3, {}, "ties"),
     "ties_groups_lowest_group_first": ("route", 3, 12, 3, dict(n_group=4, topk_group=2), "ties"),
+    "aux_softmax_renorm": ("aux", 9, 6, 2, dict(renormalize=True), "randn"),
+    "aux_sigmoid_groups_bias": ("aux", 10, 12, 3, dict(DSV3, n_group=4, topk_group=2), "randn"),
+    "aux_T1_bf16": ("aux", 1, 5, 2, {}, "bf16"),
     "sort_random": ("sort", 19, 7, 3, "random"),
     "sort_many_blocks_and_bucket_chunks": ("sort", 50, 21, 2, "random"),
     "sort_expert_with_zero_tokens": ("sort", 12, 5, 2, "skip1"),
@@ -128,6 +131,45 @@ def _loss(w, s, g_w, g_s):
     return loss + (0 if g_s is None else (s * g_s.to(s.device)).sum())
 
 
+def _aux_check(T, E, K, fields, mode, device):
+    """route_with_aux: the kernel's fused loss inputs against the torch losses (values
+    and gradients through weights, scores, the load-balancing and the z loss together)."""
+    from dropless.kernels import routing_kernels as rk
+    from dropless.ops.losses import load_balancing_loss_global, z_loss
+    from dropless.ops.routing import route_with_aux
+
+    routing = RoutingConfig(**fields)
+    gen = torch.Generator().manual_seed(T * 1000 + E * 10 + K + 7)
+    logits = _logits(T, E, mode, gen)
+    logits = logits.bfloat16() if mode == "bf16" else logits
+    bias = _bias(E, mode, gen) if routing.expert_bias else None
+    g_w, g_s = torch.randn(T, K, generator=gen), torch.randn(T, E, generator=gen)
+    counts_E = torch.randint(0, 5, (E,), generator=gen)
+    lg = logits.to(device).requires_grad_(True)
+    out = rk.route_with_aux(lg, K, routing, None if bias is None else bias.to(device))
+    lr = logits.clone().requires_grad_(True)
+    ref = route_with_aux(lr, K, routing, expert_bias_E=bias)  # CPU: the torch losses
+    assert torch.equal(out[1].cpu(), ref[1])
+    for got, want in zip((out[0], out[2], out[3], out[4]), (ref[0], ref[2], ref[3], ref[4])):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got.detach().cpu(), want.detach(), **TOL)
+    # the contract the MoE layer relies on: the same losses as ops.losses
+    lb = E * (counts_E.to(device) / 7 * out[3]).sum()
+    torch.testing.assert_close(lb.cpu(), load_balancing_loss_global(ref[2], counts_E, 7), **TOL)
+    torch.testing.assert_close(out[4].cpu(), z_loss(lr), **TOL)
+
+    def loss(w, s, pm, z):
+        return _loss(w, s, g_w, g_s) + E * (counts_E.to(pm.device) / 7 * pm).sum() + 0.3 * z
+
+    (dl,) = torch.autograd.grad(loss(out[0], out[2], out[3], out[4]), lg)
+    (dlr,) = torch.autograd.grad(loss(ref[0], ref[2], ref[3], ref[4]), lr)
+    if mode == "bf16":
+        err = (dl.cpu().float() - dlr.float()).abs().max()
+        assert err <= 2**-7 * dlr.float().abs().max(), err
+    else:
+        torch.testing.assert_close(dl.cpu(), dlr, **TOL)
+
+
 def _check_tie_rule(ids_TK, logits_TE, K, routing):
     scores = logits_TE.float().softmax(-1)
     choice = scores
@@ -183,6 +225,8 @@ def _sort_check(T, E, K, mode, device):
 def check(case, device: str) -> None:
     if case[0] == "route":
         return _route_check(*case[1:], device)
+    if case[0] == "aux":
+        return _aux_check(*case[1:], device)
     return _sort_check(*case[1:], device)
 
 

@@ -198,6 +198,7 @@ def register_backend() -> None:
             _lazy("routing_kernels", "sort_by_expert"),
             supports=lambda t: t.is_cuda and triton_importable(),
             priority=10,
+            route_with_aux=_lazy("routing_kernels", "route_with_aux"),
         )
     )
 

@@ -45,7 +45,8 @@ _BIG = tl.constexpr(1 << 30)
 
 @triton.jit
 def _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride, SOFTMAX: tl.constexpr):
-    """fp32 scores [BLOCK_T, BLOCK_E] (0 in padded columns) and the logits' logsumexp."""
+    """fp32 scores [BLOCK_T, BLOCK_E] (0 in padded columns), the softmax of the logits
+    (the scores when SOFTMAX) and their logsumexp (for the z-loss)."""
     mask = mask_t[:, None] & mask_e[None, :]
     x = tl.load(logits_ptr + offs_t[:, None].to(tl.int64) * stride + offs_e[None, :], mask=mask)
     x = tl.where(mask_e[None, :], x.to(tl.float32), float("-inf"))
@@ -53,11 +54,12 @@ def _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride, SOFTMAX: tl
     m = tl.max(x, 1)
     p = tl.exp(x - m[:, None])
     z = tl.sum(p, 1)
+    sm = p / z[:, None]
     if SOFTMAX:
-        s = p / z[:, None]
+        s = sm
     else:
         s = tl.where(mask_e[None, :], tl.sigmoid(x), 0.0)
-    return s, m + tl.log(z)
+    return s, sm, m + tl.log(z)
 
 
 @triton.jit
@@ -94,16 +96,22 @@ def _group_mask(choice, valid, offs_e, G, PER: tl.constexpr, TOPK_GROUP, BLOCK_G
 
 @triton.jit
 def _route_fwd_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, scores_ptr, T, E, stride_l, K, scale, G, TOPK_GROUP,
-    SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr, PER: tl.constexpr,
-    RENORM: tl.constexpr, WRITE_SCORES: tl.constexpr, BLOCK_T: tl.constexpr,
+    logits_ptr, bias_ptr, w_ptr, ids_ptr, scores_ptr, psum_ptr, zsum_ptr, T, E, stride_l, K,
+    scale, G, TOPK_GROUP, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
+    PER: tl.constexpr, RENORM: tl.constexpr, WRITE_SCORES: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
     mask_t, mask_e = offs_t < T, offs_e < E
-    s, _ = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
+    s, _, lse = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
+    if STATS:  # this block's share of the load-balancing and z losses
+        pn = s / tl.maximum(tl.sum(s, 1), 1e-20)[:, None]
+        pn = tl.where(mask_t[:, None], pn, 0.0)
+        tl.store(psum_ptr + tl.program_id(0) * E + offs_e, tl.sum(pn, 0), mask=mask_e)
+        tl.store(zsum_ptr + tl.program_id(0), tl.sum(tl.where(mask_t, lse * lse, 0.0), 0))
     if WRITE_SCORES:
         dst = scores_ptr + offs_t[:, None].to(tl.int64) * E + offs_e[None, :]
         tl.store(dst, s, mask=mask_t[:, None] & mask_e[None, :])
@@ -133,8 +141,9 @@ def _route_fwd_kernel(
 
 @triton.jit
 def _route_bwd_kernel(
-    logits_ptr, ids_ptr, gw_ptr, gs_ptr, dl_ptr, T, E, stride_l, K, scale,
-    SOFTMAX: tl.constexpr, HAS_GW: tl.constexpr, HAS_GS: tl.constexpr, RENORM: tl.constexpr,
+    logits_ptr, ids_ptr, gw_ptr, gs_ptr, gp_ptr, gz_ptr, dl_ptr, T, E, stride_l, K, scale,
+    SOFTMAX: tl.constexpr, HAS_GW: tl.constexpr, HAS_GS: tl.constexpr, HAS_GP: tl.constexpr,
+    HAS_GZ: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -143,10 +152,17 @@ def _route_bwd_kernel(
     mask_t, mask_e = offs_t < T, offs_e < E
     mask_te = mask_t[:, None] & mask_e[None, :]
     row_te = offs_t[:, None].to(tl.int64) * E + offs_e[None, :]
-    s, _ = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
+    s, sm, lse = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
     grad = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     if HAS_GS:
         grad = tl.load(gs_ptr + row_te, mask=mask_te, other=0.0).to(tl.float32)
+    if HAS_GP:
+        # probs_sum[e] = sum_t s[t,e] / max(sum_e s[t,e], 1e-20); the clamp passes no gradient
+        gp = tl.load(gp_ptr + offs_e, mask=mask_e, other=0.0).to(tl.float32)[None, :]
+        tot = tl.sum(s, 1)
+        zc = tl.maximum(tot, 1e-20)
+        dpn = gp - tl.where(tot >= 1e-20, tl.sum(gp * s, 1) / zc, 0.0)[:, None]
+        grad += dpn / zc[:, None]
     if HAS_GW:
         mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
         row_tk = offs_t[:, None].to(tl.int64) * K + offs_k[None, :]
@@ -171,6 +187,8 @@ def _route_bwd_kernel(
         dl = s * (grad - tl.sum(grad * s, 1)[:, None])
     else:
         dl = grad * s * (1.0 - s)
+    if HAS_GZ:  # zsq_sum = sum_t lse_t^2: d/dx = 2 lse softmax(x)
+        dl += (2.0 * tl.load(gz_ptr).to(tl.float32)) * lse[:, None] * sm
     tl.store(dl_ptr + row_te, dl.to(dl_ptr.dtype.element_ty), mask=mask_te)
 
 
@@ -191,29 +209,38 @@ def route_fwd(
     expert_bias_E: torch.Tensor | None = None,
     *,
     write_scores: bool = True,
+    stats: bool = False,
 ):
-    """(weights_TK fp32, ids_TK int64, scores_TE fp32 or None), no autograd."""
+    """(weights_TK fp32, ids_TK int64, scores_TE fp32 or None, probs_sum_E, zsq_sum), no
+    autograd. With stats: probs_sum_E [E] = sum over tokens of the scores normalised per
+    token, zsq_sum = sum over tokens of logsumexp(logits)^2 (fp32; else both None)."""
     T, E = logits_TE.shape
     logits_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
     dev = logits_TE.device
     w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     scores = torch.empty(T, E, dtype=torch.float32, device=dev) if write_scores else None
-    if T == 0:
-        return w, ids, scores
-    grouped = routing.n_group is not None and routing.n_group > 1
-    G = routing.n_group if grouped else 1
     bt, be, warps = _route_blocks(logits_TE)
-    bias = expert_bias_E.contiguous() if expert_bias_E is not None else w
-    _route_fwd_kernel[(triton.cdiv(T, bt),)](
-        logits_TE, bias, w, ids, scores if write_scores else w, T, E, logits_TE.stride(0),
-        top_k, float(routing.scaling_factor), G, routing.topk_group if grouped else 1,
-        SOFTMAX=routing.score_func == "softmax", HAS_BIAS=expert_bias_E is not None,
-        GROUPED=grouped, PER=E // G, RENORM=routing.renormalize, WRITE_SCORES=write_scores,
-        BLOCK_T=bt, BLOCK_E=be, BLOCK_K=triton.next_power_of_2(top_k),
-        BLOCK_G=triton.next_power_of_2(G), num_warps=warps,
-    )  # fmt: skip
-    return w, ids, scores
+    nb = triton.cdiv(T, bt)
+    # per-program partial sums, added in program order below: deterministic
+    psum = torch.zeros(nb if stats else 0, E, dtype=torch.float32, device=dev)
+    zsum = torch.zeros(nb if stats else 0, dtype=torch.float32, device=dev)
+    if T:
+        grouped = routing.n_group is not None and routing.n_group > 1
+        G = routing.n_group if grouped else 1
+        bias = expert_bias_E.contiguous() if expert_bias_E is not None else w
+        _route_fwd_kernel[(nb,)](
+            logits_TE, bias, w, ids, scores if write_scores else w, psum if stats else w,
+            zsum if stats else w, T, E, logits_TE.stride(0), top_k,
+            float(routing.scaling_factor), G, routing.topk_group if grouped else 1,
+            SOFTMAX=routing.score_func == "softmax", HAS_BIAS=expert_bias_E is not None,
+            GROUPED=grouped, PER=E // G, RENORM=routing.renormalize, WRITE_SCORES=write_scores,
+            STATS=stats, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_G=triton.next_power_of_2(G), num_warps=warps,
+        )  # fmt: skip
+    if not stats:
+        return w, ids, scores, None, None
+    return w, ids, scores, psum.sum(0), zsum.sum()
 
 
 def route_bwd(
@@ -222,8 +249,11 @@ def route_bwd(
     grad_w_TK: torch.Tensor | None,
     grad_scores_TE: torch.Tensor | None,
     routing: RoutingConfig,
+    grad_probs_sum_E: torch.Tensor | None = None,
+    grad_zsq_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """d loss / d logits_TE (logits' dtype) from the gradients of the weights and scores."""
+    """d loss / d logits_TE (logits' dtype) from the gradients of route_fwd's outputs
+    (None: no gradient). The scalar gradient is read on the device: no host sync."""
     T, E = logits_TE.shape
     K = ids_TK.shape[1]
     logits_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
@@ -231,12 +261,16 @@ def route_bwd(
     if T == 0:
         return dl
     bt, be, warps = _route_blocks(logits_TE)
-    gw = grad_w_TK.contiguous() if grad_w_TK is not None else dl
-    gs = grad_scores_TE.contiguous() if grad_scores_TE is not None else dl
+
+    def arg(t):
+        return t.contiguous() if t is not None else dl
+
     _route_bwd_kernel[(triton.cdiv(T, bt),)](
-        logits_TE, ids_TK.contiguous(), gw, gs, dl, T, E, logits_TE.stride(0), K,
+        logits_TE, ids_TK.contiguous(), arg(grad_w_TK), arg(grad_scores_TE),
+        arg(grad_probs_sum_E), arg(grad_zsq_sum), dl, T, E, logits_TE.stride(0), K,
         float(routing.scaling_factor), SOFTMAX=routing.score_func == "softmax",
         HAS_GW=grad_w_TK is not None, HAS_GS=grad_scores_TE is not None,
+        HAS_GP=grad_probs_sum_E is not None, HAS_GZ=grad_zsq_sum is not None,
         RENORM=routing.renormalize, BLOCK_T=bt, BLOCK_E=be,
         BLOCK_K=triton.next_power_of_2(K), num_warps=warps,
     )  # fmt: skip
@@ -244,21 +278,22 @@ def route_bwd(
 
 
 class _Route(torch.autograd.Function):
-    """Routing with a backward that saves only the logits (the input) and ids_TK."""
+    """Routing (and, with stats, the loss sums) with a backward that saves only the
+    logits (the input) and ids_TK."""
 
     @staticmethod
-    def forward(ctx, logits_TE, expert_bias_E, top_k, routing):
-        w, ids, scores = route_fwd(logits_TE, top_k, routing, expert_bias_E)
-        ctx.save_for_backward(logits_TE, ids)
+    def forward(ctx, logits_TE, expert_bias_E, top_k, routing, stats):
+        out = route_fwd(logits_TE, top_k, routing, expert_bias_E, stats=stats)
+        ctx.save_for_backward(logits_TE, out[1])
         ctx.routing = routing
-        ctx.mark_non_differentiable(ids)
-        return w, ids, scores
+        ctx.mark_non_differentiable(out[1])
+        return out
 
     @staticmethod
-    def backward(ctx, grad_w, _grad_ids, grad_scores):
+    def backward(ctx, grad_w, _grad_ids, grad_scores, grad_psum, grad_zsum):
         logits_TE, ids = ctx.saved_tensors
-        dl = route_bwd(logits_TE, ids, grad_w, grad_scores, ctx.routing)
-        return dl, None, None, None
+        dl = route_bwd(logits_TE, ids, grad_w, grad_scores, ctx.routing, grad_psum, grad_zsum)
+        return dl, None, None, None, None
 
 
 def route(
@@ -270,7 +305,21 @@ def route(
     """(weights_TK fp32, ids_TK int64, scores_TE fp32), as `dropless.ops.route`, with
     autograd to the logits (the bias only selects: it gets no gradient). Arguments are
     checked by `dropless.ops.route`, which calls this on CUDA."""
-    return _Route.apply(logits_TE, expert_bias_E, top_k, routing)
+    return _Route.apply(logits_TE, expert_bias_E, top_k, routing, False)[:3]
+
+
+def route_with_aux(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    routing: RoutingConfig,
+    expert_bias_E: torch.Tensor | None = None,
+):
+    """As `dropless.ops.route_with_aux`: route's outputs plus probs_mean_E (the mean over
+    tokens of the per-token normalised scores, what the load-balancing loss reads) and
+    the router z-loss, from the same pass over the scores, forward and backward."""
+    w, ids, scores, psum, zsum = _Route.apply(logits_TE, expert_bias_E, top_k, routing, True)
+    T = logits_TE.shape[0]  # T = 0: NaN means, as torch's
+    return w, ids, scores, psum / T, zsum / T
 
 
 # --- routing metadata: the stable counting sort ------------------------------------

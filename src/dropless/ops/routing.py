@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .losses import z_loss
 from .reference import route_reference
 from .replay import checkpoint_state
 from .specs import RoutingConfig, as_routing
@@ -33,7 +34,8 @@ class RoutingKernels:
     with autograd, as `route_reference` (ties may go to the lowest expert index: torch.topk
     leaves them unspecified); sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts)
     -> `permute.SortedPairs` in the order of `permute.sort_by_expert`; supports(t): whether
-    it runs tensor t; max_experts: the widest router it takes (one tile of experts per token).
+    it runs tensor t; max_experts: the widest router it takes (one tile of experts per token);
+    route_with_aux: as `route_with_aux` below, the losses' inputs from the routing pass.
     """
 
     name: str
@@ -42,6 +44,7 @@ class RoutingKernels:
     supports: Callable[[torch.Tensor], bool]
     priority: int = 0
     max_experts: int = 4096
+    route_with_aux: Callable | None = None
 
 
 _KERNELS: dict[str, RoutingKernels] = {}
@@ -143,6 +146,42 @@ def route(
     if kernels is not None:
         return kernels.route(logits_TE, top_k, routing, expert_bias_E)
     return route_reference(logits_TE, top_k, routing, expert_bias_E=expert_bias_E)
+
+
+def route_with_aux(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    routing: RoutingConfig | None = None,
+    *,
+    expert_bias_E: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """`route` and the router losses' inputs from one pass over the same scores.
+
+    Returns (weights_TK, ids_TK, scores_TE, probs_mean_E, z_loss): probs_mean_E [E] fp32
+    is the mean over tokens of the scores normalised per token, so that
+    `losses.load_balancing_loss_global(scores_TE, counts_E, n)` equals
+    `E * (counts_E / n * probs_mean_E).sum()`, and z_loss is `losses.z_loss(logits_TE)`;
+    both with gradients to the logits. A routing kernel ("triton", CUDA) computes them
+    inside its routing pass and their gradients inside its backward; elsewhere they are
+    the torch ops of `losses`. routing None: the defaults (`expert_bias` set when
+    expert_bias_E is given); backend as in `route`.
+    """
+    if routing is None:
+        routing = RoutingConfig(expert_bias=expert_bias_E is not None)
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
+    routing = as_routing(routing)
+    routing.check(logits_TE.shape[1], top_k)
+    check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    kernels = _route_kernels(logits_TE, backend)
+    if kernels is not None and kernels.route_with_aux is not None:
+        return kernels.route_with_aux(logits_TE, top_k, routing, expert_bias_E)
+    weights_TK, ids_TK, scores_TE = route(
+        logits_TE, top_k, routing, expert_bias_E=expert_bias_E, backend=backend
+    )
+    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+    return weights_TK, ids_TK, scores_TE, probs_TE.mean(0), z_loss(logits_TE)
 
 
 def check_expert_bias(routing: RoutingConfig, expert_bias_E, num_experts: int) -> None:

@@ -99,7 +99,7 @@ def test_host_counts_under_compile_run_eagerly(monkeypatch):
 
 
 def test_an_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="expected 'loop' or 'grouped'"):
+    with pytest.raises(ValueError, match="expected 'loop', 'grouped' or 'gathered'"):
         plan_expert_mlp(*_operands(), SWIGLU, path="fused")
 
 

@@ -109,7 +109,10 @@ def grouped_mlp(
     act = _activation(kw)
     if get_recipe() is None:  # a recipe quantizes its operands itself
         x_SD, gate_up, down, lora = to_compute_dtype(x_SD, gate_up, down, kw, lora)
-    plan = plan_expert_mlp(x_SD, gate_up, down, act, backend=backend, lora=lora)
+    has_bias = gate_up_bias is not None or down_bias is not None
+    plan = plan_expert_mlp(
+        x_SD, gate_up, down, act, backend=backend, lora=lora, trans_w=trans_w, bias=has_bias
+    )
     if plan.path == "recipe":
         counts = _check_counts(x_SD, gate_up, counts)
         if plan.recipe_mlp is not None:
@@ -156,7 +159,8 @@ def expert_mlp(
         x_TD, gate_up, down, lora = to_compute_dtype(x_TD, gate_up, down, mlp_kwargs, lora)
     plan = plan_expert_mlp(
         x_TD, gate_up, down, act, backend=mlp_kwargs.get("backend"), lora=lora,
-        capacity=keep_TK is not None,
+        capacity=keep_TK is not None, rows=ids_TK.numel(), trans_w=mlp_kwargs.get("trans_w", True),
+        bias=any(mlp_kwargs.get(b) is not None for b in ("gate_up_bias", "down_bias")),
     )  # fmt: skip
     if plan.eager:
         return _expert_mlp_eager(

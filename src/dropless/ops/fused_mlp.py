@@ -48,7 +48,9 @@ import torch
 
 from .activations import act_forward, act_input_grad, act_parts
 from .compute_dtype import autocast_off
-from .loop_mlp import _LoopMLP
+from .expert_threads import python_modes_active
+from .gathered_mlp import gathered_mlp
+from .loop_mlp import _free, _graph_released, _LoopMLP
 from .lora import (
     LowRank,
     _lora_inputs,
@@ -59,7 +61,7 @@ from .lora import (
     grouped_lowrank_fwd,
 )
 from .mlp_parts import Needs, input_grads
-from .mlp_plan import MlpPlan, pick_mlp_path, plan_grouped
+from .mlp_plan import MlpPlan, check_gathered_ok, pick_mlp_path, plan_gathered, plan_grouped
 from .specs import ActivationConfig, as_activation
 from .swiglu import check_supported
 
@@ -154,6 +156,7 @@ class _GroupedMLP(torch.autograd.Function):
             dh, gp, gd = _act_backward_kernel(ctx, gy, h, prob_S, down, need)
         else:
             dh, gp, gd, g2a, g2b = _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2, u2)
+        del h  # freed by the activation backward, its last reader
         if gp is not None and d_bias is not None:
             gp += (gy * d_bias.index_select(0, rows_E)).sum(1)
         del gy
@@ -194,6 +197,7 @@ def _act_backward_kernel(ctx, gy, h, prob_S, down, need):
     dh, gp, a = ctx.plan.act_row_ops.act_bwd(
         da, h, prob_S, act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit
     )
+    _release_h(h)
     del da
     gd = None
     if need.down:
@@ -207,6 +211,8 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     be, counts = ctx.plan.backend, ctx.counts
     p = None if prob_S is None else prob_S.unsqueeze(1)
     a0, d_gate, d_up = act_parts(h, act)
+    dh = torch.empty_like(h)
+    _release_h(h, a0, d_gate, d_up)
     gd = gp = g2a = g2b = None
     if need.down or lr2 is not None:
         ap = a0 if p is None else a0 * p
@@ -224,8 +230,20 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     del a0
     if p is not None:
         da.mul_(p)
-    dh = act_input_grad(da, d_gate, d_up, act.interleaved, torch.empty_like(h))
+    dh = act_input_grad(da, d_gate, d_up, act.interleaved, dh)
     return dh, gp, gd, g2a, g2b
+
+
+def _release_h(h: torch.Tensor, *parts) -> None:
+    """Free the saved h once the activation backward has read it (before the weight
+    gradients run), in a backward that frees the graph as it goes; its storage is the
+    Function's own (the gate/up GEMM's output). Kept when one of the activation's
+    `parts` is a view of it (a registered identity-like elementwise kind)."""
+    ptr = h.untyped_storage().data_ptr()
+    if any(p is not None and p.untyped_storage().data_ptr() == ptr for p in parts):
+        return
+    if _graph_released() and not python_modes_active():
+        _free(h)
 
 
 # --- entry point ----------------------------------------------------------------------
@@ -257,7 +275,8 @@ def fused_mlp(
 
     With token_S/slot_TK (from SortedPairs), x is x_TD and the result is the combined
     out [num_out, D]; without, x is x_SD (sorted rows) and the result is y_SD.
-    counts: host list (required by path "loop") or device tensor (path "grouped").
+    counts: host list (required by path "loop") or device tensor (paths "grouped",
+    "gathered"; see `gathered_mlp.py`: no biases, no low-rank updates).
     `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
     `lora`: optional low-rank updates (gate_up, down) of the projections, each a
     `LowRank` or None (see `lora.py`). `plan`: the caller's `MlpPlan` (path "loop" or
@@ -270,11 +289,21 @@ def fused_mlp(
     )
     cfg = (act, bool(trans_w), num_out)
     extra = _checked_lora(lora, gate_up, down, trans_w)
+    has_bias = gate_up_bias is not None or down_bias is not None
     if plan is None:
         down_lora = lora is not None and lora[1] is not None
         plan = MlpPlan("loop") if path == "loop" else plan_grouped(
             x, gate_up, down, act, backend, down_lora=down_lora
         )  # fmt: skip
+        if path == "gathered":
+            check_gathered_ok(lora, has_bias)
+            rows = token_S.shape[0] if token_S is not None else x.shape[0]
+            plan = plan_gathered(x, gate_up, down, act, plan, rows, trans_w, forced=True)
+    if plan.path == "gathered":
+        check_gathered_ok(lora, has_bias)
+        return gathered_mlp(
+            x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, plan.gathered
+        )
     if plan.path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host

@@ -15,7 +15,14 @@ The decisions, in order:
 4. whether the counts stay on the device: the backend declares it (`device_counts`) and
    the routing is dropless (a capacity limit makes the kept count data-dependent);
 5. under torch.compile a path that needs host counts runs eagerly (one graph break
-   around sort + MLP) instead of a graph specialised on every routing.
+   around sort + MLP) instead of a graph specialised on every routing;
+6. on CUDA, automatic backend, outside torch.compile, for experts without biases or
+   low-rank updates whose activation the gather kernels compute: the "gathered" path
+   (`gathered_mlp.py`), each of its six GEMMs the fused kernel that gathers its rows or
+   the unfused form on a grouped-GEMM backend, whichever a one-time tuning measured
+   faster at this shape (`gemm_tuning.py`: cached on disk); if no GEMM picks a fused
+   kernel, the grouped path as above. path="gathered" forces it (on CPU: every GEMM
+   unfused, the same backward schedule).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts
@@ -23,26 +30,30 @@ The decisions, in order:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .activations import ACTIVATIONS
-from .dispatch import GemmBackend, get_recipe, pick_gemm_backend, recipe_mlp
+from .dispatch import GemmBackend, gemm_backends, get_recipe, pick_gemm_backend, recipe_mlp
+from .gathered_mlp import FUSED, GEMMS, gather_kernels, gathered_gemms, tune_gathered
+from .gemm_tuning import default_tuner, record
 from .row_ops import RowOps, pick_row_ops
 from .specs import ActivationConfig
 
-PATHS = ("loop", "grouped", "recipe")  # the values of MlpPlan.path
+PATHS = ("loop", "grouped", "recipe", "gathered")  # the values of MlpPlan.path
+_FORCED = ("loop", "grouped", "gathered")  # the paths `path=` may force
 
 
 @dataclass(frozen=True)
 class MlpPlan:
-    """path: "loop", "grouped" or "recipe". backend / row_ops: the grouped path's GEMM
+    """path: one of PATHS. backend / row_ops: the grouped path's GEMM
     backend and gathers; act_row_ops: the row ops that compute its activation (None: the
     torch math of `activations`). device_counts: the counts stay on the device (no host
     sync). eager: run outside the compiled graph (host counts under torch.compile).
     recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its fused MLP (None:
-    composed from its grouped GEMMs) and whether that MLP gathers rows from x_TD itself."""
+    composed from its grouped GEMMs) and whether that MLP gathers rows from x_TD itself.
+    gathered: the "gathered" path's six GEMMs (a `gathered_mlp.GatheredGemms`)."""
 
     path: str
     backend: GemmBackend | None = None
@@ -53,6 +64,7 @@ class MlpPlan:
     recipe: object = None
     recipe_mlp: Callable | None = None
     takes_tokens: bool = False
+    gathered: object = None
 
 
 def pick_mlp_path(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -113,11 +125,16 @@ def plan_expert_mlp(
     path: str | None = None,
     lora=None,
     capacity: bool = False,
+    rows: int | None = None,
+    trans_w: bool = True,
+    bias: bool = False,
 ) -> MlpPlan:
     """The plan for one call of the expert MLP on x (x_TD or sorted rows x_SD).
 
-    path: force "loop" or "grouped" (default: `pick_mlp_path`); lora: the call's
-    (gate_up, down) low-rank updates or None; capacity: pairs may be dropped (keep_TK).
+    path: force "loop", "grouped" or "gathered" (default: `pick_mlp_path`, and
+    "gathered" where tuned faster); lora: the call's (gate_up, down) low-rank updates or
+    None; capacity: pairs may be dropped (keep_TK); rows: the sorted rows the GEMMs run
+    (default x's rows); trans_w: the weights' layout; bias: the experts have biases.
     """
     recipe = get_recipe()
     check_no_recipe(recipe, lora)
@@ -132,14 +149,71 @@ def plan_expert_mlp(
             # a recipe MLP that takes tokens takes device counts too
             device_counts=takes_tokens and not capacity,
         )
+    forced = path
     path = path or pick_mlp_path(x, gate_up, backend)
-    if path not in PATHS[:2]:
-        raise ValueError(f"path={path!r}; expected 'loop' or 'grouped' (or None: automatic)")
+    if path not in _FORCED:
+        raise ValueError(
+            f"path={path!r}; expected 'loop', 'grouped' or 'gathered' (or None: automatic)"
+        )
     if path == "loop":
         plan = MlpPlan("loop")
     else:
         down_lora = lora is not None and lora[1] is not None
         plan = plan_grouped(x, gate_up, down, act, backend, down_lora=down_lora, capacity=capacity)
+        auto = forced is None and backend in (None, "auto") and x.is_cuda
+        if path == "gathered" or (auto and lora is None and not bias):
+            if path == "gathered":
+                check_gathered_ok(lora, bias)
+            rows = x.shape[0] if rows is None else rows
+            plan = plan_gathered(x, gate_up, down, act, plan, rows, trans_w, path == "gathered")
+            plan = replace(plan, device_counts=plan.device_counts and not capacity)
     if torch.compiler.is_compiling() and not plan.device_counts:
-        return MlpPlan(plan.path, plan.backend, plan.row_ops, plan.act_row_ops, eager=True)
+        return replace(plan, eager=True)
     return plan
+
+
+def check_gathered_ok(lora, bias: bool) -> None:
+    """Raise ValueError when path="gathered" is forced for experts it does not run."""
+    if lora is not None or bias:
+        raise ValueError(
+            "path='gathered' runs experts without biases and without low-rank (LoRA) updates; "
+            "use path='grouped' (or None: automatic) for these experts"
+        )
+
+
+def _tuning_backends(x, gate_up, down, plan: MlpPlan) -> dict[str, GemmBackend]:
+    """The plan's backend, and on CUDA every other one that takes device counts and runs
+    these operands: the unfused candidates of the tuning."""
+    backends = {plan.backend.name: plan.backend}
+    if x.is_cuda:
+        for name in gemm_backends():
+            try:
+                be = pick_gemm_backend(name, x, gate_up, down)
+            except ValueError:
+                continue
+            if be.device_counts:
+                backends.setdefault(name, be)
+    return backends
+
+
+def plan_gathered(x, gate_up, down, act, grouped: MlpPlan, rows: int, trans_w: bool,
+                  forced: bool) -> MlpPlan:  # fmt: skip
+    """The "gathered" plan (forced), or, automatically, the grouped plan unless the tuning
+    picks a fused kernel for some GEMM. Tunes only on CUDA outside torch.compile."""
+    kernels = gather_kernels(x, act, gate_up, down)
+    if kernels is None and not forced:
+        return grouped
+    backends = _tuning_backends(x, gate_up, down, grouped)
+    if x.is_cuda and not torch.compiler.is_compiling() and rows > 0:
+        choice = tune_gathered(x, gate_up, down, act, trans_w, rows, kernels, backends,
+                               grouped.row_ops, grouped.act_row_ops, default_tuner())  # fmt: skip
+    else:  # no timing here: the grouped path's backend for every GEMM
+        choice = dict.fromkeys(GEMMS, grouped.backend.name)
+    gemms = gathered_gemms(choice, kernels, backends, grouped.row_ops, grouped.act_row_ops)
+    E, dims = gate_up.shape[0], f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+    record(
+        f"{str(x.dtype).removeprefix('torch.')} E={E} rows={rows} weights {dims}", gemms.describe()
+    )
+    if not forced and FUSED not in choice.values():
+        return grouped
+    return replace(grouped, path="gathered", gathered=gemms, device_counts=gemms.device_counts)

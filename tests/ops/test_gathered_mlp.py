@@ -1,0 +1,184 @@
+"""The "gathered" expert-MLP path (ops/gathered_mlp.py) on CPU, every GEMM unfused: the
+same Function and backward schedule the fused kernels run on CUDA, against the reference
+in fp32 (forward and every gradient), its backward freeing h and the recomputed a before
+the weight gradients that do not read them, and the plan's rules for choosing it."""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
+
+import dataclasses
+
+import pytest
+import torch
+
+from dropless.ops import sort_by_expert
+from dropless.ops.fused_mlp import fused_mlp
+from dropless.ops.mlp_plan import plan_expert_mlp
+from dropless.ops.reference import expert_mlp_reference
+from dropless.ops.specs import ActivationConfig
+
+# name -> (T, E, K, D, F, options)
+CASES = {
+    "swiglu": (9, 4, 2, 12, 10, {}),
+    "trans_w_false": (7, 3, 2, 8, 6, dict(trans_w=False)),
+    "gpt_oss_interleaved": (6, 5, 2, 8, 6, dict(act=ActivationConfig("gpt_oss", interleaved=True, limit=1.5))),
+    "expert_with_zero_tokens": (5, 4, 1, 8, 4, dict(ids=[[0], [2], [0], [3], [2]])),
+    "all_tokens_on_one_expert": (6, 3, 1, 8, 4, dict(ids=[[1]] * 6)),
+    "T=1": (1, 3, 2, 8, 4, {}),
+    "k=E_E_not_pow2": (4, 3, 3, 8, 4, {}),
+}
+
+
+def _operands(T, E, K, D, F, opt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    ids = torch.tensor(opt["ids"]) if "ids" in opt else torch.rand(T, E, generator=gen).topk(K).indices
+    w_TK = torch.rand(T, K, generator=gen)
+    gu = torch.randn(E, 2 * F, D, generator=gen) * 0.4
+    dn = torch.randn(E, D, F, generator=gen) * 0.4
+    return x, ids, w_TK, gu, dn, torch.randn(T, D, generator=gen)
+
+
+def _gathered(x, ids, w_TK, gu, dn, act, trans_w=True, hook=None):
+    """out of the forced "gathered" path; `hook(plan) -> plan` may wrap its GEMMs."""
+    E = gu.shape[0]
+    if not trans_w:
+        gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+    sp = sort_by_expert(ids, E)
+    prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
+    plan = plan_expert_mlp(x, gu, dn, act, path="gathered", rows=ids.numel(), trans_w=trans_w)
+    assert plan.path == "gathered"
+    plan = hook(plan) if hook else plan
+    return fused_mlp(
+        x, prob_S, gu, dn, sp.counts_E, token_S=sp.token_S, slot_TK=sp.slot_TK,
+        num_out=x.shape[0], activation=act, trans_w=trans_w, plan=plan,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gathered_path_matches_the_reference(name):
+    T, E, K, D, F, opt = CASES[name]
+    x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
+    act = opt.get("act", ActivationConfig())
+    leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+    xl, wl, gul, dnl = leaves
+    if opt.get("trans_w", True):
+        out = _gathered(xl, ids, wl, gul, dnl, act)
+    else:  # the leaves stay in the [E, out, in] layout; the copy is differentiable
+        out = _gathered(xl, ids, wl, gul, dnl, act, trans_w=False)
+    got = [out, *torch.autograd.grad(out, leaves, g)]
+    ref_leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+    ref = expert_mlp_reference(ref_leaves[0], ids, *ref_leaves[1:], activation=act)
+    want = [ref, *torch.autograd.grad(ref, ref_leaves, g)]
+    for what, a, b in zip(["out", "dx", "d weights", "d gate_up", "d down"], got, want):
+        # fp32, sums of at most D = 12 products per entry: 1e-5 is ~100 ulps of headroom
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, w=what: f"{w}: {m}")
+
+
+def _storage_bytes(t):
+    return t.untyped_storage().nbytes()
+
+
+def test_backward_frees_h_and_a_before_the_weight_gradients_that_do_not_read_them():
+    """A hook on the plan's GEMMs: h (from the "up" GEMM) is freed once the activation
+    backward has read it, before either weight gradient; the recomputed a once the down
+    weight gradient has read it, before the gate/up weight gradient and dx. With
+    retain_graph nothing is freed (a second backward still needs h)."""
+    T, E, K, D, F, opt = CASES["swiglu"]
+    x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
+    seen, kept = [], {}
+
+    def hook(plan):
+        G = plan.gathered
+
+        def up(*args):
+            kept["h"], a = G.up(*args)
+            return kept["h"], a
+
+        def down_dgrad(*args):
+            dh, gp, kept["a"] = G.down_dgrad(*args)
+            return dh, gp, kept["a"]
+
+        def watch(name, fn):
+            def call(*args):
+                seen.append((name, _storage_bytes(kept["h"]), _storage_bytes(kept["a"])))
+                return fn(*args)
+
+            return call
+
+        gemms = dataclasses.replace(
+            G, up=up, down_dgrad=down_dgrad, down_wgrad=watch("down_wgrad", G.down_wgrad),
+            up_wgrad=watch("up_wgrad", G.up_wgrad), up_dgrad=watch("up_dgrad", G.up_dgrad),
+        )  # fmt: skip
+        return dataclasses.replace(plan, gathered=gemms)
+
+    leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+    out = _gathered(*leaves[:1], ids, *leaves[1:], ActivationConfig(), hook=hook)
+    out.backward(g, retain_graph=True)
+    S = T * K
+    assert seen == [
+        ("down_wgrad", S * 2 * F * 4, S * F * 4),
+        ("up_wgrad", S * 2 * F * 4, S * F * 4),
+        ("up_dgrad", S * 2 * F * 4, S * F * 4),
+    ], "retain_graph: nothing may be freed"
+    seen.clear()
+    out.backward(g)
+    assert seen == [("down_wgrad", 0, S * F * 4), ("up_wgrad", 0, 0), ("up_dgrad", 0, 0)]
+
+
+def test_forced_gathered_path_refuses_biases_and_a_cpu_plan_never_picks_it():
+    x, ids, w_TK, gu, dn, _ = _operands(*CASES["swiglu"])
+    with pytest.raises(ValueError, match="without biases"):
+        plan_expert_mlp(x, gu, dn, ActivationConfig(), path="gathered", bias=True)
+    with pytest.raises(ValueError, match="without biases"):
+        sp = sort_by_expert(ids, gu.shape[0])
+        fused_mlp(x, None, gu, dn, sp.counts, token_S=sp.token_S, slot_TK=sp.slot_TK,
+                  num_out=x.shape[0], down_bias=torch.zeros(4, 12), path="gathered")  # fmt: skip
+    for path in (None, "grouped"):
+        assert plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path).path != "gathered"
+
+
+def test_gathered_plan_unfused_gemms_follow_the_grouped_backend():
+    x, ids, w_TK, gu, dn, _ = _operands(*CASES["swiglu"])
+    plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="gathered")
+    grouped = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped")
+    assert plan.backend.name == grouped.backend.name
+    assert dict(plan.gathered.choice) == dict.fromkeys(
+        ["up", "down", "down_dgrad", "down_wgrad", "up_wgrad", "up_dgrad"], grouped.backend.name
+    )
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])  # row-op and torch activation backward
+def test_grouped_path_frees_h_before_its_weight_gradients(monkeypatch, kind):
+    """The grouped path's h is freed by its last reader, the activation backward, so it
+    is gone when the weight-gradient GEMMs run (a spy backend checks at each call); with
+    retain_graph it is kept."""
+    from dropless.ops import dispatch
+    from dropless.ops.dispatch import GemmBackend
+
+    loop, kept, at_wgrad = dispatch._BACKENDS["loop"], [], []
+
+    def mm(a, b, counts, trans_b, out=None):
+        y = loop.mm(a, b, counts, trans_b)
+        kept.append(y)  # the first one of a forward is h
+        return y
+
+    def wgrad(a, b, counts):
+        at_wgrad.append(_storage_bytes(kept[0]))
+        return loop.wgrad(a, b, counts)
+
+    spy = GemmBackend("test_spy", mm, wgrad, supports=lambda a, b: True, priority=-1)
+    monkeypatch.setitem(dispatch._BACKENDS, "test_spy", spy)
+    T, E, K, D, F, opt = CASES["swiglu"]
+    x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
+    leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+    sp = sort_by_expert(ids, E)
+    prob_S = leaves[1].reshape(-1).index_select(0, sp.pair_S)
+    out = fused_mlp(
+        leaves[0], prob_S, leaves[2], leaves[3], sp.counts, token_S=sp.token_S,
+        slot_TK=sp.slot_TK, num_out=T, activation=kind, path="grouped", backend="test_spy",
+    )  # fmt: skip
+    out.backward(g, retain_graph=True)
+    assert at_wgrad == [T * K * 2 * F * 4] * 2
+    at_wgrad.clear()
+    out.backward(g)
+    assert at_wgrad == [0, 0]

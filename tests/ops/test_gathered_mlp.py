@@ -16,11 +16,13 @@ from dropless.ops.mlp_plan import plan_expert_mlp
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 
+GPT_OSS = ActivationConfig("gpt_oss", interleaved=True, limit=1.5)
+
 # name -> (T, E, K, D, F, options)
 CASES = {
     "swiglu": (9, 4, 2, 12, 10, {}),
     "trans_w_false": (7, 3, 2, 8, 6, dict(trans_w=False)),
-    "gpt_oss_interleaved": (6, 5, 2, 8, 6, dict(act=ActivationConfig("gpt_oss", interleaved=True, limit=1.5))),
+    "gpt_oss_interleaved": (6, 5, 2, 8, 6, dict(act=GPT_OSS)),
     "expert_with_zero_tokens": (5, 4, 1, 8, 4, dict(ids=[[0], [2], [0], [3], [2]])),
     "all_tokens_on_one_expert": (6, 3, 1, 8, 4, dict(ids=[[1]] * 6)),
     "T=1": (1, 3, 2, 8, 4, {}),
@@ -31,7 +33,8 @@ CASES = {
 def _operands(T, E, K, D, F, opt, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=gen)
-    ids = torch.tensor(opt["ids"]) if "ids" in opt else torch.rand(T, E, generator=gen).topk(K).indices
+    ids = torch.rand(T, E, generator=gen).topk(K).indices
+    ids = torch.tensor(opt["ids"]) if "ids" in opt else ids
     w_TK = torch.rand(T, K, generator=gen)
     gu = torch.randn(E, 2 * F, D, generator=gen) * 0.4
     dn = torch.randn(E, D, F, generator=gen) * 0.4

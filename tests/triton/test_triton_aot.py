@@ -26,4 +26,4 @@ def test_kernels_compile_for_sm90_bf16():
     if "No module named 'triton.backends.nvidia'" in proc.stderr:
         pytest.skip("this triton build has no NVIDIA backend")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 11 and "0 failures" in proc.stdout, proc.stdout
+    assert proc.stdout.count("ok ") == 12 and "0 failures" in proc.stdout, proc.stdout

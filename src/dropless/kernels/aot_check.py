@@ -37,6 +37,7 @@ ALIGNED_NAMES = ("K", "N", "M", "F")
 
 def _jobs(dtype: str) -> list[tuple]:
     """(kernel, pointer/scalar types, constexprs, num_warps, num_stages) per launch shape."""
+    from . import cross_entropy_kernels as X
     from . import gemm_kernels as G
     from . import permute_kernels as P
     from . import swiglu_kernels as W
@@ -68,6 +69,9 @@ def _jobs(dtype: str) -> list[tuple]:
                      "gp_ptr": "*fp32", "a_ptr": d, "alpha": "fp32", "limit": "fp32"},
                      dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True, BLOCK_R=4, BLOCK_F=512,
                           INTERLEAVED=True, ACTIVATION=kind), 4, 1))  # fmt: skip
+    jobs.append((X._ce_rows_kernel, {"x_ptr": d, "labels_ptr": "*i64", "scale_ptr": "*fp32",
+                 "loss_ptr": "*fp32", "smoothing": "fp32"},
+                 dict(GRAD=True, SMOOTH=True, BLOCK_R=1, BLOCK_V=4096), 8, 1))  # fmt: skip
     return jobs
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from ._common import check_2d, on_gpu
 
 # below any float32 logit, finite: the first tile's max replaces it without inf - inf
-_NEG_BIG = -3.0e38
+_NEG_BIG = tl.constexpr(-3.0e38)
 
 
 @triton.jit

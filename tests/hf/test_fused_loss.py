@@ -14,7 +14,7 @@ from dropless.hf.fused_loss import (
 )
 from dropless.ops.linear_cross_entropy import torch_linear_cross_entropy_available
 
-BACKENDS = ["chunked"] + (["torch"] if torch_linear_cross_entropy_available() else [])
+BACKENDS = ["fused", "chunked"] + (["torch"] if torch_linear_cross_entropy_available() else [])
 
 
 def _batch(seed=1, B=2, L=9):

@@ -6,8 +6,10 @@
 
 With `labels`, the model's output head no longer produces the `[B, L, V]` logits: it
 computes the loss directly from the final hidden states with
-`dropless.ops.linear_cross_entropy` (chunked over tokens, never holding all fp32 logits)
-and the model returns `logits=None`. The labels are shifted exactly like Transformers'
+`dropless.ops.linear_cross_entropy` (chunked over tokens, never holding all fp32 logits;
+backend "auto": "fused", whose forward also computes the gradients of the hidden
+states and the head, and whose backward only scales them) and the model returns
+`logits=None`. The labels are shifted exactly like Transformers'
 `ForCausalLMLoss` (`shift_labels`, `ignore_index` and `num_items_in_batch` honoured), and
 everything the model adds to the loss afterwards (the router auxiliary loss) is left to
 the model's own code. Without `labels` the model is untouched and returns its logits.

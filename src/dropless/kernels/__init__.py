@@ -32,7 +32,10 @@ their backward and save only what it needs):
   grouped-GEMM backend by `register_backend()`;
 - `ce_rows(logits_CV, labels_C, scale_C, *, ignore_index, smoothing, grad) -> loss_C`
   (raw): the cross-entropy row op of `dropless.ops.linear_cross_entropy`'s "fused"
-  backend, registered as the "triton" `dropless.ops.cross_entropy_rows.CERows`.
+  backend, registered as the "triton" `dropless.ops.cross_entropy_rows.CERows`;
+- `up_act`, `down_dact`, `gathered_wgrad` (raw): grouped GEMMs that gather their rows
+  and fuse the activation (`gather_gemm_kernels.py`), registered for the "gathered"
+  expert path of `dropless.ops.gathered_mlp`.
 
 `python -m dropless.kernels.aot_check` compiles every kernel for sm_80/sm_90 without a GPU.
 See docs/kernels.md.
@@ -61,6 +64,9 @@ _EXPORTS = {
     "swiglu_bwd": "swiglu_kernels",
     "grouped_mm": "gemm_kernels",
     "grouped_wgrad": "gemm_kernels",
+    "up_act": "gather_gemm_kernels",
+    "down_dact": "gather_gemm_kernels",
+    "gathered_wgrad": "gather_gemm_kernels",
     "route": "routing_kernels",
     "sort_pairs": "routing_kernels",
 }
@@ -180,6 +186,7 @@ def register_backend() -> None:
     Does not import triton: `supports` checks for it, and only for CUDA operands.
     """
     from ..ops.cross_entropy_rows import CERows, register_ce_rows
+    from ..ops.gathered_mlp import register_gather_kernels
     from ..ops.routing import RoutingKernels, register_routing_kernels
     from ..ops.row_ops import register_row_ops
 
@@ -200,6 +207,26 @@ def register_backend() -> None:
             priority=10,
             route_with_aux=_lazy("routing_kernels", "route_with_aux"),
         )
+    )
+    register_gather_kernels(triton_gather_kernels())
+
+
+# the gated kinds the epilogues compute: `activations.KINDS` (not imported: it loads triton)
+GATHER_KINDS = ("swiglu", "gelu", "gelu_tanh", "relu2", "swiglu_clamp", "gpt_oss")
+
+
+def triton_gather_kernels():
+    """The grouped GEMMs that gather their rows (`gather_gemm_kernels.py`) as a
+    `dropless.ops.gathered_mlp.GatherKernels` for CUDA operands, for the "gathered"
+    expert path (building it does not import triton)."""
+    from dropless.ops.gathered_mlp import GatherKernels
+
+    return GatherKernels(
+        _lazy("gather_gemm_kernels", "up_act"),
+        _lazy("gather_gemm_kernels", "down_dact"),
+        _lazy("gather_gemm_kernels", "gathered_wgrad"),
+        supports=_supports,
+        kinds=GATHER_KINDS,
     )
 
 

@@ -178,7 +178,7 @@ TABLE = [
     ("generate.py", "is a full fine-tuning run (finetune.method='full')", f"{HERE}[convert-full-merge]"),
     ("lora.py", "no experts module and no attention projection found", f"{HERE}[lora-targets-nothing]"),
     ("lora.py", "finetune.method='lora' needs peft", f"{HERE}[no-peft]"),
-    ("setup.py", "finetune.method='lora' runs on one process in this version", f"{HERE}[lora-multi-process]"),
+    ("lora.py", "needs every experts module on dropless's fused gated expert MLP", f"{HERE}[lora-stock-experts-multi-process]"),
     ("sft.py", "cuts every sample before its completion tokens", f"{HERE}[sft-seq-len]"),
     ("sft.py", "chat-formatted data needs jinja2", f"{HERE}[no-jinja2]"),
     ("sft.py", "the chat template does not render a conversation as a prefix", f"{HERE}[chat-template-prefix]"),
@@ -350,10 +350,18 @@ def _convert_run(method, merge):
     return go
 
 
-def _lora_multi_process(tmp, mp, rq):
-    from dropless.train.setup import Env, preflight
+def _lora_stock_experts_multi_process(tmp, mp, rq):
+    import transformers
 
-    preflight(_lora_cfg(tmp), Env(0, 2, 0, torch.device("cpu")), tmp / "run", resume=False)
+    from dropless.train.lora import apply_lora
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, intermediate_size=32, moe_intermediate_size=8,
+        num_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    stock = transformers.AutoModelForCausalLM.from_config(cfg)  # not patched: stock experts
+    apply_lora(stock, _lora_cfg(tmp).finetune, world=2)
 
 
 def _no_peft(tmp, mp, rq):
@@ -458,7 +466,7 @@ TRIGGERS = [
     ("convert-full-merge", _convert_run("full", merge=True), ValueError, "run' is a full fine-tuning run (finetune.method='full'), there is no adapter to merge; drop --merge"),
     ("lora-targets-nothing", _lora_targets_nothing, ValueError, "finetune.lora_targets=['experts', 'attention'] matches nothing in Sequential"),
     ("no-peft", _no_peft, ModuleNotFoundError, "finetune.method='lora' needs peft: pip install 'dropless[lora]'"),
-    ("lora-multi-process", _lora_multi_process, ValueError, "finetune.method='lora' runs on one process in this version (got 2)"),
+    ("lora-stock-experts-multi-process", _lora_stock_experts_multi_process, ValueError, "finetune.method='lora' on 2 processes needs every experts module on dropless's fused gated expert MLP"),
     ("sft-seq-len", _sft_seq_len, ValueError, "train.seq_len=4 cuts every sample before its completion tokens"),
     ("no-jinja2", _no_jinja2, ModuleNotFoundError, "chat-formatted data needs jinja2: pip install 'dropless[lora]'"),
     ("chat-template-prefix", _chat_template_prefix, ValueError, "the chat template does not render a conversation as a prefix of its longer turns"),

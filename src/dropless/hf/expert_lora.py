@@ -36,15 +36,35 @@ def peft_to_experts(lora_a_w: torch.Tensor, lora_b_w: torch.Tensor, num_experts:
 
 def experts_to_peft(a_ERI: torch.Tensor, b_EOR: torch.Tensor):
     """The inverse of `peft_to_experts`: (lora_A.weight [E*r, in], lora_B.weight [out, r*E])."""
-    E, r, n_in = a_ERI.shape
-    return a_ERI.reshape(E * r, n_in), b_EOR.permute(1, 2, 0).reshape(b_EOR.shape[1], r * E)
+    return factor_to_peft("A", a_ERI), factor_to_peft("B", b_EOR)
+
+
+def factor_to_peft(kind: str, t: torch.Tensor) -> torch.Tensor:
+    """One factor ("A" [E, r, in] or "B" [E, out, r]) in PEFT's layout (see `experts_to_peft`)."""
+    E = t.shape[0]
+    if kind == "A":
+        return t.reshape(E * t.shape[1], t.shape[2])
+    return t.permute(1, 2, 0).reshape(t.shape[1], t.shape[2] * E)
+
+
+def factor_from_peft(kind: str, t: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The inverse of `factor_to_peft`."""
+    if kind == "A":
+        return t.reshape(num_experts, -1, t.shape[-1])
+    return t.reshape(t.shape[0], -1, num_experts).permute(2, 0, 1)
 
 
 def attach_expert_lora(
-    module: nn.Module, rank: int, alpha: float, generator: torch.Generator | None = None
+    module: nn.Module,
+    rank: int,
+    alpha: float,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Give an experts module its own LoRA factors as parameters (A with PEFT's default
     init, B random too when `generator` is given, else zeros), base weights frozen.
+    dtype: the factors' (default: the base weight's); a bf16 base with fp32 factors
+    computes the update in bf16 and keeps fp32 factors and gradients.
 
     For dropless's expert parallelism: `shard_hf_experts` shards them with the experts.
     The single-process dropless path runs them the same way."""
@@ -59,11 +79,12 @@ def attach_expert_lora(
             w.shape[0], w.shape[2], w.shape[1],
         )  # fmt: skip
         bound = 1.0 / n_in**0.5
-        a = (torch.rand(E, rank, n_in, generator=generator, dtype=w.dtype) * 2 - 1) * bound
+        dt = dtype or w.dtype
+        a = (torch.rand(E, rank, n_in, generator=generator, dtype=dt) * 2 - 1) * bound
         b = (
-            torch.randn(E, n_out, rank, generator=generator, dtype=w.dtype) * 0.1
+            torch.randn(E, n_out, rank, generator=generator, dtype=dt) * 0.1
             if generator is not None
-            else torch.zeros(E, n_out, rank, dtype=w.dtype)
+            else torch.zeros(E, n_out, rank, dtype=dt)
         )
         module.register_parameter(f"lora_A_{which}", nn.Parameter(a.to(w.device)))
         module.register_parameter(f"lora_B_{which}", nn.Parameter(b.to(w.device)))
@@ -77,11 +98,25 @@ def attached_lowrank(module: nn.Module):
     if scale is None:
         return None
 
+    base = raw_weight(module, "down_proj")
+    dt = base.dtype  # fp32 factors on a bf16 base: the update runs in the base's dtype
+
     def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t if t.dtype == dt or not dt.is_floating_point else t.to(dt)
 
     A1, B1, A2, B2 = (local(getattr(module, n)) for n in LORA_PARAMS)
     return LowRank(A1, B1, scale), LowRank(A2, B2, scale)
+
+
+def fold_attached(w: torch.Tensor, lowrank: LowRank | None, trans_w: bool) -> torch.Tensor:
+    """`w` (this rank's [E, out, in] or, trans_w False, [E, in, out]) with the update of
+    `lowrank` folded in, differentiably: the factors owned by an experts module on a path
+    that cannot run them as thin GEMMs (a low-precision recipe) still apply."""
+    if lowrank is None:
+        return w
+    d = lowrank.delta().to(w.dtype)
+    return w + (d if trans_w else d.transpose(1, 2))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -113,17 +148,11 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
         ],
         target_modules=[],
     )
-    where = _peft_paths(model, config)
+    where = peft_paths(model, config)
+    params = dict(model.named_parameters())
     state = {}
-    for x in layers:
-        owner = next(n for n, m in model.named_modules() if m is x.experts)
-        for which, name in zip(("first", "down"), names):
-            a = _full(getattr(x.experts, f"lora_A_{which}")).detach()
-            b = _full(getattr(x.experts, f"lora_B_{which}")).detach()
-            a_w, b_w = experts_to_peft(a, b)
-            path = where[(owner, name)]
-            state[f"{path}.lora_A.weight"] = a_w.contiguous().cpu()
-            state[f"{path}.lora_B.weight"] = b_w.contiguous().cpu()
+    for name, (key, kind, _) in expert_factor_keys(model, where).items():
+        state[key] = factor_to_peft(kind, _full(params[name]).detach()).contiguous().cpu()
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     out = Path(out_dir)
@@ -132,7 +161,27 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     save_file(state, out / "adapter_model.safetensors")
 
 
-def _peft_paths(model: nn.Module, config) -> dict:
+def expert_factor_keys(model: nn.Module, where: dict) -> dict[str, tuple[str, str, int]]:
+    """{name in `model.named_parameters()` of a factor `attach_expert_lora` registered:
+    (its key in a PEFT adapter file, "A" or "B", num_experts)}; `where` from `peft_paths`."""
+    out = {}
+    for x in moe_layers(model):
+        if "_dropless_lora_scale" not in x.experts.__dict__:
+            continue
+        owner = next(n for n, m in model.named_modules() if m is x.experts)
+        names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
+        for which, name in zip(("first", "down"), names):
+            path = where[(owner, name)]
+            for kind in "AB":
+                out[f"{owner}.lora_{kind}_{which}"] = (
+                    f"{path}.lora_{kind}.weight",
+                    kind,
+                    x.num_experts,
+                )
+    return out
+
+
+def peft_paths(model: nn.Module, config) -> dict:
     """{(experts module path, weight name): the ParamWrapper path PEFT would give it},
     from PEFT itself wrapping a weightless (meta) copy of the model's structure."""
     import copy
@@ -162,7 +211,7 @@ def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
 
     config = peft.LoraConfig.from_pretrained(str(adapter_dir))
     state = load_file(Path(adapter_dir) / "adapter_model.safetensors")
-    where = _peft_paths(model, config)
+    where = peft_paths(model, config)
     n = 0
     with torch.no_grad():
         for x in moe_layers(model):

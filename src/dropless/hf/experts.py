@@ -39,7 +39,7 @@ from ..ops import (
     unpermute,
 )
 from ..ops.compute_dtype import expert_input
-from .expert_lora import attached_lowrank
+from .expert_lora import attached_lowrank, fold_attached
 from .layers import family_of
 from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
 
@@ -191,8 +191,9 @@ def _weights(module: nn.Module, spec: ExpertsSpec):
     path can run them, else the weights as read (PEFT folds its update into them)."""
     first = "gate_up_proj" if spec.gated else "up_proj"
     w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
+    own = None
     if lora is None and not reason:
-        lora = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
+        lora = own = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
     if lora is not None and (spec.path != "fused" or spec.post_norm or get_recipe() is not None):
         where = (
             "under a low-precision recipe"
@@ -201,6 +202,8 @@ def _weights(module: nn.Module, spec: ExpertsSpec):
         )
         reason = f"LoRA factors run in the fused expert MLP only, not {where}"
         w1, w2 = folded_weights(module, (first, "down_proj"))
+        if own is not None:  # no parametrization folds the module's own factors: fold them here
+            w1, w2 = (fold_attached(w, lr, spec.trans_w) for w, lr in zip((w1, w2), own))
         lora = None
     if reason:
         _warn_once(DroplessLoRAFallbackWarning, spec.family, f"run PEFT's own LoRA fold: {reason}.")

@@ -157,7 +157,7 @@ def _checkpoint_files(path) -> dict[str, str]:
         return {k: str(single) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
-def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
+def _plans(model: nn.Module, ckpt_keys, rename=None) -> dict[str, tuple]:
     """{model state key: ("direct", key) | ("merged", [[key per expert] per source], concat)}.
 
     Checkpoint keys are renamed with the model's own Transformers conversion mapping; per-
@@ -176,7 +176,8 @@ def _plans(model: nn.Module, ckpt_keys) -> dict[str, tuple]:
     transforms = get_model_conversion_mapping(model)
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-    known = dict.fromkeys(model.state_dict().keys(), True)
+    keys = model.state_dict().keys()
+    known = dict.fromkeys((k for k in map(rename, keys) if k) if rename else keys, True)
     prefix = getattr(model, "base_model_prefix", None)
     plans: dict[str, tuple] = {}
     merged: dict[str, tuple] = {}
@@ -313,19 +314,22 @@ def _fill(
 
 
 @torch.no_grad()
-def load_sharded_hf(model: nn.Module, path) -> list[str]:
+def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
     """Fill a model built on the meta device and sharded (expert parallelism, FSDP2) with the
     weights of the Transformers checkpoint in `path`: each rank materializes only its own
     shards and reads only their slices from the safetensors files (`safe_open` +
     `get_slice`), cast to each parameter's dtype. Returns the state keys left unread (the
     expert biases dropless added, zeroed). Call after `model.to_empty(device=...)`.
 
+    rename: maps a state key to its name in the checkpoint, None for a tensor the checkpoint
+    does not hold (LoRA adapters: the caller sets them; PEFT's `base_layer` names).
+
     Raises ValueError for a checkpoint layout it cannot slice or a tensor it lacks.
     """
     from .layers import added_state_keys
 
     files = _checkpoint_files(path)
-    plans = _plans(model, files)
+    plans = _plans(model, files, rename)
     fp8_block = _fp8_block(path) if _has_fp8(files) else None
     _retie(model)
     _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
@@ -335,8 +339,11 @@ def load_sharded_hf(model: nn.Module, path) -> list[str]:
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) in done:  # tied weights: one tensor under two names
             continue
+        key = name if rename is None else rename(name)
+        if key is None:
+            continue
         local, offset = _region(t)
-        plan = plans.get(name)
+        plan = plans.get(key)
         if plan is None:
             if name in added:
                 local.zero_()

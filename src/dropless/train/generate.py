@@ -165,7 +165,9 @@ def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
             "is no adapter to merge; drop --merge"
         )
     if lora:
-        model = model.merge_and_unload()
+        from .lora import merge_lora
+
+        model = merge_lora(model)
     if cfg.train.expert_bias_rate > 0:
         print(
             "note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it"

@@ -176,8 +176,13 @@ def build_training_model(
     activation_checkpointing: bool = False,
     fused_rmsnorm: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    finetune=None,
 ):
     """(model, parallel glue or None) for a run on `world` processes.
+
+    finetune: the `finetune` section; with method "lora" the adapters are added before the
+    model is sharded (they shard with what they adapt) and set after the base is loaded
+    (`dropless.train.lora`).
 
     compute_dtype: the run's autocast dtype; under FSDP2 (several processes) bf16 makes every
     unit gather bf16 parameters and reduce fp32 gradients.
@@ -216,12 +221,22 @@ def build_training_model(
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
         _hf().enable_fused_rmsnorm(model)
+    lora = finetune is not None and finetune.method == "lora"
+    if lora:
+        from .lora import apply_lora
+
+        model = apply_lora(model, finetune, mcfg.path, world)
     par = parallelize_for_training(model, parallel_cfg, world, compute_dtype)
     if sharded:
         model.to_empty(device=device)
         from ..hf.parallel import load_sharded_hf
+        from .lora import base_model, checkpoint_name
 
-        load_sharded_hf(model, mcfg.path)
+        load_sharded_hf(base_model(model), mcfg.path, rename=checkpoint_name if lora else None)
+    if lora:
+        from .lora import init_adapters
+
+        init_adapters(model, seed)
     return model, par
 
 

@@ -107,17 +107,17 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
 
         enable_fused_rmsnorm(model)
     _prepare_probes(model)
-    par = parallelize_for_training(model, cfg.parallel, world, cdtype)
-    if cfg.finetune.method == "lora":
+    if cfg.finetune.method == "lora":  # before sharding, as the trainer: adapters shard too
         from .lora import apply_lora
 
-        model = apply_lora(model, cfg.finetune, cfg.model.path)
+        model = apply_lora(model, cfg.finetune, cfg.model.path, world)
+    par = parallelize_for_training(model, cfg.parallel, world, cdtype)
     seen = None
     if tc.fused_cross_entropy:
+        from .lora import base_model
         from .step import fuse_cross_entropy
 
-        inner = model.get_base_model() if cfg.finetune.method == "lora" else model
-        seen = fuse_cross_entropy(inner)
+        seen = fuse_cross_entropy(base_model(model))
     return model, par, seen
 
 

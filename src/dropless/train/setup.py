@@ -216,11 +216,6 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
     else:
         check_fresh_start(run_dir)
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
-    if cfg.finetune.method == "lora" and env.world > 1:
-        raise ValueError(
-            f"finetune.method='lora' runs on one process in this version (got {env.world}); "
-            "run without torchrun, or use finetune.method='full'"
-        )
     if cfg.finetune.method == "lora":
         from .lora import require_peft
 

@@ -23,7 +23,7 @@ from .errors import Interrupted, NonFiniteError
 from .evaluation import Evaluator
 from .hooks import TrainHooks
 from .interrupts import StopRequests
-from .lora import ADAPTER_DIR, apply_lora, save_adapter
+from .lora import ADAPTER_DIR, base_model, save_adapter
 from .model import FlopCounter, build_training_model
 from .resume import with_nonfinite_fix
 from .run_log import RunLog
@@ -88,19 +88,18 @@ class Trainer:
         self.model, self.parallel = build_training_model(
             cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
             seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
-            fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=self.precision.dtype,
+            fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=self.precision.dtype, finetune=cfg.finetune,
         )  # fmt: skip
-        self.model_name = model_class_name(self.model)
+        # LoRA: base frozen, only the adapters train and are checkpointed
         self.lora = cfg.finetune.method == "lora"
-        if self.lora:  # base frozen: only the adapters train and are checkpointed
-            self.model = apply_lora(self.model, cfg.finetune, cfg.model.path)
+        self.model_name = model_class_name(base_model(self.model))
         self.layers = _hf().moe_layers(self.model)
         self.router = _hf().RouterLosses(self.model)
         router = self.layers[0].router
         self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # LoRA: the Transformers model inside PEFT's wrapper computes the loss
-        inner = self.model.get_base_model() if self.lora else self.model
+        inner = base_model(self.model)
         self.ce_seen = fuse_cross_entropy(inner) if tc.fused_cross_entropy else None
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
@@ -215,7 +214,7 @@ class Trainer:
                     signum = stops.signum or signal.SIGTERM
                     self._finish(setup_s, signal.Signals(signum).name)
                     raise self._interrupted(signum, saved)
-        if self.lora and env.main:  # the adapter in PEFT's format, for stock PEFT
+        if self.lora:  # the adapter in PEFT's format, for stock PEFT (every rank gathers)
             save_adapter(self.model, self.run_dir / ADAPTER_DIR)
         return self._finish(setup_s)
 

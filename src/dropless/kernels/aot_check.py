@@ -31,8 +31,19 @@ ALIGNED = (
     "stride_om",
     "stride_x",
     "stride_o",
+    # the row-gathering GEMMs (gather_gemm_kernels.py)
+    "stride_xt",
+    "stride_gt",
+    "stride_we",
+    "stride_wk",
+    "stride_wn",
+    "stride_h",
+    "stride_dh",
+    "stride_a",
+    "stride_ar",
+    "stride_br",
 )
-ALIGNED_NAMES = ("K", "N", "M", "F")
+ALIGNED_NAMES = ("K", "N", "M", "F", "D")
 
 
 def _jobs(dtype: str) -> list[tuple]:
@@ -72,6 +83,41 @@ def _jobs(dtype: str) -> list[tuple]:
     jobs.append((X._ce_rows_kernel, {"x_ptr": d, "labels_ptr": "*i64", "scale_ptr": "*fp32",
                  "loss_ptr": "*fp32", "smoothing": "fp32"},
                  dict(GRAD=True, SMOOTH=True, BLOCK_R=1, BLOCK_V=4096), 8, 1))  # fmt: skip
+    return jobs + _gather_jobs(dtype, d, bk, prec)
+
+
+def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[tuple]:
+    """The row-gathering GEMMs: pointer loads of the weights, and TMA descriptors."""
+    from . import gather_gemm_kernels as K
+
+    jobs = []
+    tiles = dict(BLOCK_M=128, BLOCK_M_TAIL=64, BLOCK_N=64, BLOCK_K=bk, BLOCK_E=128)
+    base = dict(HAS_INDEX=True, HAS_P=True, INTERLEAVED=False, KIND="swiglu", PRECISION=prec)
+    up = {"x_ptr": d, "idx_ptr": "*i64", "p_ptr": "*fp32", "h_ptr": d, "a_ptr": d,
+          "cnt_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}  # fmt: skip
+    dact = {"g_ptr": d, "idx_ptr": "*i64", "h_ptr": d, "p_ptr": "*fp32", "dh_ptr": d,
+            "gp_ptr": "*fp32", "a_ptr": d, "cnt_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}  # fmt: skip
+    for tma in (False, True):
+        w_up = f"tensordesc<{dtype}[1,64,{bk}]>" if tma else d  # W_T: [1, BN, BK] blocks
+        w_dn = f"tensordesc<{dtype}[1,{bk},64]>" if tma else d
+        unit = {"stride_xd": 1} if tma else {"stride_xd": 1, "stride_wk": 1}
+        jobs.append((K._up_act_kernel, {**up, "w": w_up},
+                     {**tiles, **base, **unit, "W_T": True, "USE_TMA": tma}, 8, 3))  # fmt: skip
+        unit = {"stride_gd": 1} if tma else {"stride_gd": 1, "stride_wn": 1}
+        jobs.append((K._dact_kernel, {**dact, "w": w_dn},
+                     {**tiles, **base, **unit, "W_T": False, "USE_TMA": tma, "NEED_GP": True,
+                      "RECOMPUTE": True}, 8, 3))  # fmt: skip
+    wg = {
+        "a_ptr": d,
+        "ia_ptr": "*i64",
+        "b_ptr": d,
+        "ib_ptr": "*i64",
+        "out_ptr": d,
+        "cnt_ptr": "*i32",
+    }
+    consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec)
+    jobs.append((K._wgrad_kernel, wg, {**consts, "GATHER_A": True, "GATHER_B": False,
+                 "stride_am": 1, "stride_bn": 1}, 8, 3))  # fmt: skip
     return jobs
 
 

@@ -35,7 +35,7 @@ BUDGETS = {
     "ops+nn": 120,
     "triton": 60,
     "hf": 120,
-    "parallel": 180,
+    "parallel": 240,  # the torchrun LoRA and fine-tuning runs (~60 s together)
     "quant": 120,
     "train": 180,
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)

@@ -187,3 +187,16 @@ def record(what: str, choice: str) -> None:
 def recorded() -> dict[str, str]:
     """{layer shape: its GEMMs' choice} made in this process, in the order first made."""
     return dict(_RECORDED)
+
+
+def choices_note() -> str:
+    """Markdown lines naming each layer shape's GEMM implementations chosen in this
+    process (what `dropless bench layer` prints under its tables)."""
+    if not _RECORDED:
+        return (
+            "Expert GEMMs: no per-GEMM choice in this run (the gathered path is planned on "
+            "CUDA only).  \n"
+        )
+    lines = [f"Expert GEMMs, {what}: {choice}." for what, choice in _RECORDED.items()]
+    lines.append(f"GEMM tuning cache: {default_tuner().path}.")
+    return "".join(f"{line}  \n" for line in lines)

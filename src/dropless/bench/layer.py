@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..ops import gemm_tuning
 from .common import (
     Recorder,
     add_history_arguments,
@@ -454,6 +455,7 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
             rows += _run_case({**cfg, "skewed": True}, sk, args)
         all_rows += rows
         text.append(_table(rows, args.shape, cfg, busy_core))
+    text.append(gemm_tuning.choices_note())  # which implementation ran each expert GEMM
     table = "\n".join(text)
     print(table)
     for r in all_rows:  # a recipe's rows differ by its quantization noise

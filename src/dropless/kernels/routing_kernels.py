@@ -82,13 +82,13 @@ def _group_mask(choice, valid, offs_e, G, PER: tl.constexpr, TOPK_GROUP, BLOCK_G
         m1, i1 = _first_max(choice, ing, offs_e)
         gs = m1
         if PER > 1:
-            m2, _ = _first_max(choice, ing & (offs_e[None, :] != i1[:, None]), offs_e)
+            m2, i2 = _first_max(choice, ing & (offs_e[None, :] != i1[:, None]), offs_e)
             gs = m1 + m2
         gscore = tl.where(offs_g[None, :] == g, gs[:, None], gscore)
     gavail = (offs_g < G)[None, :] & (gscore == gscore)
     keep = valid & (gid < 0)[None, :]
-    for _ in range(TOPK_GROUP):
-        _, ig = _first_max(gscore, gavail, offs_g)
+    for _j in range(TOPK_GROUP):
+        mg, ig = _first_max(gscore, gavail, offs_g)
         gavail = gavail & (offs_g[None, :] != ig[:, None])
         keep = keep | (gid[None, :] == ig[:, None])
     return keep & valid
@@ -106,7 +106,7 @@ def _route_fwd_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
     mask_t, mask_e = offs_t < T, offs_e < E
-    s, _, lse = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
+    s, sm, lse = _load_scores(logits_ptr, offs_t, offs_e, mask_t, mask_e, stride_l, SOFTMAX)
     if STATS:  # this block's share of the load-balancing and z losses
         pn = s / tl.maximum(tl.sum(s, 1), 1e-20)[:, None]
         pn = tl.where(mask_t[:, None], pn, 0.0)
@@ -124,7 +124,7 @@ def _route_fwd_kernel(
     w_tk = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     id_tk = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
     for k in range(K):
-        _, idx = _first_max(choice, avail, offs_e)
+        best, idx = _first_max(choice, avail, offs_e)
         sel = offs_e[None, :] == idx[:, None]
         w = tl.sum(tl.where(sel, s, 0.0), 1)
         avail = avail & ~sel

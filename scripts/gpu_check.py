@@ -17,6 +17,14 @@ on the GPU machine). The last line of the output is one JSON summary, read by ou
 checks: `gpu_check.date`, `.argv`, the layer rows at `.groups.timing.timing.rows` and
 the step rows at `.groups.e2e.e2e.rows` (row names and fields below). Exit status 0
 when nothing failed (skipped steps do not fail the run).
+
+Peers: the wheels in ./peers (`--peers DIR`; see BENCHMARKS.md "Peers") are installed
+first with `pip install --no-index --no-deps --target TMP`, TMP on the children's path
+(`.peers` says what was installed); a peer row runs where its package imports, and each
+table's `peers` names every peer row's package, version and status. Both bench steps run
+with `--profile`: the per-kernel tables of one bf16 and one FP8 layer step and of one
+training step are at `.groups.timing.timing.profile` and `.groups.e2e.e2e.profile`; the
+layer table's `matmul` holds the machine's dense matmul rate measured in the same run.
 """
 
 from __future__ import annotations
@@ -46,29 +54,39 @@ LAYER_ROWS = {
     "dropless-mxfp8-saved": "dropless_mxfp8_saved",
     "grouped_mm-plain": "grouped_mm_plain",
     "hf-grouped_mm": "hf_grouped_mm",
+    "liger-moe": "liger_moe",  # the peers: rows only where their wheels were carried
+    "torchao-fp8-row": "torchao_fp8_row",
 }
 E2E_ROWS = {
     "grouped_mm": "grouped_mm",
     "dropless": "dropless",
     "dropless-fused-ce": "dropless_fused_ce",
+    "liger": "liger",
+    "liger-moe": "liger_moe",
+    "cce": "cut_cross_entropy",
 }
+# the peers' wheels (`pip download --no-deps`, see BENCHMARKS.md "Peers"), installed with
+# `pip install --no-deps --target` into a temporary folder put on the children's path
+PEERS_DIR = ROOT / "peers"
+PEER_SITE: list[str] = []
 LAYER_T = 16384
 # the bench command lines: (GPU, --cpu smoke); the smoke times tiny shapes, no memory
 LAYER_ARGS = (
     ["--shape", "qwen3-30b", "--tokens", str(LAYER_T), "--device", "cuda", "--rounds", "10",
-     "--warmup", "3"],
-    ["--shape", "tiny", "--device", "cpu", "--rounds", "3", "--warmup", "1", "--no-memory"],
+     "--warmup", "3", "--profile"],
+    ["--shape", "tiny", "--device", "cpu", "--rounds", "3", "--warmup", "1", "--no-memory",
+     "--profile"],
 )  # fmt: skip
 E2E_ARGS = (
-    ["--shape", "qwen3-gpu", "--device", "cuda", "--rounds", "1", "--steps", "5"],
-    ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-memory"],
+    ["--shape", "qwen3-gpu", "--device", "cuda", "--rounds", "1", "--steps", "5", "--profile"],
+    ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-memory", "--profile"],
 )
 PYTEST_PATHS = (["tests"], ["tests/gpu_check"])
 
 
 def child_env(cpu: bool) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *PEER_SITE, env.get("PYTHONPATH", "")])
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "2")
@@ -90,6 +108,32 @@ def run_child(cmd: list[str], cpu: bool, timeout: float) -> tuple[str, int | Non
     print(proc.stdout + proc.stderr, flush=True)
     status = "ok" if proc.returncode == 0 else "fail"
     return status, proc.returncode, proc.stdout, proc.stderr[-800:]
+
+
+def install_peers(src: Path) -> dict:
+    """`pip install --no-index --no-deps --target TMP` the peers' wheels carried in `src`;
+    TMP goes on the children's PYTHONPATH. Nothing carried: the peer rows say so."""
+    wheels = sorted(src.glob("*.whl")) if src.is_dir() else []
+    res: dict = dict(dir=str(src), wheels=[w.name for w in wheels])
+    if not wheels:
+        return res | dict(status="none carried")
+    site = tempfile.mkdtemp(prefix="gpu-check-peers-")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+           "--no-compile", "--target", site, *map(str, wheels)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return res | dict(status="pip failed", stderr_tail=proc.stderr[-800:])
+    PEER_SITE.append(site)
+    return res | dict(status="installed", site=site)
+
+
+def _peer_fields(record: dict, names: dict) -> dict:
+    """{summary row name: {package, version, status}} of the peer rows a bench asked for."""
+    return {
+        names[impl]: {k: st[k] for k in ("package", "wanted", "version", "status")}
+        for impl, st in record["figures"].get("peers", {}).items()
+        if impl in names
+    }
 
 
 def pytest_step(cpu: bool, timeout: float) -> dict:
@@ -132,16 +176,27 @@ def layer_table(record: dict) -> dict:
         if r["routing"] != "uniform" or r["impl"] not in LAYER_ROWS:
             continue
         peak = r["peak_mib"]
-        rows[LAYER_ROWS[r["impl"]]] = dict(
+        row = rows[LAYER_ROWS[r["impl"]]] = dict(
             ms=_round(r["ms"]), peak_gib=_round(None if peak is None else peak / 1024),
             share_of_bound=_round(r["vs_bound"]), tflops=_round(r["gflops"] / 1e3),
             max_rel_diff=_round(r["max_rel_diff"], 6),
         )  # fmt: skip
+        if "share_of_matmul_rate" in r:
+            row["share_of_matmul_rate"] = _round(r["share_of_matmul_rate"])
+        if "peer" in r:
+            row["version"] = r["peer"]["version"]
     dims = dict(record["figures"]["dims"])
     dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(dims.pop("dtype"), "?")
     shape = dims | {"T": record["figures"]["rows"][0]["T"]}
-    bound = "bench/layer.py's dense bound: the six GEMMs with M = T*K rows (with the input grad)"
-    return dict(shape=shape, dtype=dtype, bound=bound, rows=rows)
+    bound = (
+        "bench/layer.py's dense bound: exactly the six GEMMs with M = T*K rows as dense "
+        "torch.mm (input grad included), no routing, gather, SwiGLU or combine"
+    )
+    f = record["figures"]
+    rates = {k: dict(n=v["n"], tflops=_round(v["tflops"]), how=v["how"])
+             for k, v in f.get("matmul", {}).items()}  # fmt: skip
+    extra = dict(matmul=rates, peers=_peer_fields(record, LAYER_ROWS), profile=f.get("profile"))
+    return dict(shape=shape, dtype=dtype, bound=bound, rows=rows) | extra
 
 
 def e2e_table(record: dict) -> dict:
@@ -157,11 +212,14 @@ def e2e_table(record: dict) -> dict:
             ms=round(r["step_s"] * 1e3, 2), tokens_per_s=round(r["tokens_per_s"]),
             peak_gib=gib, peak_step_gib=gib, first_loss=round(r["first_loss"], 4),
         )  # fmt: skip
+        if "peer" in r:
+            rows[E2E_ROWS[impl]]["version"] = r["peer"]["version"]
     base = rows.get("grouped_mm", {})
     for r in rows.values():
         r["speed_vs_grouped_mm"] = _ratio(r["tokens_per_s"], base.get("tokens_per_s"))
         r["memory_vs_grouped_mm"] = _ratio(r["peak_gib"], base.get("peak_gib"))
-    return dict(shape=f["shape"], dtype=f.get("dtype", "float32"), rows=rows)
+    extra = dict(peers=_peer_fields(record, E2E_ROWS), profile=f.get("profile"))
+    return dict(shape=f["shape"], dtype=f.get("dtype", "float32"), rows=rows) | extra
 
 
 def _ratio(a, b):
@@ -192,6 +250,8 @@ def print_tables(summary: dict) -> None:
         print(f"\n{group}: {res['shape']} {res['dtype']}")
         for name, row in res["rows"].items():
             print(f"  {name:28s} " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        for name, st in res.get("peers", {}).items():
+            print(f"  peer {name:23s} {st['package']} {st['version'] or '-'}: {st['status']}")
     print()
     for name, g in summary["groups"].items():
         extra = f" ({g['reason']})" if "reason" in g else f" {g.get('counts', '')}"
@@ -203,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="the smoke: CPU, tiny shapes")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for all steps")
     ap.add_argument("--only", default="", help=f"comma-separated steps of {NAMES}")
+    ap.add_argument(
+        "--peers", type=Path, default=PEERS_DIR,
+        help="folder of the peers' wheels to install for the bench rows (default ./peers)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     only = [g for g in args.only.split(",") if g]
     unknown = sorted(set(only) - set(NAMES))
@@ -214,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "argv": sys.argv[1:] if argv is None else argv,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "groups": {},
     }  # fmt: skip
+    summary["peers"] = install_peers(args.peers)
     for name, est in STEPS:
         if only and name not in only:
             continue

@@ -17,6 +17,14 @@ baseline. That setting changes speed (the stock model's larger temporaries page-
 more under it), which is why no timing is taken with it. Every child starts from the same
 seed, so the first-step losses of the three implementations must agree (printed as a check).
 
+Peer rows (`bench/peers.py`; the stock `grouped_mm` model with the peer applied):
+`liger` (Liger-Kernel's RMSNorm and fused linear cross-entropy), `liger-moe` (the same
+and its fused MoE experts), `cce` (Cut Cross-Entropy's loss on the final hidden states).
+A peer whose package does not import, or that needs CUDA on a CPU run, is not timed; the
+run names it with the version it looked for (`figures.peers`). `--profile`: one more
+training step of the `dropless` row under torch.profiler, in its first timing child after
+its timed steps: a per-kernel table in `figures.profile` (`bench/profile.py`).
+
 `--device cuda`: the model in bf16 on the GPU, fused AdamW, the step timed between device
 synchronizations; peak step memory from the caching allocator (max_memory_allocated
 above memory_allocated before the step, forward+backward and the AdamW step apart),
@@ -36,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import peers
 from .common import (
     Recorder,
     add_history_arguments,
@@ -74,8 +83,16 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
     num_key_value_heads=4, head_dim=64, num_experts=64, num_experts_per_tok=8,
     moe_intermediate_size=384, intermediate_size=3072, tie_word_embeddings=False,
     output_router_logits=True, router_aux_loss_coef=0.001, norm_topk_prob=False,
-    batch=8, seq=2048)}  # fmt: skip
-IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
+    batch=8, seq=2048),
+          # two Qwen3-30B-A3B layers, as scripts/gpu_check.py's train step runs `dropless train`
+          # (examples/qwen3-30b-a3b-2layers.toml): tokens/s of the trainer next to this row's
+          "qwen3-30b-2l": dict(
+    vocab_size=32768, hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, intermediate_size=1536, tie_word_embeddings=False,
+    batch=1, seq=4096)}  # fmt: skip
+IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *peers.E2E_ROWS)
+PROFILED = "dropless"  # --profile: the row whose step is profiled
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
 
 
@@ -106,11 +123,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape", choices=sorted(SHAPES), default="qwen3",
         help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs; "
-        "qwen3-gpu: qwen3 at a GPU's size (vocab 32768, hidden 1024, batch 8 x 2048)",
+        "qwen3-gpu: qwen3 at a GPU's size (vocab 32768, hidden 1024, batch 8 x 2048); "
+        "qwen3-30b-2l: two Qwen3-30B-A3B layers (vocab 32768, batch 1 x 4096)",
     )  # fmt: skip
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default=None,
         help="cpu (fp32) or cuda (bf16; default: cuda when available)",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", action="store_true",
+        help=f"one more step of the {PROFILED} row under torch.profiler: a per-kernel table",
     )  # fmt: skip
     add_history_arguments(p)
     add_section_argument(p, "e2e")
@@ -139,10 +161,15 @@ def _build(impl: str, shape: dict, device: str = "cpu"):
         model = tf.AutoModelForCausalLM.from_config(cfg)
         assert model.get_experts_implementation()[""] == "dropless"
     else:
-        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation=impl)
+        stock = "grouped_mm" if impl in peers.E2E_ROWS else impl
+        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation=stock)
     if device == "cuda":
-        return model.to(device=device, dtype=torch.bfloat16).train()
-    return model.float().train()
+        model = model.to(device=device, dtype=torch.bfloat16).train()
+    else:
+        model = model.float().train()
+    if impl in peers.E2E_ROWS:  # on the model as it will run: its dtype, its device
+        peers.apply_e2e(impl, model)
+    return model
 
 
 def child(args: dict) -> dict:
@@ -186,6 +213,10 @@ def child(args: dict) -> dict:
         out.update(time_steps(fwd_bwd, opt_step, args["steps"], tokens, sync))
         if device == "cuda":
             out.update(_measure_cuda_memory(fwd_bwd, opt_step))
+        if args.get("profile"):
+            from .profile import kernel_table
+
+            out["profile"] = kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
     out["dropless_calls"] = None
     if impl.startswith("dropless"):
         import dropless.hf as dh
@@ -283,6 +314,9 @@ def _label(impl: str) -> str:
         "grouped_mm": "HF v5 `grouped_mm` (default)",
         "eager": "HF v5 `eager`",
         "dropless-fused-ce": "HF v5 + `dropless.patch(fused_cross_entropy=True)`",
+        "liger": "HF v5 `grouped_mm` + Liger RMSNorm, fused linear CE",
+        "liger-moe": "HF v5 + Liger RMSNorm, fused linear CE, fused MoE",
+        "cce": "HF v5 `grouped_mm` + Cut Cross-Entropy",
     }.get(impl, "HF v5 + `dropless.patch()`")
 
 
@@ -319,9 +353,11 @@ def _timing_rounds(args, impls, shape, device: str = "cpu") -> dict[str, list[di
             order = [i for i in order if i != "eager"]
         for impl in order:
             progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
+            profile = bool(getattr(args, "profile", False)) and impl == PROFILED and r == 0
             out = run_child(
                 "dropless.bench.e2e",
-                {**common, "impl": impl, "mode": "time", "threads": args.threads},
+                {**common, "impl": impl, "mode": "time", "threads": args.threads}
+                | {"profile": profile},
             )
             results[impl].append(out)
             print(
@@ -379,6 +415,12 @@ def run(args) -> int:
     impls = _check_args(args)
     device = _device(args)
     rec = Recorder.start(args)
+    peer_status = {i: peers.row_status(i, device) for i in impls if i in peers.E2E_ROWS}
+    impls = [i for i in impls if peer_status.get(i, {"ok": True})["ok"]]
+    for name, st in peer_status.items():
+        print(f"peer row {name} ({st['package']} {st['version'] or '-'}): {st['status']}")
+    if not impls:
+        raise ValueError(f"--impls: no row can run here ({peer_status}); add a dropless row")
     shape = QUICK if args.quick else SHAPES[args.shape]
     results = _timing_rounds(args, impls, shape, device)
     if device == "cuda":  # measured by the timing children (the last round's)
@@ -386,13 +428,15 @@ def run(args) -> int:
     else:
         memory = {} if args.no_memory else _memory_runs(args, impls, shape)
     rows = _rows(results, memory, shape)
+    for impl, st in peer_status.items():
+        if impl in rows:
+            rows[impl]["peer"] = st
     losses = [r["first_loss"] for r in rows.values()]
     # fp32: the rows differ by summation order only; bf16: by its rounding of the logits
     tol = 2e-2 if device == "cuda" else 1e-3
     if max(losses) - min(losses) > tol * max(abs(x) for x in losses):
         print(f"WARNING: first-step losses differ between implementations: {losses}")
     table = _table(rows)
-    print(table)
     first = next(iter(results.values()))[0]
     how = "memory: separate children with mallopt" if device == "cpu" else "memory: CUDA allocator"
     figures = {
@@ -401,8 +445,15 @@ def run(args) -> int:
         "optimizer": args.optimizer, "threads": first["threads"], "device": device,
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "allocator": f"timing: default (no malloc settings); {how}",
-        "rows": rows,
+        "rows": rows, "peers": peer_status,
     }  # fmt: skip
+    profiled = [o["profile"] for o in results.get(PROFILED, []) if "profile" in o]
+    if profiled:
+        from .profile import markdown
+
+        figures["profile"] = {PROFILED: profiled[0]}
+        table += "\n\n" + markdown(f"`{PROFILED}` training step", profiled[0])
+    print(table)
     _ratios(figures, rows)
     print(_summary(figures))
     record = rec.finish("e2e", figures)

@@ -1,5 +1,5 @@
 """`dropless bench layer`: one MoE layer forward+backward, side by side in one process,
-against the dense-GEMM bound and Hugging Face v5 `Qwen3MoeSparseMoeBlock`.
+against the dense-GEMM bound, Hugging Face v5 `Qwen3MoeSparseMoeBlock` and the peers.
 
 Every implementation gets the same input, the same weights and the same routing (the
 router weight is copied; the routes are checked equal). Time: median of `--rounds`
@@ -9,8 +9,23 @@ in its own child process (CPU) and reports the step's peak RSS (VmHWM from
 /proc/self/status, reset through /proc/self/clear_refs) minus the RSS once inputs and
 weights are allocated; on CUDA, max_memory_allocated minus memory_allocated.
 
-The dense bound is the same six GEMMs with M = T*K rows as dense torch.mm (gate/up and
-down forward, and the input- and weight-gradient GEMM of each).
+The dense bound (row `dense`) is exactly six dense `torch.mm` calls and nothing else:
+with M = T*K rows and one expert's weights, the gate/up forward [M,D]x[D,2F], the down
+forward [M,F]x[F,D], the down input gradient [M,D]x[D,F], the down weight gradient
+[D,M]x[M,F], the gate/up input gradient [M,2F]x[2F,D] (the layer's input gradient) and
+the gate/up weight gradient [2F,M]x[M,D]: 18*T*K*D*F FLOPs, the expert GEMMs of the
+layer. Its operands are allocated before the clock starts (the input repeated K times,
+random stand-ins for the gate/up output gradient and the activation); no routing,
+gather, SwiGLU, combine or autograd is in it.
+
+Rates: every row reports ms, TFLOP/s (those 18*T*K*D*F FLOPs over its time, whatever
+else it computes) and its share of the bound (bound ms / its ms). The machine's dense
+matmul rate (`torch.matmul` of two square matrices: cuBLAS on CUDA, bf16; on CPU bf16
+and fp32) is measured in the same run and recorded (`figures.matmul`), and each row's
+rate is also given as a share of it. Peer rows (`bench/peers.py`) run when their package
+imports; otherwise the run names them "not installed" or "needs CUDA", with the version
+looked for (`figures.peers`). `--profile`: the per-kernel table of one bf16 and one FP8
+step (`bench/profile.py`).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, M = T*K rows
@@ -29,6 +44,8 @@ import time
 import torch
 
 from ..ops import gemm_tuning
+from . import peers
+from .bound import BOUND_GEMMS, dense_bound, layer_flops, machine_rates
 from .common import (
     Recorder,
     add_history_arguments,
@@ -43,6 +60,8 @@ from .common import (
     section_path,
 )
 from .layer_impls import DROPLESS_VARIANTS, EXPERT_PATHS, RECIPES, hf_block, route, variant_context
+from .profile import kernel_table
+from .profile import markdown as kernel_markdown
 
 SHAPES = {
     "qwen3": dict(E=64, K=8, D=1024, F=384, T=[2048], dtype="float32"),
@@ -60,8 +79,16 @@ IMPLS = (
     "hf-grouped_mm",
     "hf-eager",
 )
-# rows asked for by name, the GPU tables' (`scripts/gpu_check.py`)
-EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS)
+# rows asked for by name, the GPU tables' (`scripts/gpu_check.py`), peers included
+EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS, *peers.LAYER_ROWS)
+PATHS = {**EXPERT_PATHS, **peers.LAYER_PATHS}  # the rows with `route`'s router
+QUANTIZED = (*RECIPES, "torchao-fp8-row")  # rows whose output differs by FP8 rounding
+PROFILED = ("dropless", "dropless-fp8-current-row")  # --profile: one bf16, one FP8 step
+BOUND = {
+    "gemms": [f"{what}: {shapes}" for what, shapes in BOUND_GEMMS],
+    "flops": "18*T*K*D*F",
+    "excludes": "routing, gather, SwiGLU, combine, autograd; operands allocated before timing",
+}
 DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
 TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
 
@@ -71,11 +98,18 @@ the rounds after a warm-up): `dropless.MoE` (`dropless`: the default path for th
 variants with the same router (`composed`: argsort + `grouped_mm` autograd nodes +
 combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
 `Qwen3MoeSparseMoeBlock` (`experts_implementation="grouped_mm"` and `"eager"`, same
-weights, same routes), and the dense bound (the same six GEMMs with M = T*K rows as
-dense `torch.mm`). Rows asked for by name (the GPU tables): `grouped_mm-plain` (argsort +
+weights, same routes), and the dense bound: exactly six dense `torch.mm` with M = T*K rows
+(gate/up and down forward, both input gradients, the layer's dx included, and both weight
+gradients: 18*T*K*D*F FLOPs), on operands allocated before the clock starts, with no
+routing, gather, SwiGLU or combine. Each row's rate counts those FLOPs; the machine's
+dense matmul rate (`torch.matmul`, square, the shape's dtype; cuBLAS on CUDA) is measured
+in the same run. Rows asked for by name (the GPU tables): `grouped_mm-plain` (argsort +
 `torch._grouped_mm` + index_add written plainly), `dropless` under a recipe
 (`dropless-fp8-current-row`, `dropless-fp8-delayed`: E4M3; `dropless-mxfp8-saved`: MXFP8
-with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`). Peak
+with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`), and the
+peers (`liger-moe`: Liger-Kernel's fused MoE experts; `torchao-fp8-row`: torchao's FP8
+row-wise grouped GEMM on expert rows padded to 16), which run only where their package
+imports and CUDA is there (otherwise named, with the version looked for). Peak
 memory: on CPU each implementation once more in its own child process, VmHWM (reset
 through /proc/self/clear_refs) minus VmRSS once inputs and weights are allocated; on CUDA
 one more step in the same process, max_memory_allocated minus memory_allocated before it.
@@ -104,6 +138,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--busy-core", type=int, nargs="?", const=-1, default=None, metavar="CORE",
         help="run a busy process pinned to CORE (no value: the last core this process may use) "
         "for the whole run, to see the layer under contention; said in the table and history",
+    )  # fmt: skip
+    p.add_argument(
+        "--profile", action="store_true",
+        help=f"after timing, one step each of {' and '.join(PROFILED)} under torch.profiler: "
+        "a per-kernel table (name, calls, total ms, share) in the record and the table",
     )  # fmt: skip
     add_history_arguments(p)
     add_section_argument(p, "layer")
@@ -166,7 +205,7 @@ def _build(name: str, cfg: dict):
     x_TD, w_router, gate_up, down, grad_TD = _setup(cfg)
     x_TD.requires_grad_(name != "dense")
     if name == "dense":
-        return _dense_bound(x_TD, gate_up, down, grad_TD, cfg["K"]), [], None
+        return dense_bound(x_TD, gate_up, down, grad_TD, cfg["K"]), [], None
     if name.startswith("hf-"):
         block = hf_block(cfg, name[3:], w_router, gate_up, down)
 
@@ -181,32 +220,12 @@ def _build(name: str, cfg: dict):
 
     def forward():
         ids_TK, w_TK = route(x_TD, w_router, cfg["K"])
-        return EXPERT_PATHS[name](x_TD, ids_TK, w_TK, gate_up, down)
+        return PATHS[name](x_TD, ids_TK, w_TK, gate_up, down)
 
     def step():
         forward().backward(grad_TD)
 
     return step, [*leaves, x_TD], forward
-
-
-def _dense_bound(x_TD, gate_up, down, grad_TD, K):
-    """The six GEMMs of the experts with M = T*K rows as dense torch.mm: the bound."""
-    M, F = x_TD.shape[0] * K, down.shape[2]
-    dev, dtype = x_TD.device, x_TD.dtype
-    xm, gy = x_TD.detach().repeat(K, 1), grad_TD.repeat(K, 1)
-    hm = torch.randn(M, 2 * F, device=dev, dtype=dtype)
-    am = torch.randn(M, F, device=dev, dtype=dtype)
-    wgu, wd = gate_up[0].clone(), down[0].clone()
-
-    def step():
-        torch.mm(xm, wgu.t())  # forward gate/up
-        torch.mm(am, wd.t())  # forward down
-        torch.mm(gy, wd)  # d act
-        torch.mm(gy.t(), am)  # d W_down
-        torch.mm(hm, wgu)  # d x
-        torch.mm(hm.t(), xm)  # d W_gate_up
-
-    return step
 
 
 def _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD):
@@ -333,20 +352,25 @@ def _run_case(cfg: dict, impls, args) -> list[dict]:
     times, memory = _time_impls(cfg, impls, args)
     diffs = _check_same(cfg, impls)
     _SETUP_CACHE.clear()
-    K, D, F, T = cfg["K"], cfg["D"], cfg["F"], cfg["T"]
-    flops = 18.0 * T * K * D * F  # 3 GEMMs (fwd, dgrad, wgrad) x (gate/up 4MDF + down 2MDF)
+    flops = layer_flops(cfg["T"], cfg["K"], cfg["D"], cfg["F"])
     med = {n: statistics.median(v) for n, v in times.items()}
+    rate = cfg.get("matmul_tflops")  # the machine's dense matmul rate in the shape's dtype
     rows = []
     for name in impls:
+        tflops = flops / med[name] / 1e9
+        share = med["dense"] / med[name] if "dense" in med else None
         rows.append(
             {
                 "impl": name,
-                "T": T,
+                "T": cfg["T"],
                 "routing": "skewed" if cfg["skewed"] else "uniform",
                 "ms": med[name],
                 "ms_all": times[name],
-                "gflops": flops / med[name] / 1e6,
-                "vs_bound": med["dense"] / med[name] if "dense" in med else None,
+                "gflops": tflops * 1e3,
+                "tflops": tflops,
+                "vs_bound": share,
+                "share_of_bound": share,
+                "share_of_matmul_rate": tflops / rate if rate else None,
                 "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name]
                 if "hf-grouped_mm" in med
                 else None,
@@ -373,17 +397,32 @@ def _table(rows, shape, cfg, busy_core: int | None = None) -> str:
         f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, "
         f"{cfg['device']}, {cfg['threads']} torch thread(s){busy}",
         "",
-        f"| T | routing | implementation | ms (median) | {unit} | vs dense bound | vs HF grouped_mm "
-        "| peak MiB | peak vs HF grouped_mm |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| T | routing | implementation | ms (median) | {unit} | vs dense bound "
+        "| vs matmul rate | vs HF grouped_mm | peak MiB | peak vs HF grouped_mm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        digits = ".0f" if r["ms"] >= 100 else ".2f"  # CPU: hundreds of ms; GPU: a few
         lines.append(
-            f"| {r['T']} | {r['routing']} | {r['impl']} | {r['ms']:.0f} | {r['gflops'] * scale:.1f} "
-            f"| {_fmt(r['vs_bound'], '.2f')} | {_fmt(r['vs_hf_grouped_mm'], '.2f')} "
+            f"| {r['T']} | {r['routing']} | {r['impl']} | {r['ms']:{digits}} "
+            f"| {r['gflops'] * scale:.1f} | {_fmt(r['vs_bound'], '.2f')} "
+            f"| {_fmt(r['share_of_matmul_rate'], '.2f')} | {_fmt(r['vs_hf_grouped_mm'], '.2f')} "
             f"| {_fmt(r['peak_mib'], '.0f')} | {_fmt(r['mem_vs_hf'], '.2f')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _notes(rates: dict, peer_status: dict) -> str:
+    """The lines under the tables: the measured matmul rates and every peer row's status."""
+    lines = [
+        f"Dense matmul rate, {r['how']}, {r['n']}x{r['n']} {dtype}: {r['tflops'] * 1e3:.1f} "
+        f"GFLOP/s ({r['ms']:.3f} ms)."
+        for dtype, r in rates.items()
+    ]
+    for name, st in peer_status.items():
+        version = st["version"] or "-"
+        lines.append(f"Peer row `{name}` ({st['package']} {version}): {st['status']}.")
+    return "\n".join(f"{line}  " for line in lines) + "\n"
 
 
 def _check_args(args, dev: str) -> list[str]:
@@ -423,7 +462,7 @@ def run(args) -> int:
     rec = Recorder.start(args)
     busy, core = start_busy_core(args.busy_core) if args.busy_core is not None else (None, None)
     try:
-        all_rows, table = _measure(args, dev, impls, core)
+        all_rows, table, extra = _measure(args, dev, impls, core)
     finally:
         if busy is not None:
             busy.kill()
@@ -431,7 +470,7 @@ def run(args) -> int:
     dims = {k: v for k, v in SHAPES[args.shape].items() if k != "T"}
     figures = {
         "shape": args.shape, "dims": dims, "rows": all_rows, "threads": torch.get_num_threads(),
-        "busy_core": core,
+        "busy_core": core, **extra,
     }  # fmt: skip
     record = rec.finish("layer", figures)
     section = section_path(args.section, "layer", rec)
@@ -443,27 +482,59 @@ def run(args) -> int:
 
 
 def _measure(args, dev: str, impls: list[str], busy_core: int | None):
+    """-> (rows, markdown, {matmul, bound, peers[, profile]}): the peer rows that cannot
+    run here are left out of the timing and named in `peers`."""
     shape = SHAPES[args.shape]
     torch.set_num_threads(os.cpu_count())
+    peer_status = {n: peers.row_status(n, dev) for n in impls if n in peers.LAYER_ROWS}
+    impls = [n for n in impls if peer_status.get(n, {"ok": True})["ok"]]
+    progress("measuring the dense matmul rate")
+    rates = machine_rates(dev, shape["dtype"])
     all_rows, text = [], []
     for T in args.tokens or shape["T"]:
         cfg = {k: v for k, v in shape.items() if k != "T"}
         cfg |= {"T": T, "device": dev, "skewed": False, "threads": torch.get_num_threads()}
+        cfg["matmul_tflops"] = rates[shape["dtype"]]["tflops"]
         rows = _run_case(cfg, impls, args)
         if not args.no_skewed:
             sk = [n for n in impls if n in ("dense", "dropless", "hf-grouped_mm")]
             rows += _run_case({**cfg, "skewed": True}, sk, args)
+        for r in rows:
+            if r["impl"] in peer_status:
+                r["peer"] = peer_status[r["impl"]]
         all_rows += rows
         text.append(_table(rows, args.shape, cfg, busy_core))
+    text.append(_notes(rates, peer_status))
+    extra = {"matmul": rates, "bound": BOUND, "peers": peer_status}
+    if args.profile:
+        extra["profile"] = _profile(cfg | {"T": (args.tokens or shape["T"])[0]})
+        text += [kernel_markdown(f"`{n}` T={extra['profile']['T']}", t)
+                 for n, t in extra["profile"]["tables"].items()]  # fmt: skip
     text.append(gemm_tuning.choices_note())  # which implementation ran each expert GEMM
     table = "\n".join(text)
     print(table)
     for r in all_rows:  # a recipe's rows differ by its quantization noise
-        if r["impl"] not in RECIPES and (r["max_rel_diff"] or 0) > 1e-3:
+        if r["impl"] not in QUANTIZED and (r["max_rel_diff"] or 0) > 1e-3:
             print(
                 f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
             )
-    return all_rows, table
+    return all_rows, table, extra
+
+
+def _profile(cfg: dict) -> dict:
+    """One bf16 (or the shape's dtype) and one FP8 step under the profiler, uniform routes."""
+    tables = {}
+    for name in PROFILED:
+        progress(f"T={cfg['T']} profile: {name}")
+        step, params, _ = _build(name, {**cfg, "skewed": False})
+
+        def once(step=step, params=params):
+            _zero(params)
+            step()
+
+        tables[name] = kernel_table(once, cfg["device"])
+    _SETUP_CACHE.clear()
+    return {"T": cfg["T"], "tables": tables}
 
 
 if __name__ == "__main__":  # memory child: python -m dropless.bench.layer '{json}'

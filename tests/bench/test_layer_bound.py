@@ -1,0 +1,103 @@
+"""The dense bound of `dropless bench layer` is the six expert GEMMs and nothing else, the
+rates every row reports, the machine's matmul rate and the `--profile` kernel tables."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dropless.bench import bound, profile
+from dropless.cli.main import main
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op that runs, with the shapes of its tensor arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        self.calls.append((func, shapes))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_bound_runs_exactly_the_six_gemms_with_the_input_gradient():
+    T, K, D, F, E = 12, 3, 16, 8, 4
+    M = T * K
+    x = torch.randn(T, D, requires_grad=True)  # as the layer's rows have it
+    step = bound.dense_bound(
+        x, torch.randn(E, 2 * F, D), torch.randn(E, D, F), torch.randn(T, D), K
+    )
+    with _Ops() as ops:
+        step()
+    gemms = [shapes for func, shapes in ops.calls if func is torch.ops.aten.mm.default]
+    others = Counter(func for func, _ in ops.calls if func is not torch.ops.aten.mm.default)
+    # nothing but the six GEMMs: the transposes are views, no elementwise op, no copy
+    assert all(func.is_view for func in others), others
+    assert gemms == [
+        [(M, D), (D, 2 * F)],  # gate/up forward
+        [(M, F), (F, D)],  # down forward
+        [(M, D), (D, F)],  # down input gradient
+        [(D, M), (M, F)],  # down weight gradient
+        [(M, 2 * F), (2 * F, D)],  # gate/up input gradient: the layer's dx
+        [(2 * F, M), (M, D)],  # gate/up weight gradient
+    ]
+    assert len(gemms) == len(bound.BOUND_GEMMS)
+    flops = sum(2 * a[0] * a[1] * b[1] for a, b in gemms)
+    assert flops == bound.layer_flops(T, K, D, F)
+    assert x.grad is None  # no autograd inside the bound
+
+
+def test_matmul_rate_is_a_measured_rate_of_the_asked_dtype():
+    r = bound.matmul_rate("cpu", torch.float32, n=64, rounds=3)
+    assert r["dtype"] == "float32" and r["n"] == 64 and r["how"] == "torch.matmul on CPU"
+    assert r["ms"] > 0 and abs(r["tflops"] - 2 * 64**3 / r["ms"] / 1e9) < 1e-12
+
+
+def test_layer_record_has_rates_matmul_peers_and_profile(tmp_path):
+    hist = tmp_path / "h.jsonl"
+    argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]
+    argv += ["--rounds", "3", "--warmup", "0", "--impls", "dense,grouped_mm-plain,liger-moe"]
+    assert main([*argv, "--profile", "--history", str(hist)]) == 0
+    f = json.loads(hist.read_text())["figures"]
+    rates = f["matmul"]
+    assert set(rates) == {"bfloat16", "float32"} and all(r["tflops"] > 0 for r in rates.values())
+    rows = {r["impl"]: r for r in f["rows"]}
+    # a peer row that cannot run on CPU is not timed, and the record says why
+    assert list(rows) == ["dense", "grouped_mm-plain"]
+    assert f["peers"]["liger-moe"]["ok"] is False and f["peers"]["liger-moe"]["wanted"] == "0.8.5"
+    for r in rows.values():
+        assert r["ms"] > 0 and r["tflops"] == r["gflops"] / 1e3
+        assert r["share_of_bound"] == rows["dense"]["ms"] / r["ms"]
+        assert r["share_of_matmul_rate"] == r["tflops"] / rates["float32"]["tflops"]
+    assert len(f["bound"]["gemms"]) == 6 and f["bound"]["flops"] == "18*T*K*D*F"
+    tables = f["profile"]["tables"]
+    assert list(tables) == ["dropless", "dropless-fp8-current-row"] and f["profile"]["T"] == 48
+    for t in tables.values():
+        names = [r["name"] for r in t["rows"]]
+        assert "aten::mm" in names or "aten::_grouped_mm" in names, names
+        assert all(set(r) == {"name", "calls", "total_ms", "share"} for r in t["rows"])
+        # the shares are of the rows' sum (each rounded to 4 places)
+        assert abs(sum(r["share"] for r in t["rows"]) - 1) < 1e-4 * len(t["rows"])
+
+
+def test_kernel_table_counts_calls_and_keeps_the_top_rows():
+    a, b = torch.randn(256, 256), torch.randn(4, 4)
+
+    def step():
+        for _ in range(3):
+            torch.mm(a, a)  # ~0.1 GFLOP: far above the two small ops below
+        b.relu().neg()
+
+    t = profile.kernel_table(step, "cpu", warmup=0, top=1)
+    assert t["device"] == "cpu" and t["rows"][0]["name"] == "aten::mm"
+    assert t["rows"][0]["calls"] == 3
+    assert t["rows"][-1]["name"] == "(other)" and len(t["rows"]) == 2
+    assert abs(sum(r["total_ms"] for r in t["rows"]) - t["total_ms"]) < 1e-3
+    text = profile.markdown("x", t)
+    assert text.startswith("#### x: aten operators, self CPU time") and "| `aten::mm` | 3 |" in text

@@ -60,6 +60,7 @@ CASES = {
     "sort_K_equals_E": ("sort", 6, 4, 4, "random"),
     "sort_capacity_dropped": ("sort", 17, 5, 2, "drop"),
     "sort_device_counts": ("sort", 13, 6, 2, "sync_free"),
+    "sort_no_tokens_T0": ("sort", 0, 4, 2, "random"),
 }
 
 

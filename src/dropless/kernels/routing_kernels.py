@@ -222,9 +222,10 @@ def route_fwd(
     scores = torch.empty(T, E, dtype=torch.float32, device=dev) if write_scores else None
     bt, be, warps = _route_blocks(logits_TE)
     nb = triton.cdiv(T, bt)
-    # per-program partial sums, added in program order below: deterministic
-    psum = torch.zeros(nb if stats else 0, E, dtype=torch.float32, device=dev)
-    zsum = torch.zeros(nb if stats else 0, dtype=torch.float32, device=dev)
+    # per-program partial sums (each program writes its row), added in program order
+    # below: deterministic
+    psum = torch.empty(nb if stats and T else 0, E, dtype=torch.float32, device=dev)
+    zsum = torch.empty(nb if stats and T else 0, dtype=torch.float32, device=dev)
     if T:
         grouped = routing.n_group is not None and routing.n_group > 1
         G = routing.n_group if grouped else 1
@@ -402,7 +403,9 @@ def sort_pairs(flat_P: torch.Tensor, num_buckets: int, K: int = 1):
     slot = torch.empty(P, dtype=torch.int32, device=dev)
     counts = torch.empty(num_buckets, dtype=torch.int64, device=dev)
     ends = torch.empty(num_buckets, dtype=torch.int32, device=dev)
-    cnt = torch.zeros(nb, num_buckets, dtype=torch.int32, device=dev)
+    # every program writes its whole row of counts; with no pair the scan reads zeros
+    alloc = torch.empty if P else torch.zeros
+    cnt = alloc(nb, num_buckets, dtype=torch.int32, device=dev)
     start = torch.empty_like(cnt)
     flat_P = flat_P.contiguous()
     if P:

@@ -253,10 +253,12 @@ def _tuning_inputs(x, gate_up, down, rows: int, trans_w: bool):
     return counts, idx, prob, g, h, a, D, F
 
 
+@torch.no_grad()
 def tune_gathered(x, gate_up, down, act, trans_w, rows, kernels, backends, row_ops,
                   act_row_ops, tuner) -> dict[str, str]:  # fmt: skip
     """{GEMM: implementation} timed by `tuner` (a `gemm_tuning.GemmTuner`) among the
-    fused kernels and the unfused form on each of `backends` (device-count backends)."""
+    fused kernels and the unfused form on each of `backends` (device-count backends).
+    No autograd graph is built (the weights may require grad)."""
     cnt, idx, p, g, h, a, D, F = _tuning_inputs(x, gate_up, down, rows, trans_w)
     impls = {name: _unfused(be, row_ops, act_row_ops) for name, be in backends.items()}
     if kernels is not None:

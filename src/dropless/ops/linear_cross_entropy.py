@@ -352,7 +352,7 @@ def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
     scale_T = torch.where(valid_T, one / n_valid.clamp_min(1) if reduction == "mean" else one, 0)
     loss_T = torch.empty(T, dtype=acc, device=dev)
     grad_h = torch.empty(h_TD.shape, dtype=acc, device=dev) if need_h else None
-    grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=dev) if need_w else None
+    grad_w = torch.empty(weight_VD.shape, dtype=acc, device=dev) if need_w else None
     grad_b = torch.zeros(V, dtype=acc, device=dev) if need_b else None
     buf_CV = torch.empty(min(chunk, T), V, dtype=h_TD.dtype, device=dev)
     for s in range(0, T, chunk):
@@ -371,8 +371,10 @@ def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
             grad_b.add_(x_CV.sum(0, dtype=acc))
         if need_h:
             _mm_into(grad_h[s : s + chunk], x_CV, weight_VD, accumulate=False)
-        if need_w:
-            _mm_into(grad_w, x_CV.t(), h_CD, accumulate=True)
+        if need_w:  # the first chunk writes the buffer, the others add to it
+            _mm_into(grad_w, x_CV.t(), h_CD, accumulate=s > 0)
+    if need_w and T == 0:
+        grad_w.zero_()
     total = loss_T.sum()
     loss = total / n_valid if reduction == "mean" else total  # 0 / 0: NaN, as stock
     return loss, (grad_h, grad_w, grad_b)

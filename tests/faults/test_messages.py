@@ -164,6 +164,8 @@ TABLE = [
     ("experts.py", "holds only this rank's experts", f"{HERE}[ep-experts-forward]"),
     ("experts.py", "experts must be a dropless GroupedExperts", f"{HERE}[ep-experts-type]"),
     ("experts.py", "is not divisible by parallel.ep=", f"{HERE}[ep-experts-split]"),
+    ("fsdp.py", "FSDP2 takes one parameter dtype per unit", "tests/parallel/_checks_fp32_router.py::fsdp_refuses_unsplittable_dtypes"),
+    ("fsdp.py", "are not sharded over the experts, and FSDP2", "tests/parallel/_checks_fp32_router.py::fsdp_refuses_unsplittable_dtypes"),
     ("mesh.py", "does not divide the world size", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
     ("mesh.py", "parallel.dp_replicate x parallel.dp_shard =", "tests/parallel/test_mesh_config.py::test_bad_sizes"),
     ("mesh.py", "(expert parallelism borrows ranks from the FSDP shard dimension)", "tests/parallel/test_mesh_config.py::test_bad_sizes"),

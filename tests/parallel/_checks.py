@@ -18,6 +18,18 @@ from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
     ep_skewed_one_expert,
     ep_uniform,
 )
+from _checks_ep_families import (  # noqa: F401
+    hf_ep_every_family,
+    hf_ep_generic_gate,
+    hf_ep_nemotron_h,
+    hf_ep_post_norm,
+    hf_ep_refusals,
+    hf_fsdp_x_ep_nemotron_h,
+)
+from _checks_fp32_router import (  # noqa: F401
+    fsdp_bf16_fp32_router,
+    fsdp_refuses_unsplittable_dtypes,
+)
 from _checks_fsdp import (  # noqa: F401
     fsdp_only,
     fsdp_x_ep,
@@ -64,6 +76,14 @@ CHECKS = {
         "ep_autocast_bf16_moe",
         "hf_ep_autocast_bf16",
         "fsdp_autocast_casts_fresh_each_step",
+        "hf_ep_nemotron_h",
+        "hf_ep_every_family",
+        "hf_fsdp_x_ep_nemotron_h",
+        "hf_ep_generic_gate",
+        "hf_ep_post_norm",
+        "hf_ep_refusals",
+        "fsdp_bf16_fp32_router",
+        "fsdp_refuses_unsplittable_dtypes",
     ],
     4: [
         "ep_uniform",

@@ -22,7 +22,8 @@ from torch import nn
 
 from ..ops.compute_dtype import expert_input
 from ..ops.expert_mlp import grouped_mlp
-from ..parallel.experts import PARAM_NAMES, _local
+from ..ops.grouped_gemm import grouped_gemm
+from ..parallel.experts import _local
 from .expert_lora import LORA_PARAMS, attached_lowrank
 from .quantized_weights import (
     FP8_SCALE_SUFFIX,
@@ -32,27 +33,53 @@ from .quantized_weights import (
     fp8_block_size,
 )
 
+#: the expert tensors of a v5 experts module, sharded over ep (gated experts: gate_up_proj;
+#: non-gated ones, such as Nemotron-H's relu^2: up_proj)
+EXPERT_PARAMS = (
+    "gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
+)  # fmt: skip
+
 
 class _LocalExperts:
-    """What the dispatcher calls: the local slice of one HF experts module."""
+    """What the dispatcher calls: the local slice of one HF experts module.
+
+    Every form the single-process dropless path runs (`hf.experts`) runs here on the rows
+    this rank received: the fused MLP (gated or not), the fused MLP then the module's
+    post-expert norm, or the generic gate between grouped GEMMs. The dispatcher applies
+    the routing weight at home (prob_S is None), after any per-row norm, as one process
+    does."""
 
     def __init__(self, module: nn.Module, spec, num_experts: int):
         self.module, self.spec, self.num_global_experts = module, spec, num_experts
+        self.first = "gate_up_proj" if spec.gated else "up_proj"
+
+    def weights(self):
+        """(w1, w2, b1, b2): this rank's experts' weights and biases (None without)."""
+        m, has_bias = self.module, self.spec.has_bias
+        w1, w2 = _local(getattr(m, self.first)), _local(m.down_proj)
+        if not has_bias:
+            return w1, w2, None, None
+        return w1, w2, _local(getattr(m, self.first + "_bias")), _local(m.down_proj_bias)
 
     def forward_sorted(self, x_SD, counts, prob_S):
         m, s = self.module, self.spec
-        return grouped_mlp(
-            x_SD,
-            counts,
-            prob_S,
-            _local(m.gate_up_proj),
-            _local(m.down_proj),
-            gate_up_bias=_local(m.gate_up_proj_bias) if s.has_bias else None,
-            down_bias=_local(m.down_proj_bias) if s.has_bias else None,
-            activation=s.activation,
-            trans_w=s.trans_w,
-            lora=attached_lowrank(m),  # this rank's shards of the module's own factors
-        )
+        w1, w2, b1, b2 = self.weights()
+        plain = s.path == "fused" and not s.post_norm
+        if s.path == "fused":
+            y_SD = grouped_mlp(
+                x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
+                down_bias=b2, activation=s.activation, trans_w=s.trans_w,
+                lora=attached_lowrank(m) if plain else None,  # this rank's factor shards
+            )  # fmt: skip
+        else:  # the module's own gate, under autograd (as `hf.experts._composed`)
+            h_SN = grouped_gemm(x_SD, w1, counts, b1, trans_w=s.trans_w)
+            a_SF = m._apply_gate(h_SN) if s.gated else m.act_fn(h_SN)
+            y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, trans_w=s.trans_w)
+        if s.post_norm:
+            y_SD = m.post_expert_norm(y_SD)
+        if prob_S is not None and not plain:
+            y_SD = y_SD * prob_S.to(y_SD.dtype)[:, None]
+        return y_SD
 
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -60,11 +87,28 @@ def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
 
     local, disp = self.__dict__["_dropless_ep"]
     # under autocast its dtype, cast before the all-to-all (what crosses the wire)
-    x_TD = expert_input(hidden_states, _local(self.gate_up_proj))
+    x_TD = expert_input(hidden_states, local.weights()[0])
     out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
     _record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
     CALLS[local.spec.family] += 1
     return out_TD.to(hidden_states.dtype)
+
+
+def _ep_refusal(layer, spec) -> str | None:
+    """Why the experts of `layer` cannot run expert-parallel, or None."""
+    if isinstance(spec, str):  # the stock forward would need every expert on each rank
+        return (
+            f"{layer.name} ({layer.family}): expert parallelism runs the dropless experts path, "
+            f"and this module runs its own forward ({spec}). Train it with parallel.ep=1."
+        )
+    lora = "_dropless_lora_scale" in layer.experts.__dict__
+    if lora and (spec.path != "fused" or spec.post_norm):
+        return (
+            f"{layer.name} ({layer.family}): LoRA factors run inside the fused expert MLP only, "
+            f"and these experts compute {spec.describe()} ({spec.path} path): there is no "
+            "expert-parallel LoRA for them. Train with parallel.ep=1, or full fine-tuning."
+        )
+    return None
 
 
 def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
@@ -75,8 +119,10 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
     Returns the names of the MoE blocks changed; no-op when ep == 1 (unless
     parallel.force_distributed: then the 1-rank expert-parallel path, the node's code).
-    Raises ValueError for an experts module dropless cannot run (the stock fallback
-    has no expert-parallel path here).
+    Every form of experts the dropless path runs is sharded (fused gated or non-gated,
+    post-expert norm, generic gate). Raises ValueError, naming the module, its family and
+    why, for an experts module on its own stock forward (it would need every expert on
+    each rank) and for `attach_expert_lora` factors on the generic or post-norm path.
     """
     from torch.distributed.tensor import DTensor, Shard
 
@@ -94,20 +140,17 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         if "_dropless_ep" in m.__dict__:
             continue
         spec = experts_spec(m)
-        if isinstance(spec, str):
-            raise ValueError(
-                f"{layer.name}: expert parallelism needs the dropless experts path: {spec}"
-            )
-        if spec.path != "fused" or spec.post_norm or not spec.gated:
-            raise ValueError(
-                f"{layer.name}: expert parallelism runs the fused gated expert MLP only; this "
-                f"module computes {spec.describe()}. Train it with parallel.ep=1."
-            )
+        why = _ep_refusal(layer, spec)
+        if why is not None:
+            raise ValueError(why)
         E = int(m.num_experts)
         if E % P:
-            raise ValueError(f"{layer.name}: num_experts={E} is not divisible by parallel.ep={P}")
+            raise ValueError(
+                f"{layer.name} ({layer.family}): num_experts={E} is not divisible by "
+                f"parallel.ep={P}; pick an ep that divides {E}"
+            )
         L = E // P
-        for name in (*PARAM_NAMES, *LORA_PARAMS):  # LoRA factors shard with their experts
+        for name in (*EXPERT_PARAMS, *LORA_PARAMS):  # LoRA factors shard with their experts
             p = getattr(m, name, None)
             if not isinstance(p, nn.Parameter):
                 continue

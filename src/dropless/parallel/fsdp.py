@@ -6,6 +6,13 @@ mesh replicates over dp_replicate). Expert parameters (already DTensor Shard(0) 
 path. The expert gradient an EP rank holds already sums the tokens of its whole EP
 group, so the experts' divide factor is the world size (FSDP's default would divide
 by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large).
+
+One FSDP2 unit takes one parameter dtype. A submodule whose parameters are in another
+dtype than the rest of its unit (the router Transformers keeps in fp32 in a bf16 model,
+`_keep_in_fp32_modules`: DeepSeek-V3's and Nemotron-H's `gate`) becomes its own unit,
+with no parameter cast: it stays fp32 in compute too. A replicated submodule inside an
+expert module (MuSE-Spark's post-expert norm) is a unit on the dense mesh, so its gradient
+is summed over every rank, not only over the expert mesh.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ def apply_fsdp(
             # them gathered. HF experts run once per layer: reshard as the dense units do, so
             # no unsharded expert copy outlives its layer's forward.
             keep = {} if hf_ep else {"reshard_after_forward": False}
+            for child in _replicated_children(m):
+                fully_shard(child, mesh=pmesh.dense_fsdp_mesh, **kw)
             fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, **keep})
             m.set_gradient_divide_factor(float(world))
             shard_size = pmesh.config.dp_shard // pmesh.config.ep
@@ -63,9 +72,76 @@ def apply_fsdp(
     dense = pmesh.dense_fsdp_mesh
     for b in units:
         if b is not model:
+            _shard_other_dtypes(b, dense, kw)
             fully_shard(b, mesh=dense, **kw)
+    _shard_other_dtypes(model, dense, kw)
     fully_shard(model, mesh=dense, **kw)
     return model
+
+
+def _managed(unit: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
+    """(owner name, owner, parameter) for what `fully_shard(unit)` would take: the
+    parameters below `unit` not under a submodule that is already an FSDP unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, seen, stack = [], set(), [("", unit)]
+    while stack:
+        name, m = stack.pop()
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:  # tied weights: one parameter under two owners
+                seen.add(id(p))
+                out.append((name, m, p))
+        for n, c in m.named_children():
+            if not isinstance(c, FSDPModule):
+                stack.append((f"{name}.{n}" if name else n, c))
+    return out
+
+
+def _shard_other_dtypes(unit: nn.Module, mesh, kw: dict) -> None:
+    """Make every submodule of `unit` holding parameters in a dtype other than most of
+    the unit's (by size) its own FSDP unit, keeping that dtype (no param_dtype cast)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    managed = _managed(unit)
+    size: dict = {}
+    for _, _, p in managed:
+        size[p.dtype] = size.get(p.dtype, 0) + p.numel()
+    if len(size) < 2:
+        return
+    main = max(size, key=size.get)
+    owners = {id(m): (n, m) for n, m, p in managed if p.dtype != main}
+    policy = kw.get("mp_policy")
+    keep = MixedPrecisionPolicy(reduce_dtype=getattr(policy, "reduce_dtype", None))
+    for name, m in owners.values():
+        dtypes = {p.dtype for _, _, p in _managed(m)}
+        if m is unit or len(dtypes) > 1:
+            raise ValueError(
+                f"FSDP2 takes one parameter dtype per unit, and {type(m).__name__} "
+                f"{name or '(the unit itself)'!r} holds parameters in "
+                f"{sorted(str(d) for d in dtypes | {main})} with no submodule to split them "
+                "off; store the model in one dtype (model.dtype=fp32)"
+            )
+        fully_shard(m, mesh=mesh, **{**kw, "mp_policy": keep})
+
+
+def _replicated_children(m: nn.Module) -> list[nn.Module]:
+    """The submodules of an expert module whose parameters are not expert-sharded
+    DTensors (replicated on every EP rank); raises for such a parameter held by the
+    module itself, which no unit could reduce over every rank."""
+    from torch.distributed.tensor import DTensor
+
+    direct = [n for n, p in m.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+    if direct:
+        raise ValueError(
+            f"{type(m).__name__}: parameters {direct} are not sharded over the experts, and FSDP2 "
+            "would reduce their gradients over the expert mesh only; train it with parallel.ep=1"
+        )
+    return [
+        c
+        for c in m.children()
+        if any(True for _ in c.parameters())
+        and not any(isinstance(p, DTensor) for p in c.parameters())
+    ]
 
 
 @torch.no_grad()

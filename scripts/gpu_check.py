@@ -10,13 +10,19 @@ context, loses one step): `pytest` runs `pytest -m gpu` (every GPU correctness c
 is an ordinary test marked `gpu`; on CPU they are skipped, and the CI suite runs them
 under Triton's interpreter); `timing` runs the layer table, `dropless bench layer
 --device cuda` at the Qwen3-30B-A3B layer shape (T=16384, bf16); `e2e` runs the step
-table, `dropless bench e2e --device cuda --shape qwen3-gpu`. A time budget (default
-240 s, so a rerun fits in the ~10 minutes a GPU is lent) skips the steps that no
-longer fit and says so. `./src` is put on the children's path (nothing is installed
-on the GPU machine). The last line of the output is one JSON summary, read by outside
-checks: `gpu_check.date`, `.argv`, the layer rows at `.groups.timing.timing.rows` and
-the step rows at `.groups.e2e.e2e.rows` (row names and fields below). Exit status 0
-when nothing failed (skipped steps do not fail the run).
+table, `dropless bench e2e --device cuda --shape qwen3-gpu`; `train` runs `dropless train`
+on the path a node runs (parallel.force_distributed=true under torchrun on NCCL) at two
+Qwen3-30B-A3B layers against the one-process run, with a DCP resume, host syncs per layer,
+its tokens/s next to `bench e2e`'s, 2 processes over gloo and one EP rank's share of the
+layer (scripts/gpu_check_train.py says what each row is). A time budget (default 440 s:
+with the machine's start a whole run takes ~9 of the 15 minutes a GPU is lent, leaving
+room to rerun a failed step with --only) skips the steps that no longer fit and says so.
+`./src` is put on the children's path (nothing is installed on the GPU machine). The
+last line of the output is one JSON summary, read by outside checks: `gpu_check.date`,
+`.argv`, the layer rows at `.groups.timing.timing.rows`, the step rows at
+`.groups.e2e.e2e.rows`, the training rows at `.groups.train.train.rows` and their
+pass/fail at `.groups.train.train.checks` (row names and fields below and in
+gpu_check_train.py). Exit status 0 when nothing failed (skipped steps do not fail the run).
 
 Peers: the wheels in ./peers (`--peers DIR`; see BENCHMARKS.md "Peers") are installed
 first with `pip install --no-index --no-deps --target TMP`, TMP on the children's path
@@ -41,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # (step, rough seconds on a GPU machine including the child's start-up)
-STEPS = [("pytest", 90), ("timing", 70), ("e2e", 70)]
+STEPS = [("pytest", 90), ("timing", 70), ("e2e", 70), ("train", 200)]
 NAMES = [s[0] for s in STEPS]
 HANG_FACTOR = 3  # a child running past 3x its estimate is stopped: one hang costs a step
 # `dropless bench layer` impl -> the summary's row name
@@ -235,6 +241,11 @@ def run_step(name: str, cpu: bool, timeout: float) -> dict:
         if record:
             res["timing"] = layer_table(record)
         return res
+    if name == "train":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_check_train
+
+        return gpu_check_train.run(cpu, timeout, run_child, bench_step)
     res, record = bench_step("e2e", ["--impls", ",".join(E2E_ROWS), *E2E_ARGS[cpu]], cpu, timeout)
     if record:
         res["e2e"] = e2e_table(record)
@@ -242,14 +253,17 @@ def run_step(name: str, cpu: bool, timeout: float) -> dict:
 
 
 def print_tables(summary: dict) -> None:
-    """The two tables, then one line per step."""
-    for group in ("timing", "e2e"):
+    """The tables, then one line per step."""
+    for group in ("timing", "e2e", "train"):
         res = summary["groups"].get(group, {}).get(group)
         if not res:
             continue
-        print(f"\n{group}: {res['shape']} {res['dtype']}")
+        head = res["model"] if group == "train" else f"{res['shape']} {res['dtype']}"
+        print(f"\n{group}: {head}")
         for name, row in res["rows"].items():
             print(f"  {name:28s} " + ", ".join(f"{k}={v}" for k, v in row.items()))
+        for name, ok in res.get("checks", {}).items():
+            print(f"  check {name:22s} {'ok' if ok else 'FAILED'}")
         for name, st in res.get("peers", {}).items():
             print(f"  peer {name:23s} {st['package']} {st['version'] or '-'}: {st['status']}")
     print()
@@ -261,7 +275,7 @@ def print_tables(summary: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the smoke: CPU, tiny shapes")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for all steps")
+    ap.add_argument("--budget", type=float, default=440.0, help="seconds for all steps")
     ap.add_argument("--only", default="", help=f"comma-separated steps of {NAMES}")
     ap.add_argument(
         "--peers", type=Path, default=PEERS_DIR,

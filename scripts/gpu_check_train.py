@@ -1,0 +1,438 @@
+#!/usr/bin/env python
+"""The `train` step of scripts/gpu_check.py: `dropless train` on the path a node runs.
+
+On CUDA, at the model of examples/qwen3-30b-a3b-2layers.toml (two Qwen3-30B-A3B layers:
+128 experts top-8, hidden 2048, expert width 768; vocab 32,768; seq 4096, micro-batch 1;
+model.dtype=bf16), in one child under `torchrun --nproc-per-node 1` (rows of the summary):
+
+- single: 20 steps on one process (no process group, no activation checkpointing);
+- force_distributed: the same 20 steps with parallel.force_distributed=true on NCCL (FSDP2,
+  DTensor experts behind the all-to-all dispatcher) and activation checkpointing; host syncs
+  counted per decoder layer in forward and in the recompute (tests/ops/sync_counter.py, the
+  counter the host-sync tests use), steps 2-3; an async DCP checkpoint at step 10;
+- resume: the forced run resumed from that checkpoint: steps 11-20 against its losses;
+- ep_rank_share: one 8-way expert-parallel rank's share of the 30B layer timed: 16 local
+  experts receiving T*K/8 = 32,768 rows (T = 8 ranks x 4096 tokens), forward+backward,
+  next to dense GEMMs of the same FLOPs;
+
+then `dropless bench e2e --device cuda --shape qwen3-30b-2l` (bench_e2e: the same model,
+seq and batch; its dropless-fused-ce row, as `dropless train` fuses the loss) next to the
+single run's tokens/s, and 2 processes sharing the GPU over gloo with CUDA tensors (gloo_ep2:
+ep=2 at a small shape, against one process with 2 micro-batches; skipped, saying why, where
+gloo's collectives refuse CUDA tensors). `--cpu`: the same at tiny sizes on CPU (gloo, fp32),
+bench_e2e skipped (no bench shape is the smoke's model).
+
+Disk: one checkpoint at a time (step 10: bf16 weights and fp32 AdamW moments, ~13.5 GB);
+each run's last, synchronous checkpoint is not written (a hook stops the run there).
+Wall time on an H200: about 200 s (estimate, not yet measured).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOML = ROOT / "examples" / "qwen3-30b-a3b-2layers.toml"
+STEPS, SAVE_AT, SYNC_STEPS = 20, 10, (2, 3)
+# the smoke's model: the same keys at tiny sizes, fp32 (bf16 matmul is ~80x slower on CPU)
+CPU_SETS = [
+    "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+    "model.num_experts=8", "model.top_k=2", "model.moe_intermediate_size=32",
+    "model.vocab_size=320", "model.max_position_embeddings=64", "model.dtype=fp32",
+    "precision.dtype=fp32", "data.max_bytes=100000", "data.eval_tokens=64",
+    "train.seq_len=32", "train.steps=6", "checkpoint.every=3",
+    "log.peak_tflops=0.1",  # MFU's peak given: no CPU matmul measured at every log step
+]  # fmt: skip
+# gloo_ep2's model: small enough for gloo to move its tensors in seconds
+EP2_SETS = [
+    "model.hidden_size=256", "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=64",
+    "model.num_experts=16", "model.top_k=4", "model.moe_intermediate_size=128",
+    "model.vocab_size=0", "model.max_position_embeddings=512", "model.dtype=fp32",
+    "precision.dtype=fp32", "train.seq_len=512", "train.steps=4", "train.batch_size=2",
+    "checkpoint.every=0", "parallel.timeout_s=120",
+]  # fmt: skip
+EP2_CPU_SETS = [*CPU_SETS, "train.steps=3", "train.batch_size=2", "checkpoint.every=0"]
+# (local experts, rows, D, F): one rank of 8-way EP at the 30B layer; the smoke's tiny one
+EP_RANK = {False: (16, 32768, 2048, 768), True: (4, 64, 32, 32)}
+# bf16: 8 mantissa bits, rounded at every GEMM output, over 20 AdamW steps (the losses move
+# by ~0.1 in that time); fp32: the same GEMMs in another order
+LOSS_REL = {False: 2e-2, True: 1e-4}
+
+
+def _sets(cpu: bool, *extra: str) -> list[str]:
+    return [*(CPU_SETS if cpu else []), *extra]
+
+
+def _steps(cpu: bool) -> tuple[int, int]:
+    return (6, 3) if cpu else (STEPS, SAVE_AT)
+
+
+# ---- in the children ---------------------------------------------------------------------
+
+
+class FinalSaveSkipped(Exception):
+    """Raised by the hook at the run's last checkpoint: the check needs no second one."""
+
+
+def _hooks(last_step: int, count_steps=()):
+    from dropless.train.hooks import TrainHooks
+
+    sys.path.insert(0, str(ROOT / "tests" / "ops"))
+    from sync_counter import count_syncs
+
+    class CheckHooks(TrainHooks):
+        """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's
+        own hooks) and in the recompute of activation checkpointing (Transformers
+        checkpoints the layer's `forward`, inside its hooks: its submodules' hooks fire
+        again in backward). Stops the run at its last checkpoint."""
+
+        def __init__(self):
+            self.syncs: dict[str, list[int]] = {"forward": [], "recompute": []}
+            self.where: list[str] = []
+            self._ctx = self._found = None
+            self._hooked = False
+
+        def _start(self):
+            self._ctx = count_syncs()
+            self._found = self._ctx.__enter__()
+            self._open, self._done, self._rec = {}, set(), {}
+
+        def _stop(self):
+            if self._ctx is not None:
+                self._ctx.__exit__(None, None, None)
+                self.syncs["recompute"] += list(self._rec.values())
+                self._ctx = self._found = None
+
+        def _hook(self, model):
+            from dropless.train.distributed import _decoder_layers
+
+            for i, layer in enumerate(_decoder_layers(model)):
+                layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
+                layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, "forward"))
+                for c in layer.children():
+                    c.register_forward_pre_hook(lambda m, a, i=i: self._enter((i, m)))
+                    c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m), "recompute"))
+            self._hooked = True
+
+        def _counting(self, key) -> bool:
+            import torch
+
+            if self._found is None or not torch.is_grad_enabled():
+                return False  # outside the counted steps, or an evaluation forward
+            # a submodule counts only once its layer's forward is done: in the recompute
+            return not isinstance(key, tuple) or key[0] in self._done
+
+        def _enter(self, key):
+            if self._counting(key):
+                self._open.setdefault(key, []).append(len(self._found))
+
+        def _leave(self, key, phase):
+            if not self._counting(key) or not self._open.get(key):
+                return
+            new = self._found[self._open[key].pop() :]
+            self.where += new
+            if phase == "forward":
+                self.syncs["forward"].append(len(new))
+                self._done.add(key)
+            else:
+                self._rec[key[0]] = self._rec.get(key[0], 0) + len(new)
+
+        def after_backward(self, step, model):
+            if step in count_steps:
+                self._stop()
+            if not self._hooked and count_steps:
+                self._hook(model)
+
+        def after_step(self, step):
+            if step + 1 in count_steps:
+                self._start()
+
+        def on_checkpoint(self, phase, step):
+            if phase == "before_shards" and step == last_step:
+                raise FinalSaveSkipped(step)
+
+    return CheckHooks()
+
+
+def _train(
+    sets: list[str], run_dir: Path, resume: bool = False, count_steps=(), after: int = 0
+) -> dict:
+    """One `dropless train` run in this process -> its figures and the losses of its
+    steps after `after` (a resumed run's metrics.jsonl starts with the first run's)."""
+    import torch
+
+    from dropless.train.config import load_config
+    from dropless.train.trainer import train
+
+    cfg = load_config(TOML, sets)
+    hooks = _hooks(cfg.train.steps, count_steps)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        train(cfg, str(run_dir), resume=resume, hooks=hooks)
+    except FinalSaveSkipped:
+        pass
+    finally:
+        hooks._stop()
+    wall = time.perf_counter() - t0
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r and r["step"] > after]
+    rates = [r["tokens_per_s"] for r in steps if r["step"] > max(SYNC_STEPS)] or [
+        r["tokens_per_s"] for r in steps
+    ]
+    out = dict(
+        wall_s=round(wall, 1),
+        losses={r["step"]: r["loss"] for r in steps},
+        tokens_per_s=statistics.median(rates),
+        max_memory_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        if cuda
+        else None,
+        syncs=hooks.syncs,
+        sync_sites=sorted(set(hooks.where)),
+    )
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _time(fn, rounds: int, warmup: int) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ep_rank_share(cpu: bool) -> dict:
+    """One EP rank's expert compute (the rows its local experts receive), fwd+bwd, timed
+    against dense GEMMs of identical FLOPs."""
+    import torch
+    import torch.nn.functional as F
+
+    from dropless.ops.expert_mlp import grouped_mlp
+
+    L, S, D, Fh = EP_RANK[cpu]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(0, L, (S,), generator=g), minlength=L).tolist()
+    x = torch.randn(S, D, generator=g).to(dev, dt).requires_grad_()
+    w1 = (torch.randn(L, 2 * Fh, D, generator=g) * 0.02).to(dev, dt).requires_grad_()
+    w2 = (torch.randn(L, D, Fh, generator=g) * 0.02).to(dev, dt).requires_grad_()
+    d1, d2 = w1[0].detach().clone().requires_grad_(), w2[0].detach().clone().requires_grad_()
+    gy = torch.randn(S, D, generator=g).to(dev, dt)
+
+    def experts():
+        grouped_mlp(x, counts, None, w1, w2).backward(gy)
+
+    def dense():  # the same six GEMMs (input gradient included) with M = S rows
+        gu = x @ d1.T
+        ((F.silu(gu[:, :Fh]) * gu[:, Fh:]) @ d2.T).backward(gy)
+
+    rounds, warmup = (3, 1) if cpu else (10, 3)
+    t, td = _time(experts, rounds, warmup), _time(dense, rounds, warmup)
+    flops = 18 * S * D * Fh  # 6 S D F forward, twice that backward
+    return dict(
+        experts=L, rows=S, D=D, F=Fh, dtype=str(dt).removeprefix("torch."),
+        counts_max_over_mean=round(max(counts) * L / S, 3), ms=round(t * 1e3, 3),
+        tflops=round(flops / t / 1e12, 3), dense_ms=round(td * 1e3, 3),
+        share_of_bound=round(td / t, 3),
+    )  # fmt: skip
+
+
+def main_child(out: Path, cpu: bool) -> None:
+    """single, force_distributed, resume, the gloo_ep2 reference and ep_rank_share."""
+    _, save_at = _steps(cpu)
+    res = {}
+    res["single"] = _train(_sets(cpu, "checkpoint.every=0"), out / "single", count_steps=SYNC_STEPS)
+    forced = _sets(cpu, "parallel.force_distributed=true", "train.activation_checkpointing=true")
+    res["force_distributed"] = _train(forced, out / "forced", count_steps=SYNC_STEPS)
+    ckpt_dir = out / "forced" / "checkpoints"
+    res["checkpoint_gib"] = round(
+        sum(f.stat().st_size for f in ckpt_dir.rglob("*") if f.is_file()) / 2**30, 3
+    )
+    res["resume"] = _train(forced, out / "forced", resume=True, after=save_at)
+    ref = EP2_CPU_SETS if cpu else EP2_SETS
+    res["gloo_ep2_reference"] = _train([*ref, "train.grad_accum=2"], out / "ep2_ref")
+    res["ep_rank_share"] = ep_rank_share(cpu)
+    (out / "main.json").write_text(json.dumps(res))
+
+
+def ep2_child(out: Path, cpu: bool) -> None:
+    """2 processes, ep=2: over gloo with CUDA tensors when CUDA is there (both ranks on
+    GPU 0, so LOCAL_RANK is set to 0), gloo on CPU otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if torch.cuda.is_available():
+        os.environ["LOCAL_RANK"] = "0"  # two processes, one GPU
+        dist.init_process_group("gloo")  # dropless train would pick NCCL (one GPU per rank)
+    result = {"status": "ok"}
+    try:
+        sets = [*(EP2_CPU_SETS if cpu else EP2_SETS), "parallel.ep=2"]
+        result |= _train(sets, out / "ep2")
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        refused = any(w in msg.lower() for w in ("gloo", "cuda", "device", "not supported"))
+        result = {
+            "status": "skipped" if refused else "fail",
+            "reason": f"{type(e).__name__}: {msg}",
+        }
+    if rank == 0:
+        (out / "ep2.json").write_text(json.dumps(result))
+
+
+# ---- in gpu_check.py's process ------------------------------------------------------------
+
+
+def _max_rel(got: dict, want: dict) -> float | None:
+    both = [k for k in got if k in want]
+    if not both:
+        return None
+    return max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in both)
+
+
+def _run_row(r: dict) -> dict:
+    losses = list(r["losses"].values())
+    s = r["syncs"]
+    return dict(
+        steps=len(losses), first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4),
+        tokens_per_s=round(r["tokens_per_s"]), wall_s=r["wall_s"],
+        max_memory_allocated_gib=r["max_memory_allocated_gib"],
+        syncs_forward_per_layer=max(s["forward"]) if s["forward"] else None,
+        syncs_recompute_per_layer=max(s["recompute"]) if s["recompute"] else None,
+        sync_sites=r["sync_sites"],
+    )  # fmt: skip
+
+
+def _keys(d: dict) -> dict:
+    return {int(k): v for k, v in d.items()}
+
+
+def train_table(main: dict, ep2: dict | None, bench: dict | None, cpu: bool) -> dict:
+    """The summary's rows and checks from the children's results."""
+    tol = LOSS_REL[cpu]
+    single, forced, resumed = (
+        _keys(main[k]["losses"]) for k in ("single", "force_distributed", "resume")
+    )
+    rows = {
+        "single": _run_row(main["single"]),
+        "force_distributed": _run_row(main["force_distributed"]),
+    }
+    rows["force_distributed"]["max_rel_loss_diff"] = _r(_max_rel(forced, single))
+    rows["resume"] = dict(
+        from_step=min(resumed) - 1, steps=len(resumed), checkpoint_gib=main["checkpoint_gib"],
+        wall_s=main["resume"]["wall_s"], max_rel_loss_diff=_r(_max_rel(resumed, forced)),
+    )  # fmt: skip
+    rows["bench_e2e"] = bench or dict(
+        status="skipped", reason="--cpu: no bench shape is the smoke's model"
+    )
+    if bench and bench.get("tokens_per_s"):
+        rows["bench_e2e"]["train_vs_bench"] = _r(
+            rows["single"]["tokens_per_s"] / bench["tokens_per_s"], 3
+        )
+        rows["bench_e2e"]["forced_vs_bench"] = _r(
+            rows["force_distributed"]["tokens_per_s"] / bench["tokens_per_s"], 3
+        )
+    rows["gloo_ep2"] = dict(
+        ep2 or {"status": "fail", "reason": "the 2-process child wrote no result"}
+    )
+    if rows["gloo_ep2"].get("losses"):
+        got, want = (
+            _keys(rows["gloo_ep2"].pop("losses")),
+            _keys(main["gloo_ep2_reference"]["losses"]),
+        )
+        rows["gloo_ep2"] = dict(
+            status="ok", steps=len(got), max_rel_loss_diff=_r(_max_rel(got, want))
+        )
+    rows["ep_rank_share"] = main["ep_rank_share"]
+    return dict(model=TOML.name if not cpu else f"{TOML.name} at tiny sizes", tolerance=tol,
+                rows=rows, checks=checks(rows, tol, cpu))  # fmt: skip
+
+
+def _within(v, tol) -> bool:
+    return v is not None and v <= tol
+
+
+def checks(rows: dict, tol: float, cpu: bool) -> dict[str, bool]:
+    """Pass/fail of the step. The host-sync ones on CUDA only: on CPU the expert GEMMs read
+    their counts on the host (a second sync per layer, reported; CUDA's grouped path takes
+    them on the device)."""
+    f, ep2 = rows["force_distributed"], rows["gloo_ep2"]
+    out = {
+        "losses_equal": _within(f["max_rel_loss_diff"], tol),
+        "resume_reproduces": _within(rows["resume"]["max_rel_loss_diff"], tol),
+        "gloo_ep2_equal": ep2["status"] == "skipped"
+        or (ep2["status"] == "ok" and _within(ep2["max_rel_loss_diff"], tol)),
+    }
+    if not cpu:
+        out["forward_syncs_le_1_per_layer"] = _within(f["syncs_forward_per_layer"], 1)
+        out["recompute_syncs_0"] = f["syncs_recompute_per_layer"] == 0
+    if "train_vs_bench" in rows["bench_e2e"]:
+        out["train_within_10pct_of_bench"] = rows["bench_e2e"]["train_vs_bench"] >= 0.9
+    return out
+
+
+def _r(v, nd=6):
+    return None if v is None else round(v, nd)
+
+
+def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
+    """The step: the torchrun children, then bench e2e; `run_child` and `bench_step` are
+    gpu_check.py's (the child's output goes on to its log)."""
+    end = time.perf_counter() + timeout
+    left = lambda: end - time.perf_counter()  # noqa: E731
+    tmp_root = None if cpu else os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-train-", dir=tmp_root) as tmp:
+        out = Path(tmp)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        flag = ["--cpu"] if cpu else []
+        cmd = [*torchrun, "--nproc-per-node", "1", __file__, "main", tmp, *flag]
+        status, code, _, tail = run_child(cmd, cpu, left())
+        main = json.loads((out / "main.json").read_text()) if (out / "main.json").exists() else None
+        ep2 = None
+        if main is not None:
+            cmd = [*torchrun, "--nproc-per-node", "2", __file__, "ep2", tmp, *flag]
+            s2, _, _, tail2 = run_child(cmd, cpu, left())
+            f = out / "ep2.json"
+            ep2 = (
+                json.loads(f.read_text())
+                if f.exists()
+                else {"status": "fail", "reason": s2 + ": " + tail2[-300:]}
+            )
+    if main is None:
+        return dict(status=status if status != "ok" else "fail", exit=code, stderr_tail=tail)
+    bench = None
+    if not cpu:
+        args = ["--shape", "qwen3-30b-2l", "--device", "cuda", "--impls", "dropless-fused-ce",
+                "--rounds", "1", "--steps", "10", "--no-memory"]  # fmt: skip
+        res, record = bench_step("e2e", args, cpu, left())
+        row = (record or {}).get("figures", {}).get("rows", {}).get("dropless-fused-ce")
+        bench = dict(status=res["status"], tokens_per_s=round(row["tokens_per_s"]) if row else None)
+    table = train_table(main, ep2, bench, cpu)
+    failed = [k for k, ok in table["checks"].items() if not ok]
+    return dict(status="fail" if failed else "ok", exit=code, failed_checks=failed, train=table)
+
+
+if __name__ == "__main__":
+    mode, out_dir = sys.argv[1], Path(sys.argv[2])
+    {"main": main_child, "ep2": ep2_child}[mode](out_dir, "--cpu" in sys.argv[3:])

@@ -91,6 +91,8 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
     moe_intermediate_size=768, intermediate_size=1536, tie_word_embeddings=False,
     batch=1, seq=4096)}  # fmt: skip
+# qwen3-gpu with Qwen3's vocabulary: where the LM head and its loss weigh most
+SHAPES["qwen3-gpu-v152k"] = {**SHAPES["qwen3-gpu"], "vocab_size": 151936}
 IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *peers.E2E_ROWS)
 PROFILED = "dropless"  # --profile: the row whose step is profiled
 TITLE = "## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`"
@@ -124,7 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape", choices=sorted(SHAPES), default="qwen3",
         help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs; "
         "qwen3-gpu: qwen3 at a GPU's size (vocab 32768, hidden 1024, batch 8 x 2048); "
-        "qwen3-30b-2l: two Qwen3-30B-A3B layers (vocab 32768, batch 1 x 4096)",
+        "qwen3-30b-2l: two Qwen3-30B-A3B layers (vocab 32768, batch 1 x 4096); "
+        "qwen3-gpu-v152k: qwen3-gpu with Qwen3's vocabulary (151,936)",
     )  # fmt: skip
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default=None,

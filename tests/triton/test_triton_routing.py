@@ -136,7 +136,11 @@ def _aux_check(T, E, K, fields, mode, device):
     """route_with_aux: the kernel's fused loss inputs against the torch losses (values
     and gradients through weights, scores, the load-balancing and the z loss together)."""
     from dropless.kernels import routing_kernels as rk
-    from dropless.ops.losses import load_balancing_loss_global, z_loss
+    from dropless.ops.losses import (
+        load_balancing_loss_from_mean,
+        load_balancing_loss_global,
+        z_loss,
+    )
     from dropless.ops.routing import route_with_aux
 
     routing = RoutingConfig(**fields)
@@ -155,12 +159,13 @@ def _aux_check(T, E, K, fields, mode, device):
         assert got.dtype == torch.float32 and got.shape == want.shape
         torch.testing.assert_close(got.detach().cpu(), want.detach(), **TOL)
     # the contract the MoE layer relies on: the same losses as ops.losses
-    lb = E * (counts_E.to(device) / 7 * out[3]).sum()
+    lb = load_balancing_loss_from_mean(out[3], counts_E.to(device), 7)
     torch.testing.assert_close(lb.cpu(), load_balancing_loss_global(ref[2], counts_E, 7), **TOL)
     torch.testing.assert_close(out[4].cpu(), z_loss(lr), **TOL)
 
     def loss(w, s, pm, z):
-        return _loss(w, s, g_w, g_s) + E * (counts_E.to(pm.device) / 7 * pm).sum() + 0.3 * z
+        lb = load_balancing_loss_from_mean(pm, counts_E.to(pm.device), 7)
+        return _loss(w, s, g_w, g_s) + lb + 0.3 * z
 
     (dl,) = torch.autograd.grad(loss(out[0], out[2], out[3], out[4]), lg)
     (dlr,) = torch.autograd.grad(loss(ref[0], ref[2], ref[3], ref[4]), lr)

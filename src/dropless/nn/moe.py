@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..ops.compute_dtype import autocast_dtype
-from ..ops.losses import load_balancing_loss_global, z_loss
+from ..ops.losses import load_balancing_loss_from_mean, load_balancing_loss_global, z_loss
 from ..ops.replay import routing_replay
 from ..ops.routing import capacity_keep_mask, expert_capacity
 from ..ops.specs import ActivationConfig, RoutingConfig
@@ -33,6 +33,14 @@ class MoEAux:
     tokens_per_expert: torch.Tensor
     dropped: int
     router_logits: torch.Tensor | None = None
+
+
+def _lb_loss(r, counts_E, n_tokens) -> torch.Tensor:
+    # the router's pass computed the mean scores (a routing kernel on CUDA) unless a
+    # custom router returned only the scores
+    if r.probs_mean_E is None:
+        return load_balancing_loss_global(r.scores_TE, counts_E, n_tokens)
+    return load_balancing_loss_from_mean(r.probs_mean_E, counts_E, n_tokens)
 
 
 class SharedExpert(nn.Module):
@@ -181,8 +189,8 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
         aux = MoEAux(
-            lb_loss=load_balancing_loss_global(r.scores_TE, counts_E, n_tokens),
-            z_loss=z_loss(r.logits_TE),
+            lb_loss=_lb_loss(r, counts_E, n_tokens),
+            z_loss=z_loss(r.logits_TE) if r.z_loss is None else r.z_loss,
             tokens_per_expert=tokens_per_expert,
             # dropless needs no count (and no host sync); capacity mode counts the drops
             dropped=0 if keep_TK is None else int(r.ids_TK.numel() - int(tokens_per_expert.sum())),

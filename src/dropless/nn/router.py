@@ -1,4 +1,5 @@
-"""TopKRouter: a linear gate, fp32 scores, top-k selection (see `dropless.ops.route`)."""
+"""TopKRouter: a linear gate, fp32 scores, top-k selection (see `dropless.ops.route`), and
+the router losses' inputs from the same pass (`dropless.ops.routing.route_with_aux`)."""
 
 # T tokens, D model dim, E experts, K top-k
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops.routing import route
+from ..ops.routing import route_with_aux
 from ..ops.specs import RoutingConfig, as_routing
 
 #: TopKRouter / MoE defaults: renormalised top-k weights (ops.route defaults to raw ones).
@@ -22,6 +23,9 @@ class RouterOutput:
     ids_TK: torch.Tensor  # int64 expert ids
     logits_TE: torch.Tensor
     scores_TE: torch.Tensor  # fp32 softmax / sigmoid scores
+    # the router losses' inputs from the routing pass (`ops.routing.route_with_aux`)
+    probs_mean_E: torch.Tensor | None = None  # mean over tokens of the normalised scores
+    z_loss: torch.Tensor | None = None  # mean over tokens of logsumexp(logits)^2
 
 
 class TopKRouter(nn.Module):
@@ -88,10 +92,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         logits_TE = nn.functional.linear(x_TD, self.weight)
-        weights_TK, ids_TK, scores_TE = route(
+        weights_TK, ids_TK, scores_TE, probs_mean_E, z = route_with_aux(
             logits_TE, self.top_k, self.routing, expert_bias_E=self.expert_bias
         )
-        return RouterOutput(weights_TK, ids_TK, logits_TE, scores_TE)
+        return RouterOutput(weights_TK, ids_TK, logits_TE, scores_TE, probs_mean_E, z)
 
     def extra_repr(self) -> str:
         return (

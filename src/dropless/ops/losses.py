@@ -31,10 +31,22 @@ def load_balancing_loss_global(
     counts_E and num_tokens are already summed over processes by the caller; the
     gradient flows through this process's scores only.
     """
-    E = scores_TE.shape[1]
-    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-    frac_E = counts_E.to(probs_TE.dtype) / max(int(num_tokens), 1)
-    return E * (frac_E * probs_TE.mean(0)).sum()
+    return load_balancing_loss_from_mean(mean_normalised_scores(scores_TE), counts_E, num_tokens)
+
+
+def mean_normalised_scores(scores_TE: torch.Tensor) -> torch.Tensor:
+    """[E]: the mean over tokens of the scores normalised per token (sum 1), what the
+    load-balancing loss reads."""
+    return (scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(0)
+
+
+def load_balancing_loss_from_mean(
+    probs_mean_E: torch.Tensor, counts_E: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """The same loss from the mean over tokens of the per-token normalised scores, as
+    `ops.routing.route_with_aux` returns it (a routing kernel computes it in its pass)."""
+    frac_E = counts_E.to(probs_mean_E.dtype) / max(int(num_tokens), 1)
+    return probs_mean_E.shape[0] * (frac_E * probs_mean_E).sum()
 
 
 def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .losses import z_loss
+from .losses import mean_normalised_scores, z_loss
 from .reference import route_reference
 from .replay import checkpoint_state
 from .specs import RoutingConfig, as_routing
@@ -159,10 +159,11 @@ def route_with_aux(
     """`route` and the router losses' inputs from one pass over the same scores.
 
     Returns (weights_TK, ids_TK, scores_TE, probs_mean_E, z_loss): probs_mean_E [E] fp32
-    is the mean over tokens of the scores normalised per token, so that
-    `losses.load_balancing_loss_global(scores_TE, counts_E, n)` equals
-    `E * (counts_E / n * probs_mean_E).sum()`, and z_loss is `losses.z_loss(logits_TE)`;
-    both with gradients to the logits. A routing kernel ("triton", CUDA) computes them
+    is the mean over tokens of the scores normalised per token
+    (`losses.mean_normalised_scores`), so that `losses.load_balancing_loss_from_mean(
+    probs_mean_E, counts_E, n)` equals `losses.load_balancing_loss_global(scores_TE,
+    counts_E, n)`, and z_loss is `losses.z_loss(logits_TE)`; both with gradients to the
+    logits. A routing kernel ("triton", CUDA) computes them
     inside its routing pass and their gradients inside its backward; elsewhere they are
     the torch ops of `losses`. routing None: the defaults (`expert_bias` set when
     expert_bias_E is given); backend as in `route`.
@@ -180,8 +181,7 @@ def route_with_aux(
     weights_TK, ids_TK, scores_TE = route(
         logits_TE, top_k, routing, expert_bias_E=expert_bias_E, backend=backend
     )
-    probs_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-    return weights_TK, ids_TK, scores_TE, probs_TE.mean(0), z_loss(logits_TE)
+    return weights_TK, ids_TK, scores_TE, mean_normalised_scores(scores_TE), z_loss(logits_TE)
 
 
 def check_expert_bias(routing: RoutingConfig, expert_bias_E, num_experts: int) -> None:

@@ -201,3 +201,20 @@ def test_fused_chunk_size_fits_the_buffer():
     assert fused_chunk_size(16384, 32768, torch.bfloat16) == 4096
     assert fused_chunk_size(100, 32768, torch.float32) == 100
     assert fused_chunk_size(10**6, 10**8, torch.float32) == 128  # floor for huge vocabularies
+
+
+def test_fused_under_autocast_computes_in_the_autocast_dtype():
+    """fp32 parameters under bf16 autocast: the head's GEMMs run in bf16 as F.linear's
+    would (the stock loss to fp32 rounding, not the more exact fp32 one), gradients fp32."""
+    h, w, b, y = _inputs(37, 16, 50, 0.2, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        l0, g0 = _loss_and_grads(ref.linear_cross_entropy_reference, h, w, b, y)
+        l1, g1 = _loss_and_grads(
+            lambda *a: linear_cross_entropy(*a, chunk_size=8, backend="fused"), h, w, b, y
+        )
+    exact = ref.linear_cross_entropy_reference(h, w, y, b)
+    assert (l0 - exact).abs() > 1e-4  # bf16 logits: the check below can tell them apart
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+    for a, c in zip(g1, g0):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, c, rtol=1.6e-2, atol=1e-3)

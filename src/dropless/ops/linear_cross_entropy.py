@@ -296,17 +296,35 @@ def fused_linear_cross_entropy(
     rows: the row-op implementation (default: the best registered one that runs the
     logits chunk; tests pass the Triton kernel to run it on CPU under the interpreter).
     Outside of autograd (no grad mode, or no input requiring a gradient) only the loss
-    is computed.
+    is computed. Under autocast the GEMMs run in the autocast dtype, as `F.linear` would.
     """
     assert reduction in ("mean", "sum"), reduction
+    h_TD, weight_VD, bias_V = _autocast_inputs(h_TD, weight_VD, bias_V)
     T = h_TD.shape[0]
     chunk = chunk_size or fused_chunk_size(T, weight_VD.shape[0], h_TD.dtype)
     args = (ignore_index, float(label_smoothing), reduction, chunk, rows)
     grad_on = torch.is_grad_enabled()
     needs = tuple(grad_on and t is not None and t.requires_grad for t in (h_TD, weight_VD, bias_V))
-    if not any(needs):
-        return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
-    return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)
+    # the inputs are cast already; the out= GEMMs and the row op run in their dtypes
+    with torch.autocast(h_TD.device.type, enabled=False):
+        if not any(needs):
+            return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
+        return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)
+
+
+def _autocast_inputs(h_TD, weight_VD, bias_V):
+    """The inputs as `F.linear` under the active autocast sees them: fp32 tensors in the
+    autocast dtype (cast outside the autograd Function, so their gradients flow back
+    through the casts in fp32, as stock's do)."""
+    device = h_TD.device.type
+    if not torch.is_autocast_enabled(device):
+        return h_TD, weight_VD, bias_V
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.dtype == torch.float32 else t
+
+    return cast(h_TD), cast(weight_VD), cast(bias_V)
 
 
 class _FusedLinearCE(torch.autograd.Function):

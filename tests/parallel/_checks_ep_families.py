@@ -3,7 +3,8 @@ path runs, not only the fused gated MLP. Every family of tests/hf/families.py at
 equals one process; Nemotron-H (non-gated relu^2 experts, `up_proj`)
 at EP=2 equals one process (logits, every gradient) and trains under FSDP2 x EP equal to
 one process; BEAM's own gate (generic path) and MuSE-Spark's post-expert norm at EP=2
-equal their single-process dropless forward; and the two refusals name the family."""
+equal their single-process dropless forward (BEAM with LoRA factors too); and the refusal
+of a module on its stock forward names the family."""
 
 # B sequences per rank, L sequence length, T tokens per rank, D model dim, E experts
 
@@ -200,10 +201,15 @@ def _tiny_experts(family: str, E: int = 4) -> nn.Module:
     return module
 
 
-def _ep_module_equals_single(family: str, rank: int, world: int, path: str) -> None:
+def _ep_module_equals_single(
+    family: str, rank: int, world: int, path: str, lora: bool = False
+) -> None:
+    from dropless.hf.expert_lora import attach_expert_lora
     from dropless.hf.experts import PATH_CALLS, dropless_experts_forward, experts_spec
 
     module = _tiny_experts(family)
+    if lora:  # factors owned by the module: folded into the weights off the fused path
+        attach_expert_lora(module, 2, 4, generator=torch.Generator().manual_seed(0))
     spec = experts_spec(module)
     assert spec.path == path, spec
     E, D, K = module.num_experts, HIDDEN, 2
@@ -230,7 +236,7 @@ def _ep_module_equals_single(family: str, rank: int, world: int, path: str) -> N
     torch.testing.assert_close(x_ep.grad, x_ref.grad[sl], rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(w_ep.grad, w_ref.grad[sl], rtol=RTOL, atol=ATOL)
     holder_ref = _Holder(ref)
-    assert _assert_grads(holder, holder_ref, rank, E, world) == 2
+    assert _assert_grads(holder, holder_ref, rank, E, world) == (4 if lora else 2)
     if spec.post_norm:
         _fsdp_post_norm(module, ref, pm, (x[sl], ids[sl], w_TK[sl], gy[sl]), y_ref[sl], world)
 
@@ -255,8 +261,10 @@ def _fsdp_post_norm(module, ref, pm, batch, y_want, world) -> None:
 
 
 def hf_ep_generic_gate(rank, world):
-    """BEAM's experts: the module's own gate between our grouped GEMMs, at EP=2."""
+    """BEAM's experts: the module's own gate between our grouped GEMMs, at EP=2; with the
+    module's own LoRA factors too (sharded with the experts, folded on this path)."""
     _ep_module_equals_single("beam", rank, world, "generic")
+    _ep_module_equals_single("beam", rank, world, "generic", lora=True)
 
 
 def hf_ep_post_norm(rank, world):
@@ -276,14 +284,8 @@ def _refused(holder, pm, *words) -> None:
 
 def hf_ep_refusals(rank, world):
     """The experts EP cannot run are refused with the family named and why: a module on
-    its stock forward (weights not in the v5 layout), and LoRA factors on a path whose
-    MLP is not the fused one."""
-    from dropless.hf.expert_lora import attach_expert_lora
-
+    its stock forward (weights not in the v5 layout), which needs every expert."""
     pm = build_mesh(ParallelConfig(ep=world), num_experts=4)
     stock = _tiny_experts("qwen3_moe")
     del stock.gate_up_proj  # the v5 layout's weight gone: dropless runs the class's forward
     _refused(_Holder(stock), pm, "(qwen3_moe)", "runs its own forward", "gate_up_proj")
-    beam = _tiny_experts("beam")
-    attach_expert_lora(beam, 2, 4, generator=torch.Generator().manual_seed(0))
-    _refused(_Holder(beam), pm, "(beam)", "LoRA", "generic path", "parallel.ep=1")

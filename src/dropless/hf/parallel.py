@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from ..ops.compute_dtype import expert_input
+from ..ops.dispatch import get_recipe
 from ..ops.expert_mlp import grouped_mlp
 from ..ops.grouped_gemm import grouped_gemm
 from ..parallel.experts import _local
-from .expert_lora import LORA_PARAMS, attached_lowrank
+from .expert_lora import LORA_PARAMS, attached_lowrank, fold_attached
 from .quantized_weights import (
     FP8_SCALE_SUFFIX,
     MXFP4_SUFFIXES,
@@ -65,11 +66,15 @@ class _LocalExperts:
         m, s = self.module, self.spec
         w1, w2, b1, b2 = self.weights()
         plain = s.path == "fused" and not s.post_norm
+        lora = attached_lowrank(m)  # this rank's shards of the module's own factors
+        if lora is not None and (not plain or get_recipe() is not None):
+            # a path that cannot run them as thin GEMMs: folded, as one process does
+            w1, w2 = (fold_attached(w, lr, s.trans_w) for w, lr in zip((w1, w2), lora))
+            lora = None
         if s.path == "fused":
             y_SD = grouped_mlp(
                 x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
-                down_bias=b2, activation=s.activation, trans_w=s.trans_w,
-                lora=attached_lowrank(m) if plain else None,  # this rank's factor shards
+                down_bias=b2, activation=s.activation, trans_w=s.trans_w, lora=lora,
             )  # fmt: skip
         else:  # the module's own gate, under autograd (as `hf.experts._composed`)
             h_SN = grouped_gemm(x_SD, w1, counts, b1, trans_w=s.trans_w)
@@ -101,13 +106,6 @@ def _ep_refusal(layer, spec) -> str | None:
             f"{layer.name} ({layer.family}): expert parallelism runs the dropless experts path, "
             f"and this module runs its own forward ({spec}). Train it with parallel.ep=1."
         )
-    lora = "_dropless_lora_scale" in layer.experts.__dict__
-    if lora and (spec.path != "fused" or spec.post_norm):
-        return (
-            f"{layer.name} ({layer.family}): LoRA factors run inside the fused expert MLP only, "
-            f"and these experts compute {spec.describe()} ({spec.path} path): there is no "
-            "expert-parallel LoRA for them. Train with parallel.ep=1, or full fine-tuning."
-        )
     return None
 
 
@@ -122,7 +120,9 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     Every form of experts the dropless path runs is sharded (fused gated or non-gated,
     post-expert norm, generic gate). Raises ValueError, naming the module, its family and
     why, for an experts module on its own stock forward (it would need every expert on
-    each rank) and for `attach_expert_lora` factors on the generic or post-norm path.
+    each rank). `attach_expert_lora` factors shard with their experts; on the generic or
+    post-norm path (or under a low-precision recipe) they are folded into this rank's
+    weights, as on one process.
     """
     from torch.distributed.tensor import DTensor, Shard
 

@@ -398,20 +398,30 @@ def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
     return loss, (grad_h, grad_w, grad_b)
 
 
+# whether this torch's CUDA addmm takes an fp32 `self`/`out` with 16-bit operands
+# (`out_dtype=`; older releases require `self` in the operands' dtype): found on first use
+_ADDMM_FP32_OUT: list[bool] = []
+
+
 def _mm_into(out, a, b, *, accumulate: bool):
     """out = a @ b (out += a @ b with accumulate), in out's dtype (fp32 for 16-bit a, b).
 
     16-bit operands on CUDA run the 16-bit GEMM writing fp32 into out (`out_dtype=`, in
-    place: no weight-sized temporary); on CPU they are upcast (16-bit matmul is slow
-    there)."""
+    place: no weight-sized temporary; where torch's addmm refuses an fp32 `self`, the
+    chunk's product goes through one fp32 temporary); on CPU they are upcast (16-bit
+    matmul is slow there)."""
     if a.dtype == out.dtype:
         return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
-    if a.is_cuda:
+    if not a.is_cuda:
+        a, b = a.to(out.dtype), b.to(out.dtype)
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    if not accumulate:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    if not _ADDMM_FP32_OUT or _ADDMM_FP32_OUT[0]:
         try:
-            if accumulate:
-                return torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            return torch.mm(a, b, out_dtype=out.dtype, out=out)
-        except (RuntimeError, TypeError):  # a torch without out_dtype: 16-bit result, fp32 sum
-            return out.add_(a @ b) if accumulate else out.copy_(a @ b)
-    a, b = a.to(out.dtype), b.to(out.dtype)
-    return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            _ADDMM_FP32_OUT[:] = [True]
+            return out
+        except RuntimeError:
+            _ADDMM_FP32_OUT[:] = [False]
+    return out.add_(torch.mm(a, b, out_dtype=out.dtype))

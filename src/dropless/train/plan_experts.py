@@ -11,16 +11,11 @@ fixes:
 - forward keeps for backward h [R, 2F] in the compute dtype (the only activation the
   fused MLP saves, `ops/fused_mlp.py`), prob_S [R] and the sort indices token_S [R],
   slot_TK [T, K] (int64); with expert parallelism also the received rows [R, D] (the
-  fused MLP's input there), the all-to-all send buffer [S, D] while it is in flight, and
-  the weighted combine's saved expert outputs y_SD [S, D] with its pair and token
-  indices [S] (int64; `ops/permute.py::_Unpermute`, for the routing weights' gradient);
-- backward allocates what the fused backward holds, in its order: under expert
-  parallelism first the combine's backward (the pairs' output gradient [S, D], then the
-  rows received back [R, D] and their local-order copy [R, D]); the gathered output
+  fused MLP's input there) and the all-to-all send buffer [S, D] while it is in flight;
+- backward allocates what the fused backward holds, in its order: the gathered output
   gradient [R, D], d(activation) and the recomputed activation [R, F], dh [R, 2F], the
   recomputed x_SD [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights'
-  shape and dtype; under expert parallelism dx_SD's local-order copy [R, D] and the
-  pairs' input gradient received back [S, D]; and dx [T, D].
+  shape and dtype, and dx [T, D].
 
 S = T x K pairs of this rank's tokens; R = the rows this rank's experts compute: S on one
 process (every expert is local, whatever the routing), ceil(S x skew) under expert
@@ -51,31 +46,19 @@ class _DeclaredExperts(torch.autograd.Function):
         kept = [h, weights_TK.new_empty(rows), x_TD.new_empty(rows, dtype=torch.long)]
         kept.append(x_TD.new_empty(T, K, dtype=torch.long))
         if ep:
-            D = x_TD.shape[1]
-            send = x_TD.new_empty(S, D)  # in flight during the dispatch
-            kept.append(x_TD.new_empty(rows, D))  # received rows, saved
+            send = x_TD.new_empty(S, x_TD.shape[1])  # in flight during the dispatch
+            kept.append(x_TD.new_empty(rows, x_TD.shape[1]))  # received rows, saved
             del send
-            kept.append(x_TD.new_empty(S, D))  # y_SD, saved by the weighted combine
-            kept += [x_TD.new_empty(S, dtype=torch.long) for _ in range(2)]  # pair_S, token_S
         ctx.save_for_backward(*kept)
-        ctx.ep = ep
         ctx.shapes = (w1.shape, w1.dtype, w2.shape, w2.dtype, rows, x_TD.shape[1])
         return x_TD.new_empty(x_TD.shape)
 
     @staticmethod
     def backward(ctx, g_TD):
         # the live set of `_GroupedMLP.backward`, in its order
-        saved = ctx.saved_tensors  # once: under activation checkpointing a second read raises
-        h = saved[0]
+        h = ctx.saved_tensors[0]
         s1, d1, s2, d2, rows, D = ctx.shapes
         F = h.shape[1] // 2
-        S = saved[3].numel()
-        if ctx.ep:  # the combine's backward: pairs' grad out, received back, local order
-            g_SD = h.new_empty(S, D)
-            g_RD = h.new_empty(rows, D)
-            del g_SD
-            g_local = h.new_empty(rows, D)
-            del g_RD
         gy, da = h.new_empty(rows, D), h.new_empty(rows, F)  # gathered grad, d(act out)
         dh, a = torch.empty_like(h), h.new_empty(rows, F)  # d h, the recomputed activation
         del da
@@ -85,12 +68,6 @@ class _DeclaredExperts(torch.autograd.Function):
         g1 = h.new_empty(s1, dtype=d1)
         del x_SD
         dx_SD = h.new_empty(rows, D)
-        if ctx.ep:  # the dispatch's backward: local-order copy, pairs' grad received back
-            del g_local
-            dx_local = h.new_empty(rows, D)
-            del dx_SD
-            dx_SD = h.new_empty(S, D)
-            del dx_local
         dx = g_TD.new_empty(g_TD.shape)
         del dx_SD, dh, gp
         return dx, g1, g2, None, None, None

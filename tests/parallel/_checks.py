@@ -46,6 +46,7 @@ from _checks_hf import (  # noqa: F401
 from _checks_load import hf_sharded_load  # noqa: F401
 from _checks_optim import fsdp_fused_adamw  # noqa: F401
 from _checks_precision import fsdp_bf16_policy, fsdp_experts_reshard_w4  # noqa: F401
+from _checks_quantized import quantized_load_ep, quantized_load_fsdp  # noqa: F401
 from _checks_replay import ep_routing_replay, hf_ep_routing_replay  # noqa: F401
 
 CHECKS = {
@@ -84,6 +85,8 @@ CHECKS = {
         "hf_ep_refusals",
         "fsdp_bf16_fp32_router",
         "fsdp_refuses_unsplittable_dtypes",
+        "quantized_load_ep",
+        "quantized_load_fsdp",
     ],
     4: [
         "ep_uniform",

@@ -346,8 +346,10 @@ def _device(args) -> str:
     return dev
 
 
-def _timing_rounds(args, impls, shape, device: str = "cpu") -> dict[str, list[dict]]:
-    """Timing children only (default allocator), the order rotated every round."""
+def _timing_rounds(args, impls, shape, device="cpu", failed=None) -> dict[str, list[dict]]:
+    """Timing children only (default allocator), the order rotated every round. A peer
+    row whose child fails is dropped, its error put in `failed`."""
+    failed = {} if failed is None else failed
     results: dict[str, list[dict]] = {i: [] for i in impls}
     common = {"shape": shape, "steps": args.steps, "optimizer": args.optimizer, "device": device}
     for r in range(args.rounds):
@@ -356,19 +358,26 @@ def _timing_rounds(args, impls, shape, device: str = "cpu") -> dict[str, list[di
             order = [i for i in order if i != "eager"]
         for impl in order:
             progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
+            if impl in failed:
+                continue
             profile = bool(getattr(args, "profile", False)) and impl == PROFILED and r == 0
-            out = run_child(
-                "dropless.bench.e2e",
-                {**common, "impl": impl, "mode": "time", "threads": args.threads}
-                | {"profile": profile},
-            )
+            child = {**common, "impl": impl, "mode": "time", "threads": args.threads}
+            try:
+                out = run_child("dropless.bench.e2e", child | {"profile": profile})
+            except RuntimeError as e:
+                if impl not in peers.E2E_ROWS:
+                    raise
+                # a peer that breaks on this stack costs its own row, not the table
+                failed[impl] = str(e).strip().splitlines()[-1][:300]
+                print(f"round {r + 1}/{args.rounds} {impl}: failed ({failed[impl]})", flush=True)
+                continue
             results[impl].append(out)
             print(
                 f"round {r + 1}/{args.rounds} {impl:10s} {out['tokens_per_s']:8.0f} tokens/s "
                 f"step {out['step_s']:.2f} s  loss {out['first_loss']:.4f}",
                 flush=True,
             )
-    return results
+    return {i: outs for i, outs in results.items() if i not in failed}
 
 
 def _memory_runs(args, impls, shape) -> dict[str, dict]:
@@ -425,7 +434,11 @@ def run(args) -> int:
     if not impls:
         raise ValueError(f"--impls: no row can run here ({peer_status}); add a dropless row")
     shape = QUICK if args.quick else SHAPES[args.shape]
-    results = _timing_rounds(args, impls, shape, device)
+    failed: dict[str, str] = {}
+    results = _timing_rounds(args, impls, shape, device, failed)
+    for impl, err in failed.items():
+        peer_status[impl] |= {"ok": False, "status": f"failed: {err}"}
+    impls = [i for i in impls if i not in failed]
     if device == "cuda":  # measured by the timing children (the last round's)
         memory = {} if args.no_memory else {i: o[-1] for i, o in results.items()}
     else:

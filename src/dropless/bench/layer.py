@@ -113,7 +113,21 @@ imports and CUDA is there (otherwise named, with the version looked for). Peak
 memory: on CPU each implementation once more in its own child process, VmHWM (reset
 through /proc/self/clear_refs) minus VmRSS once inputs and weights are allocated; on CUDA
 one more step in the same process, max_memory_allocated minus memory_allocated before it.
-Skewed rows: a router bias sends about half the pairs to 4 experts."""
+Skewed rows: a router bias sends about half the pairs to 4 experts. `--profile`: one bf16
+(the shape's dtype) and one FP8 step (`dropless`, `dropless-fp8-current-row`) under
+torch.profiler, a table per step of its kernels (on CPU: aten operators) with calls, total
+ms and share. Tables written before the six-GEMM bound, the rate columns or the peer rows
+existed show none of them; a row absent from a table has not run on that device.
+
+Peers carried to the GPU machine as wheels (`python -m dropless.bench.peers download
+peers/`; `scripts/gpu_check.py` installs them with `pip install --no-deps --target`):
+Liger-Kernel 0.8.5, Cut Cross-Entropy 25.1.1 (both `py3-none-any`), torchao 0.18.0 (one
+`abi3` wheel, built for torch >= 2.11). SonicMoE cannot be carried (sonic-moe 0.1.2 pins
+torch <= 2.9.1 and needs a 74 MB CUTLASS DSL wheel); its published figures, not measured
+here and not at this shape: on Hopper, 45% less activation memory and 1.86x the compute
+throughput of ScatterMoE's bf16 MoE kernel for a fine-grained 7B MoE (Guo et al., "SonicMoE:
+Accelerating MoE with IO and Tile-aware Optimizations", arXiv:2512.14080, abstract); 1.87-4.04x
+the speed of ScatterMoE and MoMoE (Dao AI Lab, "SonicMoE" Blackwell blog post, 2026-04-22)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -487,13 +501,19 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     shape = SHAPES[args.shape]
     torch.set_num_threads(os.cpu_count())
     peer_status = {n: peers.row_status(n, dev) for n in impls if n in peers.LAYER_ROWS}
+    base = {k: v for k, v in shape.items() if k != "T"} | {"device": dev, "skewed": False}
+    base["threads"] = torch.get_num_threads()
+    for name, st in peer_status.items():
+        if st["ok"]:  # one step first: a peer that breaks here costs its row, not the table
+            err = _probe(name, base | {"T": (args.tokens or shape["T"])[0]})
+            if err:
+                peer_status[name] = st | {"ok": False, "status": f"failed: {err}"}
     impls = [n for n in impls if peer_status.get(n, {"ok": True})["ok"]]
     progress("measuring the dense matmul rate")
     rates = machine_rates(dev, shape["dtype"])
     all_rows, text = [], []
     for T in args.tokens or shape["T"]:
-        cfg = {k: v for k, v in shape.items() if k != "T"}
-        cfg |= {"T": T, "device": dev, "skewed": False, "threads": torch.get_num_threads()}
+        cfg = base | {"T": T}
         cfg["matmul_tflops"] = rates[shape["dtype"]]["tflops"]
         rows = _run_case(cfg, impls, args)
         if not args.no_skewed:
@@ -519,6 +539,19 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
                 f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
             )
     return all_rows, table, extra
+
+
+def _probe(name: str, cfg: dict) -> str | None:
+    """One step of a row: None if it ran, else its error in one line."""
+    progress(f"T={cfg['T']} {name}: one step before timing")
+    try:
+        step, params, _ = _build(name, cfg)
+        _time_once(step, params, torch.device(cfg["device"]))
+    except Exception as e:  # noqa: BLE001 - whatever a peer raises, the other rows run
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    finally:
+        _SETUP_CACHE.clear()
+    return None
 
 
 def _profile(cfg: dict) -> dict:

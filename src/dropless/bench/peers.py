@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,12 @@ PEERS = {
     "cce": Peer("cut-cross-entropy", "cut_cross_entropy", "25.1.1", needs_cuda=True),
     "torchao": Peer("torchao", "torchao", "0.18.0", needs_cuda=True),
 }
+# the GPU machine the wheels are carried to: its Python and the platforms its pip accepts
+GPU_PYTHON = "3.12"
+PLATFORMS = (
+    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any",
+)  # fmt: skip
 # row name -> peer, for each bench
 LAYER_ROWS = {"liger-moe": "liger", "torchao-fp8-row": "torchao"}
 E2E_ROWS = {"liger": "liger", "liger-moe": "liger", "cce": "cce"}
@@ -161,9 +169,7 @@ def _cce_forward(model, linear_cross_entropy=None):
     def forward(input_ids, labels, **kwargs):
         aux = bool(cfg.output_router_logits)
         out = model.model(input_ids=input_ids, output_router_logits=aux)
-        loss = linear_cross_entropy(
-            out.last_hidden_state, model.lm_head.weight, labels, shift=True
-        )
+        loss = linear_cross_entropy(out.last_hidden_state, model.lm_head.weight, labels, shift=True)
         if aux:
             lb = load_balancing_loss_func(
                 out.router_logits, cfg.num_experts, cfg.num_experts_per_tok
@@ -172,3 +178,22 @@ def _cce_forward(model, linear_cross_entropy=None):
         return SimpleNamespace(loss=loss, logits=None)
 
     return forward
+
+
+# --- carrying the wheels -------------------------------------------------------------------
+
+
+def download_command(dest: str) -> list[str]:
+    """`pip download` of each peer's pinned wheel for the GPU machine, no dependencies
+    (each needs only torch and triton, which are there): ~4.3 MiB in all."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--python-version", GPU_PYTHON, "--implementation", "cp", "-d", dest]
+    for plat in PLATFORMS:
+        cmd += ["--platform", plat]
+    return cmd + [f"{p.package}=={p.wanted}" for p in PEERS.values()]
+
+
+if __name__ == "__main__":  # python -m dropless.bench.peers download DIR
+    if len(sys.argv) != 3 or sys.argv[1] != "download":
+        sys.exit("usage: python -m dropless.bench.peers download DIR")
+    sys.exit(subprocess.call(download_command(sys.argv[2])))

@@ -112,6 +112,14 @@ def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     first = [v for k, v in model.items() if k.endswith("experts.lora_A_first")]
     assert first and all(tuple(v.size) == (E, R, 32) for v in first)
 
+    # `dropless generate` / `convert --merge` read the sharded checkpoint on one process
+    from dropless.train.generate import load_run
+
+    ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [load_run(d)[2](input_ids=ids).logits for d in (ref, run)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
     # resume at step 2 under torchrun: steps 3-4 and the adapter equal the uninterrupted run
     shutil.copytree(run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000004")

@@ -58,7 +58,8 @@ def test_moe_compiled_matches_eager(backend):
 
 @pytest.mark.parametrize(
     "dtype, breaks",
-    [(torch.float32, 3), (torch.bfloat16, 4)],
+    # the router's losses come from its routing pass (route_with_aux): one graph fewer
+    [(torch.float32, 2), (torch.bfloat16, 3)],
     ids=["fp32", "bf16"],
 )
 def test_graph_breaks_are_the_documented_ones(dtype, breaks):

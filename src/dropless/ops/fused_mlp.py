@@ -238,7 +238,10 @@ def _release_h(h: torch.Tensor, *parts) -> None:
     """Free the saved h once the activation backward has read it (before the weight
     gradients run), in a backward that frees the graph as it goes; its storage is the
     Function's own (the gate/up GEMM's output). Kept when one of the activation's
-    `parts` is a view of it (a registered identity-like elementwise kind)."""
+    `parts` is a view of it (a registered identity-like elementwise kind), and under
+    torch.compile (the compiled backward plans its own memory; storage calls break it)."""
+    if torch.compiler.is_compiling():
+        return
     ptr = h.untyped_storage().data_ptr()
     if any(p is not None and p.untyped_storage().data_ptr() == ptr for p in parts):
         return

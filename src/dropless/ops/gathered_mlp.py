@@ -204,7 +204,8 @@ def backward_schedule(G, g, x, prob_S, gate_up, down, token_S, slot_TK, h, count
     """(dx, d prob, d gate_up, d down). Each of h and the recomputed a is freed right
     after its last reader (the activation backward; the down weight gradient), so
     neither is alive while the gate/up weight gradient and dx run."""
-    release = _graph_released() and not python_modes_active()
+    compiling = torch.compiler.is_compiling()  # storage calls would break the graph
+    release = not compiling and _graph_released() and not python_modes_active()
     need_gp = prob_S is not None and need.prob
     dh, gp, a = G.down_dgrad(g, token_S, down, counts, h, prob_S, act, trans_w, need_gp, need.down)
     if release:

@@ -193,3 +193,26 @@ def test_tune_gathered_picks_each_gemms_fastest_backend(tmp_path, monkeypatch):
                       "down_wgrad": "fast_wgrad", "up_wgrad": "fast_wgrad", "up_dgrad": "fast_mm"}  # fmt: skip
     keys = set(json.loads((tmp_path / "t.json").read_text())["choices"])
     assert "down_wgrad|float32|E3|S16|D8|F4|nt|swiglu" in keys and len(keys) == 6
+
+
+def test_without_timing_only_cached_picks_are_read(tmp_path):
+    """What the plan does while compiling or under a Python mode (fake tensors, FLOP
+    counters): no candidate runs; cached GEMMs keep their pick, the others get None."""
+    from dropless.ops.gathered_mlp import tune_gathered
+    from dropless.ops.row_ops import EAGER
+    from dropless.ops.specs import ActivationConfig
+
+    def timer(fn):
+        raise AssertionError("nothing may be timed")
+
+    path = tmp_path / "t.json"
+    key = shape_key("down", torch.float32, 3, 12, 8, 4, True, "swiglu")
+    _tuner(path, FakeTimer({"a": 2.0, "b": 1.0})).choose(
+        key, FakeTimer({"a": 2, "b": 1}).candidates()
+    )
+    backends = {"a": None, "b": None}  # never called
+    x, gu, dn = torch.randn(6, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+    choice = tune_gathered(x, gu, dn, ActivationConfig(), True, 12, None, backends, EAGER, None,
+                           _tuner(path, timer), timing=False)  # fmt: skip
+    assert choice == {"up": None, "down": "b", "down_dgrad": None, "down_wgrad": None,
+                      "up_wgrad": None, "up_dgrad": None}  # fmt: skip

@@ -256,11 +256,16 @@ def _tuning_inputs(x, gate_up, down, rows: int, trans_w: bool):
 
 @torch.no_grad()
 def tune_gathered(x, gate_up, down, act, trans_w, rows, kernels, backends, row_ops,
-                  act_row_ops, tuner) -> dict[str, str]:  # fmt: skip
+                  act_row_ops, tuner, timing: bool = True) -> dict[str, str | None]:  # fmt: skip
     """{GEMM: implementation} timed by `tuner` (a `gemm_tuning.GemmTuner`) among the
     fused kernels and the unfused form on each of `backends` (device-count backends).
-    No autograd graph is built (the weights may require grad)."""
-    cnt, idx, p, g, h, a, D, F = _tuning_inputs(x, gate_up, down, rows, trans_w)
+    No autograd graph is built (the weights may require grad). timing=False: only the
+    cached picks (None where there is none)."""
+    if timing:
+        cnt, idx, p, g, h, a, D, F = _tuning_inputs(x, gate_up, down, rows, trans_w)
+    else:  # nothing runs: no stand-in operands
+        D, F = (down.shape[1], down.shape[2]) if trans_w else (down.shape[2], down.shape[1])
+        cnt = idx = p = g = h = a = None
     impls = {name: _unfused(be, row_ops, act_row_ops) for name, be in backends.items()}
     if kernels is not None:
         impls[FUSED] = _fused(kernels)
@@ -278,5 +283,5 @@ def tune_gathered(x, gate_up, down, act, trans_w, rows, kernels, backends, row_o
             name: (lambda f=fns[gemm], a=args[gemm]: f(*a)) for name, fns in impls.items() if gemm in fns
         }  # fmt: skip
         key = shape_key(gemm, x.dtype, gate_up.shape[0], rows, D, F, trans_w, act.kind)
-        choice[gemm] = tuner.choose(key, cands)
+        choice[gemm] = tuner.choose(key, cands) if timing else tuner.lookup(key, cands)
     return choice

@@ -110,6 +110,11 @@ class GemmTuner:
         self._save(key, table[key])
         return pick
 
+    def lookup(self, key: str, names) -> str | None:
+        """The cached pick for `key` if it is among `names`, else None (never times)."""
+        hit = self._load().get(key)
+        return hit["pick"] if isinstance(hit, dict) and hit.get("pick") in names else None
+
     def _read(self) -> tuple[dict | None, dict]:
         """(the file's env, its choices); ({}, {}) when it does not exist. Raises
         ValueError when it is not a tuning cache."""

@@ -36,6 +36,7 @@ import torch
 
 from .activations import ACTIVATIONS
 from .dispatch import GemmBackend, gemm_backends, get_recipe, pick_gemm_backend, recipe_mlp
+from .expert_threads import python_modes_active
 from .gathered_mlp import FUSED, GEMMS, gather_kernels, gathered_gemms, tune_gathered
 from .gemm_tuning import default_tuner, record
 from .row_ops import RowOps, pick_row_ops
@@ -199,16 +200,21 @@ def _tuning_backends(x, gate_up, down, plan: MlpPlan) -> dict[str, GemmBackend]:
 def plan_gathered(x, gate_up, down, act, grouped: MlpPlan, rows: int, trans_w: bool,
                   forced: bool) -> MlpPlan:  # fmt: skip
     """The "gathered" plan (forced), or, automatically, the grouped plan unless the tuning
-    picks a fused kernel for some GEMM. Tunes only on CUDA outside torch.compile."""
+    picks a fused kernel for some GEMM. Times only on CUDA, outside torch.compile and
+    Python modes (there: the cached picks; the grouped path's backend where none)."""
     kernels = gather_kernels(x, act, gate_up, down)
     if kernels is None and not forced:
         return grouped
     backends = _tuning_backends(x, gate_up, down, grouped)
-    if x.is_cuda and not torch.compiler.is_compiling() and rows > 0:
+    choice = dict.fromkeys(GEMMS)
+    if x.is_cuda and rows > 0:
+        # no timing while compiling or under a Python mode (fake tensors, FLOP or memory
+        # counters): the cached picks only
+        timing = not torch.compiler.is_compiling() and not python_modes_active()
         choice = tune_gathered(x, gate_up, down, act, trans_w, rows, kernels, backends,
-                               grouped.row_ops, grouped.act_row_ops, default_tuner())  # fmt: skip
-    else:  # no timing here: the grouped path's backend for every GEMM
-        choice = dict.fromkeys(GEMMS, grouped.backend.name)
+                               grouped.row_ops, grouped.act_row_ops, default_tuner(), timing)  # fmt: skip
+    # untuned GEMMs run on the grouped path's backend
+    choice = {g: impl or grouped.backend.name for g, impl in choice.items()}
     gemms = gathered_gemms(choice, kernels, backends, grouped.row_ops, grouped.act_row_ops)
     E, dims = gate_up.shape[0], f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
     record(

@@ -185,3 +185,25 @@ def test_grouped_path_frees_h_before_its_weight_gradients(monkeypatch, kind):
     at_wgrad.clear()
     out.backward(g)
     assert at_wgrad == [0, 0]
+
+
+def test_gathered_path_with_dropped_pairs_matches_the_grouped_path():
+    """Capacity mode: dropped pairs have no sorted row (their slot is past the end); the
+    gathered path's combine reads them as zero, as the grouped path's does."""
+    T, E, K, D, F, opt = CASES["swiglu"]
+    x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
+    keep = torch.rand(T, K, generator=torch.Generator().manual_seed(3)) > 0.4
+    sp = sort_by_expert(ids, E, keep)
+    assert sp.num_slots < T * K
+    results = []
+    for path in ("gathered", "grouped"):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+        prob_S = leaves[1].reshape(-1).index_select(0, sp.pair_S)
+        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path, capacity=True)
+        out = fused_mlp(
+            leaves[0], prob_S, leaves[2], leaves[3], sp.counts, token_S=sp.token_S,
+            slot_TK=sp.slot_TK, num_out=T, plan=plan,
+        )  # fmt: skip
+        results.append([out, *torch.autograd.grad(out, leaves, g)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,7 @@ ep=2 at a small shape, against one process with 2 micro-batches; skipped, saying
 gloo's collectives refuse CUDA tensors). `--cpu`: the same at tiny sizes on CPU (gloo, fp32),
 bench_e2e skipped (no bench shape is the smoke's model).
 
-Disk: one checkpoint at a time (step 10: bf16 weights and fp32 AdamW moments, ~13.5 GB);
+Disk: one checkpoint at a time (step 10: bf16 weights and fp32 AdamW moments, ~14 GB);
 each run's last, synchronous checkpoint is not written (a hook stops the run there).
 Wall time on an H200: about 200 s (estimate, not yet measured).
 """

@@ -66,3 +66,35 @@ def test_one_process_checkpoint_resumes_under_force_distributed(tiny_run, tmp_pa
     got = _records(half)
     _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
     assert "ep_bytes_per_step" in got[-1]
+
+
+def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_path):
+    """With model.path, the forced run builds on meta and reads its shards from the
+    safetensors files (the loader a node uses), and LoRA trains the same adapters."""
+    pytest.importorskip("peft")
+    import torch
+    import transformers as tf
+
+    from dropless.hf import parallel as hf_parallel
+
+    cfg = tf.Qwen3MoeConfig(
+        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
+    args = [
+        f"model.path={src}", "finetune.method=lora", "finetune.lora_rank=4", "train.steps=3",
+        "train.seq_len=16", "train.batch_size=2", "optim.warmup_steps=1", "optim.lr=2e-2",
+        "log.every=1", "checkpoint.every=0", "log.plots=false", "log.tensorboard=false",
+    ]  # fmt: skip
+    assert main(["train", "--run-dir", str(tmp_path / "one"), *tiny_args(*args)]) == 0
+    loads = []
+    real = hf_parallel.load_sharded_hf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_parallel, "load_sharded_hf", lambda *a, **k: loads.append(1) or real(*a, **k))
+        assert main(["train", "--run-dir", str(tmp_path / "f"), *tiny_args(*args, FORCE)]) == 0
+    assert loads == [1]
+    _same(_records(tmp_path / "f"), _records(tmp_path / "one"), [0, 1, 2, 3])

@@ -2,8 +2,9 @@
 a saved Qwen3-MoE checkpoint is loaded shard by shard, the experts' own LoRA factors are
 sharded with their experts, the attention adapters and the frozen base by FSDP2. Against
 one process with the same global batch (2 micro-batches): the same losses, the same
-adapter file (keys, shapes, values), and a resume from the middle checkpoint that
-continues exactly as the uninterrupted run did."""
+adapter file (keys, shapes, values), a checkpoint one process loads (generate, convert)
+and resumes, and a resume under torchrun from the middle checkpoint that continues
+exactly as the uninterrupted run did."""
 
 import json
 import os
@@ -68,6 +69,15 @@ def _adapter(run_dir):
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+def _cut_at_step_2(run, to):
+    """A copy of `run` as it was after step 2 (its checkpoint, its first 3 records)."""
+    shutil.copytree(run, to)
+    shutil.rmtree(to / "checkpoints" / "step_00000004")
+    shutil.rmtree(to / "adapter")
+    lines = (to / "metrics.jsonl").read_text().splitlines()
+    (to / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+
+
 def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -121,14 +131,18 @@ def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
     # resume at step 2 under torchrun: steps 3-4 and the adapter equal the uninterrupted run
-    shutil.copytree(run, half)
-    shutil.rmtree(half / "checkpoints" / "step_00000004")
-    shutil.rmtree(half / "adapter")
-    lines = (half / "metrics.jsonl").read_text().splitlines()
-    (half / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    _cut_at_step_2(run, half)
     _torchrun("--run-dir", str(half), "--resume")
     assert [r["step"] for r in _records(half)] == [0, 1, 2, 3, 4]
     for a, b in zip(_records(run)[3:], _records(half)[3:]):
         assert (a["step"], a["loss"], a["eval_loss"]) == (b["step"], b["loss"], b["eval_loss"])
     resumed = _adapter(half)
     assert resumed.keys() == two.keys() and all(torch.equal(resumed[k], two[k]) for k in two)
+
+    # the ep=2 checkpoint resumed on one process (it reshards): the one-process losses
+    one_proc = tmp_path / "one"
+    _cut_at_step_2(run, one_proc)
+    resume = ["--run-dir", str(one_proc), "--resume", "--set", "parallel.ep=1"]
+    assert main(["train", *resume, "--set", "train.grad_accum=2"]) == 0
+    for w, g in zip(want[3:], _records(one_proc)[3:]):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), g["step"]

@@ -145,6 +145,36 @@ def test_train_checks_pass_and_fail_on_the_figures():
     assert t["checks"]["gloo_ep2_equal"] and t["rows"]["gloo_ep2"] == refused
 
 
+def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
+    """The GPU branch of the step without a GPU: the torchrun children's command lines,
+    their results read back, bench e2e at the same model (qwen3-30b-2l, the fused-loss row)
+    and the ratio of the trainer's tokens/s to it."""
+    tr = _script_module("gpu_check_train")
+    main, ep2 = _train_results()
+    cmds, benches = [], []
+
+    def run_child(cmd, cpu, timeout):
+        cmds.append(cmd)
+        mode, out = cmd[cmd.index(tr.__file__) + 1], Path(cmd[cmd.index(tr.__file__) + 2])
+        (out / f"{mode}.json").write_text(json.dumps(main if mode == "main" else ep2))
+        return "ok", 0, "", ""
+
+    def bench_step(bench, args, cpu, timeout):
+        benches.append((bench, args))
+        rows = {"dropless-fused-ce": dict(tokens_per_s=52000.0)}
+        return dict(status="ok", exit=0), {"figures": {"rows": rows}}
+
+    res = tr.run(False, 100.0, run_child, bench_step)
+    assert res["status"] == "ok" and res["failed_checks"] == [], res
+    assert [c[c.index("--nproc-per-node") + 1] for c in cmds] == ["1", "2"]
+    assert all("--cpu" not in c and "torch.distributed.run" in c for c in cmds)
+    ((bench, args),) = benches
+    assert bench == "e2e" and args[args.index("--shape") + 1] == "qwen3-30b-2l"
+    assert args[args.index("--impls") + 1] == "dropless-fused-ce" and "cuda" in args
+    b = res["train"]["rows"]["bench_e2e"]
+    assert b["tokens_per_s"] == 52000 and b["train_vs_bench"] == round(50000 / 52000, 3)
+
+
 def _script_module(name):
     import importlib.util
 

@@ -102,7 +102,37 @@ def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str |
             e2e,
             ["ms", "tokens_per_s", "speed_vs_grouped_mm", "peak_step_gib", "memory_vs_grouped_mm"],
         )
-    return lines
+    return lines + _train_lines(s["groups"].get("train", {}).get("train"))
+
+
+TRAIN_COLS = [
+    "steps", "first_loss", "last_loss", "max_rel_loss_diff", "tokens_per_s",
+    "max_memory_allocated_gib", "syncs_forward_per_layer", "syncs_recompute_per_layer",
+]  # fmt: skip
+
+
+def _train_lines(train: dict | None) -> list[str]:
+    """The train step: the two runs as a table, the other rows and the checks as lines."""
+    if not train:
+        return []
+    rows = train["rows"]
+    checks = ", ".join(f"{k} {'ok' if ok else 'FAILED'}" for k, ok in train["checks"].items())
+    out = [
+        "`dropless train` on the path a node runs (`scripts/gpu_check_train.py`): one process "
+        "(`single`) vs `parallel.force_distributed=true` under `torchrun --nproc-per-node 1` "
+        f"(`force_distributed`), model `{train['model']}`; checks: {checks}.",
+        "",
+        "| row | " + " | ".join(TRAIN_COLS) + " |",
+        "|---|" + "---|" * len(TRAIN_COLS),
+    ]
+    for name in ("single", "force_distributed"):
+        row = rows.get(name, {})
+        out.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in TRAIN_COLS) + " |")
+    out.append("")
+    for name in ("resume", "bench_e2e", "gloo_ep2", "ep_rank_share"):
+        if name in rows:
+            out.append(f"- {name}: " + ", ".join(f"{k}={v}" for k, v in rows[name].items()))
+    return out + [""]
 
 
 _DATES: dict[Path, str] = {}  # --date LOG WHEN, for a log whose summary has no date

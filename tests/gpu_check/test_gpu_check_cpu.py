@@ -255,3 +255,11 @@ def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
     assert "| pytest | ok | 40 passed, 900 deselected | 60.0 |" in text
     assert "| dense_bound | 6.5 | 1.0 | 1.8 |" in text and "| dropless | 50.0 | 300000 |" in text
     assert "six GEMMs" in text and "5 of the" not in text
+    # the train step: its two runs as a table, the other rows and the checks as lines
+    main, ep2 = _train_results()
+    train = _script_module("gpu_check_train").train_table(main, ep2, None, cpu=False)
+    summary["groups"]["train"] = dict(status="ok", seconds=180.0, train=train)
+    text = "\n".join(report.render_run(summary, log, "abc1234", "", None))
+    assert "| train | ok | - | 180.0 |" in text
+    assert "| force_distributed | 4 | 10.0 | 9.0 | 0.0 | 48000 | 20.0 | 1 | 0 |" in text
+    assert "- resume: from_step=2, steps=2" in text and "recompute_syncs_0 ok" in text

@@ -130,12 +130,14 @@ def test_backward_frees_h_and_a_before_the_weight_gradients_that_do_not_read_the
 
 def test_forced_gathered_path_refuses_biases_and_a_cpu_plan_never_picks_it():
     x, ids, w_TK, gu, dn, _ = _operands(*CASES["swiglu"])
-    with pytest.raises(ValueError, match="without biases"):
+    with pytest.raises(ValueError, match="gated experts without biases"):
         plan_expert_mlp(x, gu, dn, ActivationConfig(), path="gathered", bias=True)
-    with pytest.raises(ValueError, match="without biases"):
+    with pytest.raises(ValueError, match="gated experts without biases"):
         sp = sort_by_expert(ids, gu.shape[0])
         fused_mlp(x, None, gu, dn, sp.counts, token_S=sp.token_S, slot_TK=sp.slot_TK,
                   num_out=x.shape[0], down_bias=torch.zeros(4, 12), path="gathered")  # fmt: skip
+    with pytest.raises(ValueError, match="gated experts"):
+        plan_expert_mlp(x, gu, dn, ActivationConfig("gelu", gated=False), path="gathered")
     for path in (None, "grouped"):
         assert plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path).path != "gathered"
 

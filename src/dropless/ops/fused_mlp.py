@@ -299,11 +299,11 @@ def fused_mlp(
             x, gate_up, down, act, backend, down_lora=down_lora
         )  # fmt: skip
         if path == "gathered":
-            check_gathered_ok(lora, has_bias)
+            check_gathered_ok(lora, has_bias, act)
             rows = token_S.shape[0] if token_S is not None else x.shape[0]
             plan = plan_gathered(x, gate_up, down, act, plan, rows, trans_w, forced=True)
     if plan.path == "gathered":
-        check_gathered_ok(lora, has_bias)
+        check_gathered_ok(lora, has_bias, act)
         return gathered_mlp(
             x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, plan.gathered
         )

@@ -162,9 +162,9 @@ def plan_expert_mlp(
         down_lora = lora is not None and lora[1] is not None
         plan = plan_grouped(x, gate_up, down, act, backend, down_lora=down_lora, capacity=capacity)
         auto = forced is None and backend in (None, "auto") and x.is_cuda
-        if path == "gathered" or (auto and lora is None and not bias):
+        if path == "gathered" or (auto and lora is None and not bias and act.gated):
             if path == "gathered":
-                check_gathered_ok(lora, bias)
+                check_gathered_ok(lora, bias, act)
             rows = x.shape[0] if rows is None else rows
             plan = plan_gathered(x, gate_up, down, act, plan, rows, trans_w, path == "gathered")
             plan = replace(plan, device_counts=plan.device_counts and not capacity)
@@ -173,12 +173,12 @@ def plan_expert_mlp(
     return plan
 
 
-def check_gathered_ok(lora, bias: bool) -> None:
+def check_gathered_ok(lora, bias: bool, act: ActivationConfig) -> None:
     """Raise ValueError when path="gathered" is forced for experts it does not run."""
-    if lora is not None or bias:
+    if lora is not None or bias or not act.gated:
         raise ValueError(
-            "path='gathered' runs experts without biases and without low-rank (LoRA) updates; "
-            "use path='grouped' (or None: automatic) for these experts"
+            "path='gathered' runs gated experts without biases and without low-rank (LoRA) "
+            "updates; use path='grouped' (or None: automatic) for these experts"
         )
 
 

@@ -20,8 +20,8 @@ Saved for backward: x (the caller's), the prob, the indices and h [S, 2F], as
 `fused_mlp`'s Functions. The backward schedule frees h once the activation backward has
 read it (before any weight gradient runs) and the recomputed a once the down weight
 gradient has read it, when the backward frees the graph as it goes (no retain_graph).
-Experts without biases and without low-rank updates only; `fused_mlp` runs the grouped
-path otherwise.
+Gated experts without biases and without low-rank updates only (the plan keeps the
+grouped path for the others; forcing path="gathered" for them raises).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs

@@ -248,7 +248,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_h:
                 torch.mm(d_CV, weight_VD, out=grad_h[s : s + chunk])
             if need_w:
-                grad_w = _add_wgrad(grad_w, d_CV, h_CD)
+                _mm_into(grad_w, d_CV.t(), h_CD, accumulate=True)
         if need_w:
             grad_w = grad_w.to(weight_VD.dtype)
         if need_b:
@@ -260,23 +260,6 @@ def _chunk_logits(h_CD, weight_VD, bias_V, acc):
     # the GEMM in the input dtype, then fp32, as a language-model head followed by
     # `logits.float()` does
     return F.linear(h_CD, weight_VD, bias_V).to(acc)
-
-
-def _add_wgrad(grad_w_VD, d_CV, h_CD):
-    """grad_w += d^T h, summed in grad_w's dtype (fp32 for 16-bit inputs).
-
-    fp32/fp64 operands accumulate in place. 16-bit operands on CUDA run the 16-bit GEMM
-    with an fp32 output (`addmm(..., out_dtype=)`; where torch lacks it, the GEMM's
-    16-bit result is added in fp32): an fp32 GEMM there is a SIMT kernel, ~15x slower.
-    On CPU the operands are upcast (16-bit matmul is slow there)."""
-    if d_CV.dtype == grad_w_VD.dtype:
-        return grad_w_VD.addmm_(d_CV.t(), h_CD)
-    if d_CV.is_cuda:
-        try:
-            return torch.addmm(grad_w_VD, d_CV.t(), h_CD, out_dtype=grad_w_VD.dtype)
-        except (RuntimeError, TypeError):
-            return grad_w_VD.add_(d_CV.t() @ h_CD)
-    return grad_w_VD.addmm_(d_CV.t().to(grad_w_VD.dtype), h_CD.to(grad_w_VD.dtype))
 
 
 def fused_linear_cross_entropy(

@@ -4,7 +4,9 @@ or one spec followed by the dropless arguments; a spec has any of
 
     {"rank": 1,                               # only this rank (default: every rank)
      "checkpoint": ["before_manifest", 9],    # SIGKILL at this phase of this step's save
-     "kill_after_step": 3,                    # SIGKILL right after this optimizer step
+     "kill_after_step": 3,                    # SIGKILL right after this optimizer step, once
+                                              # the checkpoints begun are complete (a save
+                                              # runs in the background: checkpoint.async_save)
      "signal_in_step": [9, "SIGINT", 1]}      # send the signal (this many times) mid-step
 
 One job runs in this process (under torchrun too). Several jobs are forked from this
@@ -18,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import torch
 
@@ -30,13 +33,21 @@ class Faults(TrainHooks):
     def __init__(self, spec: dict):
         self.spec = spec
         self.mine = spec.get("rank") in (None, int(os.environ.get("RANK", "0")))
+        self.saves = threading.Condition()
+        self.begun, self.done = set(), set()
 
     def on_checkpoint(self, phase, step):
         if self.mine and self.spec.get("checkpoint") == [phase, step]:
             os.kill(os.getpid(), signal.SIGKILL)
+        with self.saves:  # after_rename comes from the save's background thread
+            if phase in ("before_shards", "after_rename"):
+                (self.begun if phase == "before_shards" else self.done).add(step)
+                self.saves.notify_all()
 
     def after_step(self, step):
         if self.mine and self.spec.get("kill_after_step") == step:
+            with self.saves:
+                assert self.saves.wait_for(lambda: self.begun <= self.done, timeout=120)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_backward(self, step, model):

@@ -30,6 +30,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -178,9 +179,20 @@ def _run_dir_present(run_dir) -> Path:
     return ckdir
 
 
+def shard_error(exc: BaseException, fs) -> BaseException:
+    """What a failed DCP write raises: its first OSError (a full disk, a read-only file
+    system) when there is one, not the serializer's message."""
+    cause = first_os_error(fs)
+    return exc if cause is None else cause
+
+
+def shard_digests(fs, tmp: Path) -> dict[str, str]:
+    """The shards' digests (name relative to `tmp` -> SHA-256) of a DCP write into `tmp`."""
+    return {Path(k).relative_to(tmp).as_posix(): v for k, v in fs.digests.items()}
+
+
 def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
-    """DCP save into `tmp`; the shards' digests (relative name -> SHA-256). A full disk or a
-    read-only file system raises that OSError, not the serializer's message."""
+    """DCP save into `tmp`; the shards' digests (relative name -> SHA-256)."""
     dcp, _ = _dcp()
     writer, fs = hashing_writer(tmp)
     with warnings.catch_warnings():
@@ -189,15 +201,33 @@ def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
         )
         try:
             dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
-        except BaseException:  # DCP's CheckpointException is a BaseException
-            cause = first_os_error(fs)
-            if cause is not None:
-                raise cause from None
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            err = shard_error(e, fs)
+            if err is not e:
+                raise err from None
             raise
-    return {Path(k).relative_to(tmp).as_posix(): v for k, v in fs.digests.items()}
+    return shard_digests(fs, tmp)
 
 
-def save_checkpoint(
+@dataclass
+class SaveJob:
+    """A checkpoint begun by `begin_save`: its temporary folder holds the RNG files; the
+    shards are still to be written (from `state`), then `commit_save` finishes it. What
+    trainer.json and config.toml will hold is taken when the save begins, so training may
+    go on while the shards are written."""
+
+    run_dir: Path
+    step: int
+    tmp: Path
+    final: Path
+    state: dict | None  # DCP's {"model", "optim"} of live tensors (dropped once staged)
+    trainer: dict
+    config: bytes | None
+    keep: int
+    hooks: TrainHooks
+
+
+def begin_save(
     run_dir,
     step: int,
     model,
@@ -209,8 +239,9 @@ def save_checkpoint(
     config_file: Path | None = None,
     hooks: TrainHooks | None = None,
     trainable_only: bool = False,
-) -> Path:
-    """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`."""
+) -> SaveJob:
+    """The first part of a save (all processes call it): the temporary folder, this
+    process's RNG file, the state dicts and the small files' contents."""
     from safetensors.torch import save_file
 
     hooks = hooks or TrainHooks()
@@ -232,17 +263,54 @@ def save_checkpoint(
     fsync_path(rng_file)
     hooks.on_checkpoint("before_shards", step)
     model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
-    digests = _write_shards({"model": model_sd, "optim": optim_sd}, tmp)
-    write_synced(tmp / DIGESTS / f"rank{rank}.json", json.dumps(digests).encode())
-    _barrier()
-    hooks.on_checkpoint("after_shards", step)
+    trainer = {"step": step, **trainer_state, "scheduler": _scheduler_json(scheduler)}
+    config = None
+    if rank == 0 and config_file is not None and Path(config_file).is_file():
+        config = Path(config_file).read_bytes()
+    state = {"model": model_sd, "optim": optim_sd}
+    return SaveJob(Path(run_dir), step, tmp, final, state, trainer, config, keep, hooks)
+
+
+def commit_save(job: SaveJob, digests: dict[str, str], group=None) -> Path:
+    """The rest of a save, once this process's shards are written (all processes call it;
+    `group`: the process group its barriers run on): the digests, rank 0's small files,
+    manifest and rename, then pruning; the checkpoint's final path."""
+    rank, _ = _rank_world()
+    write_synced(job.tmp / DIGESTS / f"rank{rank}.json", json.dumps(digests).encode())
+    barrier(group)
+    job.hooks.on_checkpoint("after_shards", job.step)
     if rank == 0:
-        _finish_write(tmp, final, step, scheduler, trainer_state, config_file, hooks)
-        _prune(run_dir, keep)
-    _barrier()
+        _finish_write(job)
+        _prune(job.run_dir, job.keep)
+    barrier(group)
     if rank != 0:
-        hooks.on_checkpoint("after_rename", step)
-    return final
+        job.hooks.on_checkpoint("after_rename", job.step)
+    return job.final
+
+
+def save_checkpoint(
+    run_dir,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    trainer_state: dict,
+    *,
+    keep: int,
+    config_file: Path | None = None,
+    hooks: TrainHooks | None = None,
+    trainable_only: bool = False,
+) -> Path:
+    """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`;
+    returns once it is complete (`checkpoint_async.CheckpointSaver` overlaps the writes
+    with training)."""
+    job = begin_save(
+        run_dir, step, model, optimizer, scheduler, trainer_state, keep=keep,
+        config_file=config_file, hooks=hooks, trainable_only=trainable_only,
+    )  # fmt: skip
+    digests = _write_shards(job.state, job.tmp)
+    job.state = None
+    return commit_save(job, digests)
 
 
 def _rank_digests(tmp: Path) -> dict[str, str]:
@@ -252,17 +320,14 @@ def _rank_digests(tmp: Path) -> dict[str, str]:
     return out
 
 
-def _finish_write(
-    tmp: Path, final: Path, step, scheduler, trainer_state, config_file, hooks
-) -> None:
+def _finish_write(job: SaveJob) -> None:
     """Rank 0: the small files, fsync everything, the manifest, then the rename."""
-    trainer = {"step": step, **trainer_state, "scheduler": _scheduler_json(scheduler)}
+    tmp, final, step, hooks = job.tmp, job.final, job.step, job.hooks
     digests = _rank_digests(tmp)
-    data = (json.dumps(trainer, indent=1) + "\n").encode()
+    data = (json.dumps(job.trainer, indent=1) + "\n").encode()
     digests["trainer.json"] = write_synced(tmp / "trainer.json", data)
-    if config_file is not None and Path(config_file).is_file():
-        data = Path(config_file).read_bytes()
-        digests["config.toml"] = write_synced(tmp / "config.toml", data)
+    if job.config is not None:
+        digests["config.toml"] = write_synced(tmp / "config.toml", job.config)
     for p in _files(tmp):  # DCP's files (its writer syncs shards; .metadata too, to be sure)
         fsync_path(p)
     for d in (tmp / "rng", tmp / DIGESTS, tmp):
@@ -390,8 +455,9 @@ def _load(path: Path, model, optimizer, scheduler, restore_rng: bool, trainable_
 
 
 __all__ = [
-    "DIRNAME", "MANIFEST", "build_manifest", "damaged_checkpoints", "default_file_mode", "hold",
-    "latest_checkpoint", "list_checkpoints", "load_checkpoint", "pick_checkpoint",
-    "read_trainer_state", "release", "remove_partial", "save_checkpoint", "step_dir",
-    "verify_checkpoint", "write_synced",
+    "DIRNAME", "MANIFEST", "SaveJob", "begin_save", "build_manifest", "commit_save",
+    "damaged_checkpoints", "default_file_mode", "hold", "latest_checkpoint", "list_checkpoints",
+    "load_checkpoint", "pick_checkpoint", "read_trainer_state", "release", "remove_partial",
+    "save_checkpoint", "shard_digests", "shard_error", "step_dir", "verify_checkpoint",
+    "write_synced",
 ]  # fmt: skip

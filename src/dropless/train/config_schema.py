@@ -329,10 +329,12 @@ class PrecisionConfig:
 
 @dataclass
 class CheckpointConfig:
-    """A checkpoint every `every` steps (0: only at the end), keeping the last `keep`."""
+    """A checkpoint every `every` steps (0: only at the end), keeping the last `keep`;
+    `async_save`: the periodic ones are written in the background while training goes on."""
 
     every: int = 210
     keep: int = 2
+    async_save: bool = True
 
     def __post_init__(self):
         _non_negative("checkpoint", every=self.every)

@@ -34,7 +34,9 @@ class TrainHooks:
         """Step `step` is complete (applied, skipped or refused)."""
 
     def on_checkpoint(self, phase: str, step: int) -> None:
-        """A checkpoint write of step `step` reached `phase` (see `CHECKPOINT_PHASES`)."""
+        """A checkpoint write of step `step` reached `phase` (see `CHECKPOINT_PHASES`); in a
+        background save (checkpoint.async_save) the phases after "before_shards" are called
+        from the save's thread."""
 
 
 __all__ = ["CHECKPOINT_PHASES", "TrainHooks"]

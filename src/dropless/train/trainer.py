@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ckpt
+from .checkpoint_async import CheckpointSaver
 from .config import Config, dump_config
 from .errors import Interrupted, NonFiniteError
 from .evaluation import Evaluator
@@ -112,6 +113,7 @@ class Trainer:
             )
             self.state = TrainState.from_dict({**saved, "world_size": env.world})
         self.start_step, self.resumed_from = self.state.step, resume_from
+        self.saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
         if env.main:  # only now: a refused resume leaves the run's files as they were
             dump_config(cfg, self.config_file)
         micro_batch = tc.batch_size // (env.world * tc.grad_accum)
@@ -135,11 +137,13 @@ class Trainer:
             self.data.train_tokens,
         )  # fmt: skip
 
-    def save(self) -> Path:
-        return ckpt.save_checkpoint(
+    def save(self, wait: bool = False) -> Path:
+        """A checkpoint of this step: written in the background (checkpoint.async_save), or
+        complete on return when `wait` (the run's last one)."""
+        return self.saver.save(
             self.run_dir, self.state.step, self.model, self.optimizer, self.scheduler,
             self.state.to_dict(), keep=self.cfg.checkpoint.keep, config_file=self.config_file,
-            hooks=self.hooks, trainable_only=self.lora,
+            hooks=self.hooks, trainable_only=self.lora, wait=wait,
         )  # fmt: skip
 
     def _step_flops(self, result: dict) -> float:
@@ -191,7 +195,8 @@ class Trainer:
                 f"dropless train: resumed from step {self.start_step} of {total} ({self.resumed_from})"
             )
         tc = cfg.train
-        with StopRequests(announce=env.main) as stops:
+        # leaving the loop, on an error too, waits for the checkpoint being written
+        with StopRequests(announce=env.main) as stops, self.saver:
             while self.state.step < total:
                 t0 = time.perf_counter()
                 result = self.stepper.run(self.state, stop=lambda: stops.requested)
@@ -199,6 +204,7 @@ class Trainer:
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
                 self.hooks.after_step(self.state.step)
+                self.saver.raise_if_failed()  # a background save's error, at once
                 self.log.add_step(result, dt, self._step_flops(result), tc.batch_size * tc.seq_len)
                 tps, mfu = self.log.window_rates()
                 done = self.state.step - self.start_step
@@ -209,7 +215,7 @@ class Trainer:
                     self._log_step(result)
                 every = cfg.checkpoint.every
                 if (every and self.state.step % every == 0) or last or result["stop"]:
-                    saved = self.save()
+                    saved = self.save(wait=last or result["stop"])
                 if result["stop"] and not last:
                     signum = stops.signum or signal.SIGTERM
                     self._finish(setup_s, signal.Signals(signum).name)

@@ -1,0 +1,156 @@
+"""Checkpoint saves that overlap training (`checkpoint.async_save`, on by default).
+
+A save has a short blocking part and a long one. Blocking, in the training thread: the
+temporary folder and RNG files (`checkpoint.begin_save`), then a copy of the model and
+optimizer state into fresh CPU memory (the stager `torch.distributed.checkpoint.async_save`
+uses for a `FileSystemWriter`), so the next optimizer steps cannot change what is written.
+In a background thread: the DCP write of that copy through the hashing writer, then
+`checkpoint.commit_save` (digests, rank 0's trainer.json, config.toml, manifest, rename,
+pruning) exactly as a synchronous save does it. Until the rename the new checkpoint is a
+`.tmp-step_*` folder and the previous one stays the newest complete checkpoint; pruning
+runs only after the rename.
+
+At most one save is in flight: the next save waits for it, and so do the end of the run
+(whose last save, like the one after SIGINT/SIGTERM, is written synchronously), an error
+leaving the loop (the save finishes, then the error goes on; a failure of the save too is
+a warning) and `wait()`. A failure of the background write is raised in the training
+thread, as the exception a synchronous save raises (a full disk's OSError included), after
+the next step or at the next save. A second Ctrl-C does not wait: the thread is a daemon,
+its `.tmp-step_*` folder is left, and the next run removes it.
+
+Why not `dcp.async_save` itself: its executor thread is not a daemon, so an interpreter
+leaving on an error or a second Ctrl-C would wait for it (and, with another rank gone, for
+the write's collectives until the group times out); and the commit must follow the write
+in the same thread. Under a process group the background thread's collectives (DCP's
+planning, the commit's barriers) run on a gloo group of their own, so they never interleave
+with the training thread's collectives on the default group (NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from .dcp_io import hashing_writer
+
+THREAD_NAME = "dropless-checkpoint"
+_SINGLE_PROCESS = ".*assuming the intent is to save in a single process"
+
+
+def _quiet_single_process_warning() -> None:
+    """DCP warns on every save without a process group that it assumes one process. The
+    synchronous save silences it with `catch_warnings`, which is not thread-safe (it swaps
+    the global filter list), so the background save puts this one filter first (again:
+    adding a filter that is there moves it, nothing is duplicated)."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+
+
+class CheckpointSaver:
+    """Saves checkpoints in the background (`background=False`: every save synchronous).
+    Use it as a context manager around the training loop so that leaving the loop waits for
+    the save in flight."""
+
+    def __init__(self, background: bool = True, timeout_s: float = 1800.0):
+        self.background = background
+        self.timeout = timedelta(seconds=timeout_s)
+        self._group = None
+        self._thread: threading.Thread | None = None
+        self._job: ckpt.SaveJob | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def save(self, run_dir, step: int, model, optimizer, scheduler, trainer_state: dict, *,
+             keep: int, config_file: Path | None = None, hooks=None, trainable_only: bool = False,
+             wait: bool = False) -> Path:  # fmt: skip
+        """Checkpoint `step` (all processes call this). Waits for the save in flight first;
+        returns once the state is staged (its final path), or once it is complete when
+        `wait` (the run's last save) or the saver is synchronous."""
+        self.wait()
+        kwargs = dict(
+            keep=keep, config_file=config_file, hooks=hooks, trainable_only=trainable_only
+        )
+        if wait or not self.background:
+            return ckpt.save_checkpoint(
+                run_dir, step, model, optimizer, scheduler, trainer_state, **kwargs
+            )
+        job = ckpt.begin_save(run_dir, step, model, optimizer, scheduler, trainer_state, **kwargs)
+        writer, fs = hashing_writer(job.tmp)
+        staged = writer.stage(job.state)  # copies every tensor to fresh CPU memory
+        job.state = None  # training may change the live tensors from here on
+        group = self._process_group()
+        if group is None:
+            _quiet_single_process_warning()
+        self._job, self._error = job, None
+        self._thread = threading.Thread(
+            target=self._write, args=(job, staged, writer, fs, group), name=THREAD_NAME,
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+        return job.final
+
+    def _process_group(self):
+        """The gloo group of the background collectives (made once, by every process at the
+        same save); None without a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        return self._group
+
+    def _write(self, job: ckpt.SaveJob, staged: dict, writer, fs, group) -> None:
+        from torch.distributed.checkpoint import save
+
+        try:
+            try:
+                save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                err = ckpt.shard_error(e, fs)
+                if err is not e:
+                    raise err from None
+                raise
+            del staged
+            ckpt.commit_save(job, ckpt.shard_digests(fs, job.tmp), group)
+        except BaseException as e:  # raised in the training thread by wait()
+            self._error = e
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight is complete (its path; None if there was none);
+        its failure is raised here."""
+        thread, job = self._thread, self._job
+        if thread is None:
+            return None
+        thread.join()
+        self._thread = self._job = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
+        return job.final
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a background save that has ended (never blocks)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def __enter__(self) -> CheckpointSaver:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is None:
+            self.wait()
+        elif not issubclass(kind, KeyboardInterrupt):  # a second Ctrl-C stops at once
+            step = self._job.step if self._job is not None else None
+            try:
+                self.wait()
+            except BaseException as e:  # the loop's own error is the one raised
+                warnings.warn(f"the checkpoint of step {step} was not written: {e}", stacklevel=2)
+
+
+__all__ = ["THREAD_NAME", "CheckpointSaver"]

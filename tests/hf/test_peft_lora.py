@@ -222,7 +222,7 @@ def _wrappers(model):
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_expert_owned_factors_match_peft(family):
     """PEFT's layout <-> [E, r, in] / [E, out, r] (what expert parallelism shards), and the
     factors attached to the experts module compute what PEFT computes."""
@@ -235,7 +235,8 @@ def test_expert_owned_factors_match_peft(family):
     wrappers = _wrappers(ps)
     with torch.no_grad():
         for ref, layer in zip(dh.moe_layers(ps), dh.moe_layers(patched)):
-            for which, name in (("first", "gate_up_proj"), ("down", "down_proj")):
+            first = "gate_up_proj" if layer.experts.has_gate else "up_proj"  # nemotron_h: up
+            for which, name in (("first", first), ("down", "down_proj")):
                 w = wrappers[(ref.experts, name)]
                 a_w, b_w = w.lora_A["default"].weight, w.lora_B["default"].weight
                 a, b = el.peft_to_experts(a_w, b_w, w.num_experts)

@@ -76,8 +76,9 @@ def lora_targets(model: nn.Module, targets: list[str]) -> tuple[list[str], str |
 
 def owns_expert_factors(model: nn.Module) -> bool:
     """Whether the experts get their own factors (`attach_expert_lora`): every MoE layer
-    runs dropless's fused gated MLP, the one path that runs them (and the one expert
-    parallelism shards); otherwise PEFT's `target_parameters` wrap the experts."""
+    runs dropless's fused expert MLP (gated or not, no post-expert norm), the path that runs
+    them as thin GEMMs (and the one expert parallelism shards); otherwise PEFT's
+    `target_parameters` wrap the experts."""
     from .. import hf
     from ..hf.experts import experts_spec
     from ..hf.patching import IMPLEMENTATION
@@ -88,7 +89,7 @@ def owns_expert_factors(model: nn.Module) -> bool:
         spec = experts_spec(layer.experts)
         if impl != IMPLEMENTATION or isinstance(spec, str):
             return False
-        if spec.path != "fused" or spec.post_norm or not spec.gated:
+        if spec.path != "fused" or spec.post_norm:
             return False
     return bool(layers)
 
@@ -117,7 +118,7 @@ def apply_lora(model: nn.Module, fcfg, base_path: str = "", world: int = 1) -> n
     if world > 1 and "experts" in fcfg.lora_targets and not own:
         raise ValueError(
             f"finetune.method='lora' on {world} processes needs every experts module on "
-            "dropless's fused gated expert MLP (PEFT's target_parameters cannot wrap sharded "
+            "dropless's fused expert MLP (PEFT's target_parameters cannot wrap sharded "
             "expert weights); use model.implementation='dropless', or train on one process, or "
             "set finetune.lora_targets=attention"
         )

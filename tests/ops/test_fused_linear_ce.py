@@ -218,3 +218,13 @@ def test_fused_under_autocast_computes_in_the_autocast_dtype():
     for a, c in zip(g1, g0):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, c, rtol=1.6e-2, atol=1e-3)
+
+
+def test_cpu_logits_take_the_eager_row_op():
+    """The Triton row op is registered (by `import dropless`) but never picked for CPU
+    tensors, not even where the interpreter could run it."""
+    import dropless.kernels  # noqa: F401
+    from dropless.ops.cross_entropy_rows import ce_rows_names, pick_ce_rows
+
+    assert ce_rows_names()[:1] == ["triton"] and "eager" in ce_rows_names()
+    assert pick_ce_rows(torch.empty(2, 3)).name == "eager"

@@ -68,7 +68,7 @@ def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
 def fused_chunk_size(num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
     """Rows per chunk of the "fused" backend: as many as fit `LOGITS_BUFFER_BYTES` of
     logits in `dtype`, a multiple of 128, between 128 and 4,096 (and at most the tokens)."""
-    fit = LOGITS_BUFFER_BYTES // max(vocab * torch.empty((), dtype=dtype).element_size(), 1)
+    fit = LOGITS_BUFFER_BYTES // max(vocab * dtype.itemsize, 1)
     rows = max(_MIN_CHUNK, min(_MAX_FUSED_CHUNK, fit // _MIN_CHUNK * _MIN_CHUNK))
     return max(1, min(num_tokens, rows))
 

@@ -5,7 +5,7 @@ from _checks_autocast import (  # noqa: F401
     fsdp_autocast_casts_fresh_each_step,
     hf_ep_autocast_bf16,
 )
-from _checks_ckpt import ckpt_resume_w2, ckpt_save_w4  # noqa: F401
+from _checks_ckpt import ckpt_async_w2, ckpt_resume_w2, ckpt_save_w4  # noqa: F401
 from _checks_collectives import train_collectives  # noqa: F401
 from _checks_ep import (  # noqa: F401  (re-exported for the spawned processes)
     bad_mesh_in_group,
@@ -71,6 +71,7 @@ CHECKS = {
         "hf_fsdp_x_ep_train",
         "hf_sharded_load",
         "ckpt_resume_w2",
+        "ckpt_async_w2",
         "train_collectives",
         "fsdp_bf16_policy",
         "fsdp_fused_adamw",

@@ -4,6 +4,7 @@ World 4 (FSDP2 x EP 4) trains 2 steps, saves with `dropless.train.checkpoint`, t
 runs 2 more steps: the uninterrupted losses. World 2 (ep 2) and one process (no
 process group, in the pytest process) load that checkpoint and run the same 2
 steps on the same global batches: their losses must match (fp32, rtol 1e-5).
+World 2 also saves in the background (`ckpt_async_w2`) while it trains on.
 The directory comes from $DROPLESS_PARALLEL_TEST_DIR (set by the test module).
 """
 
@@ -104,3 +105,44 @@ def resume_and_compare(world, ep):
 
 def ckpt_resume_w2(rank, world):
     resume_and_compare(world, ep=world)
+
+
+def ckpt_async_w2(rank, world):
+    """A background save (`CheckpointSaver`, as `dropless train` makes it) of FSDP2 x EP 2
+    at step 2, its shard write held until steps 2-3 trained (their collectives run while
+    the save's thread waits on its own gloo group), then released: loaded into a fresh
+    model, steps 2-3 give the same losses, bit for bit."""
+    import threading
+
+    from dropless.train import dcp_io
+    from dropless.train.checkpoint import load_checkpoint, step_dir
+    from dropless.train.checkpoint_async import THREAD_NAME, CheckpointSaver
+
+    run = _dir() / "async_w2"
+    if rank == 0:
+        run.mkdir()
+    dist.barrier()
+    net, opt, sched, r = _setup(world, ep=world)
+    _steps(net, opt, sched, r, world, range(SAVE_AT))
+    release, held, write = threading.Event(), [], dcp_io._HashingStream.write
+
+    def held_write(stream, b):
+        if threading.current_thread().name == THREAD_NAME and not held:
+            held.append(True)
+            release.wait(60)
+        return write(stream, b)
+
+    dcp_io._HashingStream.write = held_write
+    try:
+        saver = CheckpointSaver()
+        assert saver.save(run, SAVE_AT, net, opt, sched, {}, keep=2) == step_dir(run, SAVE_AT)
+        after = _steps(net, opt, sched, r, world, range(SAVE_AT, TOTAL))
+        assert saver.in_flight and not step_dir(run, SAVE_AT).exists()
+        release.set()
+        assert saver.wait() == step_dir(run, SAVE_AT) and held == [True]
+    finally:
+        dcp_io._HashingStream.write = write
+    net, opt, sched, r = _setup(world, ep=world)
+    load_checkpoint(step_dir(run, SAVE_AT), net, opt, sched, restore_rng=False)
+    again = _steps(net, opt, sched, r, world, range(SAVE_AT, TOTAL))
+    assert again == after, (again, after)

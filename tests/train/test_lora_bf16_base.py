@@ -10,7 +10,7 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from dropless.train.config import load_config  # noqa: E402
-from dropless.train.model import build_training_model, hf_config  # noqa: E402
+from dropless.train.model import FlopCounter, build_training_model, hf_config  # noqa: E402
 
 
 def _saved(path):
@@ -49,6 +49,8 @@ def test_bf16_lora_base_loads_and_stays_bf16(tmp_path, monkeypatch):
     assert frozen and set(frozen.values()) == {torch.bfloat16}, frozen
     assert trained and set(trained.values()) == {torch.float32}, trained
     assert any("experts.lora_A_first" in n for n in trained)
+    # the FLOP count's expert weights are the base's (gate_up 2F x D + down D x F), not the factors
+    assert FlopCounter.from_model(model).expert_params == 3 * 16 * 32
 
     ids = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids, labels=ids)  # no autocast: the base's bf16 computes

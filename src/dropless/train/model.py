@@ -299,7 +299,11 @@ class FlopCounter:
             if layer.router is not None and not isinstance(layer.router, nn.Linear)
         )
         ex = layers[0].experts
-        expert = sum(p[0].numel() for n, p in ex.named_parameters(recurse=False) if p.dim() == 3)
+        expert = sum(
+            p[0].numel()
+            for n, p in ex.named_parameters(recurse=False)
+            if p.dim() == 3 and not n.startswith("lora_")  # the experts' own LoRA factors
+        )
         assert len(expert_mods) == len(layers)
         c = model.config
         heads = c.num_attention_heads

@@ -52,6 +52,7 @@ CASES = {
     "aux_softmax_renorm": ("aux", 9, 6, 2, dict(renormalize=True), "randn"),
     "aux_sigmoid_groups_bias": ("aux", 10, 12, 3, dict(DSV3, n_group=4, topk_group=2), "randn"),
     "aux_T1_bf16": ("aux", 1, 5, 2, {}, "bf16"),
+    "checkpoint_recompute_replays_the_kernel_choice": ("replay",),
     "sort_random": ("sort", 19, 7, 3, "random"),
     "sort_many_blocks_and_bucket_chunks": ("sort", 50, 21, 2, "random"),
     "sort_expert_with_zero_tokens": ("sort", 12, 5, 2, "skip1"),
@@ -176,6 +177,55 @@ def _aux_check(T, E, K, fields, mode, device):
         torch.testing.assert_close(dl.cpu(), dlr, **TOL)
 
 
+def _replay_check(device):
+    """In a checkpointed region the kernel path routes the recompute at the forward's
+    experts (ops.replay), with today's scores: the expert bias changed between forward
+    and backward does not move the gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dropless.kernels import routing_kernels as rk
+    from dropless.ops import routing as R
+
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(kw.get("ids_TK") is not None)
+        return rk.route_with_aux(*args, **kw)
+
+    # the interpreter's kernels, picked for these CPU tensors in this child process only
+    R.register_routing_kernels(
+        R.RoutingKernels(
+            "interpreted", rk.route, rk.sort_by_expert, lambda t: True, 99, route_with_aux=counted
+        )  # fmt: skip
+    )
+    try:
+        T, E, K, D = 8, 6, 2, 5
+        routing = RoutingConfig(renormalize=True, expert_bias=True)
+        gen = torch.Generator().manual_seed(11)
+        x, W = torch.randn(T, D, generator=gen), torch.randn(E, D, generator=gen)
+        g = torch.randn(T, K, generator=gen)
+        bias = torch.zeros(E)
+
+        def region(x, W):
+            w, ids, s, pm, z = R.route_with_aux(x @ W.t(), K, routing, expert_bias_E=bias)
+            return (w * g).sum() + s[:, 0].sum() + 0.3 * pm.square().sum() + z
+
+        xr, Wr = x.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        want = torch.autograd.grad(region(xr, Wr), (xr, Wr))
+        calls.clear()
+        xc, Wc = x.clone().requires_grad_(True), W.clone().requires_grad_(True)
+        loss = checkpoint(region, xc, Wc, use_reentrant=False)
+        ids_before = R.route(x @ W.t(), K, routing, expert_bias_E=bias)[1]
+        bias[ids_before[:, 0]] -= 10.0  # a fresh routing now chooses other experts
+        assert not torch.equal(R.route(x @ W.t(), K, routing, expert_bias_E=bias)[1], ids_before)
+        got = torch.autograd.grad(loss, (xc, Wc))
+        assert calls == [False, True], calls  # forward selects, the recompute replays
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    finally:
+        del R._KERNELS["interpreted"]
+
+
 def _check_tie_rule(ids_TK, logits_TE, K, routing):
     scores = logits_TE.float().softmax(-1)
     choice = scores
@@ -233,6 +283,8 @@ def check(case, device: str) -> None:
         return _route_check(*case[1:], device)
     if case[0] == "aux":
         return _aux_check(*case[1:], device)
+    if case[0] == "replay":
+        return _replay_check(device)
     return _sort_check(*case[1:], device)
 
 

@@ -96,11 +96,11 @@ def _group_mask(choice, valid, offs_e, G, PER: tl.constexpr, TOPK_GROUP, BLOCK_G
 
 @triton.jit
 def _route_fwd_kernel(
-    logits_ptr, bias_ptr, w_ptr, ids_ptr, scores_ptr, psum_ptr, zsum_ptr, T, E, stride_l, K,
-    scale, G, TOPK_GROUP, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, GROUPED: tl.constexpr,
-    PER: tl.constexpr, RENORM: tl.constexpr, WRITE_SCORES: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    logits_ptr, bias_ptr, given_ptr, w_ptr, ids_ptr, scores_ptr, psum_ptr, zsum_ptr, T, E,
+    stride_l, K, scale, G, TOPK_GROUP, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, PER: tl.constexpr, RENORM: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    STATS: tl.constexpr, GIVEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):  # fmt: skip
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.arange(0, BLOCK_E)
@@ -121,10 +121,17 @@ def _route_fwd_kernel(
     avail = mask_e[None, :] & (offs_t >= 0)[:, None]
     if GROUPED:
         avail = _group_mask(choice, avail, offs_e, G, PER, TOPK_GROUP, BLOCK_G)
+    out = offs_t[:, None].to(tl.int64) * K + offs_k[None, :]
+    mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
     w_tk = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     id_tk = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32)
+    if GIVEN:  # the recompute of a checkpointed forward: its choice, today's scores
+        id_tk = tl.load(given_ptr + out, mask=mask_tk, other=0).to(tl.int32)
     for k in range(K):
-        best, idx = _first_max(choice, avail, offs_e)
+        if GIVEN:
+            idx = tl.sum(tl.where(offs_k[None, :] == k, id_tk, 0), 1)
+        else:
+            best, idx = _first_max(choice, avail, offs_e)
         sel = offs_e[None, :] == idx[:, None]
         w = tl.sum(tl.where(sel, s, 0.0), 1)
         avail = avail & ~sel
@@ -133,8 +140,6 @@ def _route_fwd_kernel(
     if RENORM:
         w_tk = w_tk / (tl.sum(w_tk, 1)[:, None] + 1e-20)
     w_tk = w_tk * scale
-    out = offs_t[:, None].to(tl.int64) * K + offs_k[None, :]
-    mask_tk = mask_t[:, None] & (offs_k < K)[None, :]
     tl.store(w_ptr + out, w_tk, mask=mask_tk)
     tl.store(ids_ptr + out, id_tk.to(tl.int64), mask=mask_tk)
 
@@ -210,10 +215,12 @@ def route_fwd(
     *,
     write_scores: bool = True,
     stats: bool = False,
+    ids_TK: torch.Tensor | None = None,
 ):
     """(weights_TK fp32, ids_TK int64, scores_TE fp32 or None, probs_sum_E, zsq_sum), no
     autograd. With stats: probs_sum_E [E] = sum over tokens of the scores normalised per
-    token, zsq_sum = sum over tokens of logsumexp(logits)^2 (fp32; else both None)."""
+    token, zsq_sum = sum over tokens of logsumexp(logits)^2 (fp32; else both None).
+    ids_TK given: no selection, the weights of these experts (a replayed choice)."""
     T, E = logits_TE.shape
     logits_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
     dev = logits_TE.device
@@ -227,16 +234,19 @@ def route_fwd(
     psum = torch.empty(nb if stats and T else 0, E, dtype=torch.float32, device=dev)
     zsum = torch.empty(nb if stats and T else 0, dtype=torch.float32, device=dev)
     if T:
-        grouped = routing.n_group is not None and routing.n_group > 1
+        given = ids_TK is not None
+        grouped = routing.n_group is not None and routing.n_group > 1 and not given
         G = routing.n_group if grouped else 1
-        bias = expert_bias_E.contiguous() if expert_bias_E is not None else w
+        has_bias = expert_bias_E is not None and not given
+        bias = expert_bias_E.contiguous() if has_bias else w
         _route_fwd_kernel[(nb,)](
-            logits_TE, bias, w, ids, scores if write_scores else w, psum if stats else w,
+            logits_TE, bias, ids_TK.contiguous() if given else ids, w, ids,
+            scores if write_scores else w, psum if stats else w,
             zsum if stats else w, T, E, logits_TE.stride(0), top_k,
             float(routing.scaling_factor), G, routing.topk_group if grouped else 1,
-            SOFTMAX=routing.score_func == "softmax", HAS_BIAS=expert_bias_E is not None,
+            SOFTMAX=routing.score_func == "softmax", HAS_BIAS=has_bias,
             GROUPED=grouped, PER=E // G, RENORM=routing.renormalize, WRITE_SCORES=write_scores,
-            STATS=stats, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=triton.next_power_of_2(top_k),
+            STATS=stats, GIVEN=given, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=triton.next_power_of_2(top_k),
             BLOCK_G=triton.next_power_of_2(G), num_warps=warps,
         )  # fmt: skip
     if not stats:
@@ -283,8 +293,8 @@ class _Route(torch.autograd.Function):
     logits (the input) and ids_TK."""
 
     @staticmethod
-    def forward(ctx, logits_TE, expert_bias_E, top_k, routing, stats):
-        out = route_fwd(logits_TE, top_k, routing, expert_bias_E, stats=stats)
+    def forward(ctx, logits_TE, expert_bias_E, top_k, routing, stats, ids_TK):
+        out = route_fwd(logits_TE, top_k, routing, expert_bias_E, stats=stats, ids_TK=ids_TK)
         ctx.save_for_backward(logits_TE, out[1])
         ctx.routing = routing
         ctx.mark_non_differentiable(out[1])
@@ -294,7 +304,7 @@ class _Route(torch.autograd.Function):
     def backward(ctx, grad_w, _grad_ids, grad_scores, grad_psum, grad_zsum):
         logits_TE, ids = ctx.saved_tensors
         dl = route_bwd(logits_TE, ids, grad_w, grad_scores, ctx.routing, grad_psum, grad_zsum)
-        return dl, None, None, None, None
+        return dl, None, None, None, None, None
 
 
 def route(
@@ -302,11 +312,14 @@ def route(
     top_k: int,
     routing: RoutingConfig,
     expert_bias_E: torch.Tensor | None = None,
+    *,
+    ids_TK: torch.Tensor | None = None,
 ):
     """(weights_TK fp32, ids_TK int64, scores_TE fp32), as `dropless.ops.route`, with
-    autograd to the logits (the bias only selects: it gets no gradient). Arguments are
-    checked by `dropless.ops.route`, which calls this on CUDA."""
-    return _Route.apply(logits_TE, expert_bias_E, top_k, routing, False)[:3]
+    autograd to the logits (the bias only selects: it gets no gradient). ids_TK given:
+    these experts instead of a selection (the recompute of a checkpointed forward).
+    Arguments are checked by `dropless.ops.route`, which calls this on CUDA."""
+    return _Route.apply(logits_TE, expert_bias_E, top_k, routing, False, ids_TK)[:3]
 
 
 def route_with_aux(
@@ -314,11 +327,15 @@ def route_with_aux(
     top_k: int,
     routing: RoutingConfig,
     expert_bias_E: torch.Tensor | None = None,
+    *,
+    ids_TK: torch.Tensor | None = None,
 ):
     """As `dropless.ops.route_with_aux`: route's outputs plus probs_mean_E (the mean over
     tokens of the per-token normalised scores, what the load-balancing loss reads) and
     the router z-loss, from the same pass over the scores, forward and backward."""
-    w, ids, scores, psum, zsum = _Route.apply(logits_TE, expert_bias_E, top_k, routing, True)
+    w, ids, scores, psum, zsum = _Route.apply(
+        logits_TE, expert_bias_E, top_k, routing, True, ids_TK
+    )
     T = logits_TE.shape[0]  # T = 0: NaN means, as torch's
     return w, ids, scores, psum / T, zsum / T
 

@@ -20,7 +20,7 @@ import torch
 
 from .losses import mean_normalised_scores, z_loss
 from .reference import route_reference
-from .replay import checkpoint_state
+from .replay import checkpoint_state, remember
 from .specs import RoutingConfig, as_routing
 
 ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,12 +30,15 @@ ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class RoutingKernels:
     """A routing implementation besides the torch reference.
 
-    route(logits_TE, top_k, routing, expert_bias_E) -> (weights_TK, ids_TK, scores_TE)
-    with autograd, as `route_reference` (ties may go to the lowest expert index: torch.topk
-    leaves them unspecified); sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts)
-    -> `permute.SortedPairs` in the order of `permute.sort_by_expert`; supports(t): whether
-    it runs tensor t; max_experts: the widest router it takes (one tile of experts per token);
-    route_with_aux: as `route_with_aux` below, the losses' inputs from the routing pass.
+    route(logits_TE, top_k, routing, expert_bias_E, *, ids_TK=None) -> (weights_TK, ids_TK,
+    scores_TE) with autograd, as `route_reference` (ties may go to the lowest expert index:
+    torch.topk leaves them unspecified); with ids_TK, the weights and scores of those
+    experts, no selection (the recompute of a checkpointed forward);
+    sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts) -> `permute.SortedPairs`
+    in the order of `permute.sort_by_expert`; supports(t): whether it runs tensor t;
+    max_experts: the widest router it takes (one tile of experts per token);
+    route_with_aux: as `route_with_aux` below (same ids_TK keyword), the losses' inputs
+    from the routing pass.
     """
 
     name: str
@@ -91,8 +94,7 @@ def _route_kernels(logits_TE: torch.Tensor, backend: str | None) -> RoutingKerne
     fits = kernels is not None and logits_TE.dtype in ROUTE_DTYPES
     fits = fits and logits_TE.shape[1] <= kernels.max_experts
     if backend in (None, "auto"):
-        # a checkpointed region records and replays torch.topk (ops.replay): keep it
-        return kernels if fits and checkpoint_state() is None else None
+        return kernels if fits else None
     if kernels is not None and not fits:
         raise ValueError(
             f"routing backend {backend!r} takes {[str(d) for d in ROUTE_DTYPES]} logits of "
@@ -125,8 +127,9 @@ def route(
     required when `routing.expert_bias` is True and refused when it is False (the
     keyword form sets expert_bias from whether it is given).
 
-    backend: None / "auto" (a registered routing kernel for CUDA logits outside a
-    checkpointed region, else the torch reference), "reference", or a name of
+    backend: None / "auto" (a registered routing kernel for CUDA logits, else the torch
+    reference; in a checkpointed region both replay the forward's choice in the recompute,
+    `ops.replay`), "reference", or a name of
     `routing_kernel_names()` (ValueError when it cannot run these logits).
     """
     if logits_TE.dim() != 2:
@@ -144,7 +147,7 @@ def route(
     check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
     kernels = _route_kernels(logits_TE, backend)
     if kernels is not None:
-        return kernels.route(logits_TE, top_k, routing, expert_bias_E)
+        return _replayable(kernels.route, logits_TE, top_k, routing, expert_bias_E)
     return route_reference(logits_TE, top_k, routing, expert_bias_E=expert_bias_E)
 
 
@@ -177,11 +180,34 @@ def route_with_aux(
     check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
     kernels = _route_kernels(logits_TE, backend)
     if kernels is not None and kernels.route_with_aux is not None:
-        return kernels.route_with_aux(logits_TE, top_k, routing, expert_bias_E)
+        return _replayable(kernels.route_with_aux, logits_TE, top_k, routing, expert_bias_E)
     weights_TK, ids_TK, scores_TE = route(
         logits_TE, top_k, routing, expert_bias_E=expert_bias_E, backend=backend
     )
     return weights_TK, ids_TK, scores_TE, mean_normalised_scores(scores_TE), z_loss(logits_TE)
+
+
+def _replayable(fn, logits_TE, top_k, routing, expert_bias_E):
+    """fn(...) (a routing kernel); in the recompute of a checkpointed forward, fn at the
+    experts that forward chose (`replay.remember`, per region in call order), as the
+    torch path's replayed `torch.topk` does."""
+    if checkpoint_state() is None:
+        return fn(logits_TE, top_k, routing, expert_bias_E)
+    forward = []
+
+    def choose():
+        forward.append(fn(logits_TE, top_k, routing, expert_bias_E))
+        return forward[0][1].detach()
+
+    ids_TK = remember("dropless.ops.route", choose)
+    if forward:
+        return forward[0]
+    if tuple(ids_TK.shape) != (logits_TE.shape[0], top_k):
+        raise RuntimeError(
+            f"routing replay: the forward chose experts of shape {tuple(ids_TK.shape)}, the "
+            f"recompute routes {(logits_TE.shape[0], top_k)}; the recompute saw other inputs"
+        )
+    return fn(logits_TE, top_k, routing, expert_bias_E, ids_TK=ids_TK)
 
 
 def check_expert_bias(routing: RoutingConfig, expert_bias_E, num_experts: int) -> None:

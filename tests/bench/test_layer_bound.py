@@ -59,18 +59,35 @@ def test_matmul_rate_is_a_measured_rate_of_the_asked_dtype():
     assert r["ms"] > 0 and abs(r["tflops"] - 2 * 64**3 / r["ms"] / 1e9) < 1e-12
 
 
-def test_layer_record_has_rates_matmul_peers_and_profile(tmp_path):
+def test_layer_record_has_rates_matmul_peers_and_profile(tmp_path, monkeypatch):
+    from dropless.bench import layer, peers
+    from dropless.bench.layer_impls import grouped_mm_plain
+
+    # torch stands in for an installed CPU peer, the plain layer for its kernel; torchao's
+    # row needs CUDA (or is not installed): it is not timed, and the record says why
+    monkeypatch.setitem(peers.PEERS, "liger", peers.Peer("torch", "torch", "0.0.1", False))
+    monkeypatch.setitem(layer.PATHS, "liger-moe", grouped_mm_plain)
     hist = tmp_path / "h.jsonl"
     argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]
-    argv += ["--rounds", "3", "--warmup", "0", "--impls", "dense,grouped_mm-plain,liger-moe"]
+    argv += [
+        "--rounds",
+        "3",
+        "--warmup",
+        "0",
+        "--impls",
+        "dense,dropless,liger-moe,torchao-fp8-row",
+    ]
     assert main([*argv, "--profile", "--history", str(hist)]) == 0
     f = json.loads(hist.read_text())["figures"]
     rates = f["matmul"]
     assert set(rates) == {"bfloat16", "float32"} and all(r["tflops"] > 0 for r in rates.values())
     rows = {r["impl"]: r for r in f["rows"]}
-    # a peer row that cannot run on CPU is not timed, and the record says why
-    assert list(rows) == ["dense", "grouped_mm-plain"]
-    assert f["peers"]["liger-moe"]["ok"] is False and f["peers"]["liger-moe"]["wanted"] == "0.8.5"
+    assert list(rows) == ["dense", "dropless", "liger-moe"]
+    assert rows["liger-moe"]["peer"]["version"] == peers.installed_version(peers.PEERS["liger"])
+    assert rows["liger-moe"]["max_rel_diff"] < 1e-5  # the same weights and routes as dropless
+    st = f["peers"]["torchao-fp8-row"]
+    assert st["ok"] is False and st["wanted"] == "0.18.0"
+    assert st["status"].startswith(("needs CUDA", "not installed")), st
     for r in rows.values():
         assert r["ms"] > 0 and r["tflops"] == r["gflops"] / 1e3
         assert r["share_of_bound"] == rows["dense"]["ms"] / r["ms"]

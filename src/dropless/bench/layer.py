@@ -60,6 +60,8 @@ from .common import (
     section_path,
 )
 from .layer_impls import DROPLESS_VARIANTS, EXPERT_PATHS, RECIPES, hf_block, route, variant_context
+from .layer_table import notes as _notes
+from .layer_table import table as _table
 from .profile import kernel_table
 from .profile import markdown as kernel_markdown
 
@@ -397,46 +399,6 @@ def _run_case(cfg: dict, impls, args) -> list[dict]:
     for r in rows:
         r["mem_vs_hf"] = r["peak_mib"] / hf_mem if hf_mem and r["peak_mib"] is not None else None
     return rows
-
-
-def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
-def _table(rows, shape, cfg, busy_core: int | None = None) -> str:
-    unit = "TFLOP/s" if cfg["device"] == "cuda" else "GFLOP/s"
-    scale = 1e-3 if cfg["device"] == "cuda" else 1.0
-    busy = "" if busy_core is None else f", with a busy process pinned to core {busy_core}"
-    lines = [
-        f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, "
-        f"{cfg['device']}, {cfg['threads']} torch thread(s){busy}",
-        "",
-        f"| T | routing | implementation | ms (median) | {unit} | vs dense bound "
-        "| vs matmul rate | vs HF grouped_mm | peak MiB | peak vs HF grouped_mm |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        digits = ".0f" if r["ms"] >= 100 else ".2f"  # CPU: hundreds of ms; GPU: a few
-        lines.append(
-            f"| {r['T']} | {r['routing']} | {r['impl']} | {r['ms']:{digits}} "
-            f"| {r['gflops'] * scale:.1f} | {_fmt(r['vs_bound'], '.2f')} "
-            f"| {_fmt(r['share_of_matmul_rate'], '.2f')} | {_fmt(r['vs_hf_grouped_mm'], '.2f')} "
-            f"| {_fmt(r['peak_mib'], '.0f')} | {_fmt(r['mem_vs_hf'], '.2f')} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def _notes(rates: dict, peer_status: dict) -> str:
-    """The lines under the tables: the measured matmul rates and every peer row's status."""
-    lines = [
-        f"Dense matmul rate, {r['how']}, {r['n']}x{r['n']} {dtype}: {r['tflops'] * 1e3:.1f} "
-        f"GFLOP/s ({r['ms']:.3f} ms)."
-        for dtype, r in rates.items()
-    ]
-    for name, st in peer_status.items():
-        version = st["version"] or "-"
-        lines.append(f"Peer row `{name}` ({st['package']} {version}): {st['status']}.")
-    return "\n".join(f"{line}  " for line in lines) + "\n"
 
 
 def _check_args(args, dev: str) -> list[str]:

@@ -28,6 +28,7 @@ from _checks_ep_families import (  # noqa: F401
 )
 from _checks_fp32_router import (  # noqa: F401
     fsdp_bf16_fp32_router,
+    fsdp_frozen_dtypes_stay_one_unit,
     fsdp_refuses_unsplittable_dtypes,
 )
 from _checks_fsdp import (  # noqa: F401
@@ -86,6 +87,7 @@ CHECKS = {
         "hf_ep_refusals",
         "fsdp_bf16_fp32_router",
         "fsdp_refuses_unsplittable_dtypes",
+        "fsdp_frozen_dtypes_stay_one_unit",
         "quantized_load_ep",
         "quantized_load_fsdp",
     ],

@@ -133,3 +133,22 @@ def fsdp_refuses_unsplittable_dtypes(rank, world):
     experts.w = nn.Parameter(DTensor.from_local(w, pm.ep_mesh, [Shard(0)], run_check=False))
     experts.scale = nn.Parameter(torch.ones(4))
     _raises(lambda: _replicated_children(experts), "['scale']", "parallel.ep=1")
+
+
+def fsdp_frozen_dtypes_stay_one_unit(rank, world):
+    """Frozen parameters may differ in dtype from the trainable ones (a bf16 base under
+    fp32 adapters): FSDP2 checks the trainable ones only, so no extra unit is made."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from dropless.parallel import ParallelConfig, apply_fsdp, build_mesh
+
+    pm = build_mesh(ParallelConfig(), num_experts=None)
+    base, adapter = nn.Linear(4, 64, dtype=torch.bfloat16), nn.Linear(4, 4)
+    base.requires_grad_(False)
+    block = nn.Sequential(base, adapter)
+    apply_fsdp(nn.Sequential(block), pm, blocks=[block])
+    assert isinstance(block, FSDPModule) and not isinstance(adapter, FSDPModule)
+    trainable = nn.Linear(4, 64, dtype=torch.bfloat16)
+    block = nn.Sequential(trainable, nn.Linear(4, 4))  # both trainable: the fp32 one split off
+    apply_fsdp(nn.Sequential(block), pm, blocks=[block])
+    assert isinstance(block[1], FSDPModule) and not isinstance(trainable, FSDPModule)

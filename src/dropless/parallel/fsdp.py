@@ -7,10 +7,10 @@ path. The expert gradient an EP rank holds already sums the tokens of its whole 
 group, so the experts' divide factor is the world size (FSDP's default would divide
 by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large).
 
-One FSDP2 unit takes one parameter dtype. A submodule whose parameters are in another
-dtype than the rest of its unit (the router Transformers keeps in fp32 in a bf16 model,
-`_keep_in_fp32_modules`: DeepSeek-V3's and Nemotron-H's `gate`) becomes its own unit,
-with no parameter cast: it stays fp32 in compute too. A replicated submodule inside an
+One FSDP2 unit takes one dtype of trainable parameters. A submodule whose trainable
+parameters are in another dtype than the rest of its unit (the router Transformers keeps
+in fp32 in a bf16 model, `_keep_in_fp32_modules`: DeepSeek-V3's and Nemotron-H's `gate`)
+becomes its own unit, with no parameter cast: it stays fp32 in compute too. A replicated submodule inside an
 expert module (MuSE-Spark's post-expert norm) is a unit on the dense mesh, so its gradient
 is summed over every rank, not only over the expert mesh.
 """
@@ -98,11 +98,12 @@ def _managed(unit: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
 
 
 def _shard_other_dtypes(unit: nn.Module, mesh, kw: dict) -> None:
-    """Make every submodule of `unit` holding parameters in a dtype other than most of
-    the unit's (by size) its own FSDP unit, keeping that dtype (no param_dtype cast)."""
+    """Make every submodule of `unit` holding trainable parameters in a dtype other than
+    most of the unit's (by size) its own FSDP unit, keeping that dtype (no param_dtype
+    cast). Frozen parameters may differ (a bf16 base under fp32 LoRA adapters)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    managed = _managed(unit)
+    managed = _trainable(_managed(unit))  # FSDP2 checks the trainable ones (frozen: any)
     size: dict = {}
     for _, _, p in managed:
         size[p.dtype] = size.get(p.dtype, 0) + p.numel()
@@ -113,7 +114,7 @@ def _shard_other_dtypes(unit: nn.Module, mesh, kw: dict) -> None:
     policy = kw.get("mp_policy")
     keep = MixedPrecisionPolicy(reduce_dtype=getattr(policy, "reduce_dtype", None))
     for name, m in owners.values():
-        dtypes = {p.dtype for _, _, p in _managed(m)}
+        dtypes = {p.dtype for _, _, p in _trainable(_managed(m))}
         if m is unit or len(dtypes) > 1:
             raise ValueError(
                 f"FSDP2 takes one parameter dtype per unit, and {type(m).__name__} "
@@ -122,6 +123,10 @@ def _shard_other_dtypes(unit: nn.Module, mesh, kw: dict) -> None:
                 "off; store the model in one dtype (model.dtype=fp32)"
             )
         fully_shard(m, mesh=mesh, **{**kw, "mp_policy": keep})
+
+
+def _trainable(managed: list) -> list:
+    return [t for t in managed if t[2].requires_grad]
 
 
 def _replicated_children(m: nn.Module) -> list[nn.Module]:

@@ -35,7 +35,7 @@ BUDGETS = {
     "ops+nn": 120,
     "triton": 60,
     "hf": 120,
-    "parallel": 240,  # the torchrun LoRA and fine-tuning runs (~60 s together)
+    "parallel": 240,  # 180 + ~60 s for test_lora_torchrun (two torchrun starts, two in-process runs)
     "quant": 120,
     "train": 180,
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)

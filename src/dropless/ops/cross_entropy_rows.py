@@ -72,7 +72,8 @@ def ce_rows_eager(
     grad: bool,
 ) -> torch.Tensor:
     """The row op in torch ops: three passes over the chunk with a gradient (an in-place
-    log-softmax, whose row statistics stay in cache, then log-scale and exp), one without.
+    log-softmax, whose row statistics stay in cache, then log-scale and exp), one without;
+    label smoothing adds two (the row means, the uniform term).
     16-bit logits are worked on in an fp32 copy, as `logits.float()` then cross-entropy
     does, and the gradient is rounded once into them."""
     acc = scale_C.dtype

@@ -4,11 +4,19 @@ plain torch kernel in its place (the peers' own kernels need CUDA)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from dropless.bench import peers
 from dropless.bench.layer_impls import grouped_mm_plain
+
+
+@pytest.fixture(autouse=True)
+def _liger_env(monkeypatch):
+    """row_status sets LIGER_FUSED_MOE_AUTOTUNE for its process: restored after each test."""
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")
 
 
 def test_a_missing_package_is_not_installed_with_the_version_looked_for(monkeypatch):
@@ -28,6 +36,15 @@ def test_an_installed_cuda_only_peer_needs_cuda_on_cpu(monkeypatch):
     assert st["ok"] is False and st["version"] == peers.installed_version(peers.PEERS["cce"])
     assert st["status"] == f"needs CUDA (torch {st['version']})" and st["wanted"] == "9.9"
     assert peers.row_status("cce", "cuda")["ok"] is True
+
+
+def test_liger_moe_runs_one_kernel_config_unless_autotuning_is_asked_for(monkeypatch):
+    monkeypatch.delenv("LIGER_FUSED_MOE_AUTOTUNE", raising=False)
+    peers.row_status("liger-moe", "cpu")
+    assert os.environ["LIGER_FUSED_MOE_AUTOTUNE"] == "0"
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "1")
+    peers.row_status("liger-moe", "cpu")
+    assert os.environ["LIGER_FUSED_MOE_AUTOTUNE"] == "1"
 
 
 def test_every_row_names_a_peer_with_a_pinned_version():

@@ -67,6 +67,7 @@ def test_layer_record_has_rates_matmul_peers_and_profile(tmp_path, monkeypatch):
     # row needs CUDA (or is not installed): it is not timed, and the record says why
     monkeypatch.setitem(peers.PEERS, "liger", peers.Peer("torch", "torch", "0.0.1", False))
     monkeypatch.setitem(layer.PATHS, "liger-moe", grouped_mm_plain)
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")  # what the bench sets: restored after
     hist = tmp_path / "h.jsonl"
     argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]
     argv += [

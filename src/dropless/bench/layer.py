@@ -109,7 +109,8 @@ in the same run. Rows asked for by name (the GPU tables): `grouped_mm-plain` (ar
 `torch._grouped_mm` + index_add written plainly), `dropless` under a recipe
 (`dropless-fp8-current-row`, `dropless-fp8-delayed`: E4M3; `dropless-mxfp8-saved`: MXFP8
 with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`), and the
-peers (`liger-moe`: Liger-Kernel's fused MoE experts; `torchao-fp8-row`: torchao's FP8
+peers (`liger-moe`: Liger-Kernel's fused MoE experts, one kernel config each unless
+LIGER_FUSED_MOE_AUTOTUNE=1 asks for its autotuning; `torchao-fp8-row`: torchao's FP8
 row-wise grouped GEMM on expert rows padded to 16), which run only where their package
 imports and CUDA is there (otherwise named, with the version looked for). Peak
 memory: on CPU each implementation once more in its own child process, VmHWM (reset

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ def row_status(row: str, device: str) -> dict:
     package imports and the device is one it runs on."""
     peer = PEERS[{**LAYER_ROWS, **E2E_ROWS}[row]]
     out = {"package": peer.package, "wanted": peer.wanted, "version": installed_version(peer)}
+    # Liger's fused MoE autotunes ~200 kernel variants at its first call (minutes of
+    # compiling, past the GPU check's budget); its own switch, read when it is imported,
+    # pins one config per kernel. Set in this process's environment, so the e2e children
+    # inherit it; an explicit LIGER_FUSED_MOE_AUTOTUNE=1 keeps the autotuning.
+    os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")
     try:
         importlib.import_module(peer.module)
     except ImportError as e:
@@ -75,7 +81,8 @@ def row_status(row: str, device: str) -> dict:
 
 def liger_moe(x_TD, ids_TK, w_TK, gate_up, down):
     """Liger-Kernel's fused MoE experts (Triton: gather + gate/up GEMM + SwiGLU, down GEMM,
-    weighted combine), on the HF v5 weight layout it shares with dropless."""
+    weighted combine), on the HF v5 weight layout it shares with dropless; one kernel
+    config each unless LIGER_FUSED_MOE_AUTOTUNE=1 (see `row_status`)."""
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
 
     return LigerFusedMoEFunction.apply(x_TD, gate_up, down, ids_TK.to(torch.int32), w_TK)

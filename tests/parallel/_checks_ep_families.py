@@ -284,8 +284,11 @@ def _refused(holder, pm, *words) -> None:
 
 def hf_ep_refusals(rank, world):
     """The experts EP cannot run are refused with the family named and why: a module on
-    its stock forward (weights not in the v5 layout), which needs every expert."""
+    its stock forward (weights not in the v5 layout), which needs every expert, and an
+    expert count the EP size does not divide."""
     pm = build_mesh(ParallelConfig(ep=world), num_experts=4)
     stock = _tiny_experts("qwen3_moe")
     del stock.gate_up_proj  # the v5 layout's weight gone: dropless runs the class's forward
     _refused(_Holder(stock), pm, "(qwen3_moe)", "runs its own forward", "gate_up_proj")
+    odd = _tiny_experts("qwen3_moe", E=3)  # a mesh built for another expert count
+    _refused(_Holder(odd), pm, "(qwen3_moe)", "num_experts=3 is not divisible by parallel.ep=2")

@@ -11,11 +11,16 @@ fixes:
 - forward keeps for backward h [R, 2F] in the compute dtype (the only activation the
   fused MLP saves, `ops/fused_mlp.py`), prob_S [R] and the sort indices token_S [R],
   slot_TK [T, K] (int64); with expert parallelism also the received rows [R, D] (the
-  fused MLP's input there) and the all-to-all send buffer [S, D] while it is in flight;
-- backward allocates what the fused backward holds, in its order: the gathered output
+  fused MLP's input there), the all-to-all send buffer [S, D] while it is in flight, and
+  the weighted combine's saved expert outputs y_SD [S, D] with its pair and token
+  indices [S] (int64; `ops/permute.py::_Unpermute`, for the routing weights' gradient);
+- backward allocates what the fused backward holds, in its order: under expert
+  parallelism first the combine's backward (the pairs' output gradient [S, D], then the
+  rows received back [R, D] and their local-order copy [R, D]); the gathered output
   gradient [R, D], d(activation) and the recomputed activation [R, F], dh [R, 2F], the
   recomputed x_SD [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights'
-  shape and dtype, and dx [T, D].
+  shape and dtype; under expert parallelism dx_SD's local-order copy [R, D] and the
+  pairs' input gradient received back [S, D]; and dx [T, D].
 
 S = T x K pairs of this rank's tokens; R = the rows this rank's experts compute: S on one
 process (every expert is local, whatever the routing), ceil(S x skew) under expert
@@ -39,26 +44,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class _DeclaredExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w1, w2, weights_TK, rows: int, ep: bool):
+    def forward(ctx, x_TD, w1, w2, weights_TK, rows: int, ep: int):
         T, K = weights_TK.shape
         S = T * K
         h = x_TD.new_empty(rows, w1.shape[1] if w1.shape[1] != x_TD.shape[1] else w1.shape[2])
         kept = [h, weights_TK.new_empty(rows), x_TD.new_empty(rows, dtype=torch.long)]
         kept.append(x_TD.new_empty(T, K, dtype=torch.long))
-        if ep:
-            send = x_TD.new_empty(S, x_TD.shape[1])  # in flight during the dispatch
-            kept.append(x_TD.new_empty(rows, x_TD.shape[1]))  # received rows, saved
+        if ep > 1:
+            D = x_TD.shape[1]
+            send = x_TD.new_empty(S, D)  # in flight during the dispatch
+            kept.append(x_TD.new_empty(rows, D))  # received rows, saved
             del send
+            kept.append(x_TD.new_empty(S, D))  # y_SD, saved by the weighted combine
+            kept += [x_TD.new_empty(S, dtype=torch.long) for _ in range(2)]  # pair_S, token_S
         ctx.save_for_backward(*kept)
+        # rows arrive in (source, expert) blocks: reordered by copies when both exceed 1
+        ctx.ep, ctx.reorder = ep > 1, ep > 1 and w1.shape[0] > 1
         ctx.shapes = (w1.shape, w1.dtype, w2.shape, w2.dtype, rows, x_TD.shape[1])
         return x_TD.new_empty(x_TD.shape)
 
     @staticmethod
     def backward(ctx, g_TD):
         # the live set of `_GroupedMLP.backward`, in its order
-        h = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors  # once: under activation checkpointing a second read raises
+        h = saved[0]
         s1, d1, s2, d2, rows, D = ctx.shapes
         F = h.shape[1] // 2
+        S = saved[3].numel()
+        if ctx.ep:  # the combine's backward: pairs' grad out, received back, local order
+            g_SD = h.new_empty(S, D)
+            g_RD = h.new_empty(rows, D)
+            del g_SD
+            if ctx.reorder:
+                g_local = h.new_empty(rows, D)
+                del g_RD
         gy, da = h.new_empty(rows, D), h.new_empty(rows, F)  # gathered grad, d(act out)
         dh, a = torch.empty_like(h), h.new_empty(rows, F)  # d h, the recomputed activation
         del da
@@ -68,6 +87,16 @@ class _DeclaredExperts(torch.autograd.Function):
         g1 = h.new_empty(s1, dtype=d1)
         del x_SD
         dx_SD = h.new_empty(rows, D)
+        if ctx.ep:  # the dispatch's backward: local-order copy, pairs' grad received back
+            if ctx.reorder:
+                del g_local
+                dx_local = h.new_empty(rows, D)
+                del dx_SD
+                dx_SD = h.new_empty(S, D)
+                del dx_local
+            else:
+                del g_RD, dx_SD
+                dx_SD = h.new_empty(S, D)
         dx = g_TD.new_empty(g_TD.shape)
         del dx_SD, dh, gp
         return dx, g1, g2, None, None, None
@@ -96,7 +125,7 @@ def declare_experts(model: nn.Module, ep: int, skew: float) -> int:
         w1, w2 = _weight(self, first), _weight(self, "down_proj")
         rows = rows_computed(top_k_index.numel(), ep, skew)
         x = hidden_states.to(w1.dtype)
-        out = _DeclaredExperts.apply(x, w1, w2, top_k_weights, rows, ep > 1)
+        out = _DeclaredExperts.apply(x, w1, w2, top_k_weights, rows, ep)
         return out.to(hidden_states.dtype)
 
     layers = moe_layers(model)

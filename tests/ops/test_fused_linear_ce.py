@@ -195,10 +195,11 @@ def test_row_op_eager_gradient_is_the_softmax_formula():
 
 
 def test_fused_chunk_size_fits_the_buffer():
-    # bf16 at Qwen3's vocabulary: 2-4k rows within the buffer; small vocabularies: 4,096
-    rows = fused_chunk_size(16384, 151936, torch.bfloat16)
-    assert 2048 <= rows <= 4096 and rows * 151936 * 2 <= LOGITS_BUFFER_BYTES and rows % 128 == 0
-    assert fused_chunk_size(16384, 32768, torch.bfloat16) == 4096
+    # bf16 at Qwen3's vocabulary and at the e2e one: 2,048 rows, within the buffer
+    for vocab in (151936, 32768):
+        rows = fused_chunk_size(16384, vocab, torch.bfloat16)
+        assert rows == 2048 and rows * vocab * 2 <= LOGITS_BUFFER_BYTES
+    assert fused_chunk_size(16384, 1 << 20, torch.bfloat16) == 512  # a larger vocabulary
     assert fused_chunk_size(100, 32768, torch.float32) == 100
     assert fused_chunk_size(10**6, 10**8, torch.float32) == 128  # floor for huge vocabularies
 

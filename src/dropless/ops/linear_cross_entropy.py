@@ -5,9 +5,9 @@
 
 - "fused" (reduction "mean"/"sum"): the gradients are computed in the forward, so the
   backward only scales them by the incoming gradient (no logits are recomputed: three
-  GEMMs per chunk, not four). Chunks of C tokens (2,048-4,096 rows where a chunk's logits
-  fit `LOGITS_BUFFER_BYTES`, fewer for larger vocabularies): the logits go into one
-  reused `[C, V]` buffer in the input dtype (bf16 logits for a bf16 head, as the stock
+  GEMMs per chunk, not four). Chunks of C = 2,048 tokens (fewer where a chunk's logits
+  would not fit `LOGITS_BUFFER_BYTES`: vocabularies above 262,144 in bf16): the logits go
+  into one reused `[C, V]` buffer in the input dtype (bf16 logits for a bf16 head, as the stock
   head rounds them); one row op (`cross_entropy_rows`: a Triton kernel per row block on
   CUDA, an in-place log-softmax on CPU) reads them for max / sum-exp / loss and writes the
   scaled, masked gradient `softmax - onehot` over them; then `grad_h[chunk] = g @ W` and
@@ -15,7 +15,8 @@
   `ignore_index` and the mean's token count are masks and device scalars. Buffers: the
   `[C, V]` chunk (freed after the forward), and kept from forward to backward `grad_h`
   `[T, D]` (fp32 for 16-bit inputs), `grad_W` `[V, D]` fp32 and `grad_b` `[V]` fp32: O(T*D
-  + V*D), never O(T*V). The backward scales them in place, so a second backward through
+  + V*D), never O(T*V). E.g. bf16, T = 16,384, D = 1,024: the chunk is 128 MiB at V =
+  32,768 (594 MiB at 151,936), `grad_h` 64 MiB, `grad_W` 128 MiB (594 MiB). The backward scales them in place, so a second backward through
   the same graph (`retain_graph=True`) raises.
 - "chunked" (the reference of "fused"; every reduction): a custom autograd Function over
   chunks of tokens. The forward keeps one chunk's fp32 logits at a time and saves only the
@@ -48,10 +49,12 @@ from .cross_entropy_rows import CERows, pick_ce_rows
 BACKENDS = ("auto", "fused", "chunked", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 _MIN_CHUNK = 128
-# "fused": one chunk's logits at most this large (bf16, V = 151,936: 3,456 rows), and
-# 4,096 rows at most (GEMMs of 2k+ rows run near peak; more only costs memory)
+# "fused": one chunk's logits at most this large, and 2,048 rows at most. Each chunk
+# costs one read-modify-write of the [V, D] fp32 weight gradient, so chunks are large;
+# a larger one adds its whole buffer to the step's peak memory (it is live at the end of
+# the forward, beside every activation)
 LOGITS_BUFFER_BYTES = 1 << 30
-_MAX_FUSED_CHUNK = 4096
+_MAX_FUSED_CHUNK = 2048
 
 
 def torch_linear_cross_entropy_available() -> bool:
@@ -67,7 +70,7 @@ def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
 
 def fused_chunk_size(num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
     """Rows per chunk of the "fused" backend: as many as fit `LOGITS_BUFFER_BYTES` of
-    logits in `dtype`, a multiple of 128, between 128 and 4,096 (and at most the tokens)."""
+    logits in `dtype`, a multiple of 128, between 128 and 2,048 (and at most the tokens)."""
     fit = LOGITS_BUFFER_BYTES // max(vocab * dtype.itemsize, 1)
     rows = max(_MIN_CHUNK, min(_MAX_FUSED_CHUNK, fit // _MIN_CHUNK * _MIN_CHUNK))
     return max(1, min(num_tokens, rows))

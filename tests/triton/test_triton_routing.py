@@ -343,3 +343,21 @@ def test_naming_a_routing_backend_that_cannot_run_raises():
         route(logits, 2, backend="nope")
     w, ids, s = route(logits, 2, backend="reference")
     assert ids.shape == (4, 2)
+
+
+def test_fake_cuda_tensors_take_the_torch_path():
+    """A FakeTensorMode trace on CUDA tensors (shapes only) routes and sorts with the torch
+    ops: a kernel would read memory a fake tensor does not have."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import dropless.kernels  # noqa: F401  (registers "triton")
+    from dropless.ops import sort_by_expert
+    from dropless.ops.routing import pick_routing_kernels, route_with_aux
+
+    with FakeTensorMode():
+        logits = torch.empty(6, 8, device="cuda")
+        assert pick_routing_kernels(logits) is None
+        w, ids, s, probs_mean, z = route_with_aux(logits, 2, RoutingConfig(renormalize=True))
+        sp = sort_by_expert(ids, 8, host_counts=False)
+    assert w.shape == (6, 2) and ids.device.type == "cuda" and probs_mean.shape == (8,)
+    assert sp.pair_S.dtype == torch.int64 and sp.offsets_E.shape == (8,)

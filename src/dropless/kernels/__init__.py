@@ -148,6 +148,15 @@ def _supports_rows(t: torch.Tensor) -> bool:
     )
 
 
+def _supports_routing(t: torch.Tensor) -> bool:
+    if not (t.is_cuda and triton_importable()):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    # a fake CUDA tensor (a FakeTensorMode trace) holds no data for a kernel to read
+    return not is_fake(t)
+
+
 _ROW_OPS = None
 
 
@@ -203,7 +212,7 @@ def register_backend() -> None:
             "triton",
             _lazy("routing_kernels", "route"),
             _lazy("routing_kernels", "sort_by_expert"),
-            supports=lambda t: t.is_cuda and triton_importable(),
+            supports=_supports_routing,
             priority=10,
             route_with_aux=_lazy("routing_kernels", "route_with_aux"),
         )

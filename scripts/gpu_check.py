@@ -266,6 +266,8 @@ def print_tables(summary: dict) -> None:
             print(f"  check {name:22s} {'ok' if ok else 'FAILED'}")
         for name, st in res.get("peers", {}).items():
             print(f"  peer {name:23s} {st['package']} {st['version'] or '-'}: {st['status']}")
+        for dtype, r in (res.get("matmul") or {}).items():
+            print(f"  dense matmul rate {dtype}: {r['tflops']} TFLOP/s ({r['how']}, n={r['n']})")
     print()
     for name, g in summary["groups"].items():
         extra = f" ({g['reason']})" if "reason" in g else f" {g.get('counts', '')}"

@@ -61,7 +61,7 @@ def fsdp_bf16_fp32_router(rank, world):
 
     model, par = build_training_model(
         mcfg, hf_config(mcfg, V), ParallelConfig(ep=world), world, expert_bias=False,
-        seed=0, device="cpu",
+        seed=0, device="cpu", compute_dtype=torch.bfloat16,  # every other unit: bf16 policy
     )  # fmt: skip
     assert par is not None
     gates = [model.model.layers[i].mlp.gate for i in range(2)]
@@ -79,7 +79,10 @@ def fsdp_bf16_fp32_router(rank, world):
     for g in gates:  # its own FSDP unit, stored in fp32 (a DTensor shard)
         assert g.weight.dtype == torch.float32 and hasattr(g.weight, "to_local"), g.weight
         assert hasattr(g, "_get_fsdp_state"), "the fp32 router is not an FSDP unit of its own"
+        assert g._get_fsdp_state()._mp_policy.param_dtype is None  # no cast to bf16
         assert g.weight.grad is not None and g.weight.grad.dtype == torch.float32
+    layer = model.model.layers[0]
+    assert layer._get_fsdp_state()._mp_policy.param_dtype == torch.bfloat16
     # one process, the same bf16 model (Transformers' own fp32 routers), the whole batch
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     patch_model(ref)

@@ -325,6 +325,7 @@ class _FusedLinearCE(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the saved gradients are constants
     def backward(ctx, grad_out):
         if ctx.used:
             raise RuntimeError(

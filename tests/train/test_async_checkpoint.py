@@ -1,11 +1,14 @@
 """Checkpoint saves in the background (`checkpoint.async_save`, the default): training goes
 on while the shards are written, the checkpoint then equals the state it was taken from,
 a failure of the write stops the run after the next step with the synchronous save's
-error, an error leaving the loop waits for the save, and a process killed in the middle
-of a write leaves the previous checkpoint loadable for `--resume`."""
+error, an error or SIGTERM leaving the loop waits for the save, and a process killed in
+the middle of a write leaves the previous checkpoint loadable for `--resume`. The world-2
+case is `ckpt_async_w2` in tests/parallel (and every torchrun test that saves)."""
 
 import errno
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +23,7 @@ from dropless.cli.main import main
 from dropless.train import checkpoint as ckpt
 from dropless.train import dcp_io
 from dropless.train.checkpoint_async import THREAD_NAME
+from dropless.train.errors import Interrupted
 from dropless.train.hooks import TrainHooks
 from dropless.train.recipes import tiny
 from dropless.train.trainer import train
@@ -83,7 +87,7 @@ def test_a_save_overlaps_the_next_steps_and_loads_equal(tiny_run, tmp_path, monk
         if step == 4:  # the state the checkpoint of step 4 must hold (saved after this hook)
             snap.update({k: v.detach().clone() for k, v in h.model.state_dict().items()})
         if step in (5, 6):  # trained while the write of step 4 is stalled
-            h.seen[step] = (stall.blocked.is_set(), [s for s, _ in ckpt.list_checkpoints(run)])
+            h.seen[step] = (stall.blocked.wait(30), [s for s, _ in ckpt.list_checkpoints(run)])
             partial = run / "checkpoints" / ".tmp-step_00000004"
             assert (partial / "__0_0.distcp").stat().st_size > 0  # its shard, cut short
             assert ckpt.verify_checkpoint(ckpt.step_dir(run, 2)) is None
@@ -148,7 +152,7 @@ def test_an_error_leaving_the_loop_waits_for_the_save(tmp_path, monkeypatch):
 
     def at_step(h, step):
         if step == 5:
-            assert stall.blocked.is_set()
+            assert stall.blocked.wait(30)
             threading.Timer(0.3, stall.release.set).start()
             raise RuntimeError("a failure in step 5")
 
@@ -156,6 +160,26 @@ def test_an_error_leaving_the_loop_waits_for_the_save(tmp_path, monkeypatch):
         train(tiny(*QUIET, "checkpoint.every=2"), run_dir=str(run), hooks=_Hooks(stall, at_step))
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4]
     assert ckpt.verify_checkpoint(ckpt.step_dir(run, 4)) is None
+    assert not any(t.name == THREAD_NAME for t in threading.enumerate())
+
+
+def test_sigterm_finishes_the_save_in_flight_then_writes_its_own(tmp_path, monkeypatch):
+    """SIGTERM in step 5 while step 4's write is stalled (released 0.3 s later): the run
+    stops after step 5 with both checkpoints complete."""
+    run, stall = tmp_path / "run", _Stall(monkeypatch, 4)
+
+    class Term(_Hooks):
+        def after_backward(self, step, model):
+            if step == 5:
+                assert stall.blocked.wait(30)
+                threading.Timer(0.3, stall.release.set).start()
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    cfg = tiny(*QUIET, "checkpoint.every=2", "checkpoint.keep=3")
+    with pytest.raises(Interrupted, match="stopped by SIGTERM after step 5"):
+        train(cfg, run_dir=str(run), hooks=Term(stall))
+    assert [s for s, _ in ckpt.list_checkpoints(run)] == [2, 4, 5]
+    assert all(ckpt.verify_checkpoint(p) is None for _, p in ckpt.list_checkpoints(run))
     assert not any(t.name == THREAD_NAME for t in threading.enumerate())
 
 

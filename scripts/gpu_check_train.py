@@ -9,7 +9,8 @@ model.dtype=bf16), in one child under `torchrun --nproc-per-node 1` (rows of the
 - force_distributed: the same 20 steps with parallel.force_distributed=true on NCCL (FSDP2,
   DTensor experts behind the all-to-all dispatcher) and activation checkpointing; host syncs
   counted per decoder layer in forward and in the recompute (tests/ops/sync_counter.py, the
-  counter the host-sync tests use), steps 2-3; an async DCP checkpoint at step 10;
+  counter the host-sync tests use, and on CUDA the device's own count in sync debug mode),
+  steps 2-3; an async DCP checkpoint at step 10;
 - resume: the forced run resumed from that checkpoint: steps 11-20 against its losses;
 - ep_rank_share: one 8-way expert-parallel rank's share of the 30B layer timed: 16 local
   experts receiving T*K/8 = 32,768 rows (T = 8 ranks x 4096 tokens), forward+backward,
@@ -29,6 +30,7 @@ Wall time on an H200: about 200 s (estimate, not yet measured).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -36,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,6 +84,26 @@ class FinalSaveSkipped(Exception):
     """Raised by the hook at the run's last checkpoint: the check needs no second one."""
 
 
+@contextlib.contextmanager
+def _cuda_syncs():
+    """On CUDA: a list of the syncs the device reports in the block (its sync debug mode,
+    as tests/gpu_check/test_gpu_check_paths.py counts them; torch's own ops included);
+    None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield None
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield caught
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def _hooks(last_step: int, count_steps=()):
     from dropless.train.hooks import TrainHooks
 
@@ -91,24 +114,35 @@ def _hooks(last_step: int, count_steps=()):
         """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's
         own hooks) and in the recompute of activation checkpointing (Transformers
         checkpoints the layer's `forward`, inside its hooks: its submodules' hooks fire
-        again in backward). Stops the run at its last checkpoint."""
+        again in backward); `sync_counter`'s count (the calls dropless makes that read the
+        device) and, on CUDA, the device's own. Stops the run at its last checkpoint."""
 
         def __init__(self):
-            self.syncs: dict[str, list[int]] = {"forward": [], "recompute": []}
+            self.syncs: dict[str, list[int]] = {
+                "forward": [], "recompute": [], "cuda_forward": [], "cuda_recompute": []
+            }  # fmt: skip
             self.where: list[str] = []
-            self._ctx = self._found = None
+            self._stack = contextlib.ExitStack()
+            self._found = self._cuda = None
             self._hooked = False
 
         def _start(self):
-            self._ctx = count_syncs()
-            self._found = self._ctx.__enter__()
+            self._found = self._stack.enter_context(count_syncs())
+            self._cuda = self._stack.enter_context(_cuda_syncs())
             self._open, self._done, self._rec = {}, set(), {}
 
         def _stop(self):
-            if self._ctx is not None:
-                self._ctx.__exit__(None, None, None)
-                self.syncs["recompute"] += list(self._rec.values())
-                self._ctx = self._found = None
+            if self._found is not None:
+                self._stack.close()
+                for n, c in self._rec.values():
+                    self.syncs["recompute"].append(n)
+                    if self._cuda is not None:
+                        self.syncs["cuda_recompute"].append(c)
+                self._found = self._cuda = None
+
+        def _now(self) -> tuple[int, int]:
+            cuda = self._cuda or []
+            return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
 
         def _hook(self, model):
             from dropless.train.distributed import _decoder_layers
@@ -131,18 +165,21 @@ def _hooks(last_step: int, count_steps=()):
 
         def _enter(self, key):
             if self._counting(key):
-                self._open.setdefault(key, []).append(len(self._found))
+                self._open.setdefault(key, []).append(self._now())
 
         def _leave(self, key, phase):
             if not self._counting(key) or not self._open.get(key):
                 return
-            new = self._found[self._open[key].pop() :]
-            self.where += new
+            (n0, c0), (n1, c1) = self._open[key].pop(), self._now()
+            self.where += self._found[n0:]
             if phase == "forward":
-                self.syncs["forward"].append(len(new))
+                self.syncs["forward"].append(n1 - n0)
+                if self._cuda is not None:
+                    self.syncs["cuda_forward"].append(c1 - c0)
                 self._done.add(key)
             else:
-                self._rec[key[0]] = self._rec.get(key[0], 0) + len(new)
+                n, c = self._rec.get(key[0], (0, 0))
+                self._rec[key[0]] = (n + n1 - n0, c + c1 - c0)
 
         def after_backward(self, step, model):
             if step in count_steps:
@@ -318,10 +355,16 @@ def _run_row(r: dict) -> dict:
         steps=len(losses), first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4),
         tokens_per_s=round(r["tokens_per_s"]), wall_s=r["wall_s"],
         max_memory_allocated_gib=r["max_memory_allocated_gib"],
-        syncs_forward_per_layer=max(s["forward"]) if s["forward"] else None,
-        syncs_recompute_per_layer=max(s["recompute"]) if s["recompute"] else None,
+        syncs_forward_per_layer=_max(s["forward"]),
+        syncs_recompute_per_layer=_max(s["recompute"]),
+        cuda_syncs_forward_per_layer=_max(s.get("cuda_forward")),
+        cuda_syncs_recompute_per_layer=_max(s.get("cuda_recompute")),
         sync_sites=r["sync_sites"],
     )  # fmt: skip
+
+
+def _max(v):
+    return max(v) if v else None
 
 
 def _keys(d: dict) -> dict:
@@ -384,9 +427,12 @@ def checks(rows: dict, tol: float, cpu: bool) -> dict[str, bool]:
         "gloo_ep2_equal": ep2["status"] == "skipped"
         or (ep2["status"] == "ok" and _within(ep2["max_rel_loss_diff"], tol)),
     }
-    if not cpu:
-        out["forward_syncs_le_1_per_layer"] = _within(f["syncs_forward_per_layer"], 1)
-        out["recompute_syncs_0"] = f["syncs_recompute_per_layer"] == 0
+    if not cpu:  # both counts: dropless's reads of the device, and the device's own
+        cuda_fwd, cuda_rec = (f.get(f"cuda_syncs_{k}_per_layer") for k in ("forward", "recompute"))
+        out["forward_syncs_le_1_per_layer"] = _within(f["syncs_forward_per_layer"], 1) and (
+            cuda_fwd is None or cuda_fwd <= 1
+        )
+        out["recompute_syncs_0"] = f["syncs_recompute_per_layer"] == 0 and cuda_rec in (None, 0)
     if "train_vs_bench" in rows["bench_e2e"]:
         out["train_within_10pct_of_bench"] = rows["bench_e2e"]["train_vs_bench"] >= 0.9
     return out

@@ -100,13 +100,14 @@ def test_budget_skips_what_does_not_fit_and_says_so():
         assert g["status"] == "skipped" and "budget" in g["reason"] and "--only" in g["reason"]
 
 
-def _train_results(forward_syncs=1, recompute_syncs=0, resumed_loss=9.0, ep2=None):
+def _train_results(forward_syncs=1, recompute_syncs=0, resumed_loss=9.0, ep2=None, cuda=(1, 0)):
     """What the train step's children write, at made-up figures: losses of steps 1-4."""
     run = dict(losses={"1": 10.0, "2": 9.5, "3": 9.2, "4": 9.0}, tokens_per_s=50000.0,
                wall_s=30.0, max_memory_allocated_gib=20.0, sync_sites=[],
                syncs={"forward": [forward_syncs] * 4, "recompute": []})  # fmt: skip
-    forced = run | dict(tokens_per_s=48000.0, syncs={"forward": [forward_syncs] * 4,
-                                                     "recompute": [recompute_syncs] * 2})  # fmt: skip
+    forced = run | dict(tokens_per_s=48000.0, syncs={
+        "forward": [forward_syncs] * 4, "recompute": [recompute_syncs] * 2,
+        "cuda_forward": [cuda[0]] * 4, "cuda_recompute": [cuda[1]] * 2})  # fmt: skip
     resumed = dict(run, losses={"3": 9.2, "4": resumed_loss})
     main = dict(single=run, force_distributed=forced, resume=resumed, checkpoint_gib=13.5,
                 gloo_ep2_reference=dict(run, losses={"1": 6.0, "2": 5.9}),
@@ -128,14 +129,18 @@ def test_train_checks_pass_and_fail_on_the_figures():
                                   max_rel_loss_diff=0.0)  # fmt: skip
     assert rows["bench_e2e"]["train_vs_bench"] == round(50000 / 52000, 3)
     assert rows["force_distributed"]["syncs_recompute_per_layer"] == 0
+    assert rows["force_distributed"]["cuda_syncs_forward_per_layer"] == 1
     assert rows["single"]["syncs_recompute_per_layer"] is None
-    failing = {
-        "forward_syncs_le_1_per_layer": _train_results(forward_syncs=2),
-        "recompute_syncs_0": _train_results(recompute_syncs=1),
-        "resume_reproduces": _train_results(resumed_loss=9.0 * 1.03),  # over 2e-2
-        "gloo_ep2_equal": _train_results(ep2=dict(status="ok", losses={"1": 6.0, "2": 6.2})),
-    }
-    for name, (m, e) in failing.items():
+    failing = [
+        ("forward_syncs_le_1_per_layer", _train_results(forward_syncs=2)),
+        ("recompute_syncs_0", _train_results(recompute_syncs=1)),
+        # the device's own count (sync debug mode) sees a sync dropless's count does not
+        ("forward_syncs_le_1_per_layer", _train_results(cuda=(2, 0))),
+        ("recompute_syncs_0", _train_results(cuda=(1, 1))),
+        ("resume_reproduces", _train_results(resumed_loss=9.0 * 1.03)),  # over 2e-2
+        ("gloo_ep2_equal", _train_results(ep2=dict(status="ok", losses={"1": 6.0, "2": 6.2}))),
+    ]
+    for name, (m, e) in failing:
         checks = tr.train_table(m, e, dict(status="ok", tokens_per_s=52000), cpu=False)["checks"]
         assert [k for k, ok in checks.items() if not ok] == [name], (name, checks)
     slow = tr.train_table(main, ep2, dict(status="ok", tokens_per_s=60000), cpu=False)["checks"]

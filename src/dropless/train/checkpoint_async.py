@@ -90,7 +90,7 @@ class CheckpointSaver:
             _quiet_single_process_warning()
         self._job, self._error = job, None
         self._thread = threading.Thread(
-            target=self._write, args=(job, staged, writer, fs, group), name=THREAD_NAME,
+            target=self._write, args=(job, [staged], writer, fs, group), name=THREAD_NAME,
             daemon=True,
         )  # fmt: skip
         self._thread.start()
@@ -105,9 +105,10 @@ class CheckpointSaver:
             self._group = dist.new_group(backend="gloo", timeout=self.timeout)
         return self._group
 
-    def _write(self, job: ckpt.SaveJob, staged: dict, writer, fs, group) -> None:
+    def _write(self, job: ckpt.SaveJob, box: list, writer, fs, group) -> None:
         from torch.distributed.checkpoint import save
 
+        staged = box.pop()  # the thread's arguments keep no reference: freed once written
         try:
             try:
                 save(staged, storage_writer=writer, process_group=group, no_dist=group is None)

@@ -150,6 +150,23 @@ def test_train_checks_pass_and_fail_on_the_figures():
     assert t["checks"]["gloo_ep2_equal"] and t["rows"]["gloo_ep2"] == refused
 
 
+def test_a_failed_part_of_the_train_step_is_a_row_with_its_error():
+    """The forced run raised (e.g. on NCCL): its row and the resume's say so, the checks
+    that need them fail, and the parts that ran keep their figures."""
+    tr = _script_module("gpu_check_train")
+    main, ep2 = _train_results()
+    main["force_distributed"] = {"error": "DistBackendError: NCCL error", "traceback": "..."}
+    del main["resume"], main["checkpoint_gib"]
+    t = tr.train_table(main, ep2, dict(status="ok", tokens_per_s=52000), cpu=False)
+    rows = t["rows"]
+    assert rows["force_distributed"]["error"] == "DistBackendError: NCCL error"
+    assert rows["resume"]["status"] == "fail" and rows["resume"]["steps"] == 0
+    assert rows["single"]["tokens_per_s"] == 50000 and rows["ep_rank_share"]["ms"] == 2.0
+    failed = sorted(k for k, ok in t["checks"].items() if not ok)
+    assert failed == sorted(["losses_equal", "resume_reproduces", "forward_syncs_le_1_per_layer",
+                             "recompute_syncs_0"])  # fmt: skip
+
+
 def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
     """The GPU branch of the step without a GPU: the torchrun children's command lines,
     their results read back, bench e2e at the same model (qwen3-30b-2l, the fused-loss row)

@@ -1,6 +1,5 @@
-"""The peer rows' kernels on the bench's inputs, against the plain layer (argsort +
-`torch._grouped_mm` + index_add): Liger-Kernel's fused MoE experts (`liger-moe`) on CPU
-under Triton's interpreter in fp32, where liger-kernel is installed (CI has none: the
+"""The peer rows' kernels against the layer written as a loop of torch.mm in fp32:
+Liger-Kernel's fused MoE experts (`liger-moe`) on CPU under Triton's interpreter in fp32, where liger-kernel is installed (CI has none: the
 wheels are carried to the GPU machine only; locally, put the folder `pip install
 --target` made on PYTHONPATH); on a GPU (`pytest -m gpu`, the wheels installed by
 scripts/gpu_check.py) compiled in bf16, with torchao's FP8 row-wise row beside it."""
@@ -28,18 +27,30 @@ def _inputs(device: str, dtype: torch.dtype, T=16, E=4, K=2, D=32, F=16):
     return leaves, ids.to(device), w.to(**to), gy.to(**to)
 
 
+def _reference(x, ids, w, gate_up, down):
+    """The layer as a loop of torch.mm over experts: any dtype, any device (CUDA's
+    `torch._grouped_mm` takes no fp32)."""
+    F, K = gate_up.shape[1] // 2, ids.shape[1]
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[tok] @ gate_up[e].t()
+        y = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ down[e].t()
+        out = out.index_add(0, tok, y * w.reshape(-1)[tok * K + slot].unsqueeze(1))
+    return out
+
+
 def _sqnr_db(row, device: str, dtype: torch.dtype, **shape) -> list[float]:
     """SQNR (dB) of the row's output and gradients (x, gate_up, down) against the plain
     layer in fp32 on the same inputs."""
-    from dropless.bench.layer_impls import grouped_mm_plain
-
     (x, gu, dn), ids, w, gy = _inputs(device, dtype, **shape)
     y = row(x, ids, w, gu, dn)
     got = [y, *torch.autograd.grad(y, (x, gu, dn), gy)]
     ref_leaves = [t.detach().float().requires_grad_() for t in (x, gu, dn)]
-    ref = grouped_mm_plain(ref_leaves[0], ids, w.float(), *ref_leaves[1:])
+    ref = _reference(ref_leaves[0], ids, w.float(), *ref_leaves[1:])
     want = [ref, *torch.autograd.grad(ref, ref_leaves, gy.float())]
-    return [float(10 * torch.log10(b.square().sum() / (a.float() - b).square().sum()))
+    got, want = [t.detach().float() for t in got], [t.detach() for t in want]
+    return [float(10 * torch.log10(b.square().sum() / (a - b).square().sum()))
             for a, b in zip(got, want)]  # fmt: skip
 
 

@@ -157,3 +157,32 @@ def test_a_peer_row_that_fails_its_first_step_is_named_and_the_others_are_timed(
     st = f["peers"]["liger-moe"]
     assert st["ok"] is False
     assert st["status"] == "failed: RuntimeError: no kernel image for this device"
+
+
+def test_an_e2e_peer_child_that_fails_costs_its_row_only(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from dropless.bench import e2e
+
+    def child(module, args, timeout=1800):  # a timing child; the cce one breaks
+        if args["impl"] == "cce":
+            raise RuntimeError("benchmark child failed:\nValueError: cce needs triton")
+        return {"impl": args["impl"], "tokens_per_s": 1.0, "step_s": 1.0, "first_loss": 5.0}
+
+    monkeypatch.setattr(e2e, "run_child", child)
+    args = SimpleNamespace(rounds=2, steps=1, optimizer="fused", eager_rounds=None, threads=None)
+    failed: dict = {}
+    out = e2e._timing_rounds(args, ["dropless", "cce"], e2e.QUICK, "cpu", failed)
+    assert list(out) == ["dropless"] and len(out["dropless"]) == 2
+    assert failed == {"cce": "ValueError: cce needs triton"}
+    assert capsys.readouterr().out.count("cce: failed") == 1  # not retried in round 2
+    with pytest.raises(RuntimeError, match="cce needs triton"):  # a dropless row's failure
+        monkeypatch.setattr(e2e, "run_child", lambda *a, **k: child("m", {"impl": "cce"}))
+        e2e._timing_rounds(args, ["dropless"], e2e.QUICK, "cpu", {})
+
+
+def test_e2e_with_only_peer_rows_that_cannot_run_is_refused(capsys):
+    from dropless.cli.main import main
+
+    assert main(["bench", "e2e", "--quick", "--device", "cpu", "--impls", "cce"]) == 2
+    assert "--impls: no row can run here" in capsys.readouterr().err

@@ -26,9 +26,10 @@ from types import SimpleNamespace
 import torch
 
 from ..kernels import triton_importable
-from ..ops.activations import act_backward, act_forward
+from ..ops.activations import act_forward
 from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
-from ..ops.permute import gather_sum, permute, unpermute
+from ..ops.permute import permute, unpermute
+from ..ops.row_ops import pick_row_ops
 from ..ops.specs import ActivationConfig
 from ..ops.swiglu import swiglu
 from .formats import QTensor, quantize_current
@@ -51,11 +52,17 @@ def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
 
 
 def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
-    """(grad_h in fp32, grad_prob or None): the one SwiGLU backward of `ops.activations`."""
-    grad_h, grad_prob, _ = act_backward(
-        g_SF, h_S2F, prob_S, _SWIGLU, need_prob_grad=want_prob, grad_dtype=torch.float32
-    )
-    return grad_h, grad_prob
+    """(grad_h, grad_prob or None, a = silu(gate) * up * prob) in one pass over h: the
+    SwiGLU backward of the registered row ops (`ops.row_ops`: the Triton kernel on CUDA,
+    `ops.activations`' fp32 math otherwise), which also recomputes the activation the
+    down weight gradient reads. grad_h and a come in h's dtype, the math in fp32."""
+    rows = pick_row_ops(h_S2F, activation="swiglu")
+    return rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
+
+
+def _combine(rows_SN, slot_TK):
+    """out[t] = sum_k rows[slot[t, k]] (fp32 sums in k order): the registered row op."""
+    return pick_row_ops(rows_SN).gather_sum(rows_SN, slot_TK)
 
 
 def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
@@ -160,7 +167,7 @@ class _QGroupedMLP(torch.autograd.Function):
             tensor_mode,
         )
         if token_S is not None:
-            return gather_sum(y, slot_TK)
+            return _combine(y, slot_TK)
         return y
 
     @staticmethod
@@ -194,12 +201,12 @@ class _QGroupedMLP(torch.autograd.Function):
         gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
         w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
         da = mm(gq, w2q, counts, not trans_w, torch.float32)
-        a_S = col(_swiglu_f32(h, prob), "x", down, ts(a_scale))
+        # SwiGLU x prob: its backward and the recomputed a in one pass
+        dh, dprob, a = _swiglu_backward(h, prob, da, ctx.needs_input_grad[1])
+        dh = dh.to(x_dtype)
+        a_S = col(a, "x", down, ts(a_scale))
         g_S = gq if tensor_mode else col(g_SD, "g", down)
         d_down = wg(g_S, a_S, down.dtype)
-        # SwiGLU x prob
-        dh, dprob = _swiglu_backward(h, prob, da, ctx.needs_input_grad[1])
-        dh = dh.to(x_dtype)
         db2 = None
         if has_b2:
             db2 = _group_sum(
@@ -215,7 +222,7 @@ class _QGroupedMLP(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
             if gathered:
-                dx = gather_sum(
+                dx = _combine(
                     dx, slot_TK if slot_TK.numel() else _slots_by_token(token_S, x_s.shape[0])
                 )
         if not isinstance(x_s, QTensor):

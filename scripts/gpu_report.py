@@ -87,7 +87,9 @@ def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str |
         cols = ["ms", "share_of_bound", "peak_gib"]
         if any("host_syncs_per_step" in r for r in timing["rows"].values()):
             cols.append("host_syncs_per_step")  # the earlier form measured them here
-        lines += _rows("Layer", timing, cols)
+        cols += [c for c in ("tflops", "share_of_matmul_rate", "version")
+                 if any(c in r for r in timing["rows"].values())]  # fmt: skip
+        lines += _rows("Layer", timing, cols) + _extras(timing)
     e2e = s["groups"].get("e2e", {}).get("e2e")
     if e2e:
         lines += [
@@ -97,12 +99,44 @@ def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str |
             "the weights and optimizer state.",
             "",
         ]
-        lines += _rows(
-            "End to end",
-            e2e,
-            ["ms", "tokens_per_s", "speed_vs_grouped_mm", "peak_step_gib", "memory_vs_grouped_mm"],
-        )
+        cols = [
+            "ms",
+            "tokens_per_s",
+            "speed_vs_grouped_mm",
+            "peak_step_gib",
+            "memory_vs_grouped_mm",
+        ]
+        if any("version" in r for r in e2e["rows"].values()):
+            cols.append("version")
+        lines += _rows("End to end", e2e, cols) + _extras(e2e)
     return lines + _train_lines(s["groups"].get("train", {}).get("train"))
+
+
+def _extras(res: dict) -> list[str]:
+    """Under a bench table: the matmul rate measured in the same run, each peer row's
+    package, version and status, and the per-kernel tables of its profiled steps."""
+    out = [
+        f"Dense matmul rate in the same run: {r['tflops']} TFLOP/s ({dtype}, {r['how']}, "
+        f"{r['n']}x{r['n']})."
+        for dtype, r in (res.get("matmul") or {}).items()
+    ]
+    out += [
+        f"Peer row `{name}`: {st['package']} {st['version'] or '-'} (looked for "
+        f"{st['wanted']}): {st['status']}."
+        for name, st in (res.get("peers") or {}).items()
+    ]
+    prof = res.get("profile") or {}
+    for name, t in prof.get("tables", prof).items():  # layer: {T, tables}; e2e: {row: table}
+        out += [
+            "",
+            f"Per-kernel time of one `{name}` step ({t['what']}, {t['total_ms']} ms in all):",
+        ]
+        out += ["", "| kernel | calls | total ms | share |", "|---|---|---|---|"]
+        out += [f"| `{r['name'][:90].replace('|', '/')}` | {r['calls']} | {r['total_ms']} "
+                f"| {r['share']} |" for r in t["rows"]]  # fmt: skip
+    if not out:
+        return []
+    return [line + "  " if line and not line.startswith("|") else line for line in out] + [""]
 
 
 TRAIN_COLS = [

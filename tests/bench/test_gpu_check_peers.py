@@ -86,3 +86,34 @@ def test_carried_wheels_are_installed_for_the_children(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     shutil.rmtree(res["site"])
     assert out.stdout.split() == ["1.2.3", "1.2.3"], out.stderr
+
+
+def test_gpu_report_renders_peers_rate_and_kernel_tables():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_report_peers", SCRIPT.parent / "gpu_report.py"
+    )
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    kernels = {"what": "CUDA kernels, device time", "total_ms": 9.5, "rows": [
+        {"name": "nvjet_tst_128x256|x", "calls": 6, "total_ms": 6.2, "share": 0.653}]}  # fmt: skip
+    peer = dict(package="torchao", wanted="0.18.0", version="0.18.0", status="ok")
+    timing = dict(shape={}, dtype="bf16", bound="six GEMMs", rows={
+        "dense_bound": dict(ms=6.5, share_of_bound=1.0, peak_gib=1.8, tflops=500.0,
+                            share_of_matmul_rate=0.67),
+        "torchao_fp8_row": dict(ms=9.0, share_of_bound=0.72, peak_gib=2.0, version="0.18.0"),
+    }, matmul={"bfloat16": dict(n=8192, tflops=741.2, how="cuBLAS (torch.matmul)")},
+        peers={"torchao_fp8_row": peer}, profile={"T": 16384, "tables": {"dropless": kernels}})  # fmt: skip
+    e2e = dict(shape={}, dtype="bfloat16", rows={"cut_cross_entropy": dict(ms=40.0, version="25.1.1")},
+               peers={}, profile={"dropless": kernels})  # fmt: skip
+    s = dict(argv=[], ok=True, date="2026-12-01 16:00 UTC", groups={"timing": dict(status="ok", timing=timing),
+                                       "e2e": dict(status="ok", e2e=e2e)})  # fmt: skip
+    log = report.ROOT / "benchmarks" / "gpu" / "x.log"
+    text = "\n".join(report.render_run(s, log, "abc1234", "", None))
+    assert (
+        "| row | ms | share_of_bound | peak_gib | tflops | share_of_matmul_rate | version |" in text
+    )
+    assert "| torchao_fp8_row | 9.0 | 0.72 | 2.0 |  |  | 0.18.0 |" in text
+    assert "Dense matmul rate in the same run: 741.2 TFLOP/s (bfloat16" in text
+    assert "Peer row `torchao_fp8_row`: torchao 0.18.0 (looked for 0.18.0): ok." in text
+    assert text.count("| `nvjet_tst_128x256/x` | 6 | 6.2 | 0.653 |") == 2  # layer and e2e
+    assert "| cut_cross_entropy | 40.0 |" in text and "| 25.1.1 |" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -119,3 +120,17 @@ def test_kernel_table_counts_calls_and_keeps_the_top_rows():
     assert abs(sum(r["total_ms"] for r in t["rows"]) - t["total_ms"]) < 1e-3
     text = profile.markdown("x", t)
     assert text.startswith("#### x: aten operators, self CPU time") and "| `aten::mm` | 3 |" in text
+
+
+@pytest.mark.gpu
+def test_the_bound_on_cuda_runs_gemm_kernels_only_and_the_rate_is_plausible():
+    T, K, D, F, E = 1024, 8, 2048, 768, 2
+    to = dict(device="cuda", dtype=torch.bfloat16)
+    args = [torch.randn(*s, **to) for s in ((T, D), (E, 2 * F, D), (E, D, F), (T, D))]
+    t = profile.kernel_table(bound.dense_bound(*args, K), "cuda")
+    names = [r["name"].lower() for r in t["rows"]]
+    # cuBLAS may add its own split-K reductions, but no elementwise, copy or fill kernel
+    assert not any(w in n for n in names for w in ("elementwise", "copy", "fill", "silu")), names
+    assert sum(r["calls"] for r in t["rows"]) >= 6
+    rate = bound.matmul_rate("cuda", torch.bfloat16)
+    assert 100 < rate["tflops"] < 1100, rate  # H200: ~990 peak dense bf16, ~790 measured

@@ -41,7 +41,7 @@ BUDGETS = {
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)
     "jax": 90,
     "gpu_check": 100,  # the --cpu smoke, its train step included (two torchrun children)
-    "bench": 75,  # + the peer rows, the six-GEMM bound and --profile checks (~12 s of CPU)
+    "bench": 60,
 }
 _spent: dict[str, float] = {}
 

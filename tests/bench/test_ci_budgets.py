@@ -35,8 +35,8 @@ def test_pytest_writes_the_time_per_folder_and_its_budget(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:]
     folders = json.loads(report.read_text())
-    assert list(folders) == ["bench"] and folders["bench"]["budget_s"] == 75
-    assert 0 <= folders["bench"]["spent_s"] < 75
+    assert list(folders) == ["bench"] and folders["bench"]["budget_s"] == 60
+    assert 0 <= folders["bench"]["spent_s"] < 60
 
 
 def test_a_folder_over_one_and_a_half_times_its_budget_fails(tmp_path):

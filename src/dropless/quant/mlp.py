@@ -32,7 +32,7 @@ from ..ops.permute import permute, unpermute
 from ..ops.row_ops import pick_row_ops
 from ..ops.specs import ActivationConfig
 from ..ops.swiglu import swiglu
-from .formats import QTensor, quantize_current
+from .formats import QTensor, quantize_current, scale_from_amax
 from .gemm import (
     BACKENDS,
     delayed_state,
@@ -66,25 +66,38 @@ def _combine(rows_SN, slot_TK):
 
 
 def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
-    """silu(gate) * up * prob quantized row-wise for the down GEMM, in one pass where a
-    kernel exists (CUDA + triton, MXFP8 or delayed scaling), else in torch."""
-    mode = scaling_mode(recipe)
-    fused = (
-        h_S2F.is_cuda and recipe.fwd_format == "e4m3" and (mode == "mx" or recipe.kind == "delayed")
-    )
-    if fused and triton_importable():
-        from .triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
-
-        if mode == "mx":
-            return swiglu_quant_mx(
-                h_S2F, prob_S, fmt=recipe.fwd_format, scale_rule=recipe.scale_rule
-            )
-        # delayed scaling knows its scale before the pass; the amax is recorded after
-        st = delayed_state(recipe, key, "x", h_S2F.new_zeros((), dtype=torch.float32))
-        q, a_amax = swiglu_quant_scaled(h_S2F, prob_S, recipe.fwd_format, st.scale)
-        st.use_and_update(a_amax, recipe, recipe.fwd_format)
-        return q
+    """silu(gate) * up * prob quantized row-wise for the down GEMM: written as FP8 (and its
+    scales) by one Triton kernel on CUDA for every E4M3 recipe (`fused_swiglu_quant`), else
+    computed in fp32 and quantized in torch (the specification)."""
+    if h_S2F.is_cuda and recipe.fwd_format == "e4m3" and triton_importable():
+        return fused_swiglu_quant(h_S2F, prob_S, recipe, key)
     return quantize_operand(recipe, _swiglu_f32(h_S2F, prob_S), "x", 1, key=key)
+
+
+def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
+    """The kernels of `triton_swiglu_quant` by scaling mode (E4M3): MXFP8 blocks; delayed
+    scaling (the scale known before the pass, the amax recorded after); current scaling
+    per row (two walks over each row in one program) or per tensor (an amax launch, then
+    the cast). `kw` (act=False) is for the bit-exact tests."""
+    from .triton_swiglu_quant import (
+        swiglu_amax,
+        swiglu_quant_mx,
+        swiglu_quant_rows,
+        swiglu_quant_scaled,
+    )
+
+    mode = scaling_mode(recipe)
+    if mode == "mx":
+        return swiglu_quant_mx(h_S2F, prob_S, fmt="e4m3", scale_rule=recipe.scale_rule, **kw)
+    if recipe.kind == "delayed":
+        st = delayed_state(recipe, key, "x", h_S2F.new_zeros((), dtype=torch.float32))
+        q, a_amax = swiglu_quant_scaled(h_S2F, prob_S, "e4m3", st.scale, **kw)
+        st.use_and_update(a_amax, recipe, "e4m3")
+        return q
+    if mode == "row":
+        return swiglu_quant_rows(h_S2F, prob_S, "e4m3", recipe.margin, **kw)
+    scale = scale_from_amax(swiglu_amax(h_S2F, prob_S, **kw), "e4m3", recipe.margin)
+    return swiglu_quant_scaled(h_S2F, prob_S, "e4m3", scale, **kw)[0]
 
 
 def permute_rows(x_TD, token_S, slot_TK):

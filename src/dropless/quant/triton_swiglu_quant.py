@@ -10,6 +10,13 @@ only the quantized a:
 - scaled mode (delayed scaling: the scale is known before the pass): q = a * scale
   (saturating; a NaN keeps its sign bit, as torch's cast), and each program writes its
   tile's amax for the history.
+- row mode (current scaling, one scale per row): each program owns BLOCK_S whole rows;
+  a first walk over F takes each row's amax, the scale fp8_max / amax / 2**margin
+  (correctly rounded division; 1 where amax is 0, Inf or NaN, as `formats.scale_from_amax`)
+  is written, and a second walk recomputes a and writes its bytes. When one tile spans F
+  the tile stays in registers between the two.
+- current per-tensor mode: a first launch writes each tile's amax (NaN if the tile holds
+  one), torch reduces them to the scale, and the scaled kernel writes the bytes.
 
 The E4M3 and E8M0 encodings are those of `triton_fp8.py` (integer ops on the fp32
 bits), so the interpreter and the GPU give the same bytes as torch's cast. ACT=False
@@ -24,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.activations import glu_fwd
-from .formats import BLOCK, QTensor
+from .formats import BLOCK, FP8_MAX, QTensor
 from .triton_fp8 import e4m3_code, mx_encode, tl, triton
 
 
@@ -106,6 +113,55 @@ def _scaled_kernel(
     tl.store(amax_ptr + pid, tl.max(tl.max(tl.abs(a), axis=1), axis=0))
 
 
+@triton.jit
+def _row_scale(amax, nan, max_over_margin):
+    """fp8_max / 2**margin / amax, 1 where amax is 0 / Inf / NaN or the scale overflows."""
+    scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32) * max_over_margin, amax)
+    ok = (amax > 0) & (amax < float("inf")) & (nan == 0) & (scale < float("inf"))
+    return tl.where(ok, scale, 1.0)
+
+
+@triton.jit
+def _row_kernel(
+    h_ptr, prob_ptr, q_ptr, scale_ptr, S, F, stride_h, stride_q, max_over_margin,
+    HAS_PROB: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    amax = tl.zeros((BLOCK_S,), tl.float32)
+    nan = tl.zeros((BLOCK_S,), tl.int32)
+    cols = tl.arange(0, BLOCK_F)
+    a = _swiglu_tile(h_ptr, prob_ptr, rows, cols, S, F, stride_h, HAS_PROB, ACT)
+    for f0 in range(0, F, BLOCK_F):
+        if not ONE_TILE:
+            a = _swiglu_tile(h_ptr, prob_ptr, rows, f0 + cols, S, F, stride_h, HAS_PROB, ACT)
+        nan = tl.maximum(nan, tl.max((a != a).to(tl.int32), axis=1))
+        amax = tl.maximum(amax, tl.max(tl.where(a != a, 0.0, tl.abs(a)), axis=1))
+    scale = _row_scale(amax, nan, max_over_margin)
+    row_ok = rows < S
+    tl.store(scale_ptr + rows, scale, mask=row_ok)
+    for f0 in range(0, F, BLOCK_F):
+        if not ONE_TILE:
+            a = _swiglu_tile(h_ptr, prob_ptr, rows, f0 + cols, S, F, stride_h, HAS_PROB, ACT)
+        code = e4m3_code(a * scale[:, None])
+        mask = row_ok[:, None] & (f0 + cols < F)[None, :]
+        tl.store(q_ptr + _offsets(rows, f0 + cols, stride_q), code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _amax_kernel(
+    h_ptr, prob_ptr, amax_ptr, S, F, stride_h,
+    HAS_PROB: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    a = _swiglu_tile(h_ptr, prob_ptr, rows, cols, S, F, stride_h, HAS_PROB, ACT)
+    m = tl.max(tl.max(tl.where(a != a, 0.0, tl.abs(a)), axis=1), axis=0)
+    has_nan = tl.max(tl.max((a != a).to(tl.int32), axis=1), axis=0)
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(amax_ptr + pid, tl.where(has_nan > 0, float("nan"), m))
+
+
 def _check(h_S2F: torch.Tensor, prob_S):
     if h_S2F.dim() != 2 or h_S2F.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F], got {tuple(h_S2F.shape)}")
@@ -182,3 +238,43 @@ def swiglu_quant_scaled(
         scale=scale.reshape(()),
     )
     return qt, partial.amax() if partial.numel() else partial.new_zeros(())
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def swiglu_quant_rows(
+    h_S2F, prob_S, fmt: str = "e4m3", margin: int = 0, *, act=True, block_s=4, max_f=1024
+) -> QTensor:
+    """silu(gate) * up * prob with one current scale per row (E4M3): the QTensor of
+    `formats.quantize_current(a, fmt, dims=1, margin=margin)` (scale [S, 1])."""
+    if fmt != "e4m3":
+        raise ValueError(f"the fused kernel writes E4M3 only, got fmt={fmt!r}")
+    h, prob, S, F = _check(h_S2F, prob_S)
+    q = torch.empty(S, F, dtype=torch.uint8, device=h.device)
+    scale = torch.ones(S, dtype=torch.float32, device=h.device)
+    if S and F:
+        block_f = min(_pow2_at_least(F), max_f)
+        _row_kernel[(triton.cdiv(S, block_s),)](
+            h, prob, q, scale, S, F, h.stride(0), q.stride(0), FP8_MAX[fmt] / 2.0**margin,
+            HAS_PROB=prob_S is not None, ACT=act, BLOCK_S=block_s, BLOCK_F=block_f,
+            ONE_TILE=block_f >= F,
+        )  # fmt: skip
+    scale = scale.unsqueeze(1)
+    return QTensor(q.view(torch.float8_e4m3fn), torch.reciprocal(scale), "e4m3", scale=scale)
+
+
+def swiglu_amax(h_S2F, prob_S, *, act=True, block_s=32, block_f=64) -> torch.Tensor:
+    """max |silu(gate) * up * prob| (fp32 scalar; NaN if a value is NaN), a as torch's
+    `amax` sees it, without writing a."""
+    h, prob, S, F = _check(h_S2F, prob_S)
+    if not (S and F):
+        return torch.zeros((), dtype=torch.float32, device=h.device)
+    grid = (triton.cdiv(S, block_s), triton.cdiv(F, block_f))
+    partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
+    _amax_kernel[grid](
+        h, prob, partial, S, F, h.stride(0), HAS_PROB=prob_S is not None, ACT=act,
+        BLOCK_S=block_s, BLOCK_F=block_f,
+    )  # fmt: skip
+    return partial.amax()

@@ -20,7 +20,8 @@ reuses it, and a cached cast never keeps a deleted weight alive.
 
 Entries die with their weight (weak keys) and the whole cache is dropped at each
 optimizer step, so no copy outlives the step that made it. Only leaf tensors are cached
-(a DTensor's `to_local()` is a new tensor per call: converted per call). A write through
+(a DTensor's `to_local()` is a new tensor per call: converted per call; so is a tensor
+made under inference_mode, which has no version counter). A write through
 `.data` bypasses the version counter: call `clear()` after one.
 
 `fn` makes other derived forms (the FP8 weight and its scale) share the same rules; its
@@ -69,6 +70,8 @@ def _cacheable(t: torch.Tensor) -> bool:
     if t.grad_fn is not None or type(t) not in (torch.Tensor, torch.nn.Parameter):
         return False
     if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if t.is_inference():  # made under inference_mode: it has no version counter
         return False
     try:
         t.data_ptr()

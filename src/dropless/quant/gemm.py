@@ -23,26 +23,28 @@ encoder) and have not run on a GPU since.
 Counts may be a host list or a device tensor; nothing here reads a device tensor of
 counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
 
-Weights are quantized once per optimizer step: the quantized copy is cached per
-parameter, keyed by its version counter (bumped by every in-place update, e.g. the
-optimizer's), for the recipes whose weight quantization depends on the weight alone
-(current scaling, MXFP8; delayed scaling updates its history at every call). Not in a
-torch.distributed run: FSDP2 refills gathered weights without moving the counter.
+Weights are quantized once per optimizer step, for the recipes whose weight
+quantization depends on the weight alone (current scaling, MXFP8; delayed scaling
+updates its history at every call): the quantized copy lives in the one weight cache of
+`ops.weight_cache` (keyed by the parameter's version counter, storage and the count of
+optimizer steps, so it holds under FSDP2 too), and a weight that the FP8 GEMMs read
+column-major is stored so once (`dgrad_layout`), not transposed per call.
 """
 
 # S rows (sorted pairs), D in features, N out features, E experts
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
-import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops.dispatch import pick_gemm_backend
 from ..ops.grouped_gemm import _expand_bias, _group_sum
+from ..ops.weight_cache import cached_cast
 from .formats import (
+    FP8_DTYPES,
     QTensor,
     amax,
     quantize_mx,
@@ -114,41 +116,50 @@ def quantize_operand(
     return _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale)
 
 
-_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# one conversion function per weight layout and quantization: `cached_cast` keys its
+# entries by the function's identity, so the same layout must get the same object
+_WEIGHT_FNS: dict[tuple, object] = {}
 
 
 def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
-    """The quantized weight, recomputed only when the weight changed since last time."""
-    owner = key if key is not None else w
-    if _cache_unsafe():
-        return _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
-    try:
-        version = w._version  # shared with the parameter w is a view of
-    except RuntimeError:  # inference tensors have no version counter
-        return _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
-    slot = (
-        recipe.kind, mode, fmt, dim, getattr(recipe, "scale_rule", None), recipe.margin
-        if hasattr(recipe, "margin") else 0,
-        w.data_ptr(), tuple(w.shape), w.stride(), w.dtype,
-    )  # fmt: skip
-    entries = _WEIGHTS.get(owner)
-    if entries is None:
-        entries = _WEIGHTS[owner] = {}
-    hit = entries.get(slot)
-    if hit is not None and hit[0] == version:
-        return hit[1]
-    q = _quantize(recipe, w, "w", dim, fmt, mode, owner, None, None)
-    entries[slot] = (version, q)
-    return q
+    """The quantized weight from the one weight cache (`ops.weight_cache.cached_cast`):
+    made once per optimizer step, also under FSDP2 (the cache also watches the optimizer
+    step, which FSDP2's re-gathers into the same tensor cannot hide). A view of a
+    parameter (a converted Linear's `weight.unsqueeze(0)`, fresh per call) is cached on
+    the parameter it views; a tensor that is no view of a leaf is quantized per call."""
+    base = w if w._base is None else w._base
+    if base.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
+        return _quantize(recipe, w, "w", dim, fmt, mode, key, None, None)
+    layout = (tuple(w.shape), w.stride(), w.storage_offset())
+    rule = (recipe.kind, mode, fmt, dim, getattr(recipe, "scale_rule", None), recipe.margin
+            if hasattr(recipe, "margin") else 0)  # fmt: skip
+    fn = _WEIGHT_FNS.get((rule, layout))
+    if fn is None:
+        fn = _WEIGHT_FNS[(rule, layout)] = _weight_fn(recipe, dim, fmt, mode, layout)
+    return cached_cast(base, FP8_DTYPES[fmt], fn)
 
 
-def _cache_unsafe() -> bool:
-    """Whether the version counter cannot be trusted to say the weight changed: FSDP2
-    writes each all-gathered weight into the same tensor without moving its version
-    counter, so in a torch.distributed run (and while compiling) nothing is cached."""
-    if torch.compiler.is_compiling():
-        return True
-    return dist.is_available() and dist.is_initialized()
+def _weight_fn(recipe, dim: int, fmt: str, mode: str, layout):
+    def quantize(base: torch.Tensor) -> QTensor:
+        w = base.detach().as_strided(*layout)
+        return dgrad_layout(_quantize(recipe, w, "w", dim, fmt, mode, None, None, None), dim)
+
+    return quantize
+
+
+def dgrad_layout(q: QTensor, dim: int) -> QTensor:
+    """A grouped weight quantized along dim 1 (the GEMMs that read it as b [E, K, N]:
+    dgrad of x @ w^T, or the forward of x @ w) stored column-major on CUDA, the layout
+    `torch._scaled_grouped_mm` takes, so no GEMM call transposes it (the cache keeps
+    this copy for the whole optimizer step)."""
+    if not (q.kind == "scaled" and q.data.dim() == 3 and dim == 1 and q.data.is_cuda):
+        return q
+    return column_major(q)
+
+
+def column_major(q: QTensor) -> QTensor:
+    """q with data [E, K, N] stored as its transpose's contiguous copy (same values)."""
+    return dataclasses.replace(q, data=q.data.transpose(1, 2).contiguous().transpose(1, 2))
 
 
 def _quantize(recipe, t, role, dim, fmt, mode, key, counts, scale) -> QTensor:
@@ -245,7 +256,7 @@ def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_a
     sb = bq.scale_inv.float().expand(bq.data.shape)
     if trans_b:  # data [E, N, K]: its transpose is already column-major
         b, scale_b = bq.data.transpose(1, 2), sb[:, :, 0].contiguous()
-    else:  # data [E, K, N]
+    else:  # data [E, K, N]; a cached weight is column-major already (`dgrad_layout`)
         b, scale_b = bq.data.transpose(1, 2).contiguous().transpose(1, 2), sb[:, 0, :].contiguous()
     if isinstance(counts, torch.Tensor):
         offs = counts.to(aq.data.device).cumsum(0, dtype=torch.int32)

@@ -35,6 +35,9 @@ class GemmBackend:
     supports(a, b) says whether it can run on these operands (device, dtype, strides).
     device_counts: whether mm/wgrad take the counts as a device tensor (no host sync);
     otherwise they are handed a host list.
+    offsets: whether mm/wgrad also take the groups' int32 end offsets as a keyword
+    `offs` (a layer computes them once and binds them: `grouped_gemm.bind_offsets`);
+    without it they compute them from the counts.
     """
 
     name: str
@@ -43,6 +46,7 @@ class GemmBackend:
     supports: Callable[[torch.Tensor, torch.Tensor], bool]
     priority: int = 0
     device_counts: bool = False
+    offsets: bool = False
 
 
 _BACKENDS: dict[str, GemmBackend] = {}

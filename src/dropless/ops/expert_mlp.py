@@ -84,6 +84,7 @@ def grouped_mlp(
     limit: float | None = None,
     backend: str | None = None,
     lora: tuple[LowRank | None, LowRank | None] | None = None,
+    offsets_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert MLP on rows sorted by expert (`counts` rows each), scaled by prob_S.
 
@@ -95,6 +96,8 @@ def grouped_mlp(
     swiglu), or a kind name with the `interleaved`, `alpha`, `limit` keywords.
     lora: optional low-rank updates (gate_up, down), each a `LowRank` or None: computed
     as thin GEMMs beside the base ones, never folded into the weights (full precision only).
+    offsets_E: the int32 cumulative ends of counts on x's device (`SortedPairs.offsets_E`),
+    shared by every GEMM of the layer; None: computed once here where a GEMM reads them.
     """
     kw = dict(
         gate_up_bias=gate_up_bias,
@@ -122,7 +125,9 @@ def grouped_mlp(
         _check_device_counts(counts, gate_up.shape[0])
     else:
         counts = _check_counts(x_SD, gate_up, counts)
-    return fused_mlp(x_SD, prob_S, gate_up, down, counts, plan=plan, lora=lora, **kw)
+    return fused_mlp(
+        x_SD, prob_S, gate_up, down, counts, plan=plan, lora=lora, offsets_E=offsets_E, **kw
+    )
 
 
 def _check_device_counts(counts: torch.Tensor, num_experts: int) -> None:
@@ -179,8 +184,9 @@ def expert_mlp(
         out_TD = plan.recipe_mlp(x_TD, counts, prob_S, gate_up, down, **mlp_kwargs, **tokens)
         return out_TD, sp
     out_TD = fused_mlp(
-        x_TD, prob_S, gate_up, down, counts, plan=plan, lora=lora, **tokens, **mlp_kwargs
-    )
+        x_TD, prob_S, gate_up, down, counts, plan=plan, lora=lora, offsets_E=sp.offsets_E,
+        **tokens, **mlp_kwargs,
+    )  # fmt: skip
     return out_TD, sp
 
 

@@ -50,6 +50,7 @@ from .activations import act_forward, act_input_grad, act_parts
 from .compute_dtype import autocast_off
 from .expert_threads import python_modes_active
 from .gathered_mlp import gathered_mlp
+from .grouped_gemm import bind_offsets
 from .loop_mlp import _free, _graph_released, _LoopMLP
 from .lora import (
     LowRank,
@@ -69,7 +70,7 @@ __all__ = ["fused_mlp", "pick_mlp_path"]
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
-_LORA_AT = 11  # where _GroupedMLP's low-rank factors start among its inputs
+_LORA_AT = 12  # where _GroupedMLP's low-rank factors start among its inputs
 
 
 def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
@@ -107,11 +108,13 @@ class _GroupedMLP(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, cfg, plan, *lora):  # fmt: skip
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, offs, cfg, plan, *lora):  # fmt: skip
         act, trans_w, _ = cfg
         lr1, lr2 = _lowranks(lora)
         be, rk, rk_act = plan.backend, plan.row_ops, plan.act_row_ops
         counts = _counts_for(be, counts, x.device)
+        # one offsets tensor (the sort's, or computed here) for all six GEMMs
+        be = bind_offsets(be, counts, offs, x.device)
         x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         rows_E = _rows_of_experts(counts, x, x_SD.shape[0], gu_bias, d_bias)
         h = be.mm(x_SD, gate_up, counts, trans_w)
@@ -135,6 +138,7 @@ class _GroupedMLP(torch.autograd.Function):
             *lora[:4],
         )  # fmt: skip
         ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales = counts, cfg, plan, lora[4:]
+        ctx.be = be
         return out
 
     @staticmethod
@@ -170,7 +174,7 @@ class _GroupedMLP(torch.autograd.Function):
 
 def _gate_up_backward(ctx, dh, x, token_S, slot_TK, gate_up, lr1, u1, need):
     """(dx combined back to tokens, d gate_up, dA, dB of its low-rank update) from dh."""
-    be, rk, counts, trans_w = ctx.plan.backend, ctx.plan.row_ops, ctx.counts, ctx.cfg[1]
+    be, rk, counts, trans_w = ctx.be, ctx.plan.row_ops, ctx.counts, ctx.cfg[1]
     ggu = g1a = g1b = gu1 = gx = None
     if need.gate_up or lr1 is not None:
         x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
@@ -191,7 +195,7 @@ def _act_backward_kernel(ctx, gy, h, prob_S, down, need):
     """(dh, d prob, d down) with one activation-backward pass that also recomputes the
     forward output for the down projection's weight grad."""
     act, trans_w, _ = ctx.cfg
-    be, counts = ctx.plan.backend, ctx.counts
+    be, counts = ctx.be, ctx.counts
     da = be.mm(gy, down, counts, not trans_w)
     need_gp = prob_S is not None and need.prob
     dh, gp, a = ctx.plan.act_row_ops.act_bwd(
@@ -208,7 +212,7 @@ def _act_backward_kernel(ctx, gy, h, prob_S, down, need):
 def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     """(dh, d prob, d down, dA, dB of the down projection's low-rank update)."""
     act, trans_w, _ = ctx.cfg
-    be, counts = ctx.plan.backend, ctx.counts
+    be, counts = ctx.be, ctx.counts
     p = None if prob_S is None else prob_S.unsqueeze(1)
     a0, d_gate, d_up = act_parts(h, act)
     dh = torch.empty_like(h)
@@ -273,6 +277,7 @@ def fused_mlp(
     backend: str | None = None,
     lora: tuple[LowRank | None, LowRank | None] | None = None,
     plan: MlpPlan | None = None,
+    offsets_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused expert MLP (internal; callers use `expert_mlp` / `grouped_mlp`).
 
@@ -283,7 +288,9 @@ def fused_mlp(
     `activation`: an ActivationConfig, or a kind name with interleaved/alpha/limit.
     `lora`: optional low-rank updates (gate_up, down) of the projections, each a
     `LowRank` or None (see `lora.py`). `plan`: the caller's `MlpPlan` (path "loop" or
-    "grouped"); without one, `path` and `backend` make it here.
+    "grouped"); without one, `path` and `backend` make it here. `offsets_E`: the int32
+    end offsets of the counts on x's device (`SortedPairs.offsets_E`), shared by the
+    GEMMs; None: computed once here when the GEMM backend takes them.
     """
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
@@ -305,8 +312,9 @@ def fused_mlp(
     if plan.path == "gathered":
         check_gathered_ok(lora, has_bias, act)
         return gathered_mlp(
-            x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, plan.gathered
-        )
+            x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, plan.gathered,
+            offsets_E,
+        )  # fmt: skip
     if plan.path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
@@ -314,8 +322,8 @@ def fused_mlp(
             x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg, *extra
         )
     return _GroupedMLP.apply(
-        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, cfg, plan,
-        *extra,
+        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, offsets_E,
+        cfg, plan, *extra,
     )  # fmt: skip
 
 

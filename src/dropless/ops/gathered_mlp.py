@@ -37,6 +37,7 @@ from .compute_dtype import autocast_off
 from .dispatch import GemmBackend
 from .expert_threads import python_modes_active
 from .gemm_tuning import shape_key
+from .grouped_gemm import bind_offsets, group_offsets
 from .loop_mlp import _free, _graph_released
 from .mlp_parts import Needs
 from .row_ops import EAGER, RowOps
@@ -81,7 +82,9 @@ def gather_kernels(x: torch.Tensor, act: ActivationConfig, *weights) -> GatherKe
 @dataclass(frozen=True)
 class GatheredGemms:
     """The six GEMMs of one plan (signatures in `_fused` / `_unfused`); choice: (GEMM
-    name, implementation name) pairs, in `GEMMS` order; row_ops: the combines' gathers."""
+    name, implementation name) pairs, in `GEMMS` order; row_ops: the combines' gathers.
+    Each GEMM takes the groups' end offsets as a last argument `offs` (None: computed by the
+    backend); offsets: whether some unfused GEMM's backend reads them."""
 
     up: Callable
     down: Callable
@@ -92,24 +95,26 @@ class GatheredGemms:
     choice: tuple[tuple[str, str], ...]
     row_ops: RowOps
     device_counts: bool
+    offsets: bool = False
 
     def describe(self) -> str:
         return " ".join(f"{g}={impl}" for g, impl in self.choice)
 
 
 def _fused(k: GatherKernels) -> dict[str, Callable]:
-    def up(x, idx, gate_up, counts, prob, act, trans_w):
+    # the kernels find each tile's group from the counts: `offs` is not read
+    def up(x, idx, gate_up, counts, prob, act, trans_w, offs=None):
         return k.up_act(x, idx, gate_up, counts, prob, trans_w, act.interleaved, act.kind,
                         act.alpha, act.limit)  # fmt: skip
 
-    def down_dgrad(g, idx, down, counts, h, prob, act, trans_w, need_gp, recompute):
+    def down_dgrad(g, idx, down, counts, h, prob, act, trans_w, need_gp, recompute, offs=None):
         return k.down_dact(g, idx, down, counts, h, prob, trans_w, act.interleaved, need_gp,
                            recompute, act.kind, act.alpha, act.limit)  # fmt: skip
 
-    def down_wgrad(g, idx, a, counts, trans_w):
+    def down_wgrad(g, idx, a, counts, trans_w, offs=None):
         return k.wgrad(g, a, counts, idx, None) if trans_w else k.wgrad(a, g, counts, None, idx)
 
-    def up_wgrad(dh, x, idx, counts, trans_w):
+    def up_wgrad(dh, x, idx, counts, trans_w, offs=None):
         return k.wgrad(dh, x, counts, None, idx) if trans_w else k.wgrad(x, dh, counts, idx, None)
 
     return dict(up=up, down_dgrad=down_dgrad, down_wgrad=down_wgrad, up_wgrad=up_wgrad)
@@ -123,25 +128,28 @@ def _unfused(be: GemmBackend, rk: RowOps, act_rk: RowOps | None) -> dict[str, Ca
     def rows(t, idx):
         return rk.gather_rows(t, idx) if idx is not None else t
 
-    def up(x, idx, gate_up, counts, prob, act, trans_w):
-        h = be.mm(rows(x, idx), gate_up, counts, trans_w)
+    def gemm(offs):
+        return be if offs is None else bind_offsets(be, None, offs)
+
+    def up(x, idx, gate_up, counts, prob, act, trans_w, offs=None):
+        h = gemm(offs).mm(rows(x, idx), gate_up, counts, trans_w)
         return h, ak.act_fwd(h, prob, act.interleaved, act.kind, act.alpha, act.limit)
 
-    def down_dgrad(g, idx, down, counts, h, prob, act, trans_w, need_gp, recompute):
-        da = be.mm(rows(g, idx), down, counts, not trans_w)
+    def down_dgrad(g, idx, down, counts, h, prob, act, trans_w, need_gp, recompute, offs=None):
+        da = gemm(offs).mm(rows(g, idx), down, counts, not trans_w)
         return ak.act_bwd(da, h, prob, act.interleaved, need_gp, recompute, act.kind,
                           act.alpha, act.limit)  # fmt: skip
 
-    def down_wgrad(g, idx, a, counts, trans_w):
-        gy = rows(g, idx)
-        return be.wgrad(gy, a, counts) if trans_w else be.wgrad(a, gy, counts)
+    def down_wgrad(g, idx, a, counts, trans_w, offs=None):
+        gy, b = rows(g, idx), gemm(offs)
+        return b.wgrad(gy, a, counts) if trans_w else b.wgrad(a, gy, counts)
 
-    def up_wgrad(dh, x, idx, counts, trans_w):
-        xs = rows(x, idx)
-        return be.wgrad(dh, xs, counts) if trans_w else be.wgrad(xs, dh, counts)
+    def up_wgrad(dh, x, idx, counts, trans_w, offs=None):
+        xs, b = rows(x, idx), gemm(offs)
+        return b.wgrad(dh, xs, counts) if trans_w else b.wgrad(xs, dh, counts)
 
-    def mm(a, w, counts, trans):
-        return be.mm(a, w, counts, trans)
+    def mm(a, w, counts, trans, offs=None):
+        return gemm(offs).mm(a, w, counts, trans)
 
     return dict(up=up, down=mm, down_dgrad=down_dgrad, down_wgrad=down_wgrad,
                 up_wgrad=up_wgrad, up_dgrad=mm)  # fmt: skip
@@ -164,9 +172,12 @@ def gathered_gemms(
         if name not in impls or g not in impls[name]:
             raise ValueError(f"GEMM {g!r}: no implementation {name!r}; have {sorted(impls)}")
         picked[g] = impls[name][g]
-    dev = all(backends[n].device_counts for n in choice.values() if n != FUSED)
+    unfused = [backends[n] for n in choice.values() if n != FUSED]
+    dev, offs = all(b.device_counts for b in unfused), any(b.offsets for b in unfused)
     order = tuple((g, choice[g]) for g in GEMMS)
-    return GatheredGemms(**picked, choice=order, row_ops=row_ops, device_counts=dev)
+    return GatheredGemms(
+        **picked, choice=order, row_ops=row_ops, device_counts=dev, offsets=offs
+    )  # fmt: skip
 
 
 # --- the autograd Function ------------------------------------------------------------
@@ -178,13 +189,16 @@ class _GatheredMLP(torch.autograd.Function):
 
     @staticmethod
     @autocast_off
-    def forward(ctx, x, prob_S, gate_up, down, token_S, slot_TK, counts, act, trans_w, gemms):
-        h, a = gemms.up(x, token_S, gate_up, counts, prob_S, act, trans_w)
-        y = gemms.down(a, down, counts, trans_w)
+    def forward(ctx, x, prob_S, gate_up, down, token_S, slot_TK, counts, offs, act, trans_w, gemms):  # fmt: skip
+        if offs is None and gemms.offsets:  # one offsets tensor for all six GEMMs
+            offs = group_offsets(counts, x.device)
+        h, a = gemms.up(x, token_S, gate_up, counts, prob_S, act, trans_w, offs)
+        y = gemms.down(a, down, counts, trans_w, offs)
         del a  # recomputed by the activation backward
         out = gemms.row_ops.gather_sum(y, slot_TK) if token_S is not None else y
         ctx.save_for_backward(x, prob_S, gate_up, down, token_S, slot_TK, h)
         ctx.counts, ctx.act, ctx.trans_w, ctx.gemms = counts, act, trans_w, gemms
+        ctx.offs = offs
         return out
 
     @staticmethod
@@ -194,44 +208,47 @@ class _GatheredMLP(torch.autograd.Function):
         need = Needs(*ctx.needs_input_grad[:4], gate_up_bias=False, down_bias=False)
         grads = backward_schedule(
             ctx.gemms, g_out.contiguous(), x, prob_S, gate_up, down, token_S, slot_TK, h,
-            ctx.counts, ctx.act, ctx.trans_w, need,
+            ctx.counts, ctx.act, ctx.trans_w, need, ctx.offs,
         )  # fmt: skip
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def backward_schedule(G, g, x, prob_S, gate_up, down, token_S, slot_TK, h, counts, act,
-                      trans_w, need):  # fmt: skip
+                      trans_w, need, offs=None):  # fmt: skip
     """(dx, d prob, d gate_up, d down). Each of h and the recomputed a is freed right
     after its last reader (the activation backward; the down weight gradient), so
     neither is alive while the gate/up weight gradient and dx run."""
     compiling = torch.compiler.is_compiling()  # storage calls would break the graph
     release = not compiling and _graph_released() and not python_modes_active()
     need_gp = prob_S is not None and need.prob
-    dh, gp, a = G.down_dgrad(g, token_S, down, counts, h, prob_S, act, trans_w, need_gp, need.down)
+    dh, gp, a = G.down_dgrad(g, token_S, down, counts, h, prob_S, act, trans_w, need_gp,
+                             need.down, offs)  # fmt: skip
     if release:
         _free(h)  # its storage is this Function's own (written by the "up" GEMM)
     del h
-    gd = G.down_wgrad(g, token_S, a, counts, trans_w) if need.down else None
+    gd = G.down_wgrad(g, token_S, a, counts, trans_w, offs) if need.down else None
     if release and a is not None:
         _free(a)
     del a
-    ggu = G.up_wgrad(dh, x, token_S, counts, trans_w) if need.gate_up else None
+    ggu = G.up_wgrad(dh, x, token_S, counts, trans_w, offs) if need.gate_up else None
     gx = None
     if need.x:
-        dx = G.up_dgrad(dh, gate_up, counts, not trans_w)
+        dx = G.up_dgrad(dh, gate_up, counts, not trans_w, offs)
         del dh
         gx = G.row_ops.gather_sum(dx, slot_TK) if token_S is not None else dx
     return gx, gp, ggu, gd
 
 
-def gathered_mlp(x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, gemms):
-    """Run the gathered Function (internal: `fused_mlp` calls it for a "gathered" plan)."""
+def gathered_mlp(x, prob_S, gate_up, down, counts, token_S, slot_TK, act, trans_w, gemms,
+                 offsets_E=None):  # fmt: skip
+    """Run the gathered Function (internal: `fused_mlp` calls it for a "gathered" plan).
+    offsets_E: the counts' int32 end offsets (the sort's), or None."""
     if isinstance(counts, torch.Tensor) and not gemms.device_counts:
         counts = counts.tolist()
     elif gemms.device_counts and not isinstance(counts, torch.Tensor):
         counts = torch.tensor(counts, device=x.device)
     return _GatheredMLP.apply(
-        x, prob_S, gate_up, down, token_S, slot_TK, counts, act, bool(trans_w), gemms
+        x, prob_S, gate_up, down, token_S, slot_TK, counts, offsets_E, act, bool(trans_w), gemms
     )
 
 

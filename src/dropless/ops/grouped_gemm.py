@@ -13,6 +13,8 @@ raw products come from a registered backend (see `dispatch.py`):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .compute_dtype import autocast_dtype, autocast_off
@@ -67,12 +69,25 @@ register_gemm_backend(
 # every group's row count to be a multiple of 8 (bf16), a device assert otherwise.
 
 
-def _offsets(counts, device):
+def group_offsets(counts, device) -> torch.Tensor:
     """End offset of each group as int32 on `device`. A device tensor of counts stays on
     the device (no host sync): this is what makes the grouped_mm path sync-free."""
     if isinstance(counts, torch.Tensor):
         return counts.to(device=device).cumsum(0, dtype=torch.int32)
     return torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+
+
+def bind_offsets(be: GemmBackend, counts, offs=None, device=None) -> GemmBackend:
+    """`be` with the groups' end offsets bound into its GEMMs when it takes them
+    (`GemmBackend.offsets`), so the GEMMs of one layer share one offsets tensor: `offs`
+    when the caller has it (`SortedPairs.offsets_E`), else computed here once from
+    `counts` on `device`. Other backends are returned as they are."""
+    if not be.offsets:
+        return be
+    if offs is None:
+        offs = group_offsets(counts, device)
+    mm, wgrad = functools.partial(be.mm, offs=offs), functools.partial(be.wgrad, offs=offs)
+    return GemmBackend(be.name, mm, wgrad, be.supports, be.priority, be.device_counts)
 
 
 def aligned_dims(t: torch.Tensor, *dims: int) -> bool:
@@ -100,24 +115,28 @@ def _gmm_supports(a: torch.Tensor, b: torch.Tensor) -> bool:
     return ok_dtype and aligned_dims(a, *dims)
 
 
-def _gmm_mm(a_SK, b, counts, trans_b, out=None):
+def _gmm_mm(a_SK, b, counts, trans_b, out=None, *, offs=None):
     S, N = a_SK.shape[0], (b.shape[1] if trans_b else b.shape[2])
     if S == 0:  # nothing to compute; the empty operand's strides are not CUDA-valid
         return out if out is not None else a_SK.new_empty(0, N)
     b_ekn = b.transpose(1, 2) if trans_b else b
-    y = torch._grouped_mm(a_SK.contiguous(), b_ekn, offs=_offsets(counts, a_SK.device))
+    if offs is None:
+        offs = group_offsets(counts, a_SK.device)
+    y = torch._grouped_mm(a_SK.contiguous(), b_ekn, offs=offs)
     if out is not None:
         out.copy_(y)
         return out
     return y
 
 
-def _gmm_wgrad(a_SM, b_SN, counts):
-    """out[e] = a_e^T b_e. a^T goes in column-major (a view, no [S, M] copy)."""
+def _gmm_wgrad(a_SM, b_SN, counts, *, offs=None):
+    """out[e] = a_e^T b_e. a^T goes in column-major (a view, no [S, M] copy). offs: the
+    groups' int32 end offsets when the caller has them (else computed from counts)."""
     E = counts.shape[0] if isinstance(counts, torch.Tensor) else len(counts)
     if a_SM.shape[0] == 0:  # no rows: every group is empty
         return a_SM.new_zeros(E, a_SM.shape[1], b_SN.shape[1])
-    offs = _offsets(counts, a_SM.device)
+    if offs is None:
+        offs = group_offsets(counts, a_SM.device)
     out = torch._grouped_mm(a_SM.contiguous().t(), b_SN.contiguous(), offs=offs)
     # an empty group's block is not written by every kernel version: zero it on the device
     # (a Triton kernel on CUDA writes only those blocks; the eager form fills over all)
@@ -126,7 +145,15 @@ def _gmm_wgrad(a_SM, b_SN, counts):
 
 
 register_gemm_backend(
-    GemmBackend("grouped_mm", _gmm_mm, _gmm_wgrad, _gmm_supports, priority=10, device_counts=True)
+    GemmBackend(
+        "grouped_mm",
+        _gmm_mm,
+        _gmm_wgrad,
+        _gmm_supports,
+        priority=10,
+        device_counts=True,
+        offsets=True,
+    )  # fmt: skip
 )
 
 
@@ -140,6 +167,7 @@ class _GroupedGemm(torch.autograd.Function):
         be = pick_gemm_backend(backend, x_SD, w)
         # one host->device copy of the counts serves the forward and both backward GEMMs
         cnt = torch.tensor(counts, device=x_SD.device) if be.device_counts else counts
+        be = bind_offsets(be, cnt, device=x_SD.device)  # and one offsets tensor, likewise
         y = be.mm(x_SD, w, cnt, trans_w)
         if bias_EN is not None:
             y += _expand_bias(bias_EN, counts)

@@ -36,12 +36,30 @@ def _same(got, want, steps):
 
 @pytest.fixture(scope="module")
 def forced_run(tmp_path_factory):
+    """The forced tiny run, and the collectives the step and the evaluation issued in it."""
+    from dropless.train import evaluation, step
+
     run_dir = tmp_path_factory.mktemp("forced") / "run"
-    assert main(["train", "--run-dir", str(run_dir), *tiny_args(FORCE)]) == 0
-    return run_dir
+    issued = []
+    with pytest.MonkeyPatch.context() as mp:
+        for mod in (step, evaluation):
+            real = mod.all_reduce
+
+            def spy(t, *a, real=real, name=mod.__name__, **k):
+                issued.append(name)
+                return real(t, *a, **k)
+
+            mp.setattr(mod, "all_reduce", spy)
+        assert main(["train", "--run-dir", str(run_dir), *tiny_args(FORCE)]) == 0
+    return run_dir, issued
 
 
 def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, tiny_run):
+    forced_run, issued = forced_run
+    # the step's and the evaluation's all-reduce run as on a node (on NCCL at world 1 too)
+    assert issued.count("dropless.train.step") == 8
+    # step 0 and every log step: the forward count and the sums
+    assert issued.count("dropless.train.evaluation") == 2 * 5
     got = _records(forced_run)
     _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
     # the expert-parallel dispatcher ran (its stats are logged; one rank sends no bytes)
@@ -51,6 +69,7 @@ def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, t
 
 
 def test_forced_checkpoint_resumes_to_the_same_losses(forced_run, tmp_path):
+    forced_run, _ = forced_run
     half = tmp_path / "half"
     shutil.copytree(forced_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4

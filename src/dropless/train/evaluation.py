@@ -69,7 +69,7 @@ class Evaluator:
             )
             n = torch.tensor(float((y != -100).sum()), dtype=torch.float64)
             acc += torch.stack([nll.double().cpu(), n])
-        if world > 1:
+        if world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(acc)
         hf.tokens_per_expert(self.model, reset=True)
         return {

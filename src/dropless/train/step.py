@@ -161,7 +161,7 @@ class StepRunner:
             [0.0 if path_ME is None else float(path_ME.sum())], dtype=torch.float64
         )
         stats = torch.cat([head, counts_ME.cpu().double().reshape(-1), pairs])
-        if self.world > 1:
+        if self.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(stats)
             stats[:3] /= self.world
         return stats, path_ME is not None

@@ -143,3 +143,19 @@ def test_bind_offsets_leaves_other_backends_alone():
     bound = gg.bind_offsets(gmm, torch.tensor([1, 2]), device="cpu")
     assert bound.name == "grouped_mm" and bound.device_counts and not bound.offsets
     assert bound.mm.keywords["offs"].tolist() == [1, 3]
+
+
+def test_grouped_gemm_takes_the_sorts_offsets(offs_seen):
+    """Two grouped GEMMs given the sort's offsets_E (the Transformers generic path): both,
+    forward and backward, read that tensor; the sort's cumsum is the step's only one."""
+    x, gu, dn, ids, _, _ = _operands()
+
+    def run():
+        sp = sort_by_expert(ids, E)
+        run.sp = sp
+        h = grouped_gemm(permute(x, sp), gu, sp.counts, offsets_E=sp.offsets_E)
+        return grouped_gemm(torch.relu(h[:, :F]), dn, sp.counts, offsets_E=sp.offsets_E)
+
+    got, n = _step(run, x, gu, dn)
+    assert n == 1 and len(offs_seen) == 6
+    assert all(o is run.sp.offsets_E for o in offs_seen)

@@ -220,12 +220,13 @@ def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
     if spec.path == "fused":
         y_SD = grouped_mlp(
             x_SD, sp.counts, None, w1, w2, gate_up_bias=b1, down_bias=b2,
-            activation=spec.activation, trans_w=spec.trans_w,
+            activation=spec.activation, trans_w=spec.trans_w, offsets_E=sp.offsets_E,
         )  # fmt: skip
     else:
-        h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, trans_w=spec.trans_w)
+        offs = dict(trans_w=spec.trans_w, offsets_E=sp.offsets_E)  # one tensor for both GEMMs
+        h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, **offs)
         a_SF = module._apply_gate(h_SN) if spec.gated else module.act_fn(h_SN)
-        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, sp.counts, b2, trans_w=spec.trans_w)
+        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, sp.counts, b2, **offs)
     if spec.post_norm:
         y_SD = module.post_expert_norm(y_SD)
     return unpermute(y_SD, sp, weights_TK.to(y_SD.dtype)), sp

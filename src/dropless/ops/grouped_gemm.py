@@ -163,11 +163,11 @@ register_gemm_backend(
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     @autocast_off
-    def forward(ctx, x_SD, w, bias_EN, counts, trans_w, backend):
+    def forward(ctx, x_SD, w, bias_EN, counts, offs, trans_w, backend):
         be = pick_gemm_backend(backend, x_SD, w)
         # one host->device copy of the counts serves the forward and both backward GEMMs
         cnt = torch.tensor(counts, device=x_SD.device) if be.device_counts else counts
-        be = bind_offsets(be, cnt, device=x_SD.device)  # and one offsets tensor, likewise
+        be = bind_offsets(be, cnt, offs, x_SD.device)  # and one offsets tensor, likewise
         y = be.mm(x_SD, w, cnt, trans_w)
         if bias_EN is not None:
             y += _expand_bias(bias_EN, counts)
@@ -190,7 +190,7 @@ class _GroupedGemm(torch.autograd.Function):
             gw = be.wgrad(grad_SN, x_SD, counts) if ctx.trans_w else be.wgrad(x_SD, grad_SN, counts)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = _group_sum(grad_SN, ctx.host_counts)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def _expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Tensor:
@@ -244,11 +244,14 @@ def grouped_gemm(
     *,
     trans_w: bool = True,
     backend: str | None = None,
+    offsets_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over contiguous groups of `counts` rows.
 
     w is [E, N, D] (out, in: the nn.Linear and Transformers v5 layout) when trans_w,
     else [E, D, N]. counts: list of ints or 1-D integer tensor (read on the host once).
+    offsets_E: their int32 cumulative ends on x's device when the caller has them
+    (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
     Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
     """
     counts = _check_counts(x_SD, w, counts)
@@ -259,4 +262,4 @@ def grouped_gemm(
     if dt is not None:  # the autocast dtype, weights cast once per step (compute_dtype.py)
         x_SD, w = x_SD.to(dt), cached_cast(w, dt)
         bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
-    return _GroupedGemm.apply(x_SD, w, bias_EN, counts, trans_w, backend)
+    return _GroupedGemm.apply(x_SD, w, bias_EN, counts, offsets_E, trans_w, backend)

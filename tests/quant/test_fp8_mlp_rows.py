@@ -146,3 +146,43 @@ def test_token_path_equals_composed_recipe_gemms(name, case):
     tensors = [x, gate_up, down, w_TK]
     for a, b in zip(_run(fused, tensors, dy), _run(composed, tensors, dy)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["current_row", "mxfp8", "current"])
+@pytest.mark.parametrize("dropped", [False, True], ids=["dropless", "capacity_dropped_pairs"])
+def test_row_scaled_tokens_quantized_once_then_gathered(monkeypatch, name, dropped):
+    """Row and MX scales depend on each row alone: the token path quantizes the T token
+    rows (not the T*K gathered rows) and gathers bytes and scales, the same bytes as
+    quantizing the gathered rows. A per-tensor scale depends on which rows are kept,
+    so that mode still gathers first."""
+    from dropless.quant import gemm as qgemm
+    from dropless.quant import mlp as qmlp
+
+    g = torch.Generator().manual_seed(7)
+    T, K, E = 10, 3, 4
+    x = torch.randn(T, D, generator=g) * 4
+    sp = sort_by_expert(
+        torch.rand(T, E, generator=g).topk(K, -1).indices, E,
+        (torch.rand(T, K, generator=g) > 0.4) if dropped else None,
+    )  # fmt: skip
+    recipe = RECIPES[name]()
+    got = qmlp._operand_rows(recipe, x, sp.token_S, "x", None)
+    want = qgemm.quantize_operand(recipe, x.index_select(0, sp.token_S), "x", 1)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale_inv.float(), want.scale_inv.float())
+    rows = []
+    real = qmlp.quantize_operand
+
+    def spy(recipe, t, role, dim, **kw):
+        if role == "x" and dim == 1:
+            rows.append(t.shape[0])
+        return real(recipe, t, role, dim, **kw)
+
+    monkeypatch.setattr(qmlp, "quantize_operand", spy)
+    gate_up, down = _weights(E, g)
+    prob = torch.rand(sp.num_slots, generator=g)
+    quantized_grouped_mlp(
+        x, sp.counts, prob, gate_up, down, recipe=recipe, token_S=sp.token_S,
+        slot_TK=sp.slot_TK, num_out=T,
+    )  # fmt: skip
+    assert rows[0] == (sp.num_slots if name == "current" else T)

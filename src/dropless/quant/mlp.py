@@ -21,6 +21,7 @@ gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -113,6 +114,34 @@ def _slots_by_token(token_S: torch.Tensor, T: int) -> torch.Tensor:
     return torch.argsort(token_S, stable=True).view(T, token_S.numel() // max(T, 1))
 
 
+def _gather_q(q: QTensor, index_S: torch.Tensor) -> QTensor:
+    """Rows index_S of a row-quantized tensor: its FP8 bytes and its row scales."""
+
+    def rows(t):
+        if t is None or t.dim() != 2 or t.shape[0] != q.data.shape[0]:
+            return t
+        if t.element_size() == 1:  # fp8 / e8m0: gathered as bytes
+            return t.view(torch.uint8).index_select(0, index_S).view(t.dtype)
+        return t.index_select(0, index_S)
+
+    return dataclasses.replace(
+        q, data=rows(q.data), scale_inv=rows(q.scale_inv), scale=rows(q.scale)
+    )
+
+
+def _operand_rows(recipe, t, token_S, role, key):
+    """The row-wise quantized GEMM operand t[token_S] (t itself when token_S is None).
+    Row and MX scales depend on each row alone, so the T rows of t are quantized once and
+    the FP8 rows with their scales gathered (K x fewer rows quantized, one byte per value
+    gathered: the same bytes as quantizing the gathered rows). A per-tensor scale
+    depends on which rows are kept (a capacity limit drops some): gathered first."""
+    if token_S is None:
+        return quantize_operand(recipe, t, role, 1, key=key)
+    if scaling_mode(recipe) == "tensor":
+        return quantize_operand(recipe, t.index_select(0, token_S), role, 1, key=key)
+    return _gather_q(quantize_operand(recipe, t.contiguous(), role, 1, key=key), token_S)
+
+
 def _store_h(h_S2F) -> QTensor:
     # storage only (no GEMM reads it): E4M3 with one fp32 scale per row, 4 bytes per
     # 2F values, for every recipe
@@ -130,8 +159,7 @@ class _QGroupedMLP(torch.autograd.Function):
         mm, _ = BACKENDS[be]
         tensor_mode = scaling_mode(recipe) == "tensor"
         fwd_red, _ = (2, 1) if trans_w else (1, 2)
-        x_SD = x if token_S is None else x.index_select(0, token_S)
-        xq = quantize_operand(recipe, x_SD, "x", 1, key=gate_up)
+        xq = _operand_rows(recipe, x, token_S, "x", gate_up)
         w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
         h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
         if b1 is not None:
@@ -211,7 +239,10 @@ class _QGroupedMLP(torch.autograd.Function):
             return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
 
         # down projection; its input (SwiGLU x prob) is recomputed from the kept h
-        gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
+        if gathered and not tensor_mode:
+            gq = _operand_rows(recipe, g_out, token_S, "g", down)
+        else:
+            gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
         w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
         da = mm(gq, w2q, counts, not trans_w, torch.float32)
         # SwiGLU x prob: its backward and the recomputed a in one pass

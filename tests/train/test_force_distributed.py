@@ -37,7 +37,7 @@ def _same(got, want, steps):
 @pytest.fixture(scope="module")
 def forced_run(tmp_path_factory):
     """The forced tiny run, and the collectives the step and the evaluation issued in it."""
-    from dropless.train import evaluation, step
+    from dropless.train import evaluation, setup, step
 
     run_dir = tmp_path_factory.mktemp("forced") / "run"
     issued = []
@@ -50,6 +50,10 @@ def forced_run(tmp_path_factory):
                 return real(t, *a, **k)
 
             mp.setattr(mod, "all_reduce", spy)
+        real_b = setup.broadcast_object
+        mp.setattr(
+            setup, "broadcast_object", lambda o, **k: issued.append("bcast") or real_b(o, **k)
+        )
         assert main(["train", "--run-dir", str(run_dir), *tiny_args(FORCE)]) == 0
     return run_dir, issued
 
@@ -60,6 +64,7 @@ def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, t
     assert issued.count("dropless.train.step") == 8
     # step 0 and every log step: the forward count and the sums
     assert issued.count("dropless.train.evaluation") == 2 * 5
+    assert issued.count("bcast") >= 3  # rank 0's run-directory claim, data preparation, summary
     got = _records(forced_run)
     _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
     # the expert-parallel dispatcher ran (its stats are logged; one rank sends no bytes)

@@ -113,8 +113,9 @@ def close_env() -> None:
 
 
 def broadcast(obj, env: Env):
-    """rank 0's value of `obj` on every process."""
-    if env.world == 1:
+    """rank 0's value of `obj` on every process (through the group under
+    parallel.force_distributed too, as on a node)."""
+    if env.world == 1 and not env.distributed:
         return obj
     return broadcast_object(obj, src=0)
 

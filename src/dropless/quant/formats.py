@@ -147,6 +147,10 @@ def amax(x: torch.Tensor, dims=None) -> torch.Tensor:
         # one pass, no |x| temporary; maximum propagates NaN like amax
         lo, hi = torch.aminmax(x.detach(), dim=dims, keepdim=dims is not None)
         return torch.maximum(hi.float(), lo.float().neg())
+    if x.is_cuda and x.dim() == 3 and tuple(dims or ()) == (1, 2) and x.numel():
+        # per expert of a grouped weight: the same one pass over each expert's block
+        lo, hi = torch.aminmax(x.detach().flatten(1), dim=1, keepdim=True)
+        return torch.maximum(hi.float(), lo.float().neg()).unsqueeze(2)
     a = x.detach().abs().float()
     if dims is None:
         return a.amax() if a.numel() else a.new_zeros(())
@@ -158,18 +162,22 @@ def quantize_scaled(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> QTensor:
     scale = scale.float()
     m = FP8_MAX[check_format(fmt)]
     k = _kernels(x, fmt)
-    if k is not None and x.dim() == 2 and _broadcasts_2d(scale, x.shape):
+    if k is not None and x.dim() in (2, 3) and _broadcasts(scale, x.shape):
         return QTensor(k.scale_cast(x, scale), torch.reciprocal(scale), fmt, scale=scale)
     # one fp32 temporary: the product is clamped in place, then cast (clamp keeps NaN)
     q = (x.float() * scale).clamp_(-m, m).to(FP8_DTYPES[fmt])
     return QTensor(q, torch.reciprocal(scale), fmt, scale=scale)
 
 
-def _broadcasts_2d(scale: torch.Tensor, shape) -> bool:
-    """Whether scale is a scalar, a row [M, 1] or a column [1, N] of a [M, N] tensor."""
-    if scale.numel() == 1 and scale.dim() <= 2:
-        return True
-    return scale.dim() == 2 and tuple(scale.shape) in ((shape[0], 1), (1, shape[1]))
+def _broadcasts(scale: torch.Tensor, shape) -> bool:
+    """Whether scale broadcasts to `shape` (a scalar, a row, a column, one per expert)
+    without making the result larger: what the cast kernel reads with zero strides."""
+    if scale.dim() > len(shape):
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(scale.shape, shape)) == tuple(shape)
+    except RuntimeError:
+        return False
 
 
 def quantize_current(x: torch.Tensor, fmt: str, dims=None, margin: int = 0) -> QTensor:

@@ -5,7 +5,9 @@ temporaries: `(x.float() * scale).clamp_().to(fp8)` reads and writes ~25 bytes p
 element where the cast needs 3 (read bf16, write one byte). These kernels do the same
 arithmetic in registers and give the same bytes:
 
-- `scale_cast`: q = sat_cast_e4m3(x * scale), scale a scalar, a row or a column;
+- `scale_cast`: q = sat_cast_e4m3(x * scale), scale a scalar, a row or a column (and
+  3-D grouped weights [E, M, N] with one scale per expert, row or column: the delayed
+  recipe quantizes its weights at every call);
 - `dequant_scaled`: (q * scale_inv) in fp32, written in the output dtype;
 - `mx_quantize`: MXFP8 blocks of 32 along the last dim (E8M0 scales, "floor" or "rceil",
   NaN/Inf blocks get scale 0xFF and elements 0x7F, a partial last block zero padded);
@@ -37,16 +39,19 @@ def _offs(rows, cols, s0, s1):
 
 @triton.jit
 def _scale_cast_kernel(
-    x_ptr, s_ptr, q_ptr, M, N, sx0, sx1, ss0, ss1, sq0, sq1,
+    x_ptr, s_ptr, q_ptr, M, N, sxe, sx0, sx1, sse, ss0, ss1, sqe, sq0, sq1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # axis 2: the leading (expert) dim of a 3-D tensor; one program column for 2-D
+    e = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    x = tl.load(x_ptr + _offs(rows, cols, sx0, sx1), mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
+    xo = e * sxe + _offs(rows, cols, sx0, sx1)
+    x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + e * sse + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
     code = e4m3_code(x * s)
-    tl.store(q_ptr + _offs(rows, cols, sq0, sq1), code.to(tl.uint8), mask=mask)
+    tl.store(q_ptr + e * sqe + _offs(rows, cols, sq0, sq1), code.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -102,18 +107,22 @@ def _grid(M: int, N: int, bm: int, bn: int) -> tuple[int, int]:
 
 
 def scale_cast(x: torch.Tensor, scale: torch.Tensor, block=(32, 128)) -> torch.Tensor:
-    """sat_cast_e4m3(x * scale) for 2-D x; scale fp32 broadcastable to x (scalar, [M, 1]
-    or [1, N]). Returns a contiguous E4M3 tensor of x's shape."""
-    M, N = x.shape
+    """sat_cast_e4m3(x * scale) for 2-D x [M, N] or 3-D x [E, M, N] (a grouped weight, its
+    experts along the grid's third axis); scale fp32 broadcastable to x (scalar, a row, a
+    column, one per expert). Returns a contiguous E4M3 tensor of x's shape."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(0)
+    E, M, N = x3.shape
     s = scale.to(x.device, torch.float32)
-    s = s.reshape([1] * (2 - s.dim()) + list(s.shape)).expand(M, N)
-    q = torch.empty(M, N, dtype=torch.uint8, device=x.device)
-    if M and N:
-        _scale_cast_kernel[_grid(M, N, *block)](
-            x, s, q, M, N, *x.stride(), *s.stride(), *q.stride(),
+    s = s.reshape([1] * (x.dim() - s.dim()) + list(s.shape)).expand(x.shape)
+    s3 = s if s.dim() == 3 else s.unsqueeze(0)
+    q = torch.empty(E, M, N, dtype=torch.uint8, device=x.device)
+    if E and M and N:
+        grid = (*_grid(M, N, *block), E)
+        _scale_cast_kernel[grid](
+            x3, s3, q, M, N, *x3.stride(), *s3.stride(), *q.stride(),
             BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip
-    return q.view(E4M3)
+    return q.view(E4M3).view(x.shape)
 
 
 def dequant_scaled(

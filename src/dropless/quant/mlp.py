@@ -2,17 +2,20 @@
 
 One autograd Function owns gate/up GEMM -> SwiGLU x prob -> down GEMM, so the
 SwiGLU, the routing-weight scaling and the quantization of its output (the down
-GEMM's input) happen in one pass (`swiglu_quant`: a Triton kernel on CUDA for MXFP8
-and delayed scaling, the torch path otherwise), and the Function decides what is kept
-for backward:
+GEMM's input) happen in one pass (`swiglu_quant`: on CUDA a Triton kernel that writes
+the FP8 values and their scales for every E4M3 recipe, the torch path otherwise), and
+the Function decides what is kept for backward:
 
 - fp8_saved_activations=False: x and h = x @ gate_up^T in full precision;
 - fp8_saved_activations=True: h in FP8 (E4M3, one scale per row) and x as the FP8 operand of its weight gradient (or,
   given x_TD and token_S, x_TD itself, which the caller holds anyway). The SwiGLU
   backward then reads the dequantized h.
 
-Either way the SwiGLU output is recomputed from the kept h in backward and quantized
-for the down weight gradient (with full-precision h it is bit-identical to forward).
+The backward runs the registered row ops' SwiGLU backward (`ops.row_ops`: Triton on
+CUDA), which also recomputes the SwiGLU output from the kept h for the down weight
+gradient in the same pass, and (token path) the combines through the row ops'
+`gather_sum`. With row-wise or MX scales, the token path quantizes the T token rows
+once and gathers FP8 bytes and scales (`_operand_rows`).
 
 gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
 """

@@ -296,15 +296,16 @@ def ep_rank_share(cpu: bool) -> dict:
     )  # fmt: skip
 
 
-def _attempt(res: dict, name: str, fn) -> bool:
+def _attempt(res: dict, name: str, fn, out: Path) -> bool:
     """res[name] = fn(), or the error that stopped it: one failing part (a GPU is lent for
-    minutes) leaves the others' figures."""
+    minutes) leaves the others' figures; OUT/main.json is rewritten after every part."""
     try:
         res[name] = fn()
     except Exception as e:  # reported in the summary; the other parts go on
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
         res[name] = {"error": f"{type(e).__name__}: {e}"[:600], "traceback": tb[-2000:]}
+    (out / "main.json").write_text(json.dumps(res))
     return "error" not in res[name]
 
 
@@ -313,17 +314,16 @@ def main_child(out: Path, cpu: bool) -> None:
     _, save_at = _steps(cpu)
     res: dict = {}
     single = _sets(cpu, "checkpoint.every=0")
-    _attempt(res, "single", lambda: _train(single, out / "single", count_steps=SYNC_STEPS))
+    _attempt(res, "single", lambda: _train(single, out / "single", count_steps=SYNC_STEPS), out)
     forced = _sets(cpu, "parallel.force_distributed=true", "train.activation_checkpointing=true")
     run = out / "forced"
-    if _attempt(res, "force_distributed", lambda: _train(forced, run, count_steps=SYNC_STEPS)):
+    if _attempt(res, "force_distributed", lambda: _train(forced, run, count_steps=SYNC_STEPS), out):
         files = [f for f in (run / "checkpoints").rglob("*") if f.is_file()]
         res["checkpoint_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 3)
-        _attempt(res, "resume", lambda: _train(forced, run, resume=True, after=save_at))
+        _attempt(res, "resume", lambda: _train(forced, run, resume=True, after=save_at), out)
     ref = [*(EP2_CPU_SETS if cpu else EP2_SETS), "train.grad_accum=2"]
-    _attempt(res, "gloo_ep2_reference", lambda: _train(ref, out / "ep2_ref"))
-    _attempt(res, "ep_rank_share", lambda: ep_rank_share(cpu))
-    (out / "main.json").write_text(json.dumps(res))
+    _attempt(res, "gloo_ep2_reference", lambda: _train(ref, out / "ep2_ref"), out)
+    _attempt(res, "ep_rank_share", lambda: ep_rank_share(cpu), out)
 
 
 def ep2_child(out: Path, cpu: bool) -> None:
@@ -453,9 +453,34 @@ def _r(v, nd=6):
     return None if v is None else round(v, nd)
 
 
+MIN_CHILD_S = 20  # a child's start-up: with less time left it is skipped, saying so
+
+
+def _bench(bench_step, left) -> dict:
+    """`dropless bench e2e` at the train step's model: its fused-loss row's tokens/s."""
+    if left() < MIN_CHILD_S:
+        return dict(status="skipped", reason=f"budget: {left():.0f} s left")
+    args = ["--shape", "qwen3-30b-2l", "--device", "cuda", "--impls", "dropless-fused-ce",
+            "--rounds", "1", "--steps", "10", "--no-memory"]  # fmt: skip
+    res, record = bench_step("e2e", args, False, left())
+    row = (record or {}).get("figures", {}).get("rows", {}).get("dropless-fused-ce")
+    return dict(status=res["status"], tokens_per_s=round(row["tokens_per_s"]) if row else None)
+
+
+def _ep2(torchrun: list[str], out: Path, flag: list[str], run_child, left) -> dict:
+    if left() < MIN_CHILD_S:
+        return dict(status="fail", reason=f"budget: {left():.0f} s left for the 2-process child")
+    cmd = [*torchrun, "--nproc-per-node", "2", __file__, "ep2", str(out), *flag]
+    status, _, _, tail = run_child(cmd, flag == ["--cpu"], left())
+    f = out / "ep2.json"
+    return json.loads(f.read_text()) if f.exists() else dict(status="fail", reason=f"{status}: {tail[-300:]}")  # fmt: skip
+
+
 def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
-    """The step: the torchrun children, then bench e2e; `run_child` and `bench_step` are
-    gpu_check.py's (the child's output goes on to its log)."""
+    """The step: the 1-process torchrun child, then (GPU) bench e2e, then the 2-process
+    child; `run_child` and `bench_step` are gpu_check.py's (the output goes on to its log).
+    The first child writes its results part by part: one stopped at its timeout still
+    reports the parts it finished."""
     end = time.perf_counter() + timeout
     left = lambda: end - time.perf_counter()  # noqa: E731
     tmp_root = None if cpu else os.environ.get("TMPDIR")
@@ -465,29 +490,18 @@ def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
         flag = ["--cpu"] if cpu else []
         cmd = [*torchrun, "--nproc-per-node", "1", __file__, "main", tmp, *flag]
         status, code, _, tail = run_child(cmd, cpu, left())
-        main = json.loads((out / "main.json").read_text()) if (out / "main.json").exists() else None
-        ep2 = None
-        if main is not None:
-            cmd = [*torchrun, "--nproc-per-node", "2", __file__, "ep2", tmp, *flag]
-            s2, _, _, tail2 = run_child(cmd, cpu, left())
-            f = out / "ep2.json"
-            ep2 = (
-                json.loads(f.read_text())
-                if f.exists()
-                else {"status": "fail", "reason": s2 + ": " + tail2[-300:]}
-            )
-    if main is None:
-        return dict(status=status if status != "ok" else "fail", exit=code, stderr_tail=tail)
-    bench = None
-    if not cpu:
-        args = ["--shape", "qwen3-30b-2l", "--device", "cuda", "--impls", "dropless-fused-ce",
-                "--rounds", "1", "--steps", "10", "--no-memory"]  # fmt: skip
-        res, record = bench_step("e2e", args, cpu, left())
-        row = (record or {}).get("figures", {}).get("rows", {}).get("dropless-fused-ce")
-        bench = dict(status=res["status"], tokens_per_s=round(row["tokens_per_s"]) if row else None)
+        f = out / "main.json"
+        main = json.loads(f.read_text()) if f.exists() else None
+        if main is None:
+            return dict(status=status if status != "ok" else "fail", exit=code, stderr_tail=tail)
+        bench = None if cpu else _bench(bench_step, left)
+        ep2 = _ep2(torchrun, out, flag, run_child, left)
     table = train_table(main, ep2, bench, cpu)
     failed = [k for k, ok in table["checks"].items() if not ok]
-    return dict(status="fail" if failed else "ok", exit=code, failed_checks=failed, train=table)
+    res = dict(status="fail" if failed or status != "ok" else "ok", exit=code)
+    if status != "ok":  # a timeout, or an exit after the parts were written
+        res |= dict(status=status if status == "timeout" else "fail", stderr_tail=tail)
+    return res | dict(failed_checks=failed, train=table)
 
 
 if __name__ == "__main__":

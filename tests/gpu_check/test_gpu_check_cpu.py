@@ -197,6 +197,26 @@ def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
     assert b["tokens_per_s"] == 52000 and b["train_vs_bench"] == round(50000 / 52000, 3)
 
 
+def test_a_child_stopped_at_its_timeout_keeps_the_parts_it_finished():
+    """The 1-process child wrote `single` and was stopped (a slow disk under the
+    checkpoint, say): the step is a timeout with that run's figures, the rest not run."""
+    tr = _script_module("gpu_check_train")
+    main, _ = _train_results()
+
+    def run_child(cmd, cpu, timeout):
+        out = Path(cmd[cmd.index(tr.__file__) + 2])
+        if "main" in cmd:
+            (out / "main.json").write_text(json.dumps({"single": main["single"]}))
+        return "timeout", None, "", "stopped"
+
+    bench = lambda *a: (dict(status="ok"), {"figures": {"rows": {}}})  # noqa: E731
+    res = tr.run(False, 100.0, run_child, bench)
+    rows = res["train"]["rows"]
+    assert res["status"] == "timeout" and res["stderr_tail"] == "stopped"
+    assert rows["single"]["steps"] == 4 and rows["force_distributed"]["status"] == "fail"
+    assert "not run" in rows["ep_rank_share"]["error"] and rows["gloo_ep2"]["status"] == "fail"
+
+
 def _script_module(name):
     import importlib.util
 

@@ -122,3 +122,16 @@ def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_
         assert main(["train", "--run-dir", str(tmp_path / "f"), *tiny_args(*args, FORCE)]) == 0
     assert loads == [1]
     _same(_records(tmp_path / "f"), _records(tmp_path / "one"), [0, 1, 2, 3])
+
+
+def test_the_planner_shards_a_forced_run_over_a_fake_group_of_one():
+    """`dropless plan` (and the trainer's preflight) trace a forced run as it runs: FSDP2
+    and DTensor experts over a fake 1-rank group, which is left afterwards."""
+    from dropless.train.plan import fake_world
+
+    with fake_world(1, force_distributed=True):
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert dist.get_backend() == "fake"
+    assert not dist.is_initialized()
+    with fake_world(1):  # the one-process path needs no group
+        assert not dist.is_initialized()

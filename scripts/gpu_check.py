@@ -9,7 +9,9 @@ Steps, in order, each a child process (a device assert, which poisons the CUDA
 context, loses one step): `pytest` runs `pytest -m gpu` (every GPU correctness check
 is an ordinary test marked `gpu`; on CPU they are skipped, and the CI suite runs them
 under Triton's interpreter); `timing` runs the layer table, `dropless bench layer
---device cuda` at the Qwen3-30B-A3B layer shape (T=16384, bf16); `e2e` runs the step
+--device cuda` at the Qwen3-30B-A3B layer shape (T=16384, bf16), then the JAX layer at the
+same shape in a child of its own (row `jax_tiled`, skipped with its reason where jax[cuda]
+does not import); `e2e` runs the step
 table, `dropless bench e2e --device cuda --shape qwen3-gpu`; `train` runs `dropless train`
 on the path a node runs (parallel.force_distributed=true under torchrun on NCCL) at two
 Qwen3-30B-A3B layers against the one-process run, with a DCP resume, host syncs per layer,
@@ -88,6 +90,7 @@ E2E_ARGS = (
     ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-memory", "--profile"],
 )
 PYTEST_PATHS = (["tests"], ["tests/gpu_check"])
+JAX_S = 60  # the JAX row's child at most (its compile included): the train step needs the rest
 
 
 def child_env(cpu: bool) -> dict:
@@ -205,6 +208,27 @@ def layer_table(record: dict) -> dict:
     return dict(shape=shape, dtype=dtype, bound=bound, rows=rows) | extra
 
 
+def jax_row(table: dict, cpu: bool, timeout: float) -> dict:
+    """The JAX layer at the layer table's shape, in a child of its own after the torch rows
+    (`dropless/bench/jax_layer.py`), against the table's dense bound; where jax[cuda] does
+    not import the row says "skipped: jax[cuda] not importable" and why."""
+    bound = {k: table["rows"].get("dense_bound", {}).get(k) for k in ("ms", "tflops")}
+    cfg = dict(table["shape"], dtype={"bf16": "bfloat16"}.get(table["dtype"], "float32"),
+               device="cpu" if cpu else "cuda", rounds=5, warmup=2, bound=bound)  # fmt: skip
+    cmd = [sys.executable, "-m", "dropless.bench.jax_layer", json.dumps(cfg)]
+    status, _, stdout, tail = run_child(cmd, cpu, timeout)
+    lines = stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1]) if status == "ok" and lines else _no_jax_row(status, tail)
+    except json.JSONDecodeError:
+        return _no_jax_row("fail", tail)
+
+
+def _no_jax_row(status: str, why: str) -> dict:
+    return dict(status="fail" if status == "ok" else status, ms=None, share_of_bound=None,
+                tflops=None, peak_gib=None, reason=why)  # fmt: skip
+
+
 def e2e_table(record: dict) -> dict:
     """The summary's step table: ms, tokens_per_s, peak_gib (= peak_step_gib), ratios."""
     f = record["figures"]
@@ -240,6 +264,7 @@ def run_step(name: str, cpu: bool, timeout: float) -> dict:
                                            *LAYER_ARGS[cpu]], cpu, timeout)  # fmt: skip
         if record:
             res["timing"] = layer_table(record)
+            res["timing"]["rows"]["jax_tiled"] = jax_row(res["timing"], cpu, min(timeout, JAX_S))
         return res
     if name == "train":
         sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -40,7 +40,7 @@ BUDGETS = {
     "train": 180,
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)
     "jax": 90,
-    "gpu_check": 75,  # the --cpu smoke, its train step included (two torchrun children)
+    "gpu_check": 90,  # the --cpu smoke, its train step included (two torchrun children)
     "bench": 60,
 }
 _spent: dict[str, float] = {}

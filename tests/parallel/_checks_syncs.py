@@ -51,19 +51,28 @@ def ep_one_sync_chunks_overlap_bias(rank, world):
     _syncs(world, 3, True, bias=True)
 
 
-def fp8_weight_cache_off_when_distributed(rank, world):
-    """FSDP2 refills gathered weights without moving their version counter: in a
-    torch.distributed run every call quantizes the weight afresh."""
+def fp8_weight_cache_per_step_when_distributed(rank, world):
+    """In a torch.distributed run the FP8 weight is still quantized once per optimizer
+    step (the one weight cache, `ops.weight_cache`): FSDP2 refills gathered weights
+    without moving their version counter, and the optimizer step is what says they
+    changed."""
     from dropless.quant import MXFP8BlockScaling
     from dropless.quant.gemm import quantize_operand
 
-    w = torch.randn(2, 32, 64)
+    w = torch.nn.Parameter(torch.randn(2, 32, 64))
     recipe = MXFP8BlockScaling()
     first = quantize_operand(recipe, w, "w", 2, key=w)
-    with torch.autograd._unsafe_preserve_version_counter(w):
+    assert quantize_operand(recipe, w, "w", 2, key=w) is first  # the next micro-batch
+    shard = torch.nn.Parameter(torch.zeros(1))
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
         w.mul_(2)  # what FSDP2's all-gather copy-in does to the unsharded weight
+    torch.optim.SGD([shard], lr=0.1).step()  # the sharded parameters' update
     second = quantize_operand(recipe, w, "w", 2, key=w)
     torch.testing.assert_close(second.dequantize(), 2 * first.dequantize())
 
 
-CHECKS = ["ep_one_sync", "ep_one_sync_chunks_overlap_bias", "fp8_weight_cache_off_when_distributed"]
+CHECKS = [
+    "ep_one_sync",
+    "ep_one_sync_chunks_overlap_bias",
+    "fp8_weight_cache_per_step_when_distributed",
+]

@@ -186,3 +186,28 @@ def test_row_scaled_tokens_quantized_once_then_gathered(monkeypatch, name, dropp
         slot_TK=sp.slot_TK, num_out=T,
     )  # fmt: skip
     assert rows[0] == (sp.num_slots if name == "current" else T)
+
+
+def test_dgrad_outputs_stay_in_the_input_dtype_on_real_gemm_backends(monkeypatch):
+    """The real FP8 GEMMs (and MXFP8's bf16 ones) round their output to bf16: the
+    SwiGLU-input gradient is taken in that dtype, not copied to fp32 first."""
+    from dropless.quant import gemm as qgemm
+    from dropless.quant import mlp as qmlp
+
+    dtypes = []
+    mm, wgrad = qgemm.BACKENDS["bf16"]
+
+    def spy(aq, bq, counts, trans_b, out_dtype, fast_accum=False):
+        dtypes.append(out_dtype)
+        return mm(aq, bq, counts, trans_b, out_dtype, fast_accum)
+
+    monkeypatch.setitem(qgemm.BACKENDS, "bf16", (spy, wgrad))
+    monkeypatch.setattr(qmlp, "pick_backend", lambda *a: "bf16")
+    g = torch.Generator().manual_seed(3)
+    counts = [3, 0, 5]
+    x = torch.randn(8, D, generator=g).bfloat16().requires_grad_(True)
+    gate_up, down = (t.detach().bfloat16().requires_grad_(True) for t in _weights(3, g))
+    y = quantized_grouped_mlp(x, counts, None, gate_up, down, recipe=MXFP8BlockScaling())
+    y.float().sum().backward()
+    assert dtypes == [torch.bfloat16] * 4  # two forward GEMMs, two dgrad GEMMs
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()

@@ -247,7 +247,9 @@ class _QGroupedMLP(torch.autograd.Function):
         else:
             gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
         w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
-        da = mm(gq, w2q, counts, not trans_w, torch.float32)
+        # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
+        # of their output would be one more [S, F] pass; the emulation keeps its fp32
+        da = mm(gq, w2q, counts, not trans_w, torch.float32 if ctx.be == "emulated" else x_dtype)
         # SwiGLU x prob: its backward and the recomputed a in one pass
         dh, dprob, a = _swiglu_backward(h, prob, da, ctx.needs_input_grad[1])
         dh = dh.to(x_dtype)

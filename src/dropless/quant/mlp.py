@@ -11,10 +11,10 @@ the Function decides what is kept for backward:
   given x_TD and token_S, x_TD itself, which the caller holds anyway). The SwiGLU
   backward then reads the dequantized h.
 
-The backward runs the registered row ops' SwiGLU backward (`ops.row_ops`: Triton on
-CUDA), which also recomputes the SwiGLU output from the kept h for the down weight
-gradient in the same pass, and (token path) the combines through the row ops'
-`gather_sum`. With row-wise or MX scales, the token path quantizes the T token rows
+The backward recomputes the SwiGLU output from the kept h for the down weight gradient
+in the same pass as the SwiGLU backward (`_swiglu_grads`: with a per-tensor scale on
+CUDA a Triton kernel that writes it in FP8, else the registered row ops' backward, then
+the quantizer), and (token path) combines through the row ops' `gather_sum`. With row-wise or MX scales, the token path quantizes the T token rows
 once and gathers FP8 bytes and scales (`_operand_rows`).
 
 gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
@@ -62,6 +62,22 @@ def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
     down weight gradient reads. grad_h and a come in h's dtype, the math in fp32."""
     rows = pick_row_ops(h_S2F, activation="swiglu")
     return rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
+
+
+def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize_col):
+    """(grad_h in `dtype`, grad_prob or None, the recomputed activation quantized for the
+    down weight gradient). With a per-tensor scale known from forward (current per
+    tensor, delayed) on CUDA in E4M3, one Triton pass also writes that activation in FP8
+    (`triton_swiglu_bwd_quant`); otherwise the row op's backward, then `quantize_col`."""
+    if scale is not None and h_S2F.is_cuda and recipe.fwd_format == "e4m3":
+        if triton_importable():
+            from .triton_swiglu_bwd_quant import swiglu_bwd_quant
+
+            return swiglu_bwd_quant(
+                g_SF, h_S2F, prob_S, scale, need_prob_grad=want_prob, grad_dtype=dtype
+            )
+    dh, dprob, a = _swiglu_backward(h_S2F, prob_S, g_SF, want_prob)
+    return dh.to(dtype), dprob, quantize_col(a, scale)
 
 
 def _combine(rows_SN, slot_TK):
@@ -250,10 +266,11 @@ class _QGroupedMLP(torch.autograd.Function):
         # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
         # of their output would be one more [S, F] pass; the emulation keeps its fp32
         da = mm(gq, w2q, counts, not trans_w, torch.float32 if ctx.be == "emulated" else x_dtype)
-        # SwiGLU x prob: its backward and the recomputed a in one pass
-        dh, dprob, a = _swiglu_backward(h, prob, da, ctx.needs_input_grad[1])
-        dh = dh.to(x_dtype)
-        a_S = col(a, "x", down, ts(a_scale))
+        # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
+        dh, dprob, a_S = _swiglu_grads(
+            h, prob, da, ctx.needs_input_grad[1], recipe, ts(a_scale), x_dtype,
+            lambda a, scale: col(a, "x", down, scale),
+        )  # fmt: skip
         g_S = gq if tensor_mode else col(g_SD, "g", down)
         d_down = wg(g_S, a_S, down.dtype)
         db2 = None

@@ -153,8 +153,9 @@ def test_token_path_equals_composed_recipe_gemms(name, case):
 def test_row_scaled_tokens_quantized_once_then_gathered(monkeypatch, name, dropped):
     """Row and MX scales depend on each row alone: the token path quantizes the T token
     rows (not the T*K gathered rows) and gathers bytes and scales, the same bytes as
-    quantizing the gathered rows. A per-tensor scale depends on which rows are kept,
-    so that mode still gathers first."""
+    quantizing the gathered rows. A per-tensor scale depends on which rows are kept:
+    dropless (every token gathered) it is the tokens' own; with dropped pairs that mode
+    gathers first."""
     from dropless.quant import gemm as qgemm
     from dropless.quant import mlp as qmlp
 
@@ -166,7 +167,7 @@ def test_row_scaled_tokens_quantized_once_then_gathered(monkeypatch, name, dropp
         (torch.rand(T, K, generator=g) > 0.4) if dropped else None,
     )  # fmt: skip
     recipe = RECIPES[name]()
-    got = qmlp._operand_rows(recipe, x, sp.token_S, "x", None)
+    got = qmlp._operand_rows(recipe, x, sp.token_S, "x", None, every_row=not dropped)
     want = qgemm.quantize_operand(recipe, x.index_select(0, sp.token_S), "x", 1)
     assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
     assert torch.equal(got.scale_inv.float(), want.scale_inv.float())
@@ -185,7 +186,7 @@ def test_row_scaled_tokens_quantized_once_then_gathered(monkeypatch, name, dropp
         x, sp.counts, prob, gate_up, down, recipe=recipe, token_S=sp.token_S,
         slot_TK=sp.slot_TK, num_out=T,
     )  # fmt: skip
-    assert rows[0] == (sp.num_slots if name == "current" else T)
+    assert rows[0] == (sp.num_slots if name == "current" and dropped else T)
 
 
 def test_dgrad_outputs_stay_in_the_input_dtype_on_real_gemm_backends(monkeypatch):

@@ -14,8 +14,9 @@ the Function decides what is kept for backward:
 The backward recomputes the SwiGLU output from the kept h for the down weight gradient
 in the same pass as the SwiGLU backward (`_swiglu_grads`: with a per-tensor scale on
 CUDA a Triton kernel that writes it in FP8, else the registered row ops' backward, then
-the quantizer), and (token path) combines through the row ops' `gather_sum`. With row-wise or MX scales, the token path quantizes the T token rows
-once and gathers FP8 bytes and scales (`_operand_rows`).
+the quantizer), and (token path) combines through the row ops' `gather_sum`. With
+row-wise or MX scales (per-tensor ones when no pair is dropped), the token path
+quantizes the T token rows once and gathers FP8 bytes and scales (`_operand_rows`).
 
 gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
 """
@@ -148,15 +149,17 @@ def _gather_q(q: QTensor, index_S: torch.Tensor) -> QTensor:
     )
 
 
-def _operand_rows(recipe, t, token_S, role, key):
+def _operand_rows(recipe, t, token_S, role, key, every_row: bool = False):
     """The row-wise quantized GEMM operand t[token_S] (t itself when token_S is None).
     Row and MX scales depend on each row alone, so the T rows of t are quantized once and
     the FP8 rows with their scales gathered (K x fewer rows quantized, one byte per value
-    gathered: the same bytes as quantizing the gathered rows). A per-tensor scale
-    depends on which rows are kept (a capacity limit drops some): gathered first."""
+    gathered: the same bytes as quantizing the gathered rows). A per-tensor scale (and
+    the amax delayed scaling records) is the gathered rows' amax: that of t when
+    `every_row` of t is gathered at least once (dropless), else the rows are gathered
+    first (a capacity limit drops some)."""
     if token_S is None:
         return quantize_operand(recipe, t, role, 1, key=key)
-    if scaling_mode(recipe) == "tensor":
+    if scaling_mode(recipe) == "tensor" and not every_row:
         return quantize_operand(recipe, t.index_select(0, token_S), role, 1, key=key)
     return _gather_q(quantize_operand(recipe, t.contiguous(), role, 1, key=key), token_S)
 
@@ -178,7 +181,8 @@ class _QGroupedMLP(torch.autograd.Function):
         mm, _ = BACKENDS[be]
         tensor_mode = scaling_mode(recipe) == "tensor"
         fwd_red, _ = (2, 1) if trans_w else (1, 2)
-        xq = _operand_rows(recipe, x, token_S, "x", gate_up)
+        every_row = token_S is not None and 0 < token_S.numel() == slot_TK.numel()
+        xq = _operand_rows(recipe, x, token_S, "x", gate_up, every_row)
         w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
         h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
         if b1 is not None:
@@ -258,8 +262,10 @@ class _QGroupedMLP(torch.autograd.Function):
             return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
 
         # down projection; its input (SwiGLU x prob) is recomputed from the kept h
-        if gathered and not tensor_mode:
-            gq = _operand_rows(recipe, g_out, token_S, "g", down)
+        # dropless (slot_TK not kept): every token is gathered, the amax is the tokens'
+        every_row = gathered and token_S.numel() > 0 and slot_TK.numel() == 0
+        if gathered and (every_row or not tensor_mode):
+            gq = _operand_rows(recipe, g_out, token_S, "g", down, every_row)
         else:
             gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
         w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dropless.quant import formats
+from dropless.quant import fp8_wgrad as fw
 from dropless.quant import gemm as qgemm
 
 
@@ -63,7 +64,7 @@ def test_scaled_wgrad_equals_emulated(monkeypatch, case, device_counts, tensor_s
     dims = None if tensor_scale else 0
     aq, bq = (formats.quantize_current(t, "e4m3", dims=dims) for t in (a, b))
     c = torch.tensor(counts) if device_counts else counts
-    got = qgemm._scaled_wgrad(aq, bq, c, torch.float32)
+    got = fw.scaled_wgrad(aq, bq, c, torch.float32)
     want = qgemm._emu_wgrad(aq, bq, counts, torch.float32)
     assert got.shape == (len(counts), M, N)
     # one bf16 rounding of each output; empty groups exactly zero
@@ -82,15 +83,32 @@ def test_dispatch_needs_e4m3_column_scales_and_a_passed_probe(monkeypatch):
     a, b = torch.randn(32, 16), torch.randn(32, 32)
     aq = formats.quantize_current(a, "e4m3", dims=0)
     bq = formats.quantize_current(b, "e4m3", dims=0)
-    assert not qgemm.fp8_wgrad_available(torch.device("cpu"))  # no sm90 here: no probe run
+    assert not fw.fp8_wgrad_available(torch.device("cpu"))  # no sm90 here: no probe run
     qgemm._torch_wgrad(aq, bq, counts, torch.float32)
     assert calls == []
-    monkeypatch.setitem(qgemm._WGRAD_OK, "cpu", True)
+    monkeypatch.setitem(fw._WGRAD_OK, "cpu", True)
     y = qgemm._torch_wgrad(aq, bq, counts, torch.float32)
     assert len(calls) == 1
-    torch.testing.assert_close(y, qgemm._scaled_wgrad(aq, bq, counts, torch.float32))
+    torch.testing.assert_close(y, fw.scaled_wgrad(aq, bq, counts, torch.float32))
     e5m2 = formats.quantize_current(a, "e5m2", dims=0)  # HYBRID gradients: bf16 GEMM
     qgemm._torch_wgrad(e5m2, bq, counts, torch.float32)
     rows = formats.quantize_current(a, "e4m3", dims=1)  # row scales: not a wgrad operand
     qgemm._torch_wgrad(rows, bq, counts, torch.float32)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["right_op", "wrong_op"])
+def test_probe_accepts_a_right_op_and_refuses_a_wrong_one(monkeypatch, broken):
+    """The one-time probe (run here on CPU, its sync-debug switch stubbed): an op that
+    computes the right thing passes; one that does not is refused, with a warning."""
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    if broken:
+        right = torch._scaled_grouped_mm
+        monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: right(*a, **k).flip(1))
+        with pytest.warns(UserWarning, match="differs from the emulated GEMM"):
+            assert not fw._probe_wgrad(torch.device("cpu"))
+    else:
+        assert fw._probe_wgrad(torch.device("cpu"))
+    assert len(calls) == 1

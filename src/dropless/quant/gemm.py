@@ -132,8 +132,8 @@ def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
     step, which FSDP2's re-gathers into the same tensor cannot hide). A view of a
     parameter (a converted Linear's `weight.unsqueeze(0)`, fresh per call) is cached on
     the parameter it views; a tensor that is no view of a leaf is quantized per call."""
-    base = w if w._base is None else w._base
-    if base.untyped_storage().data_ptr() != w.untyped_storage().data_ptr():
+    base = w if w._base is None else w._base  # a view's base shares its storage
+    if base.dtype != w.dtype:  # a dtype view: as_strided on the base cannot rebuild it
         return _quantize(recipe, w, "w", dim, fmt, mode, key, None, None)
     layout = (tuple(w.shape), w.stride(), w.storage_offset())
     rule = (recipe.kind, mode, fmt, dim, getattr(recipe, "scale_rule", None), recipe.margin

@@ -40,17 +40,19 @@ ROWS = [
      [*QWEN_EP8, "--set", "finetune.method=lora", "--set", "model.dtype=bf16"]),
     ("Nemotron 3 Nano 30B-A3B", "8 GPUs, FSDP2, full, fp32 parameters, micro-batch 4",
      [*NEMO, "--set", "train.batch_size=32", "--gpus", "8"]),
-    ("Nemotron 3 Nano 30B-A3B", "8 GPUs, ep=8, full, bf16 parameters, no master copy, micro-batch 4",
+    ("Nemotron 3 Nano 30B-A3B", "16 GPUs, same, micro-batch 2",
+     [*NEMO, "--set", "train.batch_size=32", "--gpus", "16"]),
+    ("Nemotron 3 Nano 30B-A3B", "8 GPUs, ep=8, full, bf16 parameters (fp32 routers), no master "
+     "copy, micro-batch 4",
      [*NEMO, "--set", "train.batch_size=32", "--set", "parallel.ep=8", *BF16, "--gpus", "8"]),
     ("GPT-OSS-120B", "8 GPUs, ep=8, full, bf16 parameters, no master copy, micro-batch 1",
      [*OSS, "--set", "train.batch_size=8", "--set", "parallel.ep=8", *BF16, "--gpus", "8"]),
     ("GPT-OSS-120B", "32 GPUs (4 nodes), same, micro-batch 1",
      [*OSS, "--set", "train.batch_size=32", "--set", "parallel.ep=8", *BF16, "--gpus", "32"]),
-    ("DeepSeek-V3 (671B)", "256 GPUs (32 nodes), ep=8, full, bf16 parameters, no master copy, "
-     "micro-batch 1",
-     [*DSV3, "--set", "train.batch_size=256", "--set", "parallel.ep=8", *BF16, "--gpus", "256"]),
-    ("DeepSeek-V3 (671B)", "256 GPUs, ep=64, same",
-     [*DSV3, "--set", "train.batch_size=256", "--set", "parallel.ep=64", *BF16, "--gpus", "256"]),
+    ("DeepSeek-V3 (671B)", "256 GPUs (32 nodes), ep=8, full, fp32 parameters, micro-batch 1",
+     [*DSV3, "--set", "train.batch_size=256", "--set", "parallel.ep=8", "--gpus", "256"]),
+    ("DeepSeek-V3 (671B)", "512 GPUs, ep=64, same",
+     [*DSV3, "--set", "train.batch_size=512", "--set", "parallel.ep=64", "--gpus", "512"]),
 ]  # fmt: skip
 
 

@@ -202,31 +202,19 @@ def build_training_model(
     # each rank reads (and dequantises into model.dtype) only its own slices
     from ..hf.parallel import is_quantized_checkpoint
     from ..parallel.mesh import as_parallel_config
-    from .distributed import parallelize_for_training
 
     forced = as_parallel_config(parallel_cfg).force_distributed  # the node's path on one process
     sharded = bool(mcfg.path) and (world > 1 or forced or is_quantized_checkpoint(mcfg.path))
     if sharded:
-        config = _without_quantization(config)
-        transformers = require_transformers()
         torch.manual_seed(seed)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(
-                config, **_from_pretrained_kwargs(mcfg)
-            )
-        _switch_path(model, mcfg, expert_bias)
+        model = meta_model(mcfg, config, expert_bias)
     else:
         model = build_model(mcfg, config, expert_bias=expert_bias, seed=seed, device=device)
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if fused_rmsnorm:
-        _hf().enable_fused_rmsnorm(model)
+    model, par = adapt_and_shard(
+        model, mcfg, parallel_cfg, world, activation_checkpointing=activation_checkpointing,
+        fused_rmsnorm=fused_rmsnorm, compute_dtype=compute_dtype, finetune=finetune,
+    )  # fmt: skip
     lora = finetune is not None and finetune.method == "lora"
-    if lora:
-        from .lora import apply_lora
-
-        model = apply_lora(model, finetune, mcfg.path, world)
-    par = parallelize_for_training(model, parallel_cfg, world, compute_dtype)
     if sharded:
         model.to_empty(device=device)
         from ..hf.parallel import load_sharded_hf
@@ -238,6 +226,40 @@ def build_training_model(
 
         init_adapters(model, seed)
     return model, par
+
+
+def meta_model(mcfg, config, expert_bias: bool) -> nn.Module:
+    """The model of `config` on the meta device, in model.dtype, on its expert path: what a
+    sharded load fills and what the planner traces (a quantised checkpoint's config is
+    built unquantised: its weights are dequantised while loading)."""
+    transformers = require_transformers()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            _without_quantization(config), **_from_pretrained_kwargs(mcfg)
+        )
+    return _switch_path(model, mcfg, expert_bias)
+
+
+def adapt_and_shard(
+    model, mcfg, parallel_cfg, world: int, *, activation_checkpointing: bool,
+    fused_rmsnorm: bool, compute_dtype: torch.dtype, finetune=None, before_lora=None,
+):  # fmt: skip
+    """(model, parallel glue or None): checkpointing and the fused RMSNorm switched on,
+    LoRA adapters added (before sharding: they shard with what they adapt), then sharded
+    over `world` processes. before_lora(model) runs first where given (the planner's probes)."""
+    from .distributed import parallelize_for_training
+
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if fused_rmsnorm:
+        _hf().enable_fused_rmsnorm(model)
+    if before_lora is not None:
+        before_lora(model)
+    if finetune is not None and finetune.method == "lora":
+        from .lora import apply_lora
+
+        model = apply_lora(model, finetune, mcfg.path, world)
+    return model, parallelize_for_training(model, parallel_cfg, world, compute_dtype)
 
 
 @contextlib.contextmanager

@@ -88,30 +88,15 @@ def _prepare_probes(model: nn.Module) -> None:
 def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     """(model, TrainParallel or None, fused-loss list or None) on the meta device, built
     and sharded as `Trainer` does; call inside `fake_world(world)`."""
-    from .distributed import parallelize_for_training
-    from .model import _switch_path, enable_activation_checkpointing, require_transformers
+    from .model import adapt_and_shard, meta_model
 
     tc = cfg.train
-    transformers = require_transformers()
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(
-            hf_config,
-            dtype=param_dtype(cfg.model),
-            attn_implementation=cfg.model.attn_implementation,
-        )
-    _switch_path(model, cfg.model, tc.expert_bias_rate > 0)
-    if tc.activation_checkpointing:
-        enable_activation_checkpointing(model)
-    if tc.fused_rmsnorm:
-        from ..hf import enable_fused_rmsnorm
-
-        enable_fused_rmsnorm(model)
-    _prepare_probes(model)
-    if cfg.finetune.method == "lora":  # before sharding, as the trainer: adapters shard too
-        from .lora import apply_lora
-
-        model = apply_lora(model, cfg.finetune, cfg.model.path, world)
-    par = parallelize_for_training(model, cfg.parallel, world, cdtype)
+    model = meta_model(cfg.model, hf_config, tc.expert_bias_rate > 0)
+    model, par = adapt_and_shard(
+        model, cfg.model, cfg.parallel, world, activation_checkpointing=tc.activation_checkpointing,
+        fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=cdtype, finetune=cfg.finetune,
+        before_lora=_prepare_probes,
+    )  # fmt: skip
     seen = None
     if tc.fused_cross_entropy:
         from .lora import base_model

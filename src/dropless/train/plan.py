@@ -45,12 +45,6 @@ NCCL_GIB = 0.5  # NCCL communicators' buffers, several processes only
 FRAGMENTATION = 0.05  # of the peak: the caching allocator's rounding and splits
 
 
-def compute_dtype(cfg, on_gpu: bool = True) -> torch.dtype:
-    """The autocast dtype: precision.dtype, "auto" being bf16 on a GPU."""
-    d = cfg.precision.dtype
-    return torch.bfloat16 if d == "bf16" or (d == "auto" and on_gpu) else torch.float32
-
-
 @contextlib.contextmanager
 def fake_world(world: int, force_distributed: bool = False):
     """A fake process group of `world` ranks (this process is rank 0): collectives return
@@ -397,7 +391,9 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
     kind = gpu_kind(gpu)
     hf_config = hf_config if hf_config is not None else resolve_hf_config(cfg)
     resolve_sizes(cfg.parallel, gpus, getattr(hf_config, "num_experts", None))
-    cdtype = compute_dtype(cfg)
+    from .step import autocast_dtype
+
+    cdtype = autocast_dtype(cfg.precision, on_gpu=True)  # the plan is for GPUs
     ep = cfg.parallel.ep
     cache: dict = {}
 

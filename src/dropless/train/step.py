@@ -26,12 +26,18 @@ def _hf():
     return hf
 
 
+def autocast_dtype(pcfg, on_gpu: bool) -> torch.dtype:
+    """The compute dtype of the `precision` section: bf16 (autocast) or fp32; "auto" is
+    bf16 on a GPU."""
+    bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and on_gpu)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
 class Precision:
     """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
 
     def __init__(self, pcfg, device: torch.device):
-        bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and device.type == "cuda")
-        self.dtype = torch.bfloat16 if bf16 else torch.float32
+        self.dtype = autocast_dtype(pcfg, device.type == "cuda")
         self.device_type = device.type
         self.recipe = recipe_context(pcfg)
 

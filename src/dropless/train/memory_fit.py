@@ -9,10 +9,10 @@ family, no memory used). The figures are lower bounds, so a refusal is never wro
 - training holds weights, gradients and AdamW's two fp32 moments: 16 bytes per trained
   parameter in fp32 and in bf16 with an fp32 master, 12 in bf16 without one
   (`optim.master_weights=false`); the frozen base of a LoRA run holds its weights only.
-  All of it is sharded over the processes (FSDP2/EP): on the host for a CPU run, on each
-  GPU for a CUDA run;
+  All of it is sharded over the processes (FSDP2/EP), on the host for a CPU run (a GPU's
+  memory is checked by the traced plan instead, `plan_preflight.check_plan_fits`);
 - a micro-batch keeps at least one [tokens, hidden] activation per decoder layer for
-  backward (4 bytes per value in fp32, 2 under bf16 autocast on GPU).
+  backward (4 bytes per value: a CPU run computes in fp32).
 
 A run that would not fit is refused with the keys to change, where it would otherwise
 be killed by the operating system's out-of-memory killer with no message.
@@ -111,13 +111,6 @@ def available_host_bytes() -> int | None:
     return total if room is None else min(total, room)
 
 
-def device_bytes(device: torch.device) -> int | None:
-    """Total memory of a CUDA device (what one process may use at most), None on CPU."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).total_memory
-
-
 def _model_keys(mcfg, counts: dict[str, int]) -> str:
     """The keys that size the largest group of parameters."""
     group = max(counts, key=counts.get)
@@ -165,7 +158,9 @@ def _check(where: str, have: int | None, counts: dict, each: str, state: int, ac
 
 
 def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
-    """Refuse (ValueError naming the keys) a run this machine's memory cannot hold."""
+    """Refuse (ValueError naming the keys) a run this machine's host memory cannot hold
+    (a CPU run's state and activations; the model's build on the host). A GPU's memory is
+    checked by the traced plan (`plan_preflight.check_plan_fits`)."""
     try:
         counts = parameter_counts(hf_config)
     except (ValueError, TypeError, RuntimeError, NotImplementedError, ImportError):
@@ -181,15 +176,13 @@ def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
         else f"{trained} bytes each for {what}"
     ) + (f", over {world} processes" if world > 1 else "")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # processes on this host (torchrun)
-    cuda = device.type == "cuda"
     state = per * params // world
-    acts = _activation_bytes(cfg, hf_config, world, 2 if cuda else 4)
+    acts = _activation_bytes(cfg, hf_config, world, 4)
     host = available_host_bytes()
-    if not cuda:  # training on the host: its state is the larger need, checked first
+    if device.type != "cuda":  # training on the host: its state is the larger need, checked first
         _check("host", host, counts, each, local * state, local * acts, cfg)
     if not (world > 1 and cfg.model.path):  # each process builds the whole model on the host
         build = f"{weight} bytes each while it is built in {dtype}"
         build += f", x {local} processes" if local > 1 else ""
         _check("host", host, counts, build, local * weight * params, 0, cfg)
-    if cuda:
-        _check(f"{device} device", device_bytes(device), counts, each, state, acts, cfg)
+    # the GPU's own memory: the traced plan (plan_preflight.check_plan_fits), not a formula

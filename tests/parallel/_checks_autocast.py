@@ -52,7 +52,7 @@ def _spies():
              for n in ("forward", "backward")]  # fmt: skip
 
     def spy_launch(x, *a, **k):
-        payload.append(x.dtype)
+        payload.append((x.dim(), x.dtype))
         return launch(x, *a, **k)
 
     def wrap(fn):
@@ -78,8 +78,12 @@ def _rel(a, ref) -> float:
 
 
 def _check_spies(payload, gemm):
-    assert payload and set(payload) == {BF16}, payload  # dispatch, combine and their grads
-    assert len(payload) >= 4, payload
+    # the rows (dispatch, combine and their grads) in bf16; each row's routing weight (one
+    # value beside D) and its gradient in the router's dtype, bf16 under autocast too
+    rows = [dt for dim, dt in payload if dim == 2]
+    assert rows and set(rows) == {BF16}, payload
+    assert len(rows) >= 4, payload
+    assert {dt for dim, dt in payload if dim == 1} == {BF16}, payload
     assert gemm == {BF16}, gemm
 
 

@@ -6,11 +6,14 @@ Per chunk of tokens (one chunk unless overlap is asked for):
   2. one all-to-all of the per-expert counts for all chunks, then ONE host copy of
      every count the layer needs on the host (send/receive splits, received rows per
      chunk, the global token count): the only host sync of the layer;
-  3. all-to-all of the rows with uneven splits (autograd-aware, `comm.py`);
+  3. all-to-all of the rows with uneven splits (autograd-aware, `comm.py`), and of
+     each row's routing weight (fp32, one value per row of D);
   4. reorder the received rows from (source rank, local expert) to (local expert,
-     source rank), run the local experts' grouped MLP, reorder back;
-  5. the reverse all-to-all and the weighted combine (the routing weight is applied
-     at home, so only rows of D values travel).
+     source rank), run the local experts' grouped MLP with the routing weight fused
+     into its activation (as on one process: the combine then saves no [S, D] expert
+     output for the weights' gradient, which the MLP computes from what it keeps),
+     reorder back;
+  5. the reverse all-to-all and the unweighted combine.
 The counts summed over every data-parallel rank feed the global balancing loss.
 With overlap, every chunk's dispatch is started first; chunk c's experts then run
 while later chunks' rows are still in flight, and chunk c's return transfer runs
@@ -135,13 +138,16 @@ class ExpertParallelDispatcher:
             out_splits, in_splits = [r[c] for r in recv_h], [s[c] for s in send_h]
             plans.append((out_splits, in_splits, recv_PCL[:, c, :]))
         me = dist.get_rank(self.ep_group)
-        # dispatch + combine rows to other ranks (rows to itself never leave memory)
-        elem = x_TD.element_size() * x_TD.shape[1]
-        st["bytes_sent"] += 2 * elem * sum(sum(p[1]) - p[1][me] for p in plans)
+        # dispatch (rows + routing weights) and combine rows to other ranks (rows to
+        # itself never leave memory)
+        row = 2 * x_TD.element_size() * x_TD.shape[1] + weights_TK.element_size()
+        st["bytes_sent"] += row * sum(sum(p[1]) - p[1][me] for p in plans)
 
         def start_dispatch(c):
             x_SD = permute(xs[c], sps[c])
-            return a2a_start(x_SD, plans[c][0], plans[c][1], self.ep_group)
+            prob_S = ws[c].reshape(-1)[sps[c].pair_S]  # each sorted row's routing weight
+            send = (plans[c][0], plans[c][1], self.ep_group)
+            return a2a_start(x_SD, *send), a2a_start(prob_S, *send)
 
         pend = [None] * C
         if self.overlap:
@@ -150,16 +156,16 @@ class ExpertParallelDispatcher:
         backs = []
         for c in range(C):
             t0 = time.perf_counter()
-            buf, p = pend[c] if self.overlap else start_dispatch(c)
-            x_RD = a2a_wait(buf, p)
+            rows, probs = pend[c] if self.overlap else start_dispatch(c)
+            x_RD, prob_R = a2a_wait(*rows), a2a_wait(*probs)
             order = _local_order(plans[c][2], sum(plans[c][0]))
             if order is not None:
-                x_RD = _RowPerm.apply(x_RD, *order)
+                x_RD, prob_R = _RowPerm.apply(x_RD, *order), _RowPerm.apply(prob_R, *order)
             # a device tensor: the grouped path (CUDA) keeps it there, the CPU loop reads it
             local_counts = plans[c][2].sum(0)
             t1 = time.perf_counter()
             st["dispatch_s"] += t1 - t0
-            y_RD = experts.forward_sorted(x_RD, local_counts, None)
+            y_RD = experts.forward_sorted(x_RD, local_counts, prob_R)
             t2 = time.perf_counter()
             st["expert_s"] += t2 - t1
             if order is not None:
@@ -173,7 +179,7 @@ class ExpertParallelDispatcher:
         outs = []
         for c in range(C):
             y_SD = backs[c][0] if backs[c][1] is None else a2a_wait(*backs[c])
-            outs.append(unpermute(y_SD, sps[c], ws[c]))
+            outs.append(unpermute(y_SD, sps[c]))
         out_TD = outs[0] if C == 1 else torch.cat(outs, 0)
         tokens_per_expert_E = sum(sp.counts_E for sp in sps)
         st["combine_s"] += time.perf_counter() - t0

@@ -11,9 +11,10 @@ fixes:
 - forward keeps for backward h [R, 2F] in the compute dtype (the only activation the
   fused MLP saves, `ops/fused_mlp.py`), prob_S [R] and the sort indices token_S [R],
   slot_TK [T, K] (int64); with expert parallelism also the received rows [R, D] (the
-  fused MLP's input there), the all-to-all send buffer [S, D] while it is in flight, and
-  the weighted combine's saved expert outputs y_SD [S, D] with its pair and token
-  indices [S] (int64; `ops/permute.py::_Unpermute`, for the routing weights' gradient);
+  fused MLP's input there, with its routing weights [R]), the all-to-all send buffer
+  [S, D] while it is in flight, the unweighted combine's token indices [S] (int64;
+  the routing weight is fused into the experts' activation, as on one process) and,
+  where received rows are reordered, the permutation and its inverse [R] (int64);
 - backward allocates what the fused backward holds, in its order: under expert
   parallelism first the combine's backward (the pairs' output gradient [S, D], then the
   rows received back [R, D] and their local-order copy [R, D]); the gathered output
@@ -55,11 +56,12 @@ class _DeclaredExperts(torch.autograd.Function):
             send = x_TD.new_empty(S, D)  # in flight during the dispatch
             kept.append(x_TD.new_empty(rows, D))  # received rows, saved
             del send
-            kept.append(x_TD.new_empty(S, D))  # y_SD, saved by the weighted combine
-            kept += [x_TD.new_empty(S, dtype=torch.long) for _ in range(2)]  # pair_S, token_S
-        ctx.save_for_backward(*kept)
+            kept.append(x_TD.new_empty(S, dtype=torch.long))  # token_S of the combine
         # rows arrive in (source, expert) blocks: reordered by copies when both exceed 1
         ctx.ep, ctx.reorder = ep > 1, ep > 1 and w1.shape[0] > 1
+        if ctx.reorder:  # the reorder's permutation and its inverse [R] (int64), saved
+            kept += [x_TD.new_empty(rows, dtype=torch.long) for _ in range(2)]
+        ctx.save_for_backward(*kept)
         ctx.shapes = (w1.shape, w1.dtype, w2.shape, w2.dtype, rows, x_TD.shape[1])
         return x_TD.new_empty(x_TD.shape)
 
@@ -97,8 +99,12 @@ class _DeclaredExperts(torch.autograd.Function):
             else:
                 del g_RD, dx_SD
                 dx_SD = h.new_empty(S, D)
+            # the routing weights' gradient on its way home: reordered, received, scattered
+            gp_S = [gp.new_empty(rows), gp.new_empty(S), gp.new_empty(S)]
         dx = g_TD.new_empty(g_TD.shape)
         del dx_SD, dh, gp
+        if ctx.ep:
+            del gp_S
         return dx, g1, g2, None, None, None
 
 

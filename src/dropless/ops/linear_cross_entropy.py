@@ -44,6 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .compute_dtype import autocast_dtype
 from .cross_entropy_rows import CERows, pick_ce_rows
 
 BACKENDS = ("auto", "fused", "chunked", "torch")
@@ -302,10 +303,9 @@ def _autocast_inputs(h_TD, weight_VD, bias_V):
     """The inputs as `F.linear` under the active autocast sees them: fp32 tensors in the
     autocast dtype (cast outside the autograd Function, so their gradients flow back
     through the casts in fp32, as stock's do)."""
-    device = h_TD.device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(h_TD, weight_VD, bias_V)  # the expert path's rule (fp64 stays)
+    if dtype is None:
         return h_TD, weight_VD, bias_V
-    dtype = torch.get_autocast_dtype(device)
 
     def cast(t):
         return t.to(dtype) if t is not None and t.dtype == torch.float32 else t

@@ -66,10 +66,6 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    barrier()
-
-
 def remove_partial(run_dir: str | Path) -> None:
     """Delete leftovers of interrupted writes (rank 0 only)."""
     root = Path(run_dir) / DIRNAME
@@ -255,7 +251,7 @@ def begin_save(
         tmp.mkdir()
         (tmp / "rng").mkdir()
         (tmp / DIGESTS).mkdir()
-    _barrier()
+    barrier()
     tensors, meta = _rng_tensors()
     rng_file = tmp / "rng" / f"rank{rank}.safetensors"
     save_file(tensors, str(rng_file), metadata=meta)

@@ -37,7 +37,7 @@ BUDGETS = {
     "hf": 120,
     "parallel": 240,  # 180 + ~60 s for test_lora_torchrun (two torchrun starts, two in-process runs)
     "quant": 120,
-    "train": 180,
+    "train": 210,  # ~45 s of it: the plan calibration on two and four gloo processes
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)
     "jax": 90,
     "gpu_check": 90,  # the --cpu smoke, its train step included (two torchrun children)

@@ -212,3 +212,44 @@ def test_plan_brackets_the_measured_peak_on_gloo(tmp_path, world):
         plan = P.make_plan(cfg, world, 80, skew=max(skew, 1.0), compare_checkpointing=False)
         planned = plan.peak_gib_per_gpu * 2**30
         assert measured <= planned <= 1.10 * measured, (name, skew, measured, planned / measured)
+
+
+def test_a_collective_tensor_counts_as_freed_when_the_program_lets_go(tmp_path):
+    """What gloo's worker thread does when it is late, made certain: a completed
+    reduce-scatter's Work still holds its input after the program let go of it (FSDP2's
+    reduce-scatter input, in the runs above). The plain tracker counts the input at the
+    next allocation; ProgramMemTracker does not."""
+    import torch.distributed as dist
+    from program_memory import ProgramMemTracker
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = fully_shard(torch.nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters())
+        n = 1 << 16  # fp32 values: input and output n each, then 2n allocated
+
+        def peak(tracker_type) -> int:
+            tracker = tracker_type(model, opt)
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", "Expected a tensor or a traceable wrapper-subclass"
+                )
+                with tracker:
+                    x, out = torch.ones(n), torch.empty(n)
+                    work = dist.reduce_scatter_tensor(out, x, async_op=True)
+                    work.wait()
+                    del x  # the program lets go; `work`, as gloo's thread would, holds it on
+                    torch.empty(2 * n)
+                    del work
+            snapshot = tracker.get_tracker_snapshot("peak").values()
+            return sum(d["Total"] for d in snapshot) - sum(
+                p.numel() * 4 for p in model.parameters()
+            )
+
+        assert peak(FSDPMemTracker) == 4 * 4 * n  # x, out and the new 2n
+        assert peak(ProgramMemTracker) == 3 * 4 * n  # out and the new 2n
+    finally:
+        dist.destroy_process_group()

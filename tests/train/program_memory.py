@@ -19,8 +19,7 @@ scratch: only Python references to them count. Before each op, a recorded storag
 remaining references are only those of the Work and of this record is taken off the
 tracker's count, and its later real free is not counted again. A reference the Work
 takes only when it completes (gloo's all-reduce and all-gather inputs) looks like the
-program's, so such a tensor counts until its Work is gone, as in the plain tracker: the
-reading errs high, never low.
+program's, so such a tensor counts until its Work is gone, as in the plain tracker.
 """
 
 from __future__ import annotations

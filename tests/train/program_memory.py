@@ -124,6 +124,8 @@ class ProgramMemTracker(FSDPMemTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._count_let_go()
+        if func.namespace != "c10d" and not self._waiting:
+            return super().__torch_dispatch__(func, types, args, kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if type(t) is torch.Tensor]
         if func.namespace == "c10d":
             tensors = list({id(t): t for t in leaves}.values())
@@ -132,8 +134,6 @@ class ProgramMemTracker(FSDPMemTracker):
             if any(isinstance(w, torch.ScriptObject) for w in tree_leaves(res)):
                 self._recorded.append(_Recorded(tensors, before))
             return res
-        if not self._waiting:
-            return super().__torch_dispatch__(func, types, args, kwargs)
         # inside Work.wait: a storage not seen before is gloo's scratch
         new = [t for t in leaves if t.untyped_storage() not in self._WINFO]
         res = super().__torch_dispatch__(func, types, args, kwargs)

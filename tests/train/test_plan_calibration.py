@@ -25,6 +25,16 @@ from dropless.train import plan as P  # noqa: E402
 from dropless.train.config import load_config  # noqa: E402
 
 
+def _peak_bytes(tracker, run) -> int:
+    """Run `run()` under `tracker` (a MemTracker), and return its peak of live tensor bytes
+    over every device."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
+        with tracker:
+            run()
+    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+
+
 def _measured_peak(cfg) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -63,9 +73,7 @@ def _measured_peak(cfg) -> int:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         tracker.track_external(model, opt)
-        with tracker:
-            step()
-    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    return _peak_bytes(tracker, step)
 
 
 @pytest.mark.parametrize(
@@ -168,12 +176,7 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
 
     step()
     routing = _record_routing(model)
-    tracker = ProgramMemTracker(model, opt)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
-        with tracker:
-            step()
-    peak = sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    peak = _peak_bytes(ProgramMemTracker(model, opt), step)
     return peak, _observed_skew(routing, par, model.config.num_experts)
 
 
@@ -232,22 +235,16 @@ def test_a_collective_tensor_counts_as_freed_when_the_program_lets_go(tmp_path):
         n = 1 << 16  # fp32 values: input and output n each, then 2n allocated
 
         def peak(tracker_type) -> int:
-            tracker = tracker_type(model, opt)
-            with warnings.catch_warnings():
-                warnings.filterwarnings(
-                    "ignore", "Expected a tensor or a traceable wrapper-subclass"
-                )
-                with tracker:
-                    x, out = torch.ones(n), torch.empty(n)
-                    work = dist.reduce_scatter_tensor(out, x, async_op=True)
-                    work.wait()
-                    del x  # the program lets go; `work`, as gloo's thread would, holds it on
-                    torch.empty(2 * n)
-                    del work
-            snapshot = tracker.get_tracker_snapshot("peak").values()
-            return sum(d["Total"] for d in snapshot) - sum(
-                p.numel() * 4 for p in model.parameters()
-            )
+            def run():
+                x, out = torch.ones(n), torch.empty(n)
+                work = dist.reduce_scatter_tensor(out, x, async_op=True)
+                work.wait()
+                del x  # the program lets go; `work`, as gloo's thread would, holds it on
+                torch.empty(2 * n)
+                del work
+
+            params = sum(p.numel() * 4 for p in model.parameters())
+            return _peak_bytes(tracker_type(model, opt), run) - params
 
         assert peak(FSDPMemTracker) == 4 * 4 * n  # x, out and the new 2n
         assert peak(ProgramMemTracker) == 3 * 4 * n  # out and the new 2n

@@ -7,6 +7,7 @@ forward and backward (O(T*D + V*D), never O(T*V)), no host syncs, bad calls."""
 import pytest
 import torch
 from sync_counter import count_syncs
+from test_linear_cross_entropy import _inputs
 
 from dropless.ops import linear_cross_entropy
 from dropless.ops import reference as ref
@@ -24,16 +25,6 @@ CASES = {
     "smoothing=1": (10, 6, 17, 3, 0.2, 1.0),
     "no_tokens": (0, 4, 7, None, 0.0, 0.0),
 }
-
-
-def _inputs(T, D, V, ignored, dtype, bias=True, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(T, D, generator=g, dtype=dtype).requires_grad_()
-    w = (torch.randn(V, D, generator=g, dtype=dtype) * 0.5).requires_grad_()
-    b = (torch.randn(V, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
-    y = torch.randint(0, V, (T,), generator=g)
-    y[torch.rand(T, generator=g) < ignored] = -100
-    return h, w, b, y
 
 
 def _loss_and_grads(fn, h, w, b, y, upstream=1.7):

@@ -8,22 +8,29 @@
     with dropless.autocast(recipe=dropless.MXFP8BlockScaling()):
         ...                               # expert GEMMs in MXFP8
 
-Optional parts (transformers, quantization recipes) are imported on first use.
+Every name and subpackage is imported on first use, so `import dropless` (and the
+command line's argument parsing, `dropless --help`) does not import torch; optional
+parts (transformers, quantization recipes) load only when asked for.
 """
 
 from __future__ import annotations
 
 import importlib
-
-from . import kernels as _kernels  # noqa: F401  (registers the Triton grouped-GEMM backend)
-from .nn import GroupedExperts, GroupedLinear, LocalDispatcher, MoE, MoEAux, TopKRouter
-from .ops.specs import ActivationConfig, RoutingConfig
+import importlib.abc
+import sys
 
 __version__ = "0.1.0"
 
-# name -> module that defines it, imported on first access so `import dropless`
-# stays light and works without transformers installed.
+# name -> module that defines it, imported on first access
 _LAZY = {
+    "ActivationConfig": "dropless.ops.specs",
+    "RoutingConfig": "dropless.ops.specs",
+    "GroupedExperts": "dropless.nn",
+    "GroupedLinear": "dropless.nn",
+    "LocalDispatcher": "dropless.nn",
+    "MoE": "dropless.nn",
+    "MoEAux": "dropless.nn",
+    "TopKRouter": "dropless.nn",
     "patch": "dropless.hf",
     "patch_model": "dropless.hf",
     "unpatch": "dropless.hf",
@@ -32,23 +39,52 @@ _LAZY = {
     "Float8CurrentScaling": "dropless.quant",
     "MXFP8BlockScaling": "dropless.quant",
 }
+_SUBPACKAGES = ("bench", "cli", "hf", "jax", "kernels", "nn", "ops", "parallel", "quant", "train")
+
+
+class _KernelsAfterOps(importlib.abc.MetaPathFinder):
+    """`dropless.kernels` registers its Triton backends into the registries of
+    `dropless.ops` when it is imported. `import dropless` used to import it and with it
+    torch; now the first import of `dropless.ops`, by whatever module asks for it, is
+    followed by the import of `dropless.kernels`, so every process that can run an op has
+    the backends registered, as before, and one that only parses arguments imports no torch."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "dropless.ops":
+            return None
+        sys.meta_path.remove(self)  # once; and the finders below find the real spec
+        for finder in sys.meta_path:
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            importlib.import_module("dropless.kernels")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "dropless.ops" not in sys.modules:
+    sys.meta_path.insert(0, _KernelsAfterOps())
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:  # `dropless.nn.MoE` after a bare `import dropless`
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'dropless' has no attribute {name!r}")
 
 
-__all__ = [
-    "ActivationConfig",
-    "GroupedExperts",
-    "GroupedLinear",
-    "LocalDispatcher",
-    "MoE",
-    "MoEAux",
-    "RoutingConfig",
-    "TopKRouter",
-    "__version__",
-    *_LAZY,
-]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
+
+
+__all__ = ["__version__", *_LAZY]

@@ -36,8 +36,7 @@ BENCHES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
-    add_subcommands(sub, BENCHES, "_bench_module")
+    add_subcommands(p, BENCHES, "_bench_module", dest="bench", metavar="NAME", required=True)
 
 
 def run(args) -> int:

@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"dropless {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_subcommands(sub, COMMANDS, "_module")
+    add_subcommands(parser, COMMANDS, "_module", dest="command", metavar="COMMAND")
     return parser
 
 

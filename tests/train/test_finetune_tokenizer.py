@@ -108,5 +108,8 @@ def test_a_converted_byte_run_is_found_again(tiny_run, tmp_path):
 
     out = tmp_path / "hf"
     assert main(["convert", str(tiny_run), str(out)]) == 0
+    # only what a Hugging Face model directory holds: no extension-less `bytes` marker
+    names = {f.name for f in out.iterdir()}
+    assert names == {"config.json", "generation_config.json", "model.safetensors", "TOKENIZER.txt"}
     assert resolve_spec("auto", str(out)) == "bytes"
     assert resolve_spec("auto", "") == "bpe" and resolve_spec("bytes", str(out)) == "bytes"

@@ -121,8 +121,9 @@ def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:
     """The tokenizer the run trained with, beside the converted weights: a model directory's
     own tokenizer files as they were copied into the run (tokenizer_config.json, special
     tokens, chat template kept), a BPE trained by the run as a Transformers fast tokenizer,
-    and the byte and DNA tokenizers in their own saved form (a later `dropless train
-    --set model.path=OUT` finds each of them) with a note for other readers."""
+    the DNA tokenizer in its own saved form, and for the byte and DNA tokenizers a
+    TOKENIZER.txt note for other readers, by which a later `dropless train --set
+    model.path=OUT` also finds the byte tokenizer."""
     if tok.kind == "bpe":
         if (run_tok_dir / "tokenizer_config.json").is_file():
             for f in run_tok_dir.iterdir():
@@ -135,12 +136,11 @@ def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:
 
         PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
         return
-    tok.save(out)
-    note = (
-        "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
-        if tok.kind == "bytes"
-        else "DNA tokenizer (dropless): see dna_tokenizer.json for its bases and special tokens\n"
-    )
+    if tok.kind == "bytes":  # no file of its own (its run-directory marker is named `bytes`)
+        note = "byte tokenizer: token ids 0..255 are UTF-8 bytes, 256 is end-of-text\n"
+    else:
+        tok.save(out)
+        note = "DNA tokenizer (dropless): see dna_tokenizer.json for its bases and special tokens\n"
     (out / "TOKENIZER.txt").write_text(note)
 
 

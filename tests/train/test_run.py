@@ -171,6 +171,26 @@ def test_header_and_summary_say_what_they_count(tiny_run, tmp_path, capsys):
     assert 0 < summary["tokens_per_s_wall"] < summary["tokens_per_s"]  # wall counts evaluations
 
 
+def test_a_run_without_data_path_says_what_it_reads(tmp_path, capsys):
+    """With no data.path (a fine-tune of a local checkpoint too) the run reads the standard
+    library: it says so, with how many files and bytes, before tokenizing and the header."""
+    import re
+
+    extra = ("data.max_bytes=20000", "train.steps=1", "log.every=1", "optim.warmup_steps=0")
+    extra += ("log.tensorboard=false", "log.plots=false")
+    assert main(["train", "--run-dir", str(tmp_path / "r"), *tiny_args(*extra)]) == 0
+    out = capsys.readouterr().out
+    said = re.search(
+        r"data.path is unset, so the run reads this Python's standard library \((.+)\): "
+        r"(\d+) .py files, [\d.]+ MiB \(([\d,]+) bytes for training, ([\d,]+) held out; "
+        r"data.max_bytes=20000\)",
+        out,
+    )
+    assert said, out
+    assert said.start() < out.index("dropless train: Qwen3MoeForCausalLM")  # before the header
+    assert int(said[2]) >= 2 and 20000 <= int(said[3].replace(",", "")) < 200_000
+
+
 def test_cli_debug_and_bench_help(tmp_path, capsys):
     bad = ["train", "--run-dir", str(tmp_path / "r"), "--set", "train.stepz=1"]
     assert main(bad) == 2 and "Traceback" not in capsys.readouterr().err

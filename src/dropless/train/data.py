@@ -18,7 +18,7 @@ import json
 import sys
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -50,10 +50,13 @@ def _split_key(name: str) -> float:
     return (zlib.crc32(name.encode()) % 100_000) / 100_000
 
 
-def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list[str]]:
+def stdlib_corpus(
+    eval_fraction: float, max_bytes: int, say: Callable[[str], None] | None = None
+) -> tuple[list[str], list[str]]:
     """Train/held-out documents from the standard library, split by file (hash of its
     relative path) in a fixed pseudo-random file order; train text capped at `max_bytes`,
-    held-out text at `eval_fraction` of that (only the files needed are read)."""
+    held-out text at `eval_fraction` of that (only the files needed are read). `say`, if
+    given, is told what was read (files, bytes, where) before anything is tokenized."""
     files = stdlib_files()
     if not files:
         raise ValueError(
@@ -63,6 +66,7 @@ def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list
     held_cap = max_bytes * eval_fraction / (1 - eval_fraction) if max_bytes else 0
     docs: dict[bool, list[str]] = {False: [], True: []}
     size = {False: 0, True: 0}
+    nbytes = {False: 0, True: 0}
     cap = {False: max_bytes, True: held_cap}
     for p in sorted(
         files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest()
@@ -75,6 +79,16 @@ def stdlib_corpus(eval_fraction: float, max_bytes: int) -> tuple[list[str], list
         text = p.read_text(encoding="utf-8", errors="replace")
         docs[held].append(text)
         size[held] += len(text)
+        nbytes[held] += p.stat().st_size
+    if say is not None:
+        n = len(docs[False]) + len(docs[True])
+        cap_note = f"data.max_bytes={max_bytes}" if max_bytes else "data.max_bytes=0: all of it"
+        say(
+            f"dropless train: data.path is unset, so the run reads this Python's standard library "
+            f"({root}): {n:,} .py files, {(nbytes[False] + nbytes[True]) / MIB:.1f} MiB "
+            f"({nbytes[False]:,} bytes for training, {nbytes[True]:,} held out; {cap_note}), and "
+            "tokenizes it once (cached in the run directory); --set data.path=DIR trains on your own text"
+        )
     return docs[False], docs[True]
 
 
@@ -224,14 +238,15 @@ def read_documents(
     return docs
 
 
-def load_corpus(cfg) -> tuple[list[str], list[str]]:
-    """(train documents, held-out documents) for a DataConfig."""
+def load_corpus(cfg, say: Callable[[str], None] | None = None) -> tuple[list[str], list[str]]:
+    """(train documents, held-out documents) for a DataConfig; `say` is told what the
+    embedded corpus read (see `stdlib_corpus`)."""
     if not cfg.path:
         if cfg.eval_path:
             raise ValueError(
                 "data.eval_path is set but data.path is empty: give both, or neither for the embedded corpus"
             )
-        return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes)
+        return stdlib_corpus(cfg.eval_fraction, cfg.max_bytes, say)
     errors = getattr(cfg, "errors", "strict")
     docs = read_documents(cfg.path, cfg.text_field, max_bytes=cfg.max_bytes, errors=errors)
     if cfg.eval_path:

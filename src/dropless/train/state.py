@@ -60,6 +60,11 @@ class RunData:
     eval_targets: np.ndarray | None = None  # supervised data: [B, L], IGNORE where no loss
 
 
+def _say_on_rank0(env):
+    """print, flushed, on rank 0 only (every rank may read the corpus)."""
+    return (lambda text: print(text, flush=True)) if env.main else None
+
+
 def prepare_data(cfg, run_dir: Path, env, rank0_first) -> RunData:
     """Train (or load) the tokenizer and tokenize the corpus (cached in the run dir).
     `rank0_first(fn)` runs `fn` on rank 0 first, then on the others (which read the cache).
@@ -88,7 +93,7 @@ def prepare_data(cfg, run_dir: Path, env, rank0_first) -> RunData:
 
     def docs():
         if not corpus:
-            corpus.append(load_corpus(cfg.data))
+            corpus.append(load_corpus(cfg.data, say=_say_on_rank0(env)))
         return corpus[0]
 
     def build():

@@ -67,6 +67,33 @@ def test_unknown_key_in_file(tmp_path):
     assert "parallel.ep" in known_keys() and "log.every" in known_keys()
 
 
+SECTIONS = "sections: model, data, train, optim, precision, parallel, checkpoint, log, finetune"
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("modle.xyz=1", "; did you mean section [model]?; "),
+        ("trainer.whatever=1", "; did you mean section [train]?; "),
+        ("foo.bar=1", " (in 'foo.bar'); sections"),  # nothing close: the sections only
+        ("batch_size=4", "; did you mean 'train.batch_size'?; "),  # the section left out
+        ("optim.steps=4", "; did you mean 'optim.eps' or 'train.steps'?; "),  # another section's
+    ],
+)
+def test_an_unknown_section_names_the_closest_not_every_key(override, suggestion):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [override])
+    msg = str(e.value)
+    assert suggestion in msg and SECTIONS in msg and len(msg) < 300, msg
+    assert "model.num_experts" not in msg  # the ~80 keys are not listed
+
+
+def test_an_unknown_key_of_a_known_section_lists_that_section_only():
+    with pytest.raises(ValueError) as e:
+        load_config(None, ["checkpoint.qqqqqqqq=1"])
+    assert "the keys of [checkpoint]: every, keep, async_save; " + SECTIONS in str(e.value)
+
+
 @pytest.mark.parametrize(
     "schedule, checks",
     [

@@ -69,9 +69,35 @@ def _section_types() -> dict[str, type]:
 
 
 def _unknown(key: str) -> ValueError:
-    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known_keys())}"
-    return ValueError(f"unknown config key {key!r}{hint}")
+    """An unknown key or section: the closest known keys or sections and the list of
+    sections (and, with no suggestion, the keys of its own section); never all ~80 keys."""
+    types_ = _section_types()
+    sections = list(types_)
+    section, _, name = key.partition(".")
+    keys = known_keys()
+    if section in types_:
+        what = f"unknown config key {key!r}"
+        fields = [f.name for f in dataclasses.fields(types_[section])]
+        close = [f"{section}.{f}" for f in difflib.get_close_matches(name, fields, n=1, cutoff=0.6)]
+    else:
+        what = f"unknown config section {section!r}" + (f" (in {key!r})" if name else "")
+        close = []
+        for near in difflib.get_close_matches(section, sections, n=2, cutoff=0.5):
+            fields = [f.name for f in dataclasses.fields(types_[near])]
+            field = difflib.get_close_matches(name, fields, n=1, cutoff=0.6) if name else []
+            close.append(f"{near}.{field[0]}" if field else f"section [{near}]")
+    # a field written alone or under another section: `batch_size` -> `train.batch_size`
+    field = name or section
+    close += [k for k in keys if k.partition(".")[2] == field and k not in close]
+    hint = f"; did you mean {' or '.join(c if ' ' in c else repr(c) for c in close[:3])}?"
+    rest = ""
+    if not close and section in types_:
+        own = [f.name for f in dataclasses.fields(types_[section])]
+        rest = f"; the keys of [{section}]: {', '.join(own)}"
+    return ValueError(
+        f"{what}{hint if close else ''}{rest}; sections: {', '.join(sections)} (every key: "
+        "docs/train.md, Configuration)"
+    )
 
 
 def _field_types(section: type) -> dict[str, Any]:

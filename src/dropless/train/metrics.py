@@ -164,10 +164,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
 class Progress:
     """A rich progress bar on a terminal (step, loss, tokens/s, MFU, ETA), else plain lines."""
 
-    def __init__(self, mode: str, total: int, start: int, enabled: bool):
+    def __init__(self, mode: str, total: int, start: int, enabled: bool, on_line=None):
         self.enabled = enabled and mode != "none"
-        self.rich = self.enabled and (mode == "rich" or (mode == "auto" and sys.stderr.isatty()))
-        self.total, self.bar = total, None
+        # the bar draws on stdout: `dropless train > log` gets plain lines
+        self.rich = self.enabled and (mode == "rich" or (mode == "auto" and sys.stdout.isatty()))
+        self.total, self.bar, self.on_line = total, None, on_line
         if self.rich:
             try:
                 from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
@@ -197,8 +198,11 @@ class Progress:
             return
         if self.bar is not None:
             self.bar.console.print(text)
-        else:
-            print(text, flush=True)
+        else:  # one write: a heartbeat line (heartbeat.py) cannot split it
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        if self.on_line is not None:
+            self.on_line()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -145,8 +145,9 @@ class RunLog:
             f"MFU {r['mfu']:.1%} (training steps since the last log){load}{skipped}"
         )
 
-    def progress(self, total: int, start: int) -> Progress:
-        return Progress(self.cfg.log.progress, total, start, self.env.main)
+    def progress(self, total: int, start: int, on_line=None) -> Progress:
+        """The display; `on_line()` is called after each line it prints."""
+        return Progress(self.cfg.log.progress, total, start, self.env.main, on_line)
 
     def summary(
         self,

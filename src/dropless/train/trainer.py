@@ -22,6 +22,7 @@ from .checkpoint_async import CheckpointSaver
 from .config import Config, dump_config
 from .errors import Interrupted, NonFiniteError
 from .evaluation import Evaluator
+from .heartbeat import Heartbeat
 from .hooks import TrainHooks
 from .interrupts import StopRequests
 from .lora import ADAPTER_DIR, base_model, save_adapter
@@ -77,14 +78,21 @@ class Trainer:
         hf_config,
         resume_from: Path | None,
         hooks: TrainHooks | None = None,
+        beat: Heartbeat | None = None,
     ):
         self.cfg, self.run_dir, self.env = cfg, run_dir, env
         self.hooks = hooks or TrainHooks()
+        # says what the run does when it prints nothing for a while (stdout not a terminal)
+        self.beat = beat or Heartbeat(False)
         self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
         tc = cfg.train
         self.config_file = run_dir / "config.toml"
+        self.beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
         self.data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
         self.precision = Precision(cfg.precision, env.device)
+        self.beat.doing(
+            "building the model" + (f" from {cfg.model.path}" if cfg.model.path else "")
+        )
         # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
         self.model, self.parallel = build_training_model(
             cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
@@ -108,6 +116,7 @@ class Trainer:
         self.flops.frozen_base = self.lora
         self.state = TrainState(seed=tc.seed, world_size=env.world)
         if resume_from is not None:
+            self.beat.doing(f"loading the checkpoint {resume_from}")
             saved = ckpt.load_checkpoint(
                 resume_from, self.model, self.optimizer, self.scheduler, trainable_only=self.lora
             )
@@ -165,6 +174,21 @@ class Trainer:
         )  # fmt: skip
         self.progress.line(self.log.line(rec))
 
+    def _doing(self, total: int) -> str:
+        """The heartbeat's line while a step runs: the step and the figures of the last ones."""
+        s, done = self.state.step, self.state.step - self.start_step
+        if not done:
+            return f"running step {s + 1} of {total} (the first steps are the slowest)"
+        per_step = self.log.train_time / done
+        if self.log.window.steps:  # the training steps since the last log step
+            tps, _ = self.log.window_rates()
+            since = f"since the last log step (log.every={self.cfg.log.every})"
+        else:  # right after a log step: the steps of this run so far
+            tc = self.cfg.train
+            tps = done * tc.batch_size * tc.seq_len / max(self.log.train_time, 1e-9)
+            since = f"over the {done} steps of this run so far"
+        return f"running step {s + 1} of {total}; {per_step:.1f} s per step, {tps:,.0f} tokens/s {since}"
+
     def _interrupted(self, signum: int, saved: Path) -> Interrupted:
         name = signal.Signals(signum).name
         return Interrupted(
@@ -180,8 +204,9 @@ class Trainer:
                 f"the run is already at step {self.state.step} of train.steps={total}; raise train.steps to continue it (--set train.steps=N)"
             )
         ckpt.remove_partial(self.run_dir)
-        self.progress = self.log.progress(total, self.state.step)
+        self.progress = self.log.progress(total, self.state.step, on_line=self.beat.printed)
         if self.state.step == 0:
+            self.beat.doing("evaluating the held-out set before step 1")
             ev = self.evaluate()
             self.state.initial_eval_loss, self.state.initial_eval_bpb = (
                 ev["eval_loss"],
@@ -198,6 +223,7 @@ class Trainer:
         # leaving the loop, on an error too, waits for the checkpoint being written
         with StopRequests(announce=env.main) as stops, self.saver:
             while self.state.step < total:
+                self.beat.doing(self._doing(total))
                 t0 = time.perf_counter()
                 result = self.stepper.run(self.state, stop=lambda: stops.requested)
                 if env.device.type == "cuda":
@@ -212,9 +238,11 @@ class Trainer:
                 self.progress.update(self.state.step, result["loss"], tps, mfu, eta)
                 last = self.state.step == total
                 if self.state.step % cfg.log.every == 0 or last:
+                    self.beat.doing(f"evaluating the held-out set at step {self.state.step}")
                     self._log_step(result)
                 every = cfg.checkpoint.every
                 if (every and self.state.step % every == 0) or last or result["stop"]:
+                    self.beat.doing(f"saving the checkpoint of step {self.state.step}")
                     saved = self.save(wait=last or result["stop"])
                 if result["stop"] and not last:
                     signum = stops.signum or signal.SIGTERM
@@ -256,22 +284,26 @@ def train(
     lock, rdir = None, None
     fresh = not resume and (run_dir is None or not Path(run_dir).exists())
     try:
-        try:
-            rdir = resolve_run_dir(run_dir, resume, env)
-            hf_config, resume_from = preflight(cfg, env, rdir, resume)
-            # the folder is marked and locked only once the config checks passed
-            lock = rank0_only(lambda: claim(rdir, resume), env)
-            trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks)
-        except BaseException:
-            if fresh and rdir is not None and env.main:  # a run that never started leaves no folder
-                discard_new_run(rdir, lock)
-            raise
-        try:
-            summary = trainer.fit()
-        except NonFiniteError as e:
-            s = trainer.state  # the failing step is not in s.step yet
-            every = s.skipped_in_a_row >= s.step - trainer.start_step + 1
-            raise with_nonfinite_fix(e, rdir, resume_from, every, cfg.train.on_nonfinite) from None
+        with Heartbeat.for_run(env.main, cfg.log.progress) as beat:
+            try:
+                rdir = resolve_run_dir(run_dir, resume, env)
+                beat.doing("checking the config and the layout")
+                hf_config, resume_from = preflight(cfg, env, rdir, resume)
+                # the folder is marked and locked only once the config checks passed
+                lock = rank0_only(lambda: claim(rdir, resume), env)
+                trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks, beat)
+            except BaseException:
+                # a run that never started leaves no folder
+                if fresh and rdir is not None and env.main:
+                    discard_new_run(rdir, lock)
+                raise
+            try:
+                summary = trainer.fit()
+            except NonFiniteError as e:
+                s = trainer.state  # the failing step is not in s.step yet
+                every = s.skipped_in_a_row >= s.step - trainer.start_step + 1
+                fix = with_nonfinite_fix(e, rdir, resume_from, every, cfg.train.on_nonfinite)
+                raise fix from None
         return broadcast(summary, env)
     finally:
         if lock is not None:

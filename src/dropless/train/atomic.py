@@ -1,7 +1,8 @@
 """Writing the files of a run directory so that a crash never leaves half a file and a
 symlink never redirects a write: a whole file goes to a temporary name in the same
 directory, is fsynced and renamed over the target; appends open the file with
-O_NOFOLLOW. A target that is a symlink is refused, naming it."""
+O_NOFOLLOW. A target that is a symlink is refused, naming it. An OSError of a write or
+an fsync (a full disk: the system gives no file name there) names the file it wrote."""
 
 from __future__ import annotations
 
@@ -27,11 +28,24 @@ def run_dir_vanished(run_dir: str | Path) -> ValueError:
     )
 
 
+@contextmanager
+def naming(path: str | Path):
+    """An OSError raised in the block without a file name (a write's or an fsync's
+    `No space left on device`) gets `path` as its file name: the message names it."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory (a rename is durable once its directory is synced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -46,7 +60,7 @@ def atomic_file(path: str | Path):
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
     fd = os.open(tmp, flags, 0o666)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming(p), os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -74,7 +88,7 @@ def append_line(path: str | Path, line: str) -> None:
         if not p.parent.is_dir():
             raise run_dir_vanished(p.parent) from None
         raise
-    with os.fdopen(fd, "a") as f:
+    with naming(p), os.fdopen(fd, "a") as f:
         f.write(line if line.endswith("\n") else line + "\n")
 
 
@@ -82,6 +96,7 @@ __all__ = [
     "append_line",
     "atomic_file",
     "fsync_path",
+    "naming",
     "refuse_symlink",
     "run_dir_vanished",
     "write_atomic",

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .atomic import fsync_path, run_dir_vanished
+from .atomic import fsync_path, naming, run_dir_vanished
 from .collectives import barrier
 from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
 from .hooks import TrainHooks
@@ -84,7 +84,7 @@ def default_file_mode() -> int:
 def write_synced(path: Path, data: bytes) -> str:
     """Write `data` to `path` (a new file: never through a symlink), fsync it; its SHA-256."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    with os.fdopen(fd, "wb") as f:
+    with naming(path), os.fdopen(fd, "wb") as f:  # a full disk's error names the file
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -238,7 +238,7 @@ def begin_save(
 ) -> SaveJob:
     """The first part of a save (all processes call it): the temporary folder, this
     process's RNG file, the state dicts and the small files' contents."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     hooks = hooks or TrainHooks()
     _, sd = _dcp()
@@ -254,9 +254,8 @@ def begin_save(
     barrier()
     tensors, meta = _rng_tensors()
     rng_file = tmp / "rng" / f"rank{rank}.safetensors"
-    save_file(tensors, str(rng_file), metadata=meta)
-    os.chmod(rng_file, default_file_mode())  # safetensors creates files 0600
-    fsync_path(rng_file)
+    # serialized here, written and synced by write_synced: a failed write raises
+    write_synced(rng_file, save(tensors, metadata=meta))
     hooks.on_checkpoint("before_shards", step)
     model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
     trainer = {"step": step, **trainer_state, "scheduler": _scheduler_json(scheduler)}

@@ -27,14 +27,14 @@ from torch.distributed.checkpoint import metadata as dcp_md
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it and remembers an OSError."""
 
-    def __init__(self, f, fs: HashingFileSystem):
-        self.f, self.fs, self.h = f, fs, hashlib.sha256()
+    def __init__(self, f, fs: HashingFileSystem, path):
+        self.f, self.fs, self.path, self.h = f, fs, path, hashlib.sha256()
 
     def write(self, b) -> int:
         try:
             n = self.f.write(b)
         except OSError as e:
-            self.fs.errors.append(e)
+            self.fs.failed(e, self.path)
             raise
         self.h.update(b)  # a buffered file takes the whole buffer (or raises)
         return n
@@ -46,7 +46,7 @@ class _HashingStream(io.RawIOBase):
         try:
             self.f.flush()
         except OSError as e:
-            self.fs.errors.append(e)
+            self.fs.failed(e, self.path)
             raise
 
     def fileno(self) -> int:
@@ -70,14 +70,20 @@ class HashingFileSystem(dcp_fs.FileSystem):
             if "w" not in mode:
                 yield f
                 return
-            s = _HashingStream(f, self)
+            s = _HashingStream(f, self, path)
             yield s
             try:
                 f.flush()
             except OSError as e:
-                self.errors.append(e)
+                self.failed(e, path)
                 raise
             self.digests[str(Path(path))] = s.h.hexdigest()
+
+    def failed(self, e: OSError, path) -> None:
+        """Remember a write's OSError, naming the file (a full disk's error names none)."""
+        if e.filename is None:
+            e.filename = str(path)
+        self.errors.append(e)
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)

@@ -34,7 +34,7 @@ def _seed():
 BUDGETS = {
     "ops+nn": 120,
     "triton": 60,
-    "hf": 120,
+    "hf": 150,  # ~40 s of it: compiling and exporting patched models (test_compile_like_stock)
     "parallel": 240,  # 180 + ~60 s for test_lora_torchrun (two torchrun starts, two in-process runs)
     "quant": 120,
     "train": 210,  # ~45 s of it: the plan calibration on two and four gloo processes

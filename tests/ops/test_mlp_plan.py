@@ -31,7 +31,7 @@ def _operands(device="cpu", D=16, F=8, E=4, T=6, dtype=torch.float32):
 
 def test_cpu_default_is_the_loop_with_host_counts():
     plan = plan_expert_mlp(*_operands(), SWIGLU)
-    assert (plan.path, plan.backend, plan.device_counts, plan.eager) == ("loop", None, False, False)
+    assert (plan.path, plan.backend, plan.device_counts) == ("loop", None, False)
 
 
 def test_named_grouped_mm_keeps_counts_on_the_device_unless_pairs_may_drop():
@@ -90,12 +90,10 @@ def test_a_recipe_takes_the_path_and_refuses_low_rank_factors():
         dispatch.reset_recipe(token)
 
 
-def test_host_counts_under_compile_run_eagerly(monkeypatch):
+def test_auto_under_compile_is_the_grouped_path(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x, gu, dn = _operands(dtype=torch.bfloat16)  # grouped_mm's fake kernel takes bf16 only
-    assert plan_expert_mlp(x, gu, dn, SWIGLU, backend="loop").eager
-    assert plan_expert_mlp(x, gu, dn, SWIGLU).path == "grouped"  # auto under compile
-    assert not plan_expert_mlp(x, gu, dn, SWIGLU, backend="grouped_mm").eager
+    assert plan_expert_mlp(x, gu, dn, SWIGLU).path == "grouped"
 
 
 def test_an_unknown_path_is_refused():

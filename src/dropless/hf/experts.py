@@ -44,7 +44,8 @@ from .layers import family_of
 from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
-#: "fused" or "generic": cheap counters tests and users read to see which path ran.
+#: "fused" or "generic": cheap counters tests and users read to see which path ran
+#: (eager calls only: inside a compiled region nothing is counted).
 CALLS: collections.Counter = collections.Counter()
 PATH_CALLS: collections.Counter = collections.Counter()
 
@@ -136,11 +137,30 @@ def _missing_weights(module: nn.Module) -> list[str]:
 
 
 def _spec(module: nn.Module) -> ExpertsSpec | str:
+    if torch.compiler.is_compiling():
+        return _spec_constant(module)
+    return _cached_spec(module)
+
+
+def _cached_spec(module: nn.Module) -> ExpertsSpec | str:
     # the flags, gate and act_fn are fixed at construction: compute once per module
     spec = module.__dict__.get("_dropless_spec")
     if spec is None:
         spec = module.__dict__["_dropless_spec"] = experts_spec(module)
     return spec
+
+
+def _spec_constant(module: nn.Module) -> ExpertsSpec | str:
+    """The spec inside a compiled region: Dynamo runs this function when it traces the
+    call and keeps the result as a constant (the probe of `gates.py` makes a Generator
+    and reads values, which a graph cannot hold), so a model compiled before any eager
+    call traces too."""
+    return _cached_spec(module)
+
+
+# what `torch.compiler.assume_constant_result` sets, written here so that importing this
+# module does not import torch._dynamo (pinned by tests/ops/test_torch_internals.py)
+_spec_constant._dynamo_marked_constant = True
 
 
 def _warn_once(category, family: str, message: str) -> None:
@@ -157,7 +177,9 @@ def _in_backward() -> bool:
 
 
 def _record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
-    if _in_backward():
+    # not inside a compiled region: a module attribute written per call would be a guard
+    # that changes every call (a recompile each time); compiled runs record no counts
+    if torch.compiler.is_compiling() or _in_backward():
         return
     counts_E = counts_E.detach()
     module.__dict__["_dropless_last_counts_E"] = counts_E
@@ -267,6 +289,13 @@ def dropless_experts_forward(
             )  # fmt: skip
         out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
     _record_counts(self, sp.counts_E)
-    CALLS[spec.family] += 1
-    PATH_CALLS[(spec.family, spec.path)] += 1
+    _count_call(spec)
     return out_TD.to(hidden_states.dtype)
+
+
+def _count_call(spec: ExpertsSpec) -> None:
+    # not while compiling: Dynamo guards on a counter's value, so a counter bumped inside
+    # a compiled region would recompile the region on every call
+    if not torch.compiler.is_compiling():
+        CALLS[spec.family] += 1
+        PATH_CALLS[(spec.family, spec.path)] += 1

@@ -111,21 +111,31 @@ def pick_gemm_backend(
 _ACTIVE_RECIPE: contextvars.ContextVar = contextvars.ContextVar("dropless_recipe", default=None)
 _RECIPE_GEMMS: dict[str, Callable] = {}
 _RECIPE_MLPS: dict[str, Callable] = {}
+# Dynamo cannot trace ContextVar.get: a compiled region reads the recipe from this plain
+# attribute instead (it guards on its identity, so a graph is remade only when a recipe
+# is entered or left). It holds the recipe of the context that set it last: a compiled
+# region sees the recipe of the thread that compiles it.
+_COMPILED_RECIPE = [None]
 
 
 def get_recipe():
     """The low-precision recipe active in this context (None: full precision)."""
+    if torch.compiler.is_compiling():
+        return _COMPILED_RECIPE[0]
     return _ACTIVE_RECIPE.get()
 
 
 def set_recipe(recipe) -> contextvars.Token:
     """Make `recipe` the active one in this context (undo with `reset_recipe(token)`)."""
-    return _ACTIVE_RECIPE.set(recipe)
+    token = _ACTIVE_RECIPE.set(recipe)
+    _COMPILED_RECIPE[0] = recipe
+    return token
 
 
 def reset_recipe(token: contextvars.Token) -> None:
     """Restore the recipe active before `set_recipe` returned `token`."""
     _ACTIVE_RECIPE.reset(token)
+    _COMPILED_RECIPE[0] = _ACTIVE_RECIPE.get()
 
 
 def register_recipe_gemm(kind: str, fn: Callable) -> None:

@@ -201,7 +201,7 @@ def _act_backward_kernel(ctx, gy, h, prob_S, down, need):
     dh, gp, a = ctx.plan.act_row_ops.act_bwd(
         da, h, prob_S, act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit
     )
-    _release_h(h)
+    _release_h(ctx, h)
     del da
     gd = None
     if need.down:
@@ -216,7 +216,7 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     p = None if prob_S is None else prob_S.unsqueeze(1)
     a0, d_gate, d_up = act_parts(h, act)
     dh = torch.empty_like(h)
-    _release_h(h, a0, d_gate, d_up)
+    _release_h(ctx, h, a0, d_gate, d_up)
     gd = gp = g2a = g2b = None
     if need.down or lr2 is not None:
         ap = a0 if p is None else a0 * p
@@ -238,13 +238,14 @@ def _act_backward_eager(ctx, gy, h, prob_S, down, need, lr2=None, u2=None):
     return dh, gp, gd, g2a, g2b
 
 
-def _release_h(h: torch.Tensor, *parts) -> None:
+def _release_h(ctx, h: torch.Tensor, *parts) -> None:
     """Free the saved h once the activation backward has read it (before the weight
     gradients run), in a backward that frees the graph as it goes; its storage is the
     Function's own (the gate/up GEMM's output). Kept when one of the activation's
     `parts` is a view of it (a registered identity-like elementwise kind), and under
-    torch.compile (the compiled backward plans its own memory; storage calls break it)."""
-    if torch.compiler.is_compiling():
+    torch.compile (the compiled backward plans its own memory; storage calls break it) and
+    in the custom op's backward (`expert_mlp/custom_op.py`: h is an input there, `keep_h`)."""
+    if torch.compiler.is_compiling() or getattr(ctx, "keep_h", False):
         return
     ptr = h.untyped_storage().data_ptr()
     if any(p is not None and p.untyped_storage().data_ptr() == ptr for p in parts):

@@ -14,9 +14,7 @@ The decisions, in order:
    implementation (and, for the kinds the row ops compute, their activation);
 4. whether the counts stay on the device: the backend declares it (`device_counts`) and
    the routing is dropless (a capacity limit makes the kept count data-dependent);
-5. under torch.compile a path that needs host counts runs eagerly (one graph break
-   around sort + MLP) instead of a graph specialised on every routing;
-6. on CUDA, automatic backend, outside torch.compile, for experts without biases or
+5. on CUDA, automatic backend, outside torch.compile, for experts without biases or
    low-rank updates whose activation the gather kernels compute: the "gathered" path
    (`gathered_mlp.py`), each of its six GEMMs the fused kernel that gathers its rows or
    the unfused form on a grouped-GEMM backend, whichever a one-time tuning measured
@@ -51,7 +49,7 @@ class MlpPlan:
     """path: one of PATHS. backend / row_ops: the grouped path's GEMM
     backend and gathers; act_row_ops: the row ops that compute its activation (None: the
     torch math of `activations`). device_counts: the counts stay on the device (no host
-    sync). eager: run outside the compiled graph (host counts under torch.compile).
+    sync).
     recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its fused MLP (None:
     composed from its grouped GEMMs) and whether that MLP gathers rows from x_TD itself.
     gathered: the "gathered" path's six GEMMs (a `gathered_mlp.GatheredGemms`)."""
@@ -61,7 +59,6 @@ class MlpPlan:
     row_ops: RowOps | None = None
     act_row_ops: RowOps | None = None
     device_counts: bool = False
-    eager: bool = False
     recipe: object = None
     recipe_mlp: Callable | None = None
     takes_tokens: bool = False
@@ -168,8 +165,6 @@ def plan_expert_mlp(
             rows = x.shape[0] if rows is None else rows
             plan = plan_gathered(x, gate_up, down, act, plan, rows, trans_w, path == "gathered")
             plan = replace(plan, device_counts=plan.device_counts and not capacity)
-    if torch.compiler.is_compiling() and not plan.device_counts:
-        return replace(plan, eager=True)
     return plan
 
 

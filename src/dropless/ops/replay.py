@@ -56,7 +56,9 @@ def checkpoint_state() -> tuple[Any, Any] | None:
     the recompute serves (recompute). torch offers no public query for this (only a
     `context_fn` the caller of checkpoint would have to pass), so the behaviour is pinned
     by tests/ops/test_torch_internals.py on every torch the project runs on."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        # a compiled region traces checkpointing as one graph and recomputes the same
+        # ops on the same inputs: nothing to record (and the hooks are not traceable)
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:

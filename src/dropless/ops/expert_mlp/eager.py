@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import torch
 
-from .compute_dtype import to_compute_dtype
-from .dispatch import get_recipe
-from .fused_mlp import fused_mlp
-from .grouped_gemm import _check_counts, _expand_bias, grouped_gemm
-from .lora import LowRank
-from .mlp_plan import plan_expert_mlp
-from .permute import SortedPairs, permute, sort_by_expert, unpermute
-from .specs import ActivationConfig, as_activation
-from .swiglu import check_supported, swiglu
+from ..compute_dtype import to_compute_dtype
+from ..dispatch import get_recipe
+from ..fused_mlp import fused_mlp
+from ..grouped_gemm import _check_counts, _expand_bias, grouped_gemm
+from ..lora import LowRank
+from ..mlp_plan import plan_expert_mlp
+from ..permute import SortedPairs, permute, sort_by_expert, unpermute
+from ..specs import ActivationConfig, as_activation
+from ..swiglu import check_supported, swiglu
+from . import custom_op
 
 
 def _composed_mlp(
@@ -157,20 +158,30 @@ def expert_mlp(
     are read on the host once, in `sort_by_expert`. `mlp_kwargs` are those of
     `grouped_mlp` (biases, activation, trans_w, backend, lora).
     """
+    return _expert_mlp(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, mlp_kwargs, eager=False)
+
+
+def _expert_mlp(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, mlp_kwargs, *, eager: bool):
+    """expert_mlp; `eager`: already outside the compiled graph (never break it again:
+    under non-strict torch.export `is_compiling()` stays true inside compiler.disable)."""
     mlp_kwargs = dict(mlp_kwargs)
     act = _activation(mlp_kwargs)
     lora = mlp_kwargs.pop("lora", None)  # only the fused Functions take it
-    if get_recipe() is None:  # a recipe quantizes its operands itself
+    recipe = get_recipe()
+    if recipe is None:  # a recipe quantizes its operands itself
         x_TD, gate_up, down, lora = to_compute_dtype(x_TD, gate_up, down, mlp_kwargs, lora)
+    compiling = torch.compiler.is_compiling() and not eager
+    if compiling and custom_op.takes(recipe, lora, keep_TK, mlp_kwargs.get("backend")):
+        return _through_custom_op(x_TD, ids_TK, weights_TK, gate_up, down, act, mlp_kwargs)
+    if compiling:  # what the op does not take runs outside the graph: one break, no guards
+        return _expert_mlp_eager(
+            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, {**mlp_kwargs, "lora": lora}
+        )
     plan = plan_expert_mlp(
         x_TD, gate_up, down, act, backend=mlp_kwargs.get("backend"), lora=lora,
         capacity=keep_TK is not None, rows=ids_TK.numel(), trans_w=mlp_kwargs.get("trans_w", True),
         bias=any(mlp_kwargs.get(b) is not None for b in ("gate_up_bias", "down_bias")),
     )  # fmt: skip
-    if plan.eager:
-        return _expert_mlp_eager(
-            x_TD, ids_TK, weights_TK, gate_up, down, keep_TK=keep_TK, lora=lora, **mlp_kwargs
-        )
     sp = sort_by_expert(ids_TK, gate_up.shape[0], keep_TK, host_counts=not plan.device_counts)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S)
     counts = sp.counts_E if plan.device_counts else sp.counts
@@ -190,14 +201,23 @@ def expert_mlp(
     return out_TD, sp
 
 
-_EAGER_MLP = None
+def _through_custom_op(x_TD, ids_TK, weights_TK, gate_up, down, act, mlp_kwargs):
+    """The call as one `dropless::expert_mlp` node (torch.compile, torch.export)."""
+    out_TD, pair_S, slot_TK, counts_E = custom_op.run(
+        x_TD, ids_TK, weights_TK, gate_up, down, mlp_kwargs.get("gate_up_bias"),
+        mlp_kwargs.get("down_bias"), act, mlp_kwargs.get("trans_w", True),
+    )  # fmt: skip
+    sp = SortedPairs(
+        token_S=pair_S // ids_TK.shape[1], pair_S=pair_S, slot_TK=slot_TK, counts_E=counts_E,
+        counts=None, offsets_E=counts_E.cumsum(0, dtype=torch.int32),
+    )  # fmt: skip
+    return out_TD, sp
 
 
-def _expert_mlp_eager(*args, **kwargs):
-    # wrapped on first use, not at import: torch.compiler.disable imports torch._dynamo
-    # (and triton), which `import dropless` should not pay for; only compiled callers
-    # reach this, and they have loaded it already
-    global _EAGER_MLP
-    if _EAGER_MLP is None:
-        _EAGER_MLP = torch.compiler.disable(expert_mlp)
-    return _EAGER_MLP(*args, **kwargs)
+# torch._disable_dynamo is torch.compiler.disable that imports torch._dynamo (and triton)
+# on its first call, not at `import dropless`; made here, not inside the compiled region,
+# where creating the wrapper would itself break the graph
+@torch._disable_dynamo
+def _expert_mlp_eager(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, mlp_kwargs):
+    """expert_mlp run outside the compiled graph (what the custom op does not take)."""
+    return _expert_mlp(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, mlp_kwargs, eager=True)

@@ -1,0 +1,194 @@
+"""The routed expert MLP as PyTorch custom ops (`dropless::expert_mlp` and its backward),
+what `torch.compile` and `torch.export` see of it.
+
+Inside a compiled region the whole routed MLP (sort by expert, gate/up GEMM, activation
+x prob, down GEMM, combine) is one graph node: Dynamo neither breaks the graph at the
+per-expert counts nor specialises the graph on the routing, and `torch.export` records
+the node with its fake (shape-only) rule. Every shape is known from the operands
+(S = T*K pairs, dropless), so the fake rules need no data.
+
+The node runs the same fused Function as the eager grouped path (`fused_mlp._GroupedMLP`,
+forward and backward called directly, so the math is that one's, not a copy): it keeps
+h [S, N] (the gate/up output) and the sort's indices for backward, as the eager path
+does, and its backward is a second custom op taking them. Inside the node the counts may
+be read on the host (the node is opaque to the compiler), so any grouped-GEMM backend runs.
+
+What the node does not take (a low-precision recipe, LoRA factors, a capacity limit, a
+named backend) keeps the eager entry's behaviour: `expert_mlp` runs outside the
+graph there (one graph break).
+"""
+
+# T tokens, D model dim, N gate/up width (2F gated, F not), E experts, K top-k, S = T*K pairs
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..fused_mlp import _counts_for, _GroupedMLP, _rows_of_experts
+from ..grouped_gemm import bind_offsets
+from ..mlp_plan import plan_grouped
+from ..permute import sort_by_expert
+from ..specs import ActivationConfig
+
+_OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
+
+
+@dataclass
+class _Ctx:
+    """What `_GroupedMLP.forward` / `.backward` read and write on an autograd context:
+    called here as plain functions, outside autograd (the custom op owns autograd)."""
+
+    needs_input_grad: tuple = ()
+    saved_tensors: tuple = ()
+    keep_h: bool = True  # h is an input of the backward op: never freed in place there
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def _act(kind: str, gated: bool, interleaved: bool, alpha: float, limit: float):
+    return ActivationConfig(kind, gated, interleaved, alpha, limit)
+
+
+def _out_dim(down: Tensor, trans_w: bool) -> int:
+    return down.shape[1] if trans_w else down.shape[2]
+
+
+def _h_dim(gate_up: Tensor, trans_w: bool) -> int:
+    return gate_up.shape[1] if trans_w else gate_up.shape[2]
+
+
+@torch.library.custom_op("dropless::expert_mlp", mutates_args=())
+def expert_mlp_op(
+    x_TD: Tensor,
+    ids_TK: Tensor,
+    weights_TK: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
+    kind: str,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    trans_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out_TD, h_SN, pair_S, slot_TK, counts_E): the routed expert MLP of every pair
+    (dropless), with what its backward takes (int64 indices of the sort by expert)."""
+    act = _act(kind, gated, interleaved, alpha, limit)
+    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=False)
+    plan = plan_grouped(x_TD, gate_up, down, act, None)
+    prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
+    ctx = _Ctx()
+    args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S, sp.slot_TK)
+    cfg = (act, trans_w, x_TD.shape[0])
+    out = _GroupedMLP.forward(ctx, *args, sp.counts_E, sp.offsets_E, cfg, plan)
+    h = ctx.saved_tensors[8]
+    return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
+
+
+@expert_mlp_op.register_fake
+def _(x_TD, ids_TK, weights_TK, gate_up, down, gate_up_bias, down_bias, kind, gated,
+      interleaved, alpha, limit, trans_w):  # fmt: skip
+    T, K = ids_TK.shape
+    S = T * K
+    out = x_TD.new_empty(T, _out_dim(down, trans_w))
+    h = x_TD.new_empty(S, _h_dim(gate_up, trans_w))
+    index = dict(dtype=torch.int64, device=x_TD.device)
+    return out, h, x_TD.new_empty(S, **index), x_TD.new_empty(T, K, **index), \
+        x_TD.new_empty(gate_up.shape[0], **index)  # fmt: skip
+
+
+@torch.library.custom_op("dropless::expert_mlp_backward", mutates_args=())
+def expert_mlp_backward_op(
+    g_out: Tensor,
+    x_TD: Tensor,
+    weights_TK: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
+    h_SN: Tensor,
+    pair_S: Tensor,
+    slot_TK: Tensor,
+    counts_E: Tensor,
+    kind: str,
+    gated: bool,
+    interleaved: bool,
+    alpha: float,
+    limit: float,
+    trans_w: bool,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of (x, weights_TK, gate_up, down, gate_up_bias, down_bias); an empty
+    tensor where `needs` (same order) says none is wanted."""
+    act = _act(kind, gated, interleaved, alpha, limit)
+    T, K = slot_TK.shape
+    plan = plan_grouped(x_TD, gate_up, down, act, None)
+    counts = _counts_for(plan.backend, counts_E, x_TD.device)
+    be = bind_offsets(plan.backend, counts, counts_E.cumsum(0, dtype=torch.int32), x_TD.device)
+    prob_S = weights_TK.reshape(-1).index_select(0, pair_S).to(x_TD.dtype)
+    rows_E = _rows_of_experts(counts, x_TD, pair_S.shape[0], gate_up_bias, down_bias)
+    token_S = pair_S // K
+    ctx = _Ctx(needs_input_grad=(*needs, False, False, False, False, False, False))
+    ctx.saved_tensors = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, token_S,
+                         slot_TK, h_SN, rows_E, None, None)  # fmt: skip
+    ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales, ctx.be = counts, (act, trans_w, T), plan, (), be
+    gx, gp, ggu, gd, ggb, gdb = _GroupedMLP.backward(ctx, g_out)[:_OPTIONAL_GRADS]
+    if gp is not None:  # dropless: pair_S is a permutation of the T*K pairs
+        gw = weights_TK.new_empty(T * K).index_copy_(0, pair_S, gp.to(weights_TK.dtype))
+        gp = gw.view(T, K)
+    grads = (gx, gp, ggu, gd, ggb, gdb)
+    return tuple(x_TD.new_empty(0) if g is None else g for g in grads)
+
+
+@expert_mlp_backward_op.register_fake
+def _(g_out, x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias, h_SN, pair_S, slot_TK,
+      counts_E, kind, gated, interleaved, alpha, limit, trans_w, needs):  # fmt: skip
+    like = (x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias)
+    return tuple(
+        torch.empty_like(t) if need and t is not None else x_TD.new_empty(0)
+        for t, need in zip(like, needs)
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, _ids, w, gate_up, down, gub, db, *act_args = inputs
+    _out, h, pair_S, slot_TK, counts_E = output
+    ctx.save_for_backward(x, w, gate_up, down, gub, db, h, pair_S, slot_TK, counts_E)
+    ctx.act_args = tuple(act_args)
+    ctx.mark_non_differentiable(h, pair_S, slot_TK, counts_E)
+
+
+def _backward(ctx, g_out, *_unused):
+    x, w, gate_up, down, gub, db, h, pair_S, slot_TK, counts_E = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [n[0], n[2], n[3], n[4], gub is not None and n[5], db is not None and n[6]]
+    grads = expert_mlp_backward_op(
+        g_out.contiguous(), x, w, gate_up, down, gub, db, h, pair_S, slot_TK, counts_E,
+        *ctx.act_args, needs,
+    )  # fmt: skip
+    gx, gw, ggu, gd, ggb, gdb = (g if need else None for g, need in zip(grads, needs))
+    return gx, None, gw, ggu, gd, ggb, gdb, None, None, None, None, None, None
+
+
+torch.library.register_autograd("dropless::expert_mlp", _backward, setup_context=_setup_context)
+
+
+def takes(recipe, lora, keep_TK, backend) -> bool:
+    """Whether the custom op runs this call (else the eager entry does)."""
+    return recipe is None and lora is None and keep_TK is None and backend in (None, "auto")
+
+
+def run(x_TD, ids_TK, weights_TK, gate_up, down, gate_up_bias, down_bias,
+        act: ActivationConfig, trans_w: bool):  # fmt: skip
+    """(out_TD, pair_S, slot_TK, counts_E) through the custom op."""
+    out, _h, pair_S, slot_TK, counts_E = expert_mlp_op(
+        x_TD, ids_TK, weights_TK.to(x_TD.dtype), gate_up, down, gate_up_bias, down_bias,
+        act.kind, act.gated, act.interleaved, float(act.alpha), float(act.limit), bool(trans_w),
+    )  # fmt: skip
+    return out, pair_S, slot_TK, counts_E

@@ -74,3 +74,23 @@ def test_compiled_forward_and_backward_match_eager(family):
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-6)
     for c, e in zip(grads_c, grads_e):
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-6)
+
+
+def test_generate_with_a_compiled_forward_and_static_cache():
+    """Transformers' compiled generation (`test_generate_compile_model_forward_fullgraph`):
+    the static cache makes generate compile the forward with fullgraph=True; the tokens
+    equal eager generation's, and a second generate reuses the graph."""
+    from transformers import CompileConfig
+
+    torch._dynamo.reset()
+    model = _patched()
+    ids = _ids(0, T=5)
+    kwargs = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    want = model.generate(ids, **kwargs)
+    compile_config = CompileConfig(fullgraph=True, backend=BACKEND, mode=None)
+    compile_config._compile_all_devices = True  # generate compiles on GPUs only otherwise
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(2):
+            got = model.generate(ids, compile_config=compile_config, **kwargs)
+            assert torch.equal(got, want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "generate compiled"

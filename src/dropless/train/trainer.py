@@ -87,6 +87,8 @@ class Trainer:
         self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
         tc = cfg.train
         self.config_file = run_dir / "config.toml"
+        # torch's RNG is seeded where the model is built; a resume restores all three
+        ckpt.seed_host_rngs(tc.seed)
         self.beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
         self.data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
         self.precision = Precision(cfg.precision, env.device)

@@ -1,4 +1,4 @@
-"""The layer order of DESIGN.md, enforced: every import of every module under
+"""The layer order of docs/design.md, enforced: every import of every module under
 src/dropless (module level and inside functions, relative ones resolved, and module
 names written as strings for lazy imports) must stay inside this table.
 
@@ -113,7 +113,7 @@ def violations(src: Path) -> list[str]:
 def test_every_import_follows_the_layer_order():
     assert (SRC / "dropless" / "ops").is_dir()
     bad = violations(SRC)
-    assert not bad, "imports against the layer order (DESIGN.md):\n" + "\n".join(bad)
+    assert not bad, "imports against the layer order (docs/design.md):\n" + "\n".join(bad)
 
 
 def test_every_package_has_a_row():

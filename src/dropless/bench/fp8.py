@@ -28,7 +28,8 @@ from .common import (
     write_section,
 )
 
-SHAPE = dict(T=512, D=1024, F=384, E=64, K=8)  # the Qwen3-30B-A3B layer scaled down (DESIGN.md)
+# the Qwen3-30B-A3B layer scaled down (docs/design.md, "The reference shape")
+SHAPE = dict(T=512, D=1024, F=384, E=64, K=8)
 VARIANTS = ("bf16", "fp8_current", "fp8_delayed", "mxfp8")
 
 

@@ -1,15 +1,17 @@
-"""Every Triton kernel compiles for sm_90 (bf16, the launch configs the wrappers use;
-the row-gathering GEMMs with plain loads and with TMA descriptors).
+"""Every Triton kernel compiles for sm_90 (bf16, at the launch configurations the wrappers
+use; the row-gathering GEMMs with plain loads and with TMA descriptors).
 
 The interpreter checks results, not compilation; this builds the cubins with Triton's
 own ptxas, no GPU needed (`python -m dropless.kernels.aot_check`). Run in a child
-process without TRITON_INTERPRET, which would replace the compiler.
+process without TRITON_INTERPRET, which would replace the compiler. That the jobs cover
+every kernel is `test_triton_aot_inventory.py`'s (fast) check.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -22,9 +24,14 @@ def test_kernels_compile_for_sm90_bf16():
         pytest.skip("triton is not installed: pip install 'dropless[triton]'")
     env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
+    # two compiling processes: 46 s instead of 60 s on two busy cores
     cmd = [sys.executable, "-m", "dropless.kernels.aot_check", "--arch", "90", "--dtype", "bf16"]
+    cmd += ["--workers", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     if "No module named 'triton.backends.nvidia'" in proc.stderr:
         pytest.skip("this triton build has no NVIDIA backend")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 17 and "0 failures" in proc.stdout, proc.stdout
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    summary = re.search(r"^(\d+) jobs, (\d+) failures", out, re.MULTILINE)
+    assert summary and summary[2] == "0", out[-4000:]
+    assert len(re.findall(r"^ok ", out, re.MULTILINE)) == int(summary[1]), out

@@ -37,7 +37,7 @@ their backward and save only what it needs):
   and fuse the activation (`gather_gemm_kernels.py`), registered for the "gathered"
   expert path of `dropless.ops.gathered_mlp`.
 
-`python -m dropless.kernels.aot_check` compiles every kernel for sm_80/sm_90 without a GPU.
+`python -m dropless.bench.aot_check` compiles every kernel for sm_80/sm_90 without a GPU.
 See docs/kernels.md.
 """
 

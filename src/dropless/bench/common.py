@@ -407,6 +407,19 @@ def require_default_allocator(bench: str) -> None:
         )
 
 
+def require_extra(bench: str, extra: str, *modules: str) -> None:
+    """Before a benchmark starts a child: ModuleNotFoundError naming the extra that
+    installs a missing module (the command line prints it as one line; a child that
+    fails to import would end in a traceback)."""
+    import importlib.util
+
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            raise ModuleNotFoundError(
+                f"dropless bench {bench} needs {m}: pip install 'dropless[{extra}]'", name=m
+            )
+
+
 def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     """Run `python -m module` with a JSON argument under the default allocator (malloc
     settings removed from its environment); it prints one JSON line last."""

@@ -52,6 +52,7 @@ from .common import (
     load_sentence,
     peak_rss_mib,
     progress,
+    require_extra,
     reset_peak_rss,
     rss_mib,
     run_child,
@@ -386,6 +387,7 @@ def _rows(results: dict, memory: dict, shape: dict) -> dict:
 
 
 def run(args) -> int:
+    require_extra("e2e", "hf", "transformers")
     impls = _check_args(args)
     device = _device(args)
     rec = Recorder.start(args)

@@ -234,7 +234,15 @@ def _table(rows: dict, shape: str, record: dict) -> str:
 
 
 def run(args) -> int:
-    from dropless.bench.common import Recorder, progress, section_path, write_section
+    from dropless.bench.common import (
+        Recorder,
+        progress,
+        require_extra,
+        section_path,
+        write_section,
+    )
+
+    require_extra("jax", "jax", "jax")
 
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS]

@@ -117,10 +117,11 @@ def hf_block(cfg, impl, w_router, gate_up, down):
     try:
         from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except ImportError as e:  # pragma: no cover - optional dependency
-        raise ImportError(
-            "the Hugging Face rows need transformers: pip install 'dropless[hf]'"
-        ) from e
+    except ModuleNotFoundError:  # the command line says this one line (cli/messages.py)
+        raise ModuleNotFoundError(
+            "the Hugging Face rows (hf-*) need transformers: pip install 'dropless[hf]'",
+            name="transformers",
+        ) from None
     conf = Qwen3MoeConfig(
         hidden_size=cfg["D"],
         moe_intermediate_size=cfg["F"],

@@ -33,6 +33,7 @@ from .common import (
     progress,
     provenance,
     replace_block,
+    require_extra,
     run_child,
     section_path,
 )
@@ -218,6 +219,7 @@ def _summary(rows: dict) -> str:
 
 
 def run(args) -> int:
+    require_extra("lora", "lora", "transformers", "peft")
     impls = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.quick else SHAPE

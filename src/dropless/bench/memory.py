@@ -54,6 +54,7 @@ from .common import (
     progress,
     provenance,
     replace_block,
+    require_extra,
     reset_peak_rss,
     rss_mib,
     section_path,
@@ -355,6 +356,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
+    require_extra("memory", "hf", "transformers")
     impls = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.tiny else SHAPE

@@ -37,14 +37,24 @@ def is_missing_extra(e: ModuleNotFoundError) -> bool:
     return not (e.name or "").split(".")[0] == "dropless"
 
 
+#: the extra of pyproject.toml that installs each optional module (the smallest one)
+EXTRA_OF = {
+    "transformers": "hf", "safetensors": "hf",
+    "tokenizers": "train", "rich": "train", "tensorboard": "train", "matplotlib": "train",
+    "pyarrow": "train", "tomli_w": "train", "tomli": "train",
+    "peft": "lora", "jinja2": "lora",
+    "triton": "triton", "jax": "jax",
+}  # fmt: skip
+
+
 def missing_module_line(command: str, e: ModuleNotFoundError) -> str:
-    """Ours name the extra to install; a bare one ("No module named 'x'") gets the advice."""
+    """Ours name the extra to install; a bare one ("No module named 'x'") gets the extra
+    that has it (EXTRA_OF), or the module's name."""
     text = str(e).strip().splitlines()[0] if str(e) else f"No module named {e.name!r}"
     if "pip install" not in text:
-        text += (
-            f"; install {e.name or 'it'} (pip install 'dropless[train]' has the training extras, "
-            "'dropless[all]' everything)"
-        )
+        name = e.name or "it"
+        extra = EXTRA_OF.get(name.split(".")[0])
+        text += f"; install {name}" + (f" (pip install 'dropless[{extra}]')" if extra else "")
     return f"dropless {command}: error: {text}"
 
 
@@ -55,6 +65,7 @@ def say_error(text: str) -> None:
 
 
 __all__ = [
+    "EXTRA_OF",
     "is_missing_extra",
     "missing_module_line",
     "one_line_warnings",

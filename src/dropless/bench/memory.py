@@ -14,7 +14,9 @@ Rows (`--impls`):
   CPU the MXFP8 GEMMs are emulated (both operands dequantized to fp32 per GEMM): their
   temporaries outweigh the smaller saved tensors, so this row raises the peak there.
 
-Every (length, implementation) runs in its own child process, once: AdamW's state is
+Every (length, implementation) runs in its own child process, once (`--tiny`, a smoke
+run on a tiny model at lengths 32 and 64 by default, runs them all in one child: about
+20 s on 2 quiet CPU cores, most of it importing torch and Transformers): AdamW's state is
 allocated first (a step with learning rate 0, no forward), then ONE timed step (forward,
 backward, AdamW) with no warm-up. Memory: glibc serves blocks >= 128 KiB by mmap (from
 the child's start) and returns freed memory, so RSS follows live tensors; the step's peak is VmHWM (reset
@@ -72,6 +74,10 @@ LABELS = {
     "dropless-mxfp8": "dropless: checkpointing + fused linear-CE + RMSNorm + MXFP8 saved activations",
 }
 MODEL_KEYS = tuple(k for k in SHAPE if k not in ("batch", "seq"))
+SEQ_LENS = (8192, 32768)  # the measured lengths
+# --tiny: lengths whose step takes milliseconds on the tiny model (at 8192 and 32768 its
+# step took 2 s and 27 s on 2 quiet CPU cores, each row in a child of its own)
+TINY_SEQ_LENS = (32, 64)
 TITLE = """## Long sequences: peak step memory per token (`dropless bench memory`)
 
 The pinned Qwen3-MoE model at batch 1 and long sequence lengths, one training step
@@ -89,8 +95,9 @@ _MEMORY_WORDS = re.compile(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--seq-len", type=int, nargs="+", default=[8192, 32768], metavar="L",
-        help="sequence lengths, batch 1 (default: 8192 32768)",
+        "--seq-len", type=int, nargs="+", default=None, metavar="L",
+        help=f"sequence lengths, batch 1 (default: {' '.join(map(str, SEQ_LENS))}; "
+        f"--tiny: {' '.join(map(str, TINY_SEQ_LENS))})",
     )  # fmt: skip
     p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS),
@@ -110,8 +117,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads in each child (default: torch's default, all cores)",
     )  # fmt: skip
     p.add_argument(
-        "--tiny", action="store_true", help="a tiny model for a smoke run (not a result)"
-    )
+        "--tiny", action="store_true",
+        help="a smoke run (not a result): a tiny model, short lengths, every row in one child",
+    )  # fmt: skip
     add_history_arguments(p)
     add_section_argument(p, "memory")
 
@@ -292,6 +300,40 @@ def run_memory_child(args: dict, timeout: float) -> dict:
     return child_result(args, proc.returncode, proc.stdout, proc.stderr)
 
 
+def _rows_printed(stdout) -> list[dict]:
+    """The records a child printed, one JSON line per row."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    out = []
+    for line in (stdout or "").splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict) and "impl" in rec:
+                out.append(rec)
+    return out
+
+
+def run_rows_in_one_child(rows: list[dict], timeout: float) -> list[dict]:
+    """--tiny: every row in one child, in order (one import of torch and Transformers
+    instead of one per row). If that child ends abnormally, the row it was on gets the
+    record `child_result` gives it and the rows after it run each in its own child."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "dropless.bench.memory", json.dumps({"rows": rows})],
+            capture_output=True, text=True, timeout=timeout, env=timing_env(),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        done = _rows_printed(e.stdout)
+        late = rows[len(done) :]
+        return done + [{"impl": r["impl"], "seq": r["seq"], "status": "timeout"} for r in late]
+    done = _rows_printed(proc.stdout)
+    if proc.returncode == 0 and len(done) == len(rows):
+        return done
+    rest = rows[len(done) :]
+    failed = child_result(rest[0], proc.returncode or 1, "", proc.stderr)
+    return done + [failed] + [run_memory_child(r, timeout) for r in rest[1:]]
+
+
 def child_result(args: dict, returncode: int, stdout: str, stderr: str) -> dict:
     """The record of a finished child: its JSON line; an out-of-memory record for a
     child killed by SIGKILL or one whose error output speaks of memory; else RuntimeError."""
@@ -313,6 +355,8 @@ def _check_args(args) -> list[str]:
     bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
         raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
+    if args.seq_len is None:
+        args.seq_len = list(TINY_SEQ_LENS if args.tiny else SEQ_LENS)
     if any(s < 2 for s in args.seq_len):
         raise ValueError(f"--seq-len {args.seq_len}: every length must be >= 2")
     if not args.max_rss_gib > 0:
@@ -360,18 +404,19 @@ def run(args) -> int:
     impls = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.tiny else SHAPE
-    rows = []
-    for seq in args.seq_len:
-        for impl in impls:
-            child_args = {
-                "shape": shape, "impl": impl, "seq": seq,
-                "max_rss_gib": args.max_rss_gib, "threads": args.threads,
-            }  # fmt: skip
-            progress(f"seq {seq}: measuring {impl} (its own process)")
-            r = run_memory_child(child_args, args.timeout_s)
-            rows.append(r)
-            shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
-            print(f"seq {seq:6d} {impl:16s} peak step {shown}", flush=True)
+    common = {"shape": shape, "max_rss_gib": args.max_rss_gib, "threads": args.threads}
+    todo = [{**common, "impl": impl, "seq": seq} for seq in args.seq_len for impl in impls]
+    if args.tiny:
+        progress(f"--tiny: {len(todo)} rows in one process")
+        rows = run_rows_in_one_child(todo, args.timeout_s)
+        for r in rows:
+            _say(r)
+    else:
+        rows = []
+        for child_args in todo:
+            progress(f"seq {child_args['seq']}: measuring {child_args['impl']} (its own process)")
+            rows.append(run_memory_child(child_args, args.timeout_s))
+            _say(rows[-1])
     _add_ratios(rows)
     table = _table(rows)
     print(table)
@@ -395,6 +440,11 @@ def run(args) -> int:
     return 0
 
 
+def _say(r: dict) -> None:
+    shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
+    print(f"seq {r['seq']:6d} {r['impl']:16s} peak step {shown}", flush=True)
+
+
 def _summary(figures: dict) -> str:
     ratios = figures.get("dropless_vs_stock_ckpt") or {}
     if not ratios:
@@ -411,7 +461,11 @@ def _write_section(path: Path, table: str, record: dict) -> None:
         [
             f"<!-- memory:{key} -->",
             f"### Sequence lengths {', '.join(map(str, f['seq_lens']))}"
-            + (" (--tiny: a smoke run, not a result)" if f["tiny"] else ""),
+            + (
+                " (--tiny: a smoke run, not a result; every row in one process)"
+                if f["tiny"]
+                else ""
+            ),
             "",
             provenance(record),
             "",
@@ -434,4 +488,7 @@ def _write_section(path: Path, table: str, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(json.loads(sys.argv[1]))))
+    job = json.loads(sys.argv[1])
+    for row in job.get("rows", [job]):  # --tiny: every row in this process, in order
+        print(json.dumps(child(row)), flush=True)
+        gc.collect()

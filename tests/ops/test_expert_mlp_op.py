@@ -59,13 +59,20 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["loop", "grouped"])
+def path(request, monkeypatch):
+    """The node runs eager's path for the device (CPU: the loop); both are checked here."""
+    monkeypatch.setattr(custom_op, "_loop", lambda x: request.param == "loop")
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(
     "act, bias, trans_w",
     [(SWIGLU, False, True), (GPT_OSS, True, False), (GELU, True, True)],
     ids=["swiglu", "gpt_oss_bias_untransposed", "gelu_bias"],
 )
-def test_custom_op_matches_the_definition(case, act, bias, trans_w):
+def test_custom_op_matches_the_definition(case, act, bias, trans_w, path):
     c = CASES[case]
     ids = None if "ids" not in c else torch.tensor(c["ids"])
     ops = _operands(c["T"], 8, 6, c["E"], c["K"], act, bias, trans_w, ids)
@@ -90,7 +97,7 @@ def test_custom_op_matches_the_definition(case, act, bias, trans_w):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_opcheck_schema_fake_and_autograd():
+def test_opcheck_schema_fake_and_autograd(path):
     """torch.library.opcheck: the schema matches what the op does, the fake rule gives
     the real outputs' shapes, and the autograd registration is consistent."""
     x, ids, w, gate_up, down, b1, b2 = _operands(6, 8, 6, 5, 2, SWIGLU, True, True)

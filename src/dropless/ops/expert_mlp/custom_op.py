@@ -7,11 +7,13 @@ per-expert counts nor specialises the graph on the routing, and `torch.export` r
 the node with its fake (shape-only) rule. Every shape is known from the operands
 (S = T*K pairs, dropless), so the fake rules need no data.
 
-The node runs the same fused Function as the eager grouped path (`fused_mlp._GroupedMLP`,
-forward and backward called directly, so the math is that one's, not a copy): it keeps
-h [S, N] (the gate/up output) and the sort's indices for backward, as the eager path
-does, and its backward is a second custom op taking them. Inside the node the counts may
-be read on the host (the node is opaque to the compiler), so any grouped-GEMM backend runs.
+The node runs the fused Function eager code runs on that device (forward and backward
+called directly, so the math is that one's, not a copy): the per-expert loop on CPU
+(`loop_mlp._LoopMLP`, measured fastest there), the grouped path elsewhere
+(`fused_mlp._GroupedMLP`). It keeps h [S, N] (the gate/up output; the loop's per-expert
+h joined in expert order) and the sort's indices for backward, and its backward is a
+second custom op taking them. Inside the node the counts may be read on the host (the
+node is opaque to the compiler), so any backend runs.
 
 What the node does not take (a low-precision recipe, LoRA factors, a capacity limit, a
 named backend) keeps the eager entry's behaviour: `expert_mlp` runs outside the
@@ -29,7 +31,8 @@ from torch import Tensor
 
 from ..fused_mlp import _counts_for, _GroupedMLP, _rows_of_experts
 from ..grouped_gemm import bind_offsets
-from ..mlp_plan import plan_grouped
+from ..loop_mlp import _LoopMLP
+from ..mlp_plan import pick_mlp_path, plan_grouped
 from ..permute import sort_by_expert
 from ..specs import ActivationConfig
 
@@ -47,6 +50,16 @@ class _Ctx:
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
+
+
+# where _LoopMLP's saved tensors hold the experts' h: after x, prob, gate_up, down, the
+# biases, token_S and the two low-rank buffers (None without LoRA)
+_LOOP_H = 9
+
+
+def _loop(x_TD: Tensor) -> bool:
+    """Whether the node runs the per-expert loop: what eager code picks for x's device."""
+    return pick_mlp_path(x_TD, None, None) == "loop"
 
 
 def _act(kind: str, gated: bool, interleaved: bool, alpha: float, limit: float):
@@ -80,14 +93,18 @@ def expert_mlp_op(
     """(out_TD, h_SN, pair_S, slot_TK, counts_E): the routed expert MLP of every pair
     (dropless), with what its backward takes (int64 indices of the sort by expert)."""
     act = _act(kind, gated, interleaved, alpha, limit)
-    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=False)
-    plan = plan_grouped(x_TD, gate_up, down, act, None)
+    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=_loop(x_TD))
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
     ctx = _Ctx()
-    args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S, sp.slot_TK)
+    args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S)
     cfg = (act, trans_w, x_TD.shape[0])
-    out = _GroupedMLP.forward(ctx, *args, sp.counts_E, sp.offsets_E, cfg, plan)
-    h = ctx.saved_tensors[8]
+    if _loop(x_TD):
+        out = _LoopMLP.forward(ctx, *args, sp.counts, cfg)
+        h = torch.cat(ctx.saved_tensors[_LOOP_H:])  # the experts' h, in expert order
+    else:
+        plan = plan_grouped(x_TD, gate_up, down, act, None)
+        out = _GroupedMLP.forward(ctx, *args, sp.slot_TK, sp.counts_E, sp.offsets_E, cfg, plan)
+        h = ctx.saved_tensors[8]
     return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
 
@@ -128,22 +145,44 @@ def expert_mlp_backward_op(
     tensor where `needs` (same order) says none is wanted."""
     act = _act(kind, gated, interleaved, alpha, limit)
     T, K = slot_TK.shape
-    plan = plan_grouped(x_TD, gate_up, down, act, None)
-    counts = _counts_for(plan.backend, counts_E, x_TD.device)
-    be = bind_offsets(plan.backend, counts, counts_E.cumsum(0, dtype=torch.int32), x_TD.device)
     prob_S = weights_TK.reshape(-1).index_select(0, pair_S).to(x_TD.dtype)
-    rows_E = _rows_of_experts(counts, x_TD, pair_S.shape[0], gate_up_bias, down_bias)
     token_S = pair_S // K
-    ctx = _Ctx(needs_input_grad=(*needs, False, False, False, False, False, False))
-    ctx.saved_tensors = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, token_S,
-                         slot_TK, h_SN, rows_E, None, None)  # fmt: skip
-    ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales, ctx.be = counts, (act, trans_w, T), plan, (), be
-    gx, gp, ggu, gd, ggb, gdb = _GroupedMLP.backward(ctx, g_out)[:_OPTIONAL_GRADS]
+    weights = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, token_S)
+    cfg = (act, trans_w, T)
+    if _loop(x_TD):
+        grads = _loop_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs)
+    else:
+        grads = _grouped_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs)
+    gx, gp, ggu, gd, ggb, gdb = grads[:_OPTIONAL_GRADS]
     if gp is not None:  # dropless: pair_S is a permutation of the T*K pairs
         gw = weights_TK.new_empty(T * K).index_copy_(0, pair_S, gp.to(weights_TK.dtype))
         gp = gw.view(T, K)
     grads = (gx, gp, ggu, gd, ggb, gdb)
     return tuple(x_TD.new_empty(0) if g is None else g for g in grads)
+
+
+def _loop_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
+    counts = counts_E.tolist()
+    hs = h_SN.split(counts)  # views of the op's input: never freed in place (keep_h)
+    # _LoopMLP's inputs: x, prob, gate_up, down, biases, token_S, counts, cfg
+    ctx = _Ctx(needs_input_grad=(*needs, False, False, False))
+    ctx.saved_tensors = (*weights, None, None, *hs)  # no low-rank factors
+    ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, ()
+    return _LoopMLP.backward(ctx, g_out)
+
+
+def _grouped_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
+    x_TD, _prob, gate_up, down, gate_up_bias, down_bias, _token = weights
+    plan = plan_grouped(x_TD, gate_up, down, cfg[0], None)
+    counts = _counts_for(plan.backend, counts_E, x_TD.device)
+    be = bind_offsets(plan.backend, counts, counts_E.cumsum(0, dtype=torch.int32), x_TD.device)
+    rows_E = _rows_of_experts(counts, x_TD, h_SN.shape[0], gate_up_bias, down_bias)
+    # _GroupedMLP's inputs: x, prob, gate_up, down, biases, token_S, slot_TK, counts,
+    # offsets, cfg, plan
+    ctx = _Ctx(needs_input_grad=(*needs, False, False, False, False, False, False))
+    ctx.saved_tensors = (*weights, slot_TK, h_SN, rows_E, None, None)
+    ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales, ctx.be = counts, cfg, plan, (), be
+    return _GroupedMLP.backward(ctx, g_out)
 
 
 @expert_mlp_backward_op.register_fake

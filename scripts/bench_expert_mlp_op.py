@@ -5,26 +5,32 @@ Rows, forward (under no_grad, as in decoding) and forward + backward of one rout
 expert MLP, interleaved within each round (median of the rounds, min-max):
 - `custom-op`: `ops.expert_mlp.custom_op.run`, i.e. the torch.library op and its
   registered autograd (the backward is the second custom op);
-- `direct`: `ops.expert_mlp(..., backend=<the op's backend>)`, the same fused Function
-  on the same grouped-GEMM backend without the custom-op layer;
-- `eager-default`: `ops.expert_mlp` as eager code calls it (on CPU: the per-expert loop).
-custom-op / direct is the dispatch overhead; at T=1 (decode) it is nearly all overhead.
+- `direct`: eager `ops.expert_mlp` on the path the op runs for the device (CPU: the
+  per-expert loop; elsewhere the grouped path on the op's GEMM backend), the same fused
+  Function without the custom-op layer.
+custom-op / direct is the cost of the custom-op layer; at T=1 (decode) the layer's
+fixed cost is largest against the work.
 
-    python scripts/bench_expert_mlp_op.py [--tokens 1 16384] [--rounds 5]
+    python scripts/bench_expert_mlp_op.py [--tokens 1 16384] [--rounds 5] [--section FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from dropless.ops import expert_mlp
-from dropless.ops.expert_mlp import custom_op
-from dropless.ops.mlp_plan import plan_grouped
-from dropless.ops.specs import ActivationConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from dropless.bench.common import Recorder, provenance  # noqa: E402
+from dropless.ops import expert_mlp  # noqa: E402
+from dropless.ops.expert_mlp import custom_op  # noqa: E402
+from dropless.ops.mlp_plan import plan_grouped  # noqa: E402
+from dropless.ops.specs import ActivationConfig  # noqa: E402
 
 SWIGLU = ActivationConfig("swiglu", True, False, 1.702, 7.0)
 
@@ -39,12 +45,12 @@ def _operands(T, D, F, E, K, dtype):
     return x, ids, w, gu, dn
 
 
-def _rows(ops, backend):
+def _rows(ops):
     x, ids, w, gu, dn = ops
+    backend = "loop" if custom_op._loop(x) else plan_grouped(x, gu, dn, SWIGLU, None).backend.name
     return {
         "custom-op": lambda: custom_op.run(x, ids, w, gu, dn, None, None, SWIGLU, True)[0],
         "direct": lambda: expert_mlp(x, ids, w, gu, dn, backend=backend)[0],
-        "eager-default": lambda: expert_mlp(x, ids, w, gu, dn)[0],
     }
 
 
@@ -66,22 +72,25 @@ def main(argv=None) -> None:
     p.add_argument(
         "--shape", default="64,8,1024,384", help="E,K,D,F (default: bench layer's qwen3)"
     )
+    p.add_argument("--section", type=Path, default=None, help="also write the markdown here")
     args = p.parse_args(argv)
+    rec = Recorder.start(argparse.Namespace(no_history=True))
     E, K, D, F = (int(v) for v in args.shape.split(","))
-    print(
-        f"E={E} K={K} D={D} F={F} float32 {torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
-    print("| T | pass | row | ms median | min-max | vs direct |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"E={E} K={K} D={D} F={F}, float32 on {torch.get_num_threads()} torch threads:", "",
+             "| T | pass | row | ms median | min-max | vs direct |", "|---|---|---|---|---|---|"]  # fmt: skip
+    print("\n".join(lines), flush=True)
     for T in args.tokens:
-        ops = _operands(T, D, F, E, K, torch.float32)
-        backend = plan_grouped(ops[0], ops[3], ops[4], SWIGLU, None).backend.name
-        rows = _rows(ops, backend)
+        rows = _rows(_operands(T, D, F, E, K, torch.float32))
         for backward in (False, True):
-            _table(rows, T, backward, args.rounds)
+            lines += _table(rows, T, backward, args.rounds)
+    record = rec.finish("expert_mlp_op", {"table": lines})
+    if args.section:
+        head = ["## The expert MLP as a custom op, eager (`scripts/bench_expert_mlp_op.py`)", "",
+                provenance(record), "", __doc__.split("\n\n")[1], ""]  # fmt: skip
+        args.section.write_text("\n".join(head + lines) + "\n")
 
 
-def _table(rows: dict, T: int, backward: bool, rounds: int) -> None:
+def _table(rows: dict, T: int, backward: bool, rounds: int) -> list[str]:
     warm = [_time(fn, 1, backward) for fn in rows.values() for _ in range(2)]
     reps = max(1, int(0.5 / min(warm)))  # about half a second per timing at least
     times = {name: [] for name in rows}
@@ -91,11 +100,14 @@ def _table(rows: dict, T: int, backward: bool, rounds: int) -> None:
             times[name].append(_time(rows[name], reps, backward) * 1e3)
     direct = statistics.median(times["direct"])
     what = "fwd+bwd" if backward else "fwd (no_grad)"
+    out = []
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(
+        out.append(
             f"| {T} | {what} | {name} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {med / direct:.2f} |"
         )
+        print(out[-1], flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ SECTIONS = {
     "parallel": ["dropless bench ep --world 2 --tokens 1024 --record"],
     "train": ["dropless bench train --record"],
     "jax": ["dropless bench jax --record"],
+    "expert_mlp_op": [
+        "python scripts/bench_expert_mlp_op.py --tokens 1 16384 --rounds 3 "
+        "--section benchmarks/sections/expert_mlp_op.md"
+    ],
+    "commits": ["python scripts/bench_commits.py OLD --section benchmarks/sections/commits.md"],
     "gpu": [
         "python scripts/gpu_check.py (on a GPU machine, output saved as LOG)",
         "python scripts/gpu_report.py --run LOG SHA",

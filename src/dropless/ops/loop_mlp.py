@@ -135,6 +135,9 @@ class _LoopMLP(torch.autograd.Function):
             x=x, prob_S=prob_S, gate_up=gate_up, down=down, gu_bias=gu_bias, d_bias=d_bias,
             token_S=token_S, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2, gathered=gathered,
             h_of={},  # expert -> its [n, N] gate/up output, kept for backward
+            # the custom op (`expert_mlp/custom_op.py`, keep_h) keeps every expert's h as
+            # rows of one [S, N] tensor: written there, not joined by a copy afterwards
+            h_SN=x.new_empty(S, N) if getattr(ctx, "keep_h", False) else None,
             out=x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D),
             u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
             u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
@@ -163,6 +166,7 @@ class _LoopMLP(torch.autograd.Function):
             *(st.h_of.get(e, empty) for e in range(len(counts))),
         )  # fmt: skip
         ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
+        ctx.h_SN = st.h_SN
         return st.out.to(x.dtype)
 
     @staticmethod
@@ -227,7 +231,8 @@ def _forward_expert(st, item, s, bufs) -> None:
     n = hi - lo
     x, lr1, lr2, trans_w = st.x, st.lr1, st.lr2, st.trans_w
     xe = torch.index_select(x, 0, st.token_S[lo:hi], out=s["x"][:n]) if st.gathered else x[lo:hi]
-    he = st.h_of[e] = torch.mm(xe, _wt(st.gate_up, e, trans_w))
+    h_out = None if st.h_SN is None else st.h_SN[lo:hi]
+    he = st.h_of[e] = torch.mm(xe, _wt(st.gate_up, e, trans_w), out=h_out)
     if lr1 is not None:
         lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1_SR[lo:hi])
     if st.gu_bias is not None:

@@ -10,8 +10,8 @@ the node with its fake (shape-only) rule. Every shape is known from the operands
 The node runs the fused Function eager code runs on that device (forward and backward
 called directly, so the math is that one's, not a copy): the per-expert loop on CPU
 (`loop_mlp._LoopMLP`, measured fastest there), the grouped path elsewhere
-(`fused_mlp._GroupedMLP`). It keeps h [S, N] (the gate/up output; the loop's per-expert
-h joined in expert order) and the sort's indices for backward, and its backward is a
+(`fused_mlp._GroupedMLP`). It keeps h [S, N] (the gate/up output; the loop writes its
+experts' h as rows of it) and the sort's indices for backward, and its backward is a
 second custom op taking them. Inside the node the counts may be read on the host (the
 node is opaque to the compiler), so any backend runs.
 
@@ -50,11 +50,6 @@ class _Ctx:
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
-
-
-# where _LoopMLP's saved tensors hold the experts' h: after x, prob, gate_up, down, the
-# biases, token_S and the two low-rank buffers (None without LoRA)
-_LOOP_H = 9
 
 
 def _loop(x_TD: Tensor) -> bool:
@@ -100,7 +95,7 @@ def expert_mlp_op(
     cfg = (act, trans_w, x_TD.shape[0])
     if _loop(x_TD):
         out = _LoopMLP.forward(ctx, *args, sp.counts, cfg)
-        h = torch.cat(ctx.saved_tensors[_LOOP_H:])  # the experts' h, in expert order
+        h = ctx.h_SN  # the experts' h, in expert order (the loop writes them there)
     else:
         plan = plan_grouped(x_TD, gate_up, down, act, None)
         out = _GroupedMLP.forward(ctx, *args, sp.slot_TK, sp.counts_E, sp.offsets_E, cfg, plan)

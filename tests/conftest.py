@@ -35,9 +35,9 @@ BUDGETS = {
     "ops+nn": 120,
     "triton": 60,
     "hf": 150,  # ~40 s of it: compiling and exporting patched models (test_compile_like_stock)
-    "parallel": 240,  # 180 + ~60 s for test_lora_torchrun (two torchrun starts, two in-process runs)
+    "parallel": 240,
     "quant": 120,
-    "train": 210,  # ~45 s of it: the plan calibration on two and four gloo processes
+    "train": 240,  # ~30 s of it: the plan calibration on two gloo processes
     "faults": 180,  # the checkpoint-integrity, run-lock and run-file fault tests (~60 s)
     "jax": 90,
     "gpu_check": 90,  # the --cpu smoke, its train step included (two torchrun children)

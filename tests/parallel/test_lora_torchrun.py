@@ -78,6 +78,11 @@ def _cut_at_step_2(run, to):
     (to / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n")
 
 
+# ~45 s: opt-in; LoRA over several processes equal to one runs on every run in
+# tests/train/test_force_distributed.py (sharded load, one process group), torchrun in
+# tests/parallel/test_finetune_ep.py and test_train_ep.py
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DROPLESS_SLOW_TESTS"), reason="set DROPLESS_SLOW_TESTS=1")
 def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     import torch.distributed.checkpoint as dcp
 

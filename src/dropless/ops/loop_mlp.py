@@ -189,7 +189,7 @@ class _LoopMLP(torch.autograd.Function):
             # h is unpacked above and its storage is the loop's own; with the graph freed
             # after this node anyway, each expert's h goes as soon as it has been read
             # (not in the custom op's backward, `expert_mlp/custom_op.py`: there h is the
-            # op's input, one storage for every expert, held by the compiled graph)
+            # op's input, one storage for every expert, held by the op's autograd node)
             release=_graph_released() and not python_modes_active() and not getattr(ctx, "keep_h", False),
             **_grad_buffers(need, token_S is not None, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts),
         )  # fmt: skip

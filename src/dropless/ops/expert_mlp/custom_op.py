@@ -41,8 +41,8 @@ _OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
 
 @dataclass
 class _Ctx:
-    """What `_GroupedMLP.forward` / `.backward` read and write on an autograd context:
-    called here as plain functions, outside autograd (the custom op owns autograd)."""
+    """What `_LoopMLP` / `_GroupedMLP`'s forward and backward read and write on an autograd
+    context: called here as plain functions, outside autograd (the custom op owns it)."""
 
     needs_input_grad: tuple = ()
     saved_tensors: tuple = ()
@@ -88,12 +88,13 @@ def expert_mlp_op(
     """(out_TD, h_SN, pair_S, slot_TK, counts_E): the routed expert MLP of every pair
     (dropless), with what its backward takes (int64 indices of the sort by expert)."""
     act = _act(kind, gated, interleaved, alpha, limit)
-    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=_loop(x_TD))
+    loop = _loop(x_TD)
+    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=loop)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
     ctx = _Ctx()
     args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S)
     cfg = (act, trans_w, x_TD.shape[0])
-    if _loop(x_TD):
+    if loop:
         out = _LoopMLP.forward(ctx, *args, sp.counts, cfg)
         h = ctx.h_SN  # the experts' h, in expert order (the loop writes them there)
     else:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 # the contract: these rows and fields (more may be added)
 LAYER_ROWS = {
@@ -37,6 +39,11 @@ def _run(*args, timeout=300):
     return proc, json.loads(last)["gpu_check"]
 
 
+# ~90-110 s on 2 cores (every step, its torchrun children included): opt-in with
+# DROPLESS_SLOW_TESTS=1; the tests below check its parts on every run (the budget, the
+# train checks, a failed part, a child's timeout, the summary tables and the report)
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DROPLESS_SLOW_TESTS"), reason="set DROPLESS_SLOW_TESTS=1")
 def test_cpu_smoke_passes_and_ends_with_the_contract_summary():
     proc, s = _run("--cpu", "--budget", "400", timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .registry import Registry
+
 __all__ = ["EAGER_CE_ROWS", "CERows", "ce_rows_eager", "pick_ce_rows", "register_ce_rows"]
 
 
@@ -41,25 +43,23 @@ class CERows:
     priority: int = 0
 
 
-_CE_ROWS: dict[str, CERows] = {}
+CE_ROWS = Registry("cross-entropy rows")
+_CE_ROWS: dict[str, CERows] = CE_ROWS.entries
 
 
 def register_ce_rows(impl: CERows) -> None:
     """Register (or replace) a row-op implementation under its name."""
-    _CE_ROWS[impl.name] = impl
+    CE_ROWS.register(impl)
 
 
 def ce_rows_names() -> list[str]:
     """Registered implementations, best first."""
-    return [r.name for r in sorted(_CE_ROWS.values(), key=lambda r: -r.priority)]
+    return CE_ROWS.names()
 
 
 def pick_ce_rows(logits: torch.Tensor) -> CERows:
     """The best registered implementation that runs this logits tensor."""
-    for impl in sorted(_CE_ROWS.values(), key=lambda r: -r.priority):
-        if impl.supports(logits):
-            return impl
-    return EAGER_CE_ROWS
+    return CE_ROWS.pick(None, logits) or EAGER_CE_ROWS
 
 
 def ce_rows_eager(

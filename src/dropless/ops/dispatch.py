@@ -5,8 +5,8 @@ in `grouped_gemm.py` calls it for forward and both backward GEMMs. Backends regi
 under a name with a priority; `auto` picks the highest-priority one that supports the
 operands. Naming a backend that cannot run raises; it never silently falls back.
 
-Backends other than those of `ops` (the Triton one of `dropless.kernels`) register
-here when their package is imported (`import dropless` does it); `ops` imports none.
+The registry is the generic one of `registry.py`; the Triton backend registers on
+the first pick for a CUDA operand.
 
 The active recipe (FP8 / MXFP8, see `dropless.quant`) is a context variable here, so
 every caller of the grouped GEMM gets it without importing `quant`: the recipe object
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-_LOG = logging.getLogger("dropless")
+from .registry import Registry
 
 
 @dataclass(frozen=True)
@@ -49,17 +48,18 @@ class GemmBackend:
     offsets: bool = False
 
 
-_BACKENDS: dict[str, GemmBackend] = {}
+GEMM_BACKENDS = Registry("grouped-GEMM backend")
+_BACKENDS: dict[str, GemmBackend] = GEMM_BACKENDS.entries
 
 
 def register_gemm_backend(backend: GemmBackend) -> None:
     """Add (or replace) a grouped-GEMM backend under `backend.name`."""
-    _BACKENDS[backend.name] = backend
+    GEMM_BACKENDS.register(backend)
 
 
 def gemm_backends() -> list[str]:
     """Names of the registered grouped-GEMM backends, best first."""
-    return [b.name for b in sorted(_BACKENDS.values(), key=lambda b: -b.priority)]
+    return GEMM_BACKENDS.names()
 
 
 def pick_gemm_backend(
@@ -72,32 +72,16 @@ def pick_gemm_backend(
     supported (dtype, device, 16-byte alignment of every dimension read).
     """
     weights = (b, *more)
-    if name not in (None, "auto"):
-        if name not in _BACKENDS:
-            raise ValueError(
-                f"backend={name!r} is not a grouped-GEMM backend; known: {gemm_backends()}"
-            )
-        backend = _BACKENDS[name]
-        if not all(backend.supports(a, w) for w in weights):
-            shapes = [tuple(w.shape) for w in weights]
-            raise ValueError(
-                f"grouped-GEMM backend {name!r} cannot run on {a.dtype} tensors on "
-                f"{a.device.type} with weights {shapes} (dtype, device or a dimension not a "
-                f"multiple of 16 bytes); use backend='auto' or one of {gemm_backends()}"
-            )
-        return backend
-    for cand in sorted(_BACKENDS.values(), key=lambda b: -b.priority):
-        if all(cand.supports(a, w) for w in weights):
-            return cand
-        if cand.priority > 0 and _LOG.isEnabledFor(logging.DEBUG):
-            _LOG.debug(
-                "grouped-GEMM backend %r skipped for %s %s with weights %s",
-                cand.name,
-                a.dtype,
-                a.device.type,
-                [tuple(w.shape) for w in weights],
-            )
-    raise AssertionError("the 'loop' backend supports everything")
+    shapes = [tuple(w.shape) for w in weights]
+    backend = GEMM_BACKENDS.pick(
+        name,
+        a,
+        *weights,
+        runs=lambda be: all(be.supports(a, w) for w in weights),
+        detail=f" with weights {shapes} (dtype, device or a dimension not a multiple of 16 bytes)",
+    )
+    assert backend is not None, "the 'loop' backend supports everything"
+    return backend
 
 
 # --- the active low-precision recipe ------------------------------------------------

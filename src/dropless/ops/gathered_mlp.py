@@ -40,6 +40,7 @@ from .gemm_tuning import shape_key
 from .grouped_gemm import bind_offsets, group_offsets
 from .loop_mlp import _free, _graph_released
 from .mlp_parts import Needs
+from .registry import Registry
 from .row_ops import EAGER, RowOps
 from .specs import ActivationConfig
 
@@ -61,22 +62,26 @@ class GatherKernels:
     wgrad: Callable
     supports: Callable[[torch.Tensor, torch.Tensor], bool]
     kinds: tuple[str, ...]
+    name: str = "triton"
+    priority: int = 10
 
 
-_KERNELS: list[GatherKernels] = []
+GATHER_KERNELS = Registry("row-gathering GEMMs")
 
 
 def register_gather_kernels(kernels: GatherKernels) -> None:
     """Register the fused kernels (replaces an earlier registration)."""
-    _KERNELS[:] = [kernels]
+    GATHER_KERNELS.entries.clear()
+    GATHER_KERNELS.register(kernels)
 
 
 def gather_kernels(x: torch.Tensor, act: ActivationConfig, *weights) -> GatherKernels | None:
     """The registered fused kernels if they run these operands and activation, else None."""
-    for k in _KERNELS:
-        if act.gated and act.kind in k.kinds and all(k.supports(x, w) for w in weights):
-            return k
-    return None
+
+    def runs(k: GatherKernels) -> bool:
+        return act.gated and act.kind in k.kinds and all(k.supports(x, w) for w in weights)
+
+    return GATHER_KERNELS.pick(None, x, *weights, runs=runs)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from .losses import mean_normalised_scores, z_loss
 from .reference import route_reference
+from .registry import Registry
 from .replay import checkpoint_state, remember
 from .specs import RoutingConfig, as_routing
 
@@ -50,18 +51,18 @@ class RoutingKernels:
     route_with_aux: Callable | None = None
 
 
-_KERNELS: dict[str, RoutingKernels] = {}
+ROUTING = Registry("routing backend")
+_KERNELS: dict[str, RoutingKernels] = ROUTING.entries
 
 
 def register_routing_kernels(kernels: RoutingKernels) -> None:
     """Register (or replace) a routing implementation under its name."""
-    _KERNELS[kernels.name] = kernels
+    ROUTING.register(kernels)
 
 
 def routing_kernel_names() -> list[str]:
     """The routing implementations, best first: "reference" and the registered ones."""
-    best = sorted(_KERNELS.values(), key=lambda k: -k.priority)
-    return ["reference", *(k.name for k in best)]
+    return ["reference", *ROUTING.names()]
 
 
 def pick_routing_kernels(t: torch.Tensor, name: str | None = None) -> RoutingKernels | None:
@@ -72,21 +73,9 @@ def pick_routing_kernels(t: torch.Tensor, name: str | None = None) -> RoutingKer
     else ValueError."""
     if name == "reference":
         return None
-    if name not in (None, "auto"):
-        kernels = _KERNELS.get(name)
-        if kernels is None or not kernels.supports(t):
-            why = "is not registered" if kernels is None else f"cannot run {t.device.type} tensors"
-            raise ValueError(
-                f"routing backend {name!r} {why}; use one of {routing_kernel_names()} "
-                "or leave it to auto"
-            )
-        return kernels
-    if torch.compiler.is_compiling():
+    if name in (None, "auto") and torch.compiler.is_compiling():
         return None
-    for kernels in sorted(_KERNELS.values(), key=lambda k: -k.priority):
-        if kernels.supports(t):
-            return kernels
-    return None
+    return ROUTING.pick(name, t)
 
 
 def _route_kernels(logits_TE: torch.Tensor, backend: str | None) -> RoutingKernels | None:

@@ -19,6 +19,7 @@ import torch
 
 from .activations import ACTIVATIONS, act_bwd_eager, act_fwd_eager
 from .eager_rows import gather_rows_eager, gather_sum, pair_dot_eager, zero_groups_eager
+from .registry import Registry
 
 __all__ = [
     "EAGER",
@@ -57,36 +58,29 @@ class RowOps:
     zero_groups: Callable = zero_groups_eager
 
 
-_ROW_OPS: dict[str, RowOps] = {}
+ROW_OPS = Registry("row ops")
+_ROW_OPS: dict[str, RowOps] = ROW_OPS.entries
 
 
 def register_row_ops(impl: RowOps) -> None:
     """Register (or replace) a row-op implementation under its name."""
-    _ROW_OPS[impl.name] = impl
+    ROW_OPS.register(impl)
 
 
 def row_ops_names() -> list[str]:
     """Registered row-op implementations, best first."""
-    return [r.name for r in sorted(_ROW_OPS.values(), key=lambda r: -r.priority)]
+    return ROW_OPS.names()
 
 
 def pick_row_ops(t: torch.Tensor, name: str | None = None, activation: str | None = None):
     """The implementation for tensor t: `name` if given (error if it cannot run t),
     else the best registered one that runs t (and `activation`, when given)."""
-    if name not in (None, "auto"):
-        if name not in _ROW_OPS:
-            raise ValueError(f"row ops {name!r} are not registered; known: {row_ops_names()}")
-        impl = _ROW_OPS[name]
-        if not impl.supports(t) or (activation is not None and activation not in impl.activations):
-            raise ValueError(
-                f"row ops {name!r} cannot run {activation or 'gathers'} on {t.dtype} tensors on "
-                f"{t.device.type}; leave the choice to auto or use one of {row_ops_names()}"
-            )
-        return impl
-    for impl in sorted(_ROW_OPS.values(), key=lambda r: -r.priority):
-        if impl.supports(t) and (activation is None or activation in impl.activations):
-            return impl
-    return EAGER
+
+    def runs(impl: RowOps) -> bool:
+        return impl.supports(t) and (activation is None or activation in impl.activations)
+
+    what = f" ({activation})" if activation is not None else ""
+    return ROW_OPS.pick(name, t, runs=runs, detail=what) or EAGER
 
 
 EAGER = RowOps(

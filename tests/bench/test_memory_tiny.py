@@ -5,10 +5,9 @@ pinned model at 8192 and 32768, one child per row). No child is started here."""
 from __future__ import annotations
 
 import signal
-import subprocess
-from types import SimpleNamespace
 
 from dropless.bench import memory
+from dropless.bench.child import ChildRun
 from dropless.bench.e2e import QUICK, SHAPE
 from dropless.cli.main import main
 
@@ -64,9 +63,9 @@ def test_a_shared_child_that_dies_leaves_the_later_rows_to_their_own_children(mo
     printed = '{"impl": "grouped_mm", "seq": 32, "status": "ok"}\n'
 
     def killed(*args, **kwargs):  # the first row printed, then the kernel's OOM killer
-        return SimpleNamespace(returncode=-signal.SIGKILL, stdout=printed, stderr="")
+        return ChildRun("fail", -signal.SIGKILL, printed, "")
 
-    monkeypatch.setattr(memory.subprocess, "run", killed)
+    monkeypatch.setattr(memory, "run_child_process", killed)
     alone = []
     monkeypatch.setattr(
         memory, "run_memory_child", lambda row, timeout: alone.append(row) or _ok(row)
@@ -81,9 +80,9 @@ def test_a_shared_child_past_its_time_records_the_rest_as_timeouts(monkeypatch):
     rows = [{"impl": impl, "seq": 32} for impl in memory.DEFAULT_IMPLS]
 
     def late(cmd, **kwargs):
-        raise subprocess.TimeoutExpired(cmd, 1, output=b'{"impl": "grouped_mm", "seq": 32}\n')
+        return ChildRun("timeout", None, '{"impl": "grouped_mm", "seq": 32}\n', "", "past 1 s")
 
-    monkeypatch.setattr(memory.subprocess, "run", late)
+    monkeypatch.setattr(memory, "run_child_process", late)
     out = memory.run_rows_in_one_child(rows, 1)
     assert [r.get("status") for r in out] == [None, "timeout", "timeout"]
 

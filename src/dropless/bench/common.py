@@ -423,16 +423,15 @@ def require_extra(bench: str, extra: str, *modules: str) -> None:
 def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     """Run `python -m module` with a JSON argument under the default allocator (malloc
     settings removed from its environment); it prints one JSON line last."""
-    proc = subprocess.run(
-        [sys.executable, "-m", module, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=timing_env(),
+    from dropless.bench.child import run_child_process
+
+    run = run_child_process(
+        [sys.executable, "-m", module, json.dumps(args)], timeout=timeout, env=timing_env()
     )
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark child {module} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if not run.ok:
+        why = run.reason or f"exit status {run.returncode}"
+        raise RuntimeError(f"benchmark child {module} failed ({why}):\n{run.stderr_tail()}")
+    return run.last_json()
 
 
 def rss_mib() -> float:

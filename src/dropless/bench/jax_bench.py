@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 
@@ -154,43 +153,22 @@ def _child(cfg: dict) -> dict:
 # ---------------------------------------------------------------------------- parent
 
 
-def _mem_available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
-
-
 def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict:
-    """Run one row in a child under the default allocator; kill it if free memory falls
+    """Run one row in a child under the default allocator; stop it if free memory falls
     under `watch_gib` (no OOM killer)."""
+    from dropless.bench.child import run_child_process
     from dropless.bench.common import timing_env
 
-    env = timing_env()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", MODULE, json.dumps(cfg)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    t0 = time.time()
-    while proc.poll() is None:
-        if _mem_available_gib() < watch_gib or time.time() - t0 > timeout:
-            proc.kill()
-            proc.wait()
-            return dict(
-                impl=cfg["impl"], status=f"killed: under {watch_gib} GiB free or past {timeout} s"
-            )
-        time.sleep(0.5)
-    out, err = proc.communicate()
-    if proc.returncode != 0:
+    cmd = [sys.executable, "-m", MODULE, json.dumps(cfg)]
+    run = run_child_process(cmd, timeout=timeout, env=timing_env(), min_free_gib=watch_gib)
+    if run.status in ("timeout", "killed"):
+        return dict(impl=cfg["impl"], status=f"killed: {run.reason}")
+    if not run.ok:
+        err = run.stderr.strip()
         return dict(
-            impl=cfg["impl"],
-            status=f"failed: {err.strip().splitlines()[-1] if err.strip() else proc.returncode}",
+            impl=cfg["impl"], status=f"failed: {err.splitlines()[-1] if err else run.returncode}"
         )
-    return dict(json.loads(out.strip().splitlines()[-1]), status="ok")
+    return dict(run.last_json(), status="ok")
 
 
 def _table(rows: dict, shape: str, record: dict) -> str:
@@ -234,6 +212,7 @@ def _table(rows: dict, shape: str, record: dict) -> str:
 
 
 def run(args) -> int:
+    from dropless.bench.child import mem_available_gib
     from dropless.bench.common import (
         Recorder,
         progress,
@@ -262,7 +241,7 @@ def run(args) -> int:
         ["ragged_dot"] if "ragged_dot" in impls else []
     ):
         if impl == "ragged_dot":
-            free = _mem_available_gib()
+            free = mem_available_gib()
             if free < args.ragged_min_free_gib:
                 rows[impl] = dict(
                     impl=impl, status=f"{free:.1f} GiB available < {args.ragged_min_free_gib}"

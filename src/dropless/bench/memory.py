@@ -41,11 +41,11 @@ import json
 import re
 import resource
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .child import ChildRun, run_child_process
 from .common import (
     Recorder,
     add_history_arguments,
@@ -286,26 +286,25 @@ def _step(model, opt, ids_BL, impl: str, base: float) -> dict:
 # --- the parent -------------------------------------------------------------------------
 
 
+def _memory_child(payload: dict, timeout: float) -> ChildRun:
+    cmd = [sys.executable, "-m", "dropless.bench.memory", json.dumps(payload)]
+    return run_child_process(cmd, timeout=timeout, env=timing_env())
+
+
 def run_memory_child(args: dict, timeout: float) -> dict:
     """One child under the default environment (malloc settings removed); an
     out-of-memory end (exception, allocation abort, SIGKILL) or a timeout is a record,
     any other failure raises RuntimeError with the child's error output."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dropless.bench.memory", json.dumps(args)],
-            capture_output=True, text=True, timeout=timeout, env=timing_env(),
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
+    run = _memory_child(args, timeout)
+    if run.status == "timeout":
         return {"impl": args["impl"], "seq": args["seq"], "status": "timeout"}
-    return child_result(args, proc.returncode, proc.stdout, proc.stderr)
+    return child_result(args, run.returncode, run.stdout, run.stderr)
 
 
-def _rows_printed(stdout) -> list[dict]:
+def _rows_printed(stdout: str) -> list[dict]:
     """The records a child printed, one JSON line per row."""
-    if isinstance(stdout, bytes):
-        stdout = stdout.decode(errors="replace")
     out = []
-    for line in (stdout or "").splitlines():
+    for line in stdout.splitlines():
         with contextlib.suppress(ValueError):
             rec = json.loads(line)
             if isinstance(rec, dict) and "impl" in rec:
@@ -317,20 +316,15 @@ def run_rows_in_one_child(rows: list[dict], timeout: float) -> list[dict]:
     """--tiny: every row in one child, in order (one import of torch and Transformers
     instead of one per row). If that child ends abnormally, the row it was on gets the
     record `child_result` gives it and the rows after it run each in its own child."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dropless.bench.memory", json.dumps({"rows": rows})],
-            capture_output=True, text=True, timeout=timeout, env=timing_env(),
-        )  # fmt: skip
-    except subprocess.TimeoutExpired as e:
-        done = _rows_printed(e.stdout)
+    run = _memory_child({"rows": rows}, timeout)
+    done = _rows_printed(run.stdout)
+    if run.status == "timeout":
         late = rows[len(done) :]
         return done + [{"impl": r["impl"], "seq": r["seq"], "status": "timeout"} for r in late]
-    done = _rows_printed(proc.stdout)
-    if proc.returncode == 0 and len(done) == len(rows):
+    if run.ok and len(done) == len(rows):
         return done
     rest = rows[len(done) :]
-    failed = child_result(rest[0], proc.returncode or 1, "", proc.stderr)
+    failed = child_result(rest[0], run.returncode or 1, "", run.stderr)
     return done + [failed] + [run_memory_child(r, timeout) for r in rest[1:]]
 
 

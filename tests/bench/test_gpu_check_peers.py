@@ -1,20 +1,18 @@
-"""scripts/gpu_check.py's peer handling: the summary tables name each peer row's package,
+"""The GPU check's peer handling (`dropless.bench.gpu_check.run`): the summary tables name each peer row's package,
 version and status beside the contract rows, and carry the matmul rate and the kernel
 tables; with no wheels carried it installs nothing."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gpu_check_peers_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The run module afresh (its list of installed peer folders empty)."""
+    from dropless.bench.gpu_check import run
+
+    return importlib.reload(run)
 
 
 def test_layer_table_names_peers_and_carries_rate_and_profile():
@@ -89,11 +87,8 @@ def test_carried_wheels_are_installed_for_the_children(tmp_path):
 
 
 def test_gpu_report_renders_peers_rate_and_kernel_tables():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_report_peers", SCRIPT.parent / "gpu_report.py"
-    )
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    from dropless.bench.gpu_check import report
+
     kernels = {"what": "CUDA kernels, device time", "total_ms": 9.5, "rows": [
         {"name": "nvjet_tst_128x256|x", "calls": 6, "total_ms": 6.2, "share": 0.653}]}  # fmt: skip
     peer = dict(package="torchao", wanted="0.18.0", version="0.18.0", status="ok")

@@ -1,4 +1,5 @@
-"""`scripts/gpu_check.py --cpu` runs its steps (pytest -m gpu, the layer and step tables
+"""The GPU check (`python -m dropless.bench.gpu_check`, `scripts/gpu_check.py` where nothing
+is installed) with `--cpu` runs its steps (pytest -m gpu, the layer and step tables
 at tiny shapes on CPU) and ends with the JSON summary that outside checks read, so the
 script CI cannot run on a GPU never rots."""
 
@@ -9,6 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dropless.bench.gpu_check import report
+from dropless.bench.gpu_check import run as gpu_run
+from dropless.bench.gpu_check import train as gpu_train
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 # the contract: these rows and fields (more may be added)
@@ -127,9 +132,8 @@ def test_train_checks_pass_and_fail_on_the_figures():
     """GPU mode: equal losses, <= 1 host sync per layer in forward, none in the recompute,
     the resume within bf16 tolerance, gloo_ep2 skipped (not failed) where gloo refuses CUDA
     tensors, and dropless train within 10% of bench e2e; each check fails on its own."""
-    tr = _script_module("gpu_check_train")
     main, ep2 = _train_results()
-    t = tr.train_table(main, ep2, dict(status="ok", tokens_per_s=52000), cpu=False)
+    t = gpu_train.train_table(main, ep2, dict(status="ok", tokens_per_s=52000), cpu=False)
     assert all(t["checks"].values()) and len(t["checks"]) == 6, t["checks"]
     rows = t["rows"]
     assert rows["resume"] == dict(from_step=2, steps=2, checkpoint_gib=13.5, wall_s=30.0,
@@ -148,23 +152,26 @@ def test_train_checks_pass_and_fail_on_the_figures():
         ("gloo_ep2_equal", _train_results(ep2=dict(status="ok", losses={"1": 6.0, "2": 6.2}))),
     ]
     for name, (m, e) in failing:
-        checks = tr.train_table(m, e, dict(status="ok", tokens_per_s=52000), cpu=False)["checks"]
+        checks = gpu_train.train_table(m, e, dict(status="ok", tokens_per_s=52000), cpu=False)[
+            "checks"
+        ]
         assert [k for k, ok in checks.items() if not ok] == [name], (name, checks)
-    slow = tr.train_table(main, ep2, dict(status="ok", tokens_per_s=60000), cpu=False)["checks"]
+    slow = gpu_train.train_table(main, ep2, dict(status="ok", tokens_per_s=60000), cpu=False)[
+        "checks"
+    ]
     assert [k for k, ok in slow.items() if not ok] == ["train_within_10pct_of_bench"]
     refused = dict(status="skipped", reason="RuntimeError: gloo does not support CUDA tensors")
-    t = tr.train_table(main, refused, dict(status="ok", tokens_per_s=52000), cpu=False)
+    t = gpu_train.train_table(main, refused, dict(status="ok", tokens_per_s=52000), cpu=False)
     assert t["checks"]["gloo_ep2_equal"] and t["rows"]["gloo_ep2"] == refused
 
 
 def test_a_failed_part_of_the_train_step_is_a_row_with_its_error():
     """The forced run raised (e.g. on NCCL): its row and the resume's say so, the checks
     that need them fail, and the parts that ran keep their figures."""
-    tr = _script_module("gpu_check_train")
     main, ep2 = _train_results()
     main["force_distributed"] = {"error": "DistBackendError: NCCL error", "traceback": "..."}
     del main["resume"], main["checkpoint_gib"]
-    t = tr.train_table(main, ep2, dict(status="ok", tokens_per_s=52000), cpu=False)
+    t = gpu_train.train_table(main, ep2, dict(status="ok", tokens_per_s=52000), cpu=False)
     rows = t["rows"]
     assert rows["force_distributed"]["error"] == "DistBackendError: NCCL error"
     assert rows["resume"]["status"] == "fail" and rows["resume"]["steps"] == 0
@@ -178,13 +185,12 @@ def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
     """The GPU branch of the step without a GPU: the torchrun children's command lines,
     their results read back, bench e2e at the same model (qwen3-30b-2l, the fused-loss row)
     and the ratio of the trainer's tokens/s to it."""
-    tr = _script_module("gpu_check_train")
     main, ep2 = _train_results()
     cmds, benches = [], []
 
     def run_child(cmd, cpu, timeout):
         cmds.append(cmd)
-        mode, out = cmd[cmd.index(tr.__file__) + 1], Path(cmd[cmd.index(tr.__file__) + 2])
+        mode, out = cmd[cmd.index(gpu_train.MODULE) + 1], Path(cmd[cmd.index(gpu_train.MODULE) + 2])
         (out / f"{mode}.json").write_text(json.dumps(main if mode == "main" else ep2))
         return "ok", 0, "", ""
 
@@ -193,7 +199,7 @@ def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
         rows = {"dropless-fused-ce": dict(tokens_per_s=52000.0)}
         return dict(status="ok", exit=0), {"figures": {"rows": rows}}
 
-    res = tr.run(False, 100.0, run_child, bench_step)
+    res = gpu_train.run(False, 100.0, run_child, bench_step)
     assert res["status"] == "ok" and res["failed_checks"] == [], res
     assert [c[c.index("--nproc-per-node") + 1] for c in cmds] == ["1", "2"]
     assert all("--cpu" not in c and "torch.distributed.run" in c for c in cmds)
@@ -207,51 +213,35 @@ def test_train_step_on_a_gpu_machine_runs_its_children_and_the_bench(tmp_path):
 def test_a_child_stopped_at_its_timeout_keeps_the_parts_it_finished():
     """The 1-process child wrote `single` and was stopped (a slow disk under the
     checkpoint, say): the step is a timeout with that run's figures, the rest not run."""
-    tr = _script_module("gpu_check_train")
     main, _ = _train_results()
 
     def run_child(cmd, cpu, timeout):
-        out = Path(cmd[cmd.index(tr.__file__) + 2])
+        out = Path(cmd[cmd.index(gpu_train.MODULE) + 2])
         if "main" in cmd:
             (out / "main.json").write_text(json.dumps({"single": main["single"]}))
         return "timeout", None, "", "stopped"
 
     bench = lambda *a: (dict(status="ok"), {"figures": {"rows": {}}})  # noqa: E731
-    res = tr.run(False, 100.0, run_child, bench)
+    res = gpu_train.run(False, 100.0, run_child, bench)
     rows = res["train"]["rows"]
     assert res["status"] == "timeout" and res["stderr_tail"] == "stopped"
     assert rows["single"]["steps"] == 4 and rows["force_distributed"]["status"] == "fail"
     assert "not run" in rows["ep_rank_share"]["error"] and rows["gloo_ep2"]["status"] == "fail"
 
 
-def _script_module(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_unknown_step_is_a_usage_error():
+@pytest.mark.parametrize(
+    "entry", [["-m", "dropless.bench.gpu_check"], [str(SCRIPT)]], ids=["module", "script"]
+)
+def test_unknown_step_is_a_usage_error(entry):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--only", "nope"], capture_output=True, text=True, timeout=30
+        [sys.executable, *entry, "--only", "nope"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2 and "unknown step" in proc.stderr
 
 
-def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_records_become_the_summary_tables():
     """A GPU run's records (memory measured) in the summary's units and names."""
-    gc = _script()
+    gc = gpu_run
     row = dict(routing="uniform", T=16384, gflops=5e5, max_rel_diff=None)
     layer = {
         "argv": ["python", "-m", "dropless", "bench", "layer", "--device", "cuda"],
@@ -284,11 +274,6 @@ def test_bench_records_become_the_summary_tables():
 def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
     """BENCHMARKS.md's GPU section from this runner's summary: pytest counts, both tables,
     and the six-GEMM bound named (the note for the earlier 5-GEMM bound left out)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_report", SCRIPT.parent / "gpu_report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
     info = dict(torch="2.11.0+cu130", device="NVIDIA H200", commit="abc")
     summary = dict(argv=["--budget", "240"], date="2026-12-01 16:00 UTC", elapsed_s=200.0, ok=True, groups={
         "pytest": dict(status="ok", counts={"passed": 40, "deselected": 900}, seconds=60.0),
@@ -306,7 +291,7 @@ def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
     assert "six GEMMs" in text and "5 of the" not in text
     # the train step: its two runs as a table, the other rows and the checks as lines
     main, ep2 = _train_results()
-    train = _script_module("gpu_check_train").train_table(main, ep2, None, cpu=False)
+    train = gpu_train.train_table(main, ep2, None, cpu=False)
     summary["groups"]["train"] = dict(status="ok", seconds=180.0, train=train)
     text = "\n".join(report.render_run(summary, log, "abc1234", "", None))
     assert "| train | ok | - | 180.0 |" in text

@@ -1,5 +1,4 @@
-#!/usr/bin/env python
-"""The `train` step of scripts/gpu_check.py: `dropless train` on the path a node runs.
+"""The `train` step of the GPU check (`run.py`): `dropless train` on the path a node runs.
 
 On CUDA, at the model of examples/qwen3-30b-a3b-2layers.toml (two Qwen3-30B-A3B layers:
 128 experts top-8, hidden 2048, expert width 768; vocab 32,768; seq 4096, micro-batch 1;
@@ -42,7 +41,10 @@ import traceback
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from dropless.bench.gpu_check import CHECKOUT
+
+ROOT = CHECKOUT
+MODULE = "dropless.bench.gpu_check.train"  # what the torchrun children run
 TOML = ROOT / "examples" / "qwen3-30b-a3b-2layers.toml"
 STEPS, SAVE_AT, SYNC_STEPS = 20, 10, (2, 3)
 # the smoke's model: the same keys at tiny sizes, fp32 (bf16 matmul is ~80x slower on CPU)
@@ -106,7 +108,7 @@ def _cuda_syncs():
 
 
 def _hooks(last_step: int, count_steps=()):
-    from dropless.train.hooks import TrainHooks
+    from dropless.train.run.hooks import TrainHooks
 
     sys.path.insert(0, str(ROOT / "tests" / "ops"))
     from sync_counter import count_syncs
@@ -146,7 +148,7 @@ def _hooks(last_step: int, count_steps=()):
             return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
 
         def _hook(self, model):
-            from dropless.train.distributed import _decoder_layers
+            from dropless.train.model.parallelize import _decoder_layers
 
             for i, layer in enumerate(_decoder_layers(model)):
                 layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
@@ -206,7 +208,7 @@ def _train(
     steps after `after` (a resumed run's metrics.jsonl starts with the first run's)."""
     import torch
 
-    from dropless.train.config import load_config
+    from dropless.train.config.load import load_config
     from dropless.train.trainer import train
 
     cfg = load_config(TOML, sets)
@@ -351,7 +353,7 @@ def ep2_child(out: Path, cpu: bool) -> None:
         (out / "ep2.json").write_text(json.dumps(result))
 
 
-# ---- in gpu_check.py's process ------------------------------------------------------------
+# ---- in run.py's process ------------------------------------------------------------
 
 
 def _max_rel(got: dict, want: dict) -> float | None:
@@ -470,7 +472,7 @@ def _bench(bench_step, left) -> dict:
 def _ep2(torchrun: list[str], out: Path, flag: list[str], run_child, left) -> dict:
     if left() < MIN_CHILD_S:
         return dict(status="fail", reason=f"budget: {left():.0f} s left for the 2-process child")
-    cmd = [*torchrun, "--nproc-per-node", "2", __file__, "ep2", str(out), *flag]
+    cmd = [*torchrun, "--nproc-per-node", "2", "-m", MODULE, "ep2", str(out), *flag]
     status, _, _, tail = run_child(cmd, flag == ["--cpu"], left())
     f = out / "ep2.json"
     return json.loads(f.read_text()) if f.exists() else dict(status="fail", reason=f"{status}: {tail[-300:]}")  # fmt: skip
@@ -478,7 +480,7 @@ def _ep2(torchrun: list[str], out: Path, flag: list[str], run_child, left) -> di
 
 def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
     """The step: the 1-process torchrun child, then (GPU) bench e2e, then the 2-process
-    child; `run_child` and `bench_step` are gpu_check.py's (the output goes on to its log).
+    child; `run_child` and `bench_step` are run.py's (the output goes on to its log).
     The first child writes its results part by part: one stopped at its timeout still
     reports the parts it finished."""
     end = time.perf_counter() + timeout
@@ -488,7 +490,7 @@ def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
         out = Path(tmp)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
         flag = ["--cpu"] if cpu else []
-        cmd = [*torchrun, "--nproc-per-node", "1", __file__, "main", tmp, *flag]
+        cmd = [*torchrun, "--nproc-per-node", "1", "-m", MODULE, "main", tmp, *flag]
         status, code, _, tail = run_child(cmd, cpu, left())
         f = out / "main.json"
         main = json.loads(f.read_text()) if f.exists() else None

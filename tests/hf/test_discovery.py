@@ -64,7 +64,7 @@ def _compare(module, eager, D):
         w_TK = torch.rand(ids_TK.shape, generator=g, dtype=torch.float64) + 0.1
         ref = _run(module, eager, x_TD, ids_TK, w_TK)
         stock = _run(module, batched_mm_experts_forward, x_TD, ids_TK, w_TK)
-        got = _run(module, dh.dropless_experts_forward, x_TD, ids_TK, w_TK)
+        got = _run(module, ex.dropless_experts_forward, x_TD, ids_TK, w_TK)
         for name, r in ref.items():
             o = got[name]
             if r is None:

@@ -10,6 +10,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import dropless.hf as dh
+from dropless.hf import experts as ex
 from dropless.hf.discovery import tiny_experts
 
 
@@ -20,9 +21,9 @@ def test_experts_hook_sees_each_call_and_is_removable():
     x = torch.randn(4, 12, dtype=torch.float64)
     ids = torch.tensor([[0, 1], [2, 3], [4, 0], [1, 2]])
     w = torch.rand(4, 2, dtype=torch.float64)
-    dh.dropless_experts_forward(module, x, ids, w)
+    ex.dropless_experts_forward(module, x, ids, w)
     handle.remove()
-    dh.dropless_experts_forward(module, x, ids, w)
+    ex.dropless_experts_forward(module, x, ids, w)
     assert len(seen) == 1 and seen[0][0] is module
     assert torch.equal(seen[0][1], ids) and torch.equal(seen[0][2], w)
     with pytest.raises(TypeError, match="needs a callable, got int"):
@@ -50,7 +51,7 @@ def test_expert_parallel_sentinels_match_stock_grouped_mm():
         out.square().sum().backward()
         return out.detach(), xl.grad, wl.grad, module.gate_up_proj.grad, module.down_proj.grad
 
-    for got, want in zip(run(dh.dropless_experts_forward), run(grouped_mm_experts_forward)):
+    for got, want in zip(run(ex.dropless_experts_forward), run(grouped_mm_experts_forward)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert int(module.__dict__["_dropless_last_counts_E"].sum()) == 2 * T - T // 2
 
@@ -61,7 +62,7 @@ def _eager_vs_ours(module, seed=0):
     ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(6)])
     w = torch.rand(6, 2, generator=g, dtype=torch.float64)
     outs = []
-    for forward in (type(module).forward.__wrapped__, dh.dropless_experts_forward):
+    for forward in (type(module).forward.__wrapped__, ex.dropless_experts_forward):
         module.zero_grad(set_to_none=True)
         out = forward(module, x, ids, w)
         out.square().sum().backward()

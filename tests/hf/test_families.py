@@ -15,13 +15,14 @@ from families import FAMILIES, MORE_FAMILIES, auto_class, build, clone_into
 
 import dropless
 import dropless.hf as dh
+from dropless.hf import experts as ex
 
 VOCAB = 96
 ALL = FAMILIES + MORE_FAMILIES
 
 
 def _calls() -> int:
-    return sum(dh.CALLS.values())
+    return sum(ex.CALLS.values())
 
 
 def _ids(seed=1, B=2, L=9):

@@ -13,6 +13,9 @@ from families import BLOCK_BIAS, auto_class, build, clone_into, config, spread_r
 
 import dropless
 import dropless.hf as dh
+from dropless.hf import experts as ex
+from dropless.hf._compat import check_version
+from dropless.hf.patching import is_patched
 
 
 def _ids(seed=1, B=2, L=7):
@@ -37,11 +40,11 @@ def test_patch_makes_default_and_unpatch_restores_exactly():
     assert "dropless" not in stock_state[0]
     dropless.patch()
     dropless.patch()  # idempotent
-    assert dh.is_patched() and _snapshot() != stock_state
+    assert is_patched() and _snapshot() != stock_state
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     # registered through the public mapping only: the class-wide one is untouched
-    assert ALL_EXPERTS_FUNCTIONS["dropless"] is dh.dropless_experts_forward
+    assert ALL_EXPERTS_FUNCTIONS["dropless"] is ex.dropless_experts_forward
     assert _snapshot()[0] == stock_state[0]
     during = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
     assert during.get_experts_implementation() == {"": "dropless"}
@@ -61,7 +64,7 @@ def test_patch_makes_default_and_unpatch_restores_exactly():
     )
     assert dense.get_experts_implementation()[""] != "dropless"  # non-MoE models untouched
     dropless.unpatch()
-    assert _snapshot() == stock_state and not dh.is_patched()
+    assert _snapshot() == stock_state and not is_patched()
     assert during.get_experts_implementation() == {"": "grouped_mm"}  # live model switched back
     after = tf.AutoModelForCausalLM.from_config(config("qwen3_moe"))
     assert after.get_experts_implementation() == {"": "grouped_mm"}
@@ -121,7 +124,7 @@ def test_patch_from_two_threads_then_unpatch_restores_stock(monkeypatch):
     for t in threads:
         t.join(timeout=30)
     assert not errors and len(arrived) >= 1
-    assert PreTrainedModel.__dict__[getter] is not stalling and dh.is_patched()
+    assert PreTrainedModel.__dict__[getter] is not stalling and is_patched()
     assert ParamWrapper.__dict__["_activate_lora"] is not stock_activate
     dropless.unpatch()
     assert PreTrainedModel.__dict__[getter] is stalling
@@ -150,12 +153,12 @@ def test_from_pretrained_with_dropless_after_patch(tmp_path):
             tmp_path, attn_implementation="eager", **kwargs
         )
         assert model.get_experts_implementation() == {"": "dropless"}
-        before = dh.CALLS["olmoe"]
+        before = ex.CALLS["olmoe"]
         with torch.no_grad():
             torch.testing.assert_close(
                 model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-5
             )
-        assert dh.CALLS["olmoe"] - before == 2
+        assert ex.CALLS["olmoe"] - before == 2
 
 
 def _write_old_layout(model, out_dir, family):
@@ -243,7 +246,7 @@ def test_phimoe_runs_ours_and_report_says_so():
     assert model.get_experts_implementation() == {"": "dropless"}
     stock = _phimoe(experts_implementation="eager")
     stock.load_state_dict(model.state_dict())
-    before = dh.PATH_CALLS[("phimoe", "fused")]
+    before = ex.PATH_CALLS[("phimoe", "fused")]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
@@ -251,7 +254,7 @@ def test_phimoe_runs_ours_and_report_says_so():
                 model(_ids()).logits, stock(_ids()).logits, rtol=1e-4, atol=1e-5
             )
     assert not [w for w in caught if "dropless" in str(w.message)], caught
-    assert dh.PATH_CALLS[("phimoe", "fused")] - before == 2
+    assert ex.PATH_CALLS[("phimoe", "fused")] - before == 2
     assert report.families == {"phimoe": "fused"} and not report.fallbacks
     assert report.modules_ours == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert "phimoe: 2 experts module(s) on the fused path (swiglu)" in str(report)
@@ -334,16 +337,16 @@ def test_bad_input_messages(monkeypatch):
         from dropless.hf.routers import add_expert_bias
 
         add_expert_bias(torch.nn.Linear(2, 2), "unknown_family", 2)
-    dh.check_version("5.17.0")
-    dh.check_version("5.24.0.dev0")
+    check_version("5.17.0")
+    check_version("5.24.0.dev0")
     for bad in ("4.57.1", "6.0.0", "5.16.2"):
         with pytest.raises(ImportError, match=r"transformers>=5\.17,<6.*pip install"):
-            dh.check_version(bad)
+            check_version(bad)
     dropless.unpatch()
     monkeypatch.setattr(tf, "__version__", "4.57.1")
     with pytest.raises(ImportError, match="4.57.1"):
         dropless.patch()
-    assert not dh.is_patched()
+    assert not is_patched()
 
 
 def test_moe_layers_and_tokens_per_expert():
@@ -429,11 +432,11 @@ def test_activation_checkpointing_counts_tokens_once():
     ref = block(h)
     (g_ref,) = torch.autograd.grad(ref.square().sum(), h)
     dh.tokens_per_expert(model)  # reset
-    before = dh.CALLS["qwen3_moe"]
+    before = ex.CALLS["qwen3_moe"]
     with set_checkpoint_early_stop(False):
         out = checkpoint(block, h, use_reentrant=False)
         (g,) = torch.autograd.grad(out.square().sum(), h)  # re-runs the experts in backward
-    assert dh.CALLS["qwen3_moe"] - before == 2
+    assert ex.CALLS["qwen3_moe"] - before == 2
     assert dh.tokens_per_expert(model).sum().item() == 14 * model.config.num_experts_per_tok
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-7)
 
@@ -451,11 +454,11 @@ def test_expert_bias_on_the_block_is_used_not_refused(family):
     layers = dh.moe_layers(model)
     for layer in layers:
         assert layer.expert_bias is layer.block.expert_bias
-    before = dict(dh.CALLS)
+    before = dict(ex.CALLS)
     with torch.no_grad():
         # fp32 through other kernels (grouped GEMM, fused SwiGLU) than the eager loop
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-5)
-        assert dh.CALLS[family] == before.get(family, 0) + len(layers)
+        assert ex.CALLS[family] == before.get(family, 0) + len(layers)
         layer = layers[-1]
         favoured = int(layer.tokens_per_expert.argmin())  # the expert picked least
         layer.expert_bias[favoured] += 100.0
@@ -484,11 +487,11 @@ def test_a_config_that_built_a_stock_model_builds_dropless_after_patch(family, t
     assert set(stock.get_experts_implementation().values()) == {"grouped_mm"}
     ids = _ids()
     with torch.no_grad():
-        calls = sum(dh.CALLS.values())
+        calls = sum(ex.CALLS.values())
         want = stock(ids).logits
-        assert sum(dh.CALLS.values()) == calls  # the first model still runs stock
+        assert sum(ex.CALLS.values()) == calls  # the first model still runs stock
         got = again(ids).logits
-    assert sum(dh.CALLS.values()) - calls == len(dh.moe_layers(again))
+    assert sum(ex.CALLS.values()) - calls == len(dh.moe_layers(again))
     # fp32, other kernels (grouped GEMM, fused SwiGLU, index-add combine) than stock's
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     loaded = auto_class(cfg).from_pretrained(tmp_path, config=cfg)  # from_pretrained copies it

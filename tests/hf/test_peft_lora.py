@@ -18,6 +18,7 @@ from families import build, clone_into
 
 import dropless.hf as dh
 from dropless.hf import expert_lora as el
+from dropless.hf import experts as ex
 from dropless.hf import lora as hl
 
 peft = pytest.importorskip("peft")
@@ -99,12 +100,12 @@ def test_peft_lora_matches_stock_peft_fp64(family, tmp_path, monkeypatch):
     ref = ps(ids, labels=ids)
     ref.loss.backward()
     folds = _count_folds(monkeypatch)
-    before = sum(dh.CALLS.values())
+    before = sum(ex.CALLS.values())
     with warnings.catch_warnings():
         warnings.simplefilter("error", hl.DroplessLoRAFallbackWarning)
         out = pp(ids, labels=ids)
         out.loss.backward()
-    assert sum(dh.CALLS.values()) - before == len(dh.moe_layers(patched))
+    assert sum(ex.CALLS.values()) - before == len(dh.moe_layers(patched))
     assert folds == []  # no weight-sized fold: the factors ran in the fused Function
     _close(out.logits, ref.logits)
     _close(out.loss, ref.loss)
@@ -200,9 +201,9 @@ def _trainer_losses(patched: bool, tmp_path) -> list[float]:
         dataloader_num_workers=0,
     )  # fmt: skip
     trainer = tf.Trainer(model=model, args=args, train_dataset=data)
-    before = sum(dh.CALLS.values())
+    before = sum(ex.CALLS.values())
     trainer.train()
-    assert (sum(dh.CALLS.values()) > before) == patched  # which experts path ran
+    assert (sum(ex.CALLS.values()) > before) == patched  # which experts path ran
     return [r["loss"] for r in trainer.state.log_history if "loss" in r]
 
 

@@ -13,6 +13,7 @@ import torch
 from families import build, clone_into, spread_routing
 
 import dropless.hf as dh
+from dropless.hf import experts as ex
 from dropless.hf.router_losses import RouterLosses, identify_score_func
 
 B, L = 2, 7
@@ -59,10 +60,10 @@ def test_aux_loss_equals_stock(family):
     ids = _ids(stock.config.vocab_size)
     want = stock(input_ids=ids, output_router_logits=True).aux_loss
     rl = RouterLosses(ours)
-    before = dh.CALLS[family]
+    before = ex.CALLS[family]
     with rl.capture():
         out = ours(input_ids=ids, output_router_logits=True)
-    assert dh.CALLS[family] > before  # our experts path ran
+    assert ex.CALLS[family] > before  # our experts path ran
     st = rl.stats(out, ids.shape)
     assert st.source == "model"
     torch.testing.assert_close(st.aux, want.float(), rtol=1e-5, atol=1e-7)
@@ -100,7 +101,7 @@ def _loop_loss(outputs, E: int, K: int) -> float:
 @pytest.mark.parametrize("family", ["deepseek_v3", "nemotron_h"])
 def test_sequence_aux_loss_on_own_scores_and_selection(family):
     model = _tiny(family)
-    before = dh.CALLS[family]
+    before = ex.CALLS[family]
     dh.patch_model(model)
     E, K = model.config.n_routed_experts, model.config.num_experts_per_tok
     with torch.no_grad():  # a correction bias that changes the selection
@@ -113,7 +114,7 @@ def test_sequence_aux_loss_on_own_scores_and_selection(family):
         out = model(input_ids=ids, output_router_logits=True)
     for h in handles:
         h.remove()
-    assert dh.CALLS[family] > before  # our experts path ran
+    assert ex.CALLS[family] > before  # our experts path ran
     assert getattr(out, "aux_loss", None) is None  # the family defines none
     st = rl.stats(out, ids.shape)
     assert st.source == "sequence"

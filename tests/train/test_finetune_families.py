@@ -77,7 +77,7 @@ CASES = {
 def test_finetune_and_convert(family, tmp_path):
     import transformers as tf
 
-    import dropless.hf as dh
+    import dropless.hf.experts as dh
     from dropless.train.generate import load_run
 
     src = _saved(family, tmp_path / "src")

@@ -222,7 +222,7 @@ def child(args: dict) -> dict:
             out["profile"] = kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
     out["dropless_calls"] = None
     if impl.startswith("dropless"):
-        import dropless.hf as dh
+        import dropless.hf.experts as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
     return out

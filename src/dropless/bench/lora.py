@@ -116,7 +116,7 @@ def child(args: dict) -> dict:
     else:
         out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     if impl.endswith("dropless"):
-        import dropless.hf as dh
+        import dropless.hf.experts as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
     return out

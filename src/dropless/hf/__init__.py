@@ -11,67 +11,64 @@
 Every experts class decorated with Transformers' `@use_experts_implementation` is
 covered; what a module computes decides the path (`experts_spec`, `discovery.coverage`).
 Transformers itself is imported on first use; install it with `pip install 'dropless[hf]'`.
+
+The names below are the ones docs/hf.md, docs/lora.md, docs/parallel.md and
+docs/genomics.md tell a user to call, the objects those calls return and the warnings
+they raise; everything else (path counters, the experts forward itself, helpers the
+trainer shares) is imported from its own module.
 """
 
-from ._compat import SUPPORTED_RANGE, check_version
+from .expert_lora import (
+    attach_expert_lora,
+    experts_to_peft,
+    load_peft_into_experts,
+    peft_to_experts,
+    save_expert_lora_as_peft,
+)
 from .experts import (
-    CALLS,
-    PATH_CALLS,
     DroplessFallbackWarning,
     DroplessGenericGateWarning,
-    ExpertsSpec,
-    dropless_experts_forward,
     experts_spec,
     register_experts_hook,
 )
+from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
 from .lora import DroplessLoRAFallbackWarning
-from .patching import (
-    IMPLEMENTATION,
-    is_patched,
-    patch,
-    patch_model,
-    report,
-    unpatch,
-    unpatch_model,
-)
-from .replay import has_routing_replay, install_routing_replay, remove_routing_replay
+from .parallel import load_sharded_hf, shard_hf_experts
+from .patching import patch, patch_model, report, unpatch, unpatch_model
 from .report import ModelRecord, ModuleRecord, PatchReport
-from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
-from .router_losses import RouterLosses, RouterStats
 
 __all__ = [
-    "CALLS",
-    "IMPLEMENTATION",
-    "PATH_CALLS",
-    "SUPPORTED_RANGE",
-    "DroplessFallbackWarning",
-    "DroplessGenericGateWarning",
-    "DroplessLoRAFallbackWarning",
-    "ExpertsSpec",
-    "MoELayer",
-    "ModelRecord",
-    "ModuleRecord",
-    "PatchReport",
-    "RouterLosses",
-    "RouterStats",
-    "added_state_keys",
-    "check_version",
-    "disable_fused_rmsnorm",
-    "dropless_experts_forward",
-    "enable_fused_rmsnorm",
-    "experts_spec",
-    "has_routing_replay",
-    "install_routing_replay",
-    "is_patched",
-    "moe_layers",
+    # switch models to the dropless experts path and back (docs/hf.md)
     "patch",
     "patch_model",
-    "register_experts_hook",
-    "remove_routing_replay",
     "report",
-    "save_hf",
-    "tokens_per_expert",
     "unpatch",
     "unpatch_model",
+    "PatchReport",
+    "ModelRecord",
+    "ModuleRecord",
+    "experts_spec",
+    "DroplessFallbackWarning",
+    "DroplessGenericGateWarning",
+    # a patched model's MoE layers, token counts, hooks and checkpoints (docs/hf.md)
+    "MoELayer",
+    "moe_layers",
+    "tokens_per_expert",
+    "register_experts_hook",
+    "added_state_keys",
+    "save_hf",
+    # the loss from hidden states (docs/hf.md, docs/genomics.md)
+    "enable_fused_cross_entropy",
+    "disable_fused_cross_entropy",
+    # expert parallelism and sharded loading (docs/parallel.md)
+    "shard_hf_experts",
+    "load_sharded_hf",
+    # LoRA on fused experts (docs/lora.md)
+    "DroplessLoRAFallbackWarning",
+    "attach_expert_lora",
+    "peft_to_experts",
+    "experts_to_peft",
+    "save_expert_lora_as_peft",
+    "load_peft_into_experts",
 ]

@@ -252,7 +252,9 @@ def adapt_and_shard(
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
-        _hf().enable_fused_rmsnorm(model)
+        from ..hf.rmsnorm import enable_fused_rmsnorm
+
+        enable_fused_rmsnorm(model)
     if before_lora is not None:
         before_lora(model)
     if finetune is not None and finetune.method == "lora":

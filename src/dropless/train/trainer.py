@@ -105,7 +105,9 @@ class Trainer:
         self.lora = cfg.finetune.method == "lora"
         self.model_name = model_class_name(base_model(self.model))
         self.layers = _hf().moe_layers(self.model)
-        self.router = _hf().RouterLosses(self.model)
+        from ..hf.router_losses import RouterLosses
+
+        self.router = RouterLosses(self.model)
         router = self.layers[0].router
         self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
         self.params = [p for p in self.model.parameters() if p.requires_grad]

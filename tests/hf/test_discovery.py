@@ -15,7 +15,7 @@ import torch
 
 import dropless.hf as dh
 from dropless.hf import experts as ex
-from dropless.hf.discovery import experts_classes, tiny_experts
+from dropless.hf.patching.discovery import experts_classes, tiny_experts
 
 E, K, T = 5, 2, 7  # E not a power of two
 FAMILY_COUNT = {"5.24": 67, "5.17": 54}

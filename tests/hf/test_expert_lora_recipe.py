@@ -10,7 +10,7 @@ import torch
 tf = pytest.importorskip("transformers")
 
 from dropless import hf  # noqa: E402
-from dropless.hf.expert_lora import attach_expert_lora  # noqa: E402
+from dropless.hf.lora.expert_lora import attach_expert_lora  # noqa: E402
 from dropless.quant import autocast, recipe_from_name  # noqa: E402
 
 

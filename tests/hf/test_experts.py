@@ -11,7 +11,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 import dropless.hf as dh
 from dropless.hf import experts as ex
-from dropless.hf.discovery import tiny_experts
+from dropless.hf.patching.discovery import tiny_experts
 
 
 def test_experts_hook_sees_each_call_and_is_removable():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from families import FAMILIES, build
 
-from dropless.hf.fused_loss import (
+from dropless.hf.fusions.fused_loss import (
     disable_fused_cross_entropy,
     enable_fused_cross_entropy,
     is_fused_cross_entropy_enabled,

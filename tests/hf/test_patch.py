@@ -15,7 +15,7 @@ import dropless
 import dropless.hf as dh
 from dropless.hf import experts as ex
 from dropless.hf._compat import check_version
-from dropless.hf.patching import is_patched
+from dropless.hf.patching.patch import is_patched
 
 
 def _ids(seed=1, B=2, L=7):
@@ -334,7 +334,7 @@ def test_bad_input_messages(monkeypatch):
             experts_implementation="dropless",
         )
     with pytest.raises(ValueError, match="expert_bias=True"):
-        from dropless.hf.routers import add_expert_bias
+        from dropless.hf.patching.routers import add_expert_bias
 
         add_expert_bias(torch.nn.Linear(2, 2), "unknown_family", 2)
     check_version("5.17.0")
@@ -412,7 +412,7 @@ def test_tracking_does_not_keep_models_alive():
     import gc
     import weakref
 
-    from dropless.hf import patching as patch_mod
+    from dropless.hf.patching import patch as patch_mod
 
     dropless.patch()
     model = clone_into(build("qwen3_moe", "eager"), None)

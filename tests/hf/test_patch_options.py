@@ -17,8 +17,8 @@ from torch import nn
 
 import dropless.hf as dh
 from dropless.bench.fp8 import saved_tensor_bytes
-from dropless.hf import rmsnorm as hf_rmsnorm
-from dropless.hf.fused_loss import is_fused_cross_entropy_enabled
+from dropless.hf.fusions import rmsnorm as hf_rmsnorm
+from dropless.hf.fusions.fused_loss import is_fused_cross_entropy_enabled
 from dropless.ops.reference import rms_norm_reference
 
 B, L = 2, 7

@@ -17,9 +17,9 @@ import torch
 from families import build, clone_into
 
 import dropless.hf as dh
-from dropless.hf import expert_lora as el
 from dropless.hf import experts as ex
-from dropless.hf import lora as hl
+from dropless.hf.lora import expert_lora as el
+from dropless.hf.lora import peft_lora as hl
 
 peft = pytest.importorskip("peft")
 from peft.tuners.lora.layer import ParamWrapper, _LoraFactorsProxy  # noqa: E402
@@ -170,7 +170,7 @@ def test_patch_covers_a_peft_imported_after_it():
         "dropless.patch()\n"
         "assert 'peft' not in sys.modules, 'patch() imported peft'\n"
         "from peft.tuners.lora.layer import ParamWrapper\n"
-        "from dropless.hf.lora import _activate_lora_lean\n"
+        "from dropless.hf.lora.peft_lora import _activate_lora_lean\n"
         "assert ParamWrapper._activate_lora is _activate_lora_lean\n"
         "assert 'class ParamWrapper' in inspect.getsource(ParamWrapper)\n"
         "dropless.unpatch()\n"

@@ -6,7 +6,7 @@ import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from dropless.hf.quantized_weights import (
+from dropless.hf.distributed.quantized_weights import (
     dequantize_block_fp8,
     dequantize_mxfp4,
     dequantize_state_dict,
@@ -158,7 +158,7 @@ def _write_fp8(plain, out, reference):
 def test_a_block_fp8_checkpoint_loads_as_transformers_dequantises_it(tmp_path):
     import transformers
 
-    from dropless.hf.parallel import is_quantized_checkpoint
+    from dropless.hf.distributed.sharded_load import is_quantized_checkpoint
     from dropless.train.config import ModelConfig, ParallelConfig
     from dropless.train.model import build_training_model, hf_config
 

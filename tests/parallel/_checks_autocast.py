@@ -16,7 +16,7 @@ import torch.distributed as dist
 from _checks_hf import B, E, L, V, _model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropless.hf.parallel import shard_hf_experts
+from dropless.hf import shard_hf_experts
 from dropless.nn import MoE
 from dropless.ops.fused_mlp import _GroupedMLP
 from dropless.ops.grouped_gemm import _GroupedGemm

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dropless.hf.parallel import hf_dispatchers, shard_hf_experts
+from dropless.hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 from dropless.parallel import ParallelConfig, build_mesh, clip_grad_norm_
 
 B, L, T, HIDDEN = 2, 6, 7, 12
@@ -192,7 +192,7 @@ class _Holder(nn.Module):
 
 def _tiny_experts(family: str, E: int = 4) -> nn.Module:
     import dropless
-    from dropless.hf.discovery import experts_classes, tiny_experts
+    from dropless.hf.patching.discovery import experts_classes, tiny_experts
 
     dropless.patch()  # registers the "dropless" implementation
     (cls,) = [c.cls for c in experts_classes() if c.family == family]
@@ -204,8 +204,8 @@ def _tiny_experts(family: str, E: int = 4) -> nn.Module:
 def _ep_module_equals_single(
     family: str, rank: int, world: int, path: str, lora: bool = False
 ) -> None:
-    from dropless.hf.expert_lora import attach_expert_lora
     from dropless.hf.experts import PATH_CALLS, dropless_experts_forward, experts_spec
+    from dropless.hf.lora.expert_lora import attach_expert_lora
 
     module = _tiny_experts(family)
     if lora:  # factors owned by the module: folded into the weights off the fused path

@@ -10,7 +10,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from dropless.hf.parallel import hf_dispatchers, shard_hf_experts
+from dropless.hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 from dropless.parallel import ParallelConfig, apply_fsdp, build_mesh, clip_grad_norm_
 
 B, L, V, E = 2, 5, 64, 8
@@ -105,8 +105,8 @@ def hf_fsdp_x_ep_train(rank, world):
 def hf_ep_lora_equals_single(rank, world):
     """LoRA factors owned by the experts modules, sharded with the experts over ep: logits
     and every adapter gradient equal one process; the base gets no gradient."""
-    from dropless.hf.expert_lora import attach_expert_lora
     from dropless.hf.layers import moe_layers
+    from dropless.hf.lora.expert_lora import attach_expert_lora
 
     model = _model()
     for p in model.parameters():
@@ -144,7 +144,7 @@ def hf_ep_lora_equals_single(rank, world):
 
     from safetensors.torch import load_file
 
-    from dropless.hf.expert_lora import save_expert_lora_as_peft
+    from dropless.hf.lora.expert_lora import save_expert_lora_as_peft
 
     box = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)  # one directory on this machine for every rank
@@ -159,7 +159,7 @@ def hf_ep_lora_equals_single(rank, world):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     dist.barrier()
     # loaded back into a sharded model's own factors: each rank takes its experts' slice
-    from dropless.hf.expert_lora import load_peft_into_experts
+    from dropless.hf.lora.expert_lora import load_peft_into_experts
 
     fresh = copy.deepcopy(model)
     shard_hf_experts(fresh, pm)

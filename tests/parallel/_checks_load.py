@@ -50,7 +50,7 @@ def _save(path: Path) -> None:
 def hf_sharded_load(rank, world):
     import transformers
 
-    from dropless.hf.parallel import hf_dispatchers
+    from dropless.hf.distributed.expert_parallel import hf_dispatchers
     from dropless.train.config import ModelConfig, ParallelConfig
     from dropless.train.model import build_training_model, hf_config
 

@@ -114,7 +114,7 @@ def _load_and_compare(name: str, parallel, dtype: str, rank: int, world: int) ->
     of this rank's quantised slices."""
     import transformers
 
-    from dropless.hf.parallel import _region
+    from dropless.hf.distributed.sharded_load import _region
     from dropless.train.config_schema import ModelConfig
     from dropless.train.model import build_training_model, hf_config
 

@@ -75,7 +75,7 @@ def hf_ep_routing_replay(rank, world):
 
     import dropless
     from dropless.hf import moe_layers
-    from dropless.hf.parallel import hf_dispatchers, shard_hf_experts
+    from dropless.hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 
     B, L = 2, 5
     model = dropless.patch_model(_model(), expert_bias=True).double()

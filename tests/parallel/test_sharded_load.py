@@ -1,4 +1,4 @@
-"""`dropless.hf.parallel.load_sharded_hf` in one process, on every checkpoint layout the
+"""`dropless.hf.load_sharded_hf` in one process, on every checkpoint layout the
 families use: per-expert gate/up/down stacked and concatenated (qwen2_moe), renamed
 (mixtral: block_sparse_moe, w1/w3/w2), stacked without a gate (nemotron_h), fused in the
 file (gpt_oss). A model built on the meta device gets exactly `from_pretrained`'s tensors."""
@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from dropless.hf.parallel import load_sharded_hf  # noqa: E402
+from dropless.hf import load_sharded_hf  # noqa: E402
 
 COMMON = dict(
     vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,

@@ -51,8 +51,8 @@ def test_adamw_kernel_choice():
 def test_training_model_has_replay_and_rmsnorm_on_cpu():
     import torch
 
+    from dropless.hf.fusions.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
     from dropless.hf.replay import has_routing_replay
-    from dropless.hf.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
     from dropless.train.model import build_training_model, hf_config
     from dropless.train.recipes import tiny
 

@@ -99,7 +99,7 @@ def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_
     import torch
     import transformers as tf
 
-    from dropless.hf import parallel as hf_parallel
+    from dropless.hf.distributed import sharded_load as hf_parallel
 
     cfg = tf.Qwen3MoeConfig(
         vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -84,7 +84,7 @@ def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(tiny_run), str(out)]) == 0
     stock = AutoModelForCausalLM.from_pretrained(out)
-    assert not hf.patching.is_patched() and "dropless" not in stock.get_experts_implementation().values()
+    assert not hf.patching.patch.is_patched() and "dropless" not in stock.get_experts_implementation().values()
     _, _, ours, _ = load_run(tiny_run)  # patched: the dropless experts path
     x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

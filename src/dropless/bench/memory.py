@@ -138,8 +138,8 @@ def _build(impl: str, shape: dict, seq: int):
     torch.manual_seed(0)
     if impl.startswith("dropless"):
         import dropless
-        from dropless.hf.fused_loss import enable_fused_cross_entropy
-        from dropless.hf.rmsnorm import enable_fused_rmsnorm
+        from dropless.hf.fusions.fused_loss import enable_fused_cross_entropy
+        from dropless.hf.fusions.rmsnorm import enable_fused_rmsnorm
 
         dropless.patch()
         model = tf.AutoModelForCausalLM.from_config(cfg)

@@ -18,25 +18,26 @@ they raise; everything else (path counters, the experts forward itself, helpers 
 trainer shares) is imported from its own module.
 """
 
-from .expert_lora import (
-    attach_expert_lora,
-    experts_to_peft,
-    load_peft_into_experts,
-    peft_to_experts,
-    save_expert_lora_as_peft,
-)
+from .distributed.expert_parallel import shard_hf_experts
+from .distributed.sharded_load import load_sharded_hf
 from .experts import (
     DroplessFallbackWarning,
     DroplessGenericGateWarning,
     experts_spec,
     register_experts_hook,
 )
-from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
+from .fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
-from .lora import DroplessLoRAFallbackWarning
-from .parallel import load_sharded_hf, shard_hf_experts
-from .patching import patch, patch_model, report, unpatch, unpatch_model
-from .report import ModelRecord, ModuleRecord, PatchReport
+from .lora.expert_lora import (
+    attach_expert_lora,
+    experts_to_peft,
+    load_peft_into_experts,
+    peft_to_experts,
+    save_expert_lora_as_peft,
+)
+from .lora.peft_lora import DroplessLoRAFallbackWarning
+from .patching.patch import patch, patch_model, report, unpatch, unpatch_model
+from .patching.report import ModelRecord, ModuleRecord, PatchReport
 
 __all__ = [
     # switch models to the dropless experts path and back (docs/hf.md)

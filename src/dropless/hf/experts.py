@@ -39,9 +39,9 @@ from ..ops import (
     unpermute,
 )
 from ..ops.compute_dtype import expert_input
-from .expert_lora import attached_lowrank, fold_attached
 from .layers import family_of
-from .lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
+from .lora.expert_lora import attached_lowrank, fold_attached
+from .lora.peft_lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
 #: "fused" or "generic": cheap counters tests and users read to see which path ran

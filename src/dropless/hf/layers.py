@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .routers import router_bias
+from .patching.routers import router_bias
 
 
 @dataclass

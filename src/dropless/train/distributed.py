@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from ..hf.parallel import hf_dispatchers, shard_hf_experts
+from ..hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 from ..parallel.fsdp import apply_fsdp, clip_grad_norm_
 from ..parallel.mesh import ParallelMesh, as_parallel_config, build_mesh
 from .collectives import all_reduce

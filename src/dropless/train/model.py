@@ -189,18 +189,18 @@ def build_training_model(
 
     activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
     dropless path. fused_rmsnorm: RMSNorm modules on dropless's RMSNorm
-    (`dropless.hf.rmsnorm`: the Triton kernel for CUDA tensors, the lean torch op on CPU).
+    (`dropless.hf.fusions.rmsnorm`: the Triton kernel for CUDA tensors, the lean torch op on CPU).
 
     Fine-tuning a checkpoint (model.path) on several processes (or on one under
     parallel.force_distributed) builds the model on the meta
     device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
-    from the safetensors files (`dropless.hf.parallel.load_sharded_hf`), in the parameters'
+    from the safetensors files (`dropless.hf.load_sharded_hf`), in the parameters'
     dtype: no rank ever holds the whole model. Otherwise every rank builds the full model
     (same seed) and shards it.
     """
     # several processes, or a quantised checkpoint (block-FP8, MXFP4): build on meta, then
     # each rank reads (and dequantises into model.dtype) only its own slices
-    from ..hf.parallel import is_quantized_checkpoint
+    from ..hf.distributed.sharded_load import is_quantized_checkpoint
     from ..parallel.mesh import as_parallel_config
 
     forced = as_parallel_config(parallel_cfg).force_distributed  # the node's path on one process
@@ -217,7 +217,7 @@ def build_training_model(
     lora = finetune is not None and finetune.method == "lora"
     if sharded:
         model.to_empty(device=device)
-        from ..hf.parallel import load_sharded_hf
+        from ..hf.distributed.sharded_load import load_sharded_hf
         from .lora import base_model, checkpoint_name
 
         load_sharded_hf(base_model(model), mcfg.path, rename=checkpoint_name if lora else None)
@@ -252,7 +252,7 @@ def adapt_and_shard(
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
-        from ..hf.rmsnorm import enable_fused_rmsnorm
+        from ..hf.fusions.rmsnorm import enable_fused_rmsnorm
 
         enable_fused_rmsnorm(model)
     if before_lora is not None:

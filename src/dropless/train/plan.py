@@ -69,8 +69,8 @@ def _prepare_probes(model: nn.Module) -> None:
     do on their first call (the experts' fused form, RMSNorm agreement), which compare
     values and so cannot run on fake tensors."""
     from ..hf.experts import _spec
+    from ..hf.fusions.rmsnorm import _ATTR
     from ..hf.layers import moe_layers
-    from ..hf.rmsnorm import _ATTR
 
     for layer in moe_layers(model):
         _spec(layer.experts)
@@ -135,7 +135,7 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
-        from ..hf.parallel import _retie
+        from ..hf.distributed.sharded_load import _retie
 
         _retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]

@@ -116,7 +116,7 @@ def rows_computed(pairs: int, ep: int, skew: float) -> int:
 
 def _weight(module: nn.Module, name: str) -> torch.Tensor:
     # the raw parameter: reading one PEFT parametrizes would run its LoRA fold
-    from ..hf.lora import raw_weight
+    from ..hf.lora.peft_lora import raw_weight
 
     w = raw_weight(module, name)
     return _local(w if w is not None else getattr(module, name))

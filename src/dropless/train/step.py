@@ -62,9 +62,9 @@ def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> 
 
 def fuse_cross_entropy(model) -> list:
     """The model computes the loss from its hidden states given labels (no [T, V] logits,
-    `dropless.hf.fused_loss`). Returns the list each forward's cross-entropy is appended to
+    `dropless.hf.fusions.fused_loss`). Returns the list each forward's cross-entropy is appended to
     (read there: `out.loss` may include an aux loss the family adds)."""
-    from ..hf.fused_loss import enable_fused_cross_entropy
+    from ..hf.fusions.fused_loss import enable_fused_cross_entropy
 
     try:
         enable_fused_cross_entropy(model)

@@ -12,13 +12,13 @@ else to the original. `unpatch()` puts the original function object back, remove
 to the implementation it had (removing any expert bias buffers it added).
 `patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
 routing-replay hooks (`dropless.hf.replay`) once their layers exist, and replaces PEFT's
-`ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora`).
+`ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora.peft_lora`).
 
 A config object keeps the implementation a model built from it resolved, and Transformers
 hands that to the next model built from it as if asked for. `patch()` also wraps the
 `PretrainedConfig._experts_implementation` setter, which every explicit request passes,
 and `post_init` puts a new MoE model whose config holds the stock default no one asked
-for on a copy of the config set to dropless (`dropless.hf.configs`).
+for on a copy of the config set to dropless (`dropless.hf.patching.configs`).
 
 These are process-wide class attributes: `patch()`, `patch_model()`, `unpatch()` and
 `unpatch_model()` change them under one lock, so calls from several threads install each
@@ -33,15 +33,15 @@ import weakref
 
 from torch import nn
 
-from ._compat import require_transformers
+from .._compat import require_transformers
+from ..experts import dropless_experts_forward
+from ..fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
+from ..fusions.rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
+from ..layers import moe_layers
+from ..lora.peft_lora import install_lean_activation, uninstall_lean_activation
+from ..replay import install_routing_replay, remove_routing_replay
 from .configs import give_own_config, install_request_marker, is_leftover, uninstall_request_marker
-from .experts import dropless_experts_forward
-from .fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
-from .layers import moe_layers
-from .lora import install_lean_activation, uninstall_lean_activation
-from .replay import install_routing_replay, remove_routing_replay
 from .report import PatchReport, model_report
-from .rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from .routers import add_expert_bias, remove_expert_bias
 
 IMPLEMENTATION = "dropless"
@@ -226,9 +226,9 @@ def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> 
     exactly by `unpatch()`.
 
     fused_cross_entropy: a causal LM given `labels` computes its loss from the hidden
-        states in chunks (`dropless.hf.fused_loss`) and returns `logits=None`; off by
+        states in chunks (`dropless.hf.fusions.fused_loss`) and returns `logits=None`; off by
         default because code may read the logits.
-    fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.rmsnorm`): the
+    fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.fusions.rmsnorm`): the
         Triton kernel for CUDA tensors, a torch op that keeps less for backward elsewhere.
     Every model on the dropless path also gets routing replay for activation
     checkpointing (`dropless.hf.replay`).

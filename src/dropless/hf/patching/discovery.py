@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._compat import require_transformers
+from .._compat import require_transformers
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Coverage:
 
 def coverage() -> list[Coverage]:
     """The path `dropless_experts_forward` takes for every decorated experts class."""
-    from .experts import experts_spec
+    from ..experts import experts_spec
 
     rows = []
     for ec in experts_classes():
@@ -229,7 +229,7 @@ def coverage_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m dropless.hf.discovery
+if __name__ == "__main__":  # python -m dropless.hf.patching.discovery
     import warnings
 
     warnings.simplefilter("ignore")

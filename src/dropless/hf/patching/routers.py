@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import RoutingConfig, route
+from ...ops import RoutingConfig, route
 
 # family -> (renormalize attr or a fixed bool, cast weights back to the logits dtype)
 _SOFTMAX_FAMILIES = {

@@ -58,7 +58,7 @@ def _asked(value):
 
 def install_request_marker() -> None:
     """Mark requests made through the config setter as `Asked` (idempotent; the caller
-    holds `dropless.hf.patching`'s lock)."""
+    holds `dropless.hf.patching.patch`'s lock)."""
     from transformers import PretrainedConfig
 
     if _STATE["property"] is not None:

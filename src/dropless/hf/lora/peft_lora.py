@@ -47,7 +47,7 @@ import threading
 import torch
 from torch import nn
 
-from ..ops import LowRank
+from ...ops import LowRank
 
 
 class DroplessLoRAFallbackWarning(UserWarning):

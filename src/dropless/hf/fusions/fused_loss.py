@@ -1,6 +1,6 @@
 """Fused language-model head + loss for a Transformers causal LM.
 
-    from dropless.hf.fused_loss import enable_fused_cross_entropy
+    from dropless.hf import enable_fused_cross_entropy
     enable_fused_cross_entropy(model)
     out = model(input_ids=ids, labels=labels)   # out.loss as stock, out.logits is None
 
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.linear_cross_entropy import linear_cross_entropy
+from ...ops.linear_cross_entropy import linear_cross_entropy
 
 _STATE_ATTR = "_dropless_fused_ce"
 # config fields through which families transform logits before the loss

@@ -1,12 +1,12 @@
 """LoRA factors owned by the experts module: dropless's expert-parallel LoRA.
 
 PEFT's B [out, r*E] cannot be sharded by expert with a Shard placement (the expert index
-varies fastest). Under `dropless.hf.parallel.shard_hf_experts` the factors live instead as
+varies fastest). Under `dropless.hf.shard_hf_experts` the factors live instead as
 parameters of the experts module, A [E, r, in] and B [E, out, r] (`attach_expert_lora`),
 sharded with the experts (Shard(0) over "ep"); the dropless experts forward runs them as
 `LowRank` updates (`attached_lowrank`). They are converted to and from PEFT's layout on
 save (`save_expert_lora_as_peft`, a directory `PeftModel.from_pretrained` loads) and load
-(`load_peft_into_experts`). PEFT's own adapters on a single process are `dropless.hf.lora`.
+(`load_peft_into_experts`). PEFT's own adapters on a single process are `dropless.hf.lora.peft_lora`.
 """
 
 # E experts, r rank, I in features, O out features
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..ops import LowRank
-from .layers import moe_layers
-from .lora import raw_weight
+from ...ops import LowRank
+from ..layers import moe_layers
+from .peft_lora import raw_weight
 
 LORA_PARAMS = ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down")
 

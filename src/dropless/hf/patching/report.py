@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .experts import _spec
-from .layers import family_of, is_experts_module
-from .rmsnorm import fused_rmsnorm_state
+from ..experts import _spec
+from ..fusions.rmsnorm import fused_rmsnorm_state
+from ..layers import family_of, is_experts_module
 
 
 @dataclass(frozen=True)

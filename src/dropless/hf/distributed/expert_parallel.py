@@ -1,0 +1,167 @@
+"""Expert parallelism for Transformers v5 MoE models patched with `dropless.patch`.
+
+`shard_hf_experts(model, pmesh)` turns each experts module's weights into DTensors
+`Shard(0)` over the "ep" axis (this rank keeps experts [r*L, (r+1)*L)) and gives the
+module instance a forward that sends tokens through `ExpertParallelDispatcher`; the
+grouped MLP on the local experts uses the same layout flags as the single-process
+dropless path (`dropless.hf.experts_spec`). The stock router is untouched. Expert
+parameters keep their names and global shapes, so DCP checkpoints reshard.
+
+A model built on the meta device is sharded first and filled afterwards, each rank
+reading only its shards: `load_sharded_hf` of `sharded_load.py`.
+"""
+
+# T tokens, D model dim, E experts (global), L local experts, K top-k, S rows
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from ...ops.compute_dtype import expert_input
+from ...ops.dispatch import get_recipe
+from ...ops.expert_mlp import grouped_mlp
+from ...ops.grouped_gemm import grouped_gemm
+from ...parallel.experts import _local
+from ..lora.expert_lora import LORA_PARAMS, attached_lowrank, fold_attached
+
+#: the expert tensors of a v5 experts module, sharded over ep (gated experts: gate_up_proj;
+#: non-gated ones, such as Nemotron-H's relu^2: up_proj)
+EXPERT_PARAMS = (
+    "gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
+)  # fmt: skip
+
+
+class _LocalExperts:
+    """What the dispatcher calls: the local slice of one HF experts module.
+
+    Every form the single-process dropless path runs (`hf.experts`) runs here on the rows
+    this rank received: the fused MLP (gated or not), the fused MLP then the module's
+    post-expert norm, or the generic gate between grouped GEMMs. The dispatcher applies
+    the routing weight at home (prob_S is None), after any per-row norm, as one process
+    does."""
+
+    def __init__(self, module: nn.Module, spec, num_experts: int):
+        self.module, self.spec, self.num_global_experts = module, spec, num_experts
+        self.first = "gate_up_proj" if spec.gated else "up_proj"
+
+    def weights(self):
+        """(w1, w2, b1, b2): this rank's experts' weights and biases (None without)."""
+        m, has_bias = self.module, self.spec.has_bias
+        w1, w2 = _local(getattr(m, self.first)), _local(m.down_proj)
+        if not has_bias:
+            return w1, w2, None, None
+        return w1, w2, _local(getattr(m, self.first + "_bias")), _local(m.down_proj_bias)
+
+    def forward_sorted(self, x_SD, counts, prob_S):
+        m, s = self.module, self.spec
+        w1, w2, b1, b2 = self.weights()
+        plain = s.path == "fused" and not s.post_norm
+        lora = attached_lowrank(m)  # this rank's shards of the module's own factors
+        if lora is not None and (not plain or get_recipe() is not None):
+            # a path that cannot run them as thin GEMMs: folded, as one process does
+            w1, w2 = (fold_attached(w, lr, s.trans_w) for w, lr in zip((w1, w2), lora))
+            lora = None
+        if s.path == "fused":
+            y_SD = grouped_mlp(
+                x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
+                down_bias=b2, activation=s.activation, trans_w=s.trans_w, lora=lora,
+            )  # fmt: skip
+        else:  # the module's own gate, under autograd (as `hf.experts._composed`)
+            h_SN = grouped_gemm(x_SD, w1, counts, b1, trans_w=s.trans_w)
+            a_SF = m._apply_gate(h_SN) if s.gated else m.act_fn(h_SN)
+            y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, trans_w=s.trans_w)
+        if s.post_norm:
+            y_SD = m.post_expert_norm(y_SD)
+        if prob_S is not None and not plain:
+            y_SD = y_SD * prob_S.to(y_SD.dtype)[:, None]
+        return y_SD
+
+
+def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
+    from ..experts import _count_call, _record_counts
+
+    local, disp = self.__dict__["_dropless_ep"]
+    # under autocast its dtype, cast before the all-to-all (what crosses the wire)
+    x_TD = expert_input(hidden_states, local.weights()[0])
+    out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
+    _record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
+    _count_call(local.spec)
+    return out_TD.to(hidden_states.dtype)
+
+
+def _ep_refusal(layer, spec) -> str | None:
+    """Why the experts of `layer` cannot run expert-parallel, or None."""
+    if isinstance(spec, str):  # the stock forward would need every expert on each rank
+        return (
+            f"{layer.name} ({layer.family}): expert parallelism runs the dropless experts path, "
+            f"and this module runs its own forward ({spec}). Train it with parallel.ep=1."
+        )
+    return None
+
+
+def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
+    """Expert-parallelise every experts module of a dropless-patched HF model in place.
+
+    Every rank must hold the same full weights first (same seed or the same
+    checkpoint), or the model is on the meta device: then, after FSDP and
+    `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
+    Returns the names of the MoE blocks changed; no-op when ep == 1 (unless
+    parallel.force_distributed: then the 1-rank expert-parallel path, the node's code).
+    Every form of experts the dropless path runs is sharded (fused gated or non-gated,
+    post-expert norm, generic gate). Raises ValueError, naming the module, its family and
+    why, for an experts module on its own stock forward (it would need every expert on
+    each rank). `attach_expert_lora` factors shard with their experts; on the generic or
+    post-norm path (or under a low-precision recipe) they are folded into this rank's
+    weights, as on one process.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ...parallel.dispatcher import ExpertParallelDispatcher
+    from ..experts import experts_spec
+    from ..layers import moe_layers
+
+    cfg = pmesh.config
+    if cfg.ep == 1 and not cfg.force_distributed:
+        return []
+    P, r = pmesh.ep_mesh.size(), pmesh.ep_mesh.get_local_rank()
+    done = []
+    for layer in moe_layers(model):
+        m = layer.experts
+        if "_dropless_ep" in m.__dict__:
+            continue
+        spec = experts_spec(m)
+        why = _ep_refusal(layer, spec)
+        if why is not None:
+            raise ValueError(why)
+        E = int(m.num_experts)
+        if E % P:
+            raise ValueError(
+                f"{layer.name} ({layer.family}): num_experts={E} is not divisible by "
+                f"parallel.ep={P}; pick an ep that divides {E}"
+            )
+        L = E // P
+        for name in (*EXPERT_PARAMS, *LORA_PARAMS):  # LoRA factors shard with their experts
+            p = getattr(m, name, None)
+            if not isinstance(p, nn.Parameter):
+                continue
+            local = p.detach()[r * L : (r + 1) * L].clone()
+            d = DTensor.from_local(local, pmesh.ep_mesh, [Shard(0)], run_check=False)
+            setattr(m, name, nn.Parameter(d, requires_grad=p.requires_grad))
+        disp = ExpertParallelDispatcher(
+            pmesh.ep_group,
+            pmesh.dp_group,
+            num_experts=E,
+            num_chunks=cfg.overlap_chunks,
+            overlap=cfg.overlap_chunks > 1,
+        )
+        m.__dict__["_dropless_ep"] = (_LocalExperts(m, spec, E), disp)
+        m.forward = types.MethodType(_ep_forward, m)
+        done.append(layer.name)
+    return done
+
+
+def hf_dispatchers(model: nn.Module) -> list:
+    """The expert-parallel dispatchers of a model sharded by `shard_hf_experts`."""
+    return [m.__dict__["_dropless_ep"][1] for m in model.modules() if "_dropless_ep" in m.__dict__]

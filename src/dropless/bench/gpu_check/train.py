@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 
 from dropless.bench.gpu_check import CHECKOUT
+from dropless.train.run.hooks import TrainHooks
 
 ROOT = CHECKOUT
 MODULE = "dropless.bench.gpu_check.train"  # what the torchrun children run
@@ -108,97 +109,97 @@ def _cuda_syncs():
 
 
 def _hooks(last_step: int, count_steps=()):
-    from dropless.train.run.hooks import TrainHooks
+    return CheckHooks(last_step, count_steps)
 
-    sys.path.insert(0, str(ROOT / "tests" / "ops"))
-    from sync_counter import count_syncs
 
-    class CheckHooks(TrainHooks):
-        """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's
-        own hooks) and in the recompute of activation checkpointing (Transformers
-        checkpoints the layer's `forward`, inside its hooks: its submodules' hooks fire
-        again in backward); `sync_counter`'s count (the calls dropless makes that read the
-        device) and, on CUDA, the device's own. Stops the run at its last checkpoint."""
+class CheckHooks(TrainHooks):
+    """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's
+    own hooks) and in the recompute of activation checkpointing (Transformers
+    checkpoints the layer's `forward`, inside its hooks: its submodules' hooks fire
+    again in backward); `sync_counter`'s count (the calls dropless makes that read the
+    device) and, on CUDA, the device's own. Stops the run at its last checkpoint."""
 
-        def __init__(self):
-            self.syncs: dict[str, list[int]] = {
-                "forward": [], "recompute": [], "cuda_forward": [], "cuda_recompute": []
-            }  # fmt: skip
-            self.where: list[str] = []
-            self._stack = contextlib.ExitStack()
-            self._found = self._cuda = None
-            self._hooked = False
+    def __init__(self, last_step: int, count_steps=()):
+        self.last_step, self.count_steps = last_step, tuple(count_steps)
+        self.syncs: dict[str, list[int]] = {
+            "forward": [], "recompute": [], "cuda_forward": [], "cuda_recompute": []
+        }  # fmt: skip
+        self.where: list[str] = []
+        self._stack = contextlib.ExitStack()
+        self._found = self._cuda = None
+        self._hooked = False
 
-        def _start(self):
-            self._found = self._stack.enter_context(count_syncs())
-            self._cuda = self._stack.enter_context(_cuda_syncs())
-            self._open, self._done, self._rec = {}, set(), {}
+    def _start(self):
+        sys.path.insert(0, str(ROOT / "tests" / "ops"))  # the counter the host-sync tests use
+        from sync_counter import count_syncs
 
-        def _stop(self):
-            if self._found is not None:
-                self._stack.close()
-                for n, c in self._rec.values():
-                    self.syncs["recompute"].append(n)
-                    if self._cuda is not None:
-                        self.syncs["cuda_recompute"].append(c)
-                self._found = self._cuda = None
+        self._found = self._stack.enter_context(count_syncs())
+        self._cuda = self._stack.enter_context(_cuda_syncs())
+        self._open, self._done, self._rec = {}, set(), {}
 
-        def _now(self) -> tuple[int, int]:
-            cuda = self._cuda or []
-            return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
-
-        def _hook(self, model):
-            from dropless.train.model.parallelize import _decoder_layers
-
-            for i, layer in enumerate(_decoder_layers(model)):
-                layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
-                layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, "forward"))
-                for c in layer.children():
-                    c.register_forward_pre_hook(lambda m, a, i=i: self._enter((i, m)))
-                    c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m), "recompute"))
-            self._hooked = True
-
-        def _counting(self, key) -> bool:
-            import torch
-
-            if self._found is None or not torch.is_grad_enabled():
-                return False  # outside the counted steps, or an evaluation forward
-            # a submodule counts only once its layer's forward is done: in the recompute
-            return not isinstance(key, tuple) or key[0] in self._done
-
-        def _enter(self, key):
-            if self._counting(key):
-                self._open.setdefault(key, []).append(self._now())
-
-        def _leave(self, key, phase):
-            if not self._counting(key) or not self._open.get(key):
-                return
-            (n0, c0), (n1, c1) = self._open[key].pop(), self._now()
-            self.where += self._found[n0:]
-            if phase == "forward":
-                self.syncs["forward"].append(n1 - n0)
+    def _stop(self):
+        if self._found is not None:
+            self._stack.close()
+            for n, c in self._rec.values():
+                self.syncs["recompute"].append(n)
                 if self._cuda is not None:
-                    self.syncs["cuda_forward"].append(c1 - c0)
-                self._done.add(key)
-            else:
-                n, c = self._rec.get(key[0], (0, 0))
-                self._rec[key[0]] = (n + n1 - n0, c + c1 - c0)
+                    self.syncs["cuda_recompute"].append(c)
+            self._found = self._cuda = None
 
-        def after_backward(self, step, model):
-            if step in count_steps:
-                self._stop()
-            if not self._hooked and count_steps:
-                self._hook(model)
+    def _now(self) -> tuple[int, int]:
+        cuda = self._cuda or []
+        return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
 
-        def after_step(self, step):
-            if step + 1 in count_steps:
-                self._start()
+    def _hook(self, model):
+        from dropless.train.model.parallelize import _decoder_layers
 
-        def on_checkpoint(self, phase, step):
-            if phase == "before_shards" and step == last_step:
-                raise FinalSaveSkipped(step)
+        for i, layer in enumerate(_decoder_layers(model)):
+            layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
+            layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, "forward"))
+            for c in layer.children():
+                c.register_forward_pre_hook(lambda m, a, i=i: self._enter((i, m)))
+                c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m), "recompute"))
+        self._hooked = True
 
-    return CheckHooks()
+    def _counting(self, key) -> bool:
+        import torch
+
+        if self._found is None or not torch.is_grad_enabled():
+            return False  # outside the counted steps, or an evaluation forward
+        # a submodule counts only once its layer's forward is done: in the recompute
+        return not isinstance(key, tuple) or key[0] in self._done
+
+    def _enter(self, key):
+        if self._counting(key):
+            self._open.setdefault(key, []).append(self._now())
+
+    def _leave(self, key, phase):
+        if not self._counting(key) or not self._open.get(key):
+            return
+        (n0, c0), (n1, c1) = self._open[key].pop(), self._now()
+        self.where += self._found[n0:]
+        if phase == "forward":
+            self.syncs["forward"].append(n1 - n0)
+            if self._cuda is not None:
+                self.syncs["cuda_forward"].append(c1 - c0)
+            self._done.add(key)
+        else:
+            n, c = self._rec.get(key[0], (0, 0))
+            self._rec[key[0]] = (n + n1 - n0, c + c1 - c0)
+
+    def after_backward(self, step, model):
+        if step in self.count_steps:
+            self._stop()
+        if not self._hooked and self.count_steps:
+            self._hook(model)
+
+    def after_step(self, step):
+        if step + 1 in self.count_steps:
+            self._start()
+
+    def on_checkpoint(self, phase, step):
+        if phase == "before_shards" and step == self.last_step:
+            raise FinalSaveSkipped(step)
 
 
 def _train(

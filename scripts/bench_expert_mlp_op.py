@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dropless.bench.common import Recorder, provenance  # noqa: E402
 from dropless.ops import expert_mlp  # noqa: E402
 from dropless.ops.expert_mlp import custom_op  # noqa: E402
-from dropless.ops.mlp_plan import plan_grouped  # noqa: E402
+from dropless.ops.expert_mlp.mlp_plan import plan_grouped  # noqa: E402
 from dropless.ops.specs import ActivationConfig  # noqa: E402
 
 SWIGLU = ActivationConfig("swiglu", True, False, 1.702, 7.0)

@@ -53,30 +53,31 @@ def run_child(paths: list[str], timeout: float = TIMEOUT_S) -> dict[str, dict[st
 def _without_triton() -> str | None:
     """In this fresh process, with `import triton` made to fail (as on a machine without
     it): dropless imports, runs a CPU grouped GEMM (backend "auto"), loads no kernel
-    module, and the kernel functions raise an ImportError naming the extra. None if so,
-    else what went wrong. Triton is unblocked afterwards."""
+    module, and the registered kernel functions raise an ImportError naming the extra.
+    None if so, else what went wrong. Triton is unblocked afterwards."""
     sys.modules["triton"] = None  # makes `import triton` raise ImportError
     import torch
 
     import dropless
-    import dropless.kernels
     import dropless.ops
+    from dropless.ops import registry
+    from dropless.ops.permute.row_ops import registered_row_ops
 
     problems = []
     dropless.ops.grouped_gemm(torch.randn(5, 4), torch.randn(2, 3, 4), [2, 3])
-    if dropless.kernels.available(torch.randn(1)) or dropless.kernels.triton_importable():
-        problems.append("kernels report triton available while it cannot be imported")
+    if registry.cuda_with_triton(torch.randn(1)) or registry.triton_importable():
+        problems.append("the registry reports triton available while it cannot be imported")
     try:
-        dropless.kernels.permute  # noqa: B018
-        problems.append("dropless.kernels.permute did not raise without triton")
+        registered_row_ops("triton").gather_rows(torch.randn(3, 4), torch.arange(3))
+        problems.append("the triton row ops ran without triton")
     except ImportError as exc:
         if "dropless[triton]" not in str(exc):
             problems.append(f"the ImportError does not name the extra: {exc}")
-    loaded = [m for m in sys.modules if m.startswith("dropless.kernels.")]
+    loaded = [m for m in sys.modules if m.startswith("dropless.") and m.endswith("_kernels")]
     if loaded:
         problems.append(f"CPU use loaded kernel modules {loaded}")
     del sys.modules["triton"]
-    dropless.kernels._TRITON_OK = None  # forget the cached answer
+    registry.forget_triton()  # forget the cached answer
     return "; ".join(problems) or None
 
 

@@ -16,8 +16,6 @@ parts (transformers, quantization recipes) load only when asked for.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import sys
 
 __version__ = "0.1.0"
 
@@ -39,38 +37,7 @@ _LAZY = {
     "Float8CurrentScaling": "dropless.quant",
     "MXFP8BlockScaling": "dropless.quant",
 }
-_SUBPACKAGES = ("bench", "cli", "hf", "jax", "kernels", "nn", "ops", "parallel", "quant", "train")
-
-
-class _KernelsAfterOps(importlib.abc.MetaPathFinder):
-    """`dropless.kernels` registers its Triton backends into the registries of
-    `dropless.ops` when it is imported. `import dropless` used to import it and with it
-    torch; now the first import of `dropless.ops`, by whatever module asks for it, is
-    followed by the import of `dropless.kernels`, so every process that can run an op has
-    the backends registered, as before, and one that only parses arguments imports no torch."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "dropless.ops":
-            return None
-        sys.meta_path.remove(self)  # once; and the finders below find the real spec
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            importlib.import_module("dropless.kernels")
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if "dropless.ops" not in sys.modules:
-    sys.meta_path.insert(0, _KernelsAfterOps())
+_SUBPACKAGES = ("bench", "cli", "hf", "jax", "nn", "ops", "parallel", "quant", "train")
 
 
 def __getattr__(name: str):

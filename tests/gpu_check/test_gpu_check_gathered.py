@@ -1,4 +1,4 @@
-"""The "gathered" expert path's fused kernels (kernels/gather_gemm_kernels.py) in bf16 on
+"""The "gathered" expert path's fused kernels (ops/expert_mlp/gather_gemm_kernels.py) in bf16 on
 a GPU against an fp64 run of the reference MLP on the same device: forward, dx,
 d gate_up, d down, d routing weights; with the weights read through TMA descriptors
 (sm90+) and through plain loads; the routing-weight gradient bitwise repeatable; the
@@ -43,9 +43,9 @@ def rel_err(got, want) -> float:
 
 def _fused_plan(x, gu, dn):
     """The gathered plan with every GEMM that has a fused kernel on it (no tuning)."""
-    from dropless.kernels import triton_gather_kernels
-    from dropless.ops.gathered_mlp import FUSED, GEMMS, gathered_gemms
-    from dropless.ops.mlp_plan import plan_expert_mlp
+    from dropless.ops.expert_mlp.gathered_mlp import FUSED, GEMMS, gathered_gemms
+    from dropless.ops.expert_mlp.gpu import triton_gather_kernels
+    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
     from dropless.ops.specs import ActivationConfig
 
     plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped")
@@ -69,7 +69,7 @@ def _operands(T, E, K, D, F, ids, seed=0):
 
 def _run(plan_fn, x, ids, w_TK, gu, dn, g, dtype):
     from dropless.ops import sort_by_expert
-    from dropless.ops.fused_mlp import fused_mlp
+    from dropless.ops.expert_mlp.fused_mlp import fused_mlp
 
     leaves = [t.cuda().to(dtype).requires_grad_(True) for t in (x, w_TK, gu, dn)]
     plan = plan_fn(leaves[0], leaves[2], leaves[3])
@@ -93,7 +93,7 @@ def _reference(x, ids, w_TK, gu, dn, g):
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "plain_loads"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_gathered_bf16_against_fp64(name, tma, monkeypatch):
-    from dropless.kernels import gather_gemm_kernels as gk
+    from dropless.ops.expert_mlp import gather_gemm_kernels as gk
 
     if tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need compute capability 9.0 or newer")
@@ -116,8 +116,8 @@ def test_the_routing_weight_gradient_is_bitwise_repeatable():
 
 
 def test_the_automatic_plan_tunes_once_and_caches(tmp_path, monkeypatch):
-    from dropless.ops import gemm_tuning
-    from dropless.ops.mlp_plan import plan_expert_mlp
+    from dropless.ops.expert_mlp import gemm_tuning
+    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
     from dropless.ops.specs import ActivationConfig
 
     path = tmp_path / "tuning.json"

@@ -100,7 +100,7 @@ def _max_err(got, want) -> float:
 
 def check_gemm(device: str, counts_name: str, trans_w: bool) -> None:
     from dropless import ops
-    from dropless.ops.dispatch import pick_gemm_backend
+    from dropless.ops.grouped_gemm import GEMM_BACKENDS, pick_gemm_backend
     from dropless.ops.reference import grouped_gemm_reference
 
     counts, dt = COUNTS[counts_name], _dtype(device)
@@ -115,6 +115,7 @@ def check_gemm(device: str, counts_name: str, trans_w: bool) -> None:
         gy.double(),
     )
     ran = []
+    GEMM_BACKENDS.load_gpu()  # the Triton backend, as the first CUDA pick registers it
     for be in ops.gemm_backends():
         try:
             pick_gemm_backend(be, x.to(dt), w.to(dt))
@@ -141,8 +142,8 @@ def check_moe(device: str, kw: dict) -> None:
 def check_fused_mlp(device: str) -> None:
     """ops.expert_mlp on every backend that runs the tensors, with each row-op set."""
     from dropless import ops
-    from dropless.ops import row_ops
-    from dropless.ops.dispatch import pick_gemm_backend
+    from dropless.ops.grouped_gemm import GEMM_BACKENDS, pick_gemm_backend
+    from dropless.ops.permute import row_ops
     from dropless.ops.reference import expert_mlp_reference
 
     dt = _dtype(device)
@@ -158,6 +159,8 @@ def check_fused_mlp(device: str) -> None:
         [t.double() for t in leaves],
         g_out.double(),
     )
+    GEMM_BACKENDS.load_gpu()  # the Triton entries, as the first CUDA pick registers them
+    row_ops.ROW_OPS.load_gpu()
     row_sets = [[]] + ([["triton"]] if "triton" in row_ops._ROW_OPS else [])
     for backend in ops.gemm_backends():
         try:

@@ -14,9 +14,9 @@ from families import FAMILIES, MORE_FAMILIES, build, clone_into
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dropless.hf as dh
-from dropless.ops.fused_mlp import _GroupedMLP
-from dropless.ops.grouped_gemm import _GroupedGemm
-from dropless.ops.loop_mlp import _LoopMLP
+from dropless.ops.expert_mlp.fused_mlp import _GroupedMLP
+from dropless.ops.expert_mlp.loop_mlp import _LoopMLP
+from dropless.ops.grouped_gemm.eager import _GroupedGemm
 
 VOCAB = 96
 ALL = FAMILIES + MORE_FAMILIES

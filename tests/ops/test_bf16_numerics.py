@@ -11,9 +11,9 @@ the whole fused MLP in bf16 against the fp64 reference, with bf16 tolerances.
 import torch
 
 from dropless import ops
-from dropless.ops.fused_mlp import fused_mlp
+from dropless.ops.expert_mlp.fused_mlp import fused_mlp
+from dropless.ops.permute.row_ops import EAGER
 from dropless.ops.reference import expert_mlp_reference
-from dropless.ops.row_ops import EAGER
 
 BF16 = torch.bfloat16
 

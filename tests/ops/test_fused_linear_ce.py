@@ -11,8 +11,8 @@ from test_linear_cross_entropy import _inputs
 
 from dropless.ops import linear_cross_entropy
 from dropless.ops import reference as ref
-from dropless.ops.cross_entropy_rows import ce_rows_eager
 from dropless.ops.linear_cross_entropy import LOGITS_BUFFER_BYTES, fused_chunk_size
+from dropless.ops.linear_cross_entropy.rows import ce_rows_eager
 
 CASES = {
     # name: (T, D, V, chunk, fraction of labels ignored, label smoothing)
@@ -214,10 +214,11 @@ def test_fused_under_autocast_computes_in_the_autocast_dtype():
 
 
 def test_cpu_logits_take_the_eager_row_op():
-    """The Triton row op is registered (by `import dropless`) but never picked for CPU
-    tensors, not even where the interpreter could run it."""
-    import dropless.kernels  # noqa: F401
-    from dropless.ops.cross_entropy_rows import ce_rows_names, pick_ce_rows
+    """The Triton row op registers on the first pick for a CUDA tensor; registered, it is
+    never picked for CPU tensors, not even where the interpreter could run it."""
+    from dropless.ops.linear_cross_entropy.rows import CE_ROWS, ce_rows_names, pick_ce_rows
 
+    assert pick_ce_rows(torch.empty(2, 3)).name == "eager"
+    CE_ROWS.load_gpu()
     assert ce_rows_names()[:1] == ["triton"] and "eager" in ce_rows_names()
     assert pick_ce_rows(torch.empty(2, 3)).name == "eager"

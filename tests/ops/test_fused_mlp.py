@@ -9,7 +9,8 @@ import torch
 from dropless import ops
 from dropless.ops import dispatch
 from dropless.ops.expert_mlp import _composed_mlp
-from dropless.ops.fused_mlp import fused_mlp, pick_mlp_path
+from dropless.ops.expert_mlp.fused_mlp import fused_mlp, pick_mlp_path
+from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference
 
 
@@ -285,7 +286,7 @@ def test_recipe_keeps_the_composed_path():
 
     def gemm(x_SD, w, counts, bias, trans_w, recipe):
         calls.append(x_SD.shape)
-        return dispatch.pick_gemm_backend("loop", x_SD, w).mm(x_SD, w, counts, trans_w)
+        return backends.pick_gemm_backend("loop", x_SD, w).mm(x_SD, w, counts, trans_w)
 
     class Recipe:
         kind = "test-fastpath-recipe"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dropless.ops import sort_by_expert
-from dropless.ops.fused_mlp import fused_mlp
-from dropless.ops.mlp_plan import plan_expert_mlp
+from dropless.ops.expert_mlp.fused_mlp import fused_mlp
+from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 
@@ -157,10 +157,10 @@ def test_grouped_path_frees_h_before_its_weight_gradients(monkeypatch, kind):
     """The grouped path's h is freed by its last reader, the activation backward, so it
     is gone when the weight-gradient GEMMs run (a spy backend checks at each call); with
     retain_graph it is kept."""
-    from dropless.ops import dispatch
-    from dropless.ops.dispatch import GemmBackend
+    from dropless.ops.grouped_gemm import backends
+    from dropless.ops.grouped_gemm.backends import GemmBackend
 
-    loop, kept, at_wgrad = dispatch._BACKENDS["loop"], [], []
+    loop, kept, at_wgrad = backends._BACKENDS["loop"], [], []
 
     def mm(a, b, counts, trans_b, out=None):
         y = loop.mm(a, b, counts, trans_b)
@@ -172,7 +172,7 @@ def test_grouped_path_frees_h_before_its_weight_gradients(monkeypatch, kind):
         return loop.wgrad(a, b, counts)
 
     spy = GemmBackend("test_spy", mm, wgrad, supports=lambda a, b: True, priority=-1)
-    monkeypatch.setitem(dispatch._BACKENDS, "test_spy", spy)
+    monkeypatch.setitem(backends._BACKENDS, "test_spy", spy)
     T, E, K, D, F, opt = CASES["swiglu"]
     x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
     leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from dropless.ops import gemm_tuning
-from dropless.ops.gemm_tuning import GemmTuner, cache_path, shape_key
+from dropless.ops.expert_mlp import gemm_tuning
+from dropless.ops.expert_mlp.gemm_tuning import GemmTuner, cache_path, shape_key
 
 ENV = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}
 
@@ -157,13 +157,13 @@ def test_tune_gathered_picks_each_gemms_fastest_backend(tmp_path, monkeypatch):
     """Two spy backends: "fast_mm" wins the plain and gather+mm GEMMs, "fast_wgrad" the
     weight gradients; each candidate really runs its backend (the fake timer reads which
     one ran), and the choice is per GEMM."""
-    from dropless.ops import dispatch
-    from dropless.ops.dispatch import GemmBackend
-    from dropless.ops.gathered_mlp import tune_gathered
-    from dropless.ops.row_ops import EAGER
+    from dropless.ops.expert_mlp.gathered_mlp import tune_gathered
+    from dropless.ops.grouped_gemm import backends
+    from dropless.ops.grouped_gemm.backends import GemmBackend
+    from dropless.ops.permute.row_ops import EAGER
     from dropless.ops.specs import ActivationConfig
 
-    loop, ran = dispatch._BACKENDS["loop"], []
+    loop, ran = backends._BACKENDS["loop"], []
 
     def spy(name):
         def mm(a, b, counts, trans_b, out=None):
@@ -198,8 +198,8 @@ def test_tune_gathered_picks_each_gemms_fastest_backend(tmp_path, monkeypatch):
 def test_without_timing_only_cached_picks_are_read(tmp_path):
     """What the plan does while compiling or under a Python mode (fake tensors, FLOP
     counters): no candidate runs; cached GEMMs keep their pick, the others get None."""
-    from dropless.ops.gathered_mlp import tune_gathered
-    from dropless.ops.row_ops import EAGER
+    from dropless.ops.expert_mlp.gathered_mlp import tune_gathered
+    from dropless.ops.permute.row_ops import EAGER
     from dropless.ops.specs import ActivationConfig
 
     def timer(fn):

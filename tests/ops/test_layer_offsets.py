@@ -15,11 +15,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.ops.expert_mlp import expert_mlp, grouped_mlp
-from dropless.ops.fused_mlp import fused_mlp
+from dropless.ops.expert_mlp.fused_mlp import fused_mlp
 from dropless.ops.grouped_gemm import grouped_gemm
 from dropless.ops.permute import permute, sort_by_expert
 
-gg = sys.modules["dropless.ops.grouped_gemm"]  # the package exports the function of that name
+gg = sys.modules["dropless.ops.grouped_gemm.eager"]  # the package exports the function of that name
 
 T, K, E, D, F = 12, 2, 4, 8, 8  # 8 fp32 features: 32-byte rows, what grouped_mm needs
 
@@ -112,7 +112,10 @@ def test_results_bitwise_equal_to_per_gemm_offsets(path, monkeypatch):
     """The shared offsets change no bit: the same step with every GEMM computing its own
     offsets (binding switched off, what the backends do without `offs`) gives the same."""
     shared, _ = _layer(path)
-    for module in (gg, *(sys.modules[f"dropless.ops.{m}"] for m in ("fused_mlp", "gathered_mlp"))):
+    for module in (
+        gg,
+        *(sys.modules[f"dropless.ops.expert_mlp.{m}"] for m in ("fused_mlp", "gathered_mlp")),
+    ):
         monkeypatch.setattr(module, "bind_offsets", lambda be, *a, **k: be)
     own, _ = _layer(path)
     for a, b in zip(shared, own):
@@ -136,7 +139,7 @@ def test_grouped_gemm_computes_offsets_once(offs_seen):
 def test_bind_offsets_leaves_other_backends_alone():
     """Backends that do not take offsets (loop, triton: their kernels read the counts)
     come back as they are; the bound one no longer advertises `offsets`."""
-    from dropless.ops.dispatch import _BACKENDS
+    from dropless.ops.grouped_gemm.backends import _BACKENDS
 
     loop, gmm = _BACKENDS["loop"], _BACKENDS["grouped_mm"]
     assert gg.bind_offsets(loop, [1, 2]) is loop

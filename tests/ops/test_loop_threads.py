@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dropless import ops
-from dropless.ops import expert_threads, loop_mlp
+from dropless.ops.expert_mlp import expert_threads, loop_mlp
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 

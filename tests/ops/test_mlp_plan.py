@@ -12,8 +12,9 @@ from sync_counter import count_syncs
 import dropless
 from dropless import ops
 from dropless.ops import dispatch
-from dropless.ops.dispatch import GemmBackend
-from dropless.ops.mlp_plan import plan_expert_mlp
+from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+from dropless.ops.grouped_gemm import backends
+from dropless.ops.grouped_gemm.backends import GemmBackend
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 
@@ -47,10 +48,10 @@ def test_the_backend_must_run_both_projections(monkeypatch):
     """auto (a non-CPU device: the grouped path) takes the best backend that runs gate_up
     AND down; one that runs only gate_up is passed over, and so are its device counts."""
     up_only = GemmBackend(
-        "test_up_only", dispatch._BACKENDS["loop"].mm, dispatch._BACKENDS["loop"].wgrad,
+        "test_up_only", backends._BACKENDS["loop"].mm, backends._BACKENDS["loop"].wgrad,
         supports=lambda a, b: b.shape[-1] == 16, priority=100, device_counts=True,
     )  # fmt: skip
-    monkeypatch.setitem(dispatch._BACKENDS, "test_up_only", up_only)
+    monkeypatch.setitem(backends._BACKENDS, "test_up_only", up_only)
     x, gu, dn = _operands("meta", D=16, F=8)
     plan = plan_expert_mlp(x, gu, dn, SWIGLU)
     assert plan.path == "grouped" and plan.backend.name == "loop" and not plan.device_counts
@@ -104,9 +105,9 @@ def test_an_unknown_path_is_refused():
 def test_a_backend_that_declares_device_counts_gets_no_host_sync(monkeypatch):
     """The capability, not the name: a backend other than grouped_mm that takes device
     counts (as Triton's does) runs the layer without reading the counts on the host."""
-    gmm = dispatch._BACKENDS["grouped_mm"]
+    gmm = backends._BACKENDS["grouped_mm"]
     other = GemmBackend("test_device_counts", gmm.mm, gmm.wgrad, gmm.supports, -1, True)
-    monkeypatch.setitem(dispatch._BACKENDS, "test_device_counts", other)
+    monkeypatch.setitem(backends._BACKENDS, "test_device_counts", other)
     moe = dropless.MoE(16, 8, 6, 2, backend="test_device_counts")
     x = torch.randn(2, 5, 16, requires_grad=True)
     out, aux = moe(x)  # first call: lazy registrations, caches
@@ -117,9 +118,9 @@ def test_a_backend_that_declares_device_counts_gets_no_host_sync(monkeypatch):
 
 
 def test_the_device_counts_path_matches_the_reference(monkeypatch):
-    gmm = dispatch._BACKENDS["grouped_mm"]
+    gmm = backends._BACKENDS["grouped_mm"]
     other = GemmBackend("test_device_counts", gmm.mm, gmm.wgrad, gmm.supports, -1, True)
-    monkeypatch.setitem(dispatch._BACKENDS, "test_device_counts", other)
+    monkeypatch.setitem(backends._BACKENDS, "test_device_counts", other)
     g = torch.Generator().manual_seed(3)
     x, gu, dn = (torch.randn(s, generator=g) for s in ((7, 16), (4, 16, 16), (4, 16, 8)))
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(7)])

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dropless.ops import loop_mlp
+from dropless.ops.expert_mlp import loop_mlp
 from dropless.ops.replay import _frame_class, checkpoint_state
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.hf import shard_hf_experts
 from dropless.nn import MoE
-from dropless.ops.fused_mlp import _GroupedMLP
-from dropless.ops.grouped_gemm import _GroupedGemm
-from dropless.ops.loop_mlp import _LoopMLP
+from dropless.ops.expert_mlp.fused_mlp import _GroupedMLP
+from dropless.ops.expert_mlp.loop_mlp import _LoopMLP
+from dropless.ops.grouped_gemm.eager import _GroupedGemm
 from dropless.parallel import ParallelConfig, build_mesh, comm, shard_moe_experts
 
 BF16 = torch.bfloat16

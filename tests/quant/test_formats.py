@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from dropless.ops.quantize import reference as ref
 from dropless.quant import formats as fm
-from dropless.quant import reference as ref
 from dropless.quant.gemm import _History
 from dropless.quant.recipe import DelayedScaling
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import dropless
-from dropless.ops import row_ops, sort_by_expert, swiglu
+from dropless.ops import sort_by_expert, swiglu
 from dropless.ops.grouped_gemm import grouped_gemm
+from dropless.ops.permute import row_ops
 from dropless.quant import (
     DelayedScaling,
     Float8CurrentScaling,

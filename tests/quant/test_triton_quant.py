@@ -1,4 +1,4 @@
-"""The one-pass Triton FP8 casts (`quant/triton_quant.py`) against the torch forms.
+"""The one-pass Triton FP8 casts (`ops/quantize/triton_quant.py`) against the torch forms.
 
 Under TRITON_INTERPRET=1 in the interpreted child process (tests/interpreted.py, the
 variable set before triton is imported), every case compares bytes: the kernels must give exactly
@@ -72,8 +72,8 @@ def _torch_cast(x, scale):
 
 
 def check(case: str, device: str = "cpu") -> None:
+    from dropless.ops.quantize import triton_quant as tq
     from dropless.quant import formats as fm
-    from dropless.quant import triton_quant as tq
 
     if case == "e4m3_decode_exhaustive":
         q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(8, 32)
@@ -168,7 +168,7 @@ def check(case: str, device: str = "cpu") -> None:
         assert out.tolist() == [[(300_000 + i) * 8192 + j for j in range(2)] for i in range(4)]
     elif case == "mx_block_is_formats_block":
         # the kernels' tile width is written where triton lives, apart from formats.py
-        from dropless.quant.triton_fp8 import MX_BLOCK
+        from dropless.ops.quantize.triton_fp8 import MX_BLOCK
 
         assert MX_BLOCK == fm.BLOCK == 32
     elif case == "dispatch_moe_steps":

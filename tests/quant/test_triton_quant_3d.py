@@ -18,8 +18,8 @@ def _torch_cast(x, scale):
 
 
 def check(case: str, device: str = "cpu") -> None:
+    from dropless.ops.quantize.triton_quant import scale_cast
     from dropless.quant import formats as fm
-    from dropless.quant.triton_quant import scale_cast
 
     g = torch.Generator().manual_seed(CASES.index(case))
     x = torch.randn(3, 20, 40, generator=g) * 50

@@ -24,7 +24,7 @@ def _inputs(S, F, seed):
 
 
 def check(case: str, device: str = "cpu") -> None:
-    from dropless.ops.activations import act_bwd_eager
+    from dropless.ops.activation.eager import act_bwd_eager
     from dropless.quant import formats as fm
     from dropless.quant.triton_swiglu_bwd_quant import swiglu_bwd_quant
 

@@ -1,4 +1,4 @@
-"""The Triton activation math (`dropless.kernels.activations`) against the reference.
+"""The Triton activation math (`dropless.ops.activation.activation_kernels`) against the reference.
 
 Every kind's forward and derivative: the gated forms through the row kernels that call
 `activations.glu` (`swiglu_fwd` / `swiglu_bwd`), the elementwise f and f' through a
@@ -37,7 +37,7 @@ def _elementwise_kernel():
     import triton
     import triton.language as tl
 
-    from dropless.kernels import activations
+    from dropless.ops.activation import activation_kernels as activations
 
     globals()["activations"] = activations  # jit functions resolve names in module globals
 
@@ -77,7 +77,7 @@ def _check_elementwise(kind: str, N: int, device: str) -> None:
 
 
 def _check_gated(kind, S, F, interleaved, dtype, device) -> None:
-    from dropless import kernels
+    from dropless.ops.activation import swiglu_kernels as kernels
 
     gen = torch.Generator().manual_seed(S * 100 + F)
     h_S2F = (torch.randn(S, 2 * F, generator=gen) * 2).to(dtype)
@@ -108,8 +108,8 @@ def check(case, device: str) -> None:
         # every built-in torch kind has its Triton math (registered elementwise
         # functions are the caller's Python and stay on the torch path)
         import dropless  # noqa: F401 - registers the built-in kinds
-        from dropless.kernels.activations import ELEMENTWISE_KINDS, KINDS
-        from dropless.ops.activations import REGISTERED
+        from dropless.ops.activation.activation_kernels import ELEMENTWISE_KINDS, KINDS
+        from dropless.ops.activation.eager import REGISTERED
         from dropless.ops.specs import ACTIVATION_KINDS
 
         assert set(KINDS) == set(ACTIVATION_KINDS) - set(REGISTERED), KINDS

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dropless.kernels as kernels
-from dropless.ops import gemm_backends, grouped_gemm
-from dropless.ops.dispatch import pick_gemm_backend
+from dropless.ops import gemm_backends, grouped_gemm, registry
+from dropless.ops.grouped_gemm import GEMM_BACKENDS, pick_gemm_backend
+from dropless.ops.permute.row_ops import registered_row_ops
 
 
 def test_runs_without_triton_and_loads_no_kernels_on_cpu(import_check):
@@ -25,15 +25,15 @@ def test_runs_without_triton_and_loads_no_kernels_on_cpu(import_check):
 def test_available_is_false_for_cpu_tensors(monkeypatch):
     x = torch.randn(3, 4)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter is never picked at run time
-    assert kernels.available(x) is False
+    assert registry.cuda_with_triton(x) is False
     if not torch.cuda.is_available():
-        assert kernels.available() is False
+        assert registry.cuda_with_triton() is False
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_auto_never_picks_triton_on_cpu(dtype):
     x_SD, w_END = torch.randn(6, 16, dtype=dtype), torch.randn(2, 16, 16, dtype=dtype)
-    kernels.register_backend()
+    GEMM_BACKENDS.load_gpu()  # what the first pick for a CUDA operand does
     assert "triton" in gemm_backends()
     assert pick_gemm_backend(None, x_SD, w_END).name != "triton"
     assert pick_gemm_backend("auto", x_SD, w_END).name != "triton"
@@ -46,12 +46,11 @@ def test_naming_triton_on_cpu_raises():
 
 
 def test_kernel_functions_without_triton_name_the_extra(monkeypatch):
-    monkeypatch.setattr(kernels, "_TRITON_OK", False)
-    assert kernels.available(torch.randn(2)) is False
+    monkeypatch.setattr(registry, "_TRITON_OK", [False])
+    assert registry.cuda_with_triton(torch.randn(2)) is False
+    x = torch.randn(3, 4)
     with pytest.raises(ImportError, match=r"pip install 'dropless\[triton\]'"):
-        kernels.permute  # noqa: B018
-    with pytest.raises(AttributeError):
-        kernels.not_a_kernel  # noqa: B018
+        registered_row_ops("triton").gather_rows(x, torch.arange(3))
 
 
 @pytest.mark.gpu
@@ -59,6 +58,6 @@ def test_kernel_functions_without_triton_name_the_extra(monkeypatch):
 def test_auto_picks_triton_for_cuda_fp32():
     x_SD = torch.randn(6, 16, device="cuda")
     w_END = torch.randn(2, 16, 16, device="cuda")
-    if kernels.triton_importable():
-        assert kernels.available(x_SD)
+    if registry.triton_importable():
+        assert registry.cuda_with_triton(x_SD)
         assert pick_gemm_backend(None, x_SD, w_END).name == "triton"

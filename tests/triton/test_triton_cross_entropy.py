@@ -41,8 +41,8 @@ def _inputs(T, D, V, ignored, bias, device, seed):
 
 def _check_rows(case, device):
     """The kernel alone: loss and in-place gradient equal the eager row op's."""
-    from dropless.kernels.cross_entropy_kernels import ce_rows
-    from dropless.ops.cross_entropy_rows import ce_rows_eager
+    from dropless.ops.linear_cross_entropy.cross_entropy_kernels import ce_rows
+    from dropless.ops.linear_cross_entropy.rows import ce_rows_eager
 
     T, _, V, _, ignored, smoothing, _, _ = case
     g = torch.Generator().manual_seed(T * 7 + V)
@@ -60,12 +60,12 @@ def _check_rows(case, device):
 
 
 def check(case, device: str) -> None:
-    from dropless.kernels.cross_entropy_kernels import ce_rows
-    from dropless.ops.cross_entropy_rows import CERows
     from dropless.ops.linear_cross_entropy import (
         fused_linear_cross_entropy,
         linear_cross_entropy,
     )
+    from dropless.ops.linear_cross_entropy.cross_entropy_kernels import ce_rows
+    from dropless.ops.linear_cross_entropy.rows import CERows
 
     _check_rows(case, device)
     T, D, V, chunk, ignored, smoothing, bias, reduction = case

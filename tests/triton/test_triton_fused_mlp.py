@@ -32,7 +32,7 @@ CASES = {
 @contextlib.contextmanager
 def _row_ops(impl):
     """Make `impl` what every row-op pick returns: registered first, for any tensor."""
-    from dropless.ops import row_ops
+    from dropless.ops.permute import row_ops
 
     real = dict(row_ops._ROW_OPS)
     row_ops.register_row_ops(
@@ -47,7 +47,7 @@ def _row_ops(impl):
 
 def _run(impl, device, T, E, K, D, F, opt, seed=0):
     from dropless.ops import sort_by_expert
-    from dropless.ops.fused_mlp import fused_mlp
+    from dropless.ops.expert_mlp.fused_mlp import fused_mlp
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=gen)
@@ -85,10 +85,10 @@ def _run(impl, device, T, E, K, D, F, opt, seed=0):
 
 
 def check(case, device: str) -> None:
-    from dropless import kernels
-    from dropless.ops.row_ops import EAGER
+    from dropless.ops.permute.gpu import triton_row_ops
+    from dropless.ops.permute.row_ops import EAGER
 
-    got = _run(kernels.triton_row_ops(), device, *case)
+    got = _run(triton_row_ops(), device, *case)
     want = _run(EAGER, "cpu", *case)
     names = ["out", "x", "w_TK", "gate_up", "down", "gate_up_bias", "down_bias"]
     for name, a, b in zip(names, got, want):

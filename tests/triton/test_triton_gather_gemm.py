@@ -1,4 +1,4 @@
-"""The row-gathering grouped GEMMs (kernels/gather_gemm_kernels.py) against torch math in
+"""The row-gathering grouped GEMMs (ops/expert_mlp/gather_gemm_kernels.py) against torch math in
 fp32, raw and as the six GEMMs of the "gathered" expert path against the reference MLP
 (forward, dx, d gate_up, d down, d routing weights).
 
@@ -64,7 +64,7 @@ def _per_expert(a, w, counts, trans):
 
 
 def _raw(case, device):
-    from dropless.kernels import gather_gemm_kernels as gk
+    from dropless.ops.expert_mlp import gather_gemm_kernels as gk
 
     counts, T, D, F, opt = case
     E, S = len(counts), sum(counts)
@@ -89,7 +89,7 @@ def _raw(case, device):
 
 
 def _raw_checks(gk, counts, dev, x, idx, g, gu, dn, p, trans, kind, il):
-    from dropless.ops.activations import act_bwd_eager, act_fwd_eager
+    from dropless.ops.activation.eager import act_bwd_eager, act_fwd_eager
 
     E, device = len(counts), dev[0].device
     act = dict(interleaved=il, activation=kind, limit=1.5)
@@ -120,8 +120,8 @@ def _raw_checks(gk, counts, dev, x, idx, g, gu, dn, p, trans, kind, il):
 def _all_fused(plan):
     """The "gathered" plan from a grouped one, every GEMM that has a fused kernel on it
     (without tuning; the registry offers the kernels for CUDA tensors only: here for any)."""
-    from dropless.kernels import triton_gather_kernels
-    from dropless.ops.gathered_mlp import FUSED, GEMMS, gathered_gemms
+    from dropless.ops.expert_mlp.gathered_mlp import FUSED, GEMMS, gathered_gemms
+    from dropless.ops.expert_mlp.gpu import triton_gather_kernels
 
     kernels = dataclasses.replace(triton_gather_kernels(), supports=lambda x, w: True)
     plain = plan.backend.name
@@ -133,8 +133,8 @@ def _all_fused(plan):
 
 def _mlp(case, device):
     from dropless.ops import sort_by_expert
-    from dropless.ops.fused_mlp import fused_mlp
-    from dropless.ops.mlp_plan import plan_expert_mlp
+    from dropless.ops.expert_mlp.fused_mlp import fused_mlp
+    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
     from dropless.ops.reference import expert_mlp_reference
     from dropless.ops.specs import ActivationConfig
 
@@ -169,7 +169,8 @@ def check(case, device: str) -> None:
         return _raw(c, device)
     if what == "mlp":
         return _mlp(c, device)
-    from dropless.kernels import GATHER_KINDS, activations
+    from dropless.ops.activation import activation_kernels as activations
+    from dropless.ops.expert_mlp.gpu import GATHER_KINDS
 
     assert GATHER_KINDS == activations.KINDS
 

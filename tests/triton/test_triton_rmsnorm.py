@@ -28,8 +28,8 @@ EPS = 1e-6
 
 
 def check(case, device: str) -> None:
-    from dropless.kernels.rmsnorm_kernels import rms_norm
     from dropless.ops.reference import rms_norm_reference
+    from dropless.ops.rmsnorm.rmsnorm_kernels import rms_norm
 
     R, D, with_res, res_grad, *dtype = case
     dtype = dtype[0] if dtype else torch.float32

@@ -85,8 +85,8 @@ def _bias(E, mode, gen):
 
 
 def _route_check(T, E, K, fields, mode, device):
-    from dropless.kernels import routing_kernels as rk
     from dropless.ops.reference import route_reference
+    from dropless.ops.routing import routing_kernels as rk
 
     routing = RoutingConfig(**fields)
     gen = torch.Generator().manual_seed(T * 1000 + E * 10 + K)
@@ -136,13 +136,13 @@ def _loss(w, s, g_w, g_s):
 def _aux_check(T, E, K, fields, mode, device):
     """route_with_aux: the kernel's fused loss inputs against the torch losses (values
     and gradients through weights, scores, the load-balancing and the z loss together)."""
-    from dropless.kernels import routing_kernels as rk
     from dropless.ops.losses import (
         load_balancing_loss_from_mean,
         load_balancing_loss_global,
         z_loss,
     )
     from dropless.ops.routing import route_with_aux
+    from dropless.ops.routing import routing_kernels as rk
 
     routing = RoutingConfig(**fields)
     gen = torch.Generator().manual_seed(T * 1000 + E * 10 + K + 7)
@@ -183,8 +183,8 @@ def _replay_check(device):
     and backward does not move the gradient."""
     from torch.utils.checkpoint import checkpoint
 
-    from dropless.kernels import routing_kernels as rk
     from dropless.ops import routing as R
+    from dropless.ops.routing import routing_kernels as rk
 
     calls = []
 
@@ -245,9 +245,9 @@ def _check_tie_rule(ids_TK, logits_TE, K, routing):
 
 
 def _sort_check(T, E, K, mode, device):
-    from dropless.kernels import routing_kernels as rk
     from dropless.ops import permute, sort_by_expert, unpermute
     from dropless.ops.reference import permute_reference
+    from dropless.ops.routing import routing_kernels as rk
 
     gen = torch.Generator().manual_seed(T * 100 + E * 10 + K)
     ids = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
@@ -318,10 +318,10 @@ def test_cuda(name):
 
 
 def test_registered_and_never_picked_for_cpu_tensors():
-    import dropless.kernels  # noqa: F401  (registers "triton")
     from dropless.ops import route, sort_by_expert
-    from dropless.ops.routing import pick_routing_kernels, routing_kernel_names
+    from dropless.ops.routing import ROUTING, pick_routing_kernels, routing_kernel_names
 
+    ROUTING.load_gpu()  # what the first pick for a CUDA tensor does
     assert routing_kernel_names()[:1] == ["reference"] and "triton" in routing_kernel_names()
     logits = torch.randn(4, 6)
     assert pick_routing_kernels(logits) is None
@@ -350,7 +350,6 @@ def test_fake_cuda_tensors_take_the_torch_path():
     ops: a kernel would read memory a fake tensor does not have."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import dropless.kernels  # noqa: F401  (registers "triton")
     from dropless.ops import sort_by_expert
     from dropless.ops.routing import pick_routing_kernels, route_with_aux
 

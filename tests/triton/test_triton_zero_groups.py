@@ -24,8 +24,8 @@ CASES = {
 
 
 def check(case, device: str) -> None:
-    from dropless.kernels.group_kernels import zero_groups
-    from dropless.ops.row_ops import zero_groups_eager
+    from dropless.ops.grouped_gemm.group_kernels import zero_groups
+    from dropless.ops.permute.row_ops import zero_groups_eager
 
     E, M, N, empty = case
     gen = torch.Generator().manual_seed(E * 100 + M)

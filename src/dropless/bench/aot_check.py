@@ -135,7 +135,7 @@ def planned_kernels() -> list[str]:
 def _gemm_jobs(d: str, bk: int, prec: str) -> list[Job]:
     """The grouped GEMM (`_mm_config`: both weight layouts, both row tiles) and its weight
     gradient; y and the weight gradient are fresh contiguous tensors (unit last stride)."""
-    from ..kernels import gemm_kernels as G
+    from ..ops.grouped_gemm import gemm_kernels as G
 
     gmm = {"a_ptr": d, "b_ptr": d, "y_ptr": d, "cnt_ptr": "*i32"}
     tiles = dict(BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec)
@@ -155,7 +155,7 @@ def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
     takes: the other layout is gpt_oss's, whose biases keep it off the path), read with
     pointer loads or, on sm_90+, through TMA descriptors; the weight gradients gather
     either operand (down: dy, up: x). Indices are the counting sort's int32 token_S."""
-    from ..kernels import gather_gemm_kernels as K
+    from ..ops.expert_mlp import gather_gemm_kernels as K
 
     tiles = dict(BLOCK_M=128, BLOCK_M_TAIL=64, BLOCK_N=64, BLOCK_K=bk, BLOCK_E=128)
     base = dict(HAS_INDEX=True, HAS_P=True, INTERLEAVED=False, KIND="swiglu", PRECISION=prec)
@@ -190,18 +190,18 @@ def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
 
 
 def _row_jobs(d: str) -> list[Job]:
-    """Memory-bound row kernels at the tiles `_common.row_blocks` picks for 1,024+ columns
+    """Memory-bound row kernels at the tiles `ops/_triton.row_blocks` picks for 1,024+ columns
     (2 rows x 1,024 columns, 4 warps; SwiGLU backward: 4 x 512; the routing-weight dot:
     16 pairs x 256; the cross-entropy's own 1 x 4,096 at 8 warps): permute and combine
     (indices: the counting sort's int32), SwiGLU backward for every activation kind of
     `activations.KINDS` (each kind is its own code), cross-entropy, RMSNorm, the zeroing
     of empty groups."""
-    from ..kernels import cross_entropy_kernels as X
-    from ..kernels import group_kernels as Z
-    from ..kernels import permute_kernels as P
-    from ..kernels import rmsnorm_kernels as R
-    from ..kernels import swiglu_kernels as W
-    from ..kernels.activations import KINDS
+    from ..ops.activation import swiglu_kernels as W
+    from ..ops.activation.activation_kernels import KINDS
+    from ..ops.grouped_gemm import group_kernels as Z
+    from ..ops.linear_cross_entropy import cross_entropy_kernels as X
+    from ..ops.permute import permute_kernels as P
+    from ..ops.rmsnorm import rmsnorm_kernels as R
 
     rows = dict(BLOCK_R=2, BLOCK_N=1024)
     jobs = [
@@ -239,7 +239,7 @@ def _routing_jobs(d: str) -> list[Job]:
     16; 4 warps) and the counting sort at `_sort_blocks`' (128 pairs, 128 buckets, 64 rows
     per scan chunk). K (top-k, 8) is not a multiple of 16; without groups G and
     TOPK_GROUP are 1, which the JIT folds."""
-    from ..kernels import routing_kernels as R
+    from ..ops.routing import routing_kernels as R
 
     fwd = {"logits_ptr": d, "bias_ptr": "*fp32", "given_ptr": "*i64", "w_ptr": "*fp32",
            "ids_ptr": "*i64", "scores_ptr": "*fp32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32",
@@ -273,7 +273,7 @@ def _routing_jobs(d: str) -> list[Job]:
 
 
 def _quant_jobs(d: str) -> list[Job]:
-    """The FP8 casts (`quant/triton_quant.py`) and the fused SwiGLU + FP8 kernels, forward
+    """The FP8 casts (`ops/quantize/triton_quant.py`) and the fused SwiGLU + FP8 kernels, forward
     (`triton_swiglu_quant.py`) and backward (`triton_swiglu_bwd_quant.py`), at their
     wrappers' default tiles (num_warps and num_stages: the JIT's defaults). Their FP8 and
     E8M0 bytes are written and read through uint8 pointers (the E4M3 encoding is integer
@@ -281,7 +281,7 @@ def _quant_jobs(d: str) -> list[Job]:
     as for sm_90. The casts take 2-D contiguous tensors (unit column strides), except the
     MX quantization of grouped columns (`quantize_mx_groups`), which reads a transposed
     view (unit row stride); M (rows: tokens) is not a multiple of 16 there."""
-    from ..quant import triton_quant as Q
+    from ..ops.quantize import triton_quant as Q
     from ..quant import triton_swiglu_bwd_quant as B
     from ..quant import triton_swiglu_quant as S
 

@@ -46,8 +46,9 @@ def variant_context(name: str):
 @contextlib.contextmanager
 def _eager_row_ops():
     """The Triton row ops unregistered for the block, so the pick falls to the eager ones."""
-    from dropless.ops import row_ops
+    from dropless.ops.permute import row_ops
 
+    row_ops.ROW_OPS.load_gpu()  # registered on the first CUDA pick: register it, then hide it
     saved = row_ops._ROW_OPS.pop("triton", None)
     try:
         yield

@@ -2,7 +2,7 @@
 
 Support is decided from the module's behaviour, never from its family name:
 
-1. `act_fn` is mapped to an activation kind of `dropless.ops.activations` by what it
+1. `act_fn` is mapped to an activation kind of `dropless.ops.activation.eager` by what it
    is (SiLU, exact GELU, tanh GELU, ReLU^2); any other parameter-free elementwise
    `act_fn` is registered as a kind of its own (derivative by autograd in backward).
 2. Candidate fused forms (each kind, concatenated or interleaved, the clamped SwiGLU
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.activations import REGISTERED, register_elementwise
+from ..ops.activation.eager import REGISTERED, register_elementwise
 from ..ops.reference import activation_reference
 
 _PROBE_ROWS, _PROBE_F = 6, 8

@@ -9,9 +9,9 @@ import math
 import torch
 from torch import nn
 
+from ..ops.activation.swiglu import check_supported
 from ..ops.expert_mlp import expert_mlp, grouped_mlp
 from ..ops.specs import ActivationConfig, as_activation
-from ..ops.swiglu import check_supported
 
 
 class GroupedExperts(nn.Module):

@@ -1,24 +1,27 @@
-"""Functional MoE ops with autograd; each has a pure-torch reference in `reference.py`.
+"""Functional MoE ops with autograd, one folder per op: `routing/`, `permute/`,
+`grouped_gemm/`, `activation/`, `expert_mlp/`, `linear_cross_entropy/`, `rmsnorm/`,
+`quantize/`. Each holds its pure-torch reference (`reference.py`, the specification;
+`reference.py` here gathers them), its eager form, its Triton kernels beside the torch
+code they replace, its autograd, and its registration into the one generic registry
+of `registry.py`. The Triton entries register on the first pick for a CUDA tensor:
+importing `dropless.ops` imports no triton and registers no GPU backend.
 
-The grouped-GEMM backend registry and the active low-precision recipe live in
-`dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
+The active low-precision recipe lives in `dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
 `ActivationConfig`) in `specs.py`; the dtype the experts compute in under `torch.autocast`
 in `compute_dtype.py`, and weights converted once per optimizer step (`cached_cast`) in
 `weight_cache.py`.
 """
 
+from .activation.swiglu import expert_activation, swiglu
 from .dispatch import (
-    GemmBackend,
-    gemm_backends,
     get_recipe,
-    register_gemm_backend,
     register_recipe_gemm,
     register_recipe_mlp,
     reset_recipe,
     set_recipe,
 )
 from .expert_mlp import expert_mlp, grouped_mlp
-from .grouped_gemm import grouped_gemm
+from .grouped_gemm import GemmBackend, gemm_backends, grouped_gemm, register_gemm_backend
 from .linear_cross_entropy import linear_cross_entropy
 from .lora import LowRank
 from .losses import (
@@ -32,7 +35,6 @@ from .permute import SortedPairs, gather_sum, permute, sort_by_expert, unpermute
 from .replay import remember, routing_replay
 from .routing import capacity_keep_mask, expert_capacity, route
 from .specs import ActivationConfig, RoutingConfig
-from .swiglu import expert_activation, swiglu
 
 __all__ = [
     "ActivationConfig",

@@ -8,7 +8,7 @@ with A [E, r, in] and B [E, out, r]. The product B_e A_e is never formed: the up
 costs two thin GEMMs per expert ([n, in] x [in, r], [n, r] x [r, out]) and keeps one
 [n, r] intermediate u = x_n A_e^T for backward. The base weight W gets no gradient.
 
-The fused expert Functions (`fused_mlp.py`) take the factors as optional inputs and call
+The fused expert Functions (`expert_mlp/fused_mlp.py`) take the factors as optional inputs and call
 the helpers below: the per-expert ones (`lowrank_fwd`, `lowrank_bwd`) from the loop,
 the whole-S ones (`grouped_lowrank_fwd`, `grouped_lowrank_bwd`) from the grouped path.
 """
@@ -18,10 +18,12 @@ the whole-S ones (`grouped_lowrank_fwd`, `grouped_lowrank_bwd`) from the grouped
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .dispatch import GemmBackend, pick_gemm_backend
+if TYPE_CHECKING:
+    from .grouped_gemm.backends import GemmBackend
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,10 @@ def lowrank_backend(be: GemmBackend, x_SI, lr: LowRank, counts):
     u_probe = x_SI.new_empty(0, lr.rank)
     if be.supports(x_SI, lr.a_ERI) and be.supports(u_probe, lr.b_EOR):
         return be, counts
+    # imported here: `compute_dtype` imports this module, and the grouped-GEMM package
+    # imports `compute_dtype` (a module-level import would run them in a loop)
+    from .grouped_gemm.backends import pick_gemm_backend
+
     loop = pick_gemm_backend("loop", x_SI, lr.a_ERI)
     return loop, counts.tolist() if isinstance(counts, torch.Tensor) else counts
 

@@ -34,10 +34,16 @@ def load_balancing_loss_global(
     return load_balancing_loss_from_mean(mean_normalised_scores(scores_TE), counts_E, num_tokens)
 
 
+def _per_token(scores: torch.Tensor) -> torch.Tensor:
+    """[..., E] scores normalised per token (each row over E sums to 1); what both
+    balancing losses read."""
+    return scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+
+
 def mean_normalised_scores(scores_TE: torch.Tensor) -> torch.Tensor:
     """[E]: the mean over tokens of the scores normalised per token (sum 1), what the
     load-balancing loss reads."""
-    return (scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(0)
+    return _per_token(scores_TE).mean(0)
 
 
 def load_balancing_loss_from_mean(
@@ -64,7 +70,7 @@ def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.
         torch.ones_like(ids_BLK.reshape(B, -1), dtype=scores_BLE.dtype),
     )
     f_BE = hits_BE * (E / (K * L))
-    p_BE = (scores_BLE / scores_BLE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(1)
+    p_BE = _per_token(scores_BLE).mean(1)
     return (f_BE * p_BE).sum(-1).mean()
 
 

@@ -21,6 +21,7 @@ entries an eager call registered before it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import torch
 
 _LOG = logging.getLogger("dropless")
 
-__all__ = ["Registry", "cuda_with_triton", "triton_importable"]
+__all__ = ["Registry", "cuda_with_triton", "lazy", "triton_importable"]
 
 _TRITON_OK: list[bool] = []  # the cached answer of triton_importable, once asked
 
@@ -63,6 +64,23 @@ def cuda_with_triton(t: torch.Tensor | None = None) -> bool:
     """
     on_cuda = torch.cuda.is_available() if t is None else t.is_cuda
     return bool(on_cuda) and triton_importable()
+
+
+def lazy(module: str, fn: str) -> Callable:
+    """`module.fn` (a Triton kernel module's), imported with triton on first call: what a
+    GPU entry registers, so that registering it imports no triton. Without triton the
+    call raises an ImportError naming the extra to install."""
+
+    def call(*args, **kwargs):
+        if not triton_importable():
+            raise ImportError(
+                f"{module}.{fn} needs Triton, which is not installed here; install it with "
+                "`pip install 'dropless[triton]'` (GPU machines only)"
+            )
+        return getattr(importlib.import_module(module), fn)(*args, **kwargs)
+
+    call.__name__ = fn
+    return call
 
 
 def _describe(operands: tuple) -> str:

@@ -12,7 +12,8 @@ a NaN or Inf gets the NaN scale (E8M0 0xFF) and E4M3 NaN elements (0x7F). A row
 whose length is not a multiple of 32 ends in a partial block, scaled as if padded
 with zeros (the data is stored padded to the block size).
 
-`reference.py` holds the pure-torch specification these are tested against bit for bit.
+`ops/quantize/reference.py` holds the pure-torch specification these are tested against bit
+for bit.
 """
 
 # S rows, N / D features, B blocks of 32
@@ -39,11 +40,11 @@ def _kernels(t: torch.Tensor, fmt: str = "e4m3"):
     triton is installed, else None (the torch forms below, which are the specification)."""
     if not (t.is_cuda and fmt == "e4m3"):
         return None
-    from ..kernels import triton_importable
+    from ..ops.registry import triton_importable
 
     if not triton_importable():
         return None
-    from . import triton_quant
+    from ..ops.quantize import triton_quant
 
     return triton_quant
 

@@ -44,8 +44,8 @@ import warnings
 
 import torch
 
-from ..ops.dispatch import pick_gemm_backend
-from ..ops.grouped_gemm import _expand_bias, _group_sum
+from ..ops.grouped_gemm.backends import pick_gemm_backend
+from ..ops.grouped_gemm.eager import _expand_bias, _group_sum
 from ..ops.weight_cache import cached_cast
 from .formats import (
     FP8_DTYPES,

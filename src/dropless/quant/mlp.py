@@ -30,13 +30,13 @@ from types import SimpleNamespace
 
 import torch
 
-from ..kernels import triton_importable
-from ..ops.activations import act_forward
-from ..ops.grouped_gemm import _expand_bias, _group_sum, grouped_gemm
+from ..ops.activation.eager import act_forward
+from ..ops.activation.swiglu import swiglu
+from ..ops.grouped_gemm.eager import _expand_bias, _group_sum, grouped_gemm
 from ..ops.permute import permute, unpermute
-from ..ops.row_ops import pick_row_ops
+from ..ops.permute.row_ops import pick_row_ops
+from ..ops.registry import triton_importable
 from ..ops.specs import ActivationConfig
-from ..ops.swiglu import swiglu
 from .formats import QTensor, quantize_current, scale_from_amax
 from .gemm import (
     BACKENDS,
@@ -58,8 +58,8 @@ def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
 
 def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
     """(grad_h, grad_prob or None, a = silu(gate) * up * prob) in one pass over h: the
-    SwiGLU backward of the registered row ops (`ops.row_ops`: the Triton kernel on CUDA,
-    `ops.activations`' fp32 math otherwise), which also recomputes the activation the
+    SwiGLU backward of the registered row ops (`ops.permute.row_ops`: the Triton kernel on CUDA,
+    `ops.activation.eager`'s fp32 math otherwise), which also recomputes the activation the
     down weight gradient reads. grad_h and a come in h's dtype, the math in fp32."""
     rows = pick_row_ops(h_S2F, activation="swiglu")
     return rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")

@@ -14,7 +14,7 @@ so the activation is never written in 16 bits and read again to be quantized. Th
 derivative math is `kernels.activations.glu`'s and the E4M3 encoding
 `triton_fp8.e4m3_code`'s (torch's bytes). Row-wise and MX recipes quantize that
 activation column-wise over all rows (a column amax first): they take the row op's
-backward (`ops.row_ops`) and quantize after.
+backward (`ops.permute.row_ops`) and quantize after.
 """
 
 # S rows (sorted pairs), F expert hidden dim
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.activations import glu
+from ..ops.activation.activation_kernels import glu
+from ..ops.quantize.triton_fp8 import e4m3_code, tl, triton
 from .formats import QTensor
-from .triton_fp8 import e4m3_code, tl, triton
 
 
 @triton.jit

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.activations import glu_fwd
+from ..ops.activation.activation_kernels import glu_fwd
+from ..ops.quantize.triton_fp8 import e4m3_code, mx_encode, tl, triton
 from .formats import BLOCK, FP8_MAX, QTensor
-from .triton_fp8 import e4m3_code, mx_encode, tl, triton
 
 
 @triton.jit

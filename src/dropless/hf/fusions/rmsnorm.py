@@ -56,7 +56,7 @@ def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from ...kernels.rmsnorm import rms_norm
+    from ...ops.rmsnorm import rms_norm
 
     return rms_norm(x, weight, eps)
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..fused_mlp import _counts_for, _GroupedMLP, _rows_of_experts
-from ..grouped_gemm import bind_offsets
-from ..loop_mlp import _LoopMLP
-from ..mlp_plan import pick_mlp_path, plan_grouped
-from ..permute import sort_by_expert
+from ..grouped_gemm.eager import bind_offsets
+from ..permute.eager import sort_by_expert
 from ..specs import ActivationConfig
+from .fused_mlp import _counts_for, _GroupedMLP, _rows_of_experts
+from .loop_mlp import _LoopMLP
+from .mlp_plan import pick_mlp_path, plan_grouped
 
 _OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
 

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import torch
 
+from ..activation.swiglu import check_supported, swiglu
 from ..compute_dtype import to_compute_dtype
 from ..dispatch import get_recipe
-from ..fused_mlp import fused_mlp
-from ..grouped_gemm import _check_counts, _expand_bias, grouped_gemm
+from ..grouped_gemm.eager import _check_counts, _expand_bias, grouped_gemm
 from ..lora import LowRank
-from ..mlp_plan import plan_expert_mlp
-from ..permute import SortedPairs, permute, sort_by_expert, unpermute
+from ..permute.eager import SortedPairs, permute, sort_by_expert, unpermute
 from ..specs import ActivationConfig, as_activation
-from ..swiglu import check_supported, swiglu
 from . import custom_op
+from .fused_mlp import fused_mlp
+from .mlp_plan import plan_expert_mlp
 
 
 def _composed_mlp(

@@ -1,0 +1,348 @@
+"""The per-expert loop behind `fused_mlp` (the CPU default); see fused_mlp.py for the
+contract and what is saved for backward.
+
+Each expert is one work item (`expert_threads.run_experts`): gather its rows, gate/up
+GEMM, activation x prob, down GEMM, and, for the combine, an `index_add_` into the
+output committed in expert order. With more than one torch thread and experts big
+enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
+otherwise in the calling thread. Backward is the same per expert, writing the weight
+gradients straight into preallocated [E, ...] tensors.
+
+Each expert's gate/up output h is its own saved tensor, so that a backward that frees
+the graph (no retain_graph, no create_graph) can free it as soon as that expert's
+activation gradient is formed: the weight gradients fill up while the kept h drains,
+instead of both being whole at the end of the layer's backward (measured on the pinned
+e2e model: 20 MiB less peak step memory).
+
+The combine and the input gradient sum several experts' rows per token: for 16-bit
+inputs they are summed in fp32 and rounded once, as the grouped path's gathers do, so
+both paths give the same bits for the same expert outputs.
+"""
+
+# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
+# n rows of one expert, N = 2F (gated) or F
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..activation.eager import act_forward, act_input_grad, act_parts
+from ..compute_dtype import autocast_off
+from ..lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
+from .expert_threads import python_modes_active, run_experts
+from .mlp_parts import Needs, _bounds, _wt, input_grads
+
+# Below this many forward FLOPs per expert (on average), handing experts to worker
+# threads costs more than it saves (a hand-off is tens of microseconds).
+MIN_THREADED_FLOPS = 2**21
+# Worker threads run single-threaded GEMMs, so they need enough experts to keep every
+# thread busy to the end: with fewer than this many per thread (e.g. 8 experts on a
+# 16-thread machine) the loop runs in the calling thread with multi-threaded ops.
+MIN_EXPERTS_PER_THREAD = 4
+
+
+def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
+    # a Python mode (a FLOP counter, a debug mode) is per thread: `run_experts` keeps
+    # the items in this thread then, so none is planned for
+    if x.device.type != "cpu" or python_modes_active():
+        return 1
+    busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
+    if busy < MIN_EXPERTS_PER_THREAD * threads:
+        return 1
+    if sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
+        return 1
+    return threads
+
+
+def _graph_released() -> bool:
+    """True inside a backward that frees the graph as it goes (retain_graph and
+    create_graph off): only then may a saved tensor be freed before its node ends, as
+    autograd would free it right after. False when torch cannot tell: the flag is private
+    (torch's AOTAutograd reads it too), pinned by tests/ops/test_torch_internals.py."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
+
+
+def _free(t: torch.Tensor) -> None:
+    """Give a tensor's memory back now; its storage is its own (allocated by the loop)."""
+    t.untyped_storage().resize_(0)
+
+
+_LORA_AT = 9  # where _LoopMLP's low-rank factors start among its inputs
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype token sums are accumulated in: fp32 for 16-bit inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _row_buffers(x: torch.Tensor, nmax: int, D: int):
+    """A factory of (rows in x's dtype, the same in the accumulation dtype or None):
+    one expert's result, converted before its turn to be summed into the tokens."""
+    acc = _acc_dtype(x.dtype)
+
+    def new():
+        return x.new_empty(nmax, D), (x.new_empty(nmax, D, dtype=acc) if acc != x.dtype else None)
+
+    return new
+
+
+def _sum_into(total, idx, bufs, n: int) -> None:
+    """total[idx] += the expert's n rows (already in total's dtype when converted)."""
+    rows, rows_acc = bufs
+    total.index_add_(0, idx, (rows_acc if rows_acc is not None else rows)[:n])
+
+
+def _to_acc(bufs, n: int) -> None:
+    rows, rows_acc = bufs
+    if rows_acc is not None:
+        rows_acc[:n].copy_(rows[:n])
+
+
+def _run_in_input_dtype(items, compute, **kw) -> None:
+    """`run_experts` with autocast off: the loop writes into buffers of its inputs'
+    dtype (`out=` ops, which autocast leaves alone), so its few autocast-eligible GEMMs
+    must not switch dtype under it. The caller chooses the precision by the dtype of
+    what it passes in."""
+    with torch.autocast("cpu", enabled=False):
+        run_experts(items, compute, **kw)
+
+
+def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
+    g = torch.empty_like(w, memory_format=torch.contiguous_format)
+    for e, n in enumerate(counts):
+        if not n:
+            g[e].zero_()
+    return g
+
+
+class _LoopMLP(torch.autograd.Function):
+    """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
+
+    @staticmethod
+    @autocast_off
+    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
+        act, trans_w, num_out = cfg
+        lr1, lr2 = _lowranks(lora)
+        S, D = int(sum(counts)), x.shape[1]
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+        F = N // 2 if act.gated else N
+        nmax = max(counts, default=0)
+        gathered = token_S is not None
+        st = SimpleNamespace(
+            x=x, prob_S=prob_S, gate_up=gate_up, down=down, gu_bias=gu_bias, d_bias=d_bias,
+            token_S=token_S, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2, gathered=gathered,
+            h_of={},  # expert -> its [n, N] gate/up output, kept for backward
+            # the custom op (`expert_mlp/custom_op.py`, keep_h) keeps every expert's h as
+            # rows of one [S, N] tensor: written there, not joined by a copy afterwards
+            h_SN=x.new_empty(S, N) if getattr(ctx, "keep_h", False) else None,
+            out=x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D),
+            u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
+            u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
+        )  # fmt: skip
+
+        def scratch():
+            return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
+
+        def commit(item, bufs):
+            _, lo, hi = item
+            _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
+
+        _run_in_input_dtype(
+            list(_bounds(counts)),
+            lambda item, s, bufs: _forward_expert(st, item, s, bufs),
+            workers=_num_workers(x, counts, 2 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if gathered else None,
+            new_out=_row_buffers(x, nmax, D),
+        )
+        # one h per expert, empty ones too: the number of saved tensors does not depend
+        # on the routing (activation checkpointing compares it with the recompute's)
+        empty = x.new_empty(0, N)
+        ctx.save_for_backward(
+            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, st.u1_SR, st.u2_SR, *lora[:4],
+            *(st.h_of.get(e, empty) for e in range(len(counts))),
+        )  # fmt: skip
+        ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
+        ctx.h_SN = st.h_SN
+        return st.out.to(x.dtype)
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, g_out):
+        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
+        n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in
+        ABAB, hs = rest[:n_lora], rest[n_lora:]
+        act, trans_w, _ = ctx.cfg
+        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
+        counts, need = ctx.counts, Needs.of(ctx, _LORA_AT)
+        D = x.shape[1]
+        N = gate_up.shape[1] if trans_w else gate_up.shape[2]
+        F = N // 2 if act.gated else N
+        nmax = max(counts, default=0)
+        st = SimpleNamespace(
+            x=x, prob_S=prob_S, gate_up=gate_up, down=down, d_bias=d_bias, token_S=token_S,
+            u1_SR=u1_SR, u2_SR=u2_SR, hs=hs, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2,
+            g_out=g_out.contiguous(), gathered=token_S is not None,
+            # h is unpacked above and its storage is the loop's own; with the graph freed
+            # after this node anyway, each expert's h goes as soon as it has been read
+            # (not in the custom op's backward, `expert_mlp/custom_op.py`: there h is the
+            # op's input, one storage for every expert, held by the op's autograd node)
+            release=_graph_released() and not python_modes_active() and not getattr(ctx, "keep_h", False),
+            **_grad_buffers(need, token_S is not None, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts),
+        )  # fmt: skip
+
+        def scratch():
+            def rows(k):
+                return x.new_empty(nmax, k)
+
+            # "rows": the gathered gy, then (once gy is used up) the gathered x;
+            # act[0] is free once act_parts returns: ap, then the prob gradient's product
+            return {
+                "rows": rows(D) if st.gathered else None,
+                "da": rows(F),
+                "dh": rows(N),
+                "act": [rows(F) for _ in range(4)],
+            }
+
+        def commit(item, bufs):
+            _, lo, hi = item
+            _sum_into(st.gx, token_S[lo:hi], bufs, hi - lo)
+
+        _run_in_input_dtype(
+            list(_bounds(counts)),
+            lambda item, s, bufs: _backward_expert(st, item, s, bufs),
+            workers=_num_workers(x, counts, 4 * D * (N + F)),
+            make_scratch=scratch,
+            commit=commit if st.gathered and st.gx is not None else None,
+            new_out=_row_buffers(x, nmax, D),
+        )
+        gx = None if st.gx is None else st.gx.to(x.dtype)
+        base = (gx, st.gp, st.ggu, st.gd, st.ggb, st.gdb)
+        return input_grads(ctx, _LORA_AT, base, (st.g1a, st.g1b, st.g2a, st.g2b))
+
+
+def _forward_expert(st, item, s, bufs) -> None:
+    """One expert's forward: gather its rows, gate/up GEMM (+ update, bias), activation
+    x prob, down GEMM (+ update, bias) into its rows of the output (or `bufs`)."""
+    e, lo, hi = item
+    n = hi - lo
+    x, lr1, lr2, trans_w = st.x, st.lr1, st.lr2, st.trans_w
+    xe = torch.index_select(x, 0, st.token_S[lo:hi], out=s["x"][:n]) if st.gathered else x[lo:hi]
+    h_out = None if st.h_SN is None else st.h_SN[lo:hi]
+    he = st.h_of[e] = torch.mm(xe, _wt(st.gate_up, e, trans_w), out=h_out)
+    if lr1 is not None:
+        lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1_SR[lo:hi])
+    if st.gu_bias is not None:
+        he.add_(st.gu_bias[e])
+    p = None if st.prob_S is None else st.prob_S[lo:hi]
+    a = act_forward(he, p, st.act, out=s["a"][:n])
+    y_out = bufs[0][:n] if st.gathered else st.out[lo:hi]
+    ye = torch.mm(a, _wt(st.down, e, trans_w), out=y_out)
+    if lr2 is not None:
+        lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, st.u2_SR[lo:hi])
+    if st.d_bias is not None:
+        ye.add_(st.d_bias[e]) if p is None else ye.addr_(p, st.d_bias[e])
+    if st.gathered:
+        _to_acc(bufs, n)
+
+
+def _grad_buffers(need, gathered, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts) -> dict:
+    """The gradients the backward fills, allocated once (None where none is wanted)."""
+    # weight gradients: every expert's slice is written by an mm(out=) below; only
+    # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
+    a1, b1, a2, b2 = ABAB or (None,) * 4
+    gx = None
+    if need.x:  # x_TD: a sum over the token's experts, in fp32 for 16-bit; x_SD: one row each
+        gx = x.new_zeros(x.shape, dtype=_acc_dtype(x.dtype)) if gathered else torch.empty_like(x)
+    return dict(
+        gx=gx,
+        gp=prob_S.new_zeros(prob_S.shape) if prob_S is not None and need.prob else None,
+        ggu=_empty_grad(gate_up, counts) if need.gate_up else None,
+        gd=_empty_grad(down, counts) if need.down else None,
+        ggb=torch.zeros_like(gu_bias) if gu_bias is not None and need.gate_up_bias else None,
+        gdb=torch.zeros_like(d_bias) if d_bias is not None and need.down_bias else None,
+        g1a=_empty_grad(a1, counts) if a1 is not None and need.a1 else None,
+        g1b=_empty_grad(b1, counts) if b1 is not None and need.b1 else None,
+        g2a=_empty_grad(a2, counts) if a2 is not None and need.a2 else None,
+        g2b=_empty_grad(b2, counts) if b2 is not None and need.b2 else None,
+    )
+
+
+def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
+    """Through the down projection: its weight, bias and update gradients, and the
+    gradient of the activation output (da, before the prob scaling)."""
+    trans_w, lr2, gd = st.trans_w, st.lr2, st.gd
+    if gd is not None or st.g2a is not None:
+        ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
+    if gd is not None:
+        # y = ap @ W^T: dW = gy^T ap ([D, F]); y = ap @ W: dW = ap^T gy ([F, D])
+        torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
+    if st.gdb is not None:
+        torch.mv(gy.t(), p, out=st.gdb[e]) if p is not None else torch.sum(gy, 0, out=st.gdb[e])
+    da = torch.mm(gy, _wt(st.down, e, trans_w).t(), out=da_buf)
+    if lr2 is not None:
+        xa = ap if st.g2a is not None else None
+        gu = lowrank_bwd(
+            gy, xa, st.u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(st.g2a, e), _at(st.g2b, e)
+        )
+        da.addmm_(gu, lr2.a_ERI[e])
+    return da
+
+
+def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
+    """Through the gate/up projection: its weight and update gradients, and dx."""
+    n, trans_w, lr1 = hi - lo, st.trans_w, st.lr1
+    if st.ggu is not None or st.g1a is not None:
+        x = st.x
+        xe = (
+            torch.index_select(x, 0, st.token_S[lo:hi], out=s["rows"][:n])
+            if st.gathered
+            else x[lo:hi]
+        )
+    if st.ggu is not None:
+        torch.mm(dh.t(), xe, out=st.ggu[e]) if trans_w else torch.mm(xe.t(), dh, out=st.ggu[e])
+    if lr1 is not None:
+        xa = xe if st.g1a is not None else None
+        gu = lowrank_bwd(
+            dh, xa, st.u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(st.g1a, e), _at(st.g1b, e)
+        )
+    if st.gx is not None:
+        w_in = _wt(st.gate_up, e, trans_w).t()  # [2F, D]
+        dx = torch.mm(dh, w_in, out=dx_out)
+        if lr1 is not None:
+            dx.addmm_(gu, lr1.a_ERI[e])
+
+
+def _backward_expert(st, item, s, bufs) -> None:
+    """One expert's backward: recompute its activation from the kept h, then back
+    through the down projection, the activation and the gate/up projection."""
+    e, lo, hi = item
+    n = hi - lo
+    gy = st.g_out[lo:hi]
+    if st.gathered:
+        gy = torch.index_select(st.g_out, 0, st.token_S[lo:hi], out=s["rows"][:n])
+    p = None if st.prob_S is None else st.prob_S[lo:hi]
+    act_bufs = [b[:n] for b in s["act"]]
+    a0, d_gate, d_up = act_parts(st.hs[e], st.act, act_bufs)
+    if st.release:
+        _free(st.hs[e])
+    da = _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, s["da"][:n])
+    if st.gp is not None:
+        gpe = st.gp[lo:hi]
+        torch.sum(torch.mul(da, a0, out=act_bufs[0]), 1, out=gpe)
+        if st.d_bias is not None:
+            gpe.add_(torch.mv(gy, st.d_bias[e]))
+    if p is not None:
+        da.mul_(p.unsqueeze(1))
+    dh = act_input_grad(da, d_gate, d_up, st.act.interleaved, s["dh"][:n])
+    if st.ggb is not None:
+        torch.sum(dh, 0, out=st.ggb[e])
+    dx_out = None
+    if st.gx is not None:
+        dx_out = bufs[0][:n] if st.gathered else st.gx[lo:hi]
+    _gate_up_backward(st, e, lo, hi, dh, s, dx_out)
+    if st.gathered and st.gx is not None:
+        _to_acc(bufs, n)

@@ -1,0 +1,38 @@
+"""Linear layer + cross-entropy without the full `[T, V]` logits: everything about the op
+in one folder.
+
+- `reference.py`: `linear_cross_entropy_reference`, the specification (the head, then
+  cross-entropy, as Transformers computes them);
+- `eager.py`: `linear_cross_entropy` with its backends ("fused", "chunked", "torch") and
+  their autograd Functions;
+- `rows.py`: the registry `CE_ROWS` of the row op the "fused" backend runs on each chunk
+  of logits, and its torch form;
+- `cross_entropy_kernels.py`: the Triton row op;
+- `gpu.py`: its registration as "triton", done on the first pick for a CUDA tensor.
+"""
+
+from .eager import (
+    BACKENDS,
+    LOGITS_BUFFER_BYTES,
+    REDUCTIONS,
+    default_chunk_size,
+    fused_chunk_size,
+    fused_linear_cross_entropy,
+    linear_cross_entropy,
+    torch_linear_cross_entropy_available,
+)
+from .gpu import register_gpu
+from .rows import CE_ROWS
+
+CE_ROWS.on_first_cuda(register_gpu)
+
+__all__ = [
+    "BACKENDS",
+    "LOGITS_BUFFER_BYTES",
+    "REDUCTIONS",
+    "default_chunk_size",
+    "fused_chunk_size",
+    "fused_linear_cross_entropy",
+    "linear_cross_entropy",
+    "torch_linear_cross_entropy_available",
+]

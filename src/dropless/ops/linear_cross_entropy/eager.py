@@ -1,0 +1,414 @@
+"""Linear layer + cross-entropy without the full `[T, V]` logits.
+
+`linear_cross_entropy(h, w, labels)` equals `F.cross_entropy(F.linear(h, w, b).float(), labels)`
+(the loss of a language-model head). Three backends:
+
+- "fused" (reduction "mean"/"sum"): the gradients are computed in the forward, so the
+  backward only scales them by the incoming gradient (no logits are recomputed: three
+  GEMMs per chunk, not four). Chunks of C = 2,048 tokens (fewer where a chunk's logits
+  would not fit `LOGITS_BUFFER_BYTES`: vocabularies above 262,144 in bf16): the logits go
+  into one reused `[C, V]` buffer in the input dtype (bf16 logits for a bf16 head, as the stock
+  head rounds them); one row op (`cross_entropy_rows`: a Triton kernel per row block on
+  CUDA, an in-place log-softmax on CPU) reads them for max / sum-exp / loss and writes the
+  scaled, masked gradient `softmax - onehot` over them; then `grad_h[chunk] = g @ W` and
+  `grad_W += g^T h[chunk]` accumulated in place into one fp32 buffer. No host syncs:
+  `ignore_index` and the mean's token count are masks and device scalars. Buffers: the
+  `[C, V]` chunk (freed after the forward), and kept from forward to backward `grad_h`
+  `[T, D]` (fp32 for 16-bit inputs), `grad_W` `[V, D]` fp32 and `grad_b` `[V]` fp32: O(T*D
+  + V*D), never O(T*V). E.g. bf16, T = 16,384, D = 1,024: the chunk is 128 MiB at V =
+  32,768 (594 MiB at 151,936), `grad_h` 64 MiB, `grad_W` 128 MiB (594 MiB). The backward scales them in place, so a second backward through
+  the same graph (`retain_graph=True`) raises.
+- "chunked" (the reference of "fused"; every reduction): a custom autograd Function over
+  chunks of tokens. The forward keeps one chunk's fp32 logits at a time and saves only the
+  per-token log-sum-exp; the backward recomputes each chunk's logits and forms the
+  gradients of h, w and b from them.
+- "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
+  (torch >= 2.13), which chunks too and computes the gradients in its forward. It has no
+  label smoothing.
+
+"auto" takes "fused" for reductions "mean" and "sum"; for "none" (whose per-token
+incoming gradient cannot be folded into a weight gradient summed in the forward) "torch"
+where it exists and supports the call and the inputs are fp32 or fp64, else "chunked".
+For bf16/fp16 inputs torch's op forms the logits in fp32 from the low-precision operands,
+more accurate than (and so not equal to) a head that rounds its logits to bf16 before
+`.float()`, as Transformers models do (about 1e-3 relative on the loss); "fused" and
+"chunked" round where the stock head does.
+"""
+
+# T tokens, D hidden (in features), V vocabulary (classes), C tokens in one chunk
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..compute_dtype import autocast_dtype
+from .rows import CERows, pick_ce_rows
+
+BACKENDS = ("auto", "fused", "chunked", "torch")
+REDUCTIONS = ("mean", "sum", "none")
+_MIN_CHUNK = 128
+# "fused": one chunk's logits at most this large, and 2,048 rows at most. Each chunk
+# costs one read-modify-write of the [V, D] fp32 weight gradient, so chunks are large;
+# a larger one adds its whole buffer to the step's peak memory (it is live at the end of
+# the forward, beside every activation)
+LOGITS_BUFFER_BYTES = 1 << 30
+_MAX_FUSED_CHUNK = 2048
+
+
+def torch_linear_cross_entropy_available() -> bool:
+    """True when this torch has `F.linear_cross_entropy` with chunking options."""
+    return hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+
+
+def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
+    """Rows per chunk so a chunk's logits are about as large as the hidden states
+    (at least 128 rows, so each GEMM stays large enough to run near peak)."""
+    return max(1, min(num_tokens, max(_MIN_CHUNK, math.ceil(num_tokens * hidden / max(vocab, 1)))))
+
+
+def fused_chunk_size(num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk of the "fused" backend: as many as fit `LOGITS_BUFFER_BYTES` of
+    logits in `dtype`, a multiple of 128, between 128 and 2,048 (and at most the tokens)."""
+    fit = LOGITS_BUFFER_BYTES // max(vocab * dtype.itemsize, 1)
+    rows = max(_MIN_CHUNK, min(_MAX_FUSED_CHUNK, fit // _MIN_CHUNK * _MIN_CHUNK))
+    return max(1, min(num_tokens, rows))
+
+
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of `h @ weight^T (+ bias)` against `labels`, chunked over tokens.
+
+    h is [..., D], labels the matching [...] int64 class ids (`ignore_index` marks
+    positions that count for nothing). Same value and gradients as
+    `F.cross_entropy(F.linear(h, weight, bias).float(), labels, ...)`, including a
+    NaN mean (and zero gradients) when every label is ignored. Returns a scalar, or
+    per-token losses shaped like `labels` for reduction="none" (fp32, or fp64 for
+    fp64 inputs).
+    """
+    _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend)
+    h_TD = h.reshape(-1, h.shape[-1])
+    labels_T = labels.reshape(-1)
+    if backend == "fused" or (backend == "auto" and reduction != "none"):
+        loss = fused_linear_cross_entropy(
+            h_TD, weight_VD, labels_T, bias_V, ignore_index=ignore_index,
+            label_smoothing=label_smoothing, reduction=reduction, chunk_size=chunk_size,
+        )  # fmt: skip
+    elif backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
+        loss = _torch_backend(
+            h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size
+        )
+    else:
+        T, D = h_TD.shape
+        chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
+        loss = _ChunkedLinearCE.apply(
+            h_TD, weight_VD, bias_V, labels_T, ignore_index, label_smoothing, reduction, chunk
+        )
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: expected one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: expected a float in [0, 1]")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r}: expected a positive int or None")
+    if weight_VD.dim() != 2 or h.shape[-1] != weight_VD.shape[1]:
+        raise ValueError(
+            f"weight must be [V, D] with D = h.shape[-1]; got h {tuple(h.shape)}, "
+            f"weight {tuple(weight_VD.shape)}"
+        )
+    if bias_V is not None and tuple(bias_V.shape) != (weight_VD.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight_VD.shape[0]}]; got {tuple(bias_V.shape)}")
+    if backend == "fused" and reduction == "none":
+        raise ValueError(
+            "backend='fused' sums the weight gradient in the forward, which a per-token "
+            "incoming gradient (reduction='none') cannot scale; use reduction='mean' or "
+            "'sum', or backend='chunked' or 'auto'"
+        )
+    if labels.dtype != torch.int64:
+        raise TypeError(f"labels must be int64 class ids; got {labels.dtype}")
+    if tuple(labels.shape) != tuple(h.shape[:-1]):
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match h without its last dim {tuple(h.shape[:-1])}"
+        )
+    if backend == "torch":
+        if not torch_linear_cross_entropy_available():
+            raise ValueError(
+                f"backend='torch' needs torch.nn.functional.linear_cross_entropy with "
+                f"LinearCrossEntropyOptions (torch >= 2.13; this is {torch.__version__}); "
+                "use backend='chunked' or 'auto'"
+            )
+        if label_smoothing != 0.0:
+            raise ValueError(
+                "backend='torch' has no label smoothing; use backend='chunked' or 'auto'"
+            )
+
+
+def _torch_fits(h: torch.Tensor, label_smoothing: float) -> bool:
+    return (
+        torch_linear_cross_entropy_available()
+        and label_smoothing == 0.0
+        and h.dtype in (torch.float32, torch.float64)
+    )
+
+
+def _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size):
+    # chunk_size None: torch's own heuristic (chunking_method="auto")
+    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
+    # torch's chunked mean gives NaN gradients when every label is ignored; the plain
+    # composition gives zeros. Summing and dividing here keeps the plain behaviour.
+    red = "sum" if reduction == "mean" else reduction
+    loss = F.linear_cross_entropy(
+        h_TD, weight_VD, labels_T, linear_bias=bias_V, reduction=red,
+        ignore_index=ignore_index, options=opts,
+    )  # fmt: skip
+    acc = torch.promote_types(h_TD.dtype, torch.float32)
+    loss = loss.to(acc)
+    if reduction != "mean":
+        return loss
+    n_valid = (labels_T != ignore_index).sum().to(acc)
+    mean = loss / n_valid.clamp_min(1)
+    return torch.where(n_valid > 0, mean, torch.full_like(mean, float("nan")))
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, bias_V, labels_T, ignore_index, smoothing, reduction, chunk):
+        T = h_TD.shape[0]
+        acc = torch.promote_types(h_TD.dtype, torch.float32)
+        loss_T = torch.zeros(T, dtype=acc, device=h_TD.device)
+        lse_T = torch.empty(T, dtype=acc, device=h_TD.device)
+        valid_T = labels_T != ignore_index
+        for s in range(0, T, chunk):
+            logits_CV = _chunk_logits(h_TD[s : s + chunk], weight_VD, bias_V, acc)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_T[s : s + chunk] = lse_C
+            valid_C = valid_T[s : s + chunk]
+            safe_C = torch.where(valid_C, labels_T[s : s + chunk], 0)
+            nll_C = lse_C - logits_CV.gather(1, safe_C.unsqueeze(1)).squeeze(1)
+            if smoothing:
+                nll_C = (1 - smoothing) * nll_C + smoothing * (lse_C - logits_CV.mean(-1))
+            loss_T[s : s + chunk] = torch.where(valid_C, nll_C, 0)
+        n_valid = valid_T.sum().to(acc)
+        ctx.save_for_backward(h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid)
+        ctx.args = (ignore_index, smoothing, reduction, chunk)
+        if reduction == "none":
+            return loss_T
+        total = loss_T.sum()
+        return total / n_valid if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid = ctx.saved_tensors
+        ignore_index, smoothing, reduction, chunk = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = lse_T.dtype
+        # per-token factor on d loss / d logits; ignored tokens get exactly zero
+        if reduction == "none":
+            scale_T = grad_out.to(acc)
+        elif reduction == "mean":
+            scale_T = (grad_out.to(acc) / n_valid).expand(lse_T.shape)
+        else:
+            scale_T = grad_out.to(acc).expand(lse_T.shape)
+        scale_T = torch.where(labels_T != ignore_index, scale_T, 0)
+        grad_h = torch.empty_like(h_TD) if need_h else None
+        # low-precision weights: sum the chunks' contributions in fp32, cast once
+        grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=h_TD.device) if need_w else None
+        grad_b = torch.zeros(weight_VD.shape[0], dtype=acc, device=h_TD.device) if need_b else None
+        V = weight_VD.shape[0]
+        for s in range(0, h_TD.shape[0], chunk):
+            h_CD = h_TD[s : s + chunk]
+            logits_CV = _chunk_logits(h_CD, weight_VD, bias_V, acc)
+            # softmax - target distribution, in place on the recomputed logits
+            d_CV = logits_CV.sub_(lse_T[s : s + chunk].unsqueeze(1)).exp_()
+            if smoothing:
+                d_CV.sub_(smoothing / V)
+            safe_C = torch.where(
+                labels_T[s : s + chunk] != ignore_index, labels_T[s : s + chunk], 0
+            )
+            d_CV.scatter_add_(
+                1, safe_C.unsqueeze(1), torch.full_like(d_CV[:, :1], -(1.0 - smoothing))
+            )
+            d_CV.mul_(scale_T[s : s + chunk].unsqueeze(1))
+            if need_b:
+                grad_b.add_(d_CV.sum(0))
+            d_CV = d_CV.to(h_TD.dtype)
+            if need_h:
+                torch.mm(d_CV, weight_VD, out=grad_h[s : s + chunk])
+            if need_w:
+                _mm_into(grad_w, d_CV.t(), h_CD, accumulate=True)
+        if need_w:
+            grad_w = grad_w.to(weight_VD.dtype)
+        if need_b:
+            grad_b = grad_b.to(bias_V.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _chunk_logits(h_CD, weight_VD, bias_V, acc):
+    # the GEMM in the input dtype, then fp32, as a language-model head followed by
+    # `logits.float()` does
+    return F.linear(h_CD, weight_VD, bias_V).to(acc)
+
+
+def fused_linear_cross_entropy(
+    h_TD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_T: torch.Tensor,
+    bias_V: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+    rows: CERows | None = None,
+) -> torch.Tensor:
+    """The "fused" backend on 2-D `h_TD` (module docstring); reduction "mean" or "sum".
+
+    rows: the row-op implementation (default: the best registered one that runs the
+    logits chunk; tests pass the Triton kernel to run it on CPU under the interpreter).
+    Outside of autograd (no grad mode, or no input requiring a gradient) only the loss
+    is computed. Under autocast the GEMMs run in the autocast dtype, as `F.linear` would.
+    """
+    assert reduction in ("mean", "sum"), reduction
+    h_TD, weight_VD, bias_V = _autocast_inputs(h_TD, weight_VD, bias_V)
+    T = h_TD.shape[0]
+    chunk = chunk_size or fused_chunk_size(T, weight_VD.shape[0], h_TD.dtype)
+    args = (ignore_index, float(label_smoothing), reduction, chunk, rows)
+    grad_on = torch.is_grad_enabled()
+    needs = tuple(grad_on and t is not None and t.requires_grad for t in (h_TD, weight_VD, bias_V))
+    # the inputs are cast already; the out= GEMMs and the row op run in their dtypes
+    with torch.autocast(h_TD.device.type, enabled=False):
+        if not any(needs):
+            return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
+        return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)
+
+
+def _autocast_inputs(h_TD, weight_VD, bias_V):
+    """The inputs as `F.linear` under the active autocast sees them: fp32 tensors in the
+    autocast dtype (cast outside the autograd Function, so their gradients flow back
+    through the casts in fp32, as stock's do)."""
+    dtype = autocast_dtype(h_TD, weight_VD, bias_V)  # the expert path's rule (fp64 stays)
+    if dtype is None:
+        return h_TD, weight_VD, bias_V
+
+    def cast(t):
+        return t.to(dtype) if t is not None and t.dtype == torch.float32 else t
+
+    return cast(h_TD), cast(weight_VD), cast(bias_V)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, weight_VD, bias_V, labels_T, args, needs):
+        loss, grads = _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)
+        # saved as tensors (not ctx attributes) so saved-tensor hooks see and can offload them
+        ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.layout = tuple(g is not None for g in grads)
+        ctx.dtypes = (h_TD.dtype, weight_VD.dtype, None if bias_V is None else bias_V.dtype)
+        ctx.used = False
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the saved gradients are constants
+    def backward(ctx, grad_out):
+        if ctx.used:
+            raise RuntimeError(
+                "linear_cross_entropy(backend='fused') scales its forward-computed gradients "
+                "in place, so its graph cannot be run backward twice (retain_graph=True); "
+                "use backend='chunked' for that"
+            )
+        ctx.used = True
+        saved = iter(ctx.saved_tensors)
+        out = []
+        for present, dtype in zip(ctx.layout, ctx.dtypes):
+            g = next(saved) if present else None
+            # in place: the buffers are this backward's own (fp32 for 16-bit inputs)
+            out.append(None if g is None else g.mul_(grad_out.to(g.dtype)).to(dtype))
+        return out[0], out[1], out[2], None, None, None
+
+
+def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
+    """(loss, (grad_h, grad_w, grad_b)) for an incoming gradient of 1; the gradients
+    are None where not needed."""
+    ignore_index, smoothing, reduction, chunk, rows = args
+    T, V = h_TD.shape[0], weight_VD.shape[0]
+    dev, acc = h_TD.device, torch.promote_types(h_TD.dtype, torch.float32)
+    need_h, need_w, need_b = needs
+    grad = any(needs)
+    valid_T = labels_T != ignore_index
+    n_valid = valid_T.sum().to(acc)  # stays on the device: no host sync
+    one = torch.ones((), dtype=acc, device=dev)
+    scale_T = torch.where(valid_T, one / n_valid.clamp_min(1) if reduction == "mean" else one, 0)
+    loss_T = torch.empty(T, dtype=acc, device=dev)
+    grad_h = torch.empty(h_TD.shape, dtype=acc, device=dev) if need_h else None
+    grad_w = torch.empty(weight_VD.shape, dtype=acc, device=dev) if need_w else None
+    grad_b = torch.zeros(V, dtype=acc, device=dev) if need_b else None
+    buf_CV = torch.empty(min(chunk, T), V, dtype=h_TD.dtype, device=dev)
+    for s in range(0, T, chunk):
+        h_CD = h_TD[s : s + chunk]
+        x_CV = buf_CV[: h_CD.shape[0]]
+        if bias_V is None:
+            torch.mm(h_CD, weight_VD.t(), out=x_CV)
+        else:
+            torch.addmm(bias_V, h_CD, weight_VD.t(), out=x_CV)
+        impl = rows or pick_ce_rows(x_CV)
+        loss_T[s : s + chunk] = impl.run(
+            x_CV, labels_T[s : s + chunk], scale_T[s : s + chunk],
+            ignore_index=ignore_index, smoothing=smoothing, grad=grad,
+        )  # fmt: skip
+        if need_b:
+            grad_b.add_(x_CV.sum(0, dtype=acc))
+        if need_h:
+            _mm_into(grad_h[s : s + chunk], x_CV, weight_VD, accumulate=False)
+        if need_w:  # the first chunk writes the buffer, the others add to it
+            _mm_into(grad_w, x_CV.t(), h_CD, accumulate=s > 0)
+    if need_w and T == 0:
+        grad_w.zero_()
+    total = loss_T.sum()
+    loss = total / n_valid if reduction == "mean" else total  # 0 / 0: NaN, as stock
+    return loss, (grad_h, grad_w, grad_b)
+
+
+# whether this torch's CUDA addmm takes an fp32 `self`/`out` with 16-bit operands
+# (`out_dtype=`; older releases require `self` in the operands' dtype): found on first use
+_ADDMM_FP32_OUT: list[bool] = []
+
+
+def _mm_into(out, a, b, *, accumulate: bool):
+    """out = a @ b (out += a @ b with accumulate), in out's dtype (fp32 for 16-bit a, b).
+
+    16-bit operands on CUDA run the 16-bit GEMM writing fp32 into out (`out_dtype=`, in
+    place: no weight-sized temporary; where torch's addmm refuses an fp32 `self`, the
+    chunk's product goes through one fp32 temporary); on CPU they are upcast (16-bit
+    matmul is slow there)."""
+    if a.dtype == out.dtype:
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    if not a.is_cuda:
+        a, b = a.to(out.dtype), b.to(out.dtype)
+        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
+    if not accumulate:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    if not _ADDMM_FP32_OUT or _ADDMM_FP32_OUT[0]:
+        try:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+            _ADDMM_FP32_OUT[:] = [True]
+            return out
+        except RuntimeError:
+            _ADDMM_FP32_OUT[:] = [False]
+    return out.add_(torch.mm(a, b, out_dtype=out.dtype))

@@ -1,0 +1,7 @@
+"""FP8 / MXFP8 quantization: the quantizer reference (`reference.py`, the specification
+every cast is tested against bit for bit) and the one-pass Triton casts
+(`triton_quant.py`, with the E4M3 / E8M0 bit arithmetic of `triton_fp8.py`).
+
+The formats, recipes and quantized GEMMs that use them are `dropless.quant`'s; it loads
+the casts only for CUDA tensors with triton installed. This `__init__` imports nothing.
+"""

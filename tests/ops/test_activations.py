@@ -126,7 +126,7 @@ MODULE_ACTS = [
 @pytest.mark.parametrize("act", MODULE_ACTS, ids=lambda a: f"{a.kind}-{a.gated}-{a.interleaved}")
 @pytest.mark.parametrize("buffers", [False, True], ids=["alloc", "into_buffers"])
 def test_the_activation_module_matches_the_reference(act, buffers):
-    """forward, recomputed parts and input gradient of `ops.activations` (the one torch
+    """forward, recomputed parts and input gradient of `ops.activation.eager` (the one torch
     home of the math) against autograd through the reference, in float64; the buffer
     forms (the loop's in-place path) give the same values."""
     g = torch.Generator().manual_seed(2)

@@ -2,8 +2,8 @@
 
 `enable_fused_rmsnorm(model)` gives every RMSNorm module of the model (a class whose name
 ends in "RMSNorm", with a `weight` [D] and an epsilon) an instance forward that, for a
-tensor of the weight's dtype, runs `dropless.kernels.rmsnorm.rms_norm`: the Triton kernel
-for CUDA tensors, the lean torch op (`dropless.ops.rmsnorm`) for the others, CPU
+tensor of the weight's dtype, runs `dropless.ops.rmsnorm.rms_norm`: the Triton kernel
+for CUDA tensors, the lean torch op (`dropless.ops.rmsnorm.eager`) for the others, CPU
 included. Both keep only the input and one fp32 value per row for backward, where the
 stock modules also keep the normalised tensor (one more tensor of the input's size per
 norm). Other calls (another dtype, extra arguments) run the module's own forward.

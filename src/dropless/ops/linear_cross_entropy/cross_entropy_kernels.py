@@ -12,7 +12,7 @@ head's logits, any float dtype, math in fp32) walks the V columns in tiles twice
 Rows whose label is `ignore_index` get loss 0 and gradient 0; scale_C is read from device
 memory (the mean's 1 / count lives there), so nothing syncs with the host. The logits are
 read twice and written once; the loss, lse and the gradient's row factor are per row.
-Semantics: `dropless.ops.cross_entropy_rows.ce_rows_eager` (the CPU path).
+Semantics: `dropless.ops.linear_cross_entropy.rows.ce_rows_eager` (the CPU path).
 """
 
 # C rows (tokens of the chunk), V vocabulary
@@ -95,7 +95,7 @@ def ce_rows(
     smoothing: float,
     grad: bool,
 ) -> torch.Tensor:
-    """The cross-entropy row op (`dropless.ops.cross_entropy_rows.CERows.run`): per-row
+    """The cross-entropy row op (`dropless.ops.linear_cross_entropy.rows.CERows.run`): per-row
     loss (fp32), and with grad=True the gradient written over `logits_CV` in place."""
     check_2d("logits", logits_CV)
     if logits_CV.stride(1) != 1:

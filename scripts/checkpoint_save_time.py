@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dropless.train import checkpoint as ckpt
-from dropless.train.checkpoint_async import CheckpointSaver
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.checkpoint.async_save import CheckpointSaver
 
 
 def _model(layers: int, width: int):

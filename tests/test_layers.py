@@ -197,10 +197,9 @@ def import_graph(src: Path) -> dict[str, set[str]]:
     return graph
 
 
-def import_loops(src: Path) -> list[list[str]]:
-    """Every set of files that import each other in a loop (strongly connected
-    components of the import graph with more than one file), sorted."""
-    graph = import_graph(src)
+def loops_of(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of nodes that reach each other in `graph` (strongly connected components
+    with more than one node), sorted."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -233,11 +232,73 @@ def import_loops(src: Path) -> list[list[str]]:
     return sorted(loops)
 
 
+def import_loops(src: Path) -> list[list[str]]:
+    """Every set of files that import each other in a loop, however lazily."""
+    return loops_of(import_graph(src))
+
+
+TRAIN = "dropless.train"
+#: the folders of train/, one concept each (docs/design.md); trainer.py, step.py,
+#: evaluation.py, state.py and generate.py sit on top of them
+TRAIN_ROOMS = ("config", "data", "model", "checkpoint", "plan", "report", "run")
+
+
+def room_of(module: str) -> str:
+    """What a module of train/ counts as in the room graph: its folder
+    (`dropless.train.<room>`) for a file inside one, the file itself on top."""
+    parts = module.split(".")
+    return ".".join(parts[:3]) if parts[:2] == TRAIN.split(".") and len(parts) > 3 else module
+
+
+def room_graph(src: Path) -> dict[str, set[str]]:
+    """train/'s folders and top files -> the folders and top files of train/ they import."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in import_graph(src).items():
+        if module != TRAIN and not module.startswith(TRAIN + "."):
+            continue
+        room = room_of(module)
+        edges = rooms.setdefault(room, set())
+        edges |= {room_of(t) for t in targets if t.startswith(TRAIN + ".")} - {room}
+    return rooms
+
+
 def test_no_file_imports_another_in_a_loop():
     loops = import_loops(SRC)
     assert not loops, "files that import each other (lazily counts too):\n" + "\n".join(
         " <-> ".join(loop) for loop in loops
     )
+
+
+def test_the_train_rooms_import_each_other_without_a_loop():
+    rooms = room_graph(SRC)
+    assert {f"{TRAIN}.{r}" for r in TRAIN_ROOMS} <= set(rooms)
+    # every file of train/ is in a room but the route map on top
+    top = {r for r in rooms if r.count(".") == 2} - {f"{TRAIN}.{r}" for r in TRAIN_ROOMS}
+    assert top == {f"{TRAIN}.{m}" for m in ("trainer", "step", "evaluation", "state", "generate")}
+    loops = loops_of(rooms)
+    assert not loops, "train/ folders that import each other:\n" + "\n".join(
+        " <-> ".join(loop) for loop in loops
+    )
+
+
+def test_the_room_graph_sees_a_loop_between_folders_that_no_file_loop_shows(tmp_path):
+    files = {
+        "dropless/__init__.py": "",
+        "dropless/train/__init__.py": "",
+        "dropless/train/a/__init__.py": "",
+        "dropless/train/a/x.py": "from ..b import y\n",
+        "dropless/train/a/w.py": "",
+        "dropless/train/b/__init__.py": "",
+        "dropless/train/b/y.py": "",
+        "dropless/train/b/z.py": "def f():\n    from ..a import w\n",
+        "dropless/train/top.py": "from .a import x\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert import_loops(tmp_path) == []
+    assert room_graph(tmp_path)["dropless.train.top"] == {"dropless.train.a"}
+    assert loops_of(room_graph(tmp_path)) == [["dropless.train.a", "dropless.train.b"]]
 
 
 def test_the_loop_finder_sees_lazy_and_type_checking_imports(tmp_path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from dropless.train import trainer
-from dropless.train.hooks import TrainHooks
-from dropless.train.recipes import TINY
+from dropless.train.config.recipes import TINY
+from dropless.train.run.hooks import TrainHooks
 
 CHILD = Path(__file__).with_name("train_child.py")
 

@@ -1,5 +1,5 @@
 """Takes the run lock of argv[1] in a process that imports no torch (a few ms to start):
-`rundir.py` and `atomic.py` are loaded from the sources as a package of their own. Prints
+`run/rundir.py` and `run/atomic.py` are loaded from the sources as a package of their own. Prints
 "won" or "lost" once it tried, then holds what it won until stdin closes. With argv[2]
 "wait", it reads one line from stdin before trying (so several start together)."""
 
@@ -7,7 +7,7 @@ import sys
 import types
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "dropless" / "train"
+SRC = Path(__file__).resolve().parents[2] / "src" / "dropless" / "train" / "run"
 pkg = types.ModuleType("lockpkg")
 pkg.__path__ = [str(SRC)]
 sys.modules["lockpkg"] = pkg

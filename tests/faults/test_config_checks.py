@@ -88,7 +88,7 @@ def test_values_torch_would_reject_are_refused_naming_the_key(tmp_path, override
 
 
 def test_config_objects_check_the_same_ranges():
-    from dropless.train.config_schema import OptimConfig, TrainSection
+    from dropless.train.config.schema import OptimConfig, TrainSection
 
     with pytest.raises(ValueError, match=r"optim.beta2=1: must be in \[0, 1\)"):
         OptimConfig(beta2=1)
@@ -123,10 +123,10 @@ def test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built(
 
 
 def test_memory_estimate_counts_parameters_and_activations(monkeypatch, tmp_path, capsys):
-    from dropless.train import memory_fit
-    from dropless.train.config import load_config
-    from dropless.train.model import hf_config
-    from dropless.train.recipes import TINY
+    from dropless.train.config.load import load_config
+    from dropless.train.config.recipes import TINY
+    from dropless.train.model.build import hf_config
+    from dropless.train.plan import memory_fit
 
     cfg = load_config(None, list(TINY))
     config = hf_config(cfg.model, 257)
@@ -162,10 +162,10 @@ def test_memory_estimate_follows_model_dtype_and_master_weights(
 ):
     """bf16 weights and gradients with fp32 moments need 12 bytes a parameter, 16 with an
     fp32 master: a lower bound must not refuse what fits."""
-    from dropless.train import memory_fit
-    from dropless.train.config import load_config
-    from dropless.train.model import hf_config
-    from dropless.train.recipes import TINY
+    from dropless.train.config.load import load_config
+    from dropless.train.config.recipes import TINY
+    from dropless.train.model.build import hf_config
+    from dropless.train.plan import memory_fit
 
     cfg = load_config(None, [*TINY, f"model.dtype={dtype}", f"optim.master_weights={master}"])
     config = hf_config(cfg.model, 257)

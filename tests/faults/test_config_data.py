@@ -8,10 +8,10 @@ import warnings
 import numpy as np
 import pytest
 
-from dropless.train.config import DataConfig, load_config
-from dropless.train.data import cache_key, cached_streams, read_documents
-from dropless.train.metrics import MetricsWriter, read_metrics
-from dropless.train.tokenizer import ByteTokenizer
+from dropless.train.config.load import DataConfig, load_config
+from dropless.train.data.corpus import cache_key, cached_streams, read_documents
+from dropless.train.data.tokenizer import ByteTokenizer
+from dropless.train.report.metrics import MetricsWriter, read_metrics
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_attn_implementation_is_checked():
         load_config(None, ["model.attn_implementation=sdpa2"])
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from dropless.train.config import ATTENTION
+    from dropless.train.config.load import ATTENTION
 
     for name in ATTENTION[1:]:  # every allowed value is one Transformers knows
         assert name in ALL_ATTENTION_FUNCTIONS, name

@@ -10,8 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
-from dropless.train.rundir import LOCK
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.run.rundir import LOCK
 
 from .faults_util import args, snapshot
 

@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
-from dropless.train import manifest
+from dropless.train.checkpoint import manifest
+from dropless.train.checkpoint import store as ckpt
 from dropless.train.generate import load_run
 
 from .faults_util import args

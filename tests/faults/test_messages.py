@@ -15,23 +15,30 @@ import torch
 
 from dropless.parallel import EPGroupedExperts, ExpertParallelDispatcher, ParallelConfig, build_mesh
 from dropless.parallel import dispatcher as dispatcher_mod
-from dropless.train import checkpoint as ckpt
-from dropless.train import collectives
-from dropless.train.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
-from dropless.train.config import DataConfig, ModelConfig, PrecisionConfig, dump_config, load_config
-from dropless.train.data import eval_windows, load_corpus, read_documents, stdlib_corpus
-from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
-from dropless.train.metrics import MetricsWriter
-from dropless.train.model import build_model, hf_config, recipe_context, require_transformers
-from dropless.train.plan_cost import gpu_kind
-from dropless.train.plots import plot_losses
-from dropless.train.step import StepRunner, fuse_cross_entropy
-from dropless.train.tokenizer import (
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.config.load import (
+    DataConfig,
+    ModelConfig,
+    PrecisionConfig,
+    dump_config,
+    load_config,
+)
+from dropless.train.data.corpus import eval_windows, load_corpus, read_documents, stdlib_corpus
+from dropless.train.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     _require_tokenizers,
     build_tokenizer,
 )
+from dropless.train.generate import convert, load_run, resolve_checkpoint, sample
+from dropless.train.model.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
+from dropless.train.model.build import build_model, hf_config, require_transformers
+from dropless.train.model.precision import recipe_context
+from dropless.train.plan.cost import gpu_kind
+from dropless.train.report.metrics import MetricsWriter
+from dropless.train.report.plots import plot_losses
+from dropless.train.run import collectives
+from dropless.train.step import StepRunner, fuse_cross_entropy
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "src" / "dropless" / pkg for pkg in ("train", "cli", "parallel")]
@@ -45,116 +52,116 @@ GENOMICS = "tests/train/test_genomics.py"
 
 # (file, literal part of the message, test that triggers it)
 TABLE = [
-    ("plan.py", "the planner needs a process without a process group", "tests/train/test_plan.py::test_planner_refuses_a_process_in_a_process_group"),
-    ("plan.py", "the busiest rank's load over the mean", "tests/train/test_plan.py::test_bad_input_is_one_error_line"),
+    ("plan/trace.py", "the planner needs a process without a process group", "tests/train/test_plan.py::test_planner_refuses_a_process_in_a_process_group"),
+    ("plan/trace.py", "the busiest rank's load over the mean", "tests/train/test_plan.py::test_bad_input_is_one_error_line"),
     ("plan.py", "expected at least one GPU and a positive memory size", "tests/train/test_plan.py::test_bad_input_is_one_error_line"),
-    ("plan_cost.py", "allowed GPU kinds are", f"{HERE}[gpu-kind]"),
-    ("plan_preflight.py", "the plan predicts this run does not fit", "tests/train/test_plan.py::test_preflight_refuses_a_predicted_oom_on_cuda_only"),
-    ("bf16_adamw.py", "stochastic rounding takes fp32 input", f"{HERE}[sr-dtype]"),
-    ("bf16_adamw.py", "out of range", f"{HERE}[bf16-adamw-betas]"),
-    ("collectives.py", "all_reduce: op=", f"{HERE}[collective-op]"),
-    ("checkpoint.py", "is not a complete dropless checkpoint (no .metadata)", f"{HERE}[no-metadata]"),
-    ("checkpoint.py", "); pick another checkpoints/step_* directory", f"{HERE}[no-trainer-json]"),
-    ("config.py", "(every key: docs/train.md, Configuration)", "tests/train/test_config.py::test_an_unknown_section_names_the_closest_not_every_key"),
-    ("config_schema.py", ": allowed values are", "tests/train/test_config.py::test_bad_values"),
-    ("config.py", ": expected ", "tests/train/test_config.py::test_bad_values"),
-    ("config.py", ": must be a finite number", f"{FAULTS}/test_config_data.py::test_non_finite_numbers_are_refused"),
-    ("config_schema.py", ": must be an integer >= 1", "tests/train/test_config.py::test_bad_values"),
-    ("config_schema.py", ": must be a number >= 0", f"{HERE}[negative]"),
-    ("config_schema.py", "model.path and model.config are both set", f"{HERE}[path-and-config]"),
-    ("config_schema.py", "exceeds model.num_experts=", "tests/train/test_config.py::test_bad_values"),
-    ("config_schema.py", "must be a multiple of model.num_kv_heads=", f"{HERE}[kv-heads]"),
-    ("config_schema.py", ": must be in (0, 1)", f"{HERE}[eval-fraction]"),
-    ("config_schema.py", ": must be an integer >= 300", f"{HERE}[bpe-vocab]"),
-    ("config_schema.py", "data.tokenizer is empty", f"{HERE}[empty-tokenizer]"),
-    ("config_schema.py", "must be divisible by train.grad_accum=", "tests/train/test_config.py::test_bad_values"),
+    ("plan/cost.py", "allowed GPU kinds are", f"{HERE}[gpu-kind]"),
+    ("plan/preflight.py", "the plan predicts this run does not fit", "tests/train/test_plan.py::test_preflight_refuses_a_predicted_oom_on_cuda_only"),
+    ("model/bf16_adamw.py", "stochastic rounding takes fp32 input", f"{HERE}[sr-dtype]"),
+    ("model/bf16_adamw.py", "out of range", f"{HERE}[bf16-adamw-betas]"),
+    ("run/collectives.py", "all_reduce: op=", f"{HERE}[collective-op]"),
+    ("checkpoint/store.py", "is not a complete dropless checkpoint (no .metadata)", f"{HERE}[no-metadata]"),
+    ("checkpoint/store.py", "); pick another checkpoints/step_* directory", f"{HERE}[no-trainer-json]"),
+    ("config/load.py", "(every key: docs/train.md, Configuration)", "tests/train/test_config.py::test_an_unknown_section_names_the_closest_not_every_key"),
+    ("config/schema.py", ": allowed values are", "tests/train/test_config.py::test_bad_values"),
+    ("config/load.py", ": expected ", "tests/train/test_config.py::test_bad_values"),
+    ("config/load.py", ": must be a finite number", f"{FAULTS}/test_config_data.py::test_non_finite_numbers_are_refused"),
+    ("config/schema.py", ": must be an integer >= 1", "tests/train/test_config.py::test_bad_values"),
+    ("config/schema.py", ": must be a number >= 0", f"{HERE}[negative]"),
+    ("config/schema.py", "model.path and model.config are both set", f"{HERE}[path-and-config]"),
+    ("config/schema.py", "exceeds model.num_experts=", "tests/train/test_config.py::test_bad_values"),
+    ("config/schema.py", "must be a multiple of model.num_kv_heads=", f"{HERE}[kv-heads]"),
+    ("config/schema.py", ": must be in (0, 1)", f"{HERE}[eval-fraction]"),
+    ("config/schema.py", ": must be an integer >= 300", f"{HERE}[bpe-vocab]"),
+    ("config/schema.py", "data.tokenizer is empty", f"{HERE}[empty-tokenizer]"),
+    ("config/schema.py", "must be divisible by train.grad_accum=", "tests/train/test_config.py::test_bad_values"),
     ("mesh.py", ": must be a number of seconds > 0", f"{HERE}[timeout]"),
     ("mesh.py", "must be true or false (true: take the parallel path", f"{HERE}[force-distributed]"),
-    ("config.py", ": expected true or false", "tests/train/test_config.py::test_bad_values"),
-    ("config.py", ": expected a string, got", f"{HERE}[string-type]"),
-    ("config.py", ": expected an int (a whole number, e.g. ", f"{HERE}[whole-number]"),
-    ("config_schema.py", ": must be below 2**63 (torch counts in int64)", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
-    ("config_schema.py", ": must be a finite number", f"{FAULTS}/test_config_checks.py::test_config_objects_check_the_same_ranges"),
-    ("config_schema.py", "(torch.manual_seed's range)", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
-    ("config_schema.py", ": must be in [0, 1) (AdamW's moving-average decay", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
-    ("memory_fit.py", "the run needs at least ", f"{FAULTS}/test_config_checks.py::test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built"),
+    ("config/load.py", ": expected true or false", "tests/train/test_config.py::test_bad_values"),
+    ("config/load.py", ": expected a string, got", f"{HERE}[string-type]"),
+    ("config/load.py", ": expected an int (a whole number, e.g. ", f"{HERE}[whole-number]"),
+    ("config/schema.py", ": must be below 2**63 (torch counts in int64)", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
+    ("config/schema.py", ": must be a finite number", f"{FAULTS}/test_config_checks.py::test_config_objects_check_the_same_ranges"),
+    ("config/schema.py", "(torch.manual_seed's range)", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
+    ("config/schema.py", ": must be in [0, 1) (AdamW's moving-average decay", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
+    ("plan/memory_fit.py", "the run needs at least ", f"{FAULTS}/test_config_checks.py::test_a_model_this_machine_cannot_hold_is_refused_before_it_is_built"),
     ("mesh.py", "torch.distributed's limit is int64 nanoseconds", f"{FAULTS}/test_config_checks.py::test_values_torch_would_reject_are_refused_naming_the_key"),
-    ("config.py", ": expected a list, e.g.", f"{HERE}[list-type]"),
-    ("config.py", "does not exist; pass a TOML file", f"{HERE}[no-config-file]"),
-    ("config.py", ": expected KEY=VALUE", "tests/train/test_config.py::test_bad_values"),
-    ("config.py", "needs tomli-w", f"{HERE}[no-tomli-w]"),
-    ("config_schema.py", ": must be in [0, 1]", f"{HERE}[beta]"),
-    ("config.py", "is not valid TOML:", f"{HERE}[bad-toml]"),
-    ("config_schema.py", "data.reverse_complement=true needs data.tokenizer='dna'", f"{GENOMICS}::test_dna_training_run_learns"),
-    ("fasta.py", "does not exist", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
-    ("fasta.py", "no FASTA records (no '>' header line)", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
-    ("fasta.py", "empty '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
-    ("fasta.py", "not a text FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
-    ("fasta.py", "unreadable compressed FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
-    ("fasta.py", "sequence data before the first '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
-    ("fasta.py", "is not an IUPAC nucleotide code", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
-    ("genomics.py", ": expected a positive int", f"{GENOMICS}::test_windows_stream_matches_one_stream"),
-    ("genomics.py", ": expected a positive count", f"{GENOMICS}::test_bits_per_base"),
-    ("genomics.py", ": not a DNA tokenizer", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
-    ("genomics.py", ", not this DNA tokenizer (", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
-    ("config_schema.py", "has no effect with precision.recipe=", "tests/train/test_precision_config.py::test_bad_precision_options"),
-    ("config_schema.py", "precision.margin=", f"{HERE}[margin-int]"),
-    ("model.py", "precision: ", f"{HERE}[recipe-option]"),
+    ("config/load.py", ": expected a list, e.g.", f"{HERE}[list-type]"),
+    ("config/load.py", "does not exist; pass a TOML file", f"{HERE}[no-config-file]"),
+    ("config/load.py", ": expected KEY=VALUE", "tests/train/test_config.py::test_bad_values"),
+    ("config/load.py", "needs tomli-w", f"{HERE}[no-tomli-w]"),
+    ("config/schema.py", ": must be in [0, 1]", f"{HERE}[beta]"),
+    ("config/load.py", "is not valid TOML:", f"{HERE}[bad-toml]"),
+    ("config/schema.py", "data.reverse_complement=true needs data.tokenizer='dna'", f"{GENOMICS}::test_dna_training_run_learns"),
+    ("data/fasta.py", "does not exist", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("data/fasta.py", "no FASTA records (no '>' header line)", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("data/fasta.py", "empty '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("data/fasta.py", "not a text FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("data/fasta.py", "unreadable compressed FASTA file", f"{GENOMICS}::test_bad_gzip_and_binary_and_missing"),
+    ("data/fasta.py", "sequence data before the first '>' header", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("data/fasta.py", "is not an IUPAC nucleotide code", f"{GENOMICS}::test_malformed_input_names_file_and_line"),
+    ("data/genomics.py", ": expected a positive int", f"{GENOMICS}::test_windows_stream_matches_one_stream"),
+    ("data/genomics.py", ": expected a positive count", f"{GENOMICS}::test_bits_per_base"),
+    ("data/genomics.py", ": not a DNA tokenizer", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
+    ("data/genomics.py", ", not this DNA tokenizer (", f"{GENOMICS}::test_tokenizer_vocabulary_and_round_trip"),
+    ("config/schema.py", "has no effect with precision.recipe=", "tests/train/test_precision_config.py::test_bad_precision_options"),
+    ("config/schema.py", "precision.margin=", f"{HERE}[margin-int]"),
+    ("model/precision.py", "precision: ", f"{HERE}[recipe-option]"),
     ("step.py", "train.fused_cross_entropy=true: ", f"{HERE}[fused-ce]"),
-    ("data.py", "the embedded corpus is empty", f"{HERE}[no-stdlib]"),
-    ("data.py", "does not exist; pass a .txt/.jsonl/.parquet file", "tests/train/test_bad_input.py::test_missing_data_path"),
-    ("data.py", "files; point it at your data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
-    ("data.py", "(columns: ", "tests/train/test_data.py::test_parquet"),
-    ("data.py", "file(s)); point it at non-empty data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
-    ("data.py", "the held-out data has ", f"{HERE}[short-held-out]"),
-    ("data.py", ": unsupported file type", "tests/train/test_data.py::test_txt_and_jsonl"),
-    ("data.py", "are not valid UTF-8", f"{FAULTS}/test_config_data.py::test_txt_decode_errors_are_reported_unless_replace"),
-    ("data.py", "needs pyarrow", f"{HERE}[no-pyarrow]"),
-    ("data.py", "data.eval_path is set but data.path is empty", f"{HERE}[eval-without-path]"),
-    ("data.py", "the training data has ", "tests/train/test_data.py::test_window_sampler_epochs_cover_every_window"),
-    ("data.py", ": expected a JSON object with a", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
-    ("data.py", "(fields: ", "tests/train/test_data.py::test_txt_and_jsonl"),
-    ("data.py", ": not a JSON line (", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
+    ("data/corpus.py", "the embedded corpus is empty", f"{HERE}[no-stdlib]"),
+    ("data/corpus.py", "does not exist; pass a .txt/.jsonl/.parquet file", "tests/train/test_bad_input.py::test_missing_data_path"),
+    ("data/corpus.py", "files; point it at your data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
+    ("data/corpus.py", "(columns: ", "tests/train/test_data.py::test_parquet"),
+    ("data/corpus.py", "file(s)); point it at non-empty data", "tests/train/test_bad_input.py::test_empty_data_dir_and_file"),
+    ("data/corpus.py", "the held-out data has ", f"{HERE}[short-held-out]"),
+    ("data/corpus.py", ": unsupported file type", "tests/train/test_data.py::test_txt_and_jsonl"),
+    ("data/corpus.py", "are not valid UTF-8", f"{FAULTS}/test_config_data.py::test_txt_decode_errors_are_reported_unless_replace"),
+    ("data/corpus.py", "needs pyarrow", f"{HERE}[no-pyarrow]"),
+    ("data/corpus.py", "data.eval_path is set but data.path is empty", f"{HERE}[eval-without-path]"),
+    ("data/corpus.py", "the training data has ", "tests/train/test_data.py::test_window_sampler_epochs_cover_every_window"),
+    ("data/corpus.py", ": expected a JSON object with a", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
+    ("data/corpus.py", "(fields: ", "tests/train/test_data.py::test_txt_and_jsonl"),
+    ("data/corpus.py", ": not a JSON line (", f"{FAULTS}/test_config_data.py::test_jsonl_errors_name_file_and_line"),
     ("generate.py", "is not a directory; pass a run directory", "tests/train/test_run.py::test_generate_returns_text"),
     ("generate.py", "has no complete checkpoint (checkpoints/step_*)", f"{HERE}[generate-no-checkpoint]"),
     ("generate.py", ": not a dropless training run", f"{HERE}[no-run-config]"),
     ("generate.py", "temperature, top_k and max_new_tokens must be >= 0", f"{HERE}[temperature]"),
     ("generate.py", "is not empty; pass a new or empty directory", f"{HERE}[convert-not-empty]"),
-    ("metrics.py", "log.tensorboard=true needs tensorboard", f"{HERE}[no-tensorboard]"),
-    ("model.py", "expected a local Hugging Face directory with config.json", f"{HERE}[no-hf-dir]"),
-    ("model.py", "tokenizer/model vocabulary mismatch", "tests/train/test_bad_input.py::test_vocabulary_mismatch"),
-    ("model.py", "embeddings have", "tests/train/test_finetune_tokenizer.py::test_a_smaller_tokenizer_than_the_embeddings_is_refused"),
-    ("tokenizer.py", "holds no tokenizer (", "tests/train/test_finetune_tokenizer.py::test_a_smaller_tokenizer_than_the_embeddings_is_refused"),
-    ("model.py", "is above the model's maximum sequence length", "tests/train/test_bad_input.py::test_sequence_longer_than_the_model"),
-    ("model.py", "has no Mixture-of-Experts layers", f"{HERE}[dense-model]"),
-    ("model.py", "dropless train needs transformers", f"{HERE}[no-transformers]"),
-    ("model.py", "needs routers with their own score bias", f"{HERE}[stock-expert-bias]"),
-    ("plots.py", "plots need matplotlib", f"{HERE}[no-matplotlib]"),
-    ("resume.py", "cannot continue with a changed", f"{FAULTS}/test_resume_checks.py::test_changed_fixed_key_is_refused_untouched"),
-    ("resume.py", "--resume: the run was saved with parallel.ep=", f"{FAULTS}/test_resume_checks.py::test_saved_ep_that_does_not_fit_names_the_override"),
-    ("rundir.py", "could not find a free run directory name", f"{HERE}[no-free-name]"),
-    ("rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
-    ("rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
-    ("rundir.py", "cannot be locked (", f"{FAULTS}/test_run_lock.py::test_a_file_system_without_flock_is_named"),
-    ("setup.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
-    ("setup.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),
-    ("setup.py", "is not divisible by the number of processes (", "tests/train/test_bad_input.py::test_batch_not_divisible_by_processes"),
-    ("resume.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
-    ("resume.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
-    ("resume.py", "verifies (", f"{FAULTS}/test_run_files.py::test_every_checkpoint_damaged_gives_one_way_out"),
-    ("resume.py", "does not exist (nothing was created)", f"{FAULTS}/test_run_files.py::test_no_folder_is_left_by_a_run_that_never_started"),
-    ("atomic.py", "vanished during the run (deleted or moved)", f"{FAULTS}/test_run_files.py::test_a_vanished_run_directory_stops_the_run"),
-    ("atomic.py", "is a symlink (to ", f"{FAULTS}/test_run_files.py::test_a_symlinked_metrics_or_config_file_is_refused"),
-    ("checkpoint.py", "; the checkpoint is damaged or was edited", f"{FAULTS}/test_integrity.py::test_crafted_trainer_json_is_one_line"),
-    ("checkpoint.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
-    ("manifest.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
-    ("checkpoint.py", "(or was removed while opening it)", f"{FAULTS}/test_integrity.py::test_a_checkpoint_without_a_manifest_is_not_loaded"),
-    ("data.py", ", not a string; give every line text there", "tests/train/test_data_cap.py::test_jsonl_text_that_is_not_a_string_is_refused"),
-    ("dcp_io.py", "is not DCP checkpoint metadata (", f"{FAULTS}/test_integrity.py::test_crafted_metadata_runs_no_code"),
+    ("report/metrics.py", "log.tensorboard=true needs tensorboard", f"{HERE}[no-tensorboard]"),
+    ("model/build.py", "expected a local Hugging Face directory with config.json", f"{HERE}[no-hf-dir]"),
+    ("model/build.py", "tokenizer/model vocabulary mismatch", "tests/train/test_bad_input.py::test_vocabulary_mismatch"),
+    ("model/build.py", "embeddings have", "tests/train/test_finetune_tokenizer.py::test_a_smaller_tokenizer_than_the_embeddings_is_refused"),
+    ("data/tokenizer.py", "holds no tokenizer (", "tests/train/test_finetune_tokenizer.py::test_a_smaller_tokenizer_than_the_embeddings_is_refused"),
+    ("model/build.py", "is above the model's maximum sequence length", "tests/train/test_bad_input.py::test_sequence_longer_than_the_model"),
+    ("model/build.py", "has no Mixture-of-Experts layers", f"{HERE}[dense-model]"),
+    ("model/build.py", "dropless train needs transformers", f"{HERE}[no-transformers]"),
+    ("model/build.py", "needs routers with their own score bias", f"{HERE}[stock-expert-bias]"),
+    ("report/plots.py", "plots need matplotlib", f"{HERE}[no-matplotlib]"),
+    ("checkpoint/resume.py", "cannot continue with a changed", f"{FAULTS}/test_resume_checks.py::test_changed_fixed_key_is_refused_untouched"),
+    ("checkpoint/resume.py", "--resume: the run was saved with parallel.ep=", f"{FAULTS}/test_resume_checks.py::test_saved_ep_that_does_not_fit_names_the_override"),
+    ("run/rundir.py", "could not find a free run directory name", f"{HERE}[no-free-name]"),
+    ("run/rundir.py", "is not writable (", "tests/train/test_bad_input.py::test_unwritable_run_dir"),
+    ("run/rundir.py", "is an existing folder that is not a dropless run", f"{FAULTS}/test_resume_checks.py::test_foreign_folder_is_refused_untouched"),
+    ("run/rundir.py", "cannot be locked (", f"{FAULTS}/test_run_lock.py::test_a_file_system_without_flock_is_named"),
+    ("checkpoint/resume.py", "--resume without --run-dir: no run with a checkpoint", f"{HERE}[no-run-to-resume]"),
+    ("plan/preflight.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-vocab-dir]"),
+    ("plan/preflight.py", "is not divisible by the number of processes (", "tests/train/test_bad_input.py::test_batch_not_divisible_by_processes"),
+    ("checkpoint/resume.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("checkpoint/resume.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("checkpoint/resume.py", "verifies (", f"{FAULTS}/test_run_files.py::test_every_checkpoint_damaged_gives_one_way_out"),
+    ("checkpoint/resume.py", "does not exist (nothing was created)", f"{FAULTS}/test_run_files.py::test_no_folder_is_left_by_a_run_that_never_started"),
+    ("run/atomic.py", "vanished during the run (deleted or moved)", f"{FAULTS}/test_run_files.py::test_a_vanished_run_directory_stops_the_run"),
+    ("run/atomic.py", "is a symlink (to ", f"{FAULTS}/test_run_files.py::test_a_symlinked_metrics_or_config_file_is_refused"),
+    ("checkpoint/store.py", "; the checkpoint is damaged or was edited", f"{FAULTS}/test_integrity.py::test_crafted_trainer_json_is_one_line"),
+    ("checkpoint/store.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
+    ("checkpoint/manifest.py", "does not verify: ", f"{FAULTS}/test_integrity.py::test_a_flipped_byte_in_a_large_shard_is_caught"),
+    ("checkpoint/store.py", "(or was removed while opening it)", f"{FAULTS}/test_integrity.py::test_a_checkpoint_without_a_manifest_is_not_loaded"),
+    ("data/corpus.py", ", not a string; give every line text there", "tests/train/test_data_cap.py::test_jsonl_text_that_is_not_a_string_is_refused"),
+    ("checkpoint/dcp_io.py", "is not DCP checkpoint metadata (", f"{FAULTS}/test_integrity.py::test_crafted_metadata_runs_no_code"),
     ("step.py", "were not computed by the experts", f"{HERE}[dropped]"),
-    ("tokenizer.py", "the BPE tokenizer needs the `tokenizers` package", f"{HERE}[no-tokenizers]"),
-    ("tokenizer.py", "pass a directory saved by a Hugging Face fast tokenizer", f"{HERE}[no-tokenizer-json]"),
-    ("tokenizer.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-dir]"),
+    ("data/tokenizer.py", "the BPE tokenizer needs the `tokenizers` package", f"{HERE}[no-tokenizers]"),
+    ("data/tokenizer.py", "pass a directory saved by a Hugging Face fast tokenizer", f"{HERE}[no-tokenizer-json]"),
+    ("data/tokenizer.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-dir]"),
     ("trainer.py", "written. Resume with: dropless train --run-dir", f"{FAULTS}/test_signals.py::test_sigint_sigterm_and_a_second_ctrl_c"),
     ("trainer.py", "raise train.steps to continue it", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
     ("mesh.py", "is not implemented (planned); allowed:", "tests/parallel/test_mesh_config.py::test_deepep_is_not_a_choice_but_a_clear_error"),
@@ -174,17 +181,17 @@ TABLE = [
     ("mesh.py", "or -1 for world_size / dp_replicate", "tests/parallel/test_mesh_config.py::test_bad_fields"),
     ("mesh.py", "parallel.dispatcher=", "tests/parallel/test_mesh_config.py::test_bad_fields"),
     ("mesh.py", "must be an int >= 1", "tests/parallel/test_mesh_config.py::test_bad_fields"),
-    ("config_schema.py", ": give one or more of ", f"{HERE}[lora-targets-config]"),
-    ("config_schema.py", "finetune.method='lora' needs a checkpoint to adapt", f"{HERE}[lora-no-model-path]"),
+    ("config/schema.py", ": give one or more of ", f"{HERE}[lora-targets-config]"),
+    ("config/schema.py", "finetune.method='lora' needs a checkpoint to adapt", f"{HERE}[lora-no-model-path]"),
     ("generate.py", "is a LoRA run: its checkpoints hold the adapters only", f"{HERE}[convert-lora-no-merge]"),
     ("generate.py", "is a full fine-tuning run (finetune.method='full')", f"{HERE}[convert-full-merge]"),
-    ("lora.py", "no experts module and no attention projection found", f"{HERE}[lora-targets-nothing]"),
-    ("lora.py", "finetune.method='lora' needs peft", f"{HERE}[no-peft]"),
-    ("lora.py", "needs every experts module on dropless's fused expert MLP", f"{HERE}[lora-stock-experts-multi-process]"),
-    ("sft.py", "cuts every sample before its completion tokens", f"{HERE}[sft-seq-len]"),
-    ("sft.py", "chat-formatted data needs jinja2", f"{HERE}[no-jinja2]"),
-    ("sft.py", "the chat template does not render a conversation as a prefix", f"{HERE}[chat-template-prefix]"),
-    ("sft.py", "the supervised data has no records", f"{HERE}[sft-no-records]"),
+    ("model/lora.py", "no experts module and no attention projection found", f"{HERE}[lora-targets-nothing]"),
+    ("model/lora.py", "finetune.method='lora' needs peft", f"{HERE}[no-peft]"),
+    ("model/lora.py", "needs every experts module on dropless's fused expert MLP", f"{HERE}[lora-stock-experts-multi-process]"),
+    ("data/sft.py", "cuts every sample before its completion tokens", f"{HERE}[sft-seq-len]"),
+    ("data/sft.py", "chat-formatted data needs jinja2", f"{HERE}[no-jinja2]"),
+    ("data/sft.py", "the chat template does not render a conversation as a prefix", f"{HERE}[chat-template-prefix]"),
+    ("data/sft.py", "the supervised data has no records", f"{HERE}[sft-no-records]"),
 ]  # fmt: skip
 
 
@@ -203,13 +210,13 @@ def raise_sites() -> list[tuple[str, int, str]]:
     """(file, line, message text) of every exception built with a message in the sources."""
     out = []
     for pkg in SOURCES:
-        for f in sorted(pkg.glob("*.py")):
+        for f in sorted(pkg.rglob("*.py")):
             for n in ast.walk(ast.parse(f.read_text())):
                 if (
                     isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
                     and n.func.id in EXCEPTIONS and n.args and _literal(n.args[0]).strip()
                 ):  # fmt: skip
-                    out.append((f.name, n.lineno, _literal(n.args[0])))
+                    out.append((f.relative_to(pkg).as_posix(), n.lineno, _literal(n.args[0])))
     return out
 
 
@@ -293,7 +300,7 @@ def _ep_group_size(tmp, mp, rq):
 
 
 def _no_free_name(tmp, mp, rq):
-    from dropless.train import rundir
+    from dropless.train.run import rundir
 
     def taken(self, *a, exist_ok=False, **k):  # every name is already taken
         if not exist_ok:
@@ -318,7 +325,7 @@ def _no_run_config(tmp, mp, rq):
 
 
 def _no_run_to_resume(tmp, mp, rq):
-    from dropless.train.setup import latest_run
+    from dropless.train.checkpoint.resume import latest_run
 
     latest_run(tmp / "runs")
 
@@ -355,7 +362,7 @@ def _convert_run(method, merge):
 def _lora_stock_experts_multi_process(tmp, mp, rq):
     import transformers
 
-    from dropless.train.lora import apply_lora
+    from dropless.train.model.lora import apply_lora
 
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -367,34 +374,34 @@ def _lora_stock_experts_multi_process(tmp, mp, rq):
 
 
 def _no_peft(tmp, mp, rq):
-    from dropless.train.lora import require_peft
+    from dropless.train.model.lora import require_peft
 
     _hide(mp, "peft")
     require_peft()
 
 
 def _lora_targets_nothing(tmp, mp, rq):
-    from dropless.train.lora import lora_targets
+    from dropless.train.model.lora import lora_targets
 
     lora_targets(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["experts", "attention"])
 
 
 def _sft_seq_len(tmp, mp, rq):
-    from dropless.train.sft import encode_rows
+    from dropless.train.data.sft import encode_rows
 
     recs = [{"prompt": "a prompt longer than the rows", "completion": "yes"}]
     encode_rows(recs, "prompt_completion", ByteTokenizer(), 4, "completion", "")
 
 
 def _no_jinja2(tmp, mp, rq):
-    from dropless.train.sft import FALLBACK_TEMPLATE, _renderer
+    from dropless.train.data.sft import FALLBACK_TEMPLATE, _renderer
 
     _hide(mp, "jinja2")
     _renderer(FALLBACK_TEMPLATE)
 
 
 def _chat_template_prefix(tmp, mp, rq):
-    from dropless.train.sft import encode_rows
+    from dropless.train.data.sft import encode_rows
 
     # renders only the number of turns: a conversation is no prefix of its longer turns
     recs = [
@@ -404,7 +411,7 @@ def _chat_template_prefix(tmp, mp, rq):
 
 
 def _sft_no_records(tmp, mp, rq):
-    from dropless.train.sft import RowSampler
+    from dropless.train.data.sft import RowSampler
 
     RowSampler(np.zeros((0, 5), np.int64), np.zeros((0, 4), np.int64), seed=0)
 
@@ -429,12 +436,12 @@ TRIGGERS = [
     ("force-distributed", lambda t, m, r: ParallelConfig(force_distributed="yes"), ValueError, "parallel.force_distributed='yes' must be true or false"),
     ("string-type", _toml("[data]\npath = 3\n"), ValueError, "data.path=3: expected a string, got int"),
     ("whole-number", lambda t, m, r: load_config(None, ["train.steps=2.5"]), ValueError, "train.steps=2.5: expected an int (a whole number, e.g. 2)"),
-    ("list-type", lambda t, m, r: __import__("dropless.train.config", fromlist=["_coerce"])._coerce("x.y", 3, list[str]), ValueError, "x.y=3: expected a list"),
+    ("list-type", lambda t, m, r: __import__("dropless.train.config.load", fromlist=["_coerce"])._coerce("x.y", 3, list[str]), ValueError, "x.y=3: expected a list"),
     ("no-config-file", lambda t, m, r: load_config(t / "nope.toml"), ValueError, "nope.toml' does not exist; pass a TOML file"),
     ("no-tomli-w", lambda t, m, r: (_hide(m, "tomli_w"), dump_config(load_config(), t / "c.toml")), ModuleNotFoundError, "needs tomli-w: pip install 'dropless[train]'"),
     ("beta", lambda t, m, r: load_config(None, ["optim.decay_fraction=2"]), ValueError, "optim.decay_fraction=2.0: must be in [0, 1]"),
     ("bad-toml", _toml("[train\n"), ValueError, "is not valid TOML:"),
-    ("no-stdlib", lambda t, m, r: (m.setattr("dropless.train.data.stdlib_files", lambda: []), stdlib_corpus(0.1, 100)), ValueError, "the embedded corpus is empty"),
+    ("no-stdlib", lambda t, m, r: (m.setattr("dropless.train.data.corpus.stdlib_files", lambda: []), stdlib_corpus(0.1, 100)), ValueError, "the embedded corpus is empty"),
     ("short-held-out", lambda t, m, r: eval_windows(np.arange(5), 8, 64), ValueError, "the held-out data has 5 tokens, fewer than train.seq_len + 1 = 9"),
     ("no-pyarrow", lambda t, m, r: ((t / "a.parquet").write_bytes(b"x"), _hide(m, "pyarrow", "pyarrow.parquet"), read_documents(str(t / "a.parquet"), "text")), ModuleNotFoundError, "needs pyarrow"),
     ("eval-without-path", lambda t, m, r: load_corpus(DataConfig(eval_path="x")), ValueError, "data.eval_path is set but data.path is empty"),
@@ -450,7 +457,7 @@ TRIGGERS = [
     ("no-matplotlib", lambda t, m, r: (_hide(m, "matplotlib"), plot_losses([], t / "l.png")), ModuleNotFoundError, "plots need matplotlib"),
     ("no-free-name", _no_free_name, ValueError, "could not find a free run directory name"),
     ("no-run-to-resume", _no_run_to_resume, ValueError, "--resume without --run-dir: no run with a checkpoint"),
-    ("tokenizer-vocab-dir", lambda t, m, r: __import__("dropless.train.setup", fromlist=["x"]).tokenizer_vocab(load_config(None, [f"data.tokenizer={t / 'nope'}"]), t), ValueError, "nope': not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"),
+    ("tokenizer-vocab-dir", lambda t, m, r: __import__("dropless.train.plan.preflight", fromlist=["x"]).tokenizer_vocab(load_config(None, [f"data.tokenizer={t / 'nope'}"]), t), ValueError, "nope': not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"),
     ("dropped", _dropped, RuntimeError, "step 5: 9 (token, expert) pairs of 16 were not computed by the experts"),
     ("no-tokenizers", lambda t, m, r: (_hide(m, "tokenizers"), _require_tokenizers()), ModuleNotFoundError, "the BPE tokenizer needs the `tokenizers` package"),
     ("no-tokenizer-json", lambda t, m, r: HFTokenizer.from_dir(t), ValueError, "has no tokenizer.json; pass a directory saved by a Hugging Face fast tokenizer"),

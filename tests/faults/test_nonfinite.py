@@ -4,7 +4,7 @@
 import math
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
+from dropless.train.checkpoint import store as ckpt
 from dropless.train.step import nonfinite_message
 
 from .faults_util import NaNAt, records, snapshot, weights_finite, with_hooks

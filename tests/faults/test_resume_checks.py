@@ -7,9 +7,9 @@ import os
 import pytest
 
 from dropless.cli.main import main
-from dropless.train.config import load_config
-from dropless.train.resume import check_resume
-from dropless.train.rundir import MARKER, new_run_dir
+from dropless.train.checkpoint.resume import check_resume
+from dropless.train.config.load import load_config
+from dropless.train.run.rundir import MARKER, new_run_dir
 
 from .faults_util import args, records, snapshot
 
@@ -71,7 +71,7 @@ def test_saved_ep_that_does_not_fit_names_the_override(finished_run, tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
     saved = load_config(finished_run / "config.toml", ["parallel.ep=2"])
-    from dropless.train.config import dump_config
+    from dropless.train.config.load import dump_config
 
     dump_config(saved, ck / "config.toml")
     with pytest.raises(

@@ -9,9 +9,9 @@ import os
 import shutil
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
-from dropless.train.config import load_config
-from dropless.train.hooks import TrainHooks
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.config.load import load_config
+from dropless.train.run.hooks import TrainHooks
 
 from .faults_util import NaNAt, args, records, with_hooks
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dropless.cli.main import main
-from dropless.train.rundir import LOCK, RunLock
+from dropless.train.run.rundir import LOCK, RunLock
 
 from .faults_util import args, forked_children, snapshot
 

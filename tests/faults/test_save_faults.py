@@ -8,8 +8,8 @@ import signal
 import pytest
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
-from dropless.train.hooks import CHECKPOINT_PHASES
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.run.hooks import CHECKPOINT_PHASES
 
 from .faults_util import forked_children, records, snapshot
 

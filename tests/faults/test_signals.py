@@ -7,7 +7,7 @@ import shutil
 import signal
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
+from dropless.train.checkpoint import store as ckpt
 
 from .faults_util import args, child, forked_children, records
 

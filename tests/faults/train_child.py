@@ -26,7 +26,7 @@ import torch
 
 from dropless.cli.main import main
 from dropless.train import trainer
-from dropless.train.hooks import TrainHooks
+from dropless.train.run.hooks import TrainHooks
 
 
 class Faults(TrainHooks):

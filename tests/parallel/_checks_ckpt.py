@@ -1,6 +1,6 @@
 """Checks in spawned processes: elastic DCP checkpoints of a sharded model.
 
-World 4 (FSDP2 x EP 4) trains 2 steps, saves with `dropless.train.checkpoint`, then
+World 4 (FSDP2 x EP 4) trains 2 steps, saves with `dropless.train.checkpoint.store`, then
 runs 2 more steps: the uninterrupted losses. World 2 (ep 2) and one process (no
 process group, in the pytest process) load that checkpoint and run the same 2
 steps on the same global batches: their losses must match (fp32, rtol 1e-5).
@@ -79,7 +79,7 @@ def _steps(net, opt, sched, rank, world, steps):
 
 
 def ckpt_save_w4(rank, world):
-    from dropless.train.checkpoint import save_checkpoint
+    from dropless.train.checkpoint.store import save_checkpoint
 
     net, opt, sched, r = _setup(world, ep=world)
     before = _steps(net, opt, sched, r, world, range(SAVE_AT))
@@ -90,7 +90,7 @@ def ckpt_save_w4(rank, world):
 
 
 def resume_and_compare(world, ep):
-    from dropless.train.checkpoint import latest_checkpoint, load_checkpoint
+    from dropless.train.checkpoint.store import latest_checkpoint, load_checkpoint
 
     net, opt, sched, r = _setup(world, ep)
     path = latest_checkpoint(_dir())
@@ -114,9 +114,9 @@ def ckpt_async_w2(rank, world):
     model, steps 2-3 give the same losses, bit for bit."""
     import threading
 
-    from dropless.train import dcp_io
-    from dropless.train.checkpoint import load_checkpoint, step_dir
-    from dropless.train.checkpoint_async import THREAD_NAME, CheckpointSaver
+    from dropless.train.checkpoint import dcp_io
+    from dropless.train.checkpoint.async_save import THREAD_NAME, CheckpointSaver
+    from dropless.train.checkpoint.store import load_checkpoint, step_dir
 
     run = _dir() / "async_w2"
     if rank == 0:

@@ -2,7 +2,7 @@
 
 import torch
 
-from dropless.train import collectives
+from dropless.train.run import collectives
 
 
 def train_collectives(rank, world):

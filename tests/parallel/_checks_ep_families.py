@@ -143,7 +143,7 @@ def hf_ep_every_family(rank, world):
 def hf_fsdp_x_ep_nemotron_h(rank, world):
     """Nemotron-H as `dropless train` shards it (EP x FSDP2 over decoder layers): two AdamW
     steps give the losses and weights of one process."""
-    from dropless.train.distributed import parallelize_for_training
+    from dropless.train.model.parallelize import parallelize_for_training
 
     model = _nemotron_h()
     V = model.config.vocab_size

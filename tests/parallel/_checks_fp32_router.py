@@ -48,8 +48,8 @@ def fsdp_bf16_fp32_router(rank, world):
     import transformers
 
     from dropless.hf import patch_model
-    from dropless.train.config_schema import ModelConfig, OptimConfig
-    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.config.schema import ModelConfig, OptimConfig
+    from dropless.train.model.build import build_training_model, hf_config
     from dropless.train.state import build_optimizer
 
     path = Path(_shared_dir()) / "dsv3"

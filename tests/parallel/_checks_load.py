@@ -51,8 +51,8 @@ def hf_sharded_load(rank, world):
     import transformers
 
     from dropless.hf.distributed.expert_parallel import hf_dispatchers
-    from dropless.train.config import ModelConfig, ParallelConfig
-    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.config.load import ModelConfig, ParallelConfig
+    from dropless.train.model.build import build_training_model, hf_config
 
     path = Path(os.environ["DROPLESS_PARALLEL_TEST_DIR"]) / "sharded_load"
     if rank == 0:
@@ -64,7 +64,7 @@ def hf_sharded_load(rank, world):
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
-    import dropless.train.distributed  # noqa: F401
+    import dropless.train.model.parallelize  # noqa: F401
 
     with torch.device("meta"):
         transformers.AutoModelForCausalLM.from_config(config)

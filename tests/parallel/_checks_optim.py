@@ -9,8 +9,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.parallel import ParallelConfig
-from dropless.train.config import load_config
-from dropless.train.distributed import parallelize_for_training
+from dropless.train.config.load import load_config
+from dropless.train.model.parallelize import parallelize_for_training
 from dropless.train.state import build_optimizer
 
 

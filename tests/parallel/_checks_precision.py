@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from dropless.hf.layers import moe_layers
 from dropless.parallel import ParallelConfig
-from dropless.train.distributed import parallelize_for_training
+from dropless.train.model.parallelize import parallelize_for_training
 
 
 def _seen_weight_dtypes(model) -> tuple[dict, list]:

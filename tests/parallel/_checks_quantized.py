@@ -115,8 +115,8 @@ def _load_and_compare(name: str, parallel, dtype: str, rank: int, world: int) ->
     import transformers
 
     from dropless.hf.distributed.sharded_load import _region
-    from dropless.train.config_schema import ModelConfig
-    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.config.schema import ModelConfig
+    from dropless.train.model.build import build_training_model, hf_config
 
     root = _checkpoints()
     mcfg = ModelConfig(path=str(root / name), dtype=dtype, attn_implementation="eager")

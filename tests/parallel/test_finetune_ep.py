@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from dropless.cli.main import main  # noqa: E402
-from dropless.train.recipes import TINY  # noqa: E402
+from dropless.train.config.recipes import TINY  # noqa: E402
 
 RUN = (
     *TINY, "train.steps=2", "train.seq_len=16", "train.batch_size=4", "log.every=1",

@@ -109,8 +109,8 @@ def test_local_order_groups_rows_by_local_expert(recv):
 def test_one_parallel_config_for_the_library_and_dropless_train():
     """`dropless train`'s [parallel] section is the parallel layer's ParallelConfig, with
     every field and check (timeout_s included)."""
-    from dropless.train.config import ParallelConfig as TrainParallel
-    from dropless.train.config import load_config
+    from dropless.train.config.load import ParallelConfig as TrainParallel
+    from dropless.train.config.load import load_config
 
     assert TrainParallel is ParallelConfig
     cfg = load_config(None, ["parallel.ep=2", "parallel.timeout_s=60"]).parallel

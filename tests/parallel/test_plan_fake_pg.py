@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dropless.train import plan as P  # noqa: E402
-from dropless.train.config import load_config  # noqa: E402
+from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.plan import trace as P  # noqa: E402
 
 E = 32  # experts: ep=16 leaves 2 per rank, FSDP then shards them over dp_shard / ep
 

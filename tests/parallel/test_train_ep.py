@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from dropless.cli.main import main  # noqa: E402
-from dropless.train import checkpoint as ckpt  # noqa: E402
-from dropless.train.recipes import TINY  # noqa: E402
+from dropless.train.checkpoint import store as ckpt  # noqa: E402
+from dropless.train.config.recipes import TINY  # noqa: E402
 
 RUN = (
     *TINY,

@@ -49,7 +49,8 @@ def mesh_job() -> int:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from dropless.parallel.mesh import ParallelConfig, build_mesh
-    from dropless.train.setup import close_env
+    from dropless.train import trainer  # noqa: F401  (what a run has loaded when it closes)
+    from dropless.train.run.setup import close_env
 
     dist.init_process_group("gloo")
     pm = build_mesh(ParallelConfig(ep=2), num_experts=4, device_type="cpu")

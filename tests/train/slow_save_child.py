@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from dropless.cli.main import main
-from dropless.train import dcp_io, trainer
-from dropless.train.checkpoint_async import THREAD_NAME
-from dropless.train.hooks import TrainHooks
+from dropless.train import trainer
+from dropless.train.checkpoint import dcp_io
+from dropless.train.checkpoint.async_save import THREAD_NAME
+from dropless.train.run.hooks import TrainHooks
 
 STEP, MARKER = int(sys.argv[1]), Path(sys.argv[2])
 

@@ -20,12 +20,12 @@ import torch
 from train_util import sub_env, tiny_args
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
-from dropless.train import dcp_io
-from dropless.train.checkpoint_async import THREAD_NAME
-from dropless.train.errors import Interrupted
-from dropless.train.hooks import TrainHooks
-from dropless.train.recipes import tiny
+from dropless.train.checkpoint import dcp_io
+from dropless.train.checkpoint import store as ckpt
+from dropless.train.checkpoint.async_save import THREAD_NAME
+from dropless.train.config.recipes import tiny
+from dropless.train.run.errors import Interrupted
+from dropless.train.run.hooks import TrainHooks
 from dropless.train.trainer import train
 
 QUIET = ("log.plots=false", "log.tensorboard=false", "log.progress=none")

@@ -6,9 +6,10 @@ import torch
 from train_util import tiny_args
 
 from dropless.cli.main import main
-from dropless.train.config import load_config
-from dropless.train.recipes import TINY
-from dropless.train.setup import Env, preflight
+from dropless.train.config.load import load_config
+from dropless.train.config.recipes import TINY
+from dropless.train.plan.preflight import preflight
+from dropless.train.run.setup import Env
 
 
 def _fails(capsys, tmp_path, *args, run_dir=None):
@@ -80,7 +81,7 @@ def test_unknown_precision_recipe(capsys, tmp_path):
 
 
 def test_fp8_recipe_resolves():
-    from dropless.train.model import recipe_context
+    from dropless.train.model.precision import recipe_context
 
     with recipe_context("mxfp8")() as recipe:
         assert type(recipe).__name__ == "MXFP8BlockScaling"

@@ -4,7 +4,7 @@ stochastic rounding is unbiased and lands on a bf16 neighbour."""
 import pytest
 import torch
 
-from dropless.train.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
+from dropless.train.model.bf16_adamw import BF16AdamW, stochastic_round_to_bf16
 
 
 def test_stochastic_rounding_lands_on_a_neighbour_and_is_unbiased():

@@ -15,7 +15,7 @@ import torch
 from train_util import tiny_args
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
+from dropless.train.checkpoint import store as ckpt
 
 SOURCE_LINE = re.compile(r"\.py:\d+: |warnings\.warn\(")
 
@@ -123,8 +123,8 @@ class _SignalAfter:
 
 
 def test_an_interrupted_run_writes_plots_and_a_summary(tmp_path):
-    from dropless.train.errors import Interrupted
-    from dropless.train.recipes import tiny
+    from dropless.train.config.recipes import tiny
+    from dropless.train.run.errors import Interrupted
     from dropless.train.trainer import train
 
     run = tmp_path / "run"

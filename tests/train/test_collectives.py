@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dropless.train.collectives import backend_device_types
+from dropless.train.run.collectives import backend_device_types
 
 TRAIN = Path(__file__).resolve().parents[2] / "src" / "dropless" / "train"
 COLLECTIVES = {
@@ -43,7 +43,7 @@ def direct_collective_calls(folder: Path) -> list[str]:
 def test_nothing_under_train_calls_a_collective_directly():
     assert TRAIN.is_dir()
     calls = direct_collective_calls(TRAIN)
-    assert not calls, "use dropless.train.collectives instead:\n" + "\n".join(calls)
+    assert not calls, "use dropless.train.run.collectives instead:\n" + "\n".join(calls)
 
 
 def test_the_walk_sees_planted_calls(tmp_path):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dropless.train.config import Config, dump_config, known_keys, load_config
+from dropless.train.config.load import Config, dump_config, known_keys, load_config
 from dropless.train.trainer import lr_factor
 
 
@@ -121,7 +121,7 @@ def _with_section(monkeypatch):
     keys such as finetune.lora_targets take; under its own name)."""
     import dataclasses
 
-    from dropless.train import config as config_mod
+    from dropless.train.config import load as config_mod
 
     @dataclasses.dataclass
     class Finetune:
@@ -176,15 +176,15 @@ def test_python_310_falls_back_to_tomli(monkeypatch, tmp_path):
 
     import tomllib as real
 
-    from dropless.train import config as config_mod
+    from dropless.train.config import load as config_mod
 
     monkeypatch.setitem(sys.modules, "tomllib", None)  # as on Python 3.10: no tomllib
     monkeypatch.setitem(sys.modules, "tomli", real)  # the PyPI package of the same parser
     spec = importlib.util.spec_from_file_location(
-        "dropless.train.config_py310", config_mod.__file__
+        "dropless.train.config.load_py310", config_mod.__file__
     )
     mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "dropless.train.config_py310", mod)
+    monkeypatch.setitem(sys.modules, "dropless.train.config.load_py310", mod)
     spec.loader.exec_module(mod)
     assert mod.tomllib is real
     (tmp_path / "c.toml").write_text("[train]\nsteps = 3\n")
@@ -201,7 +201,7 @@ def test_examples_load():
 
 
 def test_activation_checkpointing_uses_the_name_transformers_has():
-    from dropless.train.model import enable_activation_checkpointing
+    from dropless.train.model.build import enable_activation_checkpointing
 
     calls = []
 
@@ -279,8 +279,8 @@ def _docs_table_keys() -> list[str]:
 def test_every_key_is_documented_and_classified_for_resume():
     import dataclasses
 
-    from dropless.train.config_schema import Config
-    from dropless.train.resume import FIXED_KEYS
+    from dropless.train.checkpoint.resume import FIXED_KEYS
+    from dropless.train.config.schema import Config
 
     walked = [
         f"{s.name}.{f.name}"

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from dropless.train.config import DataConfig
-from dropless.train.data import (
+from dropless.train.config.load import DataConfig
+from dropless.train.data.corpus import (
     WindowSampler,
     byte_counts,
     load_corpus,
@@ -15,7 +15,7 @@ from dropless.train.data import (
     tokenize,
     unigram_bits_per_byte,
 )
-from dropless.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from dropless.train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 TEXT = "def add(a, b):\n    return a + b  # héllo → wörld\n" * 30
 

@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from dropless.train.data import read_documents
+from dropless.train.data.corpus import read_documents
 
 CAP = 300_000
 BIG = 50 * 1024 * 1024  # 50 MiB

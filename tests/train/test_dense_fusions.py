@@ -10,7 +10,7 @@ import pytest
 
 from conftest import tiny_args
 from dropless.cli.main import main
-from dropless.train.config import Config, load_config
+from dropless.train.config.load import Config, load_config
 from dropless.train.trainer import adamw_kernel
 
 
@@ -53,8 +53,8 @@ def test_training_model_has_replay_and_rmsnorm_on_cpu():
 
     from dropless.hf.fusions.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
     from dropless.hf.replay import has_routing_replay
-    from dropless.train.model import build_training_model, hf_config
-    from dropless.train.recipes import tiny
+    from dropless.train.config.recipes import tiny
+    from dropless.train.model.build import build_training_model, hf_config
 
     cfg = tiny("train.activation_checkpointing=true")
     assert cfg.train.fused_rmsnorm is True  # on by default

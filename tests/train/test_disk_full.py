@@ -11,7 +11,8 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from train_util import tiny_args
 
 from dropless.cli.main import main
-from dropless.train import atomic, checkpoint
+from dropless.train.checkpoint import store as checkpoint
+from dropless.train.run import atomic
 
 
 def _enospc(*_args, **_kw):

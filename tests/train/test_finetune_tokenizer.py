@@ -10,8 +10,8 @@ import torch
 from train_util import tiny_args
 
 from dropless.cli.main import main
-from dropless.train.config import load_config
-from dropless.train.recipes import TINY
+from dropless.train.config.load import load_config
+from dropless.train.config.recipes import TINY
 
 VOCAB = 320  # a 300-token BPE plus padding rows
 
@@ -30,8 +30,8 @@ def _saved(path, vocab: int = VOCAB, tokenizer: bool = True):
     Transformers saves a model's tokenizer (tokenizer.json + tokenizer_config.json)."""
     import transformers as tf
 
-    from dropless.train.data import stdlib_corpus
-    from dropless.train.tokenizer import EOS, HFTokenizer
+    from dropless.train.data.corpus import stdlib_corpus
+    from dropless.train.data.tokenizer import EOS, HFTokenizer
 
     cfg = tf.Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -89,7 +89,7 @@ def test_a_smaller_tokenizer_than_the_embeddings_is_refused(tmp_path, capsys):
 
 
 def test_padding_rows_are_accepted(tmp_path):
-    from dropless.train.model import check_compatible, padding_rows
+    from dropless.train.model.build import check_compatible, padding_rows
 
     class C:
         vocab_size, max_position_embeddings = 151_936, 4096
@@ -104,7 +104,7 @@ def test_padding_rows_are_accepted(tmp_path):
 def test_a_converted_byte_run_is_found_again(tiny_run, tmp_path):
     """`dropless convert` of a byte-tokenizer run writes the tokenizer's marker, so a
     fine-tune of the converted model picks the byte tokenizer by itself."""
-    from dropless.train.tokenizer import resolve_spec
+    from dropless.train.data.tokenizer import resolve_spec
 
     out = tmp_path / "hf"
     assert main(["convert", str(tiny_run), str(out)]) == 0

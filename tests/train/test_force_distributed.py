@@ -37,7 +37,8 @@ def _same(got, want, steps):
 @pytest.fixture(scope="module")
 def forced_run(tmp_path_factory):
     """The forced tiny run, and the collectives the step and the evaluation issued in it."""
-    from dropless.train import evaluation, setup, step
+    from dropless.train import evaluation, step
+    from dropless.train.run import setup
 
     run_dir = tmp_path_factory.mktemp("forced") / "run"
     issued = []
@@ -127,7 +128,7 @@ def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_
 def test_the_planner_shards_a_forced_run_over_a_fake_group_of_one():
     """`dropless plan` (and the trainer's preflight) trace a forced run as it runs: FSDP2
     and DTensor experts over a fake 1-rank group, which is left afterwards."""
-    from dropless.train.plan import fake_world
+    from dropless.train.plan.trace import fake_world
 
     with fake_world(1, force_distributed=True):
         assert dist.is_initialized() and dist.get_world_size() == 1

@@ -12,8 +12,8 @@ import random
 import numpy as np
 import pytest
 
-from dropless.train.fasta import FastaRecord, is_fasta_path, iter_fasta_pieces, read_fasta
-from dropless.train.genomics import (
+from dropless.train.data.fasta import FastaRecord, is_fasta_path, iter_fasta_pieces, read_fasta
+from dropless.train.data.genomics import (
     DNATokenizer,
     bits_per_base,
     fasta_windows,
@@ -181,9 +181,9 @@ def test_dna_training_run_learns(tmp_path, capsys):
     """`data.tokenizer = "dna"` + `data.reverse_complement = true` on a generated FASTA.gz:
     the tiny model trains, its held-out bits per base fall, the tokenizer reloads."""
     from dropless.cli.main import main
-    from dropless.train.config import DataConfig
-    from dropless.train.data import load_corpus
-    from dropless.train.tokenizer import load_tokenizer
+    from dropless.train.config.load import DataConfig
+    from dropless.train.data.corpus import load_corpus
+    from dropless.train.data.tokenizer import load_tokenizer
 
     rng = random.Random(7)
     motif = "ACGGTCAT"
@@ -196,7 +196,7 @@ def test_dna_training_run_learns(tmp_path, capsys):
     train, held = load_corpus(data)
     assert len(train) == 6 and train[3] == reverse_complement(train[0]) and len(held) == 3
     run = tmp_path / "run"
-    from dropless.train.recipes import TINY
+    from dropless.train.config.recipes import TINY
 
     overrides = (
         "data.tokenizer=dna", f"data.path={fa}", "data.reverse_complement=true",

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 from dropless.cli.main import main
-from dropless.train.config import load_config
+from dropless.train.config.load import load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "genomics.toml"
 

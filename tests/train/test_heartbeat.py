@@ -5,10 +5,10 @@ The interval is shortened here by monkeypatching the module constant."""
 import sys
 import time
 
-from dropless.train import heartbeat
 from dropless.train import trainer as trainer_mod
-from dropless.train.hooks import TrainHooks
-from dropless.train.recipes import tiny
+from dropless.train.config.recipes import tiny
+from dropless.train.report import heartbeat
+from dropless.train.run.hooks import TrainHooks
 
 QUIET = ("log.plots=false", "log.tensorboard=false", "optim.warmup_steps=0")
 

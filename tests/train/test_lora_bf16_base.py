@@ -9,8 +9,9 @@ import torch
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from dropless.train.config import load_config  # noqa: E402
-from dropless.train.model import FlopCounter, build_training_model, hf_config  # noqa: E402
+from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.model.build import build_training_model, hf_config  # noqa: E402
+from dropless.train.report.flops import FlopCounter  # noqa: E402
 
 
 def _saved(path):

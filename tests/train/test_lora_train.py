@@ -110,7 +110,7 @@ def test_stock_peft_loads_the_adapter_and_convert_merges(lora_run, tmp_path):
 
 
 def test_flops_of_a_frozen_base_count_no_weight_gradient():
-    from dropless.train.model import FlopCounter
+    from dropless.train.report.flops import FlopCounter
 
     full = FlopCounter(dense_params=10, expert_params=5, attn_per_seq_l2=1.0)
     lora = FlopCounter(dense_params=10, expert_params=5, attn_per_seq_l2=1.0, frozen_base=True)

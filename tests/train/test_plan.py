@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("transformers")
 
 from dropless.cli.main import main  # noqa: E402
-from dropless.train import plan as P  # noqa: E402
-from dropless.train import plan_preflight as PF  # noqa: E402
-from dropless.train.config import load_config  # noqa: E402
+from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.plan import preflight as PF  # noqa: E402
+from dropless.train.plan import trace as P  # noqa: E402
 
 CONTRACT = {
     "peak_gib_per_gpu", "reserve_gib", "fits", "max_skew", "breakdown_gib",
@@ -186,7 +186,7 @@ def test_planner_refuses_a_process_in_a_process_group(tmp_path):
     group (torchrun) plans in a child (see the preflight test) and never here."""
     import torch.distributed as dist
 
-    from dropless.train.plan import fake_world
+    from dropless.train.plan.trace import fake_world
 
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1

@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dropless.train import plan as P  # noqa: E402
-from dropless.train.config import load_config  # noqa: E402
+from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.plan import trace as P  # noqa: E402
 
 
 def _peak_bytes(tracker, run) -> int:
@@ -39,7 +39,7 @@ def _peak_bytes(tracker, run) -> int:
 def _measured_peak(cfg) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from dropless.train.model import build_training_model
+    from dropless.train.model.build import build_training_model
     from dropless.train.state import build_optimizer
     from dropless.train.step import fuse_cross_entropy
 
@@ -151,7 +151,7 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
     the routing skew it computed in that step."""
     from program_memory import ProgramMemTracker
 
-    from dropless.train.model import build_training_model
+    from dropless.train.model.build import build_training_model
     from dropless.train.state import build_optimizer
     from dropless.train.step import fuse_cross_entropy
 

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("peft")
 
-from dropless.train import plan as P  # noqa: E402
-from dropless.train.config import load_config  # noqa: E402
+from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.plan import trace as P  # noqa: E402
 
 
 def test_lora_plan_at_ep2_with_checkpointing(tmp_path):

@@ -7,9 +7,9 @@ import pytest
 from dropless import quant
 from dropless.quant import formats
 from dropless.quant import recipe as qrecipe
-from dropless.train import config as tc
-from dropless.train.config import load_config
-from dropless.train.model import recipe_context
+from dropless.train.config import load as tc
+from dropless.train.config.load import load_config
+from dropless.train.model.precision import recipe_context
 
 
 @pytest.mark.parametrize("name", ["delayed", "current", "mxfp8"])

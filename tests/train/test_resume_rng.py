@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from dropless.train import trainer
-from dropless.train.hooks import TrainHooks
-from dropless.train.recipes import tiny
+from dropless.train.config.recipes import tiny
+from dropless.train.run.hooks import TrainHooks
 
 QUIET = (
     "log.plots=false", "log.tensorboard=false", "log.progress=none", "log.every=4",

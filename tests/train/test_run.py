@@ -8,7 +8,7 @@ import torch
 from train_util import tiny_args
 
 from dropless.cli.main import main
-from dropless.train import checkpoint as ckpt
+from dropless.train.checkpoint import store as ckpt
 
 FIELDS = (
     "loss", "eval_loss", "eval_bpb", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_process",

@@ -8,8 +8,8 @@ import torch
 
 from conftest import tiny_args
 from dropless.cli.main import main
-from dropless.train import sft
-from dropless.train.tokenizer import ByteTokenizer
+from dropless.train.data import sft
+from dropless.train.data.tokenizer import ByteTokenizer
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"

@@ -3,7 +3,7 @@ across test folders)."""
 
 import os
 
-from dropless.train.recipes import TINY
+from dropless.train.config.recipes import TINY
 
 
 def tiny_args(*extra: str) -> list[str]:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..train.metrics import peak_rss_mib, reset_peak_rss  # noqa: F401  (re-exported for the benches)
+from ..train.report.metrics import peak_rss_mib, reset_peak_rss  # noqa: F401  (re-exported for the benches)
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../src/dropless
 HISTORY_IN_CHECKOUT = Path("benchmarks") / "history.jsonl"

@@ -86,8 +86,8 @@ def format_plan(p) -> str:
 
 
 def run(args) -> int:
-    from ..train.config import load_config
-    from ..train.plan import make_plan
+    from ..train.config.load import load_config
+    from ..train.plan.trace import make_plan
     from .train import _one_line, _say
 
     try:

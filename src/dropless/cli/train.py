@@ -36,8 +36,8 @@ def _resumed_config(run_dir: str) -> str | None:
     that copy)."""
     from pathlib import Path
 
-    from ..train import checkpoint as ckpt
-    from ..train.resume import resume_config_file
+    from ..train.checkpoint import store as ckpt
+    from ..train.checkpoint.resume import resume_config_file
 
     saved = resume_config_file(run_dir)
     if saved is not None:
@@ -74,9 +74,9 @@ def run(args) -> int:
     from torch.distributed.checkpoint import CheckpointException
 
     from ..train import trainer
-    from ..train.config import load_config
-    from ..train.errors import TrainingStopped
-    from ..train.setup import latest_run
+    from ..train.checkpoint.resume import latest_run
+    from ..train.config.load import load_config
+    from ..train.run.errors import TrainingStopped
 
     try:
         config, run_dir = args.config, args.run_dir

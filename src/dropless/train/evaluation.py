@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .collectives import all_reduce
+from .run.collectives import all_reduce
 
 
 class Evaluator:

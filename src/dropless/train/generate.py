@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .config import load_config
-from .model import build_model, hf_config
-from .tokenizer import load_tokenizer
+from .checkpoint import store as ckpt
+from .config.load import load_config
+from .data.tokenizer import load_tokenizer
+from .model.build import build_model, hf_config
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
@@ -51,7 +51,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu"):
     )
     lora = cfg.finetune.method == "lora"
     if lora:  # the checkpoint holds the adapters; the base comes from model.path
-        from .lora import apply_lora
+        from .model.lora import apply_lora
 
         model = apply_lora(model, cfg.finetune, cfg.model.path)
     ckpt.load_checkpoint(ck, model, restore_rng=False, trainable_only=lora)
@@ -132,7 +132,7 @@ def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:
             return
         from transformers import PreTrainedTokenizerFast
 
-        from .tokenizer import EOS
+        from .data.tokenizer import EOS
 
         PreTrainedTokenizerFast(tokenizer_object=tok.tok, eos_token=EOS).save_pretrained(out)
         return
@@ -165,7 +165,7 @@ def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
             "is no adapter to merge; drop --merge"
         )
     if lora:
-        from .lora import merge_lora
+        from .model.lora import merge_lora
 
         model = merge_lora(model)
     if cfg.train.expert_bias_rate > 0:

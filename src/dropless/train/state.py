@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import (
+from .data.corpus import (
     WindowSampler,
     byte_counts,
     cached_streams,
@@ -21,7 +21,7 @@ from .data import (
     load_corpus,
     unigram_bits_per_byte,
 )
-from .tokenizer import build_tokenizer
+from .data.tokenizer import build_tokenizer
 
 
 @dataclass
@@ -68,8 +68,8 @@ def _say_on_rank0(env):
 def prepare_data(cfg, run_dir: Path, env, rank0_first) -> RunData:
     """Train (or load) the tokenizer and tokenize the corpus (cached in the run dir).
     `rank0_first(fn)` runs `fn` on rank 0 first, then on the others (which read the cache).
-    Supervised records (messages, prompt/completion) become padded rows (`sft.py`)."""
-    from .sft import prepare_sft, sft_kind
+    Supervised records (messages, prompt/completion) become padded rows (`data/sft.py`)."""
+    from .data.sft import prepare_sft, sft_kind
 
     kind = sft_kind(cfg.data.path) if cfg.data.path else None
     if kind is not None:
@@ -169,7 +169,7 @@ def build_optimizer(params: list[torch.nn.Parameter], ocfg) -> torch.optim.Optim
     groups = [g for g in groups if g["params"]] or groups[:1]
     betas = (ocfg.beta1, ocfg.beta2)
     if any(p.dtype == torch.bfloat16 for p in params):  # model.dtype=bf16
-        from .bf16_adamw import BF16AdamW
+        from .model.bf16_adamw import BF16AdamW
 
         return BF16AdamW(
             groups, lr=ocfg.lr, betas=betas, eps=ocfg.eps,

@@ -7,16 +7,16 @@ schedule."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
-from .collectives import all_reduce
-from .data import micro_batch_indices
-from .errors import DroppedTokensError, NonFiniteError
-from .model import recipe_context
+from .data.corpus import micro_batch_indices
+from .model.lora import base_model
+from .model.precision import Precision
+from .run.collectives import all_reduce
+from .run.errors import DroppedTokensError, NonFiniteError
 from .state import TrainState
 
 
@@ -24,27 +24,6 @@ def _hf():
     from .. import hf
 
     return hf
-
-
-def autocast_dtype(pcfg, on_gpu: bool) -> torch.dtype:
-    """The compute dtype of the `precision` section: bf16 (autocast) or fp32; "auto" is
-    bf16 on a GPU."""
-    bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and on_gpu)
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-class Precision:
-    """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
-
-    def __init__(self, pcfg, device: torch.device):
-        self.dtype = autocast_dtype(pcfg, device.type == "cuda")
-        self.device_type = device.type
-        self.recipe = recipe_context(pcfg)
-
-    def autocast(self):
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
 
 
 def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> str:
@@ -100,16 +79,17 @@ class StepRunner:
         sampler,
         precision: Precision,
         hooks,
-        ce_seen: list | None = None,
     ):
         self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
         self.router = router  # dropless.hf.RouterLosses: the model's own router losses
         self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
         self.parallel, self.sampler = parallel, sampler
         self.precision, self.hooks = precision, hooks
-        self.ce_seen = ce_seen  # train.fused_cross_entropy: where the model's loss lands
-        self.params = [p for p in model.parameters() if p.requires_grad]
         tc = cfg.train
+        # train.fused_cross_entropy: where the model's loss lands (LoRA: the Transformers
+        # model inside PEFT's wrapper computes it)
+        self.ce_seen = fuse_cross_entropy(base_model(model)) if tc.fused_cross_entropy else None
+        self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
         self.seq_len = tc.seq_len
         self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
@@ -236,4 +216,4 @@ class StepRunner:
             update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
 
 
-__all__ = ["Precision", "StepRunner", "fuse_cross_entropy", "nonfinite_message"]
+__all__ = ["StepRunner", "fuse_cross_entropy", "nonfinite_message"]

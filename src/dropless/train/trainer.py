@@ -4,8 +4,10 @@ SIGTERM or a failed check.
 
     summary = train(load_config(None, ["train.steps=50"]), run_dir="runs/x")
 
-The parts live beside it: `state` (position, data, optimizer), `step` (one optimizer
-step and its checks), `evaluation` (held-out loss), `run_log` (metrics and summary).
+This file is the route map of a run: `train` sets up the process (`run/`), checks the
+config (`plan/preflight.py`) and claims the run directory; `Trainer.__init__` builds the
+parts in order (`data/`, `model/`, `state.py`, `checkpoint/`, `step.py`,
+`evaluation.py`, `report/`); `Trainer.fit` runs the steps. docs/design.md follows it.
 """
 
 from __future__ import annotations
@@ -17,29 +19,24 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .checkpoint_async import CheckpointSaver
-from .config import Config, dump_config
-from .errors import Interrupted, NonFiniteError
+from .checkpoint import store as ckpt
+from .checkpoint.async_save import CheckpointSaver
+from .checkpoint.resume import latest_run, with_nonfinite_fix
+from .config.load import Config, dump_config
+from .data.tokenizer import resolve_spec
 from .evaluation import Evaluator
-from .heartbeat import Heartbeat
-from .hooks import TrainHooks
-from .interrupts import StopRequests
-from .lora import ADAPTER_DIR, base_model, save_adapter
-from .model import FlopCounter, build_training_model
-from .resume import with_nonfinite_fix
-from .run_log import RunLog
-from .rundir import claim, discard_new_run
-from .setup import (
-    Env,
-    broadcast,
-    close_env,
-    init_env,
-    preflight,
-    rank0_first,
-    rank0_only,
-    resolve_run_dir,
-)
+from .model.build import build_training_model
+from .model.lora import ADAPTER_DIR, base_model, save_adapter
+from .model.precision import Precision
+from .plan.preflight import preflight
+from .report.flops import FlopCounter
+from .report.heartbeat import Heartbeat
+from .report.run_log import RunLog
+from .run.errors import Interrupted, NonFiniteError
+from .run.hooks import TrainHooks
+from .run.interrupts import StopRequests
+from .run.rundir import claim, discard_new_run, new_run_dir
+from .run.setup import Env, broadcast, close_env, init_env, on_rank0, rank0_first, rank0_only
 from .state import (
     TrainState,
     adamw_kernel,
@@ -48,8 +45,7 @@ from .state import (
     lr_factor,
     prepare_data,
 )
-from .step import Precision, StepRunner, fuse_cross_entropy
-from .tokenizer import resolve_spec
+from .step import StepRunner
 
 
 def _hf():
@@ -111,14 +107,11 @@ class Trainer:
         router = self.layers[0].router
         self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # LoRA: the Transformers model inside PEFT's wrapper computes the loss
-        inner = base_model(self.model)
-        self.ce_seen = fuse_cross_entropy(inner) if tc.fused_cross_entropy else None
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
+        self.state = TrainState(seed=tc.seed, world_size=env.world)
         self.flops = FlopCounter.from_model(self.model)
         self.flops.frozen_base = self.lora
-        self.state = TrainState(seed=tc.seed, world_size=env.world)
         if resume_from is not None:
             self.beat.doing(f"loading the checkpoint {resume_from}")
             saved = ckpt.load_checkpoint(
@@ -132,7 +125,7 @@ class Trainer:
         micro_batch = tc.batch_size // (env.world * tc.grad_accum)
         self.stepper = StepRunner(
             cfg, env, self.model, self.layers, self.router, self.top_k, self.optimizer, self.scheduler,
-            self.parallel, self.data.sampler, self.precision, self.hooks, self.ce_seen,
+            self.parallel, self.data.sampler, self.precision, self.hooks,
         )  # fmt: skip
         self.evaluate = Evaluator(
             self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
@@ -267,6 +260,13 @@ class Trainer:
             )  # fmt: skip
         finally:
             self.log.close()
+
+
+def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
+    """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
+    if run_dir is None:
+        run_dir = on_rank0(lambda: str(latest_run() if resume else new_run_dir()), env)
+    return Path(run_dir)
 
 
 def with_tokenizer_resolved(cfg: Config) -> Config:

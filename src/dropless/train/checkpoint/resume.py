@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .config import Config, load_config
+from ..config.load import Config, load_config
+from .manifest import latest_checkpoint
 
 #: keys a resumed run must keep: the checkpoint's tensors, tokens or sample order depend on them
 FIXED_KEYS = (
@@ -63,7 +64,7 @@ def check_resume(cfg: Config, ckpt_dir: Path, world: int) -> None:
             + "; ".join(changed)
             + ". Drop those overrides (a bare --resume uses the run's own config), or start a new run with another --run-dir"
         )
-    from ..parallel.mesh import resolve_sizes
+    from ...parallel.mesh import resolve_sizes
 
     try:
         resolve_sizes(cfg.parallel, world, None)
@@ -86,7 +87,7 @@ def resume_config_file(run_dir: str | Path) -> Path | None:
     config.toml, which a start cut short may have left stale or half written."""
     import warnings
 
-    from . import checkpoint as ckpt
+    from . import store as ckpt
 
     with warnings.catch_warnings():  # the checks of the resume itself say what was skipped
         warnings.simplefilter("ignore")
@@ -97,7 +98,7 @@ def resume_config_file(run_dir: str | Path) -> Path | None:
 
 
 def _damaged(run_dir: Path) -> str:
-    from . import checkpoint as ckpt
+    from . import store as ckpt
 
     bad = ckpt.damaged_checkpoints(run_dir)
     return "; ".join(bad[-3:]) + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else "")
@@ -105,7 +106,7 @@ def _damaged(run_dir: Path) -> str:
 
 def no_resume_point(run_dir: Path) -> ValueError:
     """Why --resume cannot start in `run_dir`, with the one action that works."""
-    from . import checkpoint as ckpt
+    from . import store as ckpt
 
     if not Path(run_dir).is_dir():
         return ValueError(
@@ -124,7 +125,7 @@ def no_resume_point(run_dir: Path) -> ValueError:
 
 def check_fresh_start(run_dir: Path) -> None:
     """A run without --resume must not start over a run that has checkpoints."""
-    from . import checkpoint as ckpt
+    from . import store as ckpt
 
     if not ckpt.list_checkpoints(run_dir):
         return
@@ -144,7 +145,7 @@ def nonfinite_fix(
     """What to do after a non-finite loss or gradient: resume from the newest checkpoint;
     from an older one when the newest is the one this run resumed from and every step
     since was non-finite (`all_nonfinite`); start again when there is no checkpoint."""
-    from . import checkpoint as ckpt
+    from . import store as ckpt
 
     lower = "lower optim.lr" + (" or raise train.max_skipped_steps" if policy == "skip" else "")
     newest = ckpt.latest_checkpoint(run_dir)
@@ -186,3 +187,14 @@ __all__ = [
     "resume_config_file",
     "with_nonfinite_fix",
 ]
+
+
+def latest_run(root: str | Path = "runs") -> Path:
+    """The run under `root` whose newest checkpoint was written last."""
+    found = [(p, latest_checkpoint(p, verify=False)) for p in Path(root).glob("*") if p.is_dir()]
+    found = [(p, c) for p, c in found if c is not None]
+    if not found:
+        raise ValueError(
+            f"--resume without --run-dir: no run with a checkpoint under ./{root}; pass --run-dir RUN_DIR"
+        )
+    return max(found, key=lambda pc: pc[1].stat().st_mtime)[0]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
+from . import store as ckpt
 from .dcp_io import hashing_writer
 
 THREAD_NAME = "dropless-checkpoint"

@@ -16,10 +16,10 @@ import logging
 import torch
 from torch import nn
 
-from ..hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
-from ..parallel.fsdp import apply_fsdp, clip_grad_norm_
-from ..parallel.mesh import ParallelMesh, as_parallel_config, build_mesh
-from .collectives import all_reduce
+from ...hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
+from ...parallel.fsdp import apply_fsdp, clip_grad_norm_
+from ...parallel.mesh import ParallelMesh, as_parallel_config, build_mesh
+from ..run.collectives import all_reduce
 
 
 class _QuietRedistribution(logging.Filter):
@@ -94,12 +94,12 @@ def parallelize_for_training(
     the parallel path too, in the 1-process group `init_env` joined. compute_dtype: the
     run's autocast dtype; with bf16 every FSDP2 unit gathers bf16 parameters and reduces
     fp32 gradients."""
-    from ..hf.layers import moe_layers
+    from ...hf.layers import moe_layers
 
     layers = moe_layers(model)
     num_experts = layers[0].num_experts if layers else None
     if world == 1 and not as_parallel_config(parallel_cfg).force_distributed:
-        from ..parallel.mesh import resolve_sizes
+        from ...parallel.mesh import resolve_sizes
 
         resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error
         return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_atomic
+from ..run.atomic import write_atomic
 from .fasta import iter_fasta_pieces
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .atomic import fsync_path, naming, run_dir_vanished
-from .collectives import barrier
+from ..run.atomic import fsync_path, naming, run_dir_vanished
+from ..run.collectives import barrier
+from ..run.hooks import TrainHooks
 from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
-from .hooks import TrainHooks
-from .manifest import (  # re-exported: callers name them as checkpoint.*
+from .manifest import (  # re-exported: callers name them as store.*
     DIRNAME,
     MANIFEST,
     _files,
@@ -305,7 +305,7 @@ def save_checkpoint(
     trainable_only: bool = False,
 ) -> Path:
     """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`;
-    returns once it is complete (`checkpoint_async.CheckpointSaver` overlaps the writes
+    returns once it is complete (`async_save.CheckpointSaver` overlaps the writes
     with training)."""
     job = begin_save(
         run_dir, step, model, optimizer, scheduler, trainer_state, keep=keep,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_file, write_atomic
+from ..run.atomic import atomic_file, write_atomic
 from .fasta import FASTA_SUFFIXES, is_fasta_path, iter_fasta_pieces
 from .genomics import reverse_complement
 

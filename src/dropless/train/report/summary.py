@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from .atomic import write_atomic
+from ..run.atomic import write_atomic
 from .metrics import rate
 
 

@@ -8,7 +8,7 @@ sources with a byte-level BPE, sized to take about 5 minutes on 2 CPU cores in f
 
 from __future__ import annotations
 
-from .config import Config, load_config
+from .load import Config, load_config
 
 
 def default() -> Config:

@@ -14,7 +14,7 @@ backward and the optimizer step run under torch's memory tracker (FSDPMemTracker
 FSDP2, MemTracker on one process), which follows every tensor's storage. The experts
 forward is the one part that cannot run on fake tensors (data-dependent counts, the
 counts exchange, Triton kernels): it is replaced by the sizes the fused path declares
-(`plan_experts.py`), at the stated routing skew under expert parallelism.
+(`experts.py`), at the stated routing skew under expert parallelism.
 
 The trace runs on CPU fake tensors: CPU autocast stands for CUDA autocast, and the CPU
 torch ops' outputs for the CUDA kernels' (the Triton RMSNorm and SwiGLU row kernels
@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import param_dtype
-from .plan_attention import declare_attention
-from .plan_cost import Workload, cost_assumptions, gpu_kind, step_estimate
-from .plan_experts import declare_experts
+from ..model.build import param_dtype
+from .attention import declare_attention
+from .cost import Workload, cost_assumptions, gpu_kind, step_estimate
+from .experts import declare_experts
 
 GIB = 2**30
 CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspaces, kernels' code
@@ -68,9 +68,9 @@ def _prepare_probes(model: nn.Module) -> None:
     """Run, on real data and outside the fake mode, the one-time checks the patched modules
     do on their first call (the experts' fused form, RMSNorm agreement), which compare
     values and so cannot run on fake tensors."""
-    from ..hf.experts import _spec
-    from ..hf.fusions.rmsnorm import _ATTR
-    from ..hf.layers import moe_layers
+    from ...hf.experts import _spec
+    from ...hf.fusions.rmsnorm import _ATTR
+    from ...hf.layers import moe_layers
 
     for layer in moe_layers(model):
         _spec(layer.experts)
@@ -82,7 +82,7 @@ def _prepare_probes(model: nn.Module) -> None:
 def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     """(model, TrainParallel or None, fused-loss list or None) on the meta device, built
     and sharded as `Trainer` does; call inside `fake_world(world)`."""
-    from .model import adapt_and_shard, meta_model
+    from ..model.build import adapt_and_shard, meta_model
 
     tc = cfg.train
     model = meta_model(cfg.model, hf_config, tc.expert_bias_rate > 0)
@@ -93,8 +93,8 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     )  # fmt: skip
     seen = None
     if tc.fused_cross_entropy:
-        from .lora import base_model
-        from .step import fuse_cross_entropy
+        from ..model.lora import base_model
+        from ..step import fuse_cross_entropy
 
         seen = fuse_cross_entropy(base_model(model))
     return model, par, seen
@@ -102,7 +102,7 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
 
 def _optimizer(cfg, params):
     """The optimizer `Trainer` builds (BF16AdamW for bf16 parameters)."""
-    from .state import build_optimizer
+    from ..state import build_optimizer
 
     return build_optimizer(params, cfg.optim)
 
@@ -135,7 +135,7 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
-        from ..hf.distributed.sharded_load import _retie
+        from ...hf.distributed.sharded_load import _retie
 
         _retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
@@ -288,8 +288,8 @@ def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
 
 
 def _workload(cfg, model, par, world: int, cdtype) -> Workload:
-    from ..hf.layers import moe_layers
-    from .model import FlopCounter
+    from ...hf.layers import moe_layers
+    from ..report.flops import FlopCounter
 
     layers = moe_layers(model)
     ex = layers[0].experts
@@ -364,8 +364,8 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
 def _vocab(cfg) -> int:
     """The built-in model's vocabulary as `dropless train` sizes it (a trained BPE at its
     configured size; a checkpoint or config brings its own)."""
-    from .genomics import DNATokenizer
-    from .tokenizer import ByteTokenizer, HFTokenizer, resolve_spec
+    from ..data.genomics import DNATokenizer
+    from ..data.tokenizer import ByteTokenizer, HFTokenizer, resolve_spec
 
     spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
     if spec == "bytes":
@@ -377,21 +377,21 @@ def _vocab(cfg) -> int:
 
 def resolve_hf_config(cfg):
     """The Transformers config `dropless train` would build (no weights are read)."""
-    from .model import hf_config
+    from ..model.build import hf_config
 
     return hf_config(cfg.model, 0 if (cfg.model.path or cfg.model.config) else _vocab(cfg))
 
 
 def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: float = 1.5, *, hf_config=None, compare_checkpointing: bool = True) -> Plan:  # fmt: skip
     """The plan of `cfg` on `gpus` GPUs of `gpu_memory_gib` GiB each (see the module)."""
-    from ..parallel.mesh import resolve_sizes
+    from ...parallel.mesh import resolve_sizes
 
     if skew < 1.0:
         raise ValueError(f"--skew {skew}: the busiest rank's load over the mean is at least 1.0")
     kind = gpu_kind(gpu)
     hf_config = hf_config if hf_config is not None else resolve_hf_config(cfg)
     resolve_sizes(cfg.parallel, gpus, getattr(hf_config, "num_experts", None))
-    from .step import autocast_dtype
+    from ..model.precision import autocast_dtype
 
     cdtype = autocast_dtype(cfg.precision, on_gpu=True)  # the plan is for GPUs
     ep = cfg.parallel.ep

@@ -1,26 +1,18 @@
-"""Process group, run directory and the checks that fail fast before any long work."""
+"""The process: the torchrun group (or none), its rank, world and device, and the helpers
+that run a function on rank 0 and hand every rank the result."""
 
 from __future__ import annotations
 
 import atexit
 import gc
 import os
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
 from .collectives import broadcast_object
-from .data import _data_files
-from .genomics import DNATokenizer
-from .model import check_compatible, hf_config, recipe_context
-from .resume import check_fresh_start, check_resume, no_resume_point
-from .rundir import new_run_dir
-from .tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
 
 
 @dataclass
@@ -147,106 +139,3 @@ def rank0_first(fn, env: Env):
     it filled. The wait is a collective bounded by parallel.timeout_s."""
     result = rank0_only(fn, env)
     return result if env.main else fn()
-
-
-def latest_run(root: str | Path = "runs") -> Path:
-    """The run under `root` whose newest checkpoint was written last."""
-    found = [
-        (p, ckpt.latest_checkpoint(p, verify=False)) for p in Path(root).glob("*") if p.is_dir()
-    ]
-    found = [(p, c) for p, c in found if c is not None]
-    if not found:
-        raise ValueError(
-            f"--resume without --run-dir: no run with a checkpoint under ./{root}; pass --run-dir RUN_DIR"
-        )
-    return max(found, key=lambda pc: pc[1].stat().st_mtime)[0]
-
-
-def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
-    """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
-    if run_dir is None:
-        run_dir = on_rank0(lambda: str(latest_run() if resume else new_run_dir()), env)
-    return Path(run_dir)
-
-
-def tokenizer_vocab(cfg, run_dir: Path) -> int:
-    """The vocabulary size the run's tokenizer has (or will have once trained)."""
-    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == "bytes":
-        return ByteTokenizer.vocab_size
-    if spec == "dna":
-        return DNATokenizer.vocab_size
-    if spec == "bpe":
-        cached = run_dir / "tokenizer"
-        return (
-            HFTokenizer.from_dir(cached).vocab_size
-            if (cached / TOKENIZER_FILE).is_file()
-            else cfg.data.bpe_vocab_size
-        )
-    if not Path(spec).is_dir():
-        raise ValueError(
-            f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
-        )
-    return HFTokenizer.from_dir(spec).vocab_size
-
-
-def warn_all_warmup(cfg) -> None:
-    """A run no longer than its warmup never leaves it: the learning rate only rises (to
-    train.steps / optim.warmup_steps of optim.lr) and optim.schedule never applies."""
-    steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
-    if warmup and steps <= warmup:
-        warnings.warn(
-            f"train.steps={steps} <= optim.warmup_steps={warmup}: the whole run is warmup (the learning "
-            f"rate reaches {steps / warmup:.0%} of optim.lr and optim.schedule never applies); lower "
-            f"optim.warmup_steps (e.g. --set optim.warmup_steps={max(1, steps // 10)}) or raise train.steps",
-            stacklevel=2,
-        )
-
-
-def preflight(cfg, env: Env, run_dir: Path, resume: bool):
-    """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
-    recipe_context(cfg.precision)
-    from ..parallel.mesh import resolve_sizes
-
-    resume_from = None
-    if resume:
-        resume_from = on_rank0(lambda: ckpt.latest_checkpoint(run_dir), env)
-        if resume_from is None:
-            raise no_resume_point(run_dir)
-        check_resume(cfg, resume_from, env.world)
-    else:
-        check_fresh_start(run_dir)
-    resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
-    if cfg.finetune.method == "lora":
-        from .lora import require_peft
-
-        require_peft()
-    per = env.world * cfg.train.grad_accum
-    if cfg.train.batch_size % per:
-        raise ValueError(
-            f"train.batch_size={cfg.train.batch_size} is not divisible by the number of processes ({env.world}) "
-            f"x train.grad_accum ({cfg.train.grad_accum}); use a multiple of {per} (batch_size is the global batch)"
-        )
-    if cfg.data.path:
-        _data_files(cfg.data.path, "data.path")
-    if cfg.data.eval_path:
-        _data_files(cfg.data.eval_path, "data.eval_path")
-    vocab = tokenizer_vocab(cfg, run_dir)
-    config = hf_config(cfg.model, vocab)
-    resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
-    check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
-    from .memory_fit import check_fits_memory
-
-    check_fits_memory(cfg, config, env.world, env.device)  # before the model is built
-    from .plan_preflight import check_plan_fits
-
-    # CUDA only: the traced plan (under torchrun rank 0 plans in a child process)
-    check_plan_fits(cfg, config, env.world, env.device, lambda fn: on_rank0(fn, env))
-    if env.main:
-        warn_all_warmup(cfg)
-    if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
-        print(
-            "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",
-            flush=True,
-        )
-    return config, resume_from

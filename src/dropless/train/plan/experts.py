@@ -116,7 +116,7 @@ def rows_computed(pairs: int, ep: int, skew: float) -> int:
 
 def _weight(module: nn.Module, name: str) -> torch.Tensor:
     # the raw parameter: reading one PEFT parametrizes would run its LoRA fold
-    from ..hf.lora.peft_lora import raw_weight
+    from ...hf.lora.peft_lora import raw_weight
 
     w = raw_weight(module, name)
     return _local(w if w is not None else getattr(module, name))
@@ -124,7 +124,7 @@ def _weight(module: nn.Module, name: str) -> torch.Tensor:
 
 def declare_experts(model: nn.Module, ep: int, skew: float) -> int:
     """Swap every MoE layer's experts forward for `_DeclaredExperts`; returns how many."""
-    from ..hf.layers import moe_layers
+    from ...hf.layers import moe_layers
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         first = "gate_up_proj" if getattr(self, "has_gate", True) else "up_proj"

@@ -1,5 +1,5 @@
 """Training configuration: TOML files and `--set KEY=VALUE` overrides read into the
-schema's dataclasses (`config_schema.py`, re-exported here), and the resolved dump.
+schema's dataclasses (`schema.py`, re-exported here), and the resolved dump.
 
     cfg = load_config("run.toml", ["train.steps=100", "optim.lr=3e-4"])
     dump_config(cfg, run_dir / "config.toml")
@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from .config_schema import (
+from .schema import (
     ADAMW_IMPLEMENTATIONS,
     AMAX_ALGOS,
     ATTENTION,
@@ -226,7 +226,9 @@ def dump_config(cfg: Config, path: str | Path) -> Path:
     header = (
         "# resolved config of this run (dropless train); reload with `dropless train THIS_FILE`\n\n"
     )
-    from .atomic import write_atomic  # temp + fsync + rename: a crash leaves the old file whole
+    from ..run.atomic import (
+        write_atomic,  # temp + fsync + rename: a crash leaves the old file whole
+    )
 
     return write_atomic(path, header + tomli_w.dumps(config_to_dict(cfg)))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint as ckpt
+from ..checkpoint import store as ckpt
 from .metrics import (
     MetricsWriter,
     Progress,
@@ -191,7 +191,7 @@ class RunLog:
             "config": str(config_file), "tensorboard": str(self.run_dir / "tensorboard") if self.cfg.log.tensorboard else None,
         }  # fmt: skip
         if self.env.main:
-            from .report import finish_report
+            from .summary import finish_report
 
             finish_report(self.cfg, self.run_dir, summary, records)
         return summary

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import write_atomic
+from ..run.atomic import write_atomic
 from .genomics import DNATokenizer
 
 EOS = "<|endoftext|>"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_file
+from ..run.atomic import atomic_file
 
 
 def _plt():

@@ -10,7 +10,7 @@ family, no memory used). The figures are lower bounds, so a refusal is never wro
   parameter in fp32 and in bf16 with an fp32 master, 12 in bf16 without one
   (`optim.master_weights=false`); the frozen base of a LoRA run holds its weights only.
   All of it is sharded over the processes (FSDP2/EP), on the host for a CPU run (a GPU's
-  memory is checked by the traced plan instead, `plan_preflight.check_plan_fits`);
+  memory is checked by the traced plan instead, `preflight.check_plan_fits`);
 - a micro-batch keeps at least one [tokens, hidden] activation per decoder layer for
   backward (4 bytes per value: a CPU run computes in fp32).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .model import require_transformers
+from ..model.build import require_transformers
 
 GIB = 2**30
 MOMENTS_BYTES = 8  # AdamW's exp_avg + exp_avg_sq, fp32 whatever the parameters' dtype
@@ -160,7 +160,7 @@ def _check(where: str, have: int | None, counts: dict, each: str, state: int, ac
 def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
     """Refuse (ValueError naming the keys) a run this machine's host memory cannot hold
     (a CPU run's state and activations; the model's build on the host). A GPU's memory is
-    checked by the traced plan (`plan_preflight.check_plan_fits`)."""
+    checked by the traced plan (`preflight.check_plan_fits`)."""
     try:
         counts = parameter_counts(hf_config)
     except (ValueError, TypeError, RuntimeError, NotImplementedError, ImportError):
@@ -185,4 +185,4 @@ def check_fits_memory(cfg, hf_config, world: int, device: torch.device) -> None:
         build = f"{weight} bytes each while it is built in {dtype}"
         build += f", x {local} processes" if local > 1 else ""
         _check("host", host, counts, build, local * weight * params, 0, cfg)
-    # the GPU's own memory: the traced plan (plan_preflight.check_plan_fits), not a formula
+    # the GPU's own memory: the traced plan (preflight.check_plan_fits), not a formula

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .atomic import append_line, refuse_symlink, write_atomic
+from ..run.atomic import append_line, refuse_symlink, write_atomic
 
 # Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
 GPU_PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}

@@ -164,7 +164,7 @@ class RowSampler:
 
 def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     """Hold out every record whose index hashes below eval_fraction (at least one)."""
-    from .data import _split_key
+    from .corpus import _split_key
 
     train, held = [], []
     for i, r in enumerate(recs):
@@ -190,7 +190,7 @@ class SFTData:
 def prepare_sft(cfg, kind: str, make_tokenizer, seq_len: int, verbose: bool) -> SFTData:
     """Records -> tokenizer (`make_tokenizer(texts)`), padded rows, held-out rows and the
     byte counts the metrics use (loss tokens only)."""
-    from .data import byte_counts, unigram_bits_per_byte
+    from .corpus import byte_counts, unigram_bits_per_byte
 
     recs = read_records(cfg.data.path)
     if cfg.data.eval_path:

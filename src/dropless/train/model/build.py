@@ -1,16 +1,14 @@
 """Building the model: a local Hugging Face checkpoint, a local config, or the built-in
-Qwen3-MoE from `ModelConfig`, switched to the dropless experts path, plus the FLOP
-count per step that the metrics use and the one place precision recipes plug in.
+Qwen3-MoE from `ModelConfig`, switched to the dropless experts path (the FLOPs of a
+step are `report/flops.py`'s, the precision recipes `model/precision.py`'s).
 """
 
 # T tokens, L sequence length, E experts, K top-k
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ def require_transformers():
 
 def _hf():
     """dropless.hf (the Transformers integration)."""
-    from .. import hf
+    from ... import hf
 
     return hf
 
@@ -182,7 +180,7 @@ def build_training_model(
 
     finetune: the `finetune` section; with method "lora" the adapters are added before the
     model is sharded (they shard with what they adapt) and set after the base is loaded
-    (`dropless.train.lora`).
+    (`dropless.train.model.lora`).
 
     compute_dtype: the run's autocast dtype; under FSDP2 (several processes) bf16 makes every
     unit gather bf16 parameters and reduce fp32 gradients.
@@ -200,8 +198,8 @@ def build_training_model(
     """
     # several processes, or a quantised checkpoint (block-FP8, MXFP4): build on meta, then
     # each rank reads (and dequantises into model.dtype) only its own slices
-    from ..hf.distributed.sharded_load import is_quantized_checkpoint
-    from ..parallel.mesh import as_parallel_config
+    from ...hf.distributed.sharded_load import is_quantized_checkpoint
+    from ...parallel.mesh import as_parallel_config
 
     forced = as_parallel_config(parallel_cfg).force_distributed  # the node's path on one process
     sharded = bool(mcfg.path) and (world > 1 or forced or is_quantized_checkpoint(mcfg.path))
@@ -217,7 +215,7 @@ def build_training_model(
     lora = finetune is not None and finetune.method == "lora"
     if sharded:
         model.to_empty(device=device)
-        from ..hf.distributed.sharded_load import load_sharded_hf
+        from ...hf.distributed.sharded_load import load_sharded_hf
         from .lora import base_model, checkpoint_name
 
         load_sharded_hf(base_model(model), mcfg.path, rename=checkpoint_name if lora else None)
@@ -247,12 +245,12 @@ def adapt_and_shard(
     """(model, parallel glue or None): checkpointing and the fused RMSNorm switched on,
     LoRA adapters added (before sharding: they shard with what they adapt), then sharded
     over `world` processes. before_lora(model) runs first where given (the planner's probes)."""
-    from .distributed import parallelize_for_training
+    from .parallelize import parallelize_for_training
 
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
-        from ..hf.fusions.rmsnorm import enable_fused_rmsnorm
+        from ...hf.fusions.rmsnorm import enable_fused_rmsnorm
 
         enable_fused_rmsnorm(model)
     if before_lora is not None:
@@ -262,80 +260,3 @@ def adapt_and_shard(
 
         model = apply_lora(model, finetune, mcfg.path, world)
     return model, parallelize_for_training(model, parallel_cfg, world, compute_dtype)
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
-
-
-def recipe_context(precision):
-    """A factory of the context to run forward in for the `precision` section (the FP8
-    hook): `precision.recipe` with the options of the section (`recipe_options()`).
-
-    "none" needs nothing; the others are `dropless.quant` recipes, built once here (at
-    startup, before any long work) so a bad option is reported early. A bare recipe name
-    is accepted too (no options).
-    """
-    name = precision if isinstance(precision, str) else precision.recipe
-    options = {} if isinstance(precision, str) else precision.recipe_options()
-    if name == "none":
-        return _nothing
-    from ..quant import autocast, recipe_from_name
-
-    try:
-        recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"precision: {e}") from None
-    return lambda: autocast(recipe=recipe)
-
-
-@dataclass
-class FlopCounter:
-    """Training FLOPs of one step from the tokens actually routed (formula in docs/train.md).
-
-    forward = 2 * T * dense + 2 * P * expert + attention, training = 3 * forward, where
-    dense counts the weights every token multiplies (attention projections, routers, dense
-    or shared MLPs, LM head), expert the weights of one expert (gate_up + down), P the
-    (token, expert) pairs computed over all MoE layers, and attention (causal) is
-    2 * L^2 * H * head_dim per sequence and layer (QK^T and AV, half the square each).
-    """
-
-    dense_params: int
-    expert_params: int
-    attn_per_seq_l2: float  # multiply by L^2 per sequence
-    # LoRA: the frozen base gets no weight gradient, so backward is one forward's worth
-    # (input gradients only; the adapters' own FLOPs are left out): training = 2 * forward
-    frozen_base: bool = False
-
-    @classmethod
-    def from_model(cls, model: nn.Module) -> FlopCounter:
-        layers = _hf().moe_layers(model)
-        expert_mods = {id(layer.experts) for layer in layers}
-        dense = sum(
-            m.weight.numel()
-            for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and ".lora_" not in n  # LoRA factors: not dense layers
-        )
-        dense += sum(
-            layer.router.weight.numel()
-            for layer in layers
-            if layer.router is not None and not isinstance(layer.router, nn.Linear)
-        )
-        ex = layers[0].experts
-        expert = sum(
-            p[0].numel()
-            for n, p in ex.named_parameters(recurse=False)
-            if p.dim() == 3 and not n.startswith("lora_")  # the experts' own LoRA factors
-        )
-        assert len(expert_mods) == len(layers)
-        c = model.config
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return cls(dense, expert, 2.0 * heads * head_dim * c.num_hidden_layers)
-
-    def step_flops(self, sequences: int, seq_len: int, routed_pairs: int) -> float:
-        tokens = sequences * seq_len
-        fwd = 2.0 * tokens * self.dense_params + 2.0 * routed_pairs * self.expert_params
-        fwd += sequences * self.attn_per_seq_l2 * seq_len * seq_len
-        return (2.0 if self.frozen_base else 3.0) * fwd

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..parallel.mesh import ParallelConfig
+from ...parallel.mesh import ParallelConfig
 
 RECIPES = ("none", "delayed", "current", "mxfp8")
 DTYPES = ("auto", "fp32", "bf16")

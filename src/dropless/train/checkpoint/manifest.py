@@ -2,7 +2,7 @@
 directories (`step_{:08d}`, nine digits from step 10^8 on, ordered by number), the
 manifest (every file's size and SHA-256) and its verification, and the shared `flock` a
 reader (`dropless generate` / `convert`) holds on the manifest of the checkpoint it picked
-until it is loaded (pruning, in `checkpoint.py`, skips a held checkpoint)."""
+until it is loaded (pruning, in `store.py`, skips a held checkpoint)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def require_peft():
 
 def lora_targets(model: nn.Module, targets: list[str]) -> tuple[list[str], str | None]:
     """(target_parameters, target_modules regex) for `targets` ("experts", "attention")."""
-    from .. import hf
+    from ... import hf
 
     params: list[str] = []
     if "experts" in targets:
@@ -79,9 +79,9 @@ def owns_expert_factors(model: nn.Module) -> bool:
     runs dropless's fused expert MLP (gated or not, no post-expert norm), the path that runs
     them as thin GEMMs (and the one expert parallelism shards); otherwise PEFT's
     `target_parameters` wrap the experts."""
-    from .. import hf
-    from ..hf.experts import experts_spec
-    from ..hf.patching.patch import IMPLEMENTATION
+    from ... import hf
+    from ...hf.experts import experts_spec
+    from ...hf.patching.patch import IMPLEMENTATION
 
     layers = hf.moe_layers(model)
     for layer in layers:
@@ -125,8 +125,8 @@ def apply_lora(model: nn.Module, fcfg, base_path: str = "", world: int = 1) -> n
     for p in model.parameters():
         p.requires_grad_(False)
     if own:
-        from .. import hf
-        from ..hf.lora.expert_lora import attach_expert_lora
+        from ... import hf
+        from ...hf.lora.expert_lora import attach_expert_lora
 
         for layer in hf.moe_layers(model):
             attach_expert_lora(layer.experts, fcfg.lora_rank, fcfg.alpha, dtype=torch.float32)
@@ -141,7 +141,7 @@ def apply_lora(model: nn.Module, fcfg, base_path: str = "", world: int = 1) -> n
     with torch.random.fork_rng(devices=[]):  # PEFT's init draws: the run's RNG stays as it was
         wrapped = peft.get_peft_model(model, config)  # fp32 adapters (autocast_adapter_dtype)
     if own:  # PEFT froze every parameter but its own adapters
-        from ..hf.lora.expert_lora import LORA_PARAMS
+        from ...hf.lora.expert_lora import LORA_PARAMS
 
         for layer in hf.moe_layers(model):
             for name in LORA_PARAMS:
@@ -161,7 +161,7 @@ def _prefix(model: nn.Module) -> str:
 def _file_keys(model: nn.Module) -> dict[str, tuple]:
     """{trainable parameter name: (adapter-file key, expert layout or None)}, where the
     expert layout is ("A" | "B", num_experts) for the experts' own factors."""
-    from ..hf.lora.expert_lora import expert_factor_keys, peft_paths
+    from ...hf.lora.expert_lora import expert_factor_keys, peft_paths
 
     inner, prefix = base_model(model), _prefix(model)
     out: dict[str, tuple] = {}
@@ -204,7 +204,7 @@ def _peft_shape(kind: str, shape) -> tuple[int, int]:
 def init_adapters(model: nn.Module, seed: int) -> None:
     """Give every adapter its initial values (after loading the base: on the meta-device
     path the adapters are still empty), the same on one process and under any sharding."""
-    from ..hf.lora.expert_lora import factor_from_peft
+    from ...hf.lora.expert_lora import factor_from_peft
 
     params = dict(model.named_parameters())
     for name, (key, layout) in _file_keys(model).items():
@@ -221,7 +221,7 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter file's tensors (PEFT's keys and layouts, fp32 on CPU), gathered from the
     shards: every rank calls this (collectives, in the same order everywhere)."""
-    from ..hf.lora.expert_lora import factor_to_peft
+    from ...hf.lora.expert_lora import factor_to_peft
 
     params = dict(model.named_parameters())
     state = {}
@@ -261,10 +261,10 @@ def checkpoint_name(name: str) -> str | None:
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """The Transformers model with every adapter folded into its weights (one process)."""
-    from .. import hf
-    from ..hf.lora.expert_lora import LORA_PARAMS, fold_attached
-    from ..hf.lora.peft_lora import raw_weight
-    from ..ops import LowRank
+    from ... import hf
+    from ...hf.lora.expert_lora import LORA_PARAMS, fold_attached
+    from ...hf.lora.peft_lora import raw_weight
+    from ...ops import LowRank
 
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()

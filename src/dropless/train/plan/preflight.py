@@ -1,17 +1,108 @@
-"""`dropless train`'s preflight on GPUs: the plan of the run's own layout (`plan.py`),
-refused before any weight is loaded when it predicts an out-of-memory, with the single
-changes the plan predicts would fit."""
+"""`dropless train`'s preflight: every check that needs no long work, run before the run
+directory is claimed. `preflight` runs them in order; on GPUs the last one is the plan of
+the run's own layout (`trace.py`), refused before any weight is loaded when it predicts an
+out-of-memory, with the single changes the plan predicts would fit."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .plan import GIB, make_plan, micro_batch, resolve_hf_config
+from ..checkpoint.manifest import latest_checkpoint
+from ..checkpoint.resume import check_fresh_start, check_resume, no_resume_point
+from ..data.corpus import _data_files
+from ..data.genomics import DNATokenizer
+from ..data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
+from ..model.build import check_compatible, hf_config
+from ..model.precision import recipe_context
+from ..run.setup import Env, on_rank0
+from .trace import GIB, make_plan, micro_batch, resolve_hf_config
+
+
+def tokenizer_vocab(cfg, run_dir: Path) -> int:
+    """The vocabulary size the run's tokenizer has (or will have once trained)."""
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == "bytes":
+        return ByteTokenizer.vocab_size
+    if spec == "dna":
+        return DNATokenizer.vocab_size
+    if spec == "bpe":
+        cached = run_dir / "tokenizer"
+        return (
+            HFTokenizer.from_dir(cached).vocab_size
+            if (cached / TOKENIZER_FILE).is_file()
+            else cfg.data.bpe_vocab_size
+        )
+    if not Path(spec).is_dir():
+        raise ValueError(
+            f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
+        )
+    return HFTokenizer.from_dir(spec).vocab_size
+
+
+def warn_all_warmup(cfg) -> None:
+    """A run no longer than its warmup never leaves it: the learning rate only rises (to
+    train.steps / optim.warmup_steps of optim.lr) and optim.schedule never applies."""
+    steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
+    if warmup and steps <= warmup:
+        warnings.warn(
+            f"train.steps={steps} <= optim.warmup_steps={warmup}: the whole run is warmup (the learning "
+            f"rate reaches {steps / warmup:.0%} of optim.lr and optim.schedule never applies); lower "
+            f"optim.warmup_steps (e.g. --set optim.warmup_steps={max(1, steps // 10)}) or raise train.steps",
+            stacklevel=2,
+        )
+
+
+def preflight(cfg, env: Env, run_dir: Path, resume: bool):
+    """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
+    recipe_context(cfg.precision)
+    from ...parallel.mesh import resolve_sizes
+
+    resume_from = None
+    if resume:
+        resume_from = on_rank0(lambda: latest_checkpoint(run_dir), env)
+        if resume_from is None:
+            raise no_resume_point(run_dir)
+        check_resume(cfg, resume_from, env.world)
+    else:
+        check_fresh_start(run_dir)
+    resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
+    if cfg.finetune.method == "lora":
+        from ..model.lora import require_peft
+
+        require_peft()
+    per = env.world * cfg.train.grad_accum
+    if cfg.train.batch_size % per:
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by the number of processes ({env.world}) "
+            f"x train.grad_accum ({cfg.train.grad_accum}); use a multiple of {per} (batch_size is the global batch)"
+        )
+    if cfg.data.path:
+        _data_files(cfg.data.path, "data.path")
+    if cfg.data.eval_path:
+        _data_files(cfg.data.eval_path, "data.eval_path")
+    vocab = tokenizer_vocab(cfg, run_dir)
+    config = hf_config(cfg.model, vocab)
+    resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
+    check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
+    from .memory_fit import check_fits_memory
+
+    check_fits_memory(cfg, config, env.world, env.device)  # before the model is built
+    # CUDA only: the traced plan (under torchrun rank 0 plans in a child process)
+    check_plan_fits(cfg, config, env.world, env.device, lambda fn: on_rank0(fn, env))
+    if env.main:
+        warn_all_warmup(cfg)
+    if cfg.precision.dtype == "bf16" and env.device.type == "cpu" and env.main:
+        print(
+            "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",
+            flush=True,
+        )
+    return config, resume_from
 
 
 def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
@@ -70,8 +161,8 @@ def verdict(cfg, hf_config, world: int, gib: float) -> dict:
 
 
 _CHILD = (
-    "import json, sys; from dropless.train.config import load_config; "
-    "from dropless.train.plan_preflight import verdict; "
+    "import json, sys; from dropless.train.config.load import load_config; "
+    "from dropless.train.plan.preflight import verdict; "
     "print(json.dumps(verdict(load_config(sys.argv[1], []), None, int(sys.argv[2]), float(sys.argv[3]))))"
 )
 
@@ -84,7 +175,7 @@ def verdict_in_child(cfg, world: int, gib: float) -> dict:
     import tempfile
     from pathlib import Path
 
-    from .config import dump_config
+    from ..config.load import dump_config
 
     with tempfile.TemporaryDirectory() as d:
         path = dump_config(cfg, Path(d) / "config.toml")

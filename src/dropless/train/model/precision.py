@@ -1,0 +1,58 @@
+"""The run's numerics: the compute dtype of the `precision` section (bf16 autocast or
+fp32) and the one place precision recipes (FP8, MXFP8) plug in."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def autocast_dtype(pcfg, on_gpu: bool) -> torch.dtype:
+    """The compute dtype of the `precision` section: bf16 (autocast) or fp32; "auto" is
+    bf16 on a GPU."""
+    bf16 = pcfg.dtype == "bf16" or (pcfg.dtype == "auto" and on_gpu)
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+class Precision:
+    """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
+
+    def __init__(self, pcfg, device: torch.device):
+        self.dtype = autocast_dtype(pcfg, device.type == "cuda")
+        self.device_type = device.type
+        self.recipe = recipe_context(pcfg)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
+def recipe_context(precision):
+    """A factory of the context to run forward in for the `precision` section (the FP8
+    hook): `precision.recipe` with the options of the section (`recipe_options()`).
+
+    "none" needs nothing; the others are `dropless.quant` recipes, built once here (at
+    startup, before any long work) so a bad option is reported early. A bare recipe name
+    is accepted too (no options).
+    """
+    name = precision if isinstance(precision, str) else precision.recipe
+    options = {} if isinstance(precision, str) else precision.recipe_options()
+    if name == "none":
+        return _nothing
+    from ...quant import autocast, recipe_from_name
+
+    try:
+        recipe = recipe_from_name(name, **options)  # one object: delayed scaling keeps state
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"precision: {e}") from None
+    return lambda: autocast(recipe=recipe)
+
+
+__all__ = ["Precision", "autocast_dtype", "recipe_context"]

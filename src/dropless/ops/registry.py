@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -98,6 +99,7 @@ class Registry:
         #: name -> entry; tests may add and remove entries here directly
         self.entries: dict[str, Any] = {}
         self._gpu_hook: Callable[[], None] | None = None
+        self._gpu_lock = threading.Lock()
 
     def register(self, entry: Any) -> None:
         """Add (or replace) `entry` under `entry.name`."""
@@ -117,10 +119,13 @@ class Registry:
         return [e.name for e in self.ranked()]
 
     def load_gpu(self) -> None:
-        """Register the GPU entries now (once; what the first CUDA pick does)."""
-        hook, self._gpu_hook = self._gpu_hook, None
-        if hook is not None:
-            hook()
+        """Register the GPU entries now (once; what the first CUDA pick does). A pick in
+        another thread meanwhile waits: it never sees the hook gone and the entries not
+        yet there."""
+        with self._gpu_lock:
+            if self._gpu_hook is not None:
+                self._gpu_hook()
+                self._gpu_hook = None
 
     def _maybe_load_gpu(self, name: str | None, operands: tuple) -> None:
         if self._gpu_hook is None or torch.compiler.is_compiling():

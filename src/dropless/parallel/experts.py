@@ -1,4 +1,19 @@
-"""Expert weights sharded over the EP axis: DTensor Shard(0), E/ep experts per rank.
+"""Expert parallelism, one implementation for `dropless.nn.MoE` and Transformers models.
+
+Expert weights are sharded over the EP axis as DTensor `Shard(0)`, E/ep experts per rank
+(rank r holds experts [r*L, (r+1)*L)). Both front ends go through the same three pieces:
+
+- `shard_expert_params(module, names, ep_mesh, ...)`: checks that the experts split
+  evenly (a `ValueError` naming the module) and replaces each named parameter by its
+  DTensor `Shard(0)`, in place, parameter names and global shapes unchanged;
+- `ep_dispatcher(pmesh, num_experts)`: the `ExpertParallelDispatcher` of the layer;
+- `LocalExperts`: what the dispatcher runs on the rows this rank received
+  (`forward_sorted(x_SD, counts, prob_S)` and `num_global_experts`), on `local_view`s
+  of the sharded weights.
+
+`shard_moe_experts` applies them to every `dropless.nn.MoE` (its experts become
+`EPGroupedExperts`); `dropless.hf.shard_hf_experts` applies them to every experts module
+of a patched Transformers model and adapts only its names and layouts.
 
 Choice: the expert parameters are DTensors `Shard(0)` on the "ep" mesh (global
 shape [E, ...], local [E/ep, ...]) rather than plain local slices, so that
@@ -12,6 +27,10 @@ on `to_local()` views, so the grouped GEMM never sees a DTensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
 from torch import nn
 
 from ..nn.experts import GroupedExperts
@@ -20,10 +39,80 @@ from ..ops.expert_mlp import grouped_mlp
 PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
-def _local(t):
+@runtime_checkable
+class LocalExperts(Protocol):
+    """This rank's experts, as `ExpertParallelDispatcher` calls them.
+
+    `forward_sorted(x_SD, counts, prob_S)`: rows sorted by local expert, `counts` [L]
+    rows each, `prob_S` the routing weight of each row (None: applied by the caller);
+    returns [S, D]. `num_global_experts`: E over every EP rank.
+    """
+
+    num_global_experts: int
+
+    def forward_sorted(self, x_SD, counts, prob_S) -> torch.Tensor: ...
+
+
+def local_view(t):
+    """This rank's slice of a sharded parameter (`to_local()`), the tensor itself when it is
+    not a DTensor, None for None."""
     if t is None:
         return None
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_weights(module: nn.Module, names: Iterable[str]) -> tuple:
+    """`local_view` of each named attribute of `module` (None where it has none)."""
+    return tuple(local_view(getattr(module, n, None)) for n in names)
+
+
+def shard_expert_params(
+    module: nn.Module, names: Iterable[str], ep_mesh, *, num_experts: int, where: str = ""
+) -> list[str]:
+    """Shard the expert parameters `names` of `module` over `ep_mesh`, in place.
+
+    Each named `nn.Parameter` (absent or None ones are skipped) becomes an `nn.Parameter`
+    holding a DTensor `Shard(0)` over `ep_mesh`: global shape unchanged, this rank's
+    rows [r*L, (r+1)*L) (L = num_experts / ep) copied from the full tensor every rank
+    holds, the same `requires_grad`; no communication. Raises ValueError, naming `where`
+    (the module), when ep does not divide num_experts. Returns the names sharded.
+    """
+    P, r = ep_mesh.size(), ep_mesh.get_local_rank()
+    E = int(num_experts)
+    if E % P:
+        raise ValueError(
+            f"{where + ': ' if where else ''}num_experts={E} is not divisible by "
+            f"parallel.ep={P}; pick an ep that divides {E}"
+        )
+    from torch.distributed.tensor import DTensor, Shard
+
+    L = E // P
+    done = []
+    for name in names:
+        p = getattr(module, name, None)
+        if not isinstance(p, nn.Parameter):
+            continue
+        local = p.detach()[r * L : (r + 1) * L].clone()
+        d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+        setattr(module, name, nn.Parameter(d, requires_grad=p.requires_grad))
+        done.append(name)
+    return done
+
+
+def ep_dispatcher(pmesh, num_experts: int):
+    """The `ExpertParallelDispatcher` of one MoE layer of `num_experts` experts over
+    pmesh's "ep" group, summing counts over its data-parallel group, chunked and
+    overlapped as `parallel.overlap_chunks` asks."""
+    from .dispatcher import ExpertParallelDispatcher
+
+    chunks = pmesh.config.overlap_chunks
+    return ExpertParallelDispatcher(
+        pmesh.ep_group,
+        pmesh.dp_group,
+        num_experts=num_experts,
+        num_chunks=chunks,
+        overlap=chunks > 1,
+    )
 
 
 class EPGroupedExperts(GroupedExperts):
@@ -31,40 +120,30 @@ class EPGroupedExperts(GroupedExperts):
 
     Only `forward_sorted` (called by `ExpertParallelDispatcher` on rows already sent
     to this rank) is valid; `forward` raises, since the local path would need every
-    expert.
+    expert. A `LocalExperts`.
     """
 
     num_global_experts: int
     num_local_experts: int
 
     @classmethod
-    def from_experts(cls, experts: GroupedExperts, ep_mesh) -> EPGroupedExperts:
+    def from_experts(cls, experts: GroupedExperts, ep_mesh, *, where: str = "") -> EPGroupedExperts:
         """Shard a full `GroupedExperts` (identical on every rank: seeded init or a
-        loaded checkpoint) over `ep_mesh` without communication."""
-        from torch.distributed.tensor import DTensor, Shard
-
+        loaded checkpoint) over `ep_mesh` without communication (`shard_expert_params`;
+        `where` names the module in its error). `experts` itself is left whole."""
         if not isinstance(experts, GroupedExperts):
             raise TypeError(
                 f"experts must be a dropless GroupedExperts, got {type(experts).__name__}"
             )
-        P, r = ep_mesh.size(), ep_mesh.get_local_rank()
-        E = experts.num_experts
-        if E % P:
-            raise ValueError(f"num_experts={E} is not divisible by parallel.ep={P}")
-        L = E // P
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         for k in ("num_experts", "hidden_size", "intermediate_size", "activation", "backend"):
             setattr(new, k, getattr(experts, k))
-        new.num_global_experts, new.num_local_experts = E, L
-        for name in PARAM_NAMES:
-            p = getattr(experts, name)
-            if p is None:
-                setattr(new, name, None)
-                continue
-            local = p.detach()[r * L : (r + 1) * L].clone()
-            d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            new.register_parameter(name, nn.Parameter(d, requires_grad=p.requires_grad))
+        for name in PARAM_NAMES:  # the full parameters (or None), then their shards
+            setattr(new, name, getattr(experts, name))
+        E = experts.num_experts
+        shard_expert_params(new, PARAM_NAMES, ep_mesh, num_experts=E, where=where)
+        new.num_global_experts, new.num_local_experts = E, E // ep_mesh.size()
         return new
 
     def reset_parameters(self) -> None:  # weights come from the full module
@@ -80,14 +159,15 @@ class EPGroupedExperts(GroupedExperts):
 
     def forward_sorted(self, x_SD, counts, prob_S):
         """Rows sorted by local expert, `counts` [L] rows each, on the local weights."""
+        w1, w2, b1, b2 = local_weights(self, PARAM_NAMES)
         return grouped_mlp(
             x_SD,
             counts,
             prob_S,
-            _local(self.gate_up_proj),
-            _local(self.down_proj),
-            gate_up_bias=_local(self.gate_up_proj_bias),
-            down_bias=_local(self.down_proj_bias),
+            w1,
+            w2,
+            gate_up_bias=b1,
+            down_bias=b2,
             activation=self.activation,
             backend=self.backend,
         )
@@ -101,13 +181,13 @@ def shard_moe_experts(model: nn.Module, pmesh) -> list[str]:
 
     Each MoE's experts become `EPGroupedExperts` (Shard(0) over pmesh's "ep" axis)
     and its dispatcher an `ExpertParallelDispatcher` over the EP group, summing
-    counts over the data-parallel group. With ep == 1 the experts stay whole and the
-    dispatcher only sums the counts over the data-parallel group (so the balancing
-    loss is the global-batch one for every EP size). Returns the names of the MoE
-    modules changed.
+    counts over the data-parallel group (`ep_dispatcher`). With ep == 1 the experts
+    stay whole and the dispatcher only sums the counts over the data-parallel group
+    (so the balancing loss is the global-batch one for every EP size). Returns the
+    names of the MoE modules changed.
     """
     from ..nn.moe import MoE
-    from .dispatcher import ExpertParallelDispatcher, GlobalCountsDispatcher
+    from .dispatcher import GlobalCountsDispatcher
 
     cfg = pmesh.config
     done = []
@@ -120,14 +200,9 @@ def shard_moe_experts(model: nn.Module, pmesh) -> list[str]:
                 done.append(name)
             continue
         if not isinstance(m.experts, EPGroupedExperts):
-            m.experts = EPGroupedExperts.from_experts(m.experts, pmesh.ep_mesh)
-            m.dispatcher = ExpertParallelDispatcher(
-                pmesh.ep_group,
-                pmesh.dp_group,
-                num_experts=m.num_experts,
-                num_chunks=cfg.overlap_chunks,
-                overlap=cfg.overlap_chunks > 1,
-            )
+            where = f"{name} (dropless.nn.MoE)" if name else "dropless.nn.MoE"
+            m.experts = EPGroupedExperts.from_experts(m.experts, pmesh.ep_mesh, where=where)
+            m.dispatcher = ep_dispatcher(pmesh, m.num_experts)
             done.append(name)
     return done
 

@@ -1,11 +1,15 @@
 """Expert parallelism for Transformers v5 MoE models patched with `dropless.patch`.
 
-`shard_hf_experts(model, pmesh)` turns each experts module's weights into DTensors
-`Shard(0)` over the "ep" axis (this rank keeps experts [r*L, (r+1)*L)) and gives the
-module instance a forward that sends tokens through `ExpertParallelDispatcher`; the
-grouped MLP on the local experts uses the same layout flags as the single-process
-dropless path (`dropless.hf.experts_spec`). The stock router is untouched. Expert
-parameters keep their names and global shapes, so DCP checkpoints reshard.
+`shard_hf_experts(model, pmesh)` runs the expert parallelism of `dropless.nn.MoE`
+(`dropless.parallel.experts`) on each experts module: `shard_expert_params` turns its
+expert weights (and its own LoRA factors) into DTensors `Shard(0)` over the "ep" axis
+(this rank keeps experts [r*L, (r+1)*L)), `ep_dispatcher` builds its
+`ExpertParallelDispatcher`, and `_LocalExperts`, a `LocalExperts`, runs the rows this
+rank received. What is adapted here is only the module's names and layouts: which
+parameters it has (`EXPERT_PARAMS`), `trans_w`, gated or not, a post-expert norm, its own
+gate (the same flags as the single-process dropless path, `dropless.hf.experts_spec`).
+The stock router is untouched. Expert parameters keep their names and global shapes, so
+DCP checkpoints reshard.
 
 A model built on the meta device is sharded first and filled afterwards, each rank
 reading only its shards: `load_sharded_hf` of `sharded_load.py`.
@@ -23,7 +27,7 @@ from ...ops.compute_dtype import expert_input
 from ...ops.dispatch import get_recipe
 from ...ops.expert_mlp import grouped_mlp
 from ...ops.grouped_gemm import grouped_gemm
-from ...parallel.experts import _local
+from ...parallel.experts import ep_dispatcher, local_weights, shard_expert_params
 from ..lora.expert_lora import LORA_PARAMS, attached_lowrank, fold_attached
 
 #: the expert tensors of a v5 experts module, sharded over ep (gated experts: gate_up_proj;
@@ -34,7 +38,8 @@ EXPERT_PARAMS = (
 
 
 class _LocalExperts:
-    """What the dispatcher calls: the local slice of one HF experts module.
+    """What the dispatcher calls (`dropless.parallel.experts.LocalExperts`): the local slice
+    of one HF experts module.
 
     Every form the single-process dropless path runs (`hf.experts`) runs here on the rows
     this rank received: the fused MLP (gated or not), the fused MLP then the module's
@@ -44,15 +49,15 @@ class _LocalExperts:
 
     def __init__(self, module: nn.Module, spec, num_experts: int):
         self.module, self.spec, self.num_global_experts = module, spec, num_experts
-        self.first = "gate_up_proj" if spec.gated else "up_proj"
+        first = "gate_up_proj" if spec.gated else "up_proj"
+        self.names = (first, "down_proj")
+        if spec.has_bias:
+            self.names += (first + "_bias", "down_proj_bias")
 
     def weights(self):
         """(w1, w2, b1, b2): this rank's experts' weights and biases (None without)."""
-        m, has_bias = self.module, self.spec.has_bias
-        w1, w2 = _local(getattr(m, self.first)), _local(m.down_proj)
-        if not has_bias:
-            return w1, w2, None, None
-        return w1, w2, _local(getattr(m, self.first + "_bias")), _local(m.down_proj_bias)
+        w = local_weights(self.module, self.names)
+        return w if len(w) == 4 else (*w, None, None)
 
     def forward_sorted(self, x_SD, counts, prob_S):
         m, s = self.module, self.spec
@@ -116,16 +121,12 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     post-norm path (or under a low-precision recipe) they are folded into this rank's
     weights, as on one process.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
-    from ...parallel.dispatcher import ExpertParallelDispatcher
     from ..experts import experts_spec
     from ..layers import moe_layers
 
     cfg = pmesh.config
     if cfg.ep == 1 and not cfg.force_distributed:
         return []
-    P, r = pmesh.ep_mesh.size(), pmesh.ep_mesh.get_local_rank()
     done = []
     for layer in moe_layers(model):
         m = layer.experts
@@ -136,26 +137,12 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         if why is not None:
             raise ValueError(why)
         E = int(m.num_experts)
-        if E % P:
-            raise ValueError(
-                f"{layer.name} ({layer.family}): num_experts={E} is not divisible by "
-                f"parallel.ep={P}; pick an ep that divides {E}"
-            )
-        L = E // P
-        for name in (*EXPERT_PARAMS, *LORA_PARAMS):  # LoRA factors shard with their experts
-            p = getattr(m, name, None)
-            if not isinstance(p, nn.Parameter):
-                continue
-            local = p.detach()[r * L : (r + 1) * L].clone()
-            d = DTensor.from_local(local, pmesh.ep_mesh, [Shard(0)], run_check=False)
-            setattr(m, name, nn.Parameter(d, requires_grad=p.requires_grad))
-        disp = ExpertParallelDispatcher(
-            pmesh.ep_group,
-            pmesh.dp_group,
-            num_experts=E,
-            num_chunks=cfg.overlap_chunks,
-            overlap=cfg.overlap_chunks > 1,
+        where = f"{layer.name} ({layer.family})"
+        # LoRA factors the module owns shard with their experts
+        shard_expert_params(
+            m, (*EXPERT_PARAMS, *LORA_PARAMS), pmesh.ep_mesh, num_experts=E, where=where
         )
+        disp = ep_dispatcher(pmesh, E)
         m.__dict__["_dropless_ep"] = (_LocalExperts(m, spec, E), disp)
         m.forward = types.MethodType(_ep_forward, m)
         done.append(layer.name)

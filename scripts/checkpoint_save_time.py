@@ -54,11 +54,11 @@ def main() -> None:
         for _ in range(a.rounds):
             step += 1
             t0 = time.perf_counter()
-            ckpt.save_checkpoint(a.dir, step, model, opt, sched, {}, keep=1)
+            ckpt.save_checkpoint(ckpt.SaveRequest(a.dir, step, model, opt, sched, {}, keep=1))
             sync.append(time.perf_counter() - t0)
             step += 1
             t0 = time.perf_counter()
-            saver.save(a.dir, step, model, opt, sched, {}, keep=1)
+            saver.save(ckpt.SaveRequest(a.dir, step, model, opt, sched, {}, keep=1))
             block.append(time.perf_counter() - t0)
             saver.wait()
             total.append(time.perf_counter() - t0)

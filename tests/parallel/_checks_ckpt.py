@@ -79,11 +79,11 @@ def _steps(net, opt, sched, rank, world, steps):
 
 
 def ckpt_save_w4(rank, world):
-    from dropless.train.checkpoint.store import save_checkpoint
+    from dropless.train.checkpoint.store import SaveRequest, save_checkpoint
 
     net, opt, sched, r = _setup(world, ep=world)
     before = _steps(net, opt, sched, r, world, range(SAVE_AT))
-    save_checkpoint(_dir(), SAVE_AT, net, opt, sched, {"losses": before}, keep=2)
+    save_checkpoint(SaveRequest(_dir(), SAVE_AT, net, opt, sched, {"losses": before}, keep=2))
     after = _steps(net, opt, sched, r, world, range(SAVE_AT, TOTAL))
     if rank == 0:
         (_dir() / "uninterrupted.json").write_text(json.dumps(after))
@@ -116,7 +116,7 @@ def ckpt_async_w2(rank, world):
 
     from dropless.train.checkpoint import dcp_io
     from dropless.train.checkpoint.async_save import THREAD_NAME, CheckpointSaver
-    from dropless.train.checkpoint.store import load_checkpoint, step_dir
+    from dropless.train.checkpoint.store import SaveRequest, load_checkpoint, step_dir
 
     run = _dir() / "async_w2"
     if rank == 0:
@@ -135,7 +135,8 @@ def ckpt_async_w2(rank, world):
     dcp_io._HashingStream.write = held_write
     try:
         saver = CheckpointSaver()
-        assert saver.save(run, SAVE_AT, net, opt, sched, {}, keep=2) == step_dir(run, SAVE_AT)
+        req = SaveRequest(run, SAVE_AT, net, opt, sched, {}, keep=2)
+        assert saver.save(req) == step_dir(run, SAVE_AT)
         after = _steps(net, opt, sched, r, world, range(SAVE_AT, TOTAL))
         assert saver.in_flight and not step_dir(run, SAVE_AT).exists()
         release.set()

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dropless.train.config.load import load_config  # noqa: E402
+from dropless.train.data.corpus import micro_batch_size  # noqa: E402
 from dropless.train.plan import trace as P  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def _measured_peak(cfg) -> int:
     )  # fmt: skip
     seen = fuse_cross_entropy(model) if tc.fused_cross_entropy else None
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-    B, L, V = P.micro_batch(cfg, 1), tc.seq_len, model.config.vocab_size
+    B, L, V = micro_batch_size(tc.batch_size, 1, tc.grad_accum), tc.seq_len, model.config.vocab_size
 
     def step():
         ids = torch.randint(0, V, (B, L))
@@ -163,7 +164,7 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
     )  # fmt: skip
     seen = fuse_cross_entropy(model)
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-    B, L, V = P.micro_batch(cfg, world), tc.seq_len, model.config.vocab_size
+    B, L, V = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len, model.config.vocab_size
     g = torch.Generator().manual_seed(rank)
 
     def step():

@@ -88,7 +88,7 @@ def format_plan(p) -> str:
 def run(args) -> int:
     from ..train.config.load import load_config
     from ..train.plan.trace import make_plan
-    from .train import _one_line, _say
+    from .train import one_line, say
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -101,7 +101,7 @@ def run(args) -> int:
     except ValueError as e:
         if getattr(args, "debug", False):
             raise
-        _say(f"dropless plan: error: {_one_line(e)}")
+        say(f"dropless plan: error: {one_line(e)}")
         return 2
     print(format_plan(p), flush=True)
     if args.json:

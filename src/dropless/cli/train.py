@@ -46,7 +46,7 @@ def _resumed_config(run_dir: str) -> str | None:
     return str(legacy) if ckpt.list_checkpoints(run_dir) and legacy.is_file() else None
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         where = f" ({e.filename})" if e.filename else ""
         return (
@@ -64,7 +64,7 @@ def _one_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     from .messages import say_error
 
     say_error(text)
@@ -88,12 +88,12 @@ def run(args) -> int:
     except TrainingStopped as e:
         if getattr(args, "debug", False):
             raise
-        _say(f"dropless train: {e}")
+        say(f"dropless train: {e}")
         return e.exit_code
     except KeyboardInterrupt:
         if getattr(args, "debug", False):
             raise
-        _say(
+        say(
             "dropless train: interrupted at once (Ctrl-C outside a step, or a second one); the steps "
             "since the last complete checkpoint are lost; --resume continues from that checkpoint"
         )
@@ -101,6 +101,6 @@ def run(args) -> int:
     except (ValueError, OSError, CheckpointException) as e:
         if getattr(args, "debug", False):
             raise
-        _say(f"dropless train: error: {_one_line(e)}")
+        say(f"dropless train: error: {one_line(e)}")
         return 2
     return 0

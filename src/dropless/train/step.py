@@ -8,6 +8,8 @@ schedule."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +19,9 @@ from .model.lora import base_model
 from .model.precision import Precision
 from .run.collectives import all_reduce
 from .run.errors import DroppedTokensError, NonFiniteError
+from .run.hooks import TrainHooks
+from .run.lazy import hf
 from .state import TrainState
-
-
-def _hf():
-    from .. import hf
-
-    return hf
 
 
 def nonfinite_message(step: int, loss: float, grad_norm: float, policy: str) -> str:
@@ -62,30 +60,69 @@ def fuse_cross_entropy(model) -> list:
     return seen
 
 
-class StepRunner:
-    """Runs `train_step` on a model, its optimizer and the run's sampler."""
+@dataclass
+class StepParts:
+    """What one optimizer step works on, each part by name."""
 
-    def __init__(
-        self,
-        cfg,
-        env,
-        model,
-        layers,
-        router,
-        top_k: int,
-        optimizer,
-        scheduler,
-        parallel,
-        sampler,
-        precision: Precision,
-        hooks,
-    ):
-        self.cfg, self.env, self.model, self.layers = cfg, env, model, layers
-        self.router = router  # dropless.hf.RouterLosses: the model's own router losses
-        self.top_k, self.optimizer, self.scheduler = top_k, optimizer, scheduler
-        self.parallel, self.sampler = parallel, sampler
-        self.precision, self.hooks = precision, hooks
-        tc = cfg.train
+    model: torch.nn.Module
+    layers: list  # dropless.hf.moe_layers(model): block, router, experts, family
+    router: Any  # dropless.hf.router_losses.RouterLosses: the model's own router losses
+    top_k: int
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # torch.optim.lr_scheduler.LambdaLR
+    parallel: Any  # the parallel layout (model/parallelize.py), None on one process
+    sampler: Any  # the run's training windows (data/corpus.py) or rows (data/sft.py)
+    precision: Precision
+    hooks: TrainHooks
+
+
+#: the statistics that open the step's vector, averaged over the processes (the rest is summed)
+MEANS = ("loss", "lb_loss", "z_loss")
+
+
+@dataclass
+class StepStats:
+    """The statistics of one step over every process: the mean losses, whether any process
+    was asked to stop, the per-expert counts of the routers' choices and the (token,
+    expert) pairs the experts path computed. `pack` and `unpack` are the one place that
+    knows how they travel in the single float64 vector the step's all-reduce sums."""
+
+    loss: float
+    lb_loss: float
+    z_loss: float
+    stop: bool
+    counts_ME: torch.Tensor  # int64
+    pairs: float
+
+    @staticmethod
+    def pack(sums: torch.Tensor, stop: bool, counts_ME: torch.Tensor, pairs: float) -> torch.Tensor:
+        """One float64 CPU vector [loss, lb, z (this process's means), stop, counts_ME, pairs]."""
+        head = torch.cat([sums.cpu(), torch.tensor([float(stop)], dtype=torch.float64)])
+        tail = torch.tensor([pairs], dtype=torch.float64)
+        return torch.cat([head, counts_ME.cpu().double().reshape(-1), tail])
+
+    @classmethod
+    def unpack(cls, vec: torch.Tensor, M: int, E: int, processes: int = 1) -> StepStats:
+        """The statistics of `vec`, summed over `processes` (its losses averaged)."""
+        n = len(MEANS)
+        means = vec[:n] / processes
+        return cls(
+            *(float(v) for v in means), stop=bool(vec[n] > 0),
+            counts_ME=vec[n + 1 : -1].reshape(M, E).round().long(), pairs=float(vec[-1]),
+        )  # fmt: skip
+
+
+class StepRunner:
+    """Runs one optimizer step on `parts` (`StepParts`) for the run's config and process."""
+
+    def __init__(self, cfg, env, parts: StepParts):
+        self.cfg, self.env, self.parts = cfg, env, parts
+        self.model, self.layers = parts.model, parts.layers
+        self.router = parts.router
+        self.top_k, self.optimizer, self.scheduler = parts.top_k, parts.optimizer, parts.scheduler
+        self.parallel, self.sampler = parts.parallel, parts.sampler
+        self.precision, self.hooks = parts.precision, parts.hooks
+        model, tc = parts.model, cfg.train
         # train.fused_cross_entropy: where the model's loss lands (LoRA: the Transformers
         # model inside PEFT's wrapper computes it)
         self.ce_seen = fuse_cross_entropy(base_model(model)) if tc.fused_cross_entropy else None
@@ -117,16 +154,16 @@ class StepRunner:
             (loss / self.grad_accum).backward()
         return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
 
-    def _accumulate(self, state: TrainState, stop) -> tuple[torch.Tensor, bool]:
-        """Forward/backward over the micro-batches; returns the stats vector reduced over
-        processes (loss, lb, z, stop flag, counts [M*E], pairs the experts path computed)
-        and whether the experts path counted its pairs (the dropless path does, stock not)."""
+    def _accumulate(self, state: TrainState, stop) -> tuple[StepStats, bool]:
+        """Forward/backward over the micro-batches; returns the step's statistics over every
+        process and whether the experts path counted its pairs (the dropless path does,
+        stock not)."""
         M, E = len(self.layers), self.layers[0].num_experts
         dev = self.env.device
         # device accumulators: no host read until the step's one reduction below
         sums = torch.zeros(3, dtype=torch.float64, device=dev)
         counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
-        _hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
+        hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         for a in range(self.grad_accum):
             idx = micro_batch_indices(
                 state.sample_index, a, self.env.rank, self.world, self.global_batch, self.grad_accum
@@ -138,19 +175,17 @@ class StepRunner:
             ce, lb, zl, c = self._micro_step(xy, tg)
             sums += torch.stack([ce, lb, zl]).double() / self.grad_accum
             counts_ME += c.to(dev)
-        path_ME = _hf().tokens_per_expert(self.model, reset=True)
+        path_ME = hf().tokens_per_expert(self.model, reset=True)
         self.hooks.after_backward(state.step + 1, self.model)
         # read after backward, so a signal during this step stops after this step; the
         # all-reduce below makes every process stop at the same step
-        head = torch.cat([sums.cpu(), torch.tensor([float(stop())], dtype=torch.float64)])
-        pairs = torch.tensor(
-            [0.0 if path_ME is None else float(path_ME.sum())], dtype=torch.float64
-        )
-        stats = torch.cat([head, counts_ME.cpu().double().reshape(-1), pairs])
+        pairs = 0.0 if path_ME is None else float(path_ME.sum())
+        vec = StepStats.pack(sums, stop(), counts_ME, pairs)
+        processes = 1
         if self.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
-            all_reduce(stats)
-            stats[:3] /= self.world
-        return stats, path_ME is not None
+            all_reduce(vec)
+            processes = self.world
+        return StepStats.unpack(vec, M, E, processes), path_ME is not None
 
     def _clip(self) -> float:
         clip = self.cfg.optim.grad_clip or float("inf")
@@ -177,9 +212,8 @@ class StepRunner:
         tc = self.cfg.train
         stats, path_counted = self._accumulate(state, stop)
         grad_norm = self._clip()
-        loss, step = float(stats[0]), state.step + 1
-        M, E = len(self.layers), self.layers[0].num_experts
-        counts_ME = stats[4:-1].reshape(M, E).round().long()
+        loss, step = stats.loss, state.step + 1
+        counts_ME = stats.counts_ME
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         dropped = None
@@ -192,7 +226,7 @@ class StepRunner:
             counts_ME = None
         else:
             if path_counted:  # the routers' choices say nothing about what the experts computed
-                dropped = self._check_dropped(float(stats[-1]), step)
+                dropped = self._check_dropped(stats.pairs, step)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             state.skipped_in_a_row = 0
@@ -201,9 +235,9 @@ class StepRunner:
         state.step, state.sample_index = step, state.sample_index + self.global_batch
         ep_stats = self.parallel.pop_stats() if self.parallel is not None else {}
         return {
-            "loss": loss, "lb_loss": float(stats[1]), "z_loss": float(stats[2]), "lr": lr,
+            "loss": loss, "lb_loss": stats.lb_loss, "z_loss": stats.z_loss, "lr": lr,
             "grad_norm": grad_norm, "counts_ME": counts_ME, "dropped": dropped,
-            "skipped": skipped, "stop": bool(stats[3] > 0), **ep_stats,
+            "skipped": skipped, "stop": stats.stop, **ep_stats,
         }  # fmt: skip
 
     def _update_expert_bias(self, counts_ME: torch.Tensor) -> None:
@@ -216,4 +250,4 @@ class StepRunner:
             update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
 
 
-__all__ = ["StepRunner", "fuse_cross_entropy", "nonfinite_message"]
+__all__ = ["StepParts", "StepRunner", "StepStats", "fuse_cross_entropy", "nonfinite_message"]

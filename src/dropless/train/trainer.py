@@ -23,6 +23,7 @@ from .checkpoint import store as ckpt
 from .checkpoint.async_save import CheckpointSaver
 from .checkpoint.resume import latest_run, with_nonfinite_fix
 from .config.load import Config, dump_config
+from .data.corpus import micro_batch_size
 from .data.tokenizer import resolve_spec
 from .evaluation import Evaluator
 from .model.build import build_training_model
@@ -35,6 +36,7 @@ from .report.run_log import RunLog
 from .run.errors import Interrupted, NonFiniteError
 from .run.hooks import TrainHooks
 from .run.interrupts import StopRequests
+from .run.lazy import hf
 from .run.rundir import claim, discard_new_run, new_run_dir
 from .run.setup import Env, broadcast, close_env, init_env, on_rank0, rank0_first, rank0_only
 from .state import (
@@ -45,13 +47,7 @@ from .state import (
     lr_factor,
     prepare_data,
 )
-from .step import StepRunner
-
-
-def _hf():
-    from .. import hf
-
-    return hf
+from .step import StepParts, StepRunner
 
 
 def model_class_name(model) -> str:
@@ -100,7 +96,7 @@ class Trainer:
         # LoRA: base frozen, only the adapters train and are checkpointed
         self.lora = cfg.finetune.method == "lora"
         self.model_name = model_class_name(base_model(self.model))
-        self.layers = _hf().moe_layers(self.model)
+        self.layers = hf().moe_layers(self.model)
         from ..hf.router_losses import RouterLosses
 
         self.router = RouterLosses(self.model)
@@ -122,11 +118,12 @@ class Trainer:
         self.saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
         if env.main:  # only now: a refused resume leaves the run's files as they were
             dump_config(cfg, self.config_file)
-        micro_batch = tc.batch_size // (env.world * tc.grad_accum)
-        self.stepper = StepRunner(
-            cfg, env, self.model, self.layers, self.router, self.top_k, self.optimizer, self.scheduler,
-            self.parallel, self.data.sampler, self.precision, self.hooks,
-        )  # fmt: skip
+        micro_batch = micro_batch_size(tc.batch_size, env.world, tc.grad_accum)
+        self.stepper = StepRunner(cfg, env, StepParts(
+            model=self.model, layers=self.layers, router=self.router, top_k=self.top_k,
+            optimizer=self.optimizer, scheduler=self.scheduler, parallel=self.parallel,
+            sampler=self.data.sampler, precision=self.precision, hooks=self.hooks,
+        ))  # fmt: skip
         self.evaluate = Evaluator(
             self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
             self.parallel is not None, self.precision, eval_targets=self.data.eval_targets,
@@ -146,11 +143,13 @@ class Trainer:
     def save(self, wait: bool = False) -> Path:
         """A checkpoint of this step: written in the background (checkpoint.async_save), or
         complete on return when `wait` (the run's last one)."""
-        return self.saver.save(
-            self.run_dir, self.state.step, self.model, self.optimizer, self.scheduler,
-            self.state.to_dict(), keep=self.cfg.checkpoint.keep, config_file=self.config_file,
-            hooks=self.hooks, trainable_only=self.lora, wait=wait,
+        req = ckpt.SaveRequest(
+            run_dir=self.run_dir, step=self.state.step, model=self.model,
+            optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=self.state.to_dict(),
+            keep=self.cfg.checkpoint.keep, config_file=self.config_file, hooks=self.hooks,
+            trainable_only=self.lora,
         )  # fmt: skip
+        return self.saver.save(req, wait=wait)
 
     def _step_flops(self, result: dict) -> float:
         tc = self.cfg.train

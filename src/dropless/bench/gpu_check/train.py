@@ -151,9 +151,9 @@ class CheckHooks(TrainHooks):
         return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
 
     def _hook(self, model):
-        from dropless.train.model.parallelize import _decoder_layers
+        from dropless.train.model.parallelize import decoder_layers
 
-        for i, layer in enumerate(_decoder_layers(model)):
+        for i, layer in enumerate(decoder_layers(model)):
             layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
             layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, "forward"))
             for c in layer.children():

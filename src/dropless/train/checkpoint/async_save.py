@@ -67,21 +67,14 @@ class CheckpointSaver:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def save(self, run_dir, step: int, model, optimizer, scheduler, trainer_state: dict, *,
-             keep: int, config_file: Path | None = None, hooks=None, trainable_only: bool = False,
-             wait: bool = False) -> Path:  # fmt: skip
-        """Checkpoint `step` (all processes call this). Waits for the save in flight first;
-        returns once the state is staged (its final path), or once it is complete when
-        `wait` (the run's last save) or the saver is synchronous."""
+    def save(self, req: ckpt.SaveRequest, wait: bool = False) -> Path:
+        """Checkpoint `req.step` (all processes call this). Waits for the save in flight
+        first; returns once the state is staged (its final path), or once it is complete
+        when `wait` (the run's last save) or the saver is synchronous."""
         self.wait()
-        kwargs = dict(
-            keep=keep, config_file=config_file, hooks=hooks, trainable_only=trainable_only
-        )
         if wait or not self.background:
-            return ckpt.save_checkpoint(
-                run_dir, step, model, optimizer, scheduler, trainer_state, **kwargs
-            )
-        job = ckpt.begin_save(run_dir, step, model, optimizer, scheduler, trainer_state, **kwargs)
+            return ckpt.save_checkpoint(req)
+        job = ckpt.begin_save(req)
         writer, fs = hashing_writer(job.tmp)
         staged = writer.stage(job.state)  # copies every tensor to fresh CPU memory
         job.state = None  # training may change the live tensors from here on

@@ -45,7 +45,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _files(ck: Path) -> list[Path]:
+def checkpoint_files(ck: Path) -> list[Path]:
     return sorted(p for p in ck.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
@@ -54,7 +54,7 @@ def build_manifest(ck: Path, step: int, digests: dict[str, str] | None = None) -
     while the files were written) spares reading them again."""
     digests = digests or {}
     files = {}
-    for p in _files(ck):
+    for p in checkpoint_files(ck):
         name = p.relative_to(ck).as_posix()
         files[name] = {"size": p.stat().st_size, "sha256": digests.get(name) or _sha256(p)}
     return {"format": MANIFEST_FORMAT, "step": step, "files": files}
@@ -150,7 +150,7 @@ def damaged_checkpoints(run_dir: str | Path) -> list[str]:
 _held: dict[Path, int] = {}  # checkpoint -> descriptor of its manifest under a shared flock
 
 
-def _open_locked(ck: Path, how: int) -> int | None:
+def open_locked(ck: Path, how: int) -> int | None:
     """A descriptor of `ck`'s manifest locked with `how`; None when the checkpoint is gone
     (pruned) or, with LOCK_NB, held by someone else."""
     try:
@@ -178,7 +178,7 @@ def hold(ck: str | Path) -> bool:
     ck = Path(ck)
     if ck in _held:
         return True
-    fd = _open_locked(ck, fcntl.LOCK_SH)
+    fd = open_locked(ck, fcntl.LOCK_SH)
     if fd is None:
         return False
     _held[ck] = fd
@@ -224,7 +224,7 @@ def pick_checkpoint(path: str | Path) -> tuple[Path, Path] | None:
 
 
 __all__ = [
-    "DIRNAME", "MANIFEST", "build_manifest", "damaged_checkpoints", "hold", "latest_checkpoint",
-    "list_checkpoints", "pick_checkpoint", "release", "skipped_warning", "step_dir",
-    "verify_checkpoint",
+    "DIRNAME", "MANIFEST", "build_manifest", "checkpoint_files", "damaged_checkpoints", "hold",
+    "latest_checkpoint", "list_checkpoints", "open_locked", "pick_checkpoint", "release",
+    "skipped_warning", "step_dir", "verify_checkpoint",
 ]  # fmt: skip

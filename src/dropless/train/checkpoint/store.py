@@ -32,6 +32,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,13 +45,13 @@ from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
 from .manifest import (  # re-exported: callers name them as store.*
     DIRNAME,
     MANIFEST,
-    _files,
-    _open_locked,
     build_manifest,
+    checkpoint_files,
     damaged_checkpoints,
     hold,
     latest_checkpoint,
     list_checkpoints,
+    open_locked,
     pick_checkpoint,
     release,
     step_dir,
@@ -143,7 +144,7 @@ def _scheduler_json(scheduler) -> dict:
 
 def _delete(ck: Path) -> None:
     """Remove checkpoint `ck` unless a reader holds it (then a later save prunes it)."""
-    fd = _open_locked(ck, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd = open_locked(ck, fcntl.LOCK_EX | fcntl.LOCK_NB)
     if fd is None:
         return
     try:  # renamed under the lock: a reader that opens the manifest next finds it gone
@@ -214,6 +215,25 @@ def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
 
 
 @dataclass
+class SaveRequest:
+    """What one checkpoint save writes, and where: the step's model, optimizer, scheduler
+    and trainer state under `run_dir`, keeping the last `keep` checkpoints, with the run's
+    `config_file` beside them; `trainable_only` (LoRA) saves only the trainable tensors.
+    The one signature of `save_checkpoint`, `begin_save` and `CheckpointSaver.save`."""
+
+    run_dir: Path | str
+    step: int
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    trainer_state: dict
+    keep: int
+    config_file: Path | None = None
+    hooks: TrainHooks | None = None
+    trainable_only: bool = False
+
+
+@dataclass
 class SaveJob:
     """A checkpoint begun by `begin_save`: its temporary folder holds the RNG files; the
     shards are still to be written (from `state`), then `commit_save` finishes it. What
@@ -231,24 +251,13 @@ class SaveJob:
     hooks: TrainHooks
 
 
-def begin_save(
-    run_dir,
-    step: int,
-    model,
-    optimizer,
-    scheduler,
-    trainer_state: dict,
-    *,
-    keep: int,
-    config_file: Path | None = None,
-    hooks: TrainHooks | None = None,
-    trainable_only: bool = False,
-) -> SaveJob:
+def begin_save(req: SaveRequest) -> SaveJob:
     """The first part of a save (all processes call it): the temporary folder, this
     process's RNG file, the state dicts and the small files' contents."""
     from safetensors.torch import save
 
-    hooks = hooks or TrainHooks()
+    run_dir, step, config_file = req.run_dir, req.step, req.config_file
+    hooks = req.hooks or TrainHooks()
     _, sd = _dcp()
     rank, _ = _rank_world()
     final = step_dir(run_dir, step)
@@ -265,13 +274,14 @@ def begin_save(
     # serialized here, written and synced by write_synced: a failed write raises
     write_synced(rng_file, save(tensors, metadata=meta))
     hooks.on_checkpoint("before_shards", step)
-    model_sd, optim_sd = sd.get_state_dict(model, optimizer, options=_options(sd, trainable_only))
-    trainer = {"step": step, **trainer_state, "scheduler": _scheduler_json(scheduler)}
+    options = _options(sd, req.trainable_only)
+    model_sd, optim_sd = sd.get_state_dict(req.model, req.optimizer, options=options)
+    trainer = {"step": step, **req.trainer_state, "scheduler": _scheduler_json(req.scheduler)}
     config = None
     if rank == 0 and config_file is not None and Path(config_file).is_file():
         config = Path(config_file).read_bytes()
     state = {"model": model_sd, "optim": optim_sd}
-    return SaveJob(Path(run_dir), step, tmp, final, state, trainer, config, keep, hooks)
+    return SaveJob(Path(run_dir), step, tmp, final, state, trainer, config, req.keep, hooks)
 
 
 def commit_save(job: SaveJob, digests: dict[str, str], group=None) -> Path:
@@ -291,26 +301,11 @@ def commit_save(job: SaveJob, digests: dict[str, str], group=None) -> Path:
     return job.final
 
 
-def save_checkpoint(
-    run_dir,
-    step: int,
-    model,
-    optimizer,
-    scheduler,
-    trainer_state: dict,
-    *,
-    keep: int,
-    config_file: Path | None = None,
-    hooks: TrainHooks | None = None,
-    trainable_only: bool = False,
-) -> Path:
-    """Write checkpoint `step` atomically (all processes call this) and keep the last `keep`;
-    returns once it is complete (`async_save.CheckpointSaver` overlaps the writes
-    with training)."""
-    job = begin_save(
-        run_dir, step, model, optimizer, scheduler, trainer_state, keep=keep,
-        config_file=config_file, hooks=hooks, trainable_only=trainable_only,
-    )  # fmt: skip
+def save_checkpoint(req: SaveRequest) -> Path:
+    """Write checkpoint `req.step` atomically (all processes call this) and keep the last
+    `req.keep`; returns once it is complete (`async_save.CheckpointSaver` overlaps the
+    writes with training)."""
+    job = begin_save(req)
     digests = _write_shards(job.state, job.tmp)
     job.state = None
     return commit_save(job, digests)
@@ -331,7 +326,8 @@ def _finish_write(job: SaveJob) -> None:
     digests["trainer.json"] = write_synced(tmp / "trainer.json", data)
     if job.config is not None:
         digests["config.toml"] = write_synced(tmp / "config.toml", job.config)
-    for p in _files(tmp):  # DCP's files (its writer syncs shards; .metadata too, to be sure)
+    # DCP's files (its writer syncs shards; .metadata too, to be sure)
+    for p in checkpoint_files(tmp):
         fsync_path(p)
     for d in (tmp / "rng", tmp / DIGESTS, tmp):
         fsync_path(d)
@@ -458,7 +454,7 @@ def _load(path: Path, model, optimizer, scheduler, restore_rng: bool, trainable_
 
 
 __all__ = [
-    "DIRNAME", "MANIFEST", "SaveJob", "begin_save", "build_manifest", "commit_save",
+    "DIRNAME", "MANIFEST", "SaveJob", "SaveRequest", "begin_save", "build_manifest", "commit_save",
     "damaged_checkpoints", "default_file_mode", "hold", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "pick_checkpoint", "read_trainer_state", "release", "remove_partial",
     "save_checkpoint", "seed_host_rngs", "shard_digests", "shard_error", "step_dir",

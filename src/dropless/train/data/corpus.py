@@ -46,7 +46,7 @@ def stdlib_files() -> list[Path]:
     return sorted(files)
 
 
-def _split_key(name: str) -> float:
+def split_key(name: str) -> float:
     return (zlib.crc32(name.encode()) % 100_000) / 100_000
 
 
@@ -71,7 +71,7 @@ def stdlib_corpus(
     for p in sorted(
         files, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).hexdigest()
     ):
-        held = _split_key(str(p.relative_to(root))) < eval_fraction
+        held = split_key(str(p.relative_to(root))) < eval_fraction
         if cap[held] and size[held] >= cap[held]:
             if cap[not held] and size[not held] >= cap[not held]:
                 break
@@ -92,7 +92,7 @@ def stdlib_corpus(
     return docs[False], docs[True]
 
 
-def _data_files(path: str, key: str) -> list[Path]:
+def data_files(path: str, key: str) -> list[Path]:
     p = Path(path)
     if not p.exists():
         raise ValueError(
@@ -218,7 +218,7 @@ def read_documents(
     reading stops at the cap, the last document cut there. `errors`: "strict" refuses .txt
     files that are not UTF-8, "replace" decodes them lossily."""
     docs, size = [], 0
-    files = _data_files(path, key)
+    files = data_files(path, key)
     decode = _DecodeErrors(errors)
     for f in files:
         for d in _read_file(f, text_field, decode, max_bytes - size if max_bytes else 0):
@@ -263,7 +263,7 @@ def load_corpus(cfg, say: Callable[[str], None] | None = None) -> tuple[list[str
         return [text[:cut]], [text[cut:]]
     train, held = [], []
     for i, d in enumerate(docs):
-        (held if _split_key(str(i)) < cfg.eval_fraction else train).append(d)
+        (held if split_key(str(i)) < cfg.eval_fraction else train).append(d)
     if not held:
         held.append(train.pop())
     return _with_rc(cfg, train), held
@@ -304,7 +304,7 @@ def cache_key(cfg, tok) -> str:
     files = []
     for path, key in ((cfg.path, "data.path"), (cfg.eval_path, "data.eval_path")):
         if path:
-            files += [_fingerprint(f) for f in _data_files(path, key)]
+            files += [_fingerprint(f) for f in data_files(path, key)]
     if not cfg.path:  # the embedded corpus: this Python's standard library
         files.append([sysconfig.get_paths()["stdlib"], sys.version])
     settings = (
@@ -378,12 +378,19 @@ class WindowSampler:
         return np.stack(rows).astype(np.int64)
 
 
+def micro_batch_size(batch_size: int, world: int, grad_accum: int) -> int:
+    """Sequences in one process's micro-batch: the global batch over the processes and the
+    accumulation steps (at least 1: the planner asks about layouts wider than the batch;
+    a run's batch is a multiple of both, which the preflight checks)."""
+    return max(batch_size // (world * grad_accum), 1)
+
+
 def micro_batch_indices(
     start: int, micro: int, rank: int, world: int, batch_size: int, grad_accum: int
 ) -> range:
     """Global sample indices of one process's micro-batch in the step whose first global
     sample index is `start` (see the module docstring)."""
-    b = batch_size // (world * grad_accum)
+    b = micro_batch_size(batch_size, world, grad_accum)
     first = start + (micro * world + rank) * b
     return range(first, first + b)
 

@@ -164,11 +164,11 @@ class RowSampler:
 
 def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     """Hold out every record whose index hashes below eval_fraction (at least one)."""
-    from .corpus import _split_key
+    from .corpus import split_key
 
     train, held = [], []
     for i, r in enumerate(recs):
-        (held if _split_key(str(i)) < eval_fraction else train).append(r)
+        (held if split_key(str(i)) < eval_fraction else train).append(r)
     if not held:
         held.append(train.pop())
     return train, held

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..run.lazy import hf
+
 
 def require_transformers():
     try:
@@ -23,13 +25,6 @@ def require_transformers():
             "dropless train needs transformers: pip install 'dropless[train]'"
         ) from None
     return transformers
-
-
-def _hf():
-    """dropless.hf (the Transformers integration)."""
-    from ... import hf
-
-    return hf
 
 
 def _config_dir(path: str, key: str) -> Path:
@@ -109,9 +104,9 @@ def _from_pretrained_kwargs(mcfg) -> dict:
 
 def _switch_path(model: nn.Module, mcfg, expert_bias: bool) -> nn.Module:
     """Patch to dropless (or keep stock), check it is a MoE model, no KV cache."""
-    layers = _hf().moe_layers(model)
+    layers = hf().moe_layers(model)
     if mcfg.implementation == "dropless":
-        _hf().patch_model(model, expert_bias=expert_bias)
+        hf().patch_model(model, expert_bias=expert_bias)
     elif expert_bias and not all(layer.expert_bias is not None for layer in layers):
         raise ValueError(
             "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their "

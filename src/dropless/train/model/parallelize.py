@@ -36,7 +36,7 @@ def quiet_dtensor_warnings() -> None:
         log.addFilter(_QuietRedistribution())
 
 
-def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
     for name, m in model.named_modules():
         if name.endswith("layers") and isinstance(m, nn.ModuleList):
             return list(m)
@@ -107,6 +107,6 @@ def parallelize_for_training(
     pm = build_mesh(parallel_cfg, num_experts)
     shard_hf_experts(model, pm)
     apply_fsdp(
-        model, pm, blocks=_decoder_layers(model), mp_policy=mixed_precision_policy(compute_dtype)
+        model, pm, blocks=decoder_layers(model), mp_policy=mixed_precision_policy(compute_dtype)
     )
     return TrainParallel(model, pm)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.corpus import micro_batch_size
 from ..model.build import require_transformers
 
 GIB = 2**30
@@ -130,7 +131,8 @@ def _batch_keys(tcfg) -> str:
 
 
 def _activation_bytes(cfg, hf_config, world: int, value_bytes: int) -> int:
-    tokens = cfg.train.batch_size // max(world * cfg.train.grad_accum, 1) * cfg.train.seq_len
+    tc = cfg.train
+    tokens = micro_batch_size(tc.batch_size, world, tc.grad_accum) * tc.seq_len
     hidden = getattr(hf_config, "hidden_size", 0) or 0
     layers = getattr(hf_config, "num_hidden_layers", 1) or 1
     return tokens * hidden * layers * value_bytes

@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from ..checkpoint.manifest import latest_checkpoint
 from ..checkpoint.resume import check_fresh_start, check_resume, no_resume_point
-from ..data.corpus import _data_files
+from ..data.corpus import data_files, micro_batch_size
 from ..data.genomics import DNATokenizer
 from ..data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
 from ..model.build import check_compatible, hf_config
 from ..model.precision import recipe_context
 from ..run.setup import Env, on_rank0
-from .trace import GIB, make_plan, micro_batch, resolve_hf_config
+from .trace import GIB, make_plan, resolve_hf_config
 
 
 def tokenizer_vocab(cfg, run_dir: Path) -> int:
@@ -83,9 +83,9 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
             f"x train.grad_accum ({cfg.train.grad_accum}); use a multiple of {per} (batch_size is the global batch)"
         )
     if cfg.data.path:
-        _data_files(cfg.data.path, "data.path")
+        data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
-        _data_files(cfg.data.eval_path, "data.eval_path")
+        data_files(cfg.data.eval_path, "data.eval_path")
     vocab = tokenizer_vocab(cfg, run_dir)
     config = hf_config(cfg.model, vocab)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
@@ -113,7 +113,7 @@ def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
         cands.append(
             ("train.activation_checkpointing=true", {"train": {"activation_checkpointing": True}})
         )
-    if micro_batch(cfg, gpus) > 1:
+    if micro_batch_size(tc.batch_size, gpus, tc.grad_accum) > 1:
         cands.append(
             (f"train.grad_accum={2 * tc.grad_accum}", {"train": {"grad_accum": 2 * tc.grad_accum}})
         )

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data.corpus import micro_batch_size
 from ..model.build import param_dtype
 from .attention import declare_attention
 from .cost import Workload, cost_assumptions, gpu_kind, step_estimate
@@ -107,11 +108,6 @@ def _optimizer(cfg, params):
     return build_optimizer(params, cfg.optim)
 
 
-def micro_batch(cfg, world: int) -> int:
-    tc = cfg.train
-    return max(tc.batch_size // (world * tc.grad_accum), 1)
-
-
 def _category(name: str) -> str:
     """Our breakdown's name for a tracker category."""
     n = name.lower()
@@ -140,7 +136,8 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
         _retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)  # outside the mode: it reads the mesh's rank list
-    B, L = micro_batch(cfg, world), cfg.train.seq_len
+    tc = cfg.train
+    B, L = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len
     V = int(model.config.vocab_size)
     with mode, warnings.catch_warnings():
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
@@ -299,8 +296,9 @@ def _workload(cfg, model, par, world: int, cdtype) -> Workload:
     flops = FlopCounter.from_model(model)
     ep = cfg.parallel.ep
     dp_shard = par.pmesh.config.dp_shard if par is not None else 1
+    tc = cfg.train
     return Workload(
-        tokens=micro_batch(cfg, world) * cfg.train.seq_len, seq_len=cfg.train.seq_len,
+        tokens=micro_batch_size(tc.batch_size, world, tc.grad_accum) * tc.seq_len, seq_len=tc.seq_len,
         top_k=int(getattr(model.config, "num_experts_per_tok", 1)), hidden=int(model.config.hidden_size),
         moe_layers=len(layers), expert_params=per_expert, dense_params=flops.dense_params,
         attn_per_seq_l2=flops.attn_per_seq_l2, dense_shard_params=total - expert_total,
@@ -426,9 +424,10 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
 
 
 def _layout(cfg, gpus: int, work: Workload, cdtype) -> dict:
+    tc = cfg.train
     return {
         "dp_replicate": cfg.parallel.dp_replicate, "dp_shard": work.dp_shard, "ep": cfg.parallel.ep,
-        "micro_batch": micro_batch(cfg, gpus), "seq_len": cfg.train.seq_len,
+        "micro_batch": micro_batch_size(tc.batch_size, gpus, tc.grad_accum), "seq_len": tc.seq_len,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "finetune": cfg.finetune.method, "model_dtype": str(param_dtype(cfg.model)).removeprefix("torch."),
         "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": cfg.optim.master_weights,

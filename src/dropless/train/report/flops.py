@@ -8,12 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-
-def _hf():
-    """dropless.hf (the Transformers integration)."""
-    from ... import hf
-
-    return hf
+from ..run.lazy import hf
 
 
 @dataclass
@@ -36,7 +31,7 @@ class FlopCounter:
 
     @classmethod
     def from_model(cls, model: nn.Module) -> FlopCounter:
-        layers = _hf().moe_layers(model)
+        layers = hf().moe_layers(model)
         expert_mods = {id(layer.experts) for layer in layers}
         dense = sum(
             m.weight.numel()

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 def _stock_after_each_test():
     """Every test starts and ends with stock Transformers (no patch active, no warnings remembered)."""
     import dropless.hf as dh
-    from dropless.hf import experts
+    from dropless.hf.experts import forward as experts
 
     torch.set_num_threads(1)
     experts._WARNED.clear()

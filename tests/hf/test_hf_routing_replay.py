@@ -15,8 +15,8 @@ from families import FAMILIES, MORE_FAMILIES, build
 from torch.utils.checkpoint import CheckpointError
 
 import dropless.hf as dh
-from dropless.hf.experts import _in_backward
-from dropless.hf.replay import has_routing_replay, remove_routing_replay
+from dropless.hf.experts.forward import _in_backward
+from dropless.hf.experts.replay import has_routing_replay, remove_routing_replay
 
 B, L = 2, 6
 

@@ -1,4 +1,4 @@
-"""Router losses the trainer takes from the model itself (`dropless.hf.router_losses`).
+"""Router losses the trainer takes from the model itself (`dropless.hf.experts.router_losses`).
 
 Families with their own balancing loss: ours is stock's `out.aux_loss`. Families without
 (DeepSeek-V3, Nemotron-H): DeepSeek-V3's sequence-wise loss on the family's own sigmoid
@@ -14,7 +14,7 @@ from families import build, clone_into, spread_routing
 
 import dropless.hf as dh
 from dropless.hf import experts as ex
-from dropless.hf.router_losses import RouterLosses, identify_score_func
+from dropless.hf.experts.router_losses import RouterLosses, identify_score_func
 
 B, L = 2, 7
 
@@ -175,7 +175,7 @@ def test_capture_is_off_outside_and_in_backward_recompute():
     [("softmax", False, 1.0), ("sigmoid", True, 2.5), ("sqrtsoftplus", True, 1.0)],
 )
 def test_identify_score_func(func, renorm, scale):
-    from dropless.hf.router_losses import SCORE_FUNCS
+    from dropless.hf.experts.router_losses import SCORE_FUNCS
 
     g = torch.Generator().manual_seed(0)
     logits_TE = torch.randn(16, 6, generator=g)

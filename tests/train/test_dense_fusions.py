@@ -51,8 +51,8 @@ def test_adamw_kernel_choice():
 def test_training_model_has_replay_and_rmsnorm_on_cpu():
     import torch
 
+    from dropless.hf.experts.replay import has_routing_replay
     from dropless.hf.fusions.rmsnorm import fused_rmsnorm_state, is_rmsnorm_module
-    from dropless.hf.replay import has_routing_replay
     from dropless.train.config.recipes import tiny
     from dropless.train.model.build import build_training_model, hf_config
 

@@ -20,7 +20,7 @@ trainer shares) is imported from its own module.
 
 from .distributed.expert_parallel import shard_hf_experts
 from .distributed.sharded_load import load_sharded_hf
-from .experts import (
+from .experts.forward import (
     DroplessFallbackWarning,
     DroplessGenericGateWarning,
     experts_spec,

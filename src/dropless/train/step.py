@@ -66,7 +66,7 @@ class StepParts:
 
     model: torch.nn.Module
     layers: list  # dropless.hf.moe_layers(model): block, router, experts, family
-    router: Any  # dropless.hf.router_losses.RouterLosses: the model's own router losses
+    router: Any  # dropless.hf.experts.router_losses.RouterLosses: the model's own router losses
     top_k: int
     optimizer: torch.optim.Optimizer
     scheduler: Any  # torch.optim.lr_scheduler.LambdaLR
@@ -147,7 +147,7 @@ class StepRunner:
         else:
             logits = out.logits.float()
             ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        # the model's own router outputs and selected experts (dropless.hf.router_losses)
+        # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
         rs = self.router.stats(out, x.shape, self.need_router)
         loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
         with self.precision.recipe():  # activation checkpointing recomputes forwards in backward

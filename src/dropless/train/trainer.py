@@ -97,7 +97,7 @@ class Trainer:
         self.lora = cfg.finetune.method == "lora"
         self.model_name = model_class_name(base_model(self.model))
         self.layers = hf().moe_layers(self.model)
-        from ..hf.router_losses import RouterLosses
+        from ..hf.experts.router_losses import RouterLosses
 
         self.router = RouterLosses(self.model)
         router = self.layers[0].router

@@ -41,7 +41,7 @@ class _LocalExperts:
     """What the dispatcher calls (`dropless.parallel.experts.LocalExperts`): the local slice
     of one HF experts module.
 
-    Every form the single-process dropless path runs (`hf.experts`) runs here on the rows
+    Every form the single-process dropless path runs (`hf.experts.forward`) runs here on the rows
     this rank received: the fused MLP (gated or not), the fused MLP then the module's
     post-expert norm, or the generic gate between grouped GEMMs. The dispatcher applies
     the routing weight at home (prob_S is None), after any per-row norm, as one process
@@ -73,7 +73,7 @@ class _LocalExperts:
                 x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
                 down_bias=b2, activation=s.activation, trans_w=s.trans_w, lora=lora,
             )  # fmt: skip
-        else:  # the module's own gate, under autograd (as `hf.experts._composed`)
+        else:  # the module's own gate, under autograd (as `hf.experts.forward._composed`)
             h_SN = grouped_gemm(x_SD, w1, counts, b1, trans_w=s.trans_w)
             a_SF = m._apply_gate(h_SN) if s.gated else m.act_fn(h_SN)
             y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, trans_w=s.trans_w)
@@ -85,7 +85,7 @@ class _LocalExperts:
 
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
-    from ..experts import _count_call, _record_counts
+    from ..experts.forward import _count_call, _record_counts
 
     local, disp = self.__dict__["_dropless_ep"]
     # under autocast its dtype, cast before the all-to-all (what crosses the wire)
@@ -121,7 +121,7 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     post-norm path (or under a low-precision recipe) they are folded into this rank's
     weights, as on one process.
     """
-    from ..experts import experts_spec
+    from ..experts.forward import experts_spec
     from ..layers import moe_layers
 
     cfg = pmesh.config

@@ -199,7 +199,7 @@ class Coverage:
 
 def coverage() -> list[Coverage]:
     """The path `dropless_experts_forward` takes for every decorated experts class."""
-    from ..experts import experts_spec
+    from ..experts.forward import experts_spec
 
     rows = []
     for ec in experts_classes():

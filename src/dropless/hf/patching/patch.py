@@ -11,7 +11,7 @@ else to the original. `unpatch()` puts the original function object back, remove
 "dropless" from `ExpertsInterface`, and switches every live model dropless changed back
 to the implementation it had (removing any expert bias buffers it added).
 `patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
-routing-replay hooks (`dropless.hf.replay`) once their layers exist, and replaces PEFT's
+routing-replay hooks (`dropless.hf.experts.replay`) once their layers exist, and replaces PEFT's
 `ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora.peft_lora`).
 
 A config object keeps the implementation a model built from it resolved, and Transformers
@@ -34,12 +34,12 @@ import weakref
 from torch import nn
 
 from .._compat import require_transformers
-from ..experts import dropless_experts_forward
+from ..experts.forward import dropless_experts_forward
+from ..experts.replay import install_routing_replay, remove_routing_replay
 from ..fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from ..fusions.rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from ..layers import moe_layers
 from ..lora.peft_lora import install_lean_activation, uninstall_lean_activation
-from ..replay import install_routing_replay, remove_routing_replay
 from .configs import give_own_config, install_request_marker, is_leftover, uninstall_request_marker
 from .report import PatchReport, model_report
 from .routers import add_expert_bias, remove_expert_bias
@@ -231,7 +231,7 @@ def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> 
     fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.fusions.rmsnorm`): the
         Triton kernel for CUDA tensors, a torch op that keeps less for backward elsewhere.
     Every model on the dropless path also gets routing replay for activation
-    checkpointing (`dropless.hf.replay`).
+    checkpointing (`dropless.hf.experts.replay`).
     """
     _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     require_transformers()

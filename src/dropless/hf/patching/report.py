@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..experts import _spec
+from ..experts.forward import _spec
 from ..fusions.rmsnorm import fused_rmsnorm_state
 from ..layers import family_of, is_experts_module
 

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import sequence_aux_loss, z_loss
-from .experts import _in_backward
-from .layers import moe_layers
+from ...ops import sequence_aux_loss, z_loss
+from ..layers import moe_layers
+from .forward import _in_backward
 
 
 def _sqrtsoftplus(logits_TE: torch.Tensor) -> torch.Tensor:

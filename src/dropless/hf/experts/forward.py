@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops import (
+from ...ops import (
     ActivationConfig,
     expert_mlp,
     get_recipe,
@@ -38,10 +38,15 @@ from ..ops import (
     sort_by_expert,
     unpermute,
 )
-from ..ops.compute_dtype import expert_input
-from .layers import family_of
-from .lora.expert_lora import attached_lowrank, fold_attached
-from .lora.peft_lora import DroplessLoRAFallbackWarning, experts_weights, folded_weights, raw_weight
+from ...ops.compute_dtype import expert_input
+from ..layers import family_of
+from ..lora.expert_lora import attached_lowrank, fold_attached
+from ..lora.peft_lora import (
+    DroplessLoRAFallbackWarning,
+    experts_weights,
+    folded_weights,
+    raw_weight,
+)
 
 #: Calls of the dropless experts path per family, and per (family, path) with path
 #: "fused" or "generic": cheap counters tests and users read to see which path ran

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..ops.replay import enter_routing_replay, exit_routing_replay
-from .layers import moe_layers
+from ...ops.replay import enter_routing_replay, exit_routing_replay
+from ..layers import moe_layers
 
 _HANDLES = "_dropless_replay_handles"
 _OPEN = "_dropless_replay_open"

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.activation.eager import REGISTERED, register_elementwise
-from ..ops.reference import activation_reference
+from ...ops.activation.eager import REGISTERED, register_elementwise
+from ...ops.reference import activation_reference
 
 _PROBE_ROWS, _PROBE_F = 6, 8
 _RTOL, _ATOL = 1e-10, 1e-12

@@ -77,13 +77,14 @@ CASES = {
 def test_finetune_and_convert(family, tmp_path):
     import transformers as tf
 
-    import dropless.hf.experts as dh
+    import dropless.hf as dh
+    from dropless.hf.experts import CALLS
     from dropless.train.generate import load_run
 
     src = _saved(family, tmp_path / "src")
     impl = "stock" if family in STOCK_EXPERTS else "dropless"
     run = tmp_path / "run"
-    calls = dh.CALLS[family]
+    calls = CALLS[family]
     args = tiny_args(
         f"model.path={src}", f"model.implementation={impl}", "train.steps=4", "train.seq_len=16",
         "train.batch_size=2", "optim.warmup_steps=1", "log.every=2", "checkpoint.every=4",
@@ -91,7 +92,7 @@ def test_finetune_and_convert(family, tmp_path):
     )  # fmt: skip
     assert main(["train", "--run-dir", str(run), *args]) == 0
     if impl == "dropless":
-        assert dh.CALLS[family] > calls  # our experts path trained it
+        assert CALLS[family] > calls  # our experts path trained it
     recs = _records(run)
     assert [r["step"] for r in recs] == [0, 2, 4]
     assert all(math.isfinite(r["loss"]) and r["lb_loss"] > 0 for r in recs[1:])

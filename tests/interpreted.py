@@ -3,9 +3,10 @@
 Triton reads TRITON_INTERPRET when it is imported, and the pytest process may have
 imported triton already, so these checks never run in the pytest process. A test file
 that uses the harness defines `CASES` (a dict name -> case, or a list of names) and
-`check(case, device)`; its CPU test takes the `interpreted` fixture ({case name: None if
-it passed, else the failure text}) and reports each case, and its `gpu` test calls
-`check(case, "cuda")` compiled on a GPU machine (`pytest -m gpu`). The first test that
+`check(case, device)`, and takes its two tests from `interpreted_tests(CASES, check)`:
+the CPU test reads the `interpreted` fixture ({case name: None if it passed, else the
+failure text}) and reports each case, and the `gpu` test calls `check(case, "cuda")`
+compiled on a GPU machine (`pytest -m gpu`). The first test that
 asks for the fixture in a folder starts ONE child, `python tests/interpreted.py FILE...`,
 for every test file of that folder in the session that uses it (TRITON_INTERPRET=1 and
 no CUDA device set before any import): importing torch and triton costs seconds, and a
@@ -135,6 +136,33 @@ else:
     def interpreted(request, interpreted_children) -> dict[str, str | None]:
         """{case name: None if it passed, else the failure text} for this test file."""
         return _folder_results(request, interpreted_children)[str(request.node.path)]
+
+    def interpreted_tests(cases, check, *, cuda_cases=None):
+        """(test_interpreted, test_cuda) of a Triton test file whose `cases` (a dict name ->
+        case, or a list of names) `check(case, device)` checks: `test_interpreted[name]`
+        reports the case from the folder's interpreted child, `test_cuda[name]` (marker
+        `gpu`) runs `check(case, "cuda")`. `cuda_cases`: the GPU test's cases if not
+        `cases` (a list of names in `cases`, or a dict name -> case); empty: no GPU test
+        (test_cuda is None). Bind both at module level:
+        `test_interpreted, test_cuda = interpreted_tests(CASES, check)`."""
+
+        @pytest.mark.parametrize("name", list(cases))
+        def test_interpreted(interpreted, name):
+            if interpreted[name] is not None:
+                pytest.fail(interpreted[name], pytrace=False)
+
+        on_gpu = cases if cuda_cases is None else cuda_cases
+        if not on_gpu:
+            return test_interpreted, None
+        if not isinstance(on_gpu, dict):
+            on_gpu = {n: cases[n] if isinstance(cases, dict) else n for n in on_gpu}
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("name", list(on_gpu))
+        def test_cuda(name):
+            check(on_gpu[name], "cuda")
+
+        return test_interpreted, test_cuda
 
     @pytest.fixture
     def import_check(request, interpreted_children) -> str | None:

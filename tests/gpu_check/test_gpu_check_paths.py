@@ -21,6 +21,8 @@ import warnings
 import pytest
 import torch
 
+from interpreted import interpreted_tests
+
 # fp32: reductions over <= 64 terms, compared in fp64; bf16: 8 mantissa bits, rounded
 # at each GEMM's output
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
@@ -268,16 +270,7 @@ def check(case, device: str) -> None:
      "ep": check_ep}[kind](device, *params)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)
 
 
 # --- GPU only -------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from interpreted import interpreted_tests
+
 CASES = [
     "e4m3_decode_exhaustive",
     "scale_cast_scalar_row_col",
@@ -220,15 +222,7 @@ def _dispatch_moe_steps(fm, tq, device):
             _same_values(g.detach().cpu(), w.detach().cpu())
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_interpreted(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_cuda(case):
-    check(case, "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)
 
 
 @pytest.mark.gpu

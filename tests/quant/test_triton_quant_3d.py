@@ -7,8 +7,9 @@ for bit against the torch cast. Run under TRITON_INTERPRET=1 in the interpreted 
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 CASES = ["per_expert", "per_row", "per_column", "transposed_view", "two_d_unchanged", "empty"]
 
@@ -49,12 +50,4 @@ def check(case: str, device: str = "cpu") -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_interpreted(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_on_gpu(case):  # unverified here: no GPU
-    check(case, "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -11,8 +11,9 @@ relative) and the FP8 codes differ by at most one, rarely.
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 CASES = ["with_prob", "no_prob", "no_prob_grad", "partial_tiles", "bf16_grads", "no_rows"]
 
@@ -53,12 +54,4 @@ def check(case: str, device: str = "cpu") -> None:
     assert torch.equal(q.scale_inv.cpu(), ref_q.scale_inv) and q.scale.shape == ()
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_interpreted(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_on_gpu(case):  # unverified here: no GPU
-    check(case, "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

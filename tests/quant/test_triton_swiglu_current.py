@@ -12,8 +12,9 @@ one-code difference.
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 CASES = [
     "rows_bitexact_one_tile",
@@ -119,12 +120,4 @@ def check(case: str, device: str = "cpu") -> None:
         raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_interpreted(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_on_gpu(case):  # unverified here: no GPU
-    check(case, "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -11,8 +11,9 @@ those cases allow a rare one-code difference.
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 CASES = [
     "e4m3_encoding_exhaustive",
@@ -136,6 +137,4 @@ def check(case: str, device: str = "cpu") -> None:
         raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_kernel_interpreted(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
+test_interpreted, _ = interpreted_tests(CASES, check, cuda_cases=())

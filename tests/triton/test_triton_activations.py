@@ -12,8 +12,9 @@ module level; on a CUDA machine the same checks also run compiled (marker `gpu`)
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 LIMIT = 2.0  # low, so the clamps of swiglu_clamp / gpt_oss bind on randn * 2
 ALPHA = 1.702
@@ -120,14 +121,4 @@ def check(case, device: str) -> None:
         _check_gated(*case[1:], device)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from interpreted import interpreted_tests
+
 # name -> (T, D, V, chunk, fraction ignored, label smoothing, bias, reduction)
 # interpreter tiles: 4 rows x 16 columns
 CASES = {
@@ -86,17 +88,7 @@ def check(case, device: str) -> None:
         assert all((g == 0).all() for g in results[0][1:])
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)
 
 
 @pytest.mark.gpu

@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # name -> (T, E, K, D, F, options)
 CASES = {
@@ -95,14 +96,4 @@ def check(case, device: str) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # raw: (rows per expert, T, D, F, options)
 RAW = {
@@ -175,14 +176,4 @@ def check(case, device: str) -> None:
     assert GATHER_KINDS == activations.KINDS
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

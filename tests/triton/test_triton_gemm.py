@@ -9,8 +9,9 @@ run compiled (marker `gpu`) through the registered "triton" backend.
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # name -> (counts per expert, D, N, also test the [E, D, N] weight layout and strided
 # weights); interpreter tiles are 16 x 32 x 32 (wgrad: 16 x 32 x 16), so these span
@@ -140,14 +141,4 @@ def check(case, device: str) -> None:
                 assert not grads[1][e].any()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -9,8 +9,9 @@ run compiled (marker `gpu`).
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # name -> (T, K, E, D, routing); routing: "random" top-k, "skip1" (expert 1 gets no
 # token), "one" (every pair on expert E-1), "drop" (capacity mode: some pairs dropped)
@@ -138,14 +139,4 @@ def check(case, device: str) -> None:
     torch.testing.assert_close(gy1.cpu(), gyr1, **tol)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

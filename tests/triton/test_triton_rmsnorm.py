@@ -9,8 +9,9 @@ run compiled (marker `gpu`).
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # name -> (R, D, with_residual, with_residual_grad); interpreter tiles: 16 rows x 32 cols
 CASES = {
@@ -65,14 +66,6 @@ def check(case, device: str) -> None:
         torch.testing.assert_close(a.detach().cpu(), b.detach().to(dtype), **tol, msg=name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES) + list(CUDA_ONLY_CASES))
-def test_cuda(name):
-    check({**CASES, **CUDA_ONLY_CASES}[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(
+    CASES, check, cuda_cases={**CASES, **CUDA_ONLY_CASES}
+)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dropless.ops.specs import RoutingConfig
+from interpreted import interpreted_tests
 
 # fp32 scores: softmax/sigmoid of the same fp32 logits, sums over <= 12 terms in another
 # order than torch's; a few ulps
@@ -288,12 +289,6 @@ def check(case, device: str) -> None:
     return _sort_check(*case[1:], device)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
 # compiled on a GPU: the cases whose kernel branches the layer-size checks of
 # tests/gpu_check/test_gpu_check_routing.py do not reach (each case compiles its own)
 CUDA_CASES = [
@@ -306,12 +301,7 @@ CUDA_CASES = [
     "sort_no_tokens_T0",
 ]
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", CUDA_CASES)
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check, cuda_cases=CUDA_CASES)
 
 
 # --- picking (pytest process: no triton import) -------------------------------------

@@ -10,8 +10,9 @@ run compiled (marker `gpu`).
 
 from __future__ import annotations
 
-import pytest
 import torch
+
+from interpreted import interpreted_tests
 
 # name -> (E, M, N, empty groups); interpreter blocks: 64 elements, so several chunks
 CASES = {
@@ -38,14 +39,4 @@ def check(case, device: str) -> None:
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_interpreted(interpreted, name):
-    if interpreted[name] is not None:
-        pytest.fail(interpreted[name], pytrace=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda(name):
-    check(CASES[name], "cuda")
+test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -11,6 +11,7 @@ import torch
 
 from dropless.bench import peers
 from dropless.bench.layer_impls import grouped_mm_plain
+from harness import tiny_moe_config
 
 
 @pytest.fixture(autouse=True)
@@ -110,11 +111,10 @@ def _torch_linear_ce(e, c, targets, shift=True):
 def test_cce_row_loss_is_the_stock_loss_with_the_router_aux_loss():
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, intermediate_size=32, max_position_embeddings=64,
-        output_router_logits=True, router_aux_loss_coef=0.25,
+    cfg = tiny_moe_config(
+        vocab_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+        intermediate_size=32, norm_topk_prob=False, output_router_logits=True,
+        router_aux_loss_coef=0.25, pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm").float()

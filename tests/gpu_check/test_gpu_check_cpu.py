@@ -5,8 +5,6 @@ script CI cannot run on a GPU never rots."""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from dropless.bench.gpu_check import report
 from dropless.bench.gpu_check import run as gpu_run
 from dropless.bench.gpu_check import train as gpu_train
+from harness import run_python
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 # the contract: these rows and fields (more may be added)
@@ -32,14 +31,7 @@ RUN_FIELDS = {
 
 
 def _run(*args, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    proc = run_python([SCRIPT, *args], env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     last = proc.stdout.strip().splitlines()[-1]
     return proc, json.loads(last)["gpu_check"]
 
@@ -233,9 +225,7 @@ def test_a_child_stopped_at_its_timeout_keeps_the_parts_it_finished():
     "entry", [["-m", "dropless.bench.gpu_check"], [str(SCRIPT)]], ids=["module", "script"]
 )
 def test_unknown_step_is_a_usage_error(entry):
-    proc = subprocess.run(
-        [sys.executable, *entry, "--only", "nope"], capture_output=True, text=True, timeout=60
-    )
+    proc = run_python([*entry, "--only", "nope"], timeout=60)
     assert proc.returncode == 2 and "unknown step" in proc.stderr
 
 

@@ -5,11 +5,8 @@ tests/parallel/_checks_autocast.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ import torch
 from test_autocast import spy_expert_gemms
 
 from dropless.cli.main import main
+from harness import read_metrics, torchrun
 
 TINY_TOML = Path(__file__).parents[2] / "examples" / "tiny.toml"
 RUN = (
@@ -42,7 +40,7 @@ def _args(*extra: str) -> list[str]:
 
 
 def _losses(run_dir: Path) -> list[float]:
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run_dir)
     return [r["loss"] for r in recs if r.get("loss") is not None]
 
 
@@ -63,13 +61,9 @@ def test_train_bf16_one_process_runs_the_experts_in_bf16(tmp_path, monkeypatch):
 @pytest.mark.skipif(not os.environ.get("DROPLESS_SLOW_TESTS"), reason="set DROPLESS_SLOW_TESTS=1")
 def test_train_bf16_torchrun_ep2(tmp_path):
     run = tmp_path / "ep"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dropless", "train", "--run-dir", str(run), *_args("parallel.ep=2")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    args = ["-m", "dropless", "train", "--run-dir", str(run), *_args("parallel.ep=2")]
+    proc = torchrun(2, args, env=env, timeout=300, check=True)
     assert "2 processes on cpu" in proc.stdout
     losses = _losses(run)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)

@@ -12,13 +12,14 @@ tf = pytest.importorskip("transformers")
 from dropless import hf  # noqa: E402
 from dropless.hf.lora.expert_lora import attach_expert_lora  # noqa: E402
 from dropless.quant import autocast, recipe_from_name  # noqa: E402
+from harness import tiny_moe_config  # noqa: E402
 
 
 def test_expert_owned_factors_apply_under_a_recipe():
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, moe_intermediate_size=32,
-        num_experts=4, num_experts_per_tok=2,
+    cfg = tiny_moe_config(
+        vocab_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        norm_topk_prob=False, max_position_embeddings=32768, pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     model = hf.patch_model(tf.AutoModelForCausalLM.from_config(cfg))

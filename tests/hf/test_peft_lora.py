@@ -7,9 +7,6 @@ loading in stock PEFT on stock Transformers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -20,6 +17,7 @@ import dropless.hf as dh
 from dropless.hf import experts as ex
 from dropless.hf.lora import expert_lora as el
 from dropless.hf.lora import peft_lora as hl
+from harness import run_python
 
 peft = pytest.importorskip("peft")
 from peft.tuners.lora.layer import ParamWrapper, _LoraFactorsProxy  # noqa: E402
@@ -177,10 +175,7 @@ def test_patch_covers_a_peft_imported_after_it():
         "assert ParamWrapper._activate_lora is not _activate_lora_lean\n"
         "print('ok')\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = run_python(["-c", code], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok"]
 

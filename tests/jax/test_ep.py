@@ -5,12 +5,11 @@ count must be set before JAX is imported, and this process may have imported it.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import run_python
 
 pytest.importorskip("jax", reason="JAX not installed: pip install 'dropless[jax]'")
 
@@ -19,13 +18,9 @@ RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ep_results():
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", XLA_FLAGS="--xla_force_host_platform_device_count=4"
-    )
+    env = {"OMP_NUM_THREADS": "1", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     worker = Path(__file__).with_name("ep_worker.py")
-    proc = subprocess.run(
-        [sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=600
-    )
+    proc = run_python([worker], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

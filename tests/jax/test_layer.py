@@ -5,9 +5,6 @@ and gradients, fp32), dropless and recompile invariants."""
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted rows, N out features
 
 import functools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import dropless  # noqa: E402
 from dropless.jax import MoE, grouped_gemm, route  # noqa: E402
 from dropless.ops.reference import route_reference  # noqa: E402
+from harness import run_python  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-5
 
@@ -232,10 +230,7 @@ def test_import_dropless_does_not_import_jax_and_missing_jax_names_the_extra():
         "    assert 'dropless[jax]' in str(e), str(e)\n"
         "    print('ok')\n"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
-    )
+    out = run_python(["-c", code], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert out.stdout.strip() == "ok", out.stderr
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from dropless.hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 from dropless.parallel import ParallelConfig, apply_fsdp, build_mesh, clip_grad_norm_
+from harness import tiny_moe_config
 
 B, L, V, E = 2, 5, 64, 8
 RTOL, ATOL = 1e-5, 1e-6
@@ -22,11 +23,10 @@ def _model():
 
     import dropless
 
-    cfg = transformers.Qwen3MoeConfig(
+    cfg = tiny_moe_config(
         vocab_size=V, hidden_size=16, intermediate_size=32, moe_intermediate_size=12,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        num_experts=E, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=32,
-        decoder_sparse_step=1, mlp_only_layers=[],
+        num_attention_heads=2, num_key_value_heads=1, num_experts=E, max_position_embeddings=32,
+        pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).float()

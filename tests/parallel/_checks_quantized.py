@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness import tiny_moe_config
+
 E, V = 4, 64
 _DIRS: dict[str, Path] = {}
 
@@ -37,11 +39,9 @@ def _write_fp8(root: Path) -> None:
     rows [4, 8), a region that starts inside a block."""
     import transformers
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=8,
-        num_experts=E, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=32,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+    cfg = tiny_moe_config(
+        vocab_size=V, intermediate_size=64, num_key_value_heads=1, num_experts=E,
+        max_position_embeddings=32, pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(root / "plain")

@@ -3,11 +3,6 @@ a saved DeepSeek-V3 checkpoint is loaded shard by shard (meta device, each rank 
 its experts and FSDP rows from the safetensors file) and fine-tuned with the same losses,
 sequence-wise aux loss and correction-bias updates as one process with 2 micro-batches."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("transformers")
@@ -16,6 +11,7 @@ import torch  # noqa: E402
 
 from dropless.cli.main import main  # noqa: E402
 from dropless.train.config.recipes import TINY  # noqa: E402
+from harness import read_metrics, torchrun  # noqa: E402
 
 RUN = (
     *TINY, "train.steps=2", "train.seq_len=16", "train.batch_size=4", "log.every=1",
@@ -47,10 +43,6 @@ def _saved(path):
     return path
 
 
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_torchrun_finetune_sharded_load_equals_one_process(tmp_path):
     torch.set_num_threads(1)
     src = _saved(tmp_path / "src")
@@ -59,14 +51,10 @@ def test_torchrun_finetune_sharded_load_equals_one_process(tmp_path):
         main(["train", "--run-dir", str(ref), *_args(f"model.path={src}", "train.grad_accum=2")])
         == 0
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dropless", "train", "--run-dir", str(run), *_args(f"model.path={src}", "parallel.ep=2")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = _records(ref), _records(run)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    args = ["--run-dir", str(run), *_args(f"model.path={src}", "parallel.ep=2")]
+    torchrun(2, ["-m", "dropless", "train", *args], env=env, timeout=300, check=True)
+    want, got = read_metrics(ref), read_metrics(run)
     assert [r["step"] for r in got] == [0, 1, 2]
     for w, g in zip(want, got):
         for key in ("loss", "eval_loss", "lb_loss", "grad_norm"):

@@ -9,8 +9,6 @@ exactly as the uninterrupted run did."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -21,6 +19,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from dropless.cli.main import main  # noqa: E402
+from harness import read_metrics, tiny_moe_config, torchrun  # noqa: E402
 
 RUN = (
     "data.tokenizer=bytes", "data.max_bytes=300000", "data.eval_tokens=512", "train.steps=4",
@@ -41,28 +40,17 @@ def _args(*extra):
 def _saved(path):
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=E, num_experts_per_tok=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=264, num_experts=E, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return path
 
 
 def _torchrun(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dropless", "train", *args],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    torchrun(2, ["-m", "dropless", "train", *args], env=env, timeout=300, check=True)
 
 
 def _adapter(run_dir):
@@ -98,7 +86,7 @@ def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     # fp32 on both sides; the sums run in another order (FSDP reduce-scatter, the
     # all-to-all, 2 micro-batches vs 2 ranks): measured equal to 1e-8 (loss) and 1e-7
     # (grad norm) relative
-    want, got = _records(ref), _records(run)
+    want, got = read_metrics(ref), read_metrics(run)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     for w, g in zip(want, got):
         for key, rel in (("loss", 1e-6), ("eval_loss", 1e-6), ("grad_norm", 1e-5)):
@@ -138,8 +126,8 @@ def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     # resume at step 2 under torchrun: steps 3-4 and the adapter equal the uninterrupted run
     _cut_at_step_2(run, half)
     _torchrun("--run-dir", str(half), "--resume")
-    assert [r["step"] for r in _records(half)] == [0, 1, 2, 3, 4]
-    for a, b in zip(_records(run)[3:], _records(half)[3:]):
+    assert [r["step"] for r in read_metrics(half)] == [0, 1, 2, 3, 4]
+    for a, b in zip(read_metrics(run)[3:], read_metrics(half)[3:]):
         assert (a["step"], a["loss"], a["eval_loss"]) == (b["step"], b["loss"], b["eval_loss"])
     resumed = _adapter(half)
     assert resumed.keys() == two.keys() and all(torch.equal(resumed[k], two[k]) for k in two)
@@ -149,5 +137,5 @@ def test_torchrun_lora_equals_one_process_and_resumes_exactly(tmp_path):
     _cut_at_step_2(run, one_proc)
     resume = ["--run-dir", str(one_proc), "--resume", "--set", "parallel.ep=1"]
     assert main(["train", *resume, "--set", "train.grad_accum=2"]) == 0
-    for w, g in zip(want[3:], _records(one_proc)[3:]):
+    for w, g in zip(want[3:], read_metrics(one_proc)[3:]):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6), g["step"]

@@ -5,9 +5,6 @@ count (1 process with 2 micro-batches: the same per-micro-batch token sets).
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ pytest.importorskip("transformers")
 from dropless.cli.main import main  # noqa: E402
 from dropless.train.checkpoint import store as ckpt  # noqa: E402
 from dropless.train.config.recipes import TINY  # noqa: E402
+from harness import read_metrics, torchrun  # noqa: E402
 
 RUN = (
     *TINY,
@@ -35,10 +33,6 @@ def _args(*extra):
     return out
 
 
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_torchrun_ep_kill_and_resume_on_one_process(tmp_path, monkeypatch):
     import torch
 
@@ -46,19 +40,16 @@ def test_torchrun_ep_kill_and_resume_on_one_process(tmp_path, monkeypatch):
     ref, run = tmp_path / "ref", tmp_path / "ep"
     # the uninterrupted reference: one process, 2 micro-batches = the 2 ranks' batches
     assert main(["train", "--run-dir", str(ref), *_args("train.grad_accum=2")]) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     child = Path(__file__).parents[1] / "faults" / "train_child.py"  # injects faults via TrainHooks
     kill = json.dumps({"rank": 1, "kill_after_step": 3})
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(child), kill, "train", "--run-dir", str(run), *_args("parallel.ep=2")],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    args = [child, kill, "train", "--run-dir", str(run), *_args("parallel.ep=2")]
+    proc = torchrun(2, args, env=env, timeout=300)
     assert proc.returncode != 0, "rank 1 should have been killed after step 3"
     assert "2 processes on cpu" in proc.stdout, proc.stderr[-3000:]
     assert "suboptimal" not in proc.stderr  # DTensor's per-rank redistribution warning
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2]  # step 3 is lost, step 2 kept
-    killed = _records(run)
+    killed = read_metrics(run)
     assert [r["step"] for r in killed] == [0, 1, 2]  # killed inside step 3, before its record
     assert all(r["ep_bytes_per_step"] > 0 and r["ep_expert_s"] > 0 for r in killed[1:])
     # `dropless convert` of the sharded checkpoint: one HF directory equal to the reference's
@@ -66,8 +57,8 @@ def test_torchrun_ep_kill_and_resume_on_one_process(tmp_path, monkeypatch):
     # resume the 2-process EP checkpoint in one process
     resume = ["--resume", "--set", "parallel.ep=1", "--set", "train.grad_accum=2"]
     assert main(["train", "--run-dir", str(run), *resume]) == 0
-    want = {r["step"]: r for r in _records(ref)}
-    got = _records(run)
+    want = {r["step"]: r for r in read_metrics(ref)}
+    got = read_metrics(run)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]  # step 3 recomputed after the restart
     for r in got:
         w = want[r["step"]]

@@ -1,0 +1,87 @@
+"""The tests' one way to start a child process, a torchrun group and a tiny model, and to
+read a run's metrics.
+
+- `run_python(args, env=..., timeout=...)`: `python ARGS` with this checkout's src importable;
+  `check=True` fails the test with the child's stderr tail on a non-zero exit.
+- `torchrun(nproc, target_args, ...)`: `python -m torch.distributed.run --standalone
+  --nproc-per-node N TARGET_ARGS` the same way (`target_args`: `["-m", "dropless", "train",
+  ...]` or a script and its arguments); gloo on loopback on CPU.
+- `tiny_moe_config(family, **overrides)`: a tiny random Transformers config of any family
+  of `tests/hf/families.py` (no download).
+- `read_metrics(run_dir)`: a run's metrics.jsonl records, read by the library.
+
+The checks that run under Triton's interpreter have their own child: `tests/interpreted.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dropless.train.report.metrics import read_metrics
+
+__all__ = ["SRC", "read_metrics", "run_python", "tiny_moe_config", "torchrun"]
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+STDERR_TAIL = 3000
+
+
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """os.environ with `env` on top (a None value removes the variable) and this
+    checkout's src first on PYTHONPATH."""
+    out = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = v
+    path = [str(SRC), *filter(None, out.get("PYTHONPATH", "").split(os.pathsep))]
+    out["PYTHONPATH"] = os.pathsep.join(path)
+    return out
+
+
+def run_python(
+    args, *, env: dict[str, str] | None = None, timeout: float, check: bool = False, **kwargs
+) -> subprocess.CompletedProcess:
+    """`python ARGS` in a child (this interpreter, text output captured); with `check`, a
+    non-zero exit fails with the tail of the child's stderr. `kwargs` go to
+    `subprocess.run` (cwd, input, ...)."""
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)],
+        env=child_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-STDERR_TAIL:]
+    return proc
+
+
+def torchrun(
+    nproc: int,
+    target_args,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float,
+    check: bool = False,
+    **kwargs,
+) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc-per-node NPROC TARGET_ARGS`,
+    as `run_python` runs it."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return run_python([*launcher, *target_args], env=env, timeout=timeout, check=check, **kwargs)
+
+
+def tiny_moe_config(family: str = "qwen3_moe", **overrides):
+    """A fresh tiny Transformers config of `family` (any of `tests/hf/families.py`:
+    FAMILIES, MORE, BLOCK_BIAS), `overrides` set on it."""
+    hf = str(Path(__file__).resolve().parent / "hf")
+    if hf not in sys.path:
+        sys.path.append(hf)
+    import families
+
+    return families.config(family, **overrides)

@@ -47,7 +47,9 @@ def _operands(T, D, F, E, K, dtype):
 
 def _rows(ops):
     x, ids, w, gu, dn = ops
-    backend = "loop" if custom_op._loop(x) else plan_grouped(x, gu, dn, SWIGLU, None).backend.name
+    backend = (
+        "loop" if custom_op.uses_loop(x) else plan_grouped(x, gu, dn, SWIGLU, None).backend.name
+    )
     return {
         "custom-op": lambda: custom_op.run(x, ids, w, gu, dn, None, None, SWIGLU, True)[0],
         "direct": lambda: expert_mlp(x, ids, w, gu, dn, backend=backend)[0],

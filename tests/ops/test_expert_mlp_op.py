@@ -62,7 +62,7 @@ CASES = {
 @pytest.fixture(params=["loop", "grouped"])
 def path(request, monkeypatch):
     """The node runs eager's path for the device (CPU: the loop); both are checked here."""
-    monkeypatch.setattr(custom_op, "_loop", lambda x: request.param == "loop")
+    monkeypatch.setattr(custom_op, "uses_loop", lambda x: request.param == "loop")
     return request.param
 
 

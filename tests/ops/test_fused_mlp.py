@@ -8,7 +8,7 @@ import torch
 
 from dropless import ops
 from dropless.ops import dispatch
-from dropless.ops.expert_mlp import _composed_mlp
+from dropless.ops.expert_mlp import composed_mlp
 from dropless.ops.expert_mlp.fused_mlp import fused_mlp, pick_mlp_path
 from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference
@@ -65,7 +65,7 @@ def _composed(ids_TK, keep_TK, kw):
     def fn(x, w_TK, gu, dn, gb, db):
         sp = ops.sort_by_expert(ids_TK, gu.shape[0], keep_TK)
         prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
-        y = _composed_mlp(
+        y = composed_mlp(
             ops.permute(x, sp),
             sp.counts,
             prob_S,
@@ -212,7 +212,7 @@ def test_grouped_mlp_sorted_rows(backend):
             )
             got.sum().backward()
             ref_leaves = [t.clone().requires_grad_(True) for t in (x, gu, dn, db)]
-            want = _composed_mlp(
+            want = composed_mlp(
                 ref_leaves[0],
                 counts,
                 prob,

@@ -10,7 +10,7 @@ from test_fused_mlp import CASES, _problem
 
 from dropless import ops
 from dropless.ops import LowRank
-from dropless.ops.expert_mlp import _composed_mlp
+from dropless.ops.expert_mlp import composed_mlp
 from dropless.ops.expert_mlp.fused_mlp import fused_mlp
 from dropless.ops.reference import lowrank_fold_reference
 
@@ -54,7 +54,7 @@ def _reference(ids_TK, keep_TK, kw, base, ab, s1=2.0, s2=0.5):
     dn_f = lowrank_fold_reference(dn, a2, b2, s2, trans_w) if a2 is not None else dn
     sp = ops.sort_by_expert(ids_TK, gu.shape[0], keep_TK)
     prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
-    y = _composed_mlp(
+    y = composed_mlp(
         ops.permute(x, sp), sp.counts, prob_S, gu_f, dn_f, gate_up_bias=gb, down_bias=db,
         alpha=1.702, limit=7.0, backend="loop", **kw,
     )  # fmt: skip

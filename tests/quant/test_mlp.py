@@ -10,7 +10,7 @@ import torch
 import dropless
 from dropless.bench.fp8 import saved_tensor_bytes
 from dropless.ops import grouped_mlp, sort_by_expert, swiglu
-from dropless.ops.grouped_gemm.eager import _expand_bias, grouped_gemm
+from dropless.ops.grouped_gemm.eager import expand_bias, grouped_gemm
 from dropless.quant import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -53,7 +53,7 @@ def _composed(p):
     h = grouped_gemm(p["x"], p["gate_up"], COUNTS, p["b1"])
     a = swiglu(h, p["prob"])
     y = grouped_gemm(a, p["down"], COUNTS)
-    return y + _expand_bias(p["b2"], COUNTS) * p["prob"].unsqueeze(1)
+    return y + expand_bias(p["b2"], COUNTS) * p["prob"].unsqueeze(1)
 
 
 def _fused(p):

@@ -49,7 +49,7 @@ def _eager_row_ops():
     from dropless.ops.permute import row_ops
 
     row_ops.ROW_OPS.load_gpu()  # registered on the first CUDA pick: register it, then hide it
-    saved = row_ops._ROW_OPS.pop("triton", None)
+    saved = row_ops.ROW_OPS.entries.pop("triton", None)
     try:
         yield
     finally:
@@ -60,11 +60,11 @@ def _eager_row_ops():
 def composed(x_TD, ids_TK, w_TK, gate_up, down):
     """argsort + grouped_mm autograd nodes + combine, through dropless's sort and permute."""
     from dropless import ops
-    from dropless.ops.expert_mlp import _composed_mlp
+    from dropless.ops.expert_mlp import composed_mlp
 
     sp = ops.sort_by_expert(ids_TK, gate_up.shape[0])
     prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
-    y = _composed_mlp(
+    y = composed_mlp(
         ops.permute(x_TD, sp), sp.counts, prob_S, gate_up, down,
         gate_up_bias=None, down_bias=None, trans_w=True, backend=None,
     )  # fmt: skip

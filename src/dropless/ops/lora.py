@@ -69,7 +69,7 @@ def check_lowrank(lr: LowRank | None, e: int, n_in: int, n_out: int, what: str) 
 # --- the fused Functions' trailing inputs ------------------------------------------------
 
 
-def _lowranks(lora: tuple) -> tuple[LowRank | None, LowRank | None]:
+def lowranks(lora: tuple) -> tuple[LowRank | None, LowRank | None]:
     """The Functions' trailing inputs `(a1, b1, a2, b2, (scale1, scale2))` (or nothing) as
     the low-rank updates of gate_up and down."""
     if not lora:
@@ -81,17 +81,13 @@ def _lowranks(lora: tuple) -> tuple[LowRank | None, LowRank | None]:
     )
 
 
-def _lora_inputs(lora) -> tuple:
+def lora_inputs(lora) -> tuple:
     """(gate_up LowRank | None, down LowRank | None) -> the Functions' trailing inputs."""
     if lora is None or (lora[0] is None and lora[1] is None):
         return ()
     lr1, lr2 = lora
     ab = [t for lr in (lr1, lr2) for t in ((lr.a_ERI, lr.b_EOR) if lr else (None, None))]
     return (*ab, (lr1.scale if lr1 else None, lr2.scale if lr2 else None))
-
-
-def _at(g_E, e):
-    return None if g_E is None else g_E[e]
 
 
 # --- one expert (the per-expert loop) -----------------------------------------------

@@ -45,7 +45,7 @@ import warnings
 import torch
 
 from ..ops.grouped_gemm.backends import pick_gemm_backend
-from ..ops.grouped_gemm.eager import _expand_bias, _group_sum
+from ..ops.grouped_gemm.eager import expand_bias, group_sum
 from ..ops.weight_cache import cached_cast
 from .formats import (
     FP8_DTYPES,
@@ -345,7 +345,7 @@ class _QGroupedGemm(torch.autograd.Function):
         wq = quantize_operand(recipe, w, "w", 2 if trans_w else 1, key=key)
         y = mm(xq, wq, counts, trans_w, x_SD.dtype, fast_accum=True)
         if bias_EN is not None:
-            y = y + _expand_bias(bias_EN, counts).to(y.dtype)
+            y = y + expand_bias(bias_EN, counts).to(y.dtype)
         saved: list = []
         if recipe.fp8_saved_activations:
             xs = (
@@ -387,7 +387,7 @@ class _QGroupedGemm(torch.autograd.Function):
             )
             gw = wgrad(gs, xs, counts, w.dtype) if trans_w else wgrad(xs, gs, counts, w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = _group_sum(g_SN, counts)
+            gb = group_sum(g_SN, counts)
         return gx, gw, gb, None, None, None, None
 
 

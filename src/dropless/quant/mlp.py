@@ -32,7 +32,7 @@ import torch
 
 from ..ops.activation.eager import act_forward
 from ..ops.activation.swiglu import swiglu
-from ..ops.grouped_gemm.eager import _expand_bias, _group_sum, grouped_gemm
+from ..ops.grouped_gemm.eager import expand_bias, group_sum, grouped_gemm
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
 from ..ops.registry import triton_importable
@@ -186,12 +186,12 @@ class _QGroupedMLP(torch.autograd.Function):
         w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
         h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
         if b1 is not None:
-            h = h + _expand_bias(b1, counts, h.shape[0]).to(h.dtype)
+            h = h + expand_bias(b1, counts, h.shape[0]).to(h.dtype)
         aq = swiglu_quant(h, prob_S, recipe, down)
         w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
         y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
         if b2 is not None:
-            b = _expand_bias(b2, counts, y.shape[0])
+            b = expand_bias(b2, counts, y.shape[0])
             y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
         saved: list = []
         if recipe.fp8_saved_activations:
@@ -281,11 +281,11 @@ class _QGroupedMLP(torch.autograd.Function):
         d_down = wg(g_S, a_S, down.dtype)
         db2 = None
         if has_b2:
-            db2 = _group_sum(
+            db2 = group_sum(
                 g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts
             )
             if prob is not None and ctx.needs_input_grad[1]:
-                b_SD = _expand_bias(b2, counts, g_SD.shape[0]).float()
+                b_SD = expand_bias(b2, counts, g_SD.shape[0]).float()
                 dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
         # gate/up projection
         dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
@@ -302,7 +302,7 @@ class _QGroupedMLP(torch.autograd.Function):
             x_s = col(x_SD, "x", gate_up, ts(x_scale))
         dh_S = dhq if tensor_mode else col(dh, "g", gate_up)
         d_gate_up = wg(dh_S, x_s, gate_up.dtype)
-        db1 = _group_sum(dh, counts) if has_b1 else None
+        db1 = group_sum(dh, counts) if has_b1 else None
         return dx, dprob, d_gate_up, d_down, db1, db2, None, None, None, None, None
 
 
@@ -348,7 +348,7 @@ def quantized_grouped_mlp(
         a = swiglu(h, prob_S, activation=act)
         y = grouped_gemm(a, down, counts, None, trans_w=trans_w)
         if down_bias is not None:
-            b = _expand_bias(down_bias, counts)
+            b = expand_bias(down_bias, counts)
             y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype))
         return y if token_S is None else combine_rows(y, token_S, slot_TK)
     return _QGroupedMLP.apply(

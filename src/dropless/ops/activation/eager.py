@@ -42,7 +42,7 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 #: the gated kinds with hand-fused in-place forms (and kernels among the row ops)
 ACTIVATIONS = ("swiglu", "gpt_oss")
-_GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
+GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
 
 def _gelu_tanh(x):
@@ -232,8 +232,8 @@ def act_fwd_eager(
     prob_S: torch.Tensor | None = None,
     interleaved: bool = False,
     activation: str = "swiglu",
-    alpha: float = _GPT_OSS.alpha,
-    limit: float = _GPT_OSS.limit,
+    alpha: float = GPT_OSS.alpha,
+    limit: float = GPT_OSS.limit,
 ) -> torch.Tensor:
     """act(gate, up) * prob (prob = 1 when None), fp32 math, in h's dtype; no autograd."""
     acc = torch.promote_types(h_S2F.dtype, torch.float32)
@@ -250,8 +250,8 @@ def act_bwd_eager(
     need_prob_grad: bool = True,
     recompute: bool = False,
     activation: str = "swiglu",
-    alpha: float = _GPT_OSS.alpha,
-    limit: float = _GPT_OSS.limit,
+    alpha: float = GPT_OSS.alpha,
+    limit: float = GPT_OSS.limit,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Backward of `act_fwd_eager`: (grad_h, grad_prob or None, the forward output or None).
 

@@ -19,7 +19,7 @@ import torch
 
 from ..permute.row_ops import pick_row_ops
 from ..specs import ActivationConfig, as_activation
-from .eager import _GPT_OSS, ACTIVATIONS, ElementwiseAct, is_elementwise_kind
+from .eager import ACTIVATIONS, GPT_OSS, ElementwiseAct, is_elementwise_kind
 
 __all__ = ["ACTIVATIONS", "activation", "check_supported", "expert_activation", "swiglu"]
 
@@ -51,8 +51,8 @@ def activation(
     *,
     activation: str = "swiglu",
     interleaved: bool = False,
-    alpha: float = _GPT_OSS.alpha,
-    limit: float = _GPT_OSS.limit,
+    alpha: float = GPT_OSS.alpha,
+    limit: float = GPT_OSS.limit,
 ) -> torch.Tensor:
     """`swiglu` computed by a given `RowOps` implementation (no picking, no checks)."""
     return _Activation.apply(h_S2F, prob_S, interleaved, activation, alpha, limit, impl)

@@ -39,7 +39,7 @@ _GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
 
 @triton.jit
-def _cols(offs_f, F, INTERLEAVED: tl.constexpr):
+def gate_up_cols(offs_f, F, INTERLEAVED: tl.constexpr):
     if INTERLEAVED:
         col_g = offs_f * 2
         col_u = col_g + 1
@@ -60,7 +60,7 @@ def _swiglu_fwd_kernel(
     mask_r = offs_r < S
     mask = mask_r[:, None] & (offs_f < F)[None, :]
     rows = offs_r.to(tl.int64)[:, None]
-    col_g, col_u = _cols(offs_f, F, INTERLEAVED)
+    col_g, col_u = gate_up_cols(offs_f, F, INTERLEAVED)
     gate = tl.load(h_ptr + rows * stride_h + col_g[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0).to(tl.float32)
     a = glu_fwd(gate, up, alpha, limit, ACTIVATION)
@@ -86,7 +86,7 @@ def _swiglu_bwd_kernel(
     for f0 in range(0, F, BLOCK_F):
         offs_f = f0 + tl.arange(0, BLOCK_F)
         mask = mask_r[:, None] & (offs_f < F)[None, :]
-        col_g, col_u = _cols(offs_f, F, INTERLEAVED)
+        col_g, col_u = gate_up_cols(offs_f, F, INTERLEAVED)
         gate = tl.load(h_ptr + rows * stride_h + col_g[None, :], mask=mask, other=0.0)
         up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0)
         g = tl.load(g_ptr + rows * stride_g + offs_f[None, :], mask=mask, other=0.0)

@@ -13,10 +13,10 @@ already sorted by expert); everything about the op in one folder.
   registration, done on the first pick for CUDA operands.
 """
 
-from .eager import _composed_mlp, expert_mlp, grouped_mlp
+from .eager import composed_mlp, expert_mlp, grouped_mlp
 from .gathered_mlp import GATHER_KERNELS
 from .gpu import register_gpu
 
 GATHER_KERNELS.on_first_cuda(register_gpu)
 
-__all__ = ["_composed_mlp", "expert_mlp", "grouped_mlp"]
+__all__ = ["composed_mlp", "expert_mlp", "grouped_mlp"]

@@ -9,8 +9,8 @@ the node with its fake (shape-only) rule. Every shape is known from the operands
 
 The node runs the fused Function eager code runs on that device (forward and backward
 called directly, so the math is that one's, not a copy): the per-expert loop on CPU
-(`loop_mlp._LoopMLP`, measured fastest there), the grouped path elsewhere
-(`fused_mlp._GroupedMLP`). It keeps h [S, N] (the gate/up output; the loop writes its
+(`loop_mlp.LoopMLP`, measured fastest there), the grouped path elsewhere
+(`fused_mlp.GroupedMLP`). It keeps h [S, N] (the gate/up output; the loop writes its
 experts' h as rows of it) and the sort's indices for backward, and its backward is a
 second custom op taking them. Inside the node the counts may be read on the host (the
 node is opaque to the compiler), so any backend runs.
@@ -32,8 +32,8 @@ from torch import Tensor
 from ..grouped_gemm.eager import bind_offsets
 from ..permute.eager import sort_by_expert
 from ..specs import ActivationConfig
-from .fused_mlp import _counts_for, _GroupedMLP, _rows_of_experts
-from .loop_mlp import _LoopMLP
+from .fused_mlp import GroupedMLP, counts_for, rows_of_experts
+from .loop_mlp import LoopMLP
 from .mlp_plan import pick_mlp_path, plan_grouped
 
 _OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
@@ -41,7 +41,7 @@ _OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
 
 @dataclass
 class _Ctx:
-    """What `_LoopMLP` / `_GroupedMLP`'s forward and backward read and write on an autograd
+    """What `LoopMLP` / `GroupedMLP`'s forward and backward read and write on an autograd
     context: called here as plain functions, outside autograd (the custom op owns it)."""
 
     needs_input_grad: tuple = ()
@@ -52,7 +52,7 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def _loop(x_TD: Tensor) -> bool:
+def uses_loop(x_TD: Tensor) -> bool:
     """Whether the node runs the per-expert loop: what eager code picks for x's device."""
     return pick_mlp_path(x_TD, None, None) == "loop"
 
@@ -88,18 +88,18 @@ def expert_mlp_op(
     """(out_TD, h_SN, pair_S, slot_TK, counts_E): the routed expert MLP of every pair
     (dropless), with what its backward takes (int64 indices of the sort by expert)."""
     act = _act(kind, gated, interleaved, alpha, limit)
-    loop = _loop(x_TD)
+    loop = uses_loop(x_TD)
     sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=loop)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
     ctx = _Ctx()
     args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S)
     cfg = (act, trans_w, x_TD.shape[0])
     if loop:
-        out = _LoopMLP.forward(ctx, *args, sp.counts, cfg)
+        out = LoopMLP.forward(ctx, *args, sp.counts, cfg)
         h = ctx.h_SN  # the experts' h, in expert order (the loop writes them there)
     else:
         plan = plan_grouped(x_TD, gate_up, down, act, None)
-        out = _GroupedMLP.forward(ctx, *args, sp.slot_TK, sp.counts_E, sp.offsets_E, cfg, plan)
+        out = GroupedMLP.forward(ctx, *args, sp.slot_TK, sp.counts_E, sp.offsets_E, cfg, plan)
         h = ctx.saved_tensors[8]
     return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
@@ -145,7 +145,7 @@ def expert_mlp_backward_op(
     token_S = pair_S // K
     weights = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, token_S)
     cfg = (act, trans_w, T)
-    if _loop(x_TD):
+    if uses_loop(x_TD):
         grads = _loop_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs)
     else:
         grads = _grouped_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs)
@@ -160,25 +160,25 @@ def expert_mlp_backward_op(
 def _loop_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
     counts = counts_E.tolist()
     hs = h_SN.split(counts)  # views of the op's input: never freed in place (keep_h)
-    # _LoopMLP's inputs: x, prob, gate_up, down, biases, token_S, counts, cfg
+    # LoopMLP's inputs: x, prob, gate_up, down, biases, token_S, counts, cfg
     ctx = _Ctx(needs_input_grad=(*needs, False, False, False))
     ctx.saved_tensors = (*weights, None, None, *hs)  # no low-rank factors
     ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, ()
-    return _LoopMLP.backward(ctx, g_out)
+    return LoopMLP.backward(ctx, g_out)
 
 
 def _grouped_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
     x_TD, _prob, gate_up, down, gate_up_bias, down_bias, _token = weights
     plan = plan_grouped(x_TD, gate_up, down, cfg[0], None)
-    counts = _counts_for(plan.backend, counts_E, x_TD.device)
+    counts = counts_for(plan.backend, counts_E, x_TD.device)
     be = bind_offsets(plan.backend, counts, counts_E.cumsum(0, dtype=torch.int32), x_TD.device)
-    rows_E = _rows_of_experts(counts, x_TD, h_SN.shape[0], gate_up_bias, down_bias)
-    # _GroupedMLP's inputs: x, prob, gate_up, down, biases, token_S, slot_TK, counts,
+    rows_E = rows_of_experts(counts, x_TD, h_SN.shape[0], gate_up_bias, down_bias)
+    # GroupedMLP's inputs: x, prob, gate_up, down, biases, token_S, slot_TK, counts,
     # offsets, cfg, plan
     ctx = _Ctx(needs_input_grad=(*needs, False, False, False, False, False, False))
     ctx.saved_tensors = (*weights, slot_TK, h_SN, rows_E, None, None)
     ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales, ctx.be = counts, cfg, plan, (), be
-    return _GroupedMLP.backward(ctx, g_out)
+    return GroupedMLP.backward(ctx, g_out)
 
 
 @expert_mlp_backward_op.register_fake

@@ -6,7 +6,7 @@ combine around it.
 At full precision both run the memory-lean fused Function of `fused_mlp.py` (one
 autograd node that saves only h [S, 2F] and recomputes the rest). Under a
 low-precision recipe (`dropless.autocast`) they run the recipe's fused MLP if it
-registered one, else the MLP composed from the recipe's grouped GEMMs (`_composed_mlp`,
+registered one, else the MLP composed from the recipe's grouped GEMMs (`composed_mlp`,
 also the specification the fused path is tested against). Which of these runs, with
 which backend, is decided once per call by `mlp_plan.plan_expert_mlp`. Under
 `torch.autocast` both first cast their operands to the autocast dtype
@@ -23,7 +23,7 @@ import torch
 from ..activation.swiglu import check_supported, swiglu
 from ..compute_dtype import to_compute_dtype
 from ..dispatch import get_recipe
-from ..grouped_gemm.eager import _check_counts, _expand_bias, grouped_gemm
+from ..grouped_gemm.eager import check_counts, expand_bias, grouped_gemm
 from ..lora import LowRank
 from ..permute.eager import SortedPairs, permute, sort_by_expert, unpermute
 from ..specs import ActivationConfig, as_activation
@@ -32,7 +32,7 @@ from .fused_mlp import fused_mlp
 from .mlp_plan import plan_expert_mlp
 
 
-def _composed_mlp(
+def composed_mlp(
     x_SD,
     counts,
     prob_S,
@@ -52,7 +52,7 @@ def _composed_mlp(
     a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)
     if down_bias is not None:
-        b_SD = _expand_bias(down_bias, counts)
+        b_SD = expand_bias(down_bias, counts)
         y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
     return y
 
@@ -118,14 +118,14 @@ def grouped_mlp(
         x_SD, gate_up, down, act, backend=backend, lora=lora, trans_w=trans_w, bias=has_bias
     )
     if plan.path == "recipe":
-        counts = _check_counts(x_SD, gate_up, counts)
+        counts = check_counts(x_SD, gate_up, counts)
         if plan.recipe_mlp is not None:
             return plan.recipe_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
-        return _composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
+        return composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
     if plan.path == "grouped" and isinstance(counts, torch.Tensor) and plan.device_counts:
         _check_device_counts(counts, gate_up.shape[0])
     else:
-        counts = _check_counts(x_SD, gate_up, counts)
+        counts = check_counts(x_SD, gate_up, counts)
     return fused_mlp(
         x_SD, prob_S, gate_up, down, counts, plan=plan, lora=lora, offsets_E=offsets_E, **kw
     )

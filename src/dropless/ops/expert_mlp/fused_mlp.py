@@ -11,7 +11,7 @@ pair: at D=1024, F=384 that is 2816 values per pair against 768 here (3.7x less)
 
 Two implementations of the same Function, picked by `mlp_plan.plan_expert_mlp`:
 
-- `_LoopMLP` (the CPU default, `loop_mlp.py`): one pass per expert that gathers that
+- `LoopMLP` (the CPU default, `loop_mlp.py`): one pass per expert that gathers that
   expert's rows into a small buffer, runs both GEMMs with `torch.mm(out=)`, applies
   SwiGLU x prob in place and `index_add_`s the result into the output (an expert sees a
   token at most once, and results are added in expert order, so the sum is
@@ -24,7 +24,7 @@ Two implementations of the same Function, picked by `mlp_plan.plan_expert_mlp`:
   weight gradients fill. The working set of one expert stays in cache, and no [S, D]
   tensor is ever allocated. Needs the per-expert counts on the host (one sync per
   layer, in `sort_by_expert`). Runs any dtype, fp64 included.
-- `_GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend
+- `GroupedMLP`: whole-S gathers and grouped GEMMs through a registered backend
   (`grouped_mm`, `triton`, ...), with the same saved tensors; its gathers and its
   swiglu / gpt_oss activation come from the row-op registry (Triton kernels on CUDA).
   Given the counts as a device tensor and a backend that takes them there (`grouped_mm`,
@@ -52,17 +52,17 @@ from ..compute_dtype import autocast_off
 from ..grouped_gemm.eager import bind_offsets
 from ..lora import (
     LowRank,
-    _lora_inputs,
-    _lowranks,
     check_lowrank,
     grouped_lowrank_bwd,
     grouped_lowrank_dx,
     grouped_lowrank_fwd,
+    lora_inputs,
+    lowranks,
 )
 from ..specs import ActivationConfig, as_activation
 from .expert_threads import python_modes_active
 from .gathered_mlp import gathered_mlp
-from .loop_mlp import _free, _graph_released, _LoopMLP
+from .loop_mlp import LoopMLP, free_storage, graph_released
 from .mlp_parts import Needs, input_grads
 from .mlp_plan import MlpPlan, check_gathered_ok, pick_mlp_path, plan_gathered, plan_grouped
 
@@ -70,7 +70,7 @@ __all__ = ["fused_mlp", "pick_mlp_path"]
 
 # --- whole-S grouped GEMMs through a backend (sync-free with device counts) ----------
 
-_LORA_AT = 12  # where _GroupedMLP's low-rank factors start among its inputs
+_LORA_AT = 12  # where GroupedMLP's low-rank factors start among its inputs
 
 
 def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _expert_of_row(counts_E: torch.Tensor, S: int) -> torch.Tensor:
     )
 
 
-def _counts_for(be, counts, device):
+def counts_for(be, counts, device):
     """The counts in the form the backend takes: a device tensor (one copy for every
     GEMM) when it declares `device_counts`, else a host list (a sync for a tensor)."""
     if isinstance(counts, torch.Tensor) and not be.device_counts:
@@ -90,7 +90,7 @@ def _counts_for(be, counts, device):
     return counts
 
 
-def _rows_of_experts(counts, x, S, *biases):
+def rows_of_experts(counts, x, S, *biases):
     """The expert of each sorted row when a bias needs it, else None."""
     if all(b is None for b in biases):
         return None
@@ -98,8 +98,8 @@ def _rows_of_experts(counts, x, S, *biases):
     return _expert_of_row(counts_E, S)
 
 
-class _GroupedMLP(torch.autograd.Function):
-    """Same contract as _LoopMLP; counts is a host list or a device tensor; `plan` (an
+class GroupedMLP(torch.autograd.Function):
+    """Same contract as LoopMLP; counts is a host list or a device tensor; `plan` (an
     `MlpPlan` of path "grouped") carries the GEMM backend and the row ops.
 
     The gathers (permute, combine) and, for the kinds it has, the activation x prob come
@@ -110,13 +110,13 @@ class _GroupedMLP(torch.autograd.Function):
     @autocast_off
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, counts, offs, cfg, plan, *lora):  # fmt: skip
         act, trans_w, _ = cfg
-        lr1, lr2 = _lowranks(lora)
+        lr1, lr2 = lowranks(lora)
         be, rk, rk_act = plan.backend, plan.row_ops, plan.act_row_ops
-        counts = _counts_for(be, counts, x.device)
+        counts = counts_for(be, counts, x.device)
         # one offsets tensor (the sort's, or computed here) for all six GEMMs
         be = bind_offsets(be, counts, offs, x.device)
         x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
-        rows_E = _rows_of_experts(counts, x, x_SD.shape[0], gu_bias, d_bias)
+        rows_E = rows_of_experts(counts, x, x_SD.shape[0], gu_bias, d_bias)
         h = be.mm(x_SD, gate_up, counts, trans_w)
         u1 = grouped_lowrank_fwd(be, x_SD, lr1, counts, h) if lr1 is not None else None
         del x_SD  # recomputed in backward
@@ -147,7 +147,7 @@ class _GroupedMLP(torch.autograd.Function):
         saved = ctx.saved_tensors
         x, prob_S, gate_up, down, gu_bias, d_bias, token_S, slot_TK, h, rows_E = saved[:10]
         u1, u2, *ABAB = saved[10:]
-        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
+        lr1, lr2 = lowranks((*ABAB, *ctx.lora_scales))
         rk, need = ctx.plan.row_ops, Needs.of(ctx, _LORA_AT)
         g_out = g_out.contiguous()
         gy = rk.gather_rows(g_out, token_S) if token_S is not None else g_out
@@ -250,8 +250,8 @@ def _release_h(ctx, h: torch.Tensor, *parts) -> None:
     ptr = h.untyped_storage().data_ptr()
     if any(p is not None and p.untyped_storage().data_ptr() == ptr for p in parts):
         return
-    if _graph_released() and not python_modes_active():
-        _free(h)
+    if graph_released() and not python_modes_active():
+        free_storage(h)
 
 
 # --- entry point ----------------------------------------------------------------------
@@ -319,10 +319,10 @@ def fused_mlp(
     if plan.path == "loop":
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()  # host sync: the loop needs the bounds on the host
-        return _LoopMLP.apply(
+        return LoopMLP.apply(
             x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, list(counts), cfg, *extra
         )
-    return _GroupedMLP.apply(
+    return GroupedMLP.apply(
         x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, offsets_E,
         cfg, plan, *extra,
     )  # fmt: skip
@@ -341,4 +341,4 @@ def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
     n2_out, n2_in = down.shape[1:] if trans_w else down.shape[:0:-1]
     check_lowrank(lora[0], E, n1_in, n1_out, "gate_up")
     check_lowrank(lora[1], E, n2_in, n2_out, "down")
-    return _lora_inputs(lora)
+    return lora_inputs(lora)

@@ -43,8 +43,8 @@ import triton.language as tl
 
 from .._triton import on_gpu
 from ..activation.activation_kernels import glu, glu_fwd
-from ..activation.swiglu_kernels import _cols
-from ..grouped_gemm.gemm_kernels import _counts_tensor, _group_of_tile, _precision
+from ..activation.swiglu_kernels import gate_up_cols
+from ..grouped_gemm.gemm_kernels import counts_tensor, dot_precision, group_of_tile
 from ..specs import ActivationConfig
 
 _GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
@@ -104,7 +104,7 @@ def _glu_gemm(a_ptr, idx_ptr, w, e, row0, row_end, f0, F, K, stride_ar, stride_a
     offs_f = f0 + tl.arange(0, BLOCK_N)
     mask_f = offs_f < F
     if GATE_UP:
-        col_g, col_u = _cols(offs_f, F, INTERLEAVED)
+        col_g, col_u = gate_up_cols(offs_f, F, INTERLEAVED)
     else:
         col_g, col_u = offs_f, offs_f
     a_rows = a_ptr + _row_index(idx_ptr, offs_m, mask_m, HAS_INDEX)[:, None] * stride_ar
@@ -165,7 +165,7 @@ def _up_act_kernel(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, cnt_ptr, E, F, D,
     tiles_n = tl.cdiv(F, BLOCK_N)
     total = _num_tiles(cnt_ptr, E, tiles_n, BLOCK_M, BLOCK_E)
     for tile in range(tl.program_id(0), total, NUM_PROGS):
-        e, row0, row_end = _group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
+        e, row0, row_end = group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
         f0 = (tile % tiles_n) * BLOCK_N
         if row_end - row0 <= BLOCK_M_TAIL:  # a short tail: the small tile
             _up_act_tile(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, e, row0, row_end, f0, F, D,
@@ -198,7 +198,7 @@ def _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, 
     da = da.to(dh_ptr.dtype.element_ty).to(tl.float32)  # as the unfused path stores it
     mask = mask_m[:, None] & mask_f[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    col_g, col_u = _cols(offs_f, F, INTERLEAVED)
+    col_g, col_u = gate_up_cols(offs_f, F, INTERLEAVED)
     gate = tl.load(h_ptr + rows * stride_h + col_g[None, :], mask=mask, other=0.0)
     up = tl.load(h_ptr + rows * stride_h + col_u[None, :], mask=mask, other=0.0)
     act, d_gate, d_up = glu(gate.to(tl.float32), up.to(tl.float32), alpha, limit, KIND)
@@ -229,7 +229,7 @@ def _dact_kernel(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, cnt_ptr
     tiles_n = tl.cdiv(F, BLOCK_N)
     total = _num_tiles(cnt_ptr, E, tiles_n, BLOCK_M, BLOCK_E)
     for tile in range(tl.program_id(0), total, NUM_PROGS):
-        e, row0, row_end = _group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
+        e, row0, row_end = group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
         f0 = (tile % tiles_n) * BLOCK_N
         if row_end - row0 <= BLOCK_M_TAIL:
             _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, row_end,
@@ -371,7 +371,7 @@ def up_act(
     a = x.new_empty(S, F)
     if S == 0 or F == 0:
         return h, a
-    cnt = _counts_tensor(counts, E, x.device)
+    cnt = counts_tensor(counts, E, x.device)
     bm, bmt, bn, bk, warps, stages = _blocks(x)
     tma = _use_tma(gate_up, interleaved)
     w, se, sk, sn = _weight_operand(gate_up, trans_w, bn, bk, tma)
@@ -381,7 +381,7 @@ def up_act(
         E, F, D, x.stride(0), x.stride(1), se, sk, sn, h.stride(0), a.stride(0),
         float(alpha), float(limit), progs,
         HAS_INDEX=index_S is not None, HAS_P=prob_S is not None, INTERLEAVED=interleaved,
-        W_T=trans_w, USE_TMA=tma, KIND=activation, PRECISION=_precision(x.dtype),
+        W_T=trans_w, USE_TMA=tma, KIND=activation, PRECISION=dot_precision(x.dtype),
         BLOCK_M=bm, BLOCK_M_TAIL=bmt, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_E=triton.next_power_of_2(E), num_warps=warps, num_stages=stages,
     )  # fmt: skip
@@ -418,7 +418,7 @@ def down_dact(
     tiles_n = triton.cdiv(F, bn) if F else 0
     gp = torch.zeros(tiles_n, S, dtype=torch.float32, device=g.device) if need_gp else None
     if S and F:
-        cnt = _counts_tensor(counts, E, g.device)
+        cnt = counts_tensor(counts, E, g.device)
         tma = _use_tma(down, False)
         w, se, sk, sn = _weight_operand(down, not trans_w, bn, bk, tma)
         progs = _num_programs(g, (triton.cdiv(S, bm) + E) * tiles_n)
@@ -429,7 +429,7 @@ def down_dact(
             a.stride(0) if recompute else 0, float(alpha), float(limit), progs,
             HAS_INDEX=index_S is not None, HAS_P=prob_S is not None, NEED_GP=need_gp,
             RECOMPUTE=recompute, INTERLEAVED=interleaved, W_T=not trans_w, USE_TMA=tma,
-            KIND=activation, PRECISION=_precision(g.dtype), BLOCK_M=bm, BLOCK_M_TAIL=bmt,
+            KIND=activation, PRECISION=dot_precision(g.dtype), BLOCK_M=bm, BLOCK_M_TAIL=bmt,
             BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E),
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
@@ -455,7 +455,7 @@ def gathered_wgrad(
         return out
     if S == 0:
         return out.zero_()
-    cnt = _counts_tensor(counts, E, a.device)
+    cnt = counts_tensor(counts, E, a.device)
     if on_gpu(a):
         bm, bn, bk, warps, stages = 128, 128, 32 if a.dtype == torch.float32 else 64, 8, 3
     else:
@@ -467,7 +467,7 @@ def gathered_wgrad(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), progs,
         GATHER_A=index_a is not None, GATHER_B=index_b is not None,
-        PRECISION=_precision(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        PRECISION=dot_precision(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_E=triton.next_power_of_2(E), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

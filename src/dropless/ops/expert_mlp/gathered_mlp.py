@@ -41,7 +41,7 @@ from ..registry import Registry
 from ..specs import ActivationConfig
 from .expert_threads import python_modes_active
 from .gemm_tuning import shape_key
-from .loop_mlp import _free, _graph_released
+from .loop_mlp import free_storage, graph_released
 from .mlp_parts import Needs
 
 GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_wgrad", "up_dgrad")
@@ -224,16 +224,16 @@ def backward_schedule(G, g, x, prob_S, gate_up, down, token_S, slot_TK, h, count
     after its last reader (the activation backward; the down weight gradient), so
     neither is alive while the gate/up weight gradient and dx run."""
     compiling = torch.compiler.is_compiling()  # storage calls would break the graph
-    release = not compiling and _graph_released() and not python_modes_active()
+    release = not compiling and graph_released() and not python_modes_active()
     need_gp = prob_S is not None and need.prob
     dh, gp, a = G.down_dgrad(g, token_S, down, counts, h, prob_S, act, trans_w, need_gp,
                              need.down, offs)  # fmt: skip
     if release:
-        _free(h)  # its storage is this Function's own (written by the "up" GEMM)
+        free_storage(h)  # its storage is this Function's own (written by the "up" GEMM)
     del h
     gd = G.down_wgrad(g, token_S, a, counts, trans_w, offs) if need.down else None
     if release and a is not None:
-        _free(a)
+        free_storage(a)
     del a
     ggu = G.up_wgrad(dh, x, token_S, counts, trans_w, offs) if need.gate_up else None
     gx = None

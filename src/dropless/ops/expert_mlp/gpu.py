@@ -5,7 +5,7 @@ no triton: the kernel module loads on the first call."""
 
 from __future__ import annotations
 
-from ..grouped_gemm.gpu import _supports
+from ..grouped_gemm.gpu import supports_triton_gemm
 from ..registry import lazy
 from .gathered_mlp import GatherKernels, register_gather_kernels
 
@@ -21,7 +21,7 @@ def triton_gather_kernels() -> GatherKernels:
         lazy(_KERNELS, "up_act"),
         lazy(_KERNELS, "down_dact"),
         lazy(_KERNELS, "gathered_wgrad"),
-        supports=_supports,
+        supports=supports_triton_gemm,
         kinds=GATHER_KINDS,
     )
 

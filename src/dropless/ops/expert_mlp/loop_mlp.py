@@ -30,9 +30,9 @@ import torch
 
 from ..activation.eager import act_forward, act_input_grad, act_parts
 from ..compute_dtype import autocast_off
-from ..lora import _at, _lowranks, lowrank_bwd, lowrank_fwd
+from ..lora import lowrank_bwd, lowrank_fwd, lowranks
 from .expert_threads import python_modes_active, run_experts
-from .mlp_parts import Needs, _bounds, _wt, input_grads
+from .mlp_parts import Needs, bounds, input_grads, wt
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
@@ -56,7 +56,7 @@ def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
     return threads
 
 
-def _graph_released() -> bool:
+def graph_released() -> bool:
     """True inside a backward that frees the graph as it goes (retain_graph and
     create_graph off): only then may a saved tensor be freed before its node ends, as
     autograd would free it right after. False when torch cannot tell: the flag is private
@@ -65,12 +65,16 @@ def _graph_released() -> bool:
     return keep is not None and not keep()
 
 
-def _free(t: torch.Tensor) -> None:
+def free_storage(t: torch.Tensor) -> None:
     """Give a tensor's memory back now; its storage is its own (allocated by the loop)."""
     t.untyped_storage().resize_(0)
 
 
-_LORA_AT = 9  # where _LoopMLP's low-rank factors start among its inputs
+def _at(g_E, e):
+    return None if g_E is None else g_E[e]
+
+
+_LORA_AT = 9  # where LoopMLP's low-rank factors start among its inputs
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -118,14 +122,14 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     return g
 
 
-class _LoopMLP(torch.autograd.Function):
+class LoopMLP(torch.autograd.Function):
     """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
 
     @staticmethod
     @autocast_off
     def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
         act, trans_w, num_out = cfg
-        lr1, lr2 = _lowranks(lora)
+        lr1, lr2 = lowranks(lora)
         S, D = int(sum(counts)), x.shape[1]
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
         F = N // 2 if act.gated else N
@@ -151,7 +155,7 @@ class _LoopMLP(torch.autograd.Function):
             _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
 
         _run_in_input_dtype(
-            list(_bounds(counts)),
+            list(bounds(counts)),
             lambda item, s, bufs: _forward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 2 * D * (N + F)),
             make_scratch=scratch,
@@ -176,7 +180,7 @@ class _LoopMLP(torch.autograd.Function):
         n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in
         ABAB, hs = rest[:n_lora], rest[n_lora:]
         act, trans_w, _ = ctx.cfg
-        lr1, lr2 = _lowranks((*ABAB, *ctx.lora_scales))
+        lr1, lr2 = lowranks((*ABAB, *ctx.lora_scales))
         counts, need = ctx.counts, Needs.of(ctx, _LORA_AT)
         D = x.shape[1]
         N = gate_up.shape[1] if trans_w else gate_up.shape[2]
@@ -190,7 +194,7 @@ class _LoopMLP(torch.autograd.Function):
             # after this node anyway, each expert's h goes as soon as it has been read
             # (not in the custom op's backward, `expert_mlp/custom_op.py`: there h is the
             # op's input, one storage for every expert, held by the op's autograd node)
-            release=_graph_released() and not python_modes_active() and not getattr(ctx, "keep_h", False),
+            release=graph_released() and not python_modes_active() and not getattr(ctx, "keep_h", False),
             **_grad_buffers(need, token_S is not None, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts),
         )  # fmt: skip
 
@@ -212,7 +216,7 @@ class _LoopMLP(torch.autograd.Function):
             _sum_into(st.gx, token_S[lo:hi], bufs, hi - lo)
 
         _run_in_input_dtype(
-            list(_bounds(counts)),
+            list(bounds(counts)),
             lambda item, s, bufs: _backward_expert(st, item, s, bufs),
             workers=_num_workers(x, counts, 4 * D * (N + F)),
             make_scratch=scratch,
@@ -232,7 +236,7 @@ def _forward_expert(st, item, s, bufs) -> None:
     x, lr1, lr2, trans_w = st.x, st.lr1, st.lr2, st.trans_w
     xe = torch.index_select(x, 0, st.token_S[lo:hi], out=s["x"][:n]) if st.gathered else x[lo:hi]
     h_out = None if st.h_SN is None else st.h_SN[lo:hi]
-    he = st.h_of[e] = torch.mm(xe, _wt(st.gate_up, e, trans_w), out=h_out)
+    he = st.h_of[e] = torch.mm(xe, wt(st.gate_up, e, trans_w), out=h_out)
     if lr1 is not None:
         lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1_SR[lo:hi])
     if st.gu_bias is not None:
@@ -240,7 +244,7 @@ def _forward_expert(st, item, s, bufs) -> None:
     p = None if st.prob_S is None else st.prob_S[lo:hi]
     a = act_forward(he, p, st.act, out=s["a"][:n])
     y_out = bufs[0][:n] if st.gathered else st.out[lo:hi]
-    ye = torch.mm(a, _wt(st.down, e, trans_w), out=y_out)
+    ye = torch.mm(a, wt(st.down, e, trans_w), out=y_out)
     if lr2 is not None:
         lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, st.u2_SR[lo:hi])
     if st.d_bias is not None:
@@ -282,7 +286,7 @@ def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
         torch.mm(gy.t(), ap, out=gd[e]) if trans_w else torch.mm(ap.t(), gy, out=gd[e])
     if st.gdb is not None:
         torch.mv(gy.t(), p, out=st.gdb[e]) if p is not None else torch.sum(gy, 0, out=st.gdb[e])
-    da = torch.mm(gy, _wt(st.down, e, trans_w).t(), out=da_buf)
+    da = torch.mm(gy, wt(st.down, e, trans_w).t(), out=da_buf)
     if lr2 is not None:
         xa = ap if st.g2a is not None else None
         gu = lowrank_bwd(
@@ -310,7 +314,7 @@ def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
             dh, xa, st.u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(st.g1a, e), _at(st.g1b, e)
         )
     if st.gx is not None:
-        w_in = _wt(st.gate_up, e, trans_w).t()  # [2F, D]
+        w_in = wt(st.gate_up, e, trans_w).t()  # [2F, D]
         dx = torch.mm(dh, w_in, out=dx_out)
         if lr1 is not None:
             dx.addmm_(gu, lr1.a_ERI[e])
@@ -328,7 +332,7 @@ def _backward_expert(st, item, s, bufs) -> None:
     act_bufs = [b[:n] for b in s["act"]]
     a0, d_gate, d_up = act_parts(st.hs[e], st.act, act_bufs)
     if st.release:
-        _free(st.hs[e])
+        free_storage(st.hs[e])
     da = _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, s["da"][:n])
     if st.gp is not None:
         gpe = st.gp[lo:hi]

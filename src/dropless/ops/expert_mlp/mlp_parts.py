@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def _wt(w, e, trans_w):
+def wt(w, e, trans_w):
     """The [in, out] operand of expert e: w[e]^T for the nn.Linear layout, else w[e]."""
     return w[e].t() if trans_w else w[e]
 
 
-def _bounds(counts):
+def bounds(counts):
     lo = 0
     for e, n in enumerate(counts):
         if n:

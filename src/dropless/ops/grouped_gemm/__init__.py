@@ -11,7 +11,6 @@ the op in one folder.
 """
 
 from .backends import (
-    _BACKENDS,
     GEMM_BACKENDS,
     GemmBackend,
     gemm_backends,
@@ -25,7 +24,6 @@ GEMM_BACKENDS.on_first_cuda(register_gpu)
 
 __all__ = [
     "GEMM_BACKENDS",
-    "_BACKENDS",
     "GemmBackend",
     "aligned_dims",
     "bind_offsets",

@@ -172,7 +172,7 @@ class _GroupedGemm(torch.autograd.Function):
         be = bind_offsets(be, cnt, offs, x_SD.device)  # and one offsets tensor, likewise
         y = be.mm(x_SD, w, cnt, trans_w)
         if bias_EN is not None:
-            y += _expand_bias(bias_EN, counts)
+            y += expand_bias(bias_EN, counts)
         ctx.save_for_backward(x_SD, w)
         ctx.counts, ctx.trans_w, ctx.be, ctx.has_bias = cnt, trans_w, be, bias_EN is not None
         ctx.host_counts = counts
@@ -191,11 +191,11 @@ class _GroupedGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = be.wgrad(grad_SN, x_SD, counts) if ctx.trans_w else be.wgrad(x_SD, grad_SN, counts)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = _group_sum(grad_SN, ctx.host_counts)
+            gb = group_sum(grad_SN, ctx.host_counts)
         return gx, gw, gb, None, None, None, None
 
 
-def _expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Tensor:
+def expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Tensor:
     """bias_EN[e(s)] for every row s; counts a host list, or a device tensor with the
     row count S given (then nothing is read on the host)."""
     if not isinstance(counts, torch.Tensor):
@@ -207,7 +207,7 @@ def _expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.T
     return bias_EN.index_select(0, idx)
 
 
-def _group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
+def group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
     """Per-group row sums [E, N]; counts a host list or a device tensor (no sync)."""
     if isinstance(counts, torch.Tensor):
         e_S = torch.repeat_interleave(
@@ -223,7 +223,7 @@ def _group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
     return out
 
 
-def _check_counts(x_SD: torch.Tensor, w: torch.Tensor, counts) -> list[int]:
+def check_counts(x_SD: torch.Tensor, w: torch.Tensor, counts) -> list[int]:
     if isinstance(counts, torch.Tensor):
         if counts.dim() != 1 or counts.dtype.is_floating_point:
             raise TypeError("counts must be a 1-D integer tensor or a list of ints")
@@ -256,7 +256,7 @@ def grouped_gemm(
     (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
     Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
     """
-    counts = _check_counts(x_SD, w, counts)
+    counts = check_counts(x_SD, w, counts)
     recipe = get_recipe()
     if recipe is not None:
         return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_of_tile(cnt_ptr, tile, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def group_of_tile(cnt_ptr, tile, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(group, first row of this tile, end row of the group) of M tile number `tile`."""
     offs_e = tl.arange(0, BLOCK_E)
     cnt = tl.load(cnt_ptr + offs_e, mask=offs_e < E, other=0)
@@ -51,7 +51,7 @@ def _gmm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    e, row0, row_end = _group_of_tile(cnt_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
+    e, row0, row_end = group_of_tile(cnt_ptr, tl.program_id(0), E, BLOCK_M, BLOCK_E)
     if e < E:
         offs_m = row0 + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -119,7 +119,7 @@ def _wgrad_kernel(
     tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _counts_tensor(counts, num_groups: int, device: torch.device) -> torch.Tensor:
+def counts_tensor(counts, num_groups: int, device: torch.device) -> torch.Tensor:
     if isinstance(counts, torch.Tensor):
         if counts.dim() != 1 or counts.dtype.is_floating_point:
             raise TypeError("counts must be a 1-D integer tensor or a list of ints")
@@ -131,7 +131,7 @@ def _counts_tensor(counts, num_groups: int, device: torch.device) -> torch.Tenso
     return cnt.contiguous()
 
 
-def _precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return "tf32"  # ignored for 16-bit inputs
@@ -174,7 +174,7 @@ def grouped_mm(
         return y
     if Kd == 0 or E == 0:
         return y.zero_()
-    cnt = _counts_tensor(counts, E, a_SK.device)
+    cnt = counts_tensor(counts, E, a_SK.device)
     bm, bn, bk, warps, stages = _mm_config(a_SK, E)
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     grid = (triton.cdiv(S, bm) + E, triton.cdiv(N, bn))
@@ -183,7 +183,7 @@ def grouped_mm(
         a_SK.stride(0), a_SK.stride(1), b.stride(0), stride_bk, stride_bn,
         y.stride(0), y.stride(1),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E),
-        PRECISION=_precision(a_SK.dtype), num_warps=warps, num_stages=stages,
+        PRECISION=dot_precision(a_SK.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
@@ -204,7 +204,7 @@ def grouped_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, counts) -> torch.Tenso
         return out
     if S == 0:
         return out.zero_()
-    cnt = _counts_tensor(counts, E, a_SM.device)
+    cnt = counts_tensor(counts, E, a_SM.device)
     if a_SM.is_cuda:
         bm, bn, bk = 128, 128, 32 if a_SM.dtype == torch.float32 else 64
         warps, stages = 8, 3
@@ -216,6 +216,6 @@ def grouped_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, counts) -> torch.Tenso
         a_SM.stride(0), a_SM.stride(1), b_SN.stride(0), b_SN.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E),
-        PRECISION=_precision(a_SM.dtype), num_warps=warps, num_stages=stages,
+        PRECISION=dot_precision(a_SM.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

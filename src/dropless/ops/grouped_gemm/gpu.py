@@ -16,7 +16,7 @@ TRITON_PRIORITY = 5
 _KERNELS = "dropless.ops.grouped_gemm.gemm_kernels"
 
 
-def _supports(a: torch.Tensor, b: torch.Tensor) -> bool:
+def supports_triton_gemm(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.is_cuda
         and b.is_cuda
@@ -35,7 +35,7 @@ def register_gpu() -> None:
             "triton",
             lazy(_KERNELS, "grouped_mm"),
             lazy(_KERNELS, "grouped_wgrad"),
-            supports=_supports,
+            supports=supports_triton_gemm,
             priority=TRITON_PRIORITY,
             device_counts=True,
         )

@@ -114,7 +114,7 @@ def _sort_sync_free(flat: torch.Tensor, num_experts: int, T: int, K: int) -> Sor
     )
 
 
-class _Permute(torch.autograd.Function):
+class Permute(torch.autograd.Function):
     """x_SD = x_TD[token_S]; backward gathers each token's K slots (no scatter)."""
 
     @staticmethod
@@ -129,7 +129,7 @@ class _Permute(torch.autograd.Function):
         return ctx.impl.gather_sum(grad_SD.contiguous(), slot_TK), None, None, None
 
 
-class _Unpermute(torch.autograd.Function):
+class Unpermute(torch.autograd.Function):
     """out = sum_k w[t,k] y[slot[t,k]]; grads: grad_y[s] = w[pair_S[s]] g[token_S[s]],
     grad_w[t,k] = <g[t], y[slot[t,k]]>."""
 
@@ -151,7 +151,7 @@ class _Unpermute(torch.autograd.Function):
         return grad_y, grad_w, None, None, None, None
 
 
-class _UnpermuteUnweighted(torch.autograd.Function):
+class UnpermuteUnweighted(torch.autograd.Function):
     """Unweighted combine: the transpose of permute (its backward is permute's forward)."""
 
     @staticmethod
@@ -174,7 +174,7 @@ def permute(x_TD: torch.Tensor, sp: SortedPairs, *, impl=None) -> torch.Tensor:
     """Gather tokens into expert order: x_SD[s] = x_TD[token_S[s]].
 
     impl: a `row_ops.RowOps` (default: the best registered one for x's device)."""
-    return _Permute.apply(x_TD, sp.token_S, sp.slot_TK, _impl(x_TD, impl))
+    return Permute.apply(x_TD, sp.token_S, sp.slot_TK, _impl(x_TD, impl))
 
 
 def unpermute(
@@ -183,5 +183,5 @@ def unpermute(
     """Combine expert outputs back into token order, weighted by weights_TK (or 1)."""
     impl = _impl(y_SN, impl)
     if weights_TK is None:
-        return _UnpermuteUnweighted.apply(y_SN, sp.token_S, sp.slot_TK, impl)
-    return _Unpermute.apply(y_SN, weights_TK, sp.token_S, sp.pair_S, sp.slot_TK, impl)
+        return UnpermuteUnweighted.apply(y_SN, sp.token_S, sp.slot_TK, impl)
+    return Unpermute.apply(y_SN, weights_TK, sp.token_S, sp.pair_S, sp.slot_TK, impl)

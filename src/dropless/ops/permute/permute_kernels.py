@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .._triton import check_2d, check_index, row_blocks
-from .eager import _Permute, _Unpermute, _UnpermuteUnweighted
+from .eager import Permute, Unpermute, UnpermuteUnweighted
 from .row_ops import registered_row_ops
 
 
@@ -190,7 +190,7 @@ def permute(x_TD: torch.Tensor, token_S: torch.Tensor, slot_TK: torch.Tensor) ->
 
     token_S / slot_TK come from `dropless.ops.sort_by_expert` (`sp.token_S`, `sp.slot_TK`).
     """
-    return _Permute.apply(x_TD, token_S, slot_TK, registered_row_ops("triton"))
+    return Permute.apply(x_TD, token_S, slot_TK, registered_row_ops("triton"))
 
 
 def unpermute(
@@ -206,7 +206,5 @@ def unpermute(
     Index tensors come from `dropless.ops.sort_by_expert`.
     """
     if weights_TK is None:
-        return _UnpermuteUnweighted.apply(y_SN, token_S, slot_TK, registered_row_ops("triton"))
-    return _Unpermute.apply(
-        y_SN, weights_TK, token_S, pair_S, slot_TK, registered_row_ops("triton")
-    )
+        return UnpermuteUnweighted.apply(y_SN, token_S, slot_TK, registered_row_ops("triton"))
+    return Unpermute.apply(y_SN, weights_TK, token_S, pair_S, slot_TK, registered_row_ops("triton"))

@@ -11,7 +11,6 @@
 
 from .gpu import register_gpu
 from .route import (
-    _KERNELS,
     ROUTE_DTYPES,
     ROUTING,
     RoutingKernels,
@@ -30,7 +29,6 @@ ROUTING.on_first_cuda(register_gpu)
 __all__ = [
     "ROUTE_DTYPES",
     "ROUTING",
-    "_KERNELS",
     "RoutingKernels",
     "capacity_keep_mask",
     "check_expert_bias",

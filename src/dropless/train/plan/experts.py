@@ -67,7 +67,7 @@ class _DeclaredExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        # the live set of `_GroupedMLP.backward`, in its order
+        # the live set of `GroupedMLP.backward`, in its order
         saved = ctx.saved_tensors  # once: under activation checkpointing a second read raises
         h = saved[0]
         s1, d1, s2, d2, rows, D = ctx.shapes

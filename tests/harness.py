@@ -5,7 +5,8 @@ read a run's metrics.
   `check=True` fails the test with the child's stderr tail on a non-zero exit.
 - `torchrun(nproc, target_args, ...)`: `python -m torch.distributed.run --standalone
   --nproc-per-node N TARGET_ARGS` the same way (`target_args`: `["-m", "dropless", "train",
-  ...]` or a script and its arguments); gloo on loopback on CPU.
+  ...]` or a script and its arguments); gloo on loopback on CPU. `torchrun_argv(nproc)` and
+  `child_env(env)`: its command line and environment, for a child started with Popen.
 - `tiny_moe_config(family, **overrides)`: a tiny random Transformers config of any family
   of `tests/hf/families.py` (no download).
 - `read_metrics(run_dir)`: a run's metrics.jsonl records, read by the library.
@@ -22,7 +23,10 @@ from pathlib import Path
 
 from dropless.train.report.metrics import read_metrics
 
-__all__ = ["SRC", "read_metrics", "run_python", "tiny_moe_config", "torchrun"]
+__all__ = [
+    "SRC", "child_env", "read_metrics", "run_python", "tiny_moe_config", "torchrun",
+    "torchrun_argv",
+]  # fmt: skip
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 STDERR_TAIL = 3000
@@ -72,8 +76,15 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --standalone --nproc-per-node NPROC TARGET_ARGS`,
     as `run_python` runs it."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    launcher = torchrun_argv(nproc)[1:]
     return run_python([*launcher, *target_args], env=env, timeout=timeout, check=check, **kwargs)
+
+
+def torchrun_argv(nproc: int) -> list[str]:
+    """The command line that starts a torchrun group, for a child the test drives itself
+    (`subprocess.Popen([*torchrun_argv(2), ...], env=child_env(...))`)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc)]  # fmt: skip
 
 
 def tiny_moe_config(family: str = "qwen3_moe", **overrides):

@@ -17,9 +17,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-NOT_YET = {"hf", "jax", "bench"}
+NOT_YET = {"jax", "bench"}
 NOT_YET_SCRIPTS: set[str] = set()
-HF_PRIVATE = {"_spec", "_ATTR", "_retie"}
+HF_PRIVATE: set[str] = set()
 
 
 def _private(name: str) -> bool:

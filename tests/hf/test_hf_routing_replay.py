@@ -15,7 +15,7 @@ from families import FAMILIES, MORE_FAMILIES, build
 from torch.utils.checkpoint import CheckpointError
 
 import dropless.hf as dh
-from dropless.hf.experts.forward import _in_backward
+from dropless.hf.experts.forward import in_backward
 from dropless.hf.experts.replay import has_routing_replay, remove_routing_replay
 
 B, L = 2, 6
@@ -95,7 +95,7 @@ def _experts_ids(model, perturb: bool, refused_ok: bool = False):
     other shapes, as a recompute that routes elsewhere does) still returns the ids seen."""
     seen = {"forward": [], "recompute": []}
     hook = dh.register_experts_hook(
-        lambda mod, idx, w: seen["recompute" if _in_backward() else "forward"].append(idx.clone())
+        lambda mod, idx, w: seen["recompute" if in_backward() else "forward"].append(idx.clone())
     )
     try:
         ids = torch.randint(2, 90, (B, L), generator=torch.Generator().manual_seed(0))

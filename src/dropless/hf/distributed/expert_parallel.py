@@ -85,14 +85,14 @@ class _LocalExperts:
 
 
 def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
-    from ..experts.forward import _count_call, _record_counts
+    from ..experts.forward import count_call, record_counts
 
     local, disp = self.__dict__["_dropless_ep"]
     # under autocast its dtype, cast before the all-to-all (what crosses the wire)
     x_TD = expert_input(hidden_states, local.weights()[0])
     out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
-    _record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
-    _count_call(local.spec)
+    record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
+    count_call(local.spec)
     return out_TD.to(hidden_states.dtype)
 
 

@@ -218,7 +218,7 @@ def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
     files = _checkpoint_files(path)
     plans = _plans(model, files, rename)
     fp8_block = _fp8_block(path) if _has_fp8(files) else None
-    _retie(model)
+    retie(model)
     _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
     added = set(added_state_keys(model))
     done: set[int] = set()
@@ -269,7 +269,7 @@ def is_quantized_checkpoint(path) -> bool:
     return _has_fp8(files) or any(k.endswith(MXFP4_SUFFIXES[0]) for k in files)
 
 
-def _retie(model: nn.Module) -> None:
+def retie(model: nn.Module) -> None:
     # a plain `to_empty` gives tied parameters separate storage (FSDP2 keeps them shared)
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -1,8 +1,8 @@
 """The expert path of a patched Transformers model, one file per part:
 
 - `forward.py`: `dropless_experts_forward`, the "dropless" experts implementation;
-  `experts_spec` / `ExpertsSpec`, what a module computes; the path counters `CALLS` and
-  `PATH_CALLS`; `register_experts_hook`;
+  `experts_spec` / `ExpertsSpec`, what a module computes, and `module_spec`, the same
+  kept on the module; the path counters `CALLS` and `PATH_CALLS`; `register_experts_hook`;
 - `gates.py`: the float64 probe that finds the fused form of a module's gate;
 - `replay.py`: routing replay on the routers of a model (hooks `patch()` installs);
 - `router_losses.py`: `RouterLosses`, the aux and z losses and the per-expert counts of
@@ -22,11 +22,9 @@ from .forward import (
     ExpertsSpec,
     dropless_experts_forward,
     experts_spec,
+    module_spec,
     register_experts_hook,
 )
-
-# read by dropless.train.plan.trace, which primes each module's cached spec
-from .forward import _spec as _spec
 
 __all__ = [
     "CALLS",
@@ -36,5 +34,6 @@ __all__ = [
     "ExpertsSpec",
     "dropless_experts_forward",
     "experts_spec",
+    "module_spec",
     "register_experts_hook",
 ]

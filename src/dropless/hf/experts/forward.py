@@ -141,7 +141,9 @@ def _missing_weights(module: nn.Module) -> list[str]:
     return [n for n in names if raw_weight(module, n) is None]
 
 
-def _spec(module: nn.Module) -> ExpertsSpec | str:
+def module_spec(module: nn.Module) -> ExpertsSpec | str:
+    """`experts_spec(module)`, computed once per module and kept on it (a constant of the
+    graph under torch.compile)."""
     if torch.compiler.is_compiling():
         return _spec_constant(module)
     return _cached_spec(module)
@@ -175,16 +177,16 @@ def _warn_once(category, family: str, message: str) -> None:
     warnings.warn(f"dropless: {family} experts {message}", category, stacklevel=4)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     # activation checkpointing re-runs the forward inside backward: count tokens once
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
 
 
-def _record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
+def record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
     # not inside a compiled region: a module attribute written per call would be a guard
     # that changes every call (a recompile each time); compiled runs record no counts
-    if torch.compiler.is_compiling() or _in_backward():
+    if torch.compiler.is_compiling() or in_backward():
         return
     counts_E = counts_E.detach()
     module.__dict__["_dropless_last_counts_E"] = counts_E
@@ -266,7 +268,7 @@ def dropless_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops."""
-    spec = _spec(self)
+    spec = module_spec(self)
     if isinstance(spec, str):
         _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
         eager = type(self).forward.__wrapped__  # the class's forward, under the decorator
@@ -293,12 +295,12 @@ def dropless_experts_forward(
                 "this keeps more activations for backward than the fused path.",
             )  # fmt: skip
         out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
-    _record_counts(self, sp.counts_E)
-    _count_call(spec)
+    record_counts(self, sp.counts_E)
+    count_call(spec)
     return out_TD.to(hidden_states.dtype)
 
 
-def _count_call(spec: ExpertsSpec) -> None:
+def count_call(spec: ExpertsSpec) -> None:
     # not while compiling: Dynamo guards on a counter's value, so a counter bumped inside
     # a compiled region would recompile the region on every call
     if not torch.compiler.is_compiling():

@@ -34,7 +34,7 @@ from torch import nn
 
 from ...ops import sequence_aux_loss, z_loss
 from ..layers import moe_layers
-from .forward import _in_backward
+from .forward import in_backward
 
 
 def _sqrtsoftplus(logits_TE: torch.Tensor) -> torch.Tensor:
@@ -113,7 +113,7 @@ class RouterLosses:
         ]
 
     def _hook(self, module, args, kwargs):
-        if not self._active or _in_backward():  # checkpointing re-runs forwards in backward
+        if not self._active or in_backward():  # checkpointing re-runs forwards in backward
             return None
         names = ("hidden_states", "top_k_index", "top_k_weights")
         got = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}

@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-_ATTR = "_dropless_rmsnorm"  # per module: None (not probed yet), True (dropless's) or False
+STATE_ATTR = "_dropless_rmsnorm"  # per module: None (not probed yet), True (dropless's) or False
 _PRIOR = "_dropless_rmsnorm_prior"  # an instance forward set before ours (e.g. by accelerate)
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -104,9 +104,9 @@ def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
     stock = self.__dict__[_PRIOR] or types.MethodType(type(self).forward, self)
     if args or kwargs or not _takes(hidden_states, self.weight):
         return stock(hidden_states, *args, **kwargs)
-    state = self.__dict__.get(_ATTR)
+    state = self.__dict__.get(STATE_ATTR)
     if state is None:
-        state = self.__dict__[_ATTR] = _agrees(self, stock, hidden_states)
+        state = self.__dict__[STATE_ATTR] = _agrees(self, stock, hidden_states)
     if not state:
         return stock(hidden_states)
     return _kernel(hidden_states, self.weight, _eps(self))
@@ -119,8 +119,8 @@ def enable_fused_rmsnorm(model: nn.Module) -> int:
     for module in model.modules():
         if not is_rmsnorm_module(module):
             continue
-        if _ATTR not in module.__dict__:
-            module.__dict__[_ATTR] = None
+        if STATE_ATTR not in module.__dict__:
+            module.__dict__[STATE_ATTR] = None
             module.__dict__[_PRIOR] = vars(module).get("forward")
             module.forward = types.MethodType(_fused_forward, module)
         n += 1
@@ -130,8 +130,8 @@ def enable_fused_rmsnorm(model: nn.Module) -> int:
 def disable_fused_rmsnorm(model: nn.Module) -> None:
     """Give every RMSNorm module of `model` its own forward back."""
     for module in model.modules():
-        if _ATTR in module.__dict__:
-            del module.__dict__[_ATTR]
+        if STATE_ATTR in module.__dict__:
+            del module.__dict__[STATE_ATTR]
             prior = module.__dict__.pop(_PRIOR, None)
             if prior is None:
                 module.__dict__.pop("forward", None)
@@ -142,6 +142,6 @@ def disable_fused_rmsnorm(model: nn.Module) -> None:
 def fused_rmsnorm_state(module: nn.Module):
     """None (not wired), "unprobed", "kernel" (dropless's RMSNorm: the Triton kernel on
     CUDA, the lean torch op elsewhere) or "stock" for one module."""
-    if _ATTR not in module.__dict__:
+    if STATE_ATTR not in module.__dict__:
         return None
-    return {None: "unprobed", True: "kernel", False: "stock"}[module.__dict__[_ATTR]]
+    return {None: "unprobed", True: "kernel", False: "stock"}[module.__dict__[STATE_ATTR]]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..experts.forward import _spec
+from ..experts.forward import module_spec
 from ..fusions.rmsnorm import fused_rmsnorm_state
 from ..layers import family_of, is_experts_module
 
@@ -53,7 +53,7 @@ def _records(model: nn.Module, seen: set) -> list[ModuleRecord]:
         if not is_experts_module(mod) or id(mod) in seen:
             continue
         seen.add(id(mod))
-        spec = _spec(mod)
+        spec = module_spec(mod)
         if isinstance(spec, str):
             path, detail = "fallback", spec
         else:

@@ -69,15 +69,15 @@ def _prepare_probes(model: nn.Module) -> None:
     """Run, on real data and outside the fake mode, the one-time checks the patched modules
     do on their first call (the experts' fused form, RMSNorm agreement), which compare
     values and so cannot run on fake tensors."""
-    from ...hf.experts import _spec
-    from ...hf.fusions.rmsnorm import _ATTR
+    from ...hf.experts import module_spec
+    from ...hf.fusions.rmsnorm import STATE_ATTR
     from ...hf.layers import moe_layers
 
     for layer in moe_layers(model):
-        _spec(layer.experts)
+        module_spec(layer.experts)
     for m in model.modules():
-        if _ATTR in m.__dict__:
-            m.__dict__[_ATTR] = True  # the fused RMSNorm (its kernel agrees on the GPU)
+        if STATE_ATTR in m.__dict__:
+            m.__dict__[STATE_ATTR] = True  # the fused RMSNorm (its kernel agrees on the GPU)
 
 
 def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
@@ -131,9 +131,9 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         model.to_empty(device="cpu")
-        from ...hf.distributed.sharded_load import _retie
+        from ...hf.distributed.sharded_load import retie
 
-        _retie(model)  # to_empty gives tied weights separate storage
+        retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)  # outside the mode: it reads the mesh's rank list
     tc = cfg.train

@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-NOT_YET = {"jax", "bench"}
+NOT_YET = {"bench"}
 NOT_YET_SCRIPTS: set[str] = set()
 HF_PRIVATE: set[str] = set()
 

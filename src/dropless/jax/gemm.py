@@ -83,7 +83,7 @@ def _over_chunks(n, r0, sizes, body, carry):
     return c[0]
 
 
-def _zeros(shape, dtype, *refs):
+def varying_zeros(shape, dtype, *refs):
     """Zeros typed like `refs` under shard_map (varying over the same mesh axes), so a
     loop carry initialised with them keeps one type."""
     z = jnp.zeros(shape, dtype)
@@ -113,7 +113,7 @@ def _tiled_mm(x_PD, w_E__, counts_E, contract: int, tile: int, min_chunk: int):
 
         return _over_chunks(counts_E[e], offs_E[e], sizes, body, y)
 
-    y = _zeros((x_PD.shape[0], N), x_PD.dtype, x_PD, w_E__)
+    y = varying_zeros((x_PD.shape[0], N), x_PD.dtype, x_PD, w_E__)
     return lax.fori_loop(0, w_E__.shape[0], expert, y)
 
 
@@ -134,11 +134,11 @@ def _tiled_wgrad(a_PA, b_PB, counts_E, tile: int, min_chunk: int):
             return acc + lax.dot_general(a, lax.dynamic_slice_in_dim(b_PB, r, size), dims)
 
         acc = _over_chunks(
-            counts_E[e], offs_E[e], sizes, body, _zeros((A, B), jnp.float32, a_PA, b_PB)
+            counts_E[e], offs_E[e], sizes, body, varying_zeros((A, B), jnp.float32, a_PA, b_PB)
         )
         return lax.dynamic_update_index_in_dim(dw, acc.astype(dw.dtype), e, 0)
 
-    return lax.fori_loop(0, E, expert, _zeros((E, A, B), a_PA.dtype, a_PA, b_PB))
+    return lax.fori_loop(0, E, expert, varying_zeros((E, A, B), a_PA.dtype, a_PA, b_PB))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as Ps
 
-from .gemm import MARGIN, _zeros
+from .gemm import MARGIN, varying_zeros
 from .layer import (
     MoEAux,
     MoEConfig,
@@ -106,9 +106,11 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
         recv_n = all_send_nn[:, me]
         base_n = _excl(recv_n)
         rag = partial(lax.ragged_all_to_all, axis_name=axis)
-        recv_x = rag(x_SD, _zeros((C, D), x_SD.dtype, x_SD), peer_off_n, send_n, out_off_n, recv_n)
+        recv_x = rag(
+            x_SD, varying_zeros((C, D), x_SD.dtype, x_SD), peer_off_n, send_n, out_off_n, recv_n
+        )
         recv_p = rag(
-            prob_S, _zeros((C,), prob_S.dtype, prob_S), peer_off_n, send_n, out_off_n, recv_n
+            prob_S, varying_zeros((C,), prob_S.dtype, prob_S), peer_off_n, send_n, out_off_n, recv_n
         )
         dropped = jnp.maximum(recv_n.sum() - C, 0)
     R = recv_x.shape[0] + MARGIN
@@ -132,7 +134,9 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
     else:
         # my rows sit in source q's sorted buffer at q's offset for me
         in_off_n = _excl(all_send_nn, axis=1)[:, me]
-        y_SD = rag(y_back, _zeros((S, D), y_back.dtype, y_back), base_n, recv_n, in_off_n, send_n)
+        y_SD = rag(
+            y_back, varying_zeros((S, D), y_back.dtype, y_back), base_n, recv_n, in_off_n, send_n
+        )
     out_TD = combine(y_SD, sp)
     if "shared_expert" in params:
         out_TD = out_TD + shared_expert_forward(params["shared_expert"], x_TD)

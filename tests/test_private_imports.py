@@ -2,13 +2,7 @@
 another is public there (no leading underscore). Walks the files under src/dropless and
 scripts/ with ast and fails on `from X import _name` and on `X._name` where X is another
 module of ours (a module's own names and `__future__` excepted; dunder names such as
-`__version__` are public).
-
-The packages in `NOT_YET` are being reorganised and are walked once they are done (their
-files still read each other's private helpers and kernels); `HF_PRIVATE` names the private
-names of `dropless.hf` (whichever of its modules holds them) that `train/plan/trace.py`
-still reads (the planner primes the experts' cached spec and the fused RMSNorm state, and
-reties weights, outside the fake mode), until `dropless.hf` makes them public."""
+`__version__` are public)."""
 
 from __future__ import annotations
 
@@ -17,9 +11,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src"
-NOT_YET = {"bench"}
-NOT_YET_SCRIPTS: set[str] = set()
-HF_PRIVATE: set[str] = set()
 
 
 def _private(name: str) -> bool:
@@ -82,26 +73,14 @@ def private_uses(path: Path, src: Path = SRC) -> list[str]:
     return [f"{rel}:{f.split(' ', 1)[0]} {f.split(' ', 1)[1]}" for f in sorted(set(found))]
 
 
-def _hf_private(dotted: str) -> bool:
-    module, _, name = dotted.rpartition(".")
-    return module.startswith("dropless.hf.") and name in HF_PRIVATE
-
-
 def _files() -> list[Path]:
-    ours = [
-        p
-        for p in sorted((SRC / "dropless").rglob("*.py"))
-        if p.relative_to(SRC / "dropless").parts[0] not in NOT_YET
-    ]
-    scripts = [p for p in sorted((REPO / "scripts").rglob("*.py")) if p.name not in NOT_YET_SCRIPTS]
-    return ours + scripts
+    return sorted((SRC / "dropless").rglob("*.py")) + sorted((REPO / "scripts").rglob("*.py"))
 
 
 def test_no_module_uses_another_modules_private_names():
     files = _files()
     assert len(files) > 80
-    found = [line for path in files for line in private_uses(path)]
-    bad = [line for line in found if not _hf_private(line.split(" ", 1)[1])]
+    bad = [line for path in files for line in private_uses(path)]
     assert not bad, "private names used from another module (make them public there):\n" + (
         "\n".join(bad)
     )

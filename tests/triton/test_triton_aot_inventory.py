@@ -113,7 +113,7 @@ def scan(package: Path = PACKAGE) -> tuple[set[str], dict[str, set[str]]]:
 def test_scan_finds_the_known_kernels():
     """The scan itself: kernels, device functions, and calls through imports and aliases."""
     jit, calls = scan()
-    assert "dropless.ops.grouped_gemm.gemm_kernels:_gmm_kernel" in jit
+    assert "dropless.ops.grouped_gemm.gemm_kernels:gmm_kernel" in jit
     assert "dropless.ops.quantize.triton_fp8:e4m3_bits" in jit
     assert (
         "dropless.ops.activation.activation_kernels:glu_fwd"
@@ -154,10 +154,10 @@ def test_jobs_are_checked_against_the_kernel_signature():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: pip install 'dropless[triton]'")
     from dropless.bench import aot_check
-    from dropless.ops.grouped_gemm.group_kernels import _zero_groups_kernel
+    from dropless.ops.grouped_gemm.group_kernels import zero_groups_kernel
 
     job = aot_check.Job(
-        _zero_groups_kernel, {"out_ptr": "*bf16", "empty_ptr": "*i8"}, {"BLOCK": 1024}
+        zero_groups_kernel, {"out_ptr": "*bf16", "empty_ptr": "*i8"}, {"BLOCK": 1024}
     )
     aot_check.check_job(job)
     bad = {

@@ -142,11 +142,11 @@ def _gemm_jobs(d: str, bk: int, prec: str) -> list[Job]:
     jobs = []
     for bm, warps in ((128, 8), (64, 4)):
         unit = dict(stride_ak=1, stride_yn=1, BLOCK_M=bm, **tiles)
-        jobs.append(Job(G._gmm_kernel, gmm, {**unit, "stride_bk": 1}, warps, 3))  # w [E, N, K]
-        jobs.append(Job(G._gmm_kernel, gmm, {**unit, "stride_bn": 1}, warps, 3))  # w [E, K, N]
+        jobs.append(Job(G.gmm_kernel, gmm, {**unit, "stride_bk": 1}, warps, 3))  # w [E, N, K]
+        jobs.append(Job(G.gmm_kernel, gmm, {**unit, "stride_bn": 1}, warps, 3))  # w [E, K, N]
     wg = {"a_ptr": d, "b_ptr": d, "out_ptr": d, "cnt_ptr": "*i32"}
     unit = dict(stride_am=1, stride_bn=1, stride_on=1, BLOCK_M=128, **tiles)
-    return jobs + [Job(G._wgrad_kernel, wg, unit, 8, 3)]
+    return jobs + [Job(G.wgrad_kernel, wg, unit, 8, 3)]
 
 
 def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
@@ -168,9 +168,9 @@ def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
         w_up = f"tensordesc<{dtype}[1,64,{bk}]>" if tma else d  # [1, BLOCK_N, BLOCK_K] blocks
         w_dn = f"tensordesc<{dtype}[1,{bk},64]>" if tma else d
         arch = 90 if tma else 0
-        jobs.append(Job(K._up_act_kernel, {**up, "w": w_up}, {**tiles, **base, "stride_xd": 1,
+        jobs.append(Job(K.up_act_kernel, {**up, "w": w_up}, {**tiles, **base, "stride_xd": 1,
                         "stride_wk": 1, "W_T": True, "USE_TMA": tma}, 8, 3, min_arch=arch))  # fmt: skip
-        jobs.append(Job(K._dact_kernel, {**dact, "w": w_dn}, {**tiles, **base, "stride_gd": 1,
+        jobs.append(Job(K.dact_kernel, {**dact, "w": w_dn}, {**tiles, **base, "stride_gd": 1,
                         "stride_wn": 1, "W_T": False, "USE_TMA": tma, "NEED_GP": True,
                         "RECOMPUTE": True}, 8, 3, min_arch=arch))  # fmt: skip
     wg = {
@@ -184,7 +184,7 @@ def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
     consts = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec,
                   stride_am=1, stride_bn=1, stride_on=1)  # fmt: skip
     for gather_a in (True, False):
-        jobs.append(Job(K._wgrad_kernel, wg, {**consts, "GATHER_A": gather_a,
+        jobs.append(Job(K.wgrad_kernel, wg, {**consts, "GATHER_A": gather_a,
                         "GATHER_B": not gather_a}, 8, 3))  # fmt: skip
     return jobs
 
@@ -205,31 +205,31 @@ def _row_jobs(d: str) -> list[Job]:
 
     rows = dict(BLOCK_R=2, BLOCK_N=1024)
     jobs = [
-        Job(P._gather_rows_kernel, {"x_ptr": d, "idx_ptr": "*i32", "scale_ptr": "*fp32",
+        Job(P.gather_rows_kernel, {"x_ptr": d, "idx_ptr": "*i32", "scale_ptr": "*fp32",
             "sidx_ptr": "*i32", "out_ptr": d}, dict(HAS_SCALE=True, **rows)),
-        Job(P._gather_sum_kernel, {"rows_ptr": d, "slot_ptr": "*i32", "w_ptr": "*fp32",
+        Job(P.gather_sum_kernel, {"rows_ptr": d, "slot_ptr": "*i32", "w_ptr": "*fp32",
             "out_ptr": d}, dict(K=8, HAS_W=True, **rows)),
-        Job(P._pair_dot_kernel, {"g_ptr": d, "y_ptr": d, "slot_ptr": "*i32", "out_ptr": "*fp32"},
+        Job(P.pair_dot_kernel, {"g_ptr": d, "y_ptr": d, "slot_ptr": "*i32", "out_ptr": "*fp32"},
             dict(K=8, BLOCK_P=16, BLOCK_N=256)),
-        Job(W._swiglu_fwd_kernel, {"h_ptr": d, "p_ptr": "*fp32", "a_ptr": d, "alpha": "fp32",
+        Job(W.swiglu_fwd_kernel, {"h_ptr": d, "p_ptr": "*fp32", "a_ptr": d, "alpha": "fp32",
             "limit": "fp32"}, dict(HAS_P=True, BLOCK_R=2, BLOCK_F=1024, INTERLEAVED=False,
             ACTIVATION="swiglu")),
     ]  # fmt: skip
     bwd = {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32", "gh_ptr": d, "gp_ptr": "*fp32", "a_ptr": d,
            "alpha": "fp32", "limit": "fp32"}  # fmt: skip
     for kind in KINDS:  # gpt_oss's gate and up are interleaved
-        jobs.append(Job(W._swiglu_bwd_kernel, bwd, dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True,
+        jobs.append(Job(W.swiglu_bwd_kernel, bwd, dict(HAS_P=True, NEED_GP=True, RECOMPUTE=True,
                         BLOCK_R=4, BLOCK_F=512, INTERLEAVED=kind == "gpt_oss", ACTIVATION=kind)))  # fmt: skip
     norm = dict(BLOCK_R=2, BLOCK_D=1024)
     jobs += [
-        Job(X._ce_rows_kernel, {"x_ptr": d, "labels_ptr": "*i64", "scale_ptr": "*fp32",
+        Job(X.ce_rows_kernel, {"x_ptr": d, "labels_ptr": "*i64", "scale_ptr": "*fp32",
             "loss_ptr": "*fp32", "smoothing": "fp32"},
             dict(GRAD=True, SMOOTH=True, BLOCK_R=1, BLOCK_V=4096), 8),
-        Job(R._rmsnorm_fwd_kernel, {"x_ptr": d, "r_ptr": d, "w_ptr": d, "y_ptr": d, "s_ptr": d,
+        Job(R.rmsnorm_fwd_kernel, {"x_ptr": d, "r_ptr": d, "w_ptr": d, "y_ptr": d, "s_ptr": d,
             "rstd_ptr": "*fp32", "eps": "fp32"}, dict(HAS_RES=True, **norm)),
-        Job(R._rmsnorm_bwd_kernel, {"gy_ptr": d, "gs_ptr": d, "s_ptr": d, "w_ptr": d,
+        Job(R.rmsnorm_bwd_kernel, {"gy_ptr": d, "gs_ptr": d, "s_ptr": d, "w_ptr": d,
             "rstd_ptr": "*fp32", "ds_ptr": d, "gw_ptr": "*fp32"}, dict(HAS_GS=True, **norm)),
-        Job(Z._zero_groups_kernel, {"out_ptr": d, "empty_ptr": "*i8"}, dict(BLOCK=1024)),
+        Job(Z.zero_groups_kernel, {"out_ptr": d, "empty_ptr": "*i8"}, dict(BLOCK=1024)),
     ]  # fmt: skip
     return jobs
 
@@ -247,12 +247,12 @@ def _routing_jobs(d: str) -> list[Job]:
     flat = dict(GROUPED=False, PER=128, G=1, TOPK_GROUP=1, BLOCK_G=1, BLOCK_E=128, BLOCK_T=32)
     common = dict(RENORM=True, BLOCK_K=8, WRITE_SCORES=True)
     jobs = [  # softmax top-k with the loss sums (route_with_aux); the replayed choice
-        Job(R._route_fwd_kernel, fwd, dict(SOFTMAX=True, HAS_BIAS=False, STATS=True,
+        Job(R.route_fwd_kernel, fwd, dict(SOFTMAX=True, HAS_BIAS=False, STATS=True,
             GIVEN=False, **flat, **common), unaligned=("K",)),
-        Job(R._route_fwd_kernel, fwd, dict(SOFTMAX=True, HAS_BIAS=False, STATS=False,
+        Job(R.route_fwd_kernel, fwd, dict(SOFTMAX=True, HAS_BIAS=False, STATS=False,
             GIVEN=True, **flat, **common), unaligned=("K",)),
         # DeepSeek-V3: sigmoid, expert bias, 8 groups of 32 experts, the best 4 groups
-        Job(R._route_fwd_kernel, fwd, dict(SOFTMAX=False, HAS_BIAS=True, STATS=True,
+        Job(R.route_fwd_kernel, fwd, dict(SOFTMAX=False, HAS_BIAS=True, STATS=True,
             GIVEN=False, GROUPED=True, PER=32, BLOCK_G=8, BLOCK_E=256, BLOCK_T=16, **common),
             unaligned=("K",)),
     ]  # fmt: skip
@@ -260,13 +260,13 @@ def _routing_jobs(d: str) -> list[Job]:
            "gp_ptr": "*fp32", "gz_ptr": "*fp32", "dl_ptr": d, "scale": "fp32"}  # fmt: skip
     grads = dict(HAS_GW=True, HAS_GS=True, HAS_GP=True, HAS_GZ=True, RENORM=True, BLOCK_K=8)
     for softmax, be, bt in ((True, 128, 32), (False, 256, 16)):
-        jobs.append(Job(R._route_bwd_kernel, bwd, dict(SOFTMAX=softmax, BLOCK_E=be, BLOCK_T=bt,
+        jobs.append(Job(R.route_bwd_kernel, bwd, dict(SOFTMAX=softmax, BLOCK_E=be, BLOCK_T=bt,
                         **grads), unaligned=("K",)))  # fmt: skip
     jobs += [  # bucket ids: the int64 ids_TK, flattened
-        Job(R._hist_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32"}, dict(BLOCK_P=128, BLOCK_B=128)),
-        Job(R._scan_kernel, {"cnt_ptr": "*i32", "start_ptr": "*i32", "counts_ptr": "*i64",
+        Job(R.hist_kernel, {"ids_ptr": "*i64", "cnt_ptr": "*i32"}, dict(BLOCK_P=128, BLOCK_B=128)),
+        Job(R.scan_kernel, {"cnt_ptr": "*i32", "start_ptr": "*i32", "counts_ptr": "*i64",
             "ends_ptr": "*i32"}, dict(BLOCK_NB=64, BLOCK_B=128)),
-        Job(R._place_kernel, {"ids_ptr": "*i64", "start_ptr": "*i32", "pair_ptr": "*i32",
+        Job(R.place_kernel, {"ids_ptr": "*i64", "start_ptr": "*i32", "pair_ptr": "*i32",
             "token_ptr": "*i32", "slot_ptr": "*i32"}, dict(BLOCK_P=128), unaligned=("K",)),
     ]  # fmt: skip
     return jobs
@@ -288,28 +288,28 @@ def _quant_jobs(d: str) -> list[Job]:
     tile = dict(BLOCK_M=32, BLOCK_N=128)
     mx = {"x_ptr": d, "q_ptr": "*u8", "s_ptr": "*u8"}
     jobs = [
-        Job(Q._scale_cast_kernel, {"x_ptr": d, "s_ptr": "*fp32", "q_ptr": "*u8"},
+        Job(Q.scale_cast_kernel, {"x_ptr": d, "s_ptr": "*fp32", "q_ptr": "*u8"},
             dict(sx1=1, sq1=1, **tile), unaligned=("M",)),
-        Job(Q._dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*fp32", "o_ptr": d},
+        Job(Q.dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*fp32", "o_ptr": d},
             dict(sq1=1, so1=1, **tile), unaligned=("M",)),
-        Job(Q._mx_quant_kernel, mx, dict(sx1=1, RCEIL=True, BLOCK_M=32), unaligned=("M",)),
-        Job(Q._mx_quant_kernel, mx, dict(sx0=1, RCEIL=False, BLOCK_M=32)),  # x_SN.t()
-        Job(Q._mx_dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": d},
+        Job(Q.mx_quant_kernel, mx, dict(sx1=1, RCEIL=True, BLOCK_M=32), unaligned=("M",)),
+        Job(Q.mx_quant_kernel, mx, dict(sx0=1, RCEIL=False, BLOCK_M=32)),  # x_SN.t()
+        Job(Q.mx_dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": d},
             dict(sq1=1, ss1=1, so1=1, **tile), unaligned=("M",)),
     ]  # fmt: skip
     act = dict(HAS_PROB=True, ACT=True)
     h = {"h_ptr": d, "prob_ptr": "*fp32"}
     jobs += [
-        Job(S._mx_kernel, {**h, "q_ptr": "*u8", "s_ptr": "*u8"}, dict(RCEIL=True, BLOCK_S=32, **act)),
-        Job(S._scaled_kernel, {**h, "scale_ptr": "*fp32", "q_ptr": "*u8", "amax_ptr": "*fp32"},
+        Job(S.mx_kernel, {**h, "q_ptr": "*u8", "s_ptr": "*u8"}, dict(RCEIL=True, BLOCK_S=32, **act)),
+        Job(S.scaled_kernel, {**h, "scale_ptr": "*fp32", "q_ptr": "*u8", "amax_ptr": "*fp32"},
             dict(BLOCK_S=32, BLOCK_F=64, **act)),
-        Job(S._amax_kernel, {**h, "amax_ptr": "*fp32"}, dict(BLOCK_S=32, BLOCK_F=64, **act)),
+        Job(S.amax_kernel, {**h, "amax_ptr": "*fp32"}, dict(BLOCK_S=32, BLOCK_F=64, **act)),
     ]  # fmt: skip
     for one_tile in (False, True):  # F > 1,024: two walks over F; F <= 1,024: one tile
-        jobs.append(Job(S._row_kernel, {**h, "q_ptr": "*u8", "scale_ptr": "*fp32",
+        jobs.append(Job(S.row_kernel, {**h, "q_ptr": "*u8", "scale_ptr": "*fp32",
                         "max_over_margin": "fp32"}, dict(BLOCK_S=4, BLOCK_F=1024,
                         ONE_TILE=one_tile, **act)))  # fmt: skip
-    jobs.append(Job(B._bwd_quant_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32",
+    jobs.append(Job(B.bwd_quant_kernel, {"g_ptr": d, "h_ptr": d, "p_ptr": "*fp32",
                     "scale_ptr": "*fp32", "gh_ptr": d, "gp_ptr": "*fp32", "q_ptr": "*u8"},
                     dict(HAS_P=True, NEED_GP=True, BLOCK_R=4, BLOCK_F=512)))  # fmt: skip
     return jobs

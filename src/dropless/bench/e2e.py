@@ -144,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --- the child: one implementation, one process -----------------------------------------
 
 
-def _build(impl: str, shape: dict, device: str = "cpu"):
+def build_row_model(impl: str, shape: dict, device: str = "cpu"):
     """The model for one row: fp32 on CPU (bf16 matmul there is ~80x slower), bf16 on CUDA."""
     import torch
     import transformers as tf
@@ -185,7 +185,7 @@ def child(args: dict) -> dict:
     tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
-    model = _build(impl, shape, device)
+    model = build_row_model(impl, shape, device)
     # fused: torch's AdamW kernel (fastest, no parameter-sized temporaries);
     # foreach: the default multi-tensor path, whose temporaries are parameter-sized
     fused = args.get("optimizer", "fused") == "fused"
@@ -209,7 +209,7 @@ def child(args: dict) -> dict:
     out["threads"] = torch.get_num_threads()
     out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if out["mode"] == "memory":
-        out.update(_measure_memory(fwd_bwd, opt_step, tracked))
+        out.update(measure_memory(fwd_bwd, opt_step, tracked))
     else:
         sync = torch.cuda.synchronize if device == "cuda" else None
         tokens = shape["batch"] * shape["seq"]
@@ -244,7 +244,7 @@ def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int, sync=None) -
     return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
 
 
-def _measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:
+def measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:
     """Peak RSS above the steady state of one forward+backward and of one AdamW step;
     `follow_live_memory()` must have been called when the process started."""
     follow_live_memory()  # trims the heap again: RSS = live memory from here

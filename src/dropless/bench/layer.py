@@ -217,7 +217,7 @@ def _skew_bias(x_TD, w_ED, K) -> float:
     return hi
 
 
-def _build(name: str, cfg: dict):
+def build_impl(name: str, cfg: dict):
     """-> (step, params, forward): step() runs forward+backward once."""
     x_TD, w_router, gate_up, down, grad_TD = _setup(cfg)
     x_TD.requires_grad_(name != "dense")
@@ -296,7 +296,7 @@ def _time_once(step, params, dev) -> float:
 def _memory_child(cfg: dict) -> dict:
     """Run in a fresh process: the peak memory of one step above inputs + weights."""
     torch.set_num_threads(os.cpu_count())
-    step, params, _ = _build(cfg["impl"], cfg)
+    step, params, _ = build_impl(cfg["impl"], cfg)
     gc.collect()
     if cfg["device"] == "cuda":
         return _cuda_peak(step, params)
@@ -332,7 +332,7 @@ def _check_same(cfg, impls) -> dict:
     for name in impls:
         if name == "dense":
             continue
-        _, _, fwd = _build(name, cfg)
+        _, _, fwd = build_impl(name, cfg)
         with torch.no_grad():
             outs[name] = fwd().float()
     ref = next(iter(outs.values()), None)
@@ -343,7 +343,7 @@ def _time_impls(cfg: dict, impls, args) -> tuple[dict, dict]:
     """-> ({impl: [ms per round]}, {impl: memory}): the implementations interleaved within
     each round; on CUDA the memory step runs here too, on CPU in a child per impl."""
     dev = torch.device(cfg["device"])
-    built = {name: _build(name, cfg)[:2] for name in impls}
+    built = {name: build_impl(name, cfg)[:2] for name in impls}
     label = f"T={cfg['T']} {'skewed' if cfg['skewed'] else 'uniform'}"
     times = {name: [] for name in impls}
     for r in range(args.warmup + args.rounds):
@@ -509,7 +509,7 @@ def _probe(name: str, cfg: dict) -> str | None:
     """One step of a row: None if it ran, else its error in one line."""
     progress(f"T={cfg['T']} {name}: one step before timing")
     try:
-        step, params, _ = _build(name, cfg)
+        step, params, _ = build_impl(name, cfg)
         _time_once(step, params, torch.device(cfg["device"]))
     except Exception as e:  # noqa: BLE001 - whatever a peer raises, the other rows run
         return f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -523,7 +523,7 @@ def _profile(cfg: dict) -> dict:
     tables = {}
     for name in PROFILED:
         progress(f"T={cfg['T']} profile: {name}")
-        step, params, _ = _build(name, {**cfg, "skewed": False})
+        step, params, _ = build_impl(name, {**cfg, "skewed": False})
 
         def once(step=step, params=params):
             _zero(params)

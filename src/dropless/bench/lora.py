@@ -37,7 +37,7 @@ from .common import (
     run_child,
     section_path,
 )
-from .e2e import QUICK, SHAPE, _build, _measure_memory, time_steps, timing_figures
+from .e2e import QUICK, SHAPE, build_row_model, measure_memory, time_steps, timing_figures
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
@@ -71,7 +71,7 @@ def build_model(impl: str, shape: dict, rank: int = RANK):
     """The row's model: PEFT-wrapped (LoRA rows) or plain (full rows), fp32, train mode."""
     if impl.startswith("peft"):
         import peft  # before patch(): dropless then registers PEFT's factors without a fold
-    model = _build("dropless" if impl.endswith("dropless") else "grouped_mm", shape)
+    model = build_row_model("dropless" if impl.endswith("dropless") else "grouped_mm", shape)
     if not impl.startswith("peft"):
         return model
 
@@ -112,7 +112,7 @@ def child(args: dict) -> dict:
     out["threads"] = torch.get_num_threads()
     out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if out["mode"] == "memory":
-        out.update(_measure_memory(fwd_bwd, opt_step, tracked))
+        out.update(measure_memory(fwd_bwd, opt_step, tracked))
     else:
         out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
     if impl.endswith("dropless"):

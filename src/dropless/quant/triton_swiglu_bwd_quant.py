@@ -29,7 +29,7 @@ from .formats import QTensor
 
 
 @triton.jit
-def _bwd_quant_kernel(
+def bwd_quant_kernel(
     g_ptr, h_ptr, p_ptr, scale_ptr, gh_ptr, gp_ptr, q_ptr, S, F,
     stride_g, stride_h, stride_gh, stride_q,
     HAS_P: tl.constexpr, NEED_GP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -87,7 +87,7 @@ def swiglu_bwd_quant(
     scale = scale.float().reshape(()).to(h.device)
     if S and F:
         block_f = min(triton.next_power_of_2(F), 512 if h.is_cuda else 32)
-        _bwd_quant_kernel[(triton.cdiv(S, block_r),)](
+        bwd_quant_kernel[(triton.cdiv(S, block_r),)](
             g, h, prob_S.contiguous() if prob_S is not None else h, scale, grad_h,
             grad_p if need_gp else h, q, S, F, g.stride(0), h.stride(0), grad_h.stride(0),
             q.stride(0), HAS_P=prob_S is not None, NEED_GP=need_gp, BLOCK_R=block_r,

@@ -61,7 +61,7 @@ def _swiglu_tile(
 
 
 @triton.jit
-def _mx_kernel(
+def mx_kernel(
     h_ptr,
     prob_ptr,
     q_ptr,
@@ -87,7 +87,7 @@ def _mx_kernel(
 
 
 @triton.jit
-def _scaled_kernel(
+def scaled_kernel(
     h_ptr,
     prob_ptr,
     scale_ptr,
@@ -122,7 +122,7 @@ def _row_scale(amax, nan, max_over_margin):
 
 
 @triton.jit
-def _row_kernel(
+def row_kernel(
     h_ptr, prob_ptr, q_ptr, scale_ptr, S, F, stride_h, stride_q, max_over_margin,
     HAS_PROB: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
     ONE_TILE: tl.constexpr,
@@ -149,7 +149,7 @@ def _row_kernel(
 
 
 @triton.jit
-def _amax_kernel(
+def amax_kernel(
     h_ptr, prob_ptr, amax_ptr, S, F, stride_h,
     HAS_PROB: tl.constexpr, ACT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
@@ -183,7 +183,7 @@ def swiglu_quant_mx(
     s = torch.empty(S, B, dtype=torch.uint8, device=h.device)
     if S:
         grid = (triton.cdiv(S, block_s), B)
-        _mx_kernel[grid](
+        mx_kernel[grid](
             h,
             prob,
             q,
@@ -216,7 +216,7 @@ def swiglu_quant_scaled(
     grid = (triton.cdiv(S, block_s), triton.cdiv(F, block_f))
     partial = torch.zeros(grid[0] * grid[1], dtype=torch.float32, device=h.device)
     if S and F:
-        _scaled_kernel[grid](
+        scaled_kernel[grid](
             h,
             prob,
             scale,
@@ -256,7 +256,7 @@ def swiglu_quant_rows(
     scale = torch.ones(S, dtype=torch.float32, device=h.device)
     if S and F:
         block_f = min(_pow2_at_least(F), max_f)
-        _row_kernel[(triton.cdiv(S, block_s),)](
+        row_kernel[(triton.cdiv(S, block_s),)](
             h, prob, q, scale, S, F, h.stride(0), q.stride(0), FP8_MAX[fmt] / 2.0**margin,
             HAS_PROB=prob_S is not None, ACT=act, BLOCK_S=block_s, BLOCK_F=block_f,
             ONE_TILE=block_f >= F,
@@ -273,7 +273,7 @@ def swiglu_amax(h_S2F, prob_S, *, act=True, block_s=32, block_f=64) -> torch.Ten
         return torch.zeros((), dtype=torch.float32, device=h.device)
     grid = (triton.cdiv(S, block_s), triton.cdiv(F, block_f))
     partial = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=h.device)
-    _amax_kernel[grid](
+    amax_kernel[grid](
         h, prob, partial, S, F, h.stride(0), HAS_PROB=prob_S is not None, ACT=act,
         BLOCK_S=block_s, BLOCK_F=block_f,
     )  # fmt: skip

@@ -29,11 +29,11 @@ SYNC_CALLS = (
 
 def _layer_step(impl: str):
     """One step of a `dropless bench layer` row at the GPU table's shape."""
-    from dropless.bench.layer import SHAPES, _build
+    from dropless.bench.layer import SHAPES, build_impl
 
     shape = {k: v for k, v in SHAPES["qwen3-30b"].items() if k != "T"}
     cfg = {**shape, "T": LAYER_TOKENS, "device": "cuda", "skewed": False, "threads": 1}
-    step, params, _ = _build(impl, cfg)
+    step, params, _ = build_impl(impl, cfg)
 
     def run():
         for t in params:
@@ -45,10 +45,10 @@ def _layer_step(impl: str):
 
 def _e2e_step(impl: str):
     """One training step of a `dropless bench e2e --device cuda --shape qwen3-gpu` row."""
-    from dropless.bench.e2e import SHAPES, _build
+    from dropless.bench.e2e import SHAPES, build_row_model
 
     shape = SHAPES["qwen3-gpu"]
-    model = _build(impl, shape, "cuda")
+    model = build_row_model(impl, shape, "cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)

@@ -50,7 +50,7 @@ def gate_up_cols(offs_f, F, INTERLEAVED: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(
+def swiglu_fwd_kernel(
     h_ptr, p_ptr, a_ptr, S, F, stride_h, stride_a, alpha, limit,
     HAS_P: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -70,7 +70,7 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
-def _swiglu_bwd_kernel(
+def swiglu_bwd_kernel(
     g_ptr, h_ptr, p_ptr, gh_ptr, gp_ptr, a_ptr, S, F, stride_g, stride_h, stride_gh, stride_a,
     alpha, limit, HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr,
@@ -141,7 +141,7 @@ def swiglu_fwd(
     br, bf, warps = row_blocks(h_S2F, F)
     p = prob_S.contiguous() if prob_S is not None else h_S2F
     grid = (triton.cdiv(S, br), triton.cdiv(F, bf))
-    _swiglu_fwd_kernel[grid](
+    swiglu_fwd_kernel[grid](
         h_S2F, p, a_SF, S, F, h_S2F.stride(0), a_SF.stride(0), float(alpha), float(limit),
         HAS_P=prob_S is not None, INTERLEAVED=interleaved, ACTIVATION=activation,
         BLOCK_R=br, BLOCK_F=bf, num_warps=warps,
@@ -180,7 +180,7 @@ def swiglu_bwd(
     br, bf, warps = row_blocks(h_S2F, F)
     if h_S2F.is_cuda:  # several rows per program, the F loop walks the columns
         br, bf = 4, min(bf, 512)
-    _swiglu_bwd_kernel[(triton.cdiv(S, br),)](
+    swiglu_bwd_kernel[(triton.cdiv(S, br),)](
         grad_SF, h_S2F,
         prob_S.contiguous() if prob_S is not None else h_S2F,
         grad_h, grad_p if need_gp else h_S2F, a_SF if recompute else h_S2F,

@@ -155,7 +155,7 @@ def _up_act_tile(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, e, row0, row_end, f0, F
 
 
 @triton.jit
-def _up_act_kernel(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, cnt_ptr, E, F, D,
+def up_act_kernel(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, cnt_ptr, E, F, D,
                    stride_xt, stride_xd, stride_we, stride_wk, stride_wn, stride_h, stride_a,
                    alpha, limit, NUM_PROGS, HAS_INDEX: tl.constexpr, HAS_P: tl.constexpr,
                    INTERLEAVED: tl.constexpr, W_T: tl.constexpr, USE_TMA: tl.constexpr,
@@ -218,7 +218,7 @@ def _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, 
 
 
 @triton.jit
-def _dact_kernel(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, cnt_ptr, E, F, D, S,
+def dact_kernel(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, cnt_ptr, E, F, D, S,
                  stride_gt, stride_gd, stride_we, stride_wk, stride_wn, stride_h, stride_dh,
                  stride_a, alpha, limit, NUM_PROGS, HAS_INDEX: tl.constexpr,
                  HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
@@ -249,7 +249,7 @@ def _dact_kernel(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, cnt_ptr
 
 
 @triton.jit
-def _wgrad_kernel(a_ptr, ia_ptr, b_ptr, ib_ptr, out_ptr, cnt_ptr, E, M, N,
+def wgrad_kernel(a_ptr, ia_ptr, b_ptr, ib_ptr, out_ptr, cnt_ptr, E, M, N,
                   stride_ar, stride_am, stride_br, stride_bn, stride_oe, stride_om, stride_on,
                   NUM_PROGS, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -376,7 +376,7 @@ def up_act(
     tma = _use_tma(gate_up, interleaved)
     w, se, sk, sn = _weight_operand(gate_up, trans_w, bn, bk, tma)
     progs = _num_programs(x, (triton.cdiv(S, bm) + E) * triton.cdiv(F, bn))
-    _up_act_kernel[(progs,)](
+    up_act_kernel[(progs,)](
         x, _index_arg(index_S, cnt), w, prob_S if prob_S is not None else x, h, a, cnt,
         E, F, D, x.stride(0), x.stride(1), se, sk, sn, h.stride(0), a.stride(0),
         float(alpha), float(limit), progs,
@@ -422,7 +422,7 @@ def down_dact(
         tma = _use_tma(down, False)
         w, se, sk, sn = _weight_operand(down, not trans_w, bn, bk, tma)
         progs = _num_programs(g, (triton.cdiv(S, bm) + E) * tiles_n)
-        _dact_kernel[(progs,)](
+        dact_kernel[(progs,)](
             g, _index_arg(index_S, cnt), w, h_S2F, prob_S if prob_S is not None else h_S2F,
             dh, gp if need_gp else h_S2F, a if recompute else h_S2F, cnt, E, F, D, S,
             g.stride(0), g.stride(1), se, sk, sn, h_S2F.stride(0), dh.stride(0),
@@ -462,7 +462,7 @@ def gathered_wgrad(
         bm, bn, bk, warps, stages = 16, 32, 16, 1, 1
     total = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
     progs = _num_programs(a, total)
-    _wgrad_kernel[(progs,)](
+    wgrad_kernel[(progs,)](
         a, _index_arg(index_a, cnt), b, _index_arg(index_b, cnt), out, cnt, E, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2), progs,

@@ -45,7 +45,7 @@ def group_of_tile(cnt_ptr, tile, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _gmm_kernel(
+def gmm_kernel(
     a_ptr, b_ptr, y_ptr, cnt_ptr, E, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_ym, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -79,7 +79,7 @@ def _gmm_kernel(
 
 
 @triton.jit
-def _wgrad_kernel(
+def wgrad_kernel(
     a_ptr, b_ptr, out_ptr, cnt_ptr, E, M, N,
     stride_as, stride_am, stride_bs, stride_bn, stride_oe, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -178,7 +178,7 @@ def grouped_mm(
     bm, bn, bk, warps, stages = _mm_config(a_SK, E)
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     grid = (triton.cdiv(S, bm) + E, triton.cdiv(N, bn))
-    _gmm_kernel[grid](
+    gmm_kernel[grid](
         a_SK, b, y, cnt, E, N, Kd,
         a_SK.stride(0), a_SK.stride(1), b.stride(0), stride_bk, stride_bn,
         y.stride(0), y.stride(1),
@@ -211,7 +211,7 @@ def grouped_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, counts) -> torch.Tenso
     else:
         bm, bn, bk, warps, stages = 16, 32, 16, 1, 1
     grid = (E, triton.cdiv(M, bm) * triton.cdiv(N, bn))
-    _wgrad_kernel[grid](
+    wgrad_kernel[grid](
         a_SM, b_SN, out, cnt, E, M, N,
         a_SM.stride(0), a_SM.stride(1), b_SN.stride(0), b_SN.stride(1),
         out.stride(0), out.stride(1), out.stride(2),

@@ -18,7 +18,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _zero_groups_kernel(out_ptr, empty_ptr, MN, CHUNKS, BLOCK: tl.constexpr):
+def zero_groups_kernel(out_ptr, empty_ptr, MN, CHUNKS, BLOCK: tl.constexpr):
     e = tl.program_id(0)
     if tl.load(empty_ptr + e) != 0:
         base = out_ptr + e.to(tl.int64) * MN
@@ -37,5 +37,5 @@ def zero_groups(out_EMN: torch.Tensor, empty_E: torch.Tensor, block: int = 1024)
     MN = out_EMN[0].numel() if E else 0
     if E and MN:
         chunks = min(triton.cdiv(MN, block), 64)
-        _zero_groups_kernel[(E, chunks)](out_EMN, empty_E.to(torch.int8), MN, chunks, BLOCK=block)
+        zero_groups_kernel[(E, chunks)](out_EMN, empty_E.to(torch.int8), MN, chunks, BLOCK=block)
     return out_EMN

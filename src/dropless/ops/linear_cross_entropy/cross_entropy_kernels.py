@@ -30,7 +30,7 @@ _NEG_BIG = tl.constexpr(-3.0e38)
 
 
 @triton.jit
-def _ce_rows_kernel(
+def ce_rows_kernel(
     x_ptr, labels_ptr, scale_ptr, loss_ptr, C, V, stride_x, ignore_index, smoothing,
     GRAD: tl.constexpr, SMOOTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
@@ -105,7 +105,7 @@ def ce_rows(
     if C == 0:
         return loss_C
     block_r, block_v, warps = _blocks(logits_CV, V)
-    _ce_rows_kernel[(triton.cdiv(C, block_r),)](
+    ce_rows_kernel[(triton.cdiv(C, block_r),)](
         logits_CV, labels_C.contiguous(), scale_C.to(torch.float32).contiguous(), loss_C,
         C, V, logits_CV.stride(0), int(ignore_index), float(smoothing),
         GRAD=bool(grad), SMOOTH=bool(smoothing), BLOCK_R=block_r, BLOCK_V=block_v,

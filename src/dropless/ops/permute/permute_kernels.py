@@ -29,7 +29,7 @@ from .row_ops import registered_row_ops
 
 
 @triton.jit
-def _gather_rows_kernel(
+def gather_rows_kernel(
     x_ptr, idx_ptr, scale_ptr, sidx_ptr, out_ptr, S, N, stride_x, stride_o,
     HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -48,7 +48,7 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _gather_sum_kernel(
+def gather_sum_kernel(
     rows_ptr, slot_ptr, w_ptr, out_ptr, T, N, S, stride_r, stride_o,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -71,7 +71,7 @@ def _gather_sum_kernel(
 
 
 @triton.jit
-def _pair_dot_kernel(
+def pair_dot_kernel(
     g_ptr, y_ptr, slot_ptr, out_ptr, P, N, S, stride_g, stride_y,
     K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -125,7 +125,7 @@ def gather_rows(
         scale = sidx = index_S  # unused placeholders
     br, bn, warps = row_blocks(x_TD, N)
     grid = (triton.cdiv(S, br), triton.cdiv(N, bn))
-    _gather_rows_kernel[grid](
+    gather_rows_kernel[grid](
         x_TD, index_S.contiguous(), scale, sidx, out, S, N, x_TD.stride(0), out.stride(0),
         HAS_SCALE=has_scale, BLOCK_R=br, BLOCK_N=bn, num_warps=warps,
     )  # fmt: skip
@@ -153,7 +153,7 @@ def gather_sum(
     w = weights_TK.contiguous() if weights_TK is not None else slot_TK
     br, bn, warps = row_blocks(rows_SN, N)
     grid = (triton.cdiv(T, br), triton.cdiv(N, bn))
-    _gather_sum_kernel[grid](
+    gather_sum_kernel[grid](
         rows_SN, slot_TK.contiguous(), w, out, T, N, S, rows_SN.stride(0), out.stride(0),
         K=K, HAS_W=weights_TK is not None, BLOCK_R=br, BLOCK_N=bn, num_warps=warps,
     )  # fmt: skip
@@ -175,7 +175,7 @@ def pair_dot(g_TN: torch.Tensor, y_SN: torch.Tensor, slot_TK: torch.Tensor) -> t
     bp = br if not y_SN.is_cuda else 16
     bn = bn if not y_SN.is_cuda else min(bn, 256)
     grid = (triton.cdiv(T * K, bp),)
-    _pair_dot_kernel[grid](
+    pair_dot_kernel[grid](
         g_TN, y_SN, slot_TK.contiguous(), out, T * K, N, S, g_TN.stride(0), y_SN.stride(0),
         K=K, BLOCK_P=bp, BLOCK_N=bn, num_warps=warps,
     )  # fmt: skip

@@ -38,7 +38,7 @@ def _offs(rows, cols, s0, s1):
 
 
 @triton.jit
-def _scale_cast_kernel(
+def scale_cast_kernel(
     x_ptr, s_ptr, q_ptr, M, N, sxe, sx0, sx1, sse, ss0, ss1, sqe, sq0, sq1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -55,7 +55,7 @@ def _scale_cast_kernel(
 
 
 @triton.jit
-def _dequant_kernel(
+def dequant_kernel(
     q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -69,7 +69,7 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _mx_quant_kernel(
+def mx_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, N, sx0, sx1, sq0, ss0,
     RCEIL: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
@@ -86,7 +86,7 @@ def _mx_quant_kernel(
 
 
 @triton.jit
-def _mx_dequant_kernel(
+def mx_dequant_kernel(
     q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -118,7 +118,7 @@ def scale_cast(x: torch.Tensor, scale: torch.Tensor, block=(32, 128)) -> torch.T
     q = torch.empty(E, M, N, dtype=torch.uint8, device=x.device)
     if E and M and N:
         grid = (*_grid(M, N, *block), E)
-        _scale_cast_kernel[grid](
+        scale_cast_kernel[grid](
             x3, s3, q, M, N, *x3.stride(), *s3.stride(), *q.stride(),
             BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip
@@ -134,7 +134,7 @@ def dequant_scaled(
     s = s.reshape([1] * (2 - s.dim()) + list(s.shape)).expand(M, N)
     out = torch.empty(M, N, dtype=dtype, device=q.device)
     if M and N:
-        _dequant_kernel[_grid(M, N, *block)](
+        dequant_kernel[_grid(M, N, *block)](
             q.view(torch.uint8), s, out, M, N, *q.stride(), *s.stride(), *out.stride(),
             BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip
@@ -151,7 +151,7 @@ def mx_quantize(x: torch.Tensor, scale_rule: str = "floor", block_m: int = 32):
     q = torch.empty(M, B * MX_BLOCK, dtype=torch.uint8, device=x.device)
     s = torch.empty(M, B, dtype=torch.uint8, device=x.device)
     if M and B:
-        _mx_quant_kernel[(triton.cdiv(M, block_m), B)](
+        mx_quant_kernel[(triton.cdiv(M, block_m), B)](
             x, q, s, M, N, *x.stride(), q.stride(0), s.stride(0),
             RCEIL=scale_rule == "rceil", BLOCK_M=block_m,
         )  # fmt: skip
@@ -166,7 +166,7 @@ def mx_dequant(
     M = q.shape[0]
     out = torch.empty(M, n, dtype=dtype, device=q.device)
     if M and n:
-        _mx_dequant_kernel[_grid(M, n, *block)](
+        mx_dequant_kernel[_grid(M, n, *block)](
             q.view(torch.uint8), s.view(torch.uint8), out, M, n, *q.stride(), *s.stride(),
             *out.stride(), BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip

@@ -32,7 +32,7 @@ from .._triton import check_2d, row_blocks
 
 
 @triton.jit
-def _rmsnorm_fwd_kernel(
+def rmsnorm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, rstd_ptr, R, D, eps,
     HAS_RES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +65,7 @@ def _rmsnorm_fwd_kernel(
 
 
 @triton.jit
-def _rmsnorm_bwd_kernel(
+def rmsnorm_bwd_kernel(
     gy_ptr, gs_ptr, s_ptr, w_ptr, rstd_ptr, ds_ptr, gw_ptr, R, D,
     HAS_GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -125,7 +125,7 @@ def rms_norm_fwd(
     rstd_R = torch.empty(R, dtype=torch.float32, device=x_RD.device)
     block_r, block_d, warps = row_blocks(x_RD, D)
     if R:
-        _rmsnorm_fwd_kernel[(triton.cdiv(R, block_r),)](
+        rmsnorm_fwd_kernel[(triton.cdiv(R, block_r),)](
             x_RD, residual_RD.contiguous() if residual_RD is not None else x_RD,
             weight_D.contiguous(), y_RD, s_RD, rstd_R, R, D, float(eps),
             HAS_RES=residual_RD is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
@@ -149,7 +149,7 @@ def rms_norm_bwd(
     programs = triton.cdiv(R, block_r)
     gw_PD = torch.zeros(max(programs, 1), D, dtype=torch.float32, device=s_RD.device)
     if R:
-        _rmsnorm_bwd_kernel[(programs,)](
+        rmsnorm_bwd_kernel[(programs,)](
             gy_RD, gs_RD.contiguous() if gs_RD is not None else gy_RD, s_RD,
             weight_D.contiguous(), rstd_R, ds_RD, gw_PD, R, D,
             HAS_GS=gs_RD is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,

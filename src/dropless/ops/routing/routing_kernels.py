@@ -95,7 +95,7 @@ def _group_mask(choice, valid, offs_e, G, PER: tl.constexpr, TOPK_GROUP, BLOCK_G
 
 
 @triton.jit
-def _route_fwd_kernel(
+def route_fwd_kernel(
     logits_ptr, bias_ptr, given_ptr, w_ptr, ids_ptr, scores_ptr, psum_ptr, zsum_ptr, T, E,
     stride_l, K, scale, G, TOPK_GROUP, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUPED: tl.constexpr, PER: tl.constexpr, RENORM: tl.constexpr, WRITE_SCORES: tl.constexpr,
@@ -145,7 +145,7 @@ def _route_fwd_kernel(
 
 
 @triton.jit
-def _route_bwd_kernel(
+def route_bwd_kernel(
     logits_ptr, ids_ptr, gw_ptr, gs_ptr, gp_ptr, gz_ptr, dl_ptr, T, E, stride_l, K, scale,
     SOFTMAX: tl.constexpr, HAS_GW: tl.constexpr, HAS_GS: tl.constexpr, HAS_GP: tl.constexpr,
     HAS_GZ: tl.constexpr, RENORM: tl.constexpr,
@@ -239,7 +239,7 @@ def route_fwd(
         G = routing.n_group if grouped else 1
         has_bias = expert_bias_E is not None and not given
         bias = expert_bias_E.contiguous() if has_bias else w
-        _route_fwd_kernel[(nb,)](
+        route_fwd_kernel[(nb,)](
             logits_TE, bias, ids_TK.contiguous() if given else ids, w, ids,
             scores if write_scores else w, psum if stats else w,
             zsum if stats else w, T, E, logits_TE.stride(0), top_k,
@@ -276,7 +276,7 @@ def route_bwd(
     def arg(t):
         return t.contiguous() if t is not None else dl
 
-    _route_bwd_kernel[(triton.cdiv(T, bt),)](
+    route_bwd_kernel[(triton.cdiv(T, bt),)](
         logits_TE, ids_TK.contiguous(), arg(grad_w_TK), arg(grad_scores_TE),
         arg(grad_probs_sum_E), arg(grad_zsq_sum), dl, T, E, logits_TE.stride(0), K,
         float(routing.scaling_factor), SOFTMAX=routing.score_func == "softmax",
@@ -344,7 +344,7 @@ def route_with_aux(
 
 
 @triton.jit
-def _hist_kernel(ids_ptr, cnt_ptr, P, B, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+def hist_kernel(ids_ptr, cnt_ptr, P, B, BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
     for b0 in range(0, B, BLOCK_B):
@@ -354,7 +354,7 @@ def _hist_kernel(ids_ptr, cnt_ptr, P, B, BLOCK_P: tl.constexpr, BLOCK_B: tl.cons
 
 
 @triton.jit
-def _scan_kernel(
+def scan_kernel(
     cnt_ptr, start_ptr, counts_ptr, ends_ptr, NB, B,
     BLOCK_NB: tl.constexpr, BLOCK_B: tl.constexpr,
 ):  # fmt: skip
@@ -382,9 +382,7 @@ def _scan_kernel(
 
 
 @triton.jit
-def _place_kernel(
-    ids_ptr, start_ptr, pair_ptr, token_ptr, slot_ptr, P, B, K, BLOCK_P: tl.constexpr
-):
+def place_kernel(ids_ptr, start_ptr, pair_ptr, token_ptr, slot_ptr, P, B, K, BLOCK_P: tl.constexpr):
     offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     ids = tl.load(ids_ptr + offs_p, mask=mask_p, other=-1).to(tl.int32)
@@ -426,10 +424,10 @@ def sort_pairs(flat_P: torch.Tensor, num_buckets: int, K: int = 1):
     start = torch.empty_like(cnt)
     flat_P = flat_P.contiguous()
     if P:
-        _hist_kernel[(nb,)](flat_P, cnt, P, num_buckets, BLOCK_P=bp, BLOCK_B=bb)
-    _scan_kernel[(1,)](cnt, start, counts, ends, nb, num_buckets, BLOCK_NB=bn, BLOCK_B=bb)
+        hist_kernel[(nb,)](flat_P, cnt, P, num_buckets, BLOCK_P=bp, BLOCK_B=bb)
+    scan_kernel[(1,)](cnt, start, counts, ends, nb, num_buckets, BLOCK_NB=bn, BLOCK_B=bb)
     if P:
-        _place_kernel[(nb,)](flat_P, start, pair, token, slot, P, num_buckets, K, BLOCK_P=bp)
+        place_kernel[(nb,)](flat_P, start, pair, token, slot, P, num_buckets, K, BLOCK_P=bp)
     return pair, token, slot, counts, ends
 
 

@@ -1,26 +1,18 @@
 """The JAX layer's row of gpu_check's layer table (`dropless/bench/jax_layer.py`, started
-by `scripts/gpu_check.py`'s timing step): it runs the JAX layer at the table's shape in a
+by the GPU check's timing step, `dropless.bench.gpu_check.run`): it runs the JAX layer at the table's shape in a
 child of its own and reports ms and share of the table's dense bound, or says why it was
 skipped. Wiring checked on CPU at the bench's tiny shape (no timing claim)."""
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 from dropless.bench import jax_layer
+from dropless.bench.gpu_check import run as gpu_run
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 TINY = dict(E=6, K=2, D=64, F=32, T=48)  # `dropless bench layer --shape tiny`
 ROW_FIELDS = {"status", "ms", "share_of_bound", "tflops", "peak_gib"}
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _table(bound_ms=2.0, bound_tflops=0.05):
@@ -31,7 +23,7 @@ def _table(bound_ms=2.0, bound_tflops=0.05):
 def test_the_row_runs_the_jax_layer_at_the_tables_shape():
     """The timing step's child on CPU: the JAX layer at the table's shape, every pair
     computed, its share of the table's bound; without jax, the skip and its reason."""
-    row = _script().jax_row(_table(), cpu=True, timeout=120)
+    row = gpu_run.jax_row(_table(), cpu=True, timeout=120)
     assert ROW_FIELDS <= set(row), row
     if importlib.util.find_spec("jax") is None:
         assert row["status"] == "skipped: jax not importable" and "import jax" in row["reason"]
@@ -77,7 +69,7 @@ def test_the_row_against_the_bound():
 
 
 def test_a_child_that_hangs_is_a_row_with_its_status(monkeypatch):
-    gc = _script()
+    gc = gpu_run
     monkeypatch.setattr(gc, "run_child", lambda cmd, cpu, timeout: ("timeout", None, "", "tail"))
     row = gc.jax_row(_table(), cpu=False, timeout=1)
     assert row["status"] == "timeout" and row["ms"] is None and row["reason"] == "tail"

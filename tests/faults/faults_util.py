@@ -14,6 +14,7 @@ import torch
 from dropless.train import trainer
 from dropless.train.config.recipes import TINY
 from dropless.train.run.hooks import TrainHooks
+from harness import torchrun_argv
 
 CHILD = Path(__file__).with_name("train_child.py")
 
@@ -31,9 +32,7 @@ def sub_env() -> dict:
 
 def child(spec: dict, argv: list[str], torchrun: int = 0) -> subprocess.Popen:
     """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0)."""
-    launch = [sys.executable]
-    if torchrun:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(torchrun)]
+    launch = torchrun_argv(torchrun) if torchrun else [sys.executable]
     return subprocess.Popen(
         [*launch, str(CHILD), json.dumps([{"spec": spec, "argv": argv}])],
         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dropless.cli.main import main
+from harness import tiny_moe_config
 
 from .faults_util import args, snapshot
 
@@ -15,10 +16,10 @@ from .faults_util import args, snapshot
 def _saved_model(path):
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, intermediate_size=32,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    cfg = tiny_moe_config(
+        vocab_size=264, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, intermediate_size=32, num_experts=4, norm_topk_prob=False,
+        pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)

@@ -39,6 +39,7 @@ from dropless.train.report.metrics import MetricsWriter
 from dropless.train.report.plots import plot_losses
 from dropless.train.run import collectives
 from dropless.train.step import StepRunner, fuse_cross_entropy
+from harness import tiny_moe_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [ROOT / "src" / "dropless" / pkg for pkg in ("train", "cli", "parallel")]
@@ -364,10 +365,11 @@ def _lora_stock_experts_multi_process(tmp, mp, rq):
 
     from dropless.train.model.lora import apply_lora
 
-    cfg = transformers.Qwen3MoeConfig(
+    cfg = tiny_moe_config(
         vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, intermediate_size=32, moe_intermediate_size=8,
-        num_experts=2, num_experts_per_tok=1,
+        num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=8, num_experts=2,
+        num_experts_per_tok=1, norm_topk_prob=False, max_position_embeddings=32768,
+        pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     stock = transformers.AutoModelForCausalLM.from_config(cfg)  # not patched: stock experts
     apply_lora(stock, _lora_cfg(tmp).finetune, world=2)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from train_util import sub_env, tiny_args
 
+from harness import torchrun_argv
+
 CHILD = Path(__file__).with_name("exit_child.py")
 RUN = tiny_args(
     "train.steps=1", "optim.warmup_steps=0", "log.every=1", "checkpoint.every=0",
@@ -68,14 +70,7 @@ def test_twenty_two_process_runs_exit_cleanly(tmp_path):
         "train.steps=2", "optim.warmup_steps=0", "log.every=1", "checkpoint.every=0",
         "log.plots=false", "log.tensorboard=false", "parallel.ep=2",
     )  # fmt: skip
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-    ]
+    launch = torchrun_argv(2)
     failed = []
     for first in range(0, 20, 2):
         procs = [

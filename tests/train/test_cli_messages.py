@@ -16,6 +16,7 @@ from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as ckpt
+from harness import tiny_moe_config
 
 SOURCE_LINE = re.compile(r"\.py:\d+: |warnings\.warn\(")
 
@@ -61,11 +62,9 @@ def test_header_counts_total_and_trainable_parameters(tmp_path, capsys):
     pytest.importorskip("peft")
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=264, num_experts=4, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     base = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     base.save_pretrained(tmp_path / "src")
     n_base = sum(p.numel() for p in base.parameters())

@@ -4,14 +4,13 @@ The fused loss is the same cross-entropy as the logits path: the first step's lo
 gradient norm agree (fp32), with the same optimizer kernel on both sides.
 """
 
-import json
-
 import pytest
 
 from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config.load import Config, load_config
 from dropless.train.trainer import adamw_kernel
+from harness import read_metrics
 
 
 def _first_step(tmp_path, name, *extra):
@@ -21,7 +20,7 @@ def _first_step(tmp_path, name, *extra):
         "checkpoint.every=0", "optim.implementation=loop", "data.max_bytes=40000", *extra,
     )  # fmt: skip
     assert main(["train", "--run-dir", str(run), *args]) == 0
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run)
     return next(r for r in recs if r["step"] == 1)
 
 

@@ -3,13 +3,12 @@ global batch (there: 2 micro-batches of gradient accumulation)."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from train_util import sub_env, tiny_args
 
 from dropless.cli.main import main
+from harness import read_metrics, torchrun
 
 STEPS = (
     "train.steps=4",
@@ -21,7 +20,7 @@ STEPS = (
 
 
 def losses(run_dir):
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run_dir)
     return [(r["step"], r.get("loss"), r["eval_loss"]) for r in recs]
 
 
@@ -32,12 +31,8 @@ def losses(run_dir):
 def test_two_processes_match_one(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     assert main(["train", "--run-dir", str(one), *tiny_args(*STEPS, "train.grad_accum=2")]) == 0
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "dropless", "train", "--run-dir", str(two), *tiny_args(*STEPS)],
-        env=sub_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["-m", "dropless", "train", "--run-dir", str(two), *tiny_args(*STEPS)]
+    proc = torchrun(2, args, env=sub_env(), timeout=300, check=True)
     assert "2 processes on cpu" in proc.stdout
     assert "dropless train: Qwen3MoeForCausalLM" in proc.stdout  # not FSDP's wrapper class
     a, b = losses(one), losses(two)

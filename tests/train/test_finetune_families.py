@@ -2,7 +2,6 @@
 (tiny models saved in the test), and `dropless convert` writes a directory stock
 Transformers loads with the same weights and logits."""
 
-import json
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from conftest import tiny_args
 from dropless.cli.main import main
+from harness import read_metrics
 
 VOCAB = 264  # the byte tokenizer's 257 ids fit
 COMMON = dict(
@@ -58,10 +58,6 @@ def _saved(family: str, path):
     return path
 
 
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 # Families whose experts run the stock path here (model.implementation=stock), with the
 # same trainer, router losses and loading; the others run the dropless path.
 STOCK_EXPERTS: set = set()
@@ -93,7 +89,7 @@ def test_finetune_and_convert(family, tmp_path):
     assert main(["train", "--run-dir", str(run), *args]) == 0
     if impl == "dropless":
         assert CALLS[family] > calls  # our experts path trained it
-    recs = _records(run)
+    recs = read_metrics(run)
     assert [r["step"] for r in recs] == [0, 2, 4]
     assert all(math.isfinite(r["loss"]) and r["lb_loss"] > 0 for r in recs[1:])
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.1

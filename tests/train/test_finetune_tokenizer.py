@@ -12,6 +12,7 @@ from train_util import tiny_args
 from dropless.cli.main import main
 from dropless.train.config.load import load_config
 from dropless.train.config.recipes import TINY
+from harness import tiny_moe_config
 
 VOCAB = 320  # a 300-token BPE plus padding rows
 
@@ -33,10 +34,10 @@ def _saved(path, vocab: int = VOCAB, tokenizer: bool = True):
     from dropless.train.data.corpus import stdlib_corpus
     from dropless.train.data.tokenizer import EOS, HFTokenizer
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, intermediate_size=64,
-        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+    cfg = tiny_moe_config(
+        vocab_size=vocab, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=64, moe_intermediate_size=32, num_experts=4, norm_topk_prob=False,
+        pad_token_id=None, bos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)

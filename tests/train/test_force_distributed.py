@@ -3,7 +3,6 @@ group, FSDP2, DTensor experts behind the all-to-all dispatcher) and its run equa
 one-process run; a DCP checkpoint written under it resumes to the same losses, and a
 checkpoint of the one-process path resumes under it (DCP reshards)."""
 
-import json
 import shutil
 
 import pytest
@@ -11,15 +10,12 @@ import torch.distributed as dist
 from train_util import tiny_args
 
 from dropless.cli.main import main
+from harness import read_metrics, tiny_moe_config
 
 FORCE = "parallel.force_distributed=true"
 # fp32: the same GEMMs in another order (a 1-rank all-to-all, FSDP2's gradient division by
 # its world of 1) move the last bits; 8 AdamW steps of the tiny model stay within 1e-5
 REL = 1e-5
-
-
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _same(got, want, steps):
@@ -66,11 +62,11 @@ def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, t
     # step 0 and every log step: the forward count and the sums
     assert issued.count("dropless.train.evaluation") == 2 * 5
     assert issued.count("bcast") >= 3  # rank 0's run-directory claim, data preparation, summary
-    got = _records(forced_run)
-    _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
+    got = read_metrics(forced_run)
+    _same(got, read_metrics(tiny_run), [0, 2, 4, 6, 8])
     # the expert-parallel dispatcher ran (its stats are logged; one rank sends no bytes)
     assert all(r["ep_bytes_per_step"] == 0 for r in got[1:])
-    assert all("ep_bytes_per_step" not in r for r in _records(tiny_run))
+    assert all("ep_bytes_per_step" not in r for r in read_metrics(tiny_run))
     assert not dist.is_initialized()  # the 1-process group is left at the end of the run
 
 
@@ -80,7 +76,7 @@ def test_forced_checkpoint_resumes_to_the_same_losses(forced_run, tmp_path):
     shutil.copytree(forced_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0  # config: the run dir's
-    _same(_records(half), _records(forced_run), [0, 2, 4, 6, 8])
+    _same(read_metrics(half), read_metrics(forced_run), [0, 2, 4, 6, 8])
 
 
 def test_one_process_checkpoint_resumes_under_force_distributed(tiny_run, tmp_path):
@@ -88,8 +84,8 @@ def test_one_process_checkpoint_resumes_under_force_distributed(tiny_run, tmp_pa
     shutil.copytree(tiny_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")
     assert main(["train", "--run-dir", str(half), "--resume", "--set", FORCE]) == 0
-    got = _records(half)
-    _same(got, _records(tiny_run), [0, 2, 4, 6, 8])
+    got = read_metrics(half)
+    _same(got, read_metrics(tiny_run), [0, 2, 4, 6, 8])
     assert "ep_bytes_per_step" in got[-1]
 
 
@@ -102,11 +98,9 @@ def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_
 
     from dropless.hf.distributed import sharded_load as hf_parallel
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=264, num_experts=4, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     torch.manual_seed(0)
     src = tmp_path / "src"
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
@@ -122,7 +116,7 @@ def test_lora_fine_tune_of_a_checkpoint_reads_shards_and_equals_one_process(tmp_
         mp.setattr(hf_parallel, "load_sharded_hf", lambda *a, **k: loads.append(1) or real(*a, **k))
         assert main(["train", "--run-dir", str(tmp_path / "f"), *tiny_args(*args, FORCE)]) == 0
     assert loads == [1]
-    _same(_records(tmp_path / "f"), _records(tmp_path / "one"), [0, 1, 2, 3])
+    _same(read_metrics(tmp_path / "f"), read_metrics(tmp_path / "one"), [0, 1, 2, 3])
 
 
 def test_the_planner_shards_a_forced_run_over_a_fake_group_of_one():

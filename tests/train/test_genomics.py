@@ -22,6 +22,7 @@ from dropless.train.data.genomics import (
     reverse_complement_ids,
     windows,
 )
+from harness import read_metrics
 
 
 def _random_seq(n: int, seed: int) -> str:
@@ -206,7 +207,7 @@ def test_dna_training_run_learns(tmp_path, capsys):
     assert main(["train", "--run-dir", str(run), *args]) == 0
     import json
 
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run)
     first, last = recs[0]["eval_bpb"], recs[-1]["eval_bpb"]  # bits per base for "dna"
     assert first > 2.5 and last < first - 0.5, (first, last)  # random init: > 2 bits per base
     assert recs[-1]["bpb_unit"] == "base"  # the log lines and the summary say bits/base

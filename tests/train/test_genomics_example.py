@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import gzip
-import json
 import math
 import random
 from pathlib import Path
 
 from dropless.cli.main import main
 from dropless.train.config.load import load_config
+from harness import read_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "genomics.toml"
 
@@ -38,7 +38,7 @@ def test_example_trains_two_steps_on_a_generated_fasta(tmp_path):
     ]  # fmt: skip
     args = [a for item in overrides for a in ("--set", item)]
     assert main(["train", str(EXAMPLE), "--run-dir", str(run), *args]) == 0
-    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run)
     steps = [r for r in lines if "eval_bpb" in r]
     assert [r["step"] for r in steps] == [0, 1, 2]  # step 0: before training
     assert all(math.isfinite(r["eval_bpb"]) and r["eval_bpb"] > 1.0 for r in steps)

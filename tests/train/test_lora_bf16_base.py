@@ -6,6 +6,8 @@ without autocast runs (the bf16 base computes, the fp32 adapters get fp32 gradie
 import pytest
 import torch
 
+from harness import tiny_moe_config
+
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
@@ -15,11 +17,9 @@ from dropless.train.report.flops import FlopCounter  # noqa: E402
 
 
 def _saved(path):
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=264, num_experts=4, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return path

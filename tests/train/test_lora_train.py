@@ -2,7 +2,6 @@
 checkpoints hold only the adapters, resume is exact, stock PEFT loads the adapter the
 run writes, and `dropless convert --merge` writes a merged stock model."""
 
-import json
 import shutil
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from conftest import tiny_args
 from dropless.cli.main import main
+from harness import read_metrics, tiny_moe_config
 
 peft = pytest.importorskip("peft")
 
@@ -19,18 +19,12 @@ VOCAB = 264  # the byte tokenizer's 257 ids fit
 def _saved(path):
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=VOCAB, num_experts=4, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     torch.manual_seed(0)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return path
-
-
-def _records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +51,7 @@ def test_lora_run_trains_adapters_only(lora_run):
     import torch.distributed.checkpoint as dcp
 
     _, run = lora_run
-    recs = _records(run)
+    recs = read_metrics(run)
     assert [r["step"] for r in recs] == [0, 2, 4, 6]
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.05
     meta = dcp.FileSystemReader(str(run / "checkpoints" / "step_00000006")).read_metadata()
@@ -76,7 +70,7 @@ def test_resume_is_exact(lora_run, tmp_path):
     lines = (half / "metrics.jsonl").read_text().splitlines()
     (half / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0
-    for a, b in zip(_records(run)[2:], _records(half)[2:]):
+    for a, b in zip(read_metrics(run)[2:], read_metrics(half)[2:]):
         assert a["loss"] == b["loss"] and a["eval_loss"] == b["eval_loss"]
     from safetensors.torch import load_file
 

@@ -1,7 +1,6 @@
 """model.dtype=bf16: parameters and gradients stored in bf16, the optimizer BF16AdamW
 (with or without an fp32 master), and resume bit-exact in both modes."""
 
-import json
 import math
 import shutil
 
@@ -13,10 +12,7 @@ from dropless.cli.main import main
 from dropless.train.config.recipes import tiny
 from dropless.train.run.hooks import TrainHooks
 from dropless.train.trainer import train
-
-
-def _records(run):
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+from harness import read_metrics
 
 
 class _Dtypes(TrainHooks):
@@ -35,7 +31,7 @@ def test_bf16_parameters_and_gradients(tmp_path):
     cfg = tiny("model.dtype=bf16", "train.steps=3", "log.tensorboard=false", "log.plots=false")
     train(cfg, run_dir=str(tmp_path / "run"), hooks=seen)
     assert seen.params == {torch.bfloat16} and seen.grads == {torch.bfloat16}
-    losses = [r["loss"] for r in _records(tmp_path / "run") if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert losses and all(math.isfinite(x) for x in losses)
 
 
@@ -48,8 +44,8 @@ def test_bf16_resume_is_bit_exact(tmp_path, master):
     shutil.copytree(run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0
-    straight = [r for r in _records(run) if "loss" in r]
-    resumed = [r for r in _records(half) if "loss" in r]
+    straight = [r for r in read_metrics(run) if "loss" in r]
+    resumed = [r for r in read_metrics(half) if "loss" in r]
     assert [r["step"] for r in resumed][-2:] == [6, 8]
     for a, b in zip(straight[-2:], resumed[-2:]):
         for f in ("loss", "eval_loss", "grad_norm"):

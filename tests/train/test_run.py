@@ -9,6 +9,7 @@ from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as ckpt
+from harness import read_metrics
 
 FIELDS = (
     "loss", "eval_loss", "eval_bpb", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_process",
@@ -16,12 +17,8 @@ FIELDS = (
 )  # fmt: skip
 
 
-def records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_run_writes_everything_and_learns(tiny_run):
-    recs = records(tiny_run)
+    recs = read_metrics(tiny_run)
     assert [r["step"] for r in recs] == [0, 2, 4, 6, 8]
     assert "unigram_bpb" in recs[0] and recs[0]["eval_bpb"] > 7.5  # uniform over 257 bytes is 8.0
     for r in recs[1:]:
@@ -50,7 +47,7 @@ def test_resume_is_bit_exact(tiny_run, tmp_path):
     shutil.copytree(tiny_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0  # config comes from the run dir
-    straight, resumed = records(tiny_run), records(half)
+    straight, resumed = read_metrics(tiny_run), read_metrics(half)
     assert [r["step"] for r in resumed] == [0, 2, 4, 6, 8]
     for a, b in zip(straight[3:], resumed[3:]):
         for f in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_expert"):
@@ -84,7 +81,10 @@ def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
     out = tmp_path / "hf"
     assert main(["convert", str(tiny_run), str(out)]) == 0
     stock = AutoModelForCausalLM.from_pretrained(out)
-    assert not hf.patching.patch.is_patched() and "dropless" not in stock.get_experts_implementation().values()
+    assert (
+        not hf.patching.patch.is_patched()
+        and "dropless" not in stock.get_experts_implementation().values()
+    )
     _, _, ours, _ = load_run(tiny_run)  # patched: the dropless experts path
     x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -123,7 +123,7 @@ def test_fine_tune_with_every_option(tiny_run, tmp_path):
         "optim.schedule=wsd", "train.grad_accum=2", f"precision.recipe={recipe}", "log.plots=false", "log.every=1",
     )  # fmt: skip
     assert main(["train", "--run-dir", str(run), *tiny_args(*extra)]) == 0
-    recs = records(run)
+    recs = read_metrics(run)
     assert recs[0]["eval_bpb"] < 7.5  # started from the trained weights, not a random init (~8.2)
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] and recs[-1]["z_loss"] > 0
     _, _, model, _ = load_run(run)
@@ -150,7 +150,7 @@ def test_stock_path_one_log_point(tmp_path, capsys):
         warnings.simplefilter("always")
         assert main(["train", "--run-dir", str(run), *tiny_args(*extra)]) == 0
     assert not [w for w in caught if "lim" in str(w.message)], [str(w.message) for w in caught]
-    recs = records(run)
+    recs = read_metrics(run)
     assert recs[1]["dropped"] is None and "tokens_per_expert" in recs[1]  # router-implied counts
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dropped"] is None

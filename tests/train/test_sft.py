@@ -10,6 +10,7 @@ from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.data import sft
 from dropless.train.data.tokenizer import ByteTokenizer
+from harness import read_metrics, tiny_moe_config
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
@@ -61,11 +62,9 @@ def test_detection_and_loss_on_assistant_tokens_only(tmp_path):
 def test_lora_sft_run(tmp_path):
     import transformers as tf
 
-    cfg = tf.Qwen3MoeConfig(
-        vocab_size=264, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=48,
-        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-    )  # fmt: skip
+    cfg = tiny_moe_config(
+        vocab_size=264, num_experts=4, norm_topk_prob=False, pad_token_id=None, bos_token_id=None
+    )
     torch.manual_seed(0)
     src = tmp_path / "src"
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
@@ -79,6 +78,6 @@ def test_lora_sft_run(tmp_path):
         "log.tensorboard=false",
     )  # fmt: skip
     assert main(["train", "--run-dir", str(run), *args]) == 0
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = read_metrics(run)
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"]
     assert (run / "adapter" / "adapter_config.json").is_file()

@@ -1,6 +1,10 @@
-"""Fail when a test folder ran over 1.5x its time budget, or the suite over 15 minutes.
+"""Fail when a test folder ran over 1.5x its time budget, or the suite's wall-clock time
+over 1.5x its target of 8 minutes.
 
 python .ci/check_budgets.py REPORT   # REPORT: pytest's --budget-report FILE (tests/conftest.py)
+
+A folder's time is its tests' time summed over the xdist workers; the suite's is the
+wall-clock time of the whole pytest run.
 """
 
 from __future__ import annotations
@@ -9,29 +13,32 @@ import json
 import sys
 
 TOLERANCE = 1.5  # a shared 2-core CI machine swings by tens of percent between runs
-SUITE_BUDGET_S = 15 * 60
+SUITE_TARGET_S = 8 * 60  # the README's test command on a 2-core machine, wall-clock
 
 
-def over_budget(folders: dict) -> list[str]:
+def over_budget(report: dict) -> list[str]:
     """One line per folder over TOLERANCE x its budget (and for the whole suite)."""
     bad = [
         f"{name}: {f['spent_s']:.0f} s, budget {f['budget_s']} s (x{TOLERANCE} = "
         f"{TOLERANCE * f['budget_s']:.0f} s)"
-        for name, f in sorted(folders.items())
+        for name, f in sorted(report["folders"].items())
         if f["budget_s"] is not None and f["spent_s"] > TOLERANCE * f["budget_s"]
     ]
-    total = sum(f["spent_s"] for f in folders.values())
-    if total > SUITE_BUDGET_S:
-        bad.append(f"the whole suite: {total:.0f} s, budget {SUITE_BUDGET_S} s")
+    if report["wall_s"] > TOLERANCE * SUITE_TARGET_S:
+        bad.append(
+            f"the whole suite: {report['wall_s']:.0f} s wall-clock, target {SUITE_TARGET_S} s "
+            f"(x{TOLERANCE} = {TOLERANCE * SUITE_TARGET_S:.0f} s)"
+        )
     return bad
 
 
 def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
-        bad = over_budget(json.load(f))
-    for line in bad:
+        report = json.load(f)
+    for line in over_budget(report):
         print(f"OVER BUDGET: {line} (BUDGETS in tests/conftest.py)", file=sys.stderr)
-    return 1 if bad else 0
+    print(f"the suite: {report['wall_s']:.0f} s wall-clock on {report['workers']} worker(s)")
+    return 1 if over_budget(report) else 0
 
 
 if __name__ == "__main__":

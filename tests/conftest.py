@@ -1,7 +1,9 @@
-"""Shared test setup: markers (gpu skipped without CUDA), seeds, thread count."""
+"""Shared test setup: markers (gpu skipped without CUDA), seeds, thread count, the
+groups that spread the suite over pytest-xdist workers, and the time per folder."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -22,13 +26,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def worker_group(item) -> str:
+    """The pytest-xdist group of a test (`scripts/test.sh` runs `--dist loadgroup`): every
+    group runs on one worker. A fixture is built once per worker that asks for it, so the
+    tests that share an expensive one run together: those of one of our session fixtures
+    (a finished tiny run), and those of a folder's interpreted-Triton child; any other test
+    goes with its file (its module fixtures)."""
+    if "interpreted" in item.fixturenames:
+        return f"interpreted:{item.path.parent.name}"
+    shared = sorted(
+        name
+        for name, defs in item._fixtureinfo.name2fixturedefs.items()
+        if defs[-1].scope == "session" and defs[-1].baseid  # ours: defined in a conftest
+    )
+    return "session:" + ",".join(shared) if shared else str(item.path)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
     yield
 
 
-# Per-folder time budgets (seconds on 2 cores), reported at the end of every run;
+# Per-folder time budgets (seconds of test time on 2 cores, summed over the workers),
+# reported at the end of every run;
 # `--budget-report FILE` also writes them with the time spent as JSON, which .ci/run
 # checks (a folder over 1.5x its budget fails CI).
 BUDGETS = {
@@ -59,11 +80,17 @@ def pytest_addoption(parser):
     )  # fmt: skip
 
 
+def pytest_sessionstart(session):
+    session.config._dropless_start = time.perf_counter()
+
+
 def pytest_runtest_logreport(report):
     _spent[_folder(report.nodeid)] = _spent.get(_folder(report.nodeid), 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
+    if hasattr(terminalreporter.config, "workerinput"):
+        return  # an xdist worker: the controller, which sees every report, writes the summary
     terminalreporter.section("time per folder vs budget (BUDGETS in tests/conftest.py)")
     for name, spent in sorted(_spent.items()):
         budget = BUDGETS.get(name)
@@ -71,10 +98,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{name:10s} {spent:7.1f} s" + (f" / {budget} s{flag}" if budget else "")
         )
-    report = terminalreporter.config.getoption("--budget-report")
+    config = terminalreporter.config
+    wall_s = time.perf_counter() - config._dropless_start
+    workers = getattr(config.option, "numprocesses", None) or 1
+    terminalreporter.write_line(f"the suite: {wall_s:.1f} s wall-clock on {workers} worker(s)")
+    report = config.getoption("--budget-report")
     if report:
         folders = {
             n: {"spent_s": round(t, 1), "budget_s": BUDGETS.get(n)} for n, t in _spent.items()
         }
         with open(report, "w") as f:
-            json.dump(folders, f)
+            json.dump({"folders": folders, "wall_s": round(wall_s, 1), "workers": workers}, f)

@@ -44,7 +44,8 @@ def test_command_line_as_typed_and_exact_argv():
     assert shown == "python3.11 -m dropless bench ep --world 2"
     # this process: the exact argv of the running interpreter, not one rebuilt from sys.argv
     _, argv = common.command_line()
-    assert Path(argv[0]).name.startswith("python") and argv[-len(sys.argv[1:]) :] == sys.argv[1:]
+    tail = sys.argv[1:]  # empty in a pytest-xdist worker (`python -c ...`)
+    assert Path(argv[0]).name.startswith("python") and argv[len(argv) - len(tail) :] == tail
 
 
 def test_dirty_flag_ignores_benchmark_outputs(tmp_path):

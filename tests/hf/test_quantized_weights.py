@@ -159,8 +159,8 @@ def test_a_block_fp8_checkpoint_loads_as_transformers_dequantises_it(tmp_path):
     import transformers
 
     from dropless.hf.distributed.sharded_load import is_quantized_checkpoint
-    from dropless.train.config import ModelConfig, ParallelConfig
-    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.config.load import ModelConfig, ParallelConfig
+    from dropless.train.model.build import build_training_model, hf_config
 
     plain = _tiny_qwen3(tmp_path)
     _write_fp8(plain, tmp_path / "fp8", tmp_path / "deq")
@@ -191,8 +191,8 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantises_it(tmp_path):
     import transformers
     from safetensors.torch import load_file, save_file
 
-    from dropless.train.config import ModelConfig, ParallelConfig
-    from dropless.train.model import build_training_model, hf_config
+    from dropless.train.config.load import ModelConfig, ParallelConfig
+    from dropless.train.model.build import build_training_model, hf_config
 
     cfg = transformers.GptOssConfig(
         vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=2,

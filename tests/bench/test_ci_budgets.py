@@ -65,10 +65,11 @@ def _report(folders: dict, wall_s: float = 100.0) -> dict:
     return {"folders": folders, "wall_s": wall_s, "workers": 2}
 
 
-def test_budgets_add_up_to_less_than_the_suite_on_its_workers():
+def test_budgets_add_up_to_less_than_the_suite_limit_on_its_workers():
     """The folders' budgets (test time summed over the workers) fit the suite's wall-clock
-    target on the two workers `scripts/test.sh` starts on a 2-core machine."""
+    limit (its target x the tolerance) on the two workers `scripts/test.sh` starts."""
     spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
-    assert sum(conftest.BUDGETS.values()) <= 2 * _checker().SUITE_TARGET_S
+    check = _checker()
+    assert sum(conftest.BUDGETS.values()) <= 2 * check.TOLERANCE * check.SUITE_TARGET_S

@@ -1,5 +1,5 @@
 """Fail when a test folder ran over 1.5x its time budget, or the suite's wall-clock time
-over 1.5x its target of 8 minutes.
+over 15 minutes (its target is 8; the figure is printed on every run).
 
 python .ci/check_budgets.py REPORT   # REPORT: pytest's --budget-report FILE (tests/conftest.py)
 
@@ -14,6 +14,7 @@ import sys
 
 TOLERANCE = 1.5  # a shared 2-core CI machine swings by tens of percent between runs
 SUITE_TARGET_S = 8 * 60  # the README's test command on a 2-core machine, wall-clock
+SUITE_LIMIT_S = 15 * 60  # over this the run fails
 
 
 def over_budget(report: dict) -> list[str]:
@@ -24,10 +25,10 @@ def over_budget(report: dict) -> list[str]:
         for name, f in sorted(report["folders"].items())
         if f["budget_s"] is not None and f["spent_s"] > TOLERANCE * f["budget_s"]
     ]
-    if report["wall_s"] > TOLERANCE * SUITE_TARGET_S:
+    if report["wall_s"] > SUITE_LIMIT_S:
         bad.append(
-            f"the whole suite: {report['wall_s']:.0f} s wall-clock, target {SUITE_TARGET_S} s "
-            f"(x{TOLERANCE} = {TOLERANCE * SUITE_TARGET_S:.0f} s)"
+            f"the whole suite: {report['wall_s']:.0f} s wall-clock, limit {SUITE_LIMIT_S} s "
+            f"(target {SUITE_TARGET_S} s)"
         )
     return bad
 
@@ -37,7 +38,10 @@ def main(argv: list[str]) -> int:
         report = json.load(f)
     for line in over_budget(report):
         print(f"OVER BUDGET: {line} (BUDGETS in tests/conftest.py)", file=sys.stderr)
-    print(f"the suite: {report['wall_s']:.0f} s wall-clock on {report['workers']} worker(s)")
+    print(
+        f"the suite: {report['wall_s']:.0f} s wall-clock on {report['workers']} worker(s) "
+        f"(target {SUITE_TARGET_S} s, limit {SUITE_LIMIT_S} s)"
+    )
     return 1 if over_budget(report) else 0
 
 

@@ -67,11 +67,11 @@ BUDGETS = {
     "ops+nn": 30,
     "triton": 90,  # one interpreted-Triton child per folder
     "hf": 90,  # ~40 s of it: compiling and exporting patched models (test_compile_like_stock)
-    "parallel": 360,  # gloo process groups of 2 and 4 processes, torchrun runs
+    "parallel": 420,  # gloo process groups of 2 and 4 processes, torchrun runs
     "quant": 70,
     "train": 300,  # ~35 s of it: the plan calibration on two gloo processes
     "faults": 190,  # the checkpoint-integrity, run-lock and run-file fault tests
-    "jax": 120,
+    "jax": 150,
     "gpu_check": 20,  # its --cpu smoke is opt-in (DROPLESS_SLOW_TESTS=1)
     "bench": 60,
 }

@@ -51,11 +51,12 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _stock_transformers_after_each_test():
-    """A test that calls `dropless.patch()` leaves stock Transformers behind it: the tests a
-    worker runs next, from any folder, start unpatched."""
+    """A test that calls `dropless.patch()` or `patch_model()` leaves stock Transformers
+    behind it: the tests a worker runs next, from any folder, start unpatched (`unpatch()` is
+    a no-op when nothing is patched)."""
     yield
     patching = sys.modules.get("dropless.hf.patching.patch")
-    if patching is not None and patching.is_patched():
+    if patching is not None:
         patching.unpatch()
 
 

@@ -10,13 +10,12 @@ import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def _stock_after_each_test():
-    """Every test starts and ends with stock Transformers (no patch active, no warnings remembered)."""
-    import dropless.hf as dh
+def _no_warning_remembered():
+    """Every test starts and ends with no warning remembered (tests/conftest.py unpatches
+    after each test)."""
     from dropless.hf.experts import forward as experts
 
     torch.set_num_threads(1)
     experts._WARNED.clear()
     yield
-    dh.unpatch()
     experts._WARNED.clear()

@@ -15,6 +15,7 @@ pytest_plugins = ["interpreted"]
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(worker_group(item)))

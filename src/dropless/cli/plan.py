@@ -10,12 +10,14 @@ How the figures are made (every assumption is also in the JSON's "assumptions"):
   memory     traced, not computed: the model is built on the meta device as `dropless
              train` builds it, sharded (expert parallelism, FSDP2/HSDP, mixed precision)
              over a fake process group of N ranks, and one micro-batch's forward and
-             backward run on fake tensors under torch's memory tracker, with the optimizer
-             state of a second step in place. peak_gib_per_gpu is tensor memory (what
-             torch.cuda.max_memory_allocated reads). model.path may hold only config.json.
+             backward (the trainer's own step function) run on fake tensors under
+             torch's memory tracker, with the optimizer state of a second step in
+             place. peak_gib_per_gpu is tensor memory (what torch.cuda.max_memory_allocated
+             reads). model.path may hold only config.json.
   experts    the expert MLP cannot run on fake tensors (data-dependent counts, the counts
-             exchange, Triton kernels): the sizes the fused path declares are allocated
-             instead, the busiest expert-parallel rank computing --skew x the mean rows.
+             exchange, Triton kernels): what its op declares it keeps for backward is
+             allocated instead, the busiest expert-parallel rank computing --skew x the
+             mean rows.
              max_skew: the skew at which the layout stops fitting (dropless layers have no
              capacity limit); with ep=1 skew changes nothing.
   attention  sdpa / FlashAttention traced as the GPU kernels keep it (output and fp32
@@ -27,7 +29,13 @@ How the figures are made (every assumption is also in the JSON's "assumptions"):
              scaled for --gpu; NVLink 450 GB/s (h100/h200), 900 (b200), 50 GB/s between
              nodes of 8; all-to-all at 70% of the link, not overlapped unless
              parallel.overlap_chunks > 1; FSDP traffic overlapped with compute.
-  not traced router losses and gradient clipping (small); precision.dtype=auto is bf16.
+  activations the breakdown is taken at the overall peak; at small micro-batches that is
+             the optimizer step, when no activation is alive ("activations 0.00"). The
+             activation peak beside it (activation_peak_gib in the JSON) is the most
+             activations and backward temporaries held at one moment of forward/backward.
+  precision  the trainer's own step: its autocast, its precision.recipe (FP8 / MXFP8;
+             h kept in E4M3 with precision.fp8_saved_activations) and router losses.
+  not traced gradient clipping (small); precision.dtype=auto is bf16.
 """
 
 
@@ -58,14 +66,23 @@ def format_plan(p) -> str:
         f"{lay['micro_batch']} x {lay['seq_len']}, {lay['finetune']}, parameters "
         f"{lay['model_dtype']}, compute {lay['compute_dtype']}, checkpointing "
         f"{'on' if lay['activation_checkpointing'] else 'off'}",
-        "per GPU (GiB, at the traced peak):",
+        "per GPU (GiB), the breakdown at the traced peak:",
     ]
     for k, v in p.breakdown_gib.items():
-        lines.append(f"  {k:<20} {v:10.2f}")
-    if p.activations_other_checkpointing_gib is not None:
+        line = f"  {k:<20} {v:10.2f}"
+        if k == "activations":  # at the peak moment; their own peak may fall elsewhere
+            line += f"   (activation peak in forward/backward: {p.activation_peak_gib:.2f})"
+        lines.append(line)
+    if p.breakdown_gib["activations"] < 0.5 * p.activation_peak_gib:
+        lines += [
+            "  (the traced peak is the optimizer step, when no activation is alive; activations",
+            "   are counted at their own peak, above, with the backward's temporaries)",
+        ]
+    if p.activation_peak_other_checkpointing_gib is not None:
         other = "off" if lay["activation_checkpointing"] else "on"
         lines.append(
-            f"  (activations with checkpointing {other}: {p.activations_other_checkpointing_gib:.2f})"
+            f"  (activation peak with checkpointing {other}: "
+            f"{p.activation_peak_other_checkpointing_gib:.2f})"
         )
     if lay["ep"] > 1:
         lines.append(f"  all-to-all buffers of one layer at skew {p.skew}: {p.all_to_all_gib:.2f}")

@@ -170,6 +170,29 @@ def _store_h(h_S2F) -> QTensor:
     return quantize_current(h_S2F, "e4m3", dims=1)
 
 
+def saved_for_backward(
+    recipe, x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None
+):
+    """What `_QGroupedMLP` keeps for backward on the token path (the one `ops.expert_mlp`
+    takes under a recipe, dropless) beside its operands (x_TD, which it re-gathers in
+    backward, and the weights; per-tensor scales are scalars): h [R, N] as `_store_h`
+    stores it with fp8_saved_activations (E4M3 bytes and one fp32 scale per row), else in
+    x's dtype; the routing weights prob_S [R] and token_S [R] (int64; slot_TK is recomputed
+    from it), and pair_S [R] (int64), which autograd keeps for the entry's gather of the
+    routing weights (`prob_S = weights_TK.flatten()[pair_S]`). R = T*K unless `rows` says how many rows the experts compute (the memory
+    planner's busiest expert-parallel rank). `dropless plan` allocates this declaration
+    (`train/plan/experts.py`)."""
+    T, K = ids_TK.shape
+    R = T * K if rows is None else rows
+    N = gate_up.shape[1] if trans_w else gate_up.shape[2]
+    if recipe.fp8_saved_activations:
+        h = [x_TD.new_empty(R, N, dtype=torch.float8_e4m3fn), x_TD.new_empty(R, 1, dtype=torch.float32)]  # fmt: skip
+    else:
+        h = [x_TD.new_empty(R, N)]
+    index = [x_TD.new_empty(R, dtype=torch.int64) for _ in range(2)]  # token_S, pair_S
+    return (*h, x_TD.new_empty(R), *index)
+
+
 class _QGroupedMLP(torch.autograd.Function):
     """x is x_SD (rows in expert order) or, with token_S/slot_TK, x_TD: then the rows are
     gathered here (and again in backward, so only x_TD, which the caller holds anyway,

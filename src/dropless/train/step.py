@@ -112,6 +112,61 @@ class StepStats:
         )  # fmt: skip
 
 
+@dataclass
+class MicroStep:
+    """One micro-batch's forward, loss and backward, as `dropless train` runs it and as
+    `dropless plan` traces it (`train/plan/trace.py` calls this on fake tensors): the
+    forward under the precision context (autocast and the recipe), with the router
+    outputs the losses need; the cross-entropy (fused when `ce_seen` collects it) plus the
+    router losses; the backward of loss / grad_accum under the recipe (activation
+    checkpointing recomputes forwards there). Returns the detached cross-entropy, aux and z
+    losses and the routers' per-expert counts [M, E]."""
+
+    model: torch.nn.Module
+    precision: Any  # Precision: .autocast() and .recipe() contexts
+    router: Any  # dropless.hf.experts.router_losses.RouterLosses
+    ce_seen: list | None  # fuse_cross_entropy's list, or None: logits and F.cross_entropy
+    aux_loss_coef: float
+    z_loss_coef: float
+    grad_accum: int
+
+    @classmethod
+    def for_run(cls, cfg, model, precision, router, ce_seen) -> MicroStep:
+        tc = cfg.train
+        return cls(
+            model, precision, router, ce_seen, tc.aux_loss_coef, tc.z_loss_coef, tc.grad_accum
+        )
+
+    @property
+    def need_router(self) -> bool:
+        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
+
+    def __call__(self, xy_BL1: torch.Tensor, targets_BL: torch.Tensor | None = None):
+        # supervised rows carry their own targets (IGNORE where no loss: prompt, padding)
+        x, y = xy_BL1[:, :-1], (xy_BL1[:, 1:] if targets_BL is None else targets_BL)
+        need_router = self.need_router
+        kw = dict(output_router_logits=need_router, use_cache=False)
+        if self.ce_seen is not None:  # y as the already shifted labels
+            kw.update(labels=y, shift_labels=y)
+            self.ce_seen.clear()
+        with self.precision.autocast(), self.precision.recipe(), self.router.capture():
+            out = self.model(input_ids=x, **kw)
+        if self.ce_seen is not None:
+            assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
+            ce = self.ce_seen.pop()
+        else:
+            logits = out.logits.float()
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            del logits
+        # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
+        rs = self.router.stats(out, x.shape, need_router)
+        del out  # the logits (unfused) are not held through backward
+        loss = ce + self.aux_loss_coef * rs.aux + self.z_loss_coef * rs.z
+        with self.precision.recipe():  # activation checkpointing recomputes forwards in backward
+            (loss / self.grad_accum).backward()
+        return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
+
+
 class StepRunner:
     """Runs one optimizer step on `parts` (`StepParts`) for the run's config and process."""
 
@@ -129,30 +184,7 @@ class StepRunner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
         self.seq_len = tc.seq_len
-        self.need_router = tc.aux_loss_coef > 0 or tc.z_loss_coef > 0
-
-    def _micro_step(self, xy_BL1: torch.Tensor, targets_BL: torch.Tensor | None = None):
-        tc = self.cfg.train
-        # supervised rows carry their own targets (IGNORE where no loss: prompt, padding)
-        x, y = xy_BL1[:, :-1], (xy_BL1[:, 1:] if targets_BL is None else targets_BL)
-        kw = dict(output_router_logits=self.need_router, use_cache=False)
-        if self.ce_seen is not None:  # y as the already shifted labels
-            kw.update(labels=y, shift_labels=y)
-            self.ce_seen.clear()
-        with self.precision.autocast(), self.precision.recipe(), self.router.capture():
-            out = self.model(input_ids=x, **kw)
-        if self.ce_seen is not None:
-            assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
-            ce = self.ce_seen.pop()
-        else:
-            logits = out.logits.float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
-        rs = self.router.stats(out, x.shape, self.need_router)
-        loss = ce + tc.aux_loss_coef * rs.aux + tc.z_loss_coef * rs.z
-        with self.precision.recipe():  # activation checkpointing recomputes forwards in backward
-            (loss / self.grad_accum).backward()
-        return ce.detach(), rs.aux.detach(), rs.z.detach(), rs.counts_ME
+        self.micro = MicroStep.for_run(cfg, model, parts.precision, parts.router, self.ce_seen)
 
     def _accumulate(self, state: TrainState, stop) -> tuple[StepStats, bool]:
         """Forward/backward over the micro-batches; returns the step's statistics over every
@@ -172,7 +204,7 @@ class StepRunner:
             tg = None
             if hasattr(self.sampler, "batch_targets"):  # supervised data (sft.RowSampler)
                 tg = torch.from_numpy(self.sampler.batch_targets(idx)).to(dev)
-            ce, lb, zl, c = self._micro_step(xy, tg)
+            ce, lb, zl, c = self.micro(xy, tg)
             sums += torch.stack([ce, lb, zl]).double() / self.grad_accum
             counts_ME += c.to(dev)
         path_ME = hf().tokens_per_expert(self.model, reset=True)
@@ -250,4 +282,11 @@ class StepRunner:
             update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device), rate)
 
 
-__all__ = ["StepParts", "StepRunner", "StepStats", "fuse_cross_entropy", "nonfinite_message"]
+__all__ = [
+    "MicroStep",
+    "StepParts",
+    "StepRunner",
+    "StepStats",
+    "fuse_cross_entropy",
+    "nonfinite_message",
+]

@@ -104,16 +104,26 @@ def expert_mlp_op(
     return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
 
+def saved_for_backward(x_TD, ids_TK, gate_up, down, trans_w: bool = True, rows: int | None = None):
+    """(h_RN, pair_R, slot_TK, counts_E): what the routed expert MLP keeps for its backward
+    beside its operands (x_TD, the routing weights and the expert weights, which the caller
+    holds): the gate/up output h in x's dtype and the sort's int64 indices. R = S = T*K
+    (dropless: every pair is a row) unless `rows` says how many rows the experts compute
+    (the memory planner's busiest expert-parallel rank). The op's fake rule is this
+    declaration, and `dropless plan` allocates it (`train/plan/experts.py`)."""
+    T, K = ids_TK.shape
+    R = T * K if rows is None else rows
+    index = dict(dtype=torch.int64, device=x_TD.device)
+    h = x_TD.new_empty(R, _h_dim(gate_up, trans_w))
+    return h, x_TD.new_empty(R, **index), x_TD.new_empty(T, K, **index), \
+        x_TD.new_empty(gate_up.shape[0], **index)  # fmt: skip
+
+
 @expert_mlp_op.register_fake
 def _(x_TD, ids_TK, weights_TK, gate_up, down, gate_up_bias, down_bias, kind, gated,
       interleaved, alpha, limit, trans_w):  # fmt: skip
-    T, K = ids_TK.shape
-    S = T * K
-    out = x_TD.new_empty(T, _out_dim(down, trans_w))
-    h = x_TD.new_empty(S, _h_dim(gate_up, trans_w))
-    index = dict(dtype=torch.int64, device=x_TD.device)
-    return out, h, x_TD.new_empty(S, **index), x_TD.new_empty(T, K, **index), \
-        x_TD.new_empty(gate_up.shape[0], **index)  # fmt: skip
+    out = x_TD.new_empty(ids_TK.shape[0], _out_dim(down, trans_w))
+    return (out, *saved_for_backward(x_TD, ids_TK, gate_up, down, trans_w))
 
 
 @torch.library.custom_op("dropless::expert_mlp_backward", mutates_args=())

@@ -18,9 +18,11 @@ def autocast_dtype(pcfg, on_gpu: bool) -> torch.dtype:
 class Precision:
     """The compute dtype (bf16 autocast or fp32) and the low-precision recipe context."""
 
-    def __init__(self, pcfg, device: torch.device):
+    def __init__(self, pcfg, device: torch.device, autocast_device: str | None = None):
+        """`autocast_device`: the device type autocast runs on when not `device`'s (the
+        planner: a GPU's compute dtype, CPU autocast over its fake CPU tensors)."""
         self.dtype = autocast_dtype(pcfg, device.type == "cuda")
-        self.device_type = device.type
+        self.device_type = autocast_device or device.type
         self.recipe = recipe_context(pcfg)
 
     def autocast(self):

@@ -5,30 +5,33 @@ The dropless expert path cannot run on fake tensors: it counts tokens per expert
 GEMM, and under expert parallelism exchanges those counts before an all-to-all whose
 split sizes depend on the routing. So the planner swaps each experts module's forward
 (on its own traced copy of the model, never on a training model) for one autograd
-Function that allocates what the real fused path declares, at the sizes the routing
-fixes:
+Function that allocates, at the sizes the routing fixes:
 
-- forward keeps for backward h [R, 2F] in the compute dtype (the only activation the
-  fused MLP saves, `ops/fused_mlp.py`), prob_S [R] and the sort indices token_S [R],
-  slot_TK [T, K] (int64); with expert parallelism also the received rows [R, D] (the
-  fused MLP's input there, with its routing weights [R]), the all-to-all send buffer
-  [S, D] while it is in flight, the unweighted combine's token indices [S] (int64;
-  the routing weight is fused into the experts' activation, as on one process) and,
-  where received rows are reordered, the permutation and its inverse [R] (int64);
-- backward allocates what the fused backward holds, in its order: under expert
-  parallelism first the combine's backward (the pairs' output gradient [S, D], then the
-  rows received back [R, D] and their local-order copy [R, D]); the gathered output
-  gradient [R, D], d(activation) and the recomputed activation [R, F], dh [R, 2F], the
-  recomputed x_SD [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights'
-  shape and dtype; under expert parallelism dx_SD's local-order copy [R, D] and the
-  pairs' input gradient received back [S, D]; and dx [T, D].
+- in forward, what the expert MLP keeps for backward, as its own folder declares it:
+  `dropless.ops.expert_mlp.custom_op.saved_for_backward` (the fake rule of the
+  `dropless::expert_mlp` custom op: h [R, N] in the compute dtype and the sort's
+  indices) or, under a precision recipe, `dropless.quant.mlp.saved_for_backward` (h in
+  E4M3 with one fp32 scale per row when precision.fp8_saved_activations is on, the
+  routing weights and token indices);
+- under expert parallelism (`EP` below, the one part stated here) also the received
+  rows [R, D] (the MLP's input there), the all-to-all send buffer [S, D] while it is in
+  flight, the combine's token indices [S] (int64) and, where received rows are
+  reordered, the permutation and its inverse [R] (int64);
+- in backward, what the fused backward holds, in its order: under expert parallelism
+  first the combine's backward (the pairs' output gradient [S, D], then the rows received
+  back [R, D] and their local-order copy [R, D]); the gathered output gradient [R, D],
+  d(activation) and the recomputed activation [R, F], dh [R, N], the recomputed x_SD
+  [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights' shape and dtype;
+  under expert parallelism dx_SD's local-order copy [R, D] and the pairs' input gradient
+  received back [S, D]; and dx [T, D].
 
 S = T x K pairs of this rank's tokens; R = the rows this rank's experts compute: S on one
 process (every expert is local, whatever the routing), ceil(S x skew) under expert
 parallelism, where `skew` is the busiest rank's load over the mean.
 """
 
-# T tokens, D model dim, F expert hidden dim, E experts, K top-k, S pairs, R rows computed
+# T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, K top-k,
+# S pairs, R rows computed
 
 from __future__ import annotations
 
@@ -38,20 +41,36 @@ import types
 import torch
 from torch import nn
 
+from ...ops.compute_dtype import expert_input
+from ...ops.dispatch import get_recipe
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def declared_saved(x_TD, ids_TK, w1, rows: int) -> tuple[torch.Tensor, ...]:
+    """What the expert MLP of this call keeps for backward, as its op declares it: the
+    recipe's MLP under a recipe (`dropless.quant.mlp`), else the routed expert MLP's fake
+    rule (`dropless.ops.expert_mlp.custom_op`). Weights [E, N, D] (trans_w) or [E, D, N]."""
+    trans_w = w1.shape[1] != x_TD.shape[1]
+    recipe = get_recipe()
+    if recipe is not None:
+        from ...quant.mlp import saved_for_backward
+
+        return saved_for_backward(recipe, x_TD, ids_TK, w1, trans_w, rows)
+    from ...ops.expert_mlp.custom_op import saved_for_backward
+
+    return saved_for_backward(x_TD, ids_TK, w1, None, trans_w, rows)
+
+
 class _DeclaredExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w1, w2, weights_TK, rows: int, ep: int):
+    def forward(ctx, x_TD, w1, w2, weights_TK, ids_TK, rows: int, ep: int):
         T, K = weights_TK.shape
         S = T * K
-        h = x_TD.new_empty(rows, w1.shape[1] if w1.shape[1] != x_TD.shape[1] else w1.shape[2])
-        kept = [h, weights_TK.new_empty(rows), x_TD.new_empty(rows, dtype=torch.long)]
-        kept.append(x_TD.new_empty(T, K, dtype=torch.long))
-        if ep > 1:
+        kept = list(declared_saved(x_TD, ids_TK, w1, rows))
+        if ep > 1:  # EP
             D = x_TD.shape[1]
             send = x_TD.new_empty(S, D)  # in flight during the dispatch
             kept.append(x_TD.new_empty(rows, D))  # received rows, saved
@@ -62,50 +81,50 @@ class _DeclaredExperts(torch.autograd.Function):
         if ctx.reorder:  # the reorder's permutation and its inverse [R] (int64), saved
             kept += [x_TD.new_empty(rows, dtype=torch.long) for _ in range(2)]
         ctx.save_for_backward(*kept)
-        ctx.shapes = (w1.shape, w1.dtype, w2.shape, w2.dtype, rows, x_TD.shape[1])
+        N = w1.shape[1] if w1.shape[1] != x_TD.shape[1] else w1.shape[2]
+        ctx.shapes = (w1.shape, w1.dtype, w2.shape, w2.dtype, rows, x_TD.shape[1], N, S)
         return x_TD.new_empty(x_TD.shape)
 
     @staticmethod
     def backward(ctx, g_TD):
         # the live set of `GroupedMLP.backward`, in its order
         saved = ctx.saved_tensors  # once: under activation checkpointing a second read raises
-        h = saved[0]
-        s1, d1, s2, d2, rows, D = ctx.shapes
-        F = h.shape[1] // 2
-        S = saved[3].numel()
+        s1, d1, s2, d2, rows, D, N, S = ctx.shapes
+        x = g_TD  # the compute dtype's tensors are made like the output gradient
+        F = N // 2
         if ctx.ep:  # the combine's backward: pairs' grad out, received back, local order
-            g_SD = h.new_empty(S, D)
-            g_RD = h.new_empty(rows, D)
+            g_SD = x.new_empty(S, D)
+            g_RD = x.new_empty(rows, D)
             del g_SD
             if ctx.reorder:
-                g_local = h.new_empty(rows, D)
+                g_local = x.new_empty(rows, D)
                 del g_RD
-        gy, da = h.new_empty(rows, D), h.new_empty(rows, F)  # gathered grad, d(act out)
-        dh, a = torch.empty_like(h), h.new_empty(rows, F)  # d h, the recomputed activation
+        gy, da = x.new_empty(rows, D), x.new_empty(rows, F)  # gathered grad, d(act out)
+        dh, a = x.new_empty(rows, N), x.new_empty(rows, F)  # d h, the recomputed activation
         del da
-        g2, gp = h.new_empty(s2, dtype=d2), h.new_empty(rows)
+        g2, gp = x.new_empty(s2, dtype=d2), x.new_empty(rows)
         del a, gy
-        x_SD = h.new_empty(rows, D)  # recomputed gather for the gate/up weight gradient
-        g1 = h.new_empty(s1, dtype=d1)
+        x_SD = x.new_empty(rows, D)  # recomputed gather for the gate/up weight gradient
+        g1 = x.new_empty(s1, dtype=d1)
         del x_SD
-        dx_SD = h.new_empty(rows, D)
+        dx_SD = x.new_empty(rows, D)
         if ctx.ep:  # the dispatch's backward: local-order copy, pairs' grad received back
             if ctx.reorder:
                 del g_local
-                dx_local = h.new_empty(rows, D)
+                dx_local = x.new_empty(rows, D)
                 del dx_SD
-                dx_SD = h.new_empty(S, D)
+                dx_SD = x.new_empty(S, D)
                 del dx_local
             else:
                 del g_RD, dx_SD
-                dx_SD = h.new_empty(S, D)
+                dx_SD = x.new_empty(S, D)
             # the routing weights' gradient on its way home: reordered, received, scattered
             gp_S = [gp.new_empty(rows), gp.new_empty(S), gp.new_empty(S)]
         dx = g_TD.new_empty(g_TD.shape)
-        del dx_SD, dh, gp
+        del dx_SD, dh, gp, saved
         if ctx.ep:
             del gp_S
-        return dx, g1, g2, None, None, None
+        return dx, g1, g2, None, None, None, None
 
 
 def rows_computed(pairs: int, ep: int, skew: float) -> int:
@@ -130,8 +149,8 @@ def declare_experts(model: nn.Module, ep: int, skew: float) -> int:
         first = "gate_up_proj" if getattr(self, "has_gate", True) else "up_proj"
         w1, w2 = _weight(self, first), _weight(self, "down_proj")
         rows = rows_computed(top_k_index.numel(), ep, skew)
-        x = hidden_states.to(w1.dtype)
-        out = _DeclaredExperts.apply(x, w1, w2, top_k_weights, rows, ep)
+        x = expert_input(hidden_states, w1)  # as the real forward: the autocast dtype
+        out = _DeclaredExperts.apply(x, w1, w2, top_k_weights, top_k_index, rows, ep)
         return out.to(hidden_states.dtype)
 
     layers = moe_layers(model)

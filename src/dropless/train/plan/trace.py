@@ -2,19 +2,25 @@
 the trainer's own code path.
 
     p = make_plan(cfg, gpus=8, gpu_memory_gib=80, gpu="h100", skew=1.5)
-    p.peak_gib_per_gpu, p.fits, p.to_json()
+    p.peak_gib_per_gpu, p.activation_peak_gib, p.fits, p.to_json()
 
 The memory is traced, not computed: the model is built on the meta device as
 `dropless train` builds it (patched experts, activation checkpointing, fused RMSNorm and
 cross-entropy, LoRA), sharded by `parallelize_for_training` (expert parallelism, FSDP2 /
 HSDP, the mixed-precision policy) over a fake process group of the target world size
 (`torch.testing._internal.distributed.fake_pg`, this process as rank 0), materialized as
-fake tensors (`FakeTensorMode`: no memory is used), and one micro-batch's forward and
-backward and the optimizer step run under torch's memory tracker (FSDPMemTracker under
-FSDP2, MemTracker on one process), which follows every tensor's storage. The experts
-forward is the one part that cannot run on fake tensors (data-dependent counts, the
-counts exchange, Triton kernels): it is replaced by the sizes the fused path declares
-(`experts.py`), at the stated routing skew under expert parallelism.
+fake tensors (`FakeTensorMode`: no memory is used), and the trainer's own micro-batch
+(`train.step.MicroStep`: forward under the precision recipe with the router outputs, the
+loss with router losses, backward) and the optimizer step run under torch's memory
+tracker (FSDPMemTracker under FSDP2, MemTracker on one process), which follows every
+tensor's storage. The experts forward is the one part that cannot run on fake tensors
+(data-dependent counts, the counts exchange, Triton kernels): it is replaced by what the
+expert MLP's own folder declares it keeps for backward (`experts.py`), at the stated
+routing skew under expert parallelism.
+
+Two readings come out: the breakdown at the overall peak (at small micro-batches the
+optimizer step, when no activation is alive), and the activation peak, the most bytes
+activations and the backward's temporaries held at one moment of forward and backward.
 
 The trace runs on CPU fake tensors: CPU autocast stands for CUDA autocast, and the CPU
 torch ops' outputs for the CUDA kernels' (the Triton RMSNorm and SwiGLU row kernels
@@ -44,6 +50,9 @@ GIB = 2**30
 CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspaces, kernels' code
 NCCL_GIB = 0.5  # NCCL communicators' buffers, several processes only
 FRAGMENTATION = 0.05  # of the peak: the caching allocator's rounding and splits
+#: the categories the activation peak sums: what forward keeps for backward and what
+#: backward allocates as it goes (activation gradients, recomputed tensors, scratch)
+ACTIVATIONS = ("activations", "temporaries")
 
 
 @contextlib.contextmanager
@@ -122,11 +131,53 @@ def _category(name: str) -> str:
     return "temporaries"  # Temp, Inputs
 
 
-def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[str, int]:
-    """Bytes per category at the peak of one micro-batch + optimizer step, on fake tensors."""
+@dataclass
+class Traced:
+    """What the traced step reads: bytes per category at the step's overall peak, and the
+    most bytes activations held at one moment of forward and backward (activations and the
+    backward's temporaries: at small micro-batches the overall peak is the optimizer step,
+    when none is alive)."""
+
+    per: dict[str, int]
+    activation_peak: int
+
+
+def planned_precision(cfg):
+    """The trainer's `Precision` for a GPU run (its compute dtype and recipe), with CPU
+    autocast standing for CUDA autocast over the planner's fake CPU tensors."""
+    from ..model.precision import Precision
+
+    return Precision(cfg.precision, torch.device("cuda"), autocast_device="cpu")
+
+
+@contextlib.contextmanager
+def _score_funcs_without_data():
+    """The sequence-wise aux loss identifies each router's score function once, by reading
+    values (`identify_score_func`), which fake tensors have not; every candidate makes the
+    same [T, E] scores, so the trace takes the router's declared one (softmax else)."""
+    from ...hf.experts import router_losses
+
+    def declared(logits_TE, weights_TK, ids_TK, hint):
+        return hint if hint in router_losses.SCORE_FUNCS else "softmax"
+
+    real = router_losses.identify_score_func
+    router_losses.identify_score_func = declared
+    try:
+        yield
+    finally:
+        router_losses.identify_score_func = real
+
+
+def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> Traced:
+    """One micro-batch of the trainer's own step (`train.step.MicroStep`: forward under the
+    precision recipe with the router outputs, loss with router losses, backward) then the
+    optimizer step, on fake tensors under torch's memory tracker."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ...hf.experts.router_losses import RouterLosses
+    from ..step import MicroStep
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
@@ -139,7 +190,10 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
     tc = cfg.train
     B, L = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len
     V = int(model.config.vocab_size)
-    with mode, warnings.catch_warnings():
+    precision = planned_precision(cfg)
+    assert precision.dtype == cdtype, (precision.dtype, cdtype)
+    step = MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
+    with mode, warnings.catch_warnings(), _score_funcs_without_data():
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         _init_optimizer_state(opt)
@@ -149,30 +203,14 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> dict[s
         if par is None:
             tracker.track_external(model, opt)
         with tracker:
-            ids = torch.randint(0, V, (B, L))
-            kw = {"use_cache": False}
-            if seen is not None:
-                kw.update(labels=ids, shift_labels=ids)
-            auto = (
-                torch.autocast("cpu", dtype=cdtype)
-                if cdtype != torch.float32
-                else contextlib.nullcontext()
-            )
-            with auto:
-                out = model(input_ids=ids, **kw)
-            if seen is not None:
-                loss = seen.pop()
-            else:
-                logits = out.logits.float()
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids.reshape(-1))
-            del out
-            loss.backward()
-            del loss
+            # the trainer's windows: L inputs, their targets shifted by one
+            step(torch.randint(0, V, (B, L + 1)))
             loss_free = tracker.get_tracker_snapshot("current")  # after backward: the step's start
         peak = _breakdown(tracker.get_tracker_snapshot("peak"))
     at_step = _breakdown(loss_free)
     at_step["temporaries"] += _step_temporaries(opt)
-    return peak if sum(peak.values()) >= sum(at_step.values()) else at_step
+    per = peak if sum(peak.values()) >= sum(at_step.values()) else at_step
+    return Traced(per, tracker.activation_peak)
 
 
 def _breakdown(snap) -> dict[str, int]:
@@ -208,10 +246,17 @@ def _tracker(base):
                     hooks[p] = (p.register_hook(seen), p.register_post_accumulate_grad_hook(accumulated))  # fmt: skip
             return out
 
+        activation_peak = 0  # the most bytes of activations and temporaries at one moment
+
         def _update_peak_stats(self, peak_state) -> None:
             # the whole-device peak only: torch's version also walks every module seen so
             # far on each allocation, which makes a 48-layer trace minutes long
             for dev, snap in self._curr_mem_snap.items():
+                acts = sum(
+                    int(b) for k, b in snap.items()
+                    if str(k) != "Total" and _category(getattr(k, "value", str(k))) in ACTIVATIONS
+                )  # fmt: skip
+                self.activation_peak = max(self.activation_peak, acts)
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
@@ -258,13 +303,18 @@ class Plan:
     fits: bool
     max_skew: float
     skew: float
-    breakdown_gib: dict
+    breakdown_gib: dict  # at the overall peak (the optimizer step at small micro-batches)
     tokens_per_s_per_gpu: float
     step_s_estimate: float
     activations_other_checkpointing_gib: float | None
     all_to_all_gib: float
     layout: dict
     assumptions: dict = field(default_factory=dict)
+    #: the most activations (and backward temporaries) held at one moment of forward and
+    #: backward, wherever the overall peak falls
+    activation_peak_gib: float = 0.0
+    #: the same with activation checkpointing flipped (None when not compared)
+    activation_peak_other_checkpointing_gib: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -279,9 +329,9 @@ def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
         declare_experts(model, ep, skew)
         declare_attention(model)
-        per = trace_step(cfg, model, par, seen, world, cdtype)
+        traced = trace_step(cfg, model, par, seen, world, cdtype)
         workload = _workload(cfg, model, par, world, cdtype)
-    return per, workload
+    return traced, workload
 
 
 def _workload(cfg, model, par, world: int, cdtype) -> Workload:
@@ -335,8 +385,10 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         "memory": "traced: the trainer's model build, sharding and one training step on fake "
         "tensors over a fake process group; torch's memory tracker reads the peak",
         "experts": "the expert MLP is not run on fake tensors (data-dependent counts, the counts "
-        "exchange, Triton kernels): its declared sizes are allocated (saved h [rows, 2F], "
-        "prob and indices; received rows and the send buffer under expert parallelism)",
+        "exchange, Triton kernels): what its op declares it keeps for backward is allocated "
+        "(h [rows, 2F] in the compute dtype, or in E4M3 with a scale per row under a recipe "
+        "with fp8_saved_activations, and its indices), with the received rows and the send "
+        "buffer under expert parallelism",
         "skew": f"the busiest expert-parallel rank computes {skew}x the mean rows"
         if ep > 1
         else "one expert-parallel rank holds every expert: routing skew does not change memory",
@@ -348,7 +400,9 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         ),
         "lora": "adapters on experts are counted as parameters and optimizer state; their "
         "gradients and the few [rows, rank] activations of the expert path are not traced",
-        "router_losses": "not traced (a few [T, E] tensors per layer)",
+        "router_losses": "traced: the trainer's step asks for the router logits when an aux "
+        "or z loss is on",
+        "precision": f"the trainer's autocast and recipe ({cfg.precision.recipe})",
         "gradient_clipping": "not traced (one norm per parameter group)",
         "reserve": f"{CONTEXT_GIB} GiB CUDA context and workspaces, {NCCL_GIB} GiB NCCL with "
         f"several processes, {FRAGMENTATION:.0%} of the peak for allocator fragmentation",
@@ -398,16 +452,19 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
     def peak_at(s: float) -> float:
         if s not in cache:
             cache[s] = _traced(cfg, hf_config, gpus, cdtype, ep, s)
-        return sum(cache[s][0].values()) / GIB
+        return sum(cache[s][0].per.values()) / GIB
 
     peak = peak_at(skew)
-    per, work = cache[skew]
+    traced, work = cache[skew]
+    per = traced.per
     cap = _skew_cap(hf_config, ep)
     max_skew = _max_skew(peak_at, skew, gpu_memory_gib, gpus, cap) if ep > 1 else cap
-    other = None
+    other = other_peak = None
     if compare_checkpointing:
         flipped = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, activation_checkpointing=not cfg.train.activation_checkpointing))  # fmt: skip
-        other = _traced(flipped, hf_config, gpus, cdtype, ep, skew)[0]["activations"] / GIB
+        flipped_trace = _traced(flipped, hf_config, gpus, cdtype, ep, skew)[0]
+        other = flipped_trace.per["activations"] / GIB
+        other_peak = round(flipped_trace.activation_peak / GIB, 9)
     reserve = reserve_gib(gpus, peak)
     est = step_estimate(work, kind, skew, cfg.train.grad_accum)
     rows = math.ceil(work.tokens * work.top_k * (skew if ep > 1 else 1.0))
@@ -420,6 +477,8 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
         activations_other_checkpointing_gib=None if other is None else round(other, 9),
         all_to_all_gib=round(a2a, 9), layout=_layout(cfg, gpus, work, cdtype),
         assumptions=plan_assumptions(cfg, cdtype, ep, skew, kind),
+        activation_peak_gib=round(traced.activation_peak / GIB, 9),
+        activation_peak_other_checkpointing_gib=other_peak,
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """The plan against a real run on CPU: measured <= plan <= 1.10 x measured, where
-measured is the peak of live tensor bytes of a real training step (the second: the
-optimizer state exists, as in every later step), read by torch's MemTracker (a
+measured is the peak of live tensor bytes of a real training step (the trainer's own
+micro-batch, `train.step.MicroStep`, as the plan traces it, then the optimizer step; the
+second step: the optimizer state exists, as in every later step), read by torch's MemTracker (a
 TorchDispatchMode following every storage), with one intra-op thread. The expert path's
 worker threads run the items of a Python dispatch mode in the calling thread
 (`ops/expert_threads.py`), so the tracker sees the experts' tensors too. Over gloo it is
@@ -37,6 +38,17 @@ def _peak_bytes(tracker, run) -> int:
     return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
 
+def _micro_step(cfg, model, seen):
+    """The trainer's micro-batch (`train.step.MicroStep`, what the plan traces too): CPU
+    precision, the model's router losses."""
+    from dropless.hf.experts.router_losses import RouterLosses
+    from dropless.train.model.precision import Precision
+    from dropless.train.step import MicroStep
+
+    precision = Precision(cfg.precision, torch.device("cpu"))
+    return MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
+
+
 def _measured_peak(cfg) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -53,20 +65,10 @@ def _measured_peak(cfg) -> int:
     seen = fuse_cross_entropy(model) if tc.fused_cross_entropy else None
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
     B, L, V = micro_batch_size(tc.batch_size, 1, tc.grad_accum), tc.seq_len, model.config.vocab_size
+    micro = _micro_step(cfg, model, seen)
 
     def step():
-        ids = torch.randint(0, V, (B, L))
-        kw = {"use_cache": False}
-        if seen is not None:
-            kw.update(labels=ids, shift_labels=ids)
-        out = model(input_ids=ids, **kw)
-        if seen is not None:
-            loss = seen.pop()
-        else:
-            loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), ids.reshape(-1))
-        del out
-        loss.backward()
-        del loss
+        micro(torch.randint(0, V, (B, L + 1)))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -162,17 +164,14 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
         cfg.model, P.resolve_hf_config(cfg), cfg.parallel, world, expert_bias=False,
         seed=0, device=torch.device("cpu"), fused_rmsnorm=tc.fused_rmsnorm,
     )  # fmt: skip
-    seen = fuse_cross_entropy(model)
+    seen = fuse_cross_entropy(model) if tc.fused_cross_entropy else None
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
     B, L, V = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len, model.config.vocab_size
     g = torch.Generator().manual_seed(rank)
+    micro = _micro_step(cfg, model, seen)
 
     def step():
-        ids = torch.randint(0, V, (B, L), generator=g)
-        model(input_ids=ids, labels=ids, shift_labels=ids, use_cache=False)
-        loss = seen.pop()
-        loss.backward()
-        del loss
+        micro(torch.randint(0, V, (B, L + 1), generator=g))
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -35,6 +35,8 @@ def test_json_contract_and_fitting_verdict(capsys):
     assert d["tokens_per_s_per_gpu"] > 0
     assert "estimate" in d["assumptions"]["throughput"]
     assert d["activations_other_checkpointing_gib"] < d["breakdown_gib"]["activations"] + 1e-9
+    # the activation peak over forward/backward, wherever the overall peak falls
+    assert d["activation_peak_gib"] >= d["breakdown_gib"]["activations"] > 0
 
 
 def test_does_not_fit_exits_1_and_says_so(capsys):

@@ -41,7 +41,7 @@ def worker_group(item) -> str:
         for name, defs in item._fixtureinfo.name2fixturedefs.items()
         if defs[-1].scope == "session" and defs[-1].baseid  # ours: defined in a conftest
     )
-    return "session:" + ",".join(shared) if shared else str(item.path)
+    return "session:" + ",".join(shared) if shared else item.nodeid.split("::")[0]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,7 @@ _spent: dict[str, float] = {}
 
 
 def _folder(nodeid: str) -> str:
-    parts = nodeid.split("/")
+    parts = nodeid.split("::")[0].split("/")  # the file's path (xdist appends "@group" to the id)
     name = parts[1] if len(parts) > 2 else "other"
     return "ops+nn" if name in ("ops", "nn") else name
 

@@ -75,15 +75,19 @@ def test_budgets_add_up_to_less_than_the_suite_limit_on_its_workers():
     assert sum(conftest.BUDGETS.values()) <= 2 * check.SUITE_LIMIT_S
 
 
-def test_one_file_runs_on_one_worker():
+def test_one_file_runs_on_one_worker(tmp_path):
     """`--dist loadgroup` keeps a group (here: one file) on one worker; without our markers
     reaching pytest-xdist the file's tests spread over both workers, and a module fixture (a
-    spawned process group, a finished tiny run) is built once per worker."""
+    spawned process group, a finished tiny run) is built once per worker. The time still
+    counts for the file's folder (xdist appends the group to the test's id)."""
+    report = tmp_path / "budgets.json"
     test = "tests/parallel/test_mesh_config.py"
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-n", "2"]
     proc = subprocess.run(
-        [*cmd, "--dist", "loadgroup", test], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+        [*cmd, "--dist", "loadgroup", "--budget-report", str(report), test],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:]
     workers = {line.split()[0] for line in proc.stdout.splitlines() if " PASSED " in line}
     assert len(workers) == 1 and workers <= {"[gw0]", "[gw1]"}, proc.stdout[-2000:]
+    assert list(json.loads(report.read_text())["folders"]) == ["parallel"]

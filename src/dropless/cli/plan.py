@@ -66,14 +66,14 @@ def format_plan(p) -> str:
         f"{lay['micro_batch']} x {lay['seq_len']}, {lay['finetune']}, parameters "
         f"{lay['model_dtype']}, compute {lay['compute_dtype']}, checkpointing "
         f"{'on' if lay['activation_checkpointing'] else 'off'}",
-        "per GPU (GiB), the breakdown at the traced peak:",
+        f"per GPU (GiB), the breakdown at the traced peak ({p.peak_moment}):",
     ]
     for k, v in p.breakdown_gib.items():
         line = f"  {k:<20} {v:10.2f}"
         if k == "activations":  # at the peak moment; their own peak may fall elsewhere
             line += f"   (activation peak in forward/backward: {p.activation_peak_gib:.2f})"
         lines.append(line)
-    if p.breakdown_gib["activations"] < 0.5 * p.activation_peak_gib:
+    if p.peak_moment == "optimizer step":
         lines += [
             "  (the traced peak is the optimizer step, when no activation is alive; activations",
             "   are counted at their own peak, above, with the backward's temporaries)",

@@ -140,6 +140,7 @@ class Traced:
 
     per: dict[str, int]
     activation_peak: int
+    peak_moment: str  # "forward/backward" or "optimizer step"
 
 
 def planned_precision(cfg):
@@ -168,7 +169,7 @@ def _score_funcs_without_data():
         router_losses.identify_score_func = real
 
 
-def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> Traced:
+def trace_step(cfg, model, par, seen, world: int) -> Traced:
     """One micro-batch of the trainer's own step (`train.step.MicroStep`: forward under the
     precision recipe with the router outputs, loss with router losses, backward) then the
     optimizer step, on fake tensors under torch's memory tracker."""
@@ -190,8 +191,7 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> Traced
     tc = cfg.train
     B, L = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len
     V = int(model.config.vocab_size)
-    precision = planned_precision(cfg)
-    assert precision.dtype == cdtype, (precision.dtype, cdtype)
+    precision = planned_precision(cfg)  # the compute dtype make_plan builds the model for
     step = MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
     with mode, warnings.catch_warnings(), _score_funcs_without_data():
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
@@ -209,8 +209,9 @@ def trace_step(cfg, model, par, seen, world: int, cdtype: torch.dtype) -> Traced
         peak = _breakdown(tracker.get_tracker_snapshot("peak"))
     at_step = _breakdown(loss_free)
     at_step["temporaries"] += _step_temporaries(opt)
-    per = peak if sum(peak.values()) >= sum(at_step.values()) else at_step
-    return Traced(per, tracker.activation_peak)
+    if sum(peak.values()) >= sum(at_step.values()):
+        return Traced(peak, tracker.activation_peak, "forward/backward")
+    return Traced(at_step, tracker.activation_peak, "optimizer step")
 
 
 def _breakdown(snap) -> dict[str, int]:
@@ -315,6 +316,8 @@ class Plan:
     activation_peak_gib: float = 0.0
     #: the same with activation checkpointing flipped (None when not compared)
     activation_peak_other_checkpointing_gib: float | None = None
+    #: where the overall peak (breakdown_gib) falls: "forward/backward" or "optimizer step"
+    peak_moment: str = "forward/backward"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -329,7 +332,7 @@ def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
         declare_experts(model, ep, skew)
         declare_attention(model)
-        traced = trace_step(cfg, model, par, seen, world, cdtype)
+        traced = trace_step(cfg, model, par, seen, world)
         workload = _workload(cfg, model, par, world, cdtype)
     return traced, workload
 
@@ -478,7 +481,7 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
         all_to_all_gib=round(a2a, 9), layout=_layout(cfg, gpus, work, cdtype),
         assumptions=plan_assumptions(cfg, cdtype, ep, skew, kind),
         activation_peak_gib=round(traced.activation_peak / GIB, 9),
-        activation_peak_other_checkpointing_gib=other_peak,
+        activation_peak_other_checkpointing_gib=other_peak, peak_moment=traced.peak_moment,
     )  # fmt: skip
 
 

@@ -179,9 +179,9 @@ def saved_for_backward(
     stores it with fp8_saved_activations (E4M3 bytes and one fp32 scale per row), else in
     x's dtype; the routing weights prob_S [R] and token_S [R] (int64; slot_TK is recomputed
     from it), and pair_S [R] (int64), which autograd keeps for the entry's gather of the
-    routing weights (`prob_S = weights_TK.flatten()[pair_S]`). R = T*K unless `rows` says how many rows the experts compute (the memory
-    planner's busiest expert-parallel rank). `dropless plan` allocates this declaration
-    (`train/plan/experts.py`)."""
+    routing weights (`prob_S = weights_TK.flatten()[pair_S]`). R = T*K unless `rows` says
+    how many rows the experts compute (the memory planner's busiest expert-parallel rank).
+    `dropless plan` allocates this declaration (`train/plan/experts.py`)."""
     T, K = ids_TK.shape
     R = T * K if rows is None else rows
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]

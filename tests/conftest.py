@@ -31,15 +31,17 @@ def pytest_collection_modifyitems(config, items):
 def worker_group(item) -> str:
     """The pytest-xdist group of a test (`scripts/test.sh` runs `--dist loadgroup`): every
     group runs on one worker. A fixture is built once per worker that asks for it, so the
-    tests that share an expensive one run together: those of one of our session fixtures
-    (a finished tiny run), and those of a folder's interpreted-Triton child; any other test
-    goes with its file (its module fixtures)."""
+    tests that share an expensive one run together: those of a folder's session fixtures (a
+    finished tiny run and what is built from it), and those of a folder's interpreted-Triton
+    child; any other test goes with its file (its module fixtures)."""
     if "interpreted" in item.fixturenames:
         return f"interpreted:{item.path.parent.name}"
     shared = sorted(
-        name
-        for name, defs in item._fixtureinfo.name2fixturedefs.items()
-        if defs[-1].scope == "session" and defs[-1].baseid  # ours: defined in a conftest
+        {
+            defs[-1].baseid  # the conftest's folder: its session fixtures build on each other
+            for defs in item._fixtureinfo.name2fixturedefs.values()
+            if defs[-1].scope == "session" and defs[-1].baseid  # ours: defined in a conftest
+        }
     )
     return "session:" + ",".join(shared) if shared else item.nodeid.split("::")[0]
 

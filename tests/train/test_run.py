@@ -29,6 +29,7 @@ def test_run_writes_everything_and_learns(tiny_run):
         assert (
             counts.shape == (2, 4) and (counts.sum(1) == 2 * 4 * 32 * 2).all()
         )  # steps*B*L*K pairs
+    assert all(r["peak_tflops"] == 0.1 for r in recs[1:])  # the recipe's stated peak
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.5
     assert recs[-1]["loss_avg"] < recs[1]["loss_avg"]
     for name in ("loss.png", "expert_load.png", "config.toml", "summary.json"):
@@ -40,6 +41,14 @@ def test_run_writes_everything_and_learns(tiny_run):
         summary["final_bpb"] == recs[-1]["eval_bpb"]
         and summary["initial_bpb"] == recs[0]["eval_bpb"]
     )
+
+
+def test_mfu_without_a_stated_peak_measures_this_cpu():
+    from dropless.train.report.metrics import peak_tflops
+
+    peak, source = peak_tflops(torch.device("cpu"), torch.float32, 0.0)
+    assert source == "measured fp32 matmul on this CPU" and 1e-4 < peak < 1e3
+    assert peak_tflops(torch.device("cpu"), torch.float32, 2.5) == (2.5, "log.peak_tflops")
 
 
 def test_resume_is_bit_exact(tiny_run, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 import zlib
@@ -37,12 +38,11 @@ def _supported(p: Path) -> bool:
 
 def stdlib_files() -> list[Path]:
     """This Python's standard library sources (no site-packages), sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "dist-packages" not in p.parts
-    ]
+    files = []
+    for folder, subdirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        # pruned, not filtered: the installed packages can outnumber the library many times
+        subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files)
 
 

@@ -5,6 +5,7 @@
     out, aux = moe(x)
 
     dropless.patch()                      # Hugging Face v5 MoE models use our experts path
+    dropless.parallelize(model, ep=8)     # under torchrun: expert parallelism and FSDP2
     with dropless.autocast(recipe=dropless.MXFP8BlockScaling()):
         ...                               # expert GEMMs in MXFP8
 
@@ -32,6 +33,7 @@ _LAZY = {
     "patch": "dropless.hf",
     "patch_model": "dropless.hf",
     "unpatch": "dropless.hf",
+    "parallelize": "dropless.hf",
     "autocast": "dropless.quant",
     "DelayedScaling": "dropless.quant",
     "Float8CurrentScaling": "dropless.quant",

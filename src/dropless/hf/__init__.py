@@ -19,6 +19,7 @@ trainer shares) is imported from its own module.
 """
 
 from .distributed.expert_parallel import shard_hf_experts
+from .distributed.parallelize import parallelize
 from .distributed.sharded_load import load_sharded_hf
 from .experts.forward import (
     DroplessFallbackWarning,
@@ -62,6 +63,8 @@ __all__ = [
     # the loss from hidden states (docs/hf.md, docs/genomics.md)
     "enable_fused_cross_entropy",
     "disable_fused_cross_entropy",
+    # expert parallelism, FSDP2 and sharded loading for any training loop (docs/hf.md)
+    "parallelize",
     # expert parallelism and sharded loading (docs/parallel.md)
     "shard_hf_experts",
     "load_sharded_hf",

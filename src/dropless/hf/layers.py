@@ -123,12 +123,33 @@ def save_hf(model: nn.Module, out_dir: str | Path, **save_kwargs) -> Path:
 
     Buffers dropless added (the routers' `expert_bias`) are left out, so stock
     `from_pretrained(out_dir)` loads it without unexpected keys. Extra keyword arguments
-    go to `save_pretrained`.
+    go to `save_pretrained`. A model laid out by `dropless.parallelize` (DTensor parameters:
+    FSDP2 shards, expert-parallel experts) is gathered tensor by tensor: every rank must call
+    this, and rank 0 writes.
     """
+    import torch.distributed as dist
+
     if not hasattr(model, "save_pretrained"):
         raise TypeError(f"save_hf needs a transformers PreTrainedModel, got {type(model).__name__}")
     drop = set(added_state_keys(model))
-    state = {k: v for k, v in model.state_dict().items() if k not in drop}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    state = {}
+    for k, v in model.state_dict().items():
+        if k in drop:
+            continue
+        if hasattr(v, "full_tensor"):  # a DTensor: every rank takes part in the gather
+            v = v.full_tensor().detach().cpu()
+        if rank == 0:
+            state[k] = v
     out = Path(out_dir)
-    model.save_pretrained(out, state_dict=state, **save_kwargs)
+    if rank == 0:
+        # gathered already: the DistributedConfig `dropless.parallelize` sets (for Trainer)
+        # would make save_pretrained gather again, a collective the other ranks are not in
+        config = model.config
+        layout = config.__dict__.pop("distributed_config", None)
+        try:
+            model.save_pretrained(out, state_dict=state, **save_kwargs)
+        finally:
+            if layout is not None:
+                config.distributed_config = layout
     return out

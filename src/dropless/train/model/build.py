@@ -138,13 +138,11 @@ def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Mod
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing under the name the installed Transformers has
-    (`activation_checkpointing_enable`; the deprecated `gradient_checkpointing_enable` before)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    """Non-reentrant activation checkpointing per decoder layer (the one definition is
+    `dropless.hf.distributed.parallelize`'s, imported on first use: it imports transformers)."""
+    from ...hf.distributed.parallelize import enable_activation_checkpointing as enable
+
+    enable(model)
 
 
 def _without_quantization(config):

@@ -11,36 +11,24 @@ with ep > 1, expert parallelism of the model's Transformers experts modules.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
-from ...hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
-from ...parallel.fsdp import apply_fsdp, clip_grad_norm_
-from ...parallel.mesh import ParallelMesh, as_parallel_config, build_mesh
+from ...hf.distributed.expert_parallel import hf_dispatchers
+from ...hf.distributed.parallelize import (
+    decoder_layers,
+    mixed_precision_policy,
+    parallelize_config,
+    quiet_dtensor_warnings,
+)
+from ...parallel.fsdp import clip_grad_norm_
+from ...parallel.mesh import ParallelMesh, as_parallel_config
 from ..run.collectives import all_reduce
 
-
-class _QuietRedistribution(logging.Filter):
-    """DTensor warns on every rank that a redistribution over the (dp, ep) mesh takes two
-    collectives; the layout is deliberate and the warning says nothing a user can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "suboptimal" not in record.getMessage()
-
-
-def quiet_dtensor_warnings() -> None:
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    if not any(isinstance(f, _QuietRedistribution) for f in log.filters):
-        log.addFilter(_QuietRedistribution())
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    for name, m in model.named_modules():
-        if name.endswith("layers") and isinstance(m, nn.ModuleList):
-            return list(m)
-    return []
+__all__ = [
+    "TrainParallel", "decoder_layers", "mixed_precision_policy", "parallelize_for_training",
+    "quiet_dtensor_warnings",
+]  # fmt: skip
 
 
 class TrainParallel:
@@ -75,16 +63,6 @@ class TrainParallel:
         }
 
 
-def mixed_precision_policy(compute_dtype: torch.dtype):
-    """FSDP2's policy for a run computing in `compute_dtype`: parameters all-gathered and
-    used in that dtype, gradients reduced in fp32 (None for fp32 compute)."""
-    if compute_dtype == torch.float32:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-
-
 def parallelize_for_training(
     model: nn.Module, parallel_cfg, world: int, compute_dtype: torch.dtype = torch.float32
 ) -> TrainParallel | None:
@@ -103,10 +81,6 @@ def parallelize_for_training(
 
         resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error
         return None
-    quiet_dtensor_warnings()
-    pm = build_mesh(parallel_cfg, num_experts)
-    shard_hf_experts(model, pm)
-    apply_fsdp(
-        model, pm, blocks=decoder_layers(model), mp_policy=mixed_precision_policy(compute_dtype)
-    )
+    # the public call's path (`dropless.parallelize`), from the run's [parallel] section
+    pm = parallelize_config(model, as_parallel_config(parallel_cfg), mixed_precision=compute_dtype)
     return TrainParallel(model, pm)

@@ -1,0 +1,144 @@
+"""What the scripts `ep_*.py` of this folder share: their options, the process group, a tiny
+Qwen3-MoE checkpoint when no `--model` is given, the model laid out by `dropless.parallelize`,
+and the batches (the same global batch for any number of processes, split by rank)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import dropless
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--model", help="a local Hugging Face MoE checkpoint (default: a tiny Qwen3-MoE)"
+    )
+    p.add_argument("--out", help="where the final model and losses.json go (default: a temp dir)")
+    p.add_argument(
+        "--ep", type=int, default=0, help="expert-parallel size (default: every process)"
+    )
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument(
+        "--global-batch", type=int, default=4, help="sequences per micro-step, all ranks"
+    )
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--max-grad-norm", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def init() -> tuple[int, int]:
+    """(rank, world): joins torchrun's group (gloo on CPU, NCCL on CUDA) when there is one."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def shared_dir(path: str | None, rank: int) -> Path:
+    """`path`, or a temporary directory rank 0 makes and every rank is told."""
+    name = [path or (tempfile.mkdtemp(prefix="dropless_ep_") if rank == 0 else None)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    out = Path(name[0])
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def tiny_checkpoint(out: Path, rank: int, seed: int) -> str:
+    """A tiny random Qwen3-MoE (8 experts, top-2) written by rank 0 with `save_pretrained`:
+    what the scripts load when no --model is given."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    path = out / "init"
+    if rank == 0:
+        config = Qwen3MoeConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+            router_aux_loss_coef=0.0,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return str(path)
+
+
+def tiny_tokenizer(vocab: int):
+    """A word-level tokenizer of `vocab` tokens t0, t1, ... (t0 pads): what TRL asks for."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="t0", unk_token="t1", eos_token="t2"
+    )
+
+
+def load_model(path: str, world: int, ep: int, **parallelize_kwargs):
+    """The patched model: on one process loaded whole; on several built on the meta device
+    and laid out by `dropless.parallelize`, each rank reading only its shards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dropless.patch()
+    if world == 1:
+        return AutoModelForCausalLM.from_pretrained(path).to(device())
+    config = AutoConfig.from_pretrained(path)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return dropless.parallelize(model, ep=ep or world, checkpoint=path, **parallelize_kwargs)
+
+
+def batches(args, vocab: int, rank: int, world: int):
+    """Per optimizer step, its grad_accum micro-batches of token ids: this rank's rows of the
+    global batch (the same global data for any number of processes)."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    per = args.global_batch // world
+    for _ in range(args.steps):
+        step = []
+        for _ in range(args.grad_accum):
+            ids = torch.randint(0, vocab, (args.global_batch, args.seq_len), generator=g)
+            step.append(ids[rank * per : (rank + 1) * per].to(device()))
+        yield step
+
+
+def mean_over_ranks(x: float) -> float:
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def report(out: Path, rank: int, record: dict) -> None:
+    """Rank 0 prints the record as one JSON line and writes it to OUT/losses.json."""
+    if rank == 0:
+        print("RESULT " + json.dumps(record), flush=True)
+        (out / "losses.json").write_text(json.dumps(record))

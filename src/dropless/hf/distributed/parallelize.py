@@ -1,0 +1,310 @@
+"""`dropless.parallelize`: what `dropless train` applies to a model on several processes, for
+any training loop (a plain torch loop, accelerate, Transformers' `Trainer`, TRL).
+
+    import torch.distributed as dist, dropless
+    dropless.patch()
+    dist.init_process_group("gloo")            # or NCCL; torchrun sets the rank and world
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dropless.parallelize(model, ep=2, checkpoint="path/to/checkpoint")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ... loss.backward(); dropless.parallel.clip_grad_norm_(model.parameters(), 1.0); opt.step()
+    dropless.hf.save_hf(model, "out")          # every rank calls it; rank 0 writes
+
+In order: checks (a process group, the sizes, a patched model, nothing else sharding it);
+activation checkpointing where asked (routing replay keeps the recompute's routing);
+expert parallelism (`shard_hf_experts`: DTensor experts, the all-to-all dispatcher); FSDP2
+(HSDP with dp_replicate > 1) with a mixed-precision policy, every decoder layer a unit;
+then, for a model on the meta device and a `checkpoint`, each rank allocates and reads its
+own shards (`load_sharded_hf`, block-FP8 and MXFP4 dequantised).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...parallel.fsdp import apply_fsdp
+from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh
+from .expert_parallel import shard_hf_experts
+
+_MESH = "_dropless_parallel_mesh"
+
+
+class _QuietRedistribution(logging.Filter):
+    """DTensor warns on every rank that a redistribution over the (dp, ep) mesh takes two
+    collectives; the layout is deliberate and the warning says nothing a user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "suboptimal" not in record.getMessage()
+
+
+def quiet_dtensor_warnings() -> None:
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    if not any(isinstance(f, _QuietRedistribution) for f in log.filters):
+        log.addFilter(_QuietRedistribution())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers (the first ModuleList named `...layers`), FSDP2's units."""
+    for name, m in model.named_modules():
+        if name.endswith("layers") and isinstance(m, nn.ModuleList):
+            return list(m)
+    return []
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Non-reentrant activation checkpointing under the name the installed Transformers has
+    (`activation_checkpointing_enable`; the deprecated `gradient_checkpointing_enable` before)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def mixed_precision_policy(dtype):
+    """FSDP2's policy for computing in `dtype`: parameters all-gathered and used in that
+    dtype, gradients reduced in fp32 (None for fp32 or None; a MixedPrecisionPolicy is kept)."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    if not isinstance(dtype, torch.dtype):
+        return dtype
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The Transformers model inside a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _check_process_group() -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "dropless.parallelize needs torch.distributed initialised: start the script with "
+            "`torchrun --nproc-per-node N script.py` and call torch.distributed.init_process_group() "
+            "(or create Transformers' TrainingArguments / accelerate's Accelerator, which do) "
+            "before dropless.parallelize"
+        )
+    return dist.get_world_size()
+
+
+def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int) -> None:
+    for name, v in (("ep", ep), ("dp_replicate", dp_replicate)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"dropless.parallelize({name}={v!r}): must be an int >= 1")
+    if world % dp_replicate:
+        raise ValueError(
+            f"dropless.parallelize(dp_replicate={dp_replicate}) does not divide the world size "
+            f"{world} (processes); pick dp_replicate from {_divisors(world)}"
+        )
+    shard = world // dp_replicate
+    if shard % ep:
+        raise ValueError(
+            f"dropless.parallelize(ep={ep}) does not divide the {shard} processes of each "
+            f"replica (world size {world}, dp_replicate={dp_replicate}); expert parallelism "
+            f"borrows its ranks from the data-parallel ones: pick ep from {_divisors(shard)}"
+        )
+    if num_experts % ep:
+        ok = [d for d in _divisors(shard) if num_experts % d == 0]
+        raise ValueError(
+            f"dropless.parallelize(ep={ep}): the model has {num_experts} experts per layer, "
+            f"which {ep} ranks cannot split evenly; pick ep from {ok}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_model(model: nn.Module) -> int:
+    """The model's experts per layer, after checking nothing stands in the way."""
+    from torch.distributed.tensor import DTensor
+
+    from ..layers import moe_layers
+
+    base = _base(model)
+    layers = moe_layers(base)
+    if not layers:
+        raise ValueError(
+            f"dropless.parallelize: {type(base).__name__} has no Mixture-of-Experts layers "
+            "(no experts module Transformers decorates with @use_experts_implementation)"
+        )
+    _check_not_deepspeed(base)
+    get = getattr(base, "get_experts_implementation", None)
+    impls = set(get().values()) if get is not None else set()
+    if "dropless" not in impls:
+        raise ValueError(
+            f"dropless.parallelize: {type(base).__name__} runs the experts implementation "
+            f"{sorted(impls)}, not dropless's: call dropless.patch() before building or loading "
+            "the model, or dropless.patch_model(model) on it"
+        )
+    tp = (
+        getattr(base, "_device_mesh", None) is not None
+        or (getattr(base, "_tp_size", None) or 1) > 1
+    )
+    if tp or any(getattr(layer.experts, "_is_expert_parallel", False) for layer in layers):
+        raise ValueError(
+            "dropless.parallelize: the model was loaded with Transformers' own tensor or expert "
+            "parallelism (from_pretrained(tp_plan=...) or distributed_config=...); load it "
+            "without tp_plan and distributed_config, and let dropless.parallelize(ep=...) shard it"
+        )
+    if any(isinstance(p, DTensor) for p in base.parameters()):
+        raise ValueError(
+            "dropless.parallelize: the model's parameters are already distributed (DTensors: "
+            "another fully_shard / tensor-parallel plan, or parallelize called twice); "
+            "call it once, on a model no other wrapper has sharded"
+        )
+    return int(layers[0].num_experts)
+
+
+def _check_not_deepspeed(model: nn.Module) -> None:
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    if not zero3:
+        try:
+            from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+            zero3 = bool(is_deepspeed_zero3_enabled())
+        except ImportError:
+            zero3 = False
+    if zero3:
+        raise ValueError(
+            "dropless.parallelize cannot shard a model that DeepSpeed ZeRO-3 partitions: ZeRO-3 "
+            "gathers every expert onto each rank in its own hooks. Remove the DeepSpeed config "
+            "(TrainingArguments(deepspeed=None), no `deepspeed` in the accelerate config); "
+            "dropless.parallelize applies FSDP2 itself (ZeRO-3's sharding)"
+        )
+
+
+def parallel_mesh(model: nn.Module) -> ParallelMesh | None:
+    """The `ParallelMesh` `parallelize` laid `model` out on (None if it did not)."""
+    return _base(model).__dict__.get(_MESH)
+
+
+def parallelize(
+    model: nn.Module,
+    *,
+    ep: int = 1,
+    fsdp: bool = True,
+    dp_replicate: int = 1,
+    mixed_precision=None,
+    activation_checkpointing: bool = False,
+    checkpoint=None,
+    device=None,
+    overlap_chunks: int = 1,
+    reshard_after_forward: bool = True,
+    rename=None,
+) -> nn.Module:
+    """Lay a `dropless.patch()`ed Transformers MoE model out over the processes of the
+    default process group, in place (returns it), as `dropless train` does.
+
+    ep: expert-parallel size: each rank holds num_experts / ep experts of every layer and
+    tokens reach them by all-to-all. It must divide the processes of a replica and the
+    experts. fsdp: wrap with FSDP2 (HSDP over dp_replicate replicas): dense parameters
+    sharded over the data-parallel ranks, experts over the ranks that hold the same ones;
+    gradients come out averaged over every process. False is refused on several processes
+    (nothing else would average the gradients).
+    mixed_precision: None (compute in the parameters' dtype; autocast still applies), a
+    dtype (FSDP2 gathers parameters in it and reduces fp32 gradients) or a
+    `MixedPrecisionPolicy`. activation_checkpointing: non-reentrant per decoder layer, the
+    experts' routing replayed in the recompute.
+    checkpoint: a safetensors checkpoint directory (`save_pretrained`'s) to fill a model
+    built on the meta device: each rank allocates only its shards on `device` (default: this
+    rank's CUDA device, else CPU) and reads only their slices. rename: maps a state key to
+    its checkpoint key (None: not in the checkpoint, e.g. LoRA adapters).
+    overlap_chunks: split each all-to-all into chunks that overlap the expert compute.
+
+    Needs torch.distributed initialised (torchrun). Raises ValueError, saying what to
+    change, for sizes that do not fit, a model not patched, and what cannot compose:
+    DeepSpeed ZeRO-3, Transformers' own tensor/expert parallelism, an already sharded model.
+    """
+    world = _check_process_group()
+    num_experts = _check_model(model)
+    check_sizes(ep, dp_replicate, world, num_experts)
+    if not fsdp and world > 1:
+        raise ValueError(
+            f"dropless.parallelize(fsdp=False) on {world} processes: without FSDP2 nothing would "
+            "average the gradients (DDP cannot take the DTensor experts); use fsdp=True"
+        )
+    # one process takes the path a node takes (as parallel.force_distributed does)
+    cfg = ParallelConfig(
+        dp_replicate=dp_replicate,
+        ep=ep,
+        overlap_chunks=overlap_chunks,
+        force_distributed=world == 1,
+    )
+    _apply(
+        model, cfg, fsdp=fsdp, mixed_precision=mixed_precision,
+        activation_checkpointing=activation_checkpointing, checkpoint=checkpoint,
+        device=device, reshard_after_forward=reshard_after_forward, rename=rename,
+    )  # fmt: skip
+    base = _base(model)
+    if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
+        _mark_sharded(base, parallel_mesh(model))
+    return model
+
+
+def parallelize_config(model: nn.Module, cfg, *, mixed_precision=None) -> ParallelMesh:
+    """What `parallelize` does, from a `ParallelConfig` (the `[parallel]` section of
+    `dropless train`, already checked against the world): the mesh, expert parallelism and
+    FSDP2. Returns the mesh."""
+    _apply(model, cfg, fsdp=True, mixed_precision=mixed_precision)
+    return parallel_mesh(model)
+
+
+def _apply(
+    model, cfg, *, fsdp: bool, mixed_precision=None, activation_checkpointing: bool = False,
+    checkpoint=None, device=None, reshard_after_forward: bool = True, rename=None,
+) -> nn.Module:  # fmt: skip
+    from ..layers import moe_layers
+
+    base = _base(model)
+    if activation_checkpointing:
+        enable_activation_checkpointing(base)
+    layers = moe_layers(base)
+    quiet_dtensor_warnings()
+    pm = build_mesh(cfg, layers[0].num_experts if layers else None)
+    shard_hf_experts(model, pm)
+    if fsdp:
+        apply_fsdp(
+            model, pm, blocks=decoder_layers(model), mp_policy=mixed_precision_policy(mixed_precision),
+            reshard_after_forward=reshard_after_forward,
+        )  # fmt: skip
+    base.__dict__[_MESH] = pm
+    if checkpoint is not None:
+        _load(model, checkpoint, device, rename)
+    return model
+
+
+def _mark_sharded(base: nn.Module, pm: ParallelMesh) -> None:
+    """Transformers' mark of a model that owns its placement and gradient reduction (as
+    `from_pretrained(distributed_config=...)` leaves one): its Trainer then neither moves it
+    nor has accelerate wrap it in DDP (which refuses DTensors), defers FSDP2's reduction to
+    the last micro-batch, and saves from every rank (the gathers are collectives). The
+    DistributedConfig describes the data-parallel layout only; it is not saved."""
+    from transformers import DistributedConfig
+
+    if getattr(base.config, "distributed_config", None) is None:
+        base.config.distributed_config = DistributedConfig(
+            fsdp_size=pm.config.dp_shard, dp_replicate_size=pm.config.dp_replicate
+        )
+    base._is_distributed_loading_by_transformers = True
+
+
+def _load(model: nn.Module, checkpoint, device, rename) -> None:
+    from .sharded_load import load_sharded_hf
+
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    if any(t.is_meta for t in model.parameters()):
+        model.to_empty(device=device)
+    load_sharded_hf(_base(model), checkpoint, rename=rename)

@@ -1,0 +1,49 @@
+"""`dropless.parallelize`'s refusals, in one child process: first without a process group,
+then in a 1-process gloo group (what can be refused there); last, the call that works on
+one process equals the model it was given. Prints OK."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import dropless
+from harness import tiny_moe_config
+
+
+def _raises(fn, *words):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        msg = str(e)
+        assert all(w in msg for w in words), (words, msg)
+        return
+    raise AssertionError(f"no error; expected one naming {words}")
+
+
+def main():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(tiny_moe_config("qwen3_moe"))
+    _raises(lambda: dropless.parallelize(stock, ep=1), "torch.distributed", "torchrun")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    _raises(lambda: dropless.parallelize(stock), "dropless.patch()", "patch_model")
+    model = dropless.patch_model(copy.deepcopy(stock))
+    _raises(lambda: dropless.parallelize(model, ep=2), "ep=2", "pick ep from [1]")
+    _raises(lambda: dropless.parallelize(model, ep=0), "ep=0")
+    first = next(model.parameters())
+    first.ds_id = 0  # what DeepSpeed ZeRO-3 leaves on every parameter it partitions
+    _raises(lambda: dropless.parallelize(model), "ZeRO-3", "deepspeed")
+    del first.ds_id
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    want = model(input_ids=ids).logits
+    assert dropless.parallelize(model, ep=1) is model
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
+    _raises(lambda: dropless.parallelize(model), "already distributed", "once")
+    dist.destroy_process_group()
+    print("OK")
+
+
+if __name__ == "__main__":
+    main()

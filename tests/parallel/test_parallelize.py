@@ -1,0 +1,83 @@
+"""`dropless.parallelize` inside the trainers people use: each script of examples/ (`ep_*.py`)
+under `torchrun --nproc-per-node 2` on gloo with ep=2 gives the losses and gradient norms
+of the same script on one process (fp32, 6 steps, 2 micro-batches each, clipping active),
+and the model it saves loads in stock `from_pretrained` with the one-process weights.
+Each test is one torchrun and one single process. Also: the refusals of `parallelize`."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from dropless.hf.distributed.parallelize import check_sizes  # noqa: E402
+from harness import run_python, torchrun  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _result(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout[-2000:]
+    return json.loads(line[-1][len("RESULT ") :])
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kw = {"experts_implementation": "eager"}  # stock, whatever this process patched
+    ma, info = AutoModelForCausalLM.from_pretrained(a, output_loading_info=True, **kw)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    sa = ma.state_dict()
+    sb = AutoModelForCausalLM.from_pretrained(b, **kw).state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=2e-6, msg=k)
+
+
+def _equal_to_one_process(script: str, tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    ref = _result(run_python([EXAMPLES / script, "--out", one], env=ENV, timeout=300))
+    got = _result(torchrun(2, [EXAMPLES / script, "--out", two], env=ENV, timeout=300))
+    assert (ref["world"], got["world"]) == (1, 2)
+    assert len(got["losses"]) == 6
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert min(ref["grad_norms"]) > 0.5  # --max-grad-norm 0.5: clipping was active
+    _same_weights(two / "final", one / "final")
+
+
+def test_torch_loop_ep2_equals_one_process(tmp_path):
+    _equal_to_one_process("ep_torch_loop.py", tmp_path)
+
+
+def test_hf_trainer_ep2_equals_one_process(tmp_path):
+    _equal_to_one_process("ep_hf_trainer.py", tmp_path)
+
+
+def test_accelerate_ep2_equals_one_process(tmp_path):
+    pytest.importorskip("accelerate")
+    _equal_to_one_process("ep_accelerate.py", tmp_path)
+
+
+def test_refusals():
+    tests = Path(__file__).resolve().parents[1]
+    child = Path(__file__).with_name("_checks_parallelize_errors.py")
+    proc = run_python([child], env={**ENV, "PYTHONPATH": str(tests)}, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    with pytest.raises(ValueError, match=r"ep=4\) does not divide the 2 processes"):
+        check_sizes(4, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"6 experts per layer.*pick ep from \[1, 2\]"):
+        check_sizes(4, 1, 4, 6)
+    with pytest.raises(ValueError, match=r"dp_replicate=3\) does not divide the world size 4"):
+        check_sizes(1, 3, 4, 8)
+    check_sizes(2, 2, 8, 8)  # 2 replicas of 4 processes, 4 experts per rank
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

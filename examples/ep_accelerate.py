@@ -37,7 +37,7 @@ def main() -> None:
     n = args.steps * args.grad_accum * args.global_batch
     ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)
     loader = torch.utils.data.DataLoader(ids, batch_size=args.global_batch // world)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     opt, loader = acc.prepare(opt, loader)  # not the model: it is laid out already
     losses, norms, total = [], [], 0.0
     model.train()

@@ -2,7 +2,8 @@
 under `torchrun --nproc-per-node 2` on gloo with ep=2 gives the losses and gradient norms
 of the same script on one process (fp32, 6 steps, 2 micro-batches each, clipping active),
 and the model it saves loads in stock `from_pretrained` with the one-process weights.
-Each test is one torchrun and one single process. Also: the refusals of `parallelize`."""
+Each test is one torchrun; the loop, Trainer and accelerate scripts share one
+one-process reference. Also: the refusals of `parallelize`."""
 
 import json
 import sys
@@ -40,9 +41,22 @@ def _same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=2e-6, msg=k)
 
 
-def _equal_to_one_process(script: str, tmp_path: Path, rel: float = 1e-5) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    ref = _result(run_python([EXAMPLES / script, "--out", one], env=ENV, timeout=300))
+def _one_process(script: str, out: Path) -> dict:
+    return _result(run_python([EXAMPLES / script, "--out", out], env=ENV, timeout=300))
+
+
+@pytest.fixture(scope="module")
+def loop_one_process(tmp_path_factory) -> tuple[dict, Path]:
+    """The plain loop on one process: the reference of the loop, Trainer and accelerate
+    scripts, which compute the same steps (same data, AdamW without weight decay, the
+    same clipping; checked: their one-process losses agree to 1e-7)."""
+    out = tmp_path_factory.mktemp("one")
+    return _one_process("ep_torch_loop.py", out), out
+
+
+def _equal_to_one_process(script: str, tmp_path: Path, ref, rel: float = 1e-5) -> None:
+    ref, one = ref
+    two = tmp_path / "two"
     got = _result(torchrun(2, [EXAMPLES / script, "--out", two], env=ENV, timeout=300))
     assert (ref["world"], got["world"]) == (1, 2)
     assert len(got["losses"]) == 6
@@ -57,17 +71,17 @@ def _equal_to_one_process(script: str, tmp_path: Path, rel: float = 1e-5) -> Non
         _same_weights(two / "final", two / "final")
 
 
-def test_torch_loop_ep2_equals_one_process(tmp_path):
-    _equal_to_one_process("ep_torch_loop.py", tmp_path)
+def test_torch_loop_ep2_equals_one_process(tmp_path, loop_one_process):
+    _equal_to_one_process("ep_torch_loop.py", tmp_path, loop_one_process)
 
 
-def test_hf_trainer_ep2_equals_one_process(tmp_path):
-    _equal_to_one_process("ep_hf_trainer.py", tmp_path)
+def test_hf_trainer_ep2_equals_one_process(tmp_path, loop_one_process):
+    _equal_to_one_process("ep_hf_trainer.py", tmp_path, loop_one_process)
 
 
-def test_accelerate_ep2_equals_one_process(tmp_path):
+def test_accelerate_ep2_equals_one_process(tmp_path, loop_one_process):
     pytest.importorskip("accelerate")
-    _equal_to_one_process("ep_accelerate.py", tmp_path)
+    _equal_to_one_process("ep_accelerate.py", tmp_path, loop_one_process)
 
 
 def test_trl_sft_ep2_near_one_process(tmp_path):
@@ -77,7 +91,8 @@ def test_trl_sft_ep2_near_one_process(tmp_path):
     bound is TRL's, not expert parallelism's: first loss 1e-6, first norm 1e-4, six losses
     1e-3 (measured 3e-4)."""
     pytest.importorskip("trl")
-    _equal_to_one_process("ep_trl_sft.py", tmp_path, rel=1e-3)
+    ref = _one_process("ep_trl_sft.py", tmp_path / "one"), tmp_path / "one"
+    _equal_to_one_process("ep_trl_sft.py", tmp_path, ref, rel=1e-3)
 
 
 def test_refusals():

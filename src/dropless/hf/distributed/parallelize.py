@@ -222,6 +222,8 @@ def parallelize(
     Needs torch.distributed initialised (torchrun). Raises ValueError, saying what to
     change, for sizes that do not fit, a model not patched, and what cannot compose:
     DeepSpeed ZeRO-3, Transformers' own tensor/expert parallelism, an already sharded model.
+    With FSDP2 the model is marked as Transformers marks one sharded at load time, so its
+    `Trainer` (and TRL's) trains it without wrapping it again (`_mark_sharded`).
     """
     world = _check_process_group()
     num_experts = _check_model(model)

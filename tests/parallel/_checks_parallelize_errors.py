@@ -1,6 +1,7 @@
 """`dropless.parallelize`'s refusals, in one child process: first without a process group,
 then in a 1-process gloo group (what can be refused there); last, the call that works on
-one process equals the model it was given. Prints OK."""
+one process equals the model it was given (logits; with activation checkpointing, the
+loss and every gradient). Prints OK."""
 
 import copy
 
@@ -19,6 +20,23 @@ def _raises(fn, *words):
         assert all(w in msg for w in words), (words, msg)
         return
     raise AssertionError(f"no error; expected one naming {words}")
+
+
+def _checkpointed_equals_plain(stock, ids):
+    """parallelize(activation_checkpointing=True) on one process: the loss and every
+    gradient of the model it was given."""
+    ref = dropless.patch_model(copy.deepcopy(stock))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    model = dropless.patch_model(copy.deepcopy(stock))
+    dropless.parallelize(model, activation_checkpointing=True)
+    assert model.is_gradient_checkpointing
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=0)
+    want = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g, want[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def main():
@@ -41,6 +59,7 @@ def main():
     assert dropless.parallelize(model, ep=1) is model
     torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
     _raises(lambda: dropless.parallelize(model), "already distributed", "once")
+    _checkpointed_equals_plain(stock, ids)
     dist.destroy_process_group()
     print("OK")
 

@@ -39,6 +39,18 @@ def _checkpointed_equals_plain(stock, ids):
         torch.testing.assert_close(g, want[name].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def _bf16_compute(stock, ids, want):
+    """mixed_precision=torch.bfloat16: the weights a forward sees are bf16 (the logits
+    come out bf16, within bf16 rounding of fp32's), the stored ones stay fp32."""
+    model = dropless.patch_model(copy.deepcopy(stock))
+    dropless.parallelize(model, mixed_precision=torch.bfloat16)
+    logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16, logits.dtype
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    err = (logits.float() - want).norm() / want.norm()
+    assert err < 2e-2, float(err)
+
+
 def main():
     from transformers import AutoModelForCausalLM
 
@@ -60,6 +72,7 @@ def main():
     torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
     _raises(lambda: dropless.parallelize(model), "already distributed", "once")
     _checkpointed_equals_plain(stock, ids)
+    _bf16_compute(stock, ids, want)
     dist.destroy_process_group()
     print("OK")
 

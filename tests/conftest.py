@@ -12,7 +12,12 @@ import torch
 # the `interpreted` and `import_check` fixtures: one child process under Triton's interpreter
 pytest_plugins = ["interpreted"]
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# torch threads per process: the cores shared by the pytest-xdist workers. More threads
+# than cores makes every parallel op wait at its barrier for a thread another process
+# holds (an fp64 gradcheck of a tiny MoE: 1.4 s on one thread, 22 s on two beside a busy
+# core). Tests of the threaded paths set their own count.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the group markers

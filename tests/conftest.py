@@ -24,6 +24,10 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(worker_group(item)))
+    # the folders with the largest budgets first (a stable sort: a file's order is kept):
+    # their long groups (process groups, a finished tiny run) start early, while the other
+    # worker works through the short ones, instead of one of them running alone at the end
+    items.sort(key=lambda item: -BUDGETS.get(folder_of(item.nodeid), 0))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -87,7 +91,8 @@ BUDGETS = {
 _spent: dict[str, float] = {}
 
 
-def _folder(nodeid: str) -> str:
+def folder_of(nodeid: str) -> str:
+    """The budget folder of a test id (tests/ops and tests/nn share one)."""
     parts = nodeid.split("::")[0].split("/")  # the file's path (xdist appends "@group" to the id)
     name = parts[1] if len(parts) > 2 else "other"
     return "ops+nn" if name in ("ops", "nn") else name
@@ -105,7 +110,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_logreport(report):
-    _spent[_folder(report.nodeid)] = _spent.get(_folder(report.nodeid), 0.0) + report.duration
+    _spent[folder_of(report.nodeid)] = _spent.get(folder_of(report.nodeid), 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -65,7 +65,13 @@ def identify_score_func(
     """The score function whose scores at the selected experts are proportional, token by
     token, to the routing weights the router produced (renormalisation and scaling keep
     that ratio constant within a token). `hint` decides when the data cannot (top-1 with
-    renormalised weights) and breaks near-ties."""
+    renormalised weights) and breaks near-ties. Fake tensors (`dropless plan` traces the
+    step on them) have no values to read: every candidate makes the same [T, E] scores
+    there, so the hint decides (softmax without one)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(logits_TE):
+        return hint if hint in SCORE_FUNCS else "softmax"
     spread = {}
     w_TK = weights_TK.detach().double()
     for name, fn in SCORE_FUNCS.items():

@@ -151,24 +151,6 @@ def planned_precision(cfg):
     return Precision(cfg.precision, torch.device("cuda"), autocast_device="cpu")
 
 
-@contextlib.contextmanager
-def _score_funcs_without_data():
-    """The sequence-wise aux loss identifies each router's score function once, by reading
-    values (`identify_score_func`), which fake tensors have not; every candidate makes the
-    same [T, E] scores, so the trace takes the router's declared one (softmax else)."""
-    from ...hf.experts import router_losses
-
-    def declared(logits_TE, weights_TK, ids_TK, hint):
-        return hint if hint in router_losses.SCORE_FUNCS else "softmax"
-
-    real = router_losses.identify_score_func
-    router_losses.identify_score_func = declared
-    try:
-        yield
-    finally:
-        router_losses.identify_score_func = real
-
-
 def trace_step(cfg, model, par, seen, world: int) -> Traced:
     """One micro-batch of the trainer's own step (`train.step.MicroStep`: forward under the
     precision recipe with the router outputs, loss with router losses, backward) then the
@@ -193,7 +175,7 @@ def trace_step(cfg, model, par, seen, world: int) -> Traced:
     V = int(model.config.vocab_size)
     precision = planned_precision(cfg)  # the compute dtype make_plan builds the model for
     step = MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
-    with mode, warnings.catch_warnings(), _score_funcs_without_data():
+    with mode, warnings.catch_warnings():
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         _init_optimizer_state(opt)

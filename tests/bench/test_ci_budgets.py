@@ -15,6 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _conftest():
+    """tests/conftest.py by its path (`import conftest` finds whichever folder's came first)."""
+    spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    return conftest
+
+
 def _checker():
     spec = importlib.util.spec_from_file_location(
         "check_budgets", ROOT / ".ci" / "check_budgets.py"
@@ -70,11 +78,8 @@ def _report(folders: dict, wall_s: float = 100.0) -> dict:
 def test_budgets_add_up_to_less_than_the_suite_limit_on_its_workers():
     """The folders' budgets (test time summed over the workers) fit the suite's wall-clock
     limit on the two workers `scripts/test.sh` starts."""
-    spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
     check = _checker()
-    assert sum(conftest.BUDGETS.values()) <= 2 * check.SUITE_LIMIT_S
+    assert sum(_conftest().BUDGETS.values()) <= 2 * check.SUITE_LIMIT_S
 
 
 def test_the_suite_runs_in_groups(request):
@@ -90,8 +95,7 @@ def test_the_suite_runs_in_groups(request):
 
 
 def test_grouped_ids_count_for_their_folder():
-    from conftest import BUDGETS, folder_of
-
+    folder_of, BUDGETS = _conftest().folder_of, _conftest().BUDGETS
     grouped = "tests/parallel/test_parallel.py::test_world2[ep_uniform]@tests/parallel/test_parallel.py"
     assert folder_of(grouped) == "parallel"
     assert folder_of("tests/nn/test_moe.py::test_x@session:tests/train") == "ops+nn"

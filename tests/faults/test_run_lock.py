@@ -100,8 +100,8 @@ def test_second_process_is_refused_and_dead_locks_are_taken_over(run_copy, capsy
 def test_three_dropless_train_starts_one_wins(tmp_path):
     run_dir = tmp_path / "run"
     argv = ["train", "--run-dir", str(run_dir), *args("log.plots=false", "log.tensorboard=false")]
-    # the winner is killed after its first step; the others must have failed at the lock
-    jobs = [({"kill_after_step": 1}, argv) for _ in range(3)]
+    # the winner is killed after its first step, once the others have failed at the lock
+    jobs = [({"kill_after_step": 1, "refused": "others"}, argv) for _ in range(3)]
     results = forked_children(jobs, tmp_path)
     codes = sorted(c for c, _ in results)
     assert codes == [-signal.SIGKILL, 2, 2], results

@@ -7,6 +7,8 @@ or one spec followed by the dropless arguments; a spec has any of
      "kill_after_step": 3,                    # SIGKILL right after this optimizer step, once
                                               # the checkpoints begun are complete (a save
                                               # runs in the background: checkpoint.async_save)
+     "refused": "others",                     # ... and once the other forked jobs' stderr
+                                              # holds the run lock's refusal
      "signal_in_step": [9, "SIGINT", 1]}      # send the signal (this many times) mid-step
 
 One job runs in this process (under torchrun too). Several jobs are forked from this
@@ -21,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -48,6 +51,7 @@ class Faults(TrainHooks):
         if self.mine and self.spec.get("kill_after_step") == step:
             with self.saves:
                 assert self.saves.wait_for(lambda: self.begun <= self.done, timeout=120)
+            _wait_for_refusals(self.spec.get("refused", []))
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_backward(self, step, model):
@@ -57,6 +61,17 @@ class Faults(TrainHooks):
                 os.kill(os.getpid(), getattr(signal, sig[1]))
 
 
+def _wait_for_refusals(paths: list[str], timeout_s: float = 120.0) -> None:
+    """Until the run-lock refusal is in every other job's stderr (or a timeout): the run
+    holding the lock dies only once the others have met it (a job reaching the lock after
+    the holder died would take the dead lock over)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if all(os.path.exists(p) and "is in use by process" in open(p).read() for p in paths):
+            return
+        time.sleep(0.05)
+
+
 def run(job: dict) -> int:
     trainer.train = functools.partial(trainer.train, hooks=Faults(job.get("spec", {})))
     return main(job["argv"])
@@ -64,7 +79,9 @@ def run(job: dict) -> int:
 
 def run_forked(jobs: list[dict]) -> list[int]:
     pids = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
+        if job["spec"].get("refused") == "others":  # the other jobs' stderr files
+            job["spec"]["refused"] = [j["stderr"] for k, j in enumerate(jobs) if k != i]
         pid = os.fork()
         if pid == 0:
             code = 1

@@ -43,7 +43,7 @@ def worker_group(item) -> str:
     tests that share an expensive one run together: those of a folder's session fixtures (a
     finished tiny run and what is built from it), and those of a folder's interpreted-Triton
     child; any other test goes with its file (its module fixtures)."""
-    if "interpreted" in item.fixturenames:
+    if {"interpreted", "import_check"} & set(item.fixturenames):  # one child per folder
         return f"interpreted:{item.path.parent.name}"
     shared = sorted(
         {

@@ -92,6 +92,10 @@ def test_the_suite_runs_in_groups(request):
     if not (hasattr(request.config, "workerinput") and request.config.getvalue("loadgroup")):
         pytest.skip("checks the grouped run of scripts/test.sh (-n 2 --dist loadgroup)")
     assert request.node.nodeid.endswith("@tests/bench/test_ci_budgets.py"), request.node.nodeid
+    # a folder's interpreted-Triton child runs once: every test that reads it is in its group
+    for item in request.session.items:
+        if {"interpreted", "import_check"} & set(item.fixturenames):
+            assert item.nodeid.endswith(f"@interpreted:{item.path.parent.name}"), item.nodeid
 
 
 def test_grouped_ids_count_for_their_folder():

@@ -18,9 +18,9 @@ stock `from_pretrained` loads. Such a Trainer cannot save its optimizer for a re
 
 from __future__ import annotations
 
+import moe_example_common as common
 import torch
-from moe_example_common import init, load_model, parser, report, shared_dir, tiny_checkpoint
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 
 class Windows(torch.utils.data.Dataset):
@@ -42,51 +42,22 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class Record(TrainerCallback):
-    def __init__(self):
-        self.losses, self.norms = [], []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.losses.append(float(logs["loss"]))
-            self.norms.append(float(logs.get("grad_norm", float("nan"))))
-
-
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
-    world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
-    out_dir = args.out
+    args = common.parser(__doc__.splitlines()[0]).parse_args()
     targs = TrainingArguments(
-        output_dir=out_dir or "ep_hf_trainer_out",
-        per_device_train_batch_size=args.global_batch // world,
-        gradient_accumulation_steps=args.grad_accum,
-        max_steps=args.steps,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=args.max_grad_norm,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        train_sampling_strategy="sequential",  # the same global batches for any world size
-        use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0,
+        **common.trainer_arguments(args, "ep_hf_trainer_out"), dataloader_num_workers=0
     )
-    rank, world = init()  # TrainingArguments joined torchrun's process group
-    out = shared_dir(out_dir, rank)
+    rank, world = common.init()  # TrainingArguments joined torchrun's process group
+    out = common.shared_dir(args.out, rank)
     targs.output_dir = str(out)
-    path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep)
-    record = Record()
+    path = args.model or common.tiny_checkpoint(out, rank, args.seed)
+    model = common.load_model(path, world, args.ep)
+    record = common.loss_record()
     trainer = Trainer(
         model=model, args=targs, train_dataset=Windows(args, model.config.vocab_size),
         callbacks=[record],
     )  # fmt: skip
-    trainer.train()
-    trainer.save_model(str(out / "final"))
-    report(out, rank, {"losses": record.losses, "grad_norms": record.norms, "world": world,
-                       "out": str(out)})  # fmt: skip
+    common.train_and_report(trainer, record, out, rank, world)
 
 
 if __name__ == "__main__":

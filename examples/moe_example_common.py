@@ -142,3 +142,44 @@ def report(out: Path, rank: int, record: dict) -> None:
     if rank == 0:
         print("RESULT " + json.dumps(record), flush=True)
         (out / "losses.json").write_text(json.dumps(record))
+
+
+def trainer_arguments(args, out_default: str) -> dict:
+    """The keyword arguments of a Transformers `TrainingArguments` (or TRL's `SFTConfig`)
+    for the run these scripts make: each process takes its share of the global batch, in
+    order, constant learning rate without weight decay, clipping, a loss logged per step,
+    no intermediate save (such a trainer cannot save its optimizer for a resume)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return dict(
+        output_dir=args.out or out_default, per_device_train_batch_size=args.global_batch // world,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
+        train_sampling_strategy="sequential",  # the same global batches for any world size
+        use_cpu=not torch.cuda.is_available(),
+    )  # fmt: skip
+
+
+def loss_record():
+    """A Trainer callback that keeps each logged step's loss and gradient norm."""
+    from transformers import TrainerCallback
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.losses, self.norms = [], []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+                self.norms.append(float(logs.get("grad_norm", float("nan"))))
+
+    return Record()
+
+
+def train_and_report(trainer, record, out: Path, rank: int, world: int) -> None:
+    """Train, save the model gathered from every rank to OUT/final (every rank calls it; rank
+    0 writes), and report the losses and gradient norms `record` (`loss_record()`) kept."""
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    record = {"losses": record.losses, "grad_norms": record.norms, "world": world, "out": str(out)}
+    report(out, rank, record)

@@ -7,6 +7,10 @@ read a run's metrics.
   --nproc-per-node N TARGET_ARGS` the same way (`target_args`: `["-m", "dropless", "train",
   ...]` or a script and its arguments); gloo on loopback on CPU. `torchrun_argv(nproc)` and
   `child_env(env)`: its command line and environment, for a child started with Popen.
+- `run_group(world, module, names)`: `world` spawned processes in one gloo group on loopback,
+  each running the named check functions `module.name(rank, world)`; {name: "ok" or the
+  first failing rank's traceback}. One spawn runs many checks: the group's start-up is paid
+  once.
 - `tiny_moe_config(family, **overrides)`: a tiny random Transformers config of any family
   of `tests/hf/families.py` (no download).
 - `read_metrics(run_dir)`: a run's metrics.jsonl records, read by the library.
@@ -16,9 +20,14 @@ The checks that run under Triton's interpreter have their own child: `tests/inte
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 from dropless.train.report.metrics import read_metrics
@@ -85,6 +94,60 @@ def torchrun_argv(nproc: int) -> list[str]:
     (`subprocess.Popen([*torchrun_argv(2), ...], env=child_env(...))`)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nproc)]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_entry(rank, world, port, module, names, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # a timeout turns a collective left hanging by another rank's failure into an error
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    mod = importlib.import_module(module)
+    results = {}
+    for name in names:
+        try:
+            getattr(mod, name)(rank, world)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def run_group(world: int, module: str, names: list[str]) -> dict[str, str]:
+    """{check name: "ok" or the first failing rank's traceback}: `world` spawned processes
+    (gloo on loopback), each running every named check of `module` in order."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(
+            _group_entry, args=(world, _free_port(), module, names, d), nprocs=world,
+            start_method="spawn",
+        )  # fmt: skip
+        merged = {n: "ok" for n in names}
+        for r in range(world):
+            with open(os.path.join(d, f"rank{r}.json")) as f:
+                for n, v in json.load(f).items():
+                    if v != "ok" and merged[n] == "ok":
+                        merged[n] = f"rank {r}:\n{v}"
+    return merged
 
 
 def tiny_moe_config(family: str = "qwen3_moe", **overrides):

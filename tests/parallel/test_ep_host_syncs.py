@@ -3,7 +3,8 @@ exchange), in real gloo processes (world 2)."""
 
 import pytest
 from _checks_syncs import CHECKS
-from _dist import run_group
+
+from harness import run_group
 
 _results: dict[str, str] = {}
 

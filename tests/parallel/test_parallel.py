@@ -10,7 +10,8 @@ import tempfile
 
 import pytest
 from _checks import CHECKS
-from _dist import run_group
+
+from harness import run_group
 
 _results: dict[int, dict[str, str]] = {}
 _tmp = tempfile.TemporaryDirectory(prefix="dropless-parallel-")

@@ -151,7 +151,7 @@ class CheckHooks(TrainHooks):
         return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
 
     def _hook(self, model):
-        from dropless.train.model.parallelize import decoder_layers
+        from dropless.hf.distributed.parallelize import decoder_layers
 
         for i, layer in enumerate(decoder_layers(model)):
             layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))

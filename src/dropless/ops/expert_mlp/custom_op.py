@@ -104,7 +104,7 @@ def expert_mlp_op(
     return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
 
-def saved_for_backward(x_TD, ids_TK, gate_up, down, trans_w: bool = True, rows: int | None = None):
+def saved_for_backward(x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None):
     """(h_RN, pair_R, slot_TK, counts_E): what the routed expert MLP keeps for its backward
     beside its operands (x_TD, the routing weights and the expert weights, which the caller
     holds): the gate/up output h in x's dtype and the sort's int64 indices. R = S = T*K
@@ -123,7 +123,7 @@ def saved_for_backward(x_TD, ids_TK, gate_up, down, trans_w: bool = True, rows: 
 def _(x_TD, ids_TK, weights_TK, gate_up, down, gate_up_bias, down_bias, kind, gated,
       interleaved, alpha, limit, trans_w):  # fmt: skip
     out = x_TD.new_empty(ids_TK.shape[0], _out_dim(down, trans_w))
-    return (out, *saved_for_backward(x_TD, ids_TK, gate_up, down, trans_w))
+    return (out, *saved_for_backward(x_TD, ids_TK, gate_up, trans_w))
 
 
 @torch.library.custom_op("dropless::expert_mlp_backward", mutates_args=())

@@ -15,20 +15,12 @@ import torch
 from torch import nn
 
 from ...hf.distributed.expert_parallel import hf_dispatchers
-from ...hf.distributed.parallelize import (
-    decoder_layers,
-    mixed_precision_policy,
-    parallelize_config,
-    quiet_dtensor_warnings,
-)
+from ...hf.distributed.parallelize import parallelize_config
 from ...parallel.fsdp import clip_grad_norm_
 from ...parallel.mesh import ParallelMesh, as_parallel_config
 from ..run.collectives import all_reduce
 
-__all__ = [
-    "TrainParallel", "decoder_layers", "mixed_precision_policy", "parallelize_for_training",
-    "quiet_dtensor_warnings",
-]  # fmt: skip
+__all__ = ["TrainParallel", "parallelize_for_training"]
 
 
 class TrainParallel:

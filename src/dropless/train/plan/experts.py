@@ -61,7 +61,7 @@ def declared_saved(x_TD, ids_TK, w1, rows: int) -> tuple[torch.Tensor, ...]:
         return saved_for_backward(recipe, x_TD, ids_TK, w1, trans_w, rows)
     from ...ops.expert_mlp.custom_op import saved_for_backward
 
-    return saved_for_backward(x_TD, ids_TK, w1, None, trans_w, rows)
+    return saved_for_backward(x_TD, ids_TK, w1, trans_w, rows)
 
 
 class _DeclaredExperts(torch.autograd.Function):

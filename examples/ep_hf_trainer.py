@@ -51,13 +51,13 @@ def main() -> None:
     out = common.shared_dir(args.out, rank)
     targs.output_dir = str(out)
     path = args.model or common.tiny_checkpoint(out, rank, args.seed)
-    model = common.load_model(path, world, args.ep)
+    model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
     record = common.loss_record()
     trainer = Trainer(
         model=model, args=targs, train_dataset=Windows(args, model.config.vocab_size),
         callbacks=[record],
     )  # fmt: skip
-    common.train_and_report(trainer, record, out, rank, world)
+    common.train_and_report(trainer, record, out, rank, world, lora=bool(args.lora))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lora", type=int, default=0, metavar="RANK",
+        help="LoRA of this rank on the experts and the attention, base frozen (default 0: "
+        "every weight trained); the adapter goes to OUT/final in PEFT's format",
+    )  # fmt: skip
     return p
 
 
@@ -101,19 +106,71 @@ def tiny_tokenizer(vocab: int):
     )
 
 
-def load_model(path: str, world: int, ep: int, **parallelize_kwargs):
+def load_model(path: str, world: int, ep: int, lora: int = 0, seed: int = 0, **parallelize_kwargs):
     """The patched model: on one process loaded whole; on several built on the meta device
-    and laid out by `dropless.parallelize`, each rank reading only its shards."""
+    and laid out by `dropless.parallelize`, each rank reading only its shards.
+
+    lora > 0: the base frozen and LoRA adapters of that rank added before the layout, as
+    `dropless train`'s `finetune.method="lora"` adds them (`apply_lora`: the experts own
+    their factors, which shard with them; the attention gets PEFT's), the base read from the
+    checkpoint under its own names (`rename=checkpoint_name`), then the adapters given
+    PEFT's initial values, drawn over their global shapes (`init_adapters`: the same for any
+    number of processes)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dropless.patch()
     if world == 1:
-        return AutoModelForCausalLM.from_pretrained(path).to(device())
+        model = AutoModelForCausalLM.from_pretrained(path).to(device())
+        return _with_lora(model, path, world, lora, seed) if lora else model
     config = AutoConfig.from_pretrained(path)
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return dropless.parallelize(model, ep=ep or world, checkpoint=path, **parallelize_kwargs)
+    if not lora:
+        return dropless.parallelize(model, ep=ep or world, checkpoint=path, **parallelize_kwargs)
+    from dropless.train.model.lora import checkpoint_name
+
+    model = _with_lora(model, path, world, lora, seed=None)
+    dropless.parallelize(
+        model, ep=ep or world, checkpoint=path, rename=checkpoint_name, **parallelize_kwargs
+    )
+    return _init_lora(model, seed)
+
+
+def _with_lora(model, path: str, world: int, rank: int, seed: int | None):
+    from dropless.train.config.schema import FinetuneConfig
+    from dropless.train.model.lora import apply_lora
+
+    fcfg = FinetuneConfig(method="lora", lora_rank=rank, lora_targets=["experts", "attention"])
+    model = apply_lora(model, fcfg, path, world)
+    return model if seed is None else _init_lora(model, seed)
+
+
+def _init_lora(model, seed: int):
+    from dropless.train.model.lora import init_adapters
+
+    init_adapters(model, seed)
+    return model
+
+
+def save(model, out: Path, lora: bool) -> None:
+    """The model gathered from every rank (every rank calls this; rank 0 writes): a stock
+    Transformers checkpoint, or with LoRA the adapter in PEFT's format (`save_adapter`:
+    PEFT's own `save_pretrained` knows neither the experts' factors nor DTensors)."""
+    if lora:
+        from dropless.train.model.lora import save_adapter
+
+        save_adapter(model, out)
+    else:
+        dropless.hf.save_hf(model, out)
+
+
+@torch.no_grad()
+def probe_logits(model, vocab: int, seq_len: int) -> list:
+    """The trained model's logits on a fixed batch of 2 rows (every rank runs it: under
+    `parallelize` a forward is collective), what a reloaded model must reproduce."""
+    ids = torch.arange(2 * seq_len).reshape(2, seq_len) % vocab
+    return model(input_ids=ids.to(device())).logits.float().cpu().tolist()
 
 
 def batches(args, vocab: int, rank: int, world: int):
@@ -176,10 +233,18 @@ def loss_record():
     return Record()
 
 
-def train_and_report(trainer, record, out: Path, rank: int, world: int) -> None:
+def train_and_report(trainer, record, out: Path, rank: int, world: int, lora: bool = False) -> None:
     """Train, save the model gathered from every rank to OUT/final (every rank calls it; rank
-    0 writes), and report the losses and gradient norms `record` (`loss_record()`) kept."""
+    0 writes), and report the losses and gradient norms `record` (`loss_record()`) kept.
+    With LoRA the adapter is saved by `save` (not `trainer.save_model`, PEFT's save) and the
+    record has the trained model's `probe_logits`."""
     trainer.train()
-    trainer.save_model(str(out / "final"))
-    record = {"losses": record.losses, "grad_norms": record.norms, "world": world, "out": str(out)}
-    report(out, rank, record)
+    if lora:
+        save(trainer.model, out / "final", lora=True)
+    else:
+        trainer.save_model(str(out / "final"))
+    result = {"losses": record.losses, "grad_norms": record.norms, "world": world, "out": str(out)}
+    if lora:
+        cfg = trainer.model.config
+        result["probe_logits"] = probe_logits(trainer.model, cfg.vocab_size, 8)
+    report(out, rank, result)

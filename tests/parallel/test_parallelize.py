@@ -84,6 +84,42 @@ def test_accelerate_ep2_equals_one_process(tmp_path, loop_one_process):
     _equal_to_one_process("ep_accelerate.py", tmp_path, loop_one_process)
 
 
+def test_hf_trainer_lora_ep2_equals_one_process(tmp_path):
+    """`--lora 4` (experts and attention, base frozen) under Transformers' Trainer: 2
+    processes at ep=2 give one process's losses and gradient norms (clipping active) and
+    the same adapter file; stock PEFT on the stock model loads it (no missing key) and
+    gives the trained model's logits, which the adapter moved."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lora = ["--lora", "4", "--max-grad-norm", "0.15"]
+    script = EXAMPLES / "ep_hf_trainer.py"
+    one = _result(run_python([script, "--out", tmp_path / "one", *lora], env=ENV, timeout=300))
+    two = _result(torchrun(2, [script, "--out", tmp_path / "two", *lora], env=ENV, timeout=300))
+    assert (one["world"], two["world"], len(two["losses"])) == (1, 2, 6)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert min(one["grad_norms"]) > 0.15  # clipping was active
+    a = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("experts" in k for k in a) and any("q_proj" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    ids = torch.arange(16).reshape(2, 8) % 128  # the examples' probe batch
+    stock = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "two" / "init", experts_implementation="eager"
+    )
+    with torch.no_grad():
+        before = stock(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(stock, tmp_path / "two" / "final")
+        after = peft(input_ids=ids).logits
+    for run in (one, two):
+        torch.testing.assert_close(after, torch.tensor(run["probe_logits"]), rtol=1e-5, atol=1e-6)
+    assert (after - before).abs().max() > 1e-2  # the adapter changed the logits
+
+
 def test_trl_sft_ep2_near_one_process(tmp_path):
     """TRL's SFTTrainer on 2 processes drifts from one process by ~1e-4 after its first step
     with ep=1 (FSDP2 alone) as much as with ep=2 (measured: first gradient norm 1.3e-5

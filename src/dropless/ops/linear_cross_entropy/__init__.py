@@ -8,7 +8,9 @@ in one folder.
 - `rows.py`: the registry `CE_ROWS` of the row op the "fused" backend runs on each chunk
   of logits, and its torch form;
 - `cross_entropy_kernels.py`: the Triton row op;
-- `gpu.py`: its registration as "triton", done on the first pick for a CUDA tensor.
+- `gpu.py`: its registration as "triton", done on the first pick for a CUDA tensor;
+- `custom_op.py`: `dropless::linear_cross_entropy`, the "fused" pass as one node of a
+  compiled region or an exported program.
 """
 
 from .eager import (

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compute_dtype import autocast_dtype
+from . import custom_op
 from .rows import CERows, pick_ce_rows
 
 BACKENDS = ("auto", "fused", "chunked", "torch")
@@ -284,6 +285,8 @@ def fused_linear_cross_entropy(
     logits chunk; tests pass the Triton kernel to run it on CPU under the interpreter).
     Outside of autograd (no grad mode, or no input requiring a gradient) only the loss
     is computed. Under autocast the GEMMs run in the autocast dtype, as `F.linear` would.
+    Under `torch.compile` / `torch.export` (rows None) the pass is one
+    `dropless::linear_cross_entropy` node (`custom_op.py`).
     """
     assert reduction in ("mean", "sum"), reduction
     h_TD, weight_VD, bias_V = _autocast_inputs(h_TD, weight_VD, bias_V)
@@ -294,6 +297,8 @@ def fused_linear_cross_entropy(
     needs = tuple(grad_on and t is not None and t.requires_grad for t in (h_TD, weight_VD, bias_V))
     # the inputs are cast already; the out= GEMMs and the row op run in their dtypes
     with torch.autocast(h_TD.device.type, enabled=False):
+        if rows is None and torch.compiler.is_compiling():  # one node (custom_op.py)
+            return custom_op.run(h_TD, weight_VD, bias_V, labels_T, args[:4], needs)
         if not any(needs):
             return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
         return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)

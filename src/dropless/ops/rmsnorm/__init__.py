@@ -7,6 +7,8 @@ Triton kernels for CUDA tensors, the lean torch op everywhere else.
 - `reference.py`: `rms_norm_reference`, the specification (torch's op);
 - `eager.py`: the torch op with a lean backward (keeps x and one fp32 value per row);
 - `rmsnorm_kernels.py`: the Triton kernels (fused residual add) and their autograd;
+- `custom_op.py`: `dropless::rms_norm` and its backward, what a compiled region or an
+  exported program holds (the implementation is picked when the node runs);
 - the registry `RMSNORM` below: "torch" always, "triton" registered on the first call
   with a CUDA tensor. Calling on CPU imports no triton.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import Registry, cuda_with_triton, lazy
+from .eager import check_weight, rms_norm_bwd, rms_norm_fwd
 from .eager import rms_norm as torch_rms_norm
 
 BACKENDS = ("auto", "torch", "triton")
@@ -28,25 +31,32 @@ BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class RMSNormImpl:
-    """run(x, weight_D, eps, residual) as `rms_norm`; supports(x): whether it runs x."""
+    """run(x, weight_D, eps, residual) as `rms_norm`; supports(x): whether it runs x;
+    forward / backward: the raw passes the custom op runs (`eager.rms_norm_fwd` and
+    `rms_norm_bwd`'s signatures, on [R, D] rows)."""
 
     name: str
     run: Callable
     supports: Callable[[torch.Tensor], bool]
+    forward: Callable
+    backward: Callable
     priority: int = 0
 
 
 RMSNORM = Registry("rmsnorm backend")
-RMSNORM.register(RMSNormImpl("torch", torch_rms_norm, supports=lambda x: True))
+RMSNORM.register(RMSNormImpl("torch", torch_rms_norm, lambda x: True, rms_norm_fwd, rms_norm_bwd))
 
 
 def register_gpu() -> None:
     """Register the Triton kernels as "triton" (the kernel module loads on first call)."""
-    run = lazy("dropless.ops.rmsnorm.rmsnorm_kernels", "rms_norm")
-    RMSNORM.register(RMSNormImpl("triton", run, supports=cuda_with_triton, priority=10))
+    kernels = "dropless.ops.rmsnorm.rmsnorm_kernels"
+    run, fwd, bwd = (lazy(kernels, f) for f in ("rms_norm", "rms_norm_fwd", "rms_norm_bwd"))
+    RMSNORM.register(RMSNormImpl("triton", run, cuda_with_triton, fwd, bwd, priority=10))
 
 
 RMSNORM.on_first_cuda(register_gpu)
+
+from . import custom_op  # noqa: E402  (its ops pick from RMSNORM when they run)
 
 
 def rms_norm(
@@ -59,9 +69,14 @@ def rms_norm(
 ):
     """RMSNorm over the last dim of x (of `x + residual` when given, returning
     `(normed, x + residual)`). backend "auto": Triton on CUDA with triton installed, else
-    the torch op; "triton" on a tensor it cannot run on raises ValueError."""
+    the torch op; "triton" on a tensor it cannot run on raises ValueError. Under
+    `torch.compile` / `torch.export`, "auto" is one `dropless::rms_norm` node
+    (`custom_op.py`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "auto" and torch.compiler.is_compiling():
+        check_weight(x, weight_D)
+        return custom_op.run(x, weight_D, eps, residual)
     return RMSNORM.pick(backend, x).run(x, weight_D, eps, residual)
 
 

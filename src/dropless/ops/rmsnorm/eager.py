@@ -7,6 +7,10 @@ x_hat is recomputed from them in backward. Stock RMSNorm modules (and torch's
 the input's size per norm; under activation checkpointing those are what a recomputed
 layer holds until its backward.
 
+`rms_norm_fwd` / `rms_norm_bwd` are the raw passes (no autograd), with the signatures of
+the Triton kernel's (`rmsnorm_kernels.py`): the custom op (`custom_op.py`) runs
+whichever of the two the registry picks for the device.
+
 Semantics: `reference.rms_norm_reference` (torch's op): computed in fp32
 (the input's dtype where wider), weight multiplied in that precision, cast to the
 input's dtype.
@@ -19,31 +23,60 @@ from __future__ import annotations
 import torch
 
 
+def rms_norm_fwd(x, weight_D, eps: float, residual=None):
+    """Raw forward (no autograd): (y, s, rstd). s is x + residual (x itself without a
+    residual); rstd [...] (x's shape without its last dim) in fp32, or x's dtype where
+    wider."""
+    s = x if residual is None else x + residual
+    sf = s.to(torch.promote_types(s.dtype, torch.float32))
+    rstd = torch.rsqrt(sf.pow(2).mean(-1).add_(eps))
+    y = (sf * rstd.unsqueeze(-1)).mul_(weight_D).to(s.dtype)
+    return y, s, rstd
+
+
+def rms_norm_bwd(gy, s, weight_D, rstd, gs=None, *, need_s: bool = True, need_w: bool = True):
+    """Raw backward (no autograd): (ds, gw_D), None where not needed. ds is the gradient
+    of s (so of x and of the residual); gs, the gradient reaching the residual-sum output,
+    is added to it."""
+    acc = rstd.dtype
+    rstd_1 = rstd.unsqueeze(-1)
+    x_hat = s.to(acc) * rstd_1
+    gf = gy.to(acc)
+    gw_D = None
+    if need_w:
+        gw_D = (gf * x_hat).reshape(-1, s.shape[-1]).sum(0).to(weight_D.dtype)
+    ds = None
+    if need_s:
+        # d/ds of w * s * rstd: rstd * (g w - x_hat * mean(g w x_hat))
+        gxh = gf * weight_D
+        dot_1 = (gxh * x_hat).mean(-1, keepdim=True)
+        ds = gxh.sub_(x_hat.mul_(dot_1)).mul_(rstd_1)
+        ds = (ds if gs is None else ds.add_(gs)).to(s.dtype)
+    return ds, gw_D
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_D, eps: float):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        rstd_R1 = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
-        y = (xf * rstd_R1).mul_(weight_D).to(x.dtype)
-        ctx.save_for_backward(x, weight_D, rstd_R1)
+        y, _, rstd = rms_norm_fwd(x, weight_D, eps)
+        ctx.save_for_backward(x, weight_D, rstd)
         return y
 
     @staticmethod
     def backward(ctx, g):
-        x, weight_D, rstd_R1 = ctx.saved_tensors
-        acc = rstd_R1.dtype
-        x_hat = x.to(acc) * rstd_R1
-        gf = g.to(acc)
-        gw_D = None
-        if ctx.needs_input_grad[1]:
-            gw_D = (gf * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight_D.dtype)
-        gx = None
-        if ctx.needs_input_grad[0]:
-            # d/dx of w * x * rstd: rstd * (g w - x_hat * mean(g w x_hat))
-            gxh = gf * weight_D
-            dot_R1 = (gxh * x_hat).mean(-1, keepdim=True)
-            gx = gxh.sub_(x_hat.mul_(dot_R1)).mul_(rstd_R1).to(x.dtype)
+        x, weight_D, rstd = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        gx, gw_D = rms_norm_bwd(g, x, weight_D, rstd, need_s=need_x, need_w=need_w)
         return gx, gw_D, None
+
+
+def check_weight(x: torch.Tensor, weight_D: torch.Tensor) -> None:
+    """ValueError unless weight_D is a vector of x's last dim."""
+    if weight_D.dim() != 1 or weight_D.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"rms_norm: weight of shape {tuple(weight_D.shape)} does not match the last dim "
+            f"of x {tuple(x.shape)}; expected a vector of {x.shape[-1]}"
+        )
 
 
 def rms_norm(
@@ -55,11 +88,7 @@ def rms_norm(
     """RMSNorm over the last dim of x, times `weight_D` ([D]), keeping only x and one
     fp32 value per row for backward. With `residual`: of `x + residual`, returning
     `(normed, x + residual)` (the Triton kernel's signature)."""
-    if weight_D.dim() != 1 or weight_D.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"rms_norm: weight of shape {tuple(weight_D.shape)} does not match the last dim "
-            f"of x {tuple(x.shape)}; expected a vector of {x.shape[-1]}"
-        )
+    check_weight(x, weight_D)
     s = x if residual is None else x + residual
     y = _RMSNorm.apply(s, weight_D, float(eps))
     return y if residual is None else (y, s)

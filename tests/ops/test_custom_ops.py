@@ -1,0 +1,172 @@
+"""The ops besides the expert MLP as `torch.library` custom ops: what `torch.compile` and
+`torch.export` see of them (RMSNorm, linear cross-entropy). For each: opcheck (schema,
+fake rule, autograd registration), a compiled call equal to eager with no graph break and
+the op as one node, the implementation picked when the node runs (not when it is traced),
+and an exported program holding the node."""
+
+# R rows, D model dim, V vocab
+
+import pytest
+import torch
+
+from dropless.ops import rmsnorm
+from dropless.ops.linear_cross_entropy import custom_op as ce_op
+from dropless.ops.linear_cross_entropy import linear_cross_entropy
+from dropless.ops.linear_cross_entropy.rows import CE_ROWS, EAGER_CE_ROWS, CERows
+from dropless.ops.rmsnorm import RMSNORM, RMSNormImpl, rms_norm
+from dropless.ops.rmsnorm import custom_op as rms_op
+
+
+def _graph_ops(fn, *args) -> tuple[list[str], object]:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    return [str(n.target) for g in explained.graphs for n in g.graph.nodes], explained
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_opcheck(residual, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 12, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(12, generator=g).to(dtype).requires_grad_()
+    r = torch.randn(7, 12, generator=g).to(dtype).requires_grad_() if residual else None
+    torch.library.opcheck(rms_op.rms_norm_op, (x, w, r, 1e-5))
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_rms_norm_compiles_to_one_node_equal_to_eager(residual):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(16, generator=g, dtype=torch.float64)
+    r = torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+
+    def f(x, w, r):
+        out = rms_norm(x, w, 1e-5, residual=r) if residual else rms_norm(x, w, 1e-5)
+        y, s = out if residual else (out, x)
+        return (y * torch.linspace(-1, 1, 16, dtype=y.dtype)).sum() + s.square().sum()
+
+    ops, _ = _graph_ops(f, x, w, r)
+    assert "dropless.rms_norm.default" in ops
+    ins_e = [t.clone().requires_grad_() for t in (x, w, r)]
+    ins_c = [t.clone().requires_grad_() for t in (x, w, r)]
+    le = f(*ins_e)
+    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*ins_c)
+    torch.testing.assert_close(lc, le)
+    want = [i for i in range(3) if residual or i < 2]
+    ge = torch.autograd.grad(le, [ins_e[i] for i in want])
+    gc = torch.autograd.grad(lc, [ins_c[i] for i in want])
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_rms_norm_node_picks_its_implementation_when_it_runs():
+    """The node asks the registry at run time: an entry registered after the function
+    was compiled runs (as the Triton entry, registered on the first CUDA call, would)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: rms_norm(x, w), backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch.testing.assert_close(f(x, w), rms_norm(x, w))
+    calls = []
+
+    def spy_fwd(*a):
+        calls.append("forward")
+        return rmsnorm.rms_norm_fwd(*a)
+
+    RMSNORM.register(RMSNormImpl("spy", None, lambda t: True, spy_fwd, None, priority=99))
+    try:
+        torch.testing.assert_close(f(x, w), rms_norm(x, w, backend="torch"))
+    finally:
+        del RMSNORM.entries["spy"]
+    assert calls == ["forward"]
+
+
+def test_rms_norm_exports_as_one_node():
+    class Norm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return rms_norm(x, self.weight, 1e-6)
+
+    m, x = Norm(), torch.randn(2, 3, 16)
+    ep = torch.export.export(m, (x,))
+    assert "dropless.rms_norm.default" in [str(n.target) for n in ep.graph.nodes]
+    torch.testing.assert_close(ep.module()(x), m(x))
+
+
+def _ce_operands(T=9, D=6, V=11, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, D, generator=g).to(dtype)
+    w = (torch.randn(V, D, generator=g) * 0.5).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::4] = -100
+    return h, w, b, labels
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_linear_cross_entropy_opcheck(reduction, bias):
+    h, w, b, labels = _ce_operands()
+    args = (h.requires_grad_(), w.requires_grad_(), b.requires_grad_() if bias else None,
+            labels, -100, 0.1, reduction, 4, [True, True, bias])  # fmt: skip
+    torch.library.opcheck(ce_op.linear_cross_entropy_op, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_linear_cross_entropy_compiles_to_one_node_equal_to_eager(dtype):
+    h, w, b, labels = _ce_operands(T=20, dtype=dtype)
+
+    def f(h, w, b, labels):
+        return 3.0 * linear_cross_entropy(h, w, labels, b, label_smoothing=0.1, chunk_size=8)
+
+    ops, _ = _graph_ops(f, h, w, b, labels)
+    assert ops.count("dropless.linear_cross_entropy.default") == 1
+    ins_e = [t.clone().requires_grad_() for t in (h, w, b)]
+    ins_c = [t.clone().requires_grad_() for t in (h, w, b)]
+    le = f(*ins_e, labels)
+    lc = torch.compile(f, backend="aot_eager", fullgraph=True)(*ins_c, labels)
+    torch.testing.assert_close(lc, le)
+    for a, c in zip(torch.autograd.grad(lc, ins_c), torch.autograd.grad(le, ins_e)):
+        assert a.dtype == c.dtype == dtype
+        torch.testing.assert_close(a, c)
+
+
+def test_linear_cross_entropy_node_picks_its_row_op_when_it_runs():
+    torch._dynamo.reset()
+    h, w, _, labels = _ce_operands()
+    f = torch.compile(lambda h, w: linear_cross_entropy(h, w, labels), backend="aot_eager")
+    want = linear_cross_entropy(h, w, labels)
+    torch.testing.assert_close(f(h, w), want)
+    calls = []
+
+    def spy(*a, **k):
+        calls.append(1)
+        return EAGER_CE_ROWS.run(*a, **k)
+
+    CE_ROWS.register(CERows("spy", spy, lambda t: True, priority=99))
+    try:
+        torch.testing.assert_close(f(h, w), want)
+    finally:
+        del CE_ROWS.entries["spy"]
+    assert calls == [1]
+
+
+def test_linear_cross_entropy_exports_as_one_node():
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(11, 6))
+
+        def forward(self, h, labels):
+            return linear_cross_entropy(h, self.weight, labels)
+
+    m = Head()
+    h, _, _, labels = _ce_operands()
+    ep = torch.export.export(m, (h, labels))
+    # the autocast-off region is a nested graph module of the program
+    targets = [str(n.target) for g in ep.graph_module.modules() for n in g.graph.nodes]
+    assert "dropless.linear_cross_entropy.default" in targets
+    torch.testing.assert_close(ep.module()(h, labels), m(h, labels))

@@ -143,6 +143,10 @@ def _with_lora(model, path: str, world: int, rank: int, seed: int | None):
 
     fcfg = FinetuneConfig(method="lora", lora_rank=rank, lora_targets=["experts", "attention"])
     model = apply_lora(model, fcfg, path, world)
+    if world == 1:  # what parallelize does to a PeftModel: save_pretrained writes every adapter
+        from dropless.hf.distributed.peft_save import route_peft_save
+
+        route_peft_save(model)
     return model if seed is None else _init_lora(model, seed)
 
 
@@ -151,18 +155,6 @@ def _init_lora(model, seed: int):
 
     init_adapters(model, seed)
     return model
-
-
-def save(model, out: Path, lora: bool) -> None:
-    """The model gathered from every rank (every rank calls this; rank 0 writes): a stock
-    Transformers checkpoint, or with LoRA the adapter in PEFT's format (`save_adapter`:
-    PEFT's own `save_pretrained` knows neither the experts' factors nor DTensors)."""
-    if lora:
-        from dropless.train.model.lora import save_adapter
-
-        save_adapter(model, out)
-    else:
-        dropless.hf.save_hf(model, out)
 
 
 @torch.no_grad()
@@ -236,13 +228,11 @@ def loss_record():
 def train_and_report(trainer, record, out: Path, rank: int, world: int, lora: bool = False) -> None:
     """Train, save the model gathered from every rank to OUT/final (every rank calls it; rank
     0 writes), and report the losses and gradient norms `record` (`loss_record()`) kept.
-    With LoRA the adapter is saved by `save` (not `trainer.save_model`, PEFT's save) and the
-    record has the trained model's `probe_logits`."""
+    With LoRA `trainer.save_model` writes the adapter in PEFT's format (the PeftModel's
+    `save_pretrained`, which `dropless.parallelize` routes to `dropless.hf.save_lora_adapter`
+    on several processes) and the record has the trained model's `probe_logits`."""
     trainer.train()
-    if lora:
-        save(trainer.model, out / "final", lora=True)
-    else:
-        trainer.save_model(str(out / "final"))
+    trainer.save_model(str(out / "final"))
     result = {"losses": record.losses, "grad_norms": record.norms, "world": world, "out": str(out)}
     if lora:
         cfg = trainer.model.config

@@ -20,6 +20,7 @@ trainer shares) is imported from its own module.
 
 from .distributed.expert_parallel import shard_hf_experts
 from .distributed.parallelize import parallelize
+from .distributed.peft_save import save_lora_adapter
 from .distributed.sharded_load import load_sharded_hf
 from .experts.forward import (
     DroplessFallbackWarning,
@@ -65,6 +66,7 @@ __all__ = [
     "disable_fused_cross_entropy",
     # expert parallelism, FSDP2 and sharded loading for any training loop (docs/hf.md)
     "parallelize",
+    "save_lora_adapter",
     # expert parallelism and sharded loading (docs/parallel.md)
     "shard_hf_experts",
     "load_sharded_hf",

@@ -30,6 +30,7 @@ from torch import nn
 from ...parallel.fsdp import apply_fsdp
 from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh
 from .expert_parallel import shard_hf_experts
+from .peft_save import route_peft_save
 
 _MESH = "_dropless_parallel_mesh"
 
@@ -223,7 +224,10 @@ def parallelize(
     change, for sizes that do not fit, a model not patched, and what cannot compose:
     DeepSpeed ZeRO-3, Transformers' own tensor/expert parallelism, an already sharded model.
     With FSDP2 the model is marked as Transformers marks one sharded at load time, so its
-    `Trainer` (and TRL's) trains it without wrapping it again (`_mark_sharded`).
+    `Trainer` (and TRL's) trains it without wrapping it again (`_mark_sharded`). A PeftModel
+    (LoRA added before this call; the experts' own factors by `attach_expert_lora`) gets a
+    `save_pretrained` that gathers its adapters and writes PEFT's format on rank 0
+    (`save_lora_adapter`; every rank calls it, as `Trainer.save_model` does).
     """
     world = _check_process_group()
     num_experts = _check_model(model)
@@ -248,6 +252,7 @@ def parallelize(
     base = _base(model)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))
+    route_peft_save(model)
     return model
 
 

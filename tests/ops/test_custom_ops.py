@@ -1,5 +1,5 @@
 """The ops besides the expert MLP as `torch.library` custom ops: what `torch.compile` and
-`torch.export` see of them (RMSNorm, linear cross-entropy). For each: opcheck (schema,
+`torch.export` see of them (RMSNorm, linear cross-entropy, the grouped GEMM). For each: opcheck (schema,
 fake rule, autograd registration), a compiled call equal to eager with no graph break and
 the op as one node, the implementation picked when the node runs (not when it is traced),
 and an exported program holding the node."""
@@ -9,7 +9,9 @@ and an exported program holding the node."""
 import pytest
 import torch
 
+from dropless.nn import GroupedLinear
 from dropless.ops import rmsnorm
+from dropless.ops.grouped_gemm import custom_op as gemm_op
 from dropless.ops.linear_cross_entropy import custom_op as ce_op
 from dropless.ops.linear_cross_entropy import linear_cross_entropy
 from dropless.ops.linear_cross_entropy.rows import CE_ROWS, EAGER_CE_ROWS, CERows
@@ -170,3 +172,44 @@ def test_linear_cross_entropy_exports_as_one_node():
     targets = [str(n.target) for g in ep.graph_module.modules() for n in g.graph.nodes]
     assert "dropless.linear_cross_entropy.default" in targets
     torch.testing.assert_close(ep.module()(h, labels), m(h, labels))
+
+
+@pytest.mark.parametrize("trans_w", [True, False], ids=["NxD", "DxN"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_grouped_gemm_opcheck(trans_w, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 6, generator=g).requires_grad_()
+    w = torch.randn(3, 5, 6, generator=g) if trans_w else torch.randn(3, 6, 5, generator=g)
+    b = torch.randn(3, 5, generator=g).requires_grad_() if bias else None
+    counts = torch.tensor([4, 0, 5])  # an empty group
+    torch.library.opcheck(gemm_op.grouped_gemm_op, (x, w.requires_grad_(), b, counts, trans_w))
+
+
+def test_grouped_linear_compiles_once_for_any_group_sizes():
+    """Tensor m_splits: one node, no break, and new sizes reuse the graph (a list or a
+    `.tolist()` would specialise it or break it)."""
+    torch._dynamo.reset()
+    lin = GroupedLinear(3, 6, 5, dtype=torch.float64)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    ops, _ = _graph_ops(lin, x, torch.tensor([4, 0, 5]))
+    assert "dropless.grouped_gemm.default" in ops
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, backend="aot_eager", fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for splits in ([4, 0, 5], [9, 0, 0], [1, 1, 7]):  # all rows on one group, too
+            xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ye, yc = lin(xe, splits), compiled(xc, torch.tensor(splits))
+            torch.testing.assert_close(yc, ye)
+            gy = torch.randn_like(ye)
+            ge = torch.autograd.grad(ye, [xe, lin.weight, lin.bias], gy)
+            gc = torch.autograd.grad(yc, [xc, lin.weight, lin.bias], gy)
+            for a, b in zip(gc, ge):
+                torch.testing.assert_close(a, b)
+
+
+def test_grouped_gemm_exports_as_one_node():
+    lin = GroupedLinear(3, 6, 5)
+    x, splits = torch.randn(9, 6), torch.tensor([4, 0, 5])
+    ep = torch.export.export(lin, (x, splits))
+    assert "dropless.grouped_gemm.default" in [str(n.target) for n in ep.graph.nodes]
+    torch.testing.assert_close(ep.module()(x, torch.tensor([2, 7, 0])), lin(x, [2, 7, 0]))

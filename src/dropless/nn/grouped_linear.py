@@ -18,7 +18,9 @@ class GroupedLinear(nn.Module):
     weight [num_gemms, out_features, in_features], bias [num_gemms, out_features].
     `forward(x, m_splits)`: m_splits (list of ints or 1-D integer tensor) gives the rows
     of each group and sums to x.shape[0]. Under `dropless.autocast` the GEMM runs in
-    the active recipe's format; under `torch.autocast`, in its dtype.
+    the active recipe's format; under `torch.autocast`, in its dtype. Under
+    `torch.compile` a tensor `m_splits` is read when the `dropless::grouped_gemm` node
+    runs: the graph neither breaks nor recompiles for new sizes.
     """
 
     def __init__(
@@ -66,6 +68,8 @@ class GroupedLinear(nn.Module):
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dim() != 1 or torch.is_floating_point(m_splits):
                 raise TypeError("m_splits must be a list of ints or a 1-D integer tensor")
+            if torch.compiler.is_compiling():  # one graph node; the values checked there
+                return grouped_gemm(x, self.weight, m_splits, self.bias)
             m_splits = m_splits.tolist()
         m_splits = list(m_splits)
         if len(m_splits) != self.num_gemms:

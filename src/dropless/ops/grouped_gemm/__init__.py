@@ -7,7 +7,9 @@ the op in one folder.
   (`torch._grouped_mm`) backends and `bind_offsets`;
 - `gemm_kernels.py`: the Triton grouped GEMM and weight gradient; `group_kernels.py`:
   the zeroing of empty groups' weight-gradient blocks (a "triton" row op);
-- `gpu.py`: the "triton" backend, registered on the first pick for a CUDA operand.
+- `gpu.py`: the "triton" backend, registered on the first pick for a CUDA operand;
+- `custom_op.py`: `dropless::grouped_gemm` and its backward, what a compiled region or an
+  exported program holds of a call with tensor counts.
 """
 
 from .backends import (

@@ -22,6 +22,7 @@ from ..compute_dtype import autocast_dtype, autocast_off
 from ..dispatch import get_recipe, recipe_gemm
 from ..permute.row_ops import pick_row_ops
 from ..weight_cache import cached_cast
+from . import custom_op
 from .backends import GemmBackend, pick_gemm_backend, register_gemm_backend
 
 
@@ -162,14 +163,20 @@ register_gemm_backend(
 # --- autograd -----------------------------------------------------------------------
 
 
+def bound_backend(x_SD, w, counts: list[int], offs, backend):
+    """(backend, counts as it takes them): the picked backend with the groups' offsets
+    bound in, and the counts on x's device for a backend that takes device counts (one
+    host->device copy and one offsets tensor serve the forward and both backward GEMMs)."""
+    be = pick_gemm_backend(backend, x_SD, w)
+    cnt = torch.tensor(counts, device=x_SD.device) if be.device_counts else counts
+    return bind_offsets(be, cnt, offs, x_SD.device), cnt
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, x_SD, w, bias_EN, counts, offs, trans_w, backend):
-        be = pick_gemm_backend(backend, x_SD, w)
-        # one host->device copy of the counts serves the forward and both backward GEMMs
-        cnt = torch.tensor(counts, device=x_SD.device) if be.device_counts else counts
-        be = bind_offsets(be, cnt, offs, x_SD.device)  # and one offsets tensor, likewise
+        be, cnt = bound_backend(x_SD, w, counts, offs, backend)
         y = be.mm(x_SD, w, cnt, trans_w)
         if bias_EN is not None:
             y += expand_bias(bias_EN, counts)
@@ -255,7 +262,12 @@ def grouped_gemm(
     offsets_E: their int32 cumulative ends on x's device when the caller has them
     (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
     Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
+    Under `torch.compile` / `torch.export` with tensor counts (no recipe, no named
+    backend) the call is one `dropless::grouped_gemm` node (`custom_op.py`): the counts
+    are read when the node runs, so the graph neither breaks nor specialises on them.
     """
+    if _takes_node(counts, offsets_E, backend):  # torch.compile / export: one node
+        return custom_op.run(x_SD, w, counts, bias_EN, trans_w)
     counts = check_counts(x_SD, w, counts)
     recipe = get_recipe()
     if recipe is not None:
@@ -265,3 +277,11 @@ def grouped_gemm(
         x_SD, w = x_SD.to(dt), cached_cast(w, dt)
         bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
     return _GroupedGemm.apply(x_SD, w, bias_EN, counts, offsets_E, trans_w, backend)
+
+
+def _takes_node(counts, offsets_E, backend) -> bool:
+    """Whether a compiled call runs as the custom op (what it does not take, a recipe or
+    a named backend, keeps the eager path)."""
+    if not torch.compiler.is_compiling() or not isinstance(counts, torch.Tensor):
+        return False
+    return offsets_E is None and backend in (None, "auto") and get_recipe() is None

@@ -1,0 +1,172 @@
+"""Causal attention across the context-parallel ranks: all-gather K/V.
+
+Each cp rank holds its queries, keys and values for two chunks of the sequence (chunk r
+and chunk 2*cp-1-r, `sharding.py`). `all_gather_sequence` all-gathers K and V over the cp
+group in forward (an autograd Function: its backward reduce-scatters dK / dV, summing
+what every rank's queries sent to this rank's keys) and puts them back in sequence
+order; `context_parallel_attention` then computes attention of the local queries
+against the whole K/V under the causal mask of their global positions: the head chunk
+of rank r sees keys [0, (r+1) C), the tail chunk keys [0, (2 cp - r) C), both with the
+bottom-right-aligned causal mask (`torch.nn.attention.bias.causal_lower_right`).
+
+`reference_attention` (whole-sequence causal SDPA on one process) is the specification;
+tests/parallel/_checks_cp.py checks the two against each other, forward and backward.
+
+Where this runs: gloo/CPU (tested), and any backend with all_gather (NCCL: unverified,
+not run). PyTorch's own `torch.distributed.tensor.experimental.context_parallel` (ring
+attention over SDPA on CUDA/NCCL) is not used here; this one works on every backend.
+"""
+
+# B batch, H query heads, G key/value heads, S local length (2 C), C chunk length,
+# L global length (cp x S), D head dim
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _world(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _to_sequence_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Rank-ordered local tensors (head chunk then tail chunk each) -> sequence order."""
+    C = parts[0].shape[dim] // 2
+    heads = [p.narrow(dim, 0, C) for p in parts]
+    tails = [p.narrow(dim, C, C) for p in reversed(parts)]
+    return torch.cat(heads + tails, dim)
+
+
+def _to_rank_order(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
+    """Sequence order -> the ranks' local tensors concatenated in rank order."""
+    chunks = x.chunk(2 * cp, dim)
+    return torch.cat([t for r in range(cp) for t in (chunks[r], chunks[2 * cp - 1 - r])], dim)
+
+
+class _AllGatherSequence(torch.autograd.Function):
+    """Forward: all-gather along `dim` into sequence order. Backward: reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        cp, _ = _world(group)
+        ctx.group, ctx.dim, ctx.cp = group, dim, cp
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x, group=group)
+        return _to_sequence_order(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, dim, cp = ctx.group, ctx.dim, ctx.cp
+        _, rank = _world(group)
+        # rank-ordered along dim 0, so each rank's slice is one contiguous block
+        send = _to_rank_order(grad, cp, dim).movedim(dim, 0).contiguous()
+        S = send.shape[0] // cp
+        if dist.get_backend(group) == "gloo":
+            # gloo has no reduce-scatter: sum everything, keep this rank's block
+            dist.all_reduce(send, group=group)
+            out = send[rank * S : (rank + 1) * S]
+        else:
+            out = send.new_empty((S, *send.shape[1:]))
+            dist.reduce_scatter_tensor(out, send, group=group)
+        return out.movedim(0, dim).contiguous(), None, None
+
+
+def all_gather_sequence(x: torch.Tensor, group, dim: int = 2) -> torch.Tensor:
+    """Every cp rank's part of `x` (along `dim`, load-balanced layout) gathered into the
+    whole sequence in order; differentiable (backward reduce-scatters the gradient)."""
+    return _AllGatherSequence.apply(x, group, dim)
+
+
+def _repeat_kv(x_BGLD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x_BGLD
+    B, G, L, D = x_BGLD.shape
+    return x_BGLD[:, :, None].expand(B, G, n_rep, L, D).reshape(B, G * n_rep, L, D)
+
+
+def _check_heads(q, k, v) -> int:
+    H, G = q.shape[1], k.shape[1]
+    if H % G or v.shape[1] != G:
+        raise ValueError(
+            f"query heads {H} must be a multiple of key/value heads {G} (and values must "
+            f"have {G} heads too, got {v.shape[1]})"
+        )
+    return H // G
+
+
+def context_parallel_attention(
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    group,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_padding_BS: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of this cp rank's queries against every rank's keys and values.
+
+    Inputs are this rank's load-balanced part (chunk r then chunk 2*cp-1-r along the
+    sequence, dim 2). G key/value heads may be fewer than H query heads (GQA: each K/V
+    head serves H / G query heads). `scale` defaults to 1/sqrt(D) as in SDPA.
+    `key_padding_BS`: optional bool [B, S], True where the token may be attended (a 2-D
+    attention mask, sharded like the input ids). Returns [B, H, S, Dv] in the local layout.
+    """
+    n_rep = _check_heads(q_BHSD, k_BGSD, v_BGSD)
+    cp, rank = _world(group)
+    S = q_BHSD.shape[2]
+    if S % 2:
+        raise ValueError(f"the local sequence length {S} must be even (a head and a tail chunk)")
+    C = S // 2
+    k_BGLD = _repeat_kv(all_gather_sequence(k_BGSD, group, 2), n_rep)
+    v_BGLD = _repeat_kv(all_gather_sequence(v_BGSD, group, 2), n_rep)
+    mask_BL = None
+    if key_padding_BS is not None:
+        parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
+        dist.all_gather(parts, key_padding_BS.contiguous(), group=group)
+        mask_BL = _to_sequence_order(parts, 1)
+    outs = []
+    for part, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
+        q = q_BHSD[:, :, part * C : (part + 1) * C]
+        n_keys = (chunk + 1) * C  # the causal horizon of this chunk's last query
+        k, v = k_BGLD[:, :, :n_keys], v_BGLD[:, :, :n_keys]
+        outs.append(_causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys))
+    return torch.cat(outs, 2)
+
+
+def _causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys):
+    """Bottom-right-aligned causal SDPA: query i of Lq sees keys [0, n_keys - Lq + i]."""
+    Lq = q.shape[2]
+    if mask_BL is None:
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(Lq, n_keys)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
+        )
+    causal = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
+    allowed = causal[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
+    )
+
+
+def reference_attention(
+    q_BHLD: torch.Tensor,
+    k_BGLD: torch.Tensor,
+    v_BGLD: torch.Tensor,
+    scale: float | None = None,
+    key_padding_BL: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The specification: causal SDPA over the whole sequence on one process (GQA by
+    repeating K/V heads). Returns [B, H, L, Dv]."""
+    n_rep = _check_heads(q_BHLD, k_BGLD, v_BGLD)
+    k, v = _repeat_kv(k_BGLD, n_rep), _repeat_kv(v_BGLD, n_rep)
+    if key_padding_BL is None:
+        return F.scaled_dot_product_attention(q_BHLD, k, v, is_causal=True, scale=scale)
+    L = q_BHLD.shape[2]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q_BHLD.device).tril()
+    allowed = causal[None, None] & key_padding_BL[:, None, None, :].to(torch.bool)
+    return F.scaled_dot_product_attention(q_BHLD, k, v, attn_mask=allowed, scale=scale)

@@ -1,0 +1,200 @@
+"""Context parallelism checks, run by one spawned gloo group of 4 (test_context_parallel.py).
+
+The group hosts cp=4 (all ranks) and two cp=2 groups ({0, 1} and {2, 3}). Each check
+compares against one process computing the whole sequence: the reference model or
+`reference_attention`, run by every rank on the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dropless.parallel import context as cpx
+
+# fp32: the same math as one process, only the order of the sums differs (the attention
+# of a chunk against a prefix, the gradients summed over ranks)
+RTOL, ATOL = 1e-4, 1e-5
+SEQ = 2048
+IGNORE = -100
+
+
+def _families():
+    """tests/hf/families.py (the tiny configs of every family), under its own name."""
+    path = Path(__file__).resolve().parents[1] / "hf" / "families.py"
+    spec = importlib.util.spec_from_file_location("hf_test_families", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_GROUPS: dict = {}
+
+
+def _groups(rank: int, world: int):
+    """(cp=4 group, this rank's cp=2 group, rank in it); every rank creates every group."""
+    if not _GROUPS:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        _GROUPS["all"] = dist.group.WORLD
+        _GROUPS["pairs"] = pairs
+    return _GROUPS["all"], _GROUPS["pairs"][rank // 2]
+
+
+def _close(got, want, what):
+    if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
+        err = (got - want).abs().max().item()
+        raise AssertionError(f"{what}: max abs error {err:.3g} (shape {tuple(got.shape)})")
+
+
+def _attention_case(group, seed: int, padded: bool) -> None:
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, L, D = 2, 6, 2, 16 * cp, 8  # GQA: 3 query heads per key/value head
+    q, k, v = (torch.randn(B, n, L, D, generator=g) for n in (H, G, G))
+    dout = torch.randn(B, H, L, D, generator=g)
+    pad = None
+    if padded:  # left padding in row 1: its first 5 keys are never attended
+        pad = torch.ones(B, L, dtype=torch.bool)
+        pad[1, :5] = False
+    scale = 0.37  # not 1/sqrt(D): the scaling the caller passes is the one used
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref = cpx.reference_attention(*ref, scale=scale, key_padding_BL=pad)
+    (out_ref * dout).nan_to_num().sum().backward()
+    loc = [cpx.shard_sequence(t, cp, r, dim=2).requires_grad_() for t in (q, k, v)]
+    pad_loc = None if pad is None else cpx.shard_sequence(pad, cp, r, dim=1)
+    out = cpx.context_parallel_attention(*loc, group, scale=scale, key_padding_BS=pad_loc)
+    (out * cpx.shard_sequence(dout, cp, r, dim=2)).nan_to_num().sum().backward()
+    want = cpx.shard_sequence(out_ref.detach(), cp, r, dim=2)
+    rows = slice(None) if pad is None else slice(0, 1)  # fully masked rows are NaN in both
+    _close(out[rows].detach(), want[rows], f"cp={cp} output")
+    for name, t, t_ref in zip("qkv", loc, ref, strict=True):
+        _close(t.grad, cpx.shard_sequence(t_ref.grad, cp, r, dim=2), f"cp={cp} d{name}")
+
+
+def cp_attention_equals_reference(rank, world):
+    """All-gather-KV attention (GQA, a custom scale, with and without a padding mask)
+    equals whole-sequence SDPA, output and dQ/dK/dV, at cp=4 and cp=2."""
+    everyone, pair = _groups(rank, world)
+    for group in (everyone, pair):
+        for padded in (False, True):
+            _attention_case(group, seed=3, padded=padded)
+
+
+def _batch(vocab: int, seed: int):
+    """One row of SEQ+1 tokens, padded at its end and with a masked prompt at its start
+    (targets IGNORE): the cp ranks hold different numbers of targets."""
+    g = torch.Generator().manual_seed(seed)
+    xy = torch.randint(2, vocab, (1, SEQ + 1), generator=g)
+    x, y = xy[:, :-1], xy[:, 1:].clone()
+    y[0, SEQ - 300 :] = IGNORE
+    y[0, :7] = IGNORE
+    return x, y
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(family: str, seed: int):
+    """(the model before any step, the batch, one process's loss and its gradients), once
+    per process and family: the cp=4 and cp=2 checks compare with the same run."""
+    if family not in _REFERENCE:
+        fam = _families()
+        ref = fam.build(family, implementation=None, seed=seed, max_position_embeddings=SEQ)
+        with torch.no_grad():  # wide logits: tokens' losses differ, so a local mean would show
+            ref.get_output_embeddings().weight.mul_(20)
+        model = copy.deepcopy(ref)
+        for m in ref.modules():  # whole-sequence SDPA: the specification, and fast
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "_attn_implementation"):
+                cfg._attn_implementation = "sdpa"
+        x, y = _batch(ref.config.vocab_size, seed)
+        logits = ref(input_ids=x, use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        grads = [p.grad for p in ref.parameters()]
+        _REFERENCE[family] = (model, x, y, loss.detach(), grads)
+    return _REFERENCE[family]
+
+
+def _model_equals_one_process(family: str, group, seed: int) -> None:
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    model0, x, y, loss_ref, grads_ref = _reference(family, seed)
+    model = copy.deepcopy(model0)
+
+    cpx.enable(model, group)
+    local = cpx.shard_batch({"input_ids": x, "labels": y}, cp, r)
+    logits = model(
+        input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+    ).logits
+    y_loc = local["labels"]
+    # the global count of targets: the ranks hold different numbers of them
+    n = (y_loc != IGNORE).sum().float()
+    dist.all_reduce(n, group=group)
+    loss = (
+        F.cross_entropy(logits.flatten(0, 1), y_loc.flatten(), ignore_index=IGNORE, reduction="sum")
+        / n
+    )
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    _close(total, loss_ref, f"{family} cp={cp} loss")
+    checked = 0
+    for (name, p), g_ref in zip(model.named_parameters(), grads_ref, strict=True):
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=group)  # each rank holds its tokens' share
+        if g_ref is None:
+            continue
+        _close(grad, g_ref, f"{family} cp={cp} grad of {name}")
+        checked += 1
+    assert checked > 10, f"only {checked} gradients compared"
+
+
+def cp_qwen3_moe_cp4(rank, world):
+    """A tiny Qwen3-MoE at seq 2048, cp=4: loss and every gradient equal one process."""
+    everyone, _ = _groups(rank, world)
+    _model_equals_one_process("qwen3_moe", everyone, seed=0)
+
+
+def cp_mixtral_cp4(rank, world):
+    """A tiny Mixtral (sliding_window None) at seq 2048, cp=4, equals one process."""
+    everyone, _ = _groups(rank, world)
+    _model_equals_one_process("mixtral", everyone, seed=1)
+
+
+def cp_families_cp2(rank, world):
+    """cp=2: Qwen3-MoE on ranks {0, 1}, Mixtral on {2, 3}, each equal to one process."""
+    _, pair = _groups(rank, world)
+    _model_equals_one_process("qwen3_moe" if rank < 2 else "mixtral", pair, seed=rank // 2)
+
+
+def cp_refusals(rank, world):
+    """Sliding windows and sequence lengths not divisible by 2*cp are clear errors."""
+    everyone, _ = _groups(rank, world)
+    fam = _families()
+    model = fam.build("mixtral", implementation=None, sliding_window=8)
+    try:
+        cpx.enable(model, everyone)
+    except ValueError as e:
+        assert "sliding_window=8" in str(e) and "sliding_window=None" in str(e), e
+    else:
+        raise AssertionError("a sliding-window model was accepted")
+    try:
+        cpx.shard_batch({"input_ids": torch.zeros(1, 100, dtype=torch.long)}, 4, rank)
+    except ValueError as e:
+        assert "100" in str(e) and "multiple of 8" in str(e), e
+    else:
+        raise AssertionError("a length not divisible by 2*cp was accepted")
+
+
+CHECKS = [
+    "cp_attention_equals_reference",
+    "cp_refusals",
+    "cp_qwen3_moe_cp4",
+    "cp_mixtral_cp4",
+    "cp_families_cp2",
+]

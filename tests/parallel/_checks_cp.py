@@ -172,6 +172,65 @@ def cp_families_cp2(rank, world):
     _model_equals_one_process("qwen3_moe" if rank < 2 else "mixtral", pair, seed=rank // 2)
 
 
+def cp_x_ep_fsdp(rank, world):
+    """World 4 as dp_shard 2 x cp 2 with ep=2 (each expert group spans a data- and a
+    context-parallel rank) and FSDP2 over dp_shard x cp, through `parallelize_config`: the
+    loss over the global target count and every gradient equal one process."""
+    import dropless
+    from dropless.hf.distributed.parallelize import parallelize_config
+    from dropless.parallel import ParallelConfig
+
+    fam = _families()
+    model = fam.build("qwen3_moe", implementation=None, seed=5, max_position_embeddings=SEQ)
+    dropless.patch_model(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    xy = torch.randint(2, ref.config.vocab_size, (2, SEQ + 1), generator=g)
+    x, y = xy[:, :-1], xy[:, 1:].clone()
+    y[1, SEQ - 500 :] = IGNORE  # sequence 1 is padded: the ranks hold different counts
+    for m in ref.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "sdpa"
+    logits = ref(input_ids=x, use_cache=False).logits
+    loss_ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    loss_ref.backward()
+
+    pm = parallelize_config(model, ParallelConfig(cp=2, ep=2))
+    assert (pm.config.dp_shard, pm.expert_shard_size, pm.cp_mesh.size()) == (2, 2, 2)
+    # the expert group spans two sequences' ranks: {0, 1} split sequence 0, ep pairs are
+    # consecutive ranks of the flattened dp_shard x cp
+    cpx.enable(model, pm.cp_group)
+    seq = pm.dp_rank
+    assert seq == rank // 2 and pm.cp_rank == rank % 2
+    local = cpx.shard_batch(
+        {"input_ids": x[seq : seq + 1], "labels": y[seq : seq + 1]}, 2, pm.cp_rank
+    )
+    logits = model(
+        input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+    ).logits
+    n = (y != IGNORE).sum().float()  # every rank knows the global count here
+    # FSDP averages gradients over the 4 ranks: scale the local sum by the world size
+    loss = F.cross_entropy(
+        logits.flatten(0, 1), local["labels"].flatten(), ignore_index=IGNORE, reduction="sum"
+    ) * (world / n)
+    loss.backward()
+    total = loss.detach() / world
+    dist.all_reduce(total)
+    _close(total, loss_ref.detach(), "cp=2 x ep=2 loss")
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        _close(grad, ref_params[name].grad, f"cp=2 x ep=2 grad of {name}")
+        checked += 1
+    assert checked == len(ref_params), (checked, len(ref_params))
+
+
 def cp_refusals(rank, world):
     """Sliding windows and sequence lengths not divisible by 2*cp are clear errors."""
     everyone, _ = _groups(rank, world)
@@ -197,4 +256,5 @@ CHECKS = [
     "cp_qwen3_moe_cp4",
     "cp_mixtral_cp4",
     "cp_families_cp2",
+    "cp_x_ep_fsdp",
 ]

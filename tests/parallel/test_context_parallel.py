@@ -37,3 +37,23 @@ def test_seq_len_error_names_the_fix():
         ValueError, match=r"not divisible by 2 x cp = 4.*multiple of 4, e.g. 8 or 12"
     ):
         cpx.check_seq_len(10, 2)
+
+
+def test_cp_sizes_resolve_and_errors_name_the_fix():
+    """world = dp_replicate x dp_shard x cp; ep divides dp_shard x cp (experts see tokens:
+    the expert group may span context-parallel ranks)."""
+    from dropless.parallel import ParallelConfig, resolve_sizes
+
+    cfg = resolve_sizes(ParallelConfig(cp=2, ep=4), 8, 8)
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.ep) == (1, 4, 2, 4)
+    assert resolve_sizes(ParallelConfig(cp=4, ep=4), 4, 8).dp_shard == 1  # ep spans cp ranks
+    for kw, world, needle in (
+        (dict(cp=3), 4, "parallel.dp_replicate x parallel.cp = 1 x 3 = 3 does not divide"),
+        (dict(cp=2, dp_shard=4), 4, "1 x 4 x 2 = 8 must equal the world size 4"),
+        (dict(cp=2, ep=8), 4, "parallel.ep=8 must divide parallel.dp_shard x parallel.cp = 4"),
+    ):
+        with pytest.raises(ValueError) as e:
+            resolve_sizes(ParallelConfig(**kw), world, 8)
+        assert needle in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match=r"parallel.cp=0 must be an int >= 1"):
+        ParallelConfig(cp=0)

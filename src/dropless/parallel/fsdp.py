@@ -51,7 +51,9 @@ def apply_fsdp(
         kw["mp_policy"] = mp_policy
     world = pmesh.world_size
     for m in model.modules():
-        hf_ep = "_dropless_ep" in m.__dict__  # an HF experts module (see hf/distributed/expert_parallel.py)
+        hf_ep = (
+            "_dropless_ep" in m.__dict__
+        )  # an HF experts module (see hf/distributed/expert_parallel.py)
         if isinstance(m, EPGroupedExperts) or hf_ep:
             # dropless.nn experts: several chunks may call forward_sorted in one step, keep
             # them gathered. HF experts run once per layer: reshard as the dense units do, so
@@ -61,7 +63,7 @@ def apply_fsdp(
                 fully_shard(child, mesh=pmesh.dense_fsdp_mesh, **kw)
             fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, **keep})
             m.set_gradient_divide_factor(float(world))
-            shard_size = pmesh.config.dp_shard // pmesh.config.ep
+            shard_size = pmesh.expert_shard_size  # dp_shard x cp / ep
             if shard_size > 1 and "nccl" not in str(dist.get_backend()):
                 # a custom factor means PREMUL_SUM, which gloo lacks: sum, then divide.
                 # Not with a shard group of 1: FSDP (2.13) then divides twice.

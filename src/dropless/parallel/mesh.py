@@ -1,14 +1,20 @@
 """Parallel layout from a config: validate sizes, then build a named DeviceMesh.
 
-World = dp_replicate x dp_shard. Expert parallelism borrows its ranks from the
-data-parallel shard dimension (as TorchTitan does): dp_shard = dp_shard_mod_ep x ep,
-so EP ranks still see different data. The root mesh is 2-D
-("dp_replicate", "dp_shard"); it is unflattened into ("dp_replicate",
-"dp_shard_mod_ep", "ep") for the experts and flattened into "dp" for reductions.
+World = dp_replicate x dp_shard x cp. Context parallelism (cp) splits each sequence over
+cp ranks (`dropless.parallel.context`); the cp ranks of one sequence are consecutive
+(innermost). Expert parallelism borrows its ranks from the data- and context-parallel
+shard dimensions (as TorchTitan and Megatron-Core do: experts see tokens, not
+sequences): dp_shard x cp = dp_shard_mod_ep x ep. With cp = 1 the root mesh is 2-D
+("dp_replicate", "dp_shard"); with cp > 1 it is ("dp_replicate", "dp_shard_cp") and
+`mesh` its unflattening ("dp_replicate", "dp_shard", "cp"). The root is unflattened into
+("dp_replicate", "dp_shard_mod_ep", "ep") for the experts and flattened into "dp" for
+reductions.
 
-- dense parameters: FSDP over dp_shard (HSDP: replicated over dp_replicate);
+- dense parameters: FSDP over dp_shard x cp flattened (HSDP: replicated over
+  dp_replicate), as TorchTitan shards over "dp_shard_cp";
 - expert parameters: Shard(0) over ep, FSDP over dp_shard_mod_ep (HSDP likewise);
-- load-balancing counts and metrics: all-reduced over dp (every data-parallel rank).
+- load-balancing counts and metrics: all-reduced over dp (every rank, cp ranks included:
+  they hold different tokens).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ class ParallelConfig:
     """How a run is laid out over processes (also the `[parallel]` section of
     `dropless train`'s config).
 
-    Processes come from torchrun: world = dp_replicate x dp_shard. dp_replicate: HSDP
-    replica groups (1: plain FSDP). dp_shard: FSDP shard size; -1 takes world_size /
-    dp_replicate. ep: expert-parallel size, must divide dp_shard (and the number of
+    Processes come from torchrun: world = dp_replicate x dp_shard x cp. dp_replicate: HSDP
+    replica groups (1: plain FSDP). dp_shard: the data-parallel shard size; -1 takes
+    world_size / (dp_replicate x cp). cp: context-parallel size, the ranks each sequence is
+    split over (each holds 2 of 2 x cp chunks; dense parameters are FSDP-sharded over
+    dp_shard x cp). ep: expert-parallel size, must divide dp_shard x cp (and the number of
     experts); experts are FSDP-sharded over the rest. dispatcher: "alltoall"
     (torch.distributed; the only one implemented: "deepep" is planned, not implemented).
     overlap_chunks: split each dispatch into this many chunks so one chunk's all-to-all
@@ -45,6 +53,7 @@ class ParallelConfig:
 
     dp_replicate: int = 1
     dp_shard: int = -1
+    cp: int = 1
     ep: int = 1
     dispatcher: str = "alltoall"
     overlap_chunks: int = 1
@@ -52,7 +61,7 @@ class ParallelConfig:
     force_distributed: bool = False
 
     def __post_init__(self):
-        for name in ("dp_replicate", "ep", "overlap_chunks"):
+        for name in ("dp_replicate", "cp", "ep", "overlap_chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"parallel.{name}={v!r} must be an int >= 1")
@@ -115,29 +124,42 @@ def resolve_sizes(cfg, world_size: int, num_experts: int | None = None) -> Paral
     group work is done.
     """
     cfg = as_parallel_config(cfg)
-    R, S, ep = cfg.dp_replicate, cfg.dp_shard, cfg.ep
+    R, S, cp, ep = cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.ep
     if world_size % R:
         raise ValueError(
             f"parallel.dp_replicate={R} does not divide the world size {world_size}; "
             f"pick a divisor of {world_size}"
         )
-    if S == -1:
-        S = world_size // R
-    if R * S != world_size:
+    if world_size % (R * cp):
         raise ValueError(
-            f"parallel.dp_replicate x parallel.dp_shard = {R} x {S} = {R * S} must equal the "
-            f"world size {world_size} (processes); set dp_shard={world_size // R} or -1"
+            f"parallel.dp_replicate x parallel.cp = {R} x {cp} = {R * cp} does not divide the "
+            f"world size {world_size} (processes); pick cp from {_divisors(world_size // R)}"
         )
-    if S % ep:
+    if S == -1:
+        S = world_size // (R * cp)
+    if R * S * cp != world_size:
+        if cp == 1:
+            raise ValueError(
+                f"parallel.dp_replicate x parallel.dp_shard = {R} x {S} = {R * S} must equal "
+                f"the world size {world_size} (processes); set dp_shard={world_size // R} or -1"
+            )
         raise ValueError(
-            f"parallel.ep={ep} must divide parallel.dp_shard={S} (expert parallelism borrows "
-            f"ranks from the FSDP shard dimension); pick ep from {_divisors(S)}"
+            f"parallel.dp_replicate x parallel.dp_shard x parallel.cp = {R} x {S} x {cp} = "
+            f"{R * S * cp} must equal the world size {world_size} (processes); set "
+            f"dp_shard={world_size // (R * cp)} or -1"
+        )
+    shard = S * cp  # the ranks experts are split and sharded over
+    where = f"parallel.dp_shard={S}" if cp == 1 else f"parallel.dp_shard x parallel.cp = {shard}"
+    if shard % ep:
+        raise ValueError(
+            f"parallel.ep={ep} must divide {where} (expert parallelism borrows ranks from the "
+            f"FSDP shard dimension); pick ep from {_divisors(shard)}"
         )
     if num_experts is not None and num_experts % ep:
         raise ValueError(
             f"num_experts={num_experts} is not divisible by parallel.ep={ep}; every EP rank "
             f"must own the same number of experts: pick ep from "
-            f"{[d for d in _divisors(S) if num_experts % d == 0]}"
+            f"{[d for d in _divisors(shard) if num_experts % d == 0]}"
         )
     return dataclasses.replace(cfg, dp_shard=S)
 
@@ -148,9 +170,11 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class ParallelMesh:
-    """The built layout. `mesh` is the root ("dp_replicate", "dp_shard") mesh;
-    `expert_mesh` its ("dp_replicate", "dp_shard_mod_ep", "ep") unflattening; `dp` the
-    flattened data-parallel mesh. Sub-meshes for FSDP are given by the properties.
+    """The built layout. `mesh` is the ("dp_replicate", "dp_shard") mesh (cp > 1:
+    ("dp_replicate", "dp_shard", "cp")); `expert_mesh` the ("dp_replicate",
+    "dp_shard_mod_ep", "ep") unflattening of the root; `dp` the flattened mesh of every
+    rank; `shard_mesh` (cp > 1 only) the root ("dp_replicate", "dp_shard_cp") that dense
+    parameters are sharded over. Sub-meshes for FSDP are given by the properties.
     """
 
     config: ParallelConfig
@@ -158,10 +182,31 @@ class ParallelMesh:
     expert_mesh: object
     dp: object
     extra: dict = field(default_factory=dict)
+    shard_mesh: object = None
 
     @property
     def world_size(self) -> int:
-        return self.config.dp_replicate * self.config.dp_shard
+        return self.config.dp_replicate * self.config.dp_shard * self.config.cp
+
+    @property
+    def cp_mesh(self):
+        """1-D mesh over the ranks that split one sequence (None when cp == 1)."""
+        return self.mesh["cp"] if self.config.cp > 1 else None
+
+    @property
+    def cp_group(self):
+        """The process group of this rank's sequence (None when cp == 1)."""
+        return None if self.config.cp == 1 else self.cp_mesh.get_group()
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index among the cp ranks of its sequence (0 when cp == 1)."""
+        return 0 if self.config.cp == 1 else self.cp_mesh.get_local_rank()
+
+    @property
+    def expert_shard_size(self) -> int:
+        """How many ranks each expert's parameters are FSDP-sharded over (dp_shard_mod_ep)."""
+        return self.config.dp_shard * self.config.cp // self.config.ep
 
     @property
     def ep_mesh(self):
@@ -178,10 +223,14 @@ class ParallelMesh:
 
     @property
     def dense_fsdp_mesh(self):
-        """FSDP mesh of dense parameters: 1-D dp_shard, or 2-D HSDP with dp_replicate."""
+        """FSDP mesh of dense parameters: 1-D dp_shard (dp_shard x cp flattened when cp > 1),
+        or 2-D HSDP with dp_replicate."""
+        root, name = (
+            (self.mesh, "dp_shard") if self.shard_mesh is None else (self.shard_mesh, "dp_shard_cp")
+        )
         if self.config.dp_replicate > 1:
-            return self.mesh
-        return self.mesh["dp_shard"]
+            return root
+        return root[name]
 
     @property
     def expert_fsdp_mesh(self):
@@ -192,8 +241,9 @@ class ParallelMesh:
 
     @property
     def dp_rank(self) -> int:
-        """This process's index in the global batch (0 .. world-1)."""
-        return self.dp.get_local_rank()
+        """This process's index in the global batch (0 .. world / cp - 1): the cp ranks of
+        one sequence share it."""
+        return self.dp.get_local_rank() // self.config.cp
 
 
 def build_mesh(cfg, num_experts: int | None = None, device_type: str | None = None) -> ParallelMesh:
@@ -212,8 +262,16 @@ def build_mesh(cfg, num_experts: int | None = None, device_type: str | None = No
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     from torch.distributed.device_mesh import init_device_mesh
 
-    R, S, ep = cfg.dp_replicate, cfg.dp_shard, cfg.ep
-    root = init_device_mesh(device_type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
-    expert_mesh = root._unflatten("dp_shard", (S // ep, ep), ("dp_shard_mod_ep", "ep"))
-    dp = root._flatten("dp")
-    return ParallelMesh(cfg, root, expert_mesh, dp)
+    R, S, cp, ep = cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.ep
+    if cp == 1:
+        root = init_device_mesh(device_type, (R, S), mesh_dim_names=("dp_replicate", "dp_shard"))
+        expert_mesh = root._unflatten("dp_shard", (S // ep, ep), ("dp_shard_mod_ep", "ep"))
+        return ParallelMesh(cfg, root, expert_mesh, root._flatten("dp"))
+    # one root over (replicas, shard x cp ranks), unflattened two ways: the data/context
+    # view and the expert view (the EP group may span data- and context-parallel ranks)
+    root = init_device_mesh(
+        device_type, (R, S * cp), mesh_dim_names=("dp_replicate", "dp_shard_cp")
+    )
+    mesh = root._unflatten("dp_shard_cp", (S, cp), ("dp_shard", "cp"))
+    expert_mesh = root._unflatten("dp_shard_cp", (S * cp // ep, ep), ("dp_shard_mod_ep", "ep"))
+    return ParallelMesh(cfg, mesh, expert_mesh, root._flatten("dp"), shard_mesh=root)

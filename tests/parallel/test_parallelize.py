@@ -131,16 +131,42 @@ def test_trl_sft_ep2_near_one_process(tmp_path):
     _equal_to_one_process("ep_trl_sft.py", tmp_path, ref, rel=1e-3)
 
 
+def test_trl_grpo_ep2_trains_and_saves(tmp_path):
+    """TRL's GRPOTrainer at ep=2 on 2 processes: completions from the model's own `generate`
+    (each decoding step's all-to-all in lockstep across ranks), a reward, 3 optimizer steps
+    with nonzero gradients and finite losses, and a saved model stock `from_pretrained` loads
+    whole, moved from its initial weights. Not compared with one process: each rank samples
+    its completions from its own random stream, so the completions depend on the number of
+    processes."""
+    pytest.importorskip("trl")
+    import torch
+
+    out = tmp_path / "two"
+    args = ["--out", out, "--steps", "3", "--grad-accum", "1"]
+    got = _result(torchrun(2, [EXAMPLES / "ep_trl_grpo.py", *args], env=ENV, timeout=300))
+    assert got["world"] == 2 and len(got["losses"]) == 3, got
+    assert all(abs(x) < 10 for x in got["losses"]) and max(got["grad_norms"]) > 0, got
+    _same_weights(out / "final", out / "final")  # loads with no missing or unexpected key
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out / "init").state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a if "experts" in k)
+
+
 def test_refusals():
     tests = Path(__file__).resolve().parents[1]
     child = Path(__file__).with_name("_checks_parallelize_errors.py")
     proc = run_python([child], env={**ENV, "PYTHONPATH": str(tests)}, timeout=120)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
-    with pytest.raises(ValueError, match=r"ep=4\) does not divide the 2 processes"):
+    # dropless train's checks (parallel.mesh.resolve_sizes), in parallelize's keywords
+    with pytest.raises(ValueError, match=r"ep=4 must divide the processes of each replica .* = 2"):
         check_sizes(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"6 experts per layer.*pick ep from \[1, 2\]"):
+    with pytest.raises(ValueError, match=r"num_experts=6 .* ep=4.*pick ep from \[1, 2\]"):
         check_sizes(4, 1, 4, 6)
-    with pytest.raises(ValueError, match=r"dp_replicate=3\) does not divide the world size 4"):
+    with pytest.raises(
+        ValueError, match=r"parallelize: dp_replicate=3 does not divide the world size 4"
+    ):
         check_sizes(1, 3, 4, 8)
     check_sizes(2, 2, 8, 8)  # 2 replicas of 4 processes, 4 experts per rank
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...parallel.fsdp import apply_fsdp
-from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh
+from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh, resolve_sizes
+from ..lora.peft_lora import base_model
 from .expert_parallel import shard_hf_experts
 from .peft_save import route_peft_save
 
@@ -79,11 +80,6 @@ def mixed_precision_policy(dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The Transformers model inside a PEFT wrapper (the model itself otherwise)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _check_process_group() -> int:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -96,31 +92,17 @@ def _check_process_group() -> int:
 
 
 def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int) -> None:
-    for name, v in (("ep", ep), ("dp_replicate", dp_replicate)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"dropless.parallelize({name}={v!r}): must be an int >= 1")
-    if world % dp_replicate:
-        raise ValueError(
-            f"dropless.parallelize(dp_replicate={dp_replicate}) does not divide the world size "
-            f"{world} (processes); pick dp_replicate from {_divisors(world)}"
+    """`dropless train`'s check of the layout (`parallel.mesh.resolve_sizes`), its messages
+    in `parallelize`'s keywords (its dp_shard is world / dp_replicate: the processes of each
+    replica, which expert parallelism borrows its ranks from)."""
+    try:
+        resolve_sizes(ParallelConfig(dp_replicate=dp_replicate, ep=ep), world, num_experts)
+    except ValueError as e:
+        msg = str(e).replace(
+            "parallel.dp_shard=", "the processes of each replica (world size / dp_replicate) = "
         )
-    shard = world // dp_replicate
-    if shard % ep:
-        raise ValueError(
-            f"dropless.parallelize(ep={ep}) does not divide the {shard} processes of each "
-            f"replica (world size {world}, dp_replicate={dp_replicate}); expert parallelism "
-            f"borrows its ranks from the data-parallel ones: pick ep from {_divisors(shard)}"
-        )
-    if num_experts % ep:
-        ok = [d for d in _divisors(shard) if num_experts % d == 0]
-        raise ValueError(
-            f"dropless.parallelize(ep={ep}): the model has {num_experts} experts per layer, "
-            f"which {ep} ranks cannot split evenly; pick ep from {ok}"
-        )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        msg = msg.replace("parallel.", "")
+        raise ValueError(f"dropless.parallelize: {msg}") from None
 
 
 def _check_model(model: nn.Module) -> int:
@@ -129,7 +111,7 @@ def _check_model(model: nn.Module) -> int:
 
     from ..layers import moe_layers
 
-    base = _base(model)
+    base = base_model(model)
     layers = moe_layers(base)
     if not layers:
         raise ValueError(
@@ -184,7 +166,7 @@ def _check_not_deepspeed(model: nn.Module) -> None:
 
 def parallel_mesh(model: nn.Module) -> ParallelMesh | None:
     """The `ParallelMesh` `parallelize` laid `model` out on (None if it did not)."""
-    return _base(model).__dict__.get(_MESH)
+    return base_model(model).__dict__.get(_MESH)
 
 
 def parallelize(
@@ -249,7 +231,7 @@ def parallelize(
         activation_checkpointing=activation_checkpointing, checkpoint=checkpoint,
         device=device, reshard_after_forward=reshard_after_forward, rename=rename,
     )  # fmt: skip
-    base = _base(model)
+    base = base_model(model)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))
     route_peft_save(model)
@@ -270,7 +252,7 @@ def _apply(
 ) -> nn.Module:  # fmt: skip
     from ..layers import moe_layers
 
-    base = _base(model)
+    base = base_model(model)
     if activation_checkpointing:
         enable_activation_checkpointing(base)
     layers = moe_layers(base)
@@ -314,4 +296,4 @@ def _load(model: nn.Module, checkpoint, device, rename) -> None:
         )
     if any(t.is_meta for t in model.parameters()):
         model.to_empty(device=device)
-    load_sharded_hf(_base(model), checkpoint, rename=rename)
+    load_sharded_hf(base_model(model), checkpoint, rename=rename)

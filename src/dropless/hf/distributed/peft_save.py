@@ -80,9 +80,10 @@ def lora_adapter_state(model: nn.Module) -> tuple[object, dict[str, torch.Tensor
 
     from ..layers import moe_layers
     from ..lora.expert_lora import expert_factor_keys, factor_to_peft, peft_paths
+    from ..lora.peft_lora import base_model
 
-    is_peft = hasattr(model, "get_base_model")
-    base = model.get_base_model() if is_peft else model
+    base = base_model(model)
+    is_peft = base is not model
     layers = [x for x in moe_layers(base) if "_dropless_lora_scale" in x.experts.__dict__]
     config = _config(model, base, layers)
     prefix = "base_model.model." if is_peft else ""

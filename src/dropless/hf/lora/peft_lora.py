@@ -62,6 +62,11 @@ def _factors_proxy_class():
     return _LoraFactorsProxy
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The Transformers model inside a PEFT wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_parametrized(module: nn.Module, name: str) -> bool:
     plist = getattr(module, "parametrizations", None)
     return plist is not None and name in plist

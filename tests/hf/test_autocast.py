@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dropless.hf as dh
 from dropless.ops.expert_mlp.fused_mlp import GroupedMLP
 from dropless.ops.expert_mlp.loop_mlp import LoopMLP
-from dropless.ops.grouped_gemm.eager import _GroupedGemm
+from dropless.ops.grouped_gemm.eager import GroupedGemm
 
 VOCAB = 96
 ALL = FAMILIES + MORE_FAMILIES
@@ -57,7 +57,7 @@ def spy_expert_gemms(monkeypatch) -> list:
 
         return staticmethod(run)
 
-    for cls in (LoopMLP, GroupedMLP, _GroupedGemm):
+    for cls in (LoopMLP, GroupedMLP, GroupedGemm):
         monkeypatch.setattr(cls, "forward", wrap(cls.forward))
         monkeypatch.setattr(cls, "backward", wrap(cls.backward))
     return seen

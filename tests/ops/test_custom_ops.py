@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from dropless.nn import GroupedLinear
-from dropless.ops import rmsnorm
 from dropless.ops.grouped_gemm import custom_op as gemm_op
 from dropless.ops.linear_cross_entropy import custom_op as ce_op
 from dropless.ops.linear_cross_entropy import linear_cross_entropy
 from dropless.ops.linear_cross_entropy.rows import CE_ROWS, EAGER_CE_ROWS, CERows
 from dropless.ops.rmsnorm import RMSNORM, RMSNormImpl, rms_norm
 from dropless.ops.rmsnorm import custom_op as rms_op
+from dropless.ops.rmsnorm.eager import rms_norm_fwd
 
 
 def _graph_ops(fn, *args) -> tuple[list[str], object]:
@@ -73,7 +73,7 @@ def test_rms_norm_node_picks_its_implementation_when_it_runs():
 
     def spy_fwd(*a):
         calls.append("forward")
-        return rmsnorm.rms_norm_fwd(*a)
+        return rms_norm_fwd(*a)
 
     RMSNORM.register(RMSNormImpl("spy", None, lambda t: True, spy_fwd, None, priority=99))
     try:

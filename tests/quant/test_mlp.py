@@ -10,7 +10,8 @@ import torch
 import dropless
 from dropless.bench.fp8 import saved_tensor_bytes
 from dropless.ops import grouped_mlp, sort_by_expert, swiglu
-from dropless.ops.grouped_gemm.eager import expand_bias, grouped_gemm
+from dropless.ops.grouped_gemm import grouped_gemm
+from dropless.ops.grouped_gemm.eager import expand_bias
 from dropless.quant import (
     DelayedScaling,
     Float8CurrentScaling,

@@ -27,7 +27,7 @@ def _inputs(S, F, seed):
 def check(case: str, device: str = "cpu") -> None:
     from dropless.ops.activation.eager import act_bwd_eager
     from dropless.quant import formats as fm
-    from dropless.quant.triton_swiglu_bwd_quant import swiglu_bwd_quant
+    from dropless.quant.mlp import swiglu_bwd_quant
 
     S, F = {"partial_tiles": (13, 40), "no_rows": (0, 32)}.get(case, (9, 64))
     h, prob, g = _inputs(S, F, CASES.index(case))

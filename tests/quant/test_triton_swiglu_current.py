@@ -68,8 +68,7 @@ def _recipes():
 def check(case: str, device: str = "cpu") -> None:
     from dropless.quant import formats as fm
     from dropless.quant.gemm import quantize_operand
-    from dropless.quant.mlp import _swiglu_f32, fused_swiglu_quant
-    from dropless.quant.triton_swiglu_quant import swiglu_quant_rows
+    from dropless.quant.mlp import _swiglu_f32, fused_swiglu_quant, swiglu_quant_rows
 
     if case in ("rows_bitexact_one_tile", "rows_bitexact_walks_f"):
         h, prob = _h(9, 80, 1)

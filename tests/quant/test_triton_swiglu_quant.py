@@ -34,7 +34,7 @@ def _offsets_kernel():
     import triton
     import triton.language as tl
 
-    from dropless.quant.triton_swiglu_quant import _offsets
+    from dropless.ops.activation.swiglu_quant_kernels import _offsets
 
     globals()["_offsets"] = _offsets  # jit functions resolve names in module globals
 
@@ -61,8 +61,7 @@ def _same_bytes(a, b):
 
 def check(case: str, device: str = "cpu") -> None:
     from dropless.quant import formats as fm
-    from dropless.quant.mlp import _swiglu_f32
-    from dropless.quant.triton_swiglu_quant import swiglu_quant_mx, swiglu_quant_scaled
+    from dropless.quant.mlp import _swiglu_f32, swiglu_quant_mx, swiglu_quant_scaled
 
     if case == "int64_offsets":
         # h [S, 2F] with F = 4096: row 300_000 starts at element 2.46e9 > 2**31

@@ -117,7 +117,7 @@ def test_scan_finds_the_known_kernels():
     assert "dropless.ops.quantize.triton_fp8:e4m3_bits" in jit
     assert (
         "dropless.ops.activation.activation_kernels:glu_fwd"
-        in calls["dropless.quant.triton_swiglu_quant:_swiglu_tile"]
+        in calls["dropless.ops.activation.swiglu_quant_kernels:_swiglu_tile"]
     )  # from ..ops.activation.activation_kernels import glu_fwd
     assert (
         "dropless.ops.quantize.triton_fp8:e4m3_bits"

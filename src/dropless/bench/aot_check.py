@@ -274,16 +274,16 @@ def _routing_jobs(d: str) -> list[Job]:
 
 def _quant_jobs(d: str) -> list[Job]:
     """The FP8 casts (`ops/quantize/triton_quant.py`) and the fused SwiGLU + FP8 kernels, forward
-    (`triton_swiglu_quant.py`) and backward (`triton_swiglu_bwd_quant.py`), at their
+    (`ops/activation/swiglu_quant_kernels.py`) and backward (`swiglu_bwd_quant_kernels.py`), at their
     wrappers' default tiles (num_warps and num_stages: the JIT's defaults). Their FP8 and
     E8M0 bytes are written and read through uint8 pointers (the E4M3 encoding is integer
     arithmetic, `triton_fp8.py`), so no fp8 type is involved and they compile for sm_80
     as for sm_90. The casts take 2-D contiguous tensors (unit column strides), except the
     MX quantization of grouped columns (`quantize_mx_groups`), which reads a transposed
     view (unit row stride); M (rows: tokens) is not a multiple of 16 there."""
+    from ..ops.activation import swiglu_bwd_quant_kernels as B
+    from ..ops.activation import swiglu_quant_kernels as S
     from ..ops.quantize import triton_quant as Q
-    from ..quant import triton_swiglu_bwd_quant as B
-    from ..quant import triton_swiglu_quant as S
 
     tile = dict(BLOCK_M=32, BLOCK_N=128)
     mx = {"x_ptr": d, "q_ptr": "*u8", "s_ptr": "*u8"}

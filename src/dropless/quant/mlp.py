@@ -32,7 +32,8 @@ import torch
 
 from ..ops.activation.eager import act_forward
 from ..ops.activation.swiglu import swiglu
-from ..ops.grouped_gemm.eager import expand_bias, group_sum, grouped_gemm
+from ..ops.grouped_gemm import grouped_gemm
+from ..ops.grouped_gemm.eager import expand_bias, group_sum
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
 from ..ops.registry import triton_importable
@@ -69,11 +70,9 @@ def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize
     """(grad_h in `dtype`, grad_prob or None, the recomputed activation quantized for the
     down weight gradient). With a per-tensor scale known from forward (current per
     tensor, delayed) on CUDA in E4M3, one Triton pass also writes that activation in FP8
-    (`triton_swiglu_bwd_quant`); otherwise the row op's backward, then `quantize_col`."""
+    (`swiglu_bwd_quant`); otherwise the row op's backward, then `quantize_col`."""
     if scale is not None and h_S2F.is_cuda and recipe.fwd_format == "e4m3":
         if triton_importable():
-            from .triton_swiglu_bwd_quant import swiglu_bwd_quant
-
             return swiglu_bwd_quant(
                 g_SF, h_S2F, prob_S, scale, need_prob_grad=want_prob, grad_dtype=dtype
             )
@@ -95,17 +94,51 @@ def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
     return quantize_operand(recipe, _swiglu_f32(h_S2F, prob_S), "x", 1, key=key)
 
 
+def swiglu_quant_mx(h_S2F, prob_S=None, **kw) -> QTensor:
+    """`ops/activation/swiglu_quant_kernels.quantize_mx` (same keywords) as an MXFP8
+    QTensor like `formats.quantize_mx(a, 1)`."""
+    from ..ops.activation.swiglu_quant_kernels import quantize_mx
+
+    q, s = quantize_mx(h_S2F, prob_S, **kw)
+    return QTensor(q, s, "e4m3", kind="mx", dim=1, size=h_S2F.shape[1] // 2)
+
+
+def swiglu_quant_scaled(h_S2F, prob_S, fmt: str, scale: torch.Tensor, **kw):
+    """`swiglu_quant_kernels.quantize_scaled` as (QTensor with the per-tensor `scale`,
+    amax of the unquantized result)."""
+    from ..ops.activation.swiglu_quant_kernels import quantize_scaled
+
+    q, amax = quantize_scaled(h_S2F, prob_S, fmt, scale, **kw)
+    scale = scale.float().reshape(()).to(q.device)
+    return QTensor(q, torch.reciprocal(scale), "e4m3", scale=scale), amax
+
+
+def swiglu_quant_rows(h_S2F, prob_S, fmt: str = "e4m3", margin: int = 0, **kw) -> QTensor:
+    """`swiglu_quant_kernels.quantize_rows` as the QTensor of
+    `formats.quantize_current(a, fmt, dims=1, margin=margin)` (scale [S, 1])."""
+    from ..ops.activation.swiglu_quant_kernels import quantize_rows
+
+    q, scale = quantize_rows(h_S2F, prob_S, fmt, margin, **kw)
+    return QTensor(q, torch.reciprocal(scale), "e4m3", scale=scale)
+
+
+def swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw):
+    """`ops/activation/swiglu_bwd_quant_kernels.bwd_quant` (same keywords) as (grad_h,
+    grad_prob or None, the activation as an E4M3 QTensor with the per-tensor `scale`)."""
+    from ..ops.activation.swiglu_bwd_quant_kernels import bwd_quant
+
+    grad_h, grad_p, q = bwd_quant(g_SF, h_S2F, prob_S, scale, **kw)
+    scale = scale.float().reshape(()).to(q.device)
+    return grad_h, grad_p, QTensor(q, torch.reciprocal(scale), "e4m3", scale=scale)
+
+
 def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
-    """The kernels of `triton_swiglu_quant` by scaling mode (E4M3): MXFP8 blocks; delayed
-    scaling (the scale known before the pass, the amax recorded after); current scaling
-    per row (two walks over each row in one program) or per tensor (an amax launch, then
-    the cast). `kw` (act=False) is for the bit-exact tests."""
-    from .triton_swiglu_quant import (
-        swiglu_amax,
-        swiglu_quant_mx,
-        swiglu_quant_rows,
-        swiglu_quant_scaled,
-    )
+    """The fused SwiGLU + E4M3 kernels (`ops/activation/swiglu_quant_kernels.py`) by
+    scaling mode: MXFP8 blocks; delayed scaling (the scale known before the pass, the
+    amax recorded after); current scaling per row (two walks over each row in one
+    program) or per tensor (an amax launch, then the cast). `kw` (act=False) is for the
+    bit-exact tests."""
+    from ..ops.activation.swiglu_quant_kernels import amax as swiglu_amax
 
     mode = scaling_mode(recipe)
     if mode == "mx":

@@ -1,7 +1,8 @@
 """The math of every expert activation kind, once, as Triton device functions.
 
 Every Triton kernel that applies an expert activation calls these (the row ops of
-`swiglu_kernels.py`, the fused SwiGLU + FP8 quantize of `quant/triton_swiglu_quant.py`),
+`swiglu_kernels.py`, the fused SwiGLU + FP8 quantize of `swiglu_quant_kernels.py`
+and its backward, `swiglu_bwd_quant_kernels.py`),
 so a kind's formula and its derivative are written here and nowhere else on the Triton
 side. The specification is `reference.activation_reference`; the torch
 forms are in `eager.py`. Math in fp32; `KIND` is a `tl.constexpr` string, so each

@@ -11,7 +11,7 @@ routing prob p and the gradient g of the activation, writes
     q[s, f]   = sat_e4m3(act * p * scale)                              (one byte)
 
 so the activation is never written in 16 bits and read again to be quantized. The
-derivative math is `kernels.activations.glu`'s and the E4M3 encoding
+derivative math is `activation_kernels.glu`'s and the E4M3 encoding
 `triton_fp8.e4m3_code`'s (torch's bytes). Row-wise and MX recipes quantize that
 activation column-wise over all rows (a column amax first): they take the row op's
 backward (`ops.permute.row_ops`) and quantize after.
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.activation.activation_kernels import glu
-from ..ops.quantize.triton_fp8 import e4m3_code, tl, triton
-from .formats import QTensor
+from ..quantize.triton_fp8 import e4m3_code, tl, triton
+from .activation_kernels import glu
 
 
 @triton.jit
@@ -61,7 +60,7 @@ def bwd_quant_kernel(
         tl.store(gp_ptr + offs_r, tl.sum(acc_p, axis=1).to(gp_ptr.dtype.element_ty), mask=mask_r)
 
 
-def swiglu_bwd_quant(
+def bwd_quant(
     grad_SF: torch.Tensor,
     h_S2F: torch.Tensor,
     prob_S: torch.Tensor | None,
@@ -72,7 +71,7 @@ def swiglu_bwd_quant(
     block_r: int = 4,
 ):
     """(grad_h [S, 2F] in `grad_dtype` (default h's), grad_prob [S] or None, the
-    activation silu(gate) * up * prob as an E4M3 QTensor with the per-tensor `scale`)."""
+    activation silu(gate) * up * prob in E4M3 bytes [S, F] with the per-tensor `scale`)."""
     if h_S2F.dim() != 2 or h_S2F.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F], got {tuple(h_S2F.shape)}")
     h = h_S2F.contiguous()
@@ -93,5 +92,4 @@ def swiglu_bwd_quant(
             q.stride(0), HAS_P=prob_S is not None, NEED_GP=need_gp, BLOCK_R=block_r,
             BLOCK_F=block_f,
         )  # fmt: skip
-    a = QTensor(q.view(torch.float8_e4m3fn), torch.reciprocal(scale), "e4m3", scale=scale)
-    return grad_h, grad_p, a
+    return grad_h, grad_p, q.view(torch.float8_e4m3fn)

@@ -18,6 +18,9 @@ only the quantized a:
 - current per-tensor mode: a first launch writes each tile's amax (NaN if the tile holds
   one), torch reduces them to the scale, and the scaled kernel writes the bytes.
 
+The functions return raw tensors (E4M3 bytes and their scales); `dropless.quant.mlp`
+wraps them in its quantized-tensor type (the FP8 recipes' MLP is their only caller).
+
 The E4M3 and E8M0 encodings are those of `triton_fp8.py` (integer ops on the fp32
 bits), so the interpreter and the GPU give the same bytes as torch's cast. ACT=False
 skips the silu (gate * up * prob): that mode is what the bit-exact tests use, since exp
@@ -30,9 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.activation.activation_kernels import glu_fwd
-from ..ops.quantize.triton_fp8 import e4m3_code, mx_encode, tl, triton
-from .formats import BLOCK, FP8_MAX, QTensor
+from ..quantize.reference import SPEC
+from ..quantize.triton_fp8 import MX_BLOCK as BLOCK
+from ..quantize.triton_fp8 import e4m3_code, mx_encode, tl, triton
+from .activation_kernels import glu_fwd
+
+E4M3_MAX = SPEC["e4m3"][2]
 
 
 @triton.jit
@@ -170,11 +176,9 @@ def _check(h_S2F: torch.Tensor, prob_S):
     return h, prob, h.shape[0], h.shape[1] // 2
 
 
-def swiglu_quant_mx(
-    h_S2F, prob_S=None, *, fmt="e4m3", scale_rule="floor", act=True, block_s=32
-) -> QTensor:
-    """silu(gate) * up * prob as MXFP8 (E4M3, blocks of 32 along F): QTensor like
-    `formats.quantize_mx(a, 1)` (data [S, B*32], E8M0 scale_inv [S, B])."""
+def quantize_mx(h_S2F, prob_S=None, *, fmt="e4m3", scale_rule="floor", act=True, block_s=32):
+    """silu(gate) * up * prob as MXFP8 (E4M3, blocks of 32 along F): (data [S, B*32]
+    E4M3, scale_inv [S, B] E8M0), the bytes of `quant.formats.quantize_mx(a, 1)`."""
     if fmt != "e4m3":
         raise ValueError(f"the fused kernel writes E4M3 only, got fmt={fmt!r}")
     h, prob, S, F = _check(h_S2F, prob_S)
@@ -198,16 +202,14 @@ def swiglu_quant_mx(
             RCEIL=scale_rule == "rceil",
             BLOCK_S=block_s,
         )
-    return QTensor(
-        q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu), "e4m3", kind="mx", dim=1, size=F
-    )
+    return q.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu)
 
 
-def swiglu_quant_scaled(
+def quantize_scaled(
     h_S2F, prob_S, fmt: str, scale: torch.Tensor, *, act=True, block_s=32, block_f=64
 ):
     """silu(gate) * up * prob quantized with a known per-tensor scale (delayed scaling).
-    Returns (QTensor, amax of the unquantized result)."""
+    Returns (data [S, F] E4M3, amax of the unquantized result)."""
     if fmt != "e4m3":
         raise ValueError(f"the fused kernel writes E4M3 only, got fmt={fmt!r}")
     h, prob, S, F = _check(h_S2F, prob_S)
@@ -231,24 +233,19 @@ def swiglu_quant_scaled(
             BLOCK_S=block_s,
             BLOCK_F=block_f,
         )
-    qt = QTensor(
-        q.view(torch.float8_e4m3fn),
-        torch.reciprocal(scale.reshape(())),
-        "e4m3",
-        scale=scale.reshape(()),
-    )
-    return qt, partial.amax() if partial.numel() else partial.new_zeros(())
+    amax = partial.amax() if partial.numel() else partial.new_zeros(())
+    return q.view(torch.float8_e4m3fn), amax
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def swiglu_quant_rows(
+def quantize_rows(
     h_S2F, prob_S, fmt: str = "e4m3", margin: int = 0, *, act=True, block_s=4, max_f=1024
-) -> QTensor:
-    """silu(gate) * up * prob with one current scale per row (E4M3): the QTensor of
-    `formats.quantize_current(a, fmt, dims=1, margin=margin)` (scale [S, 1])."""
+):
+    """silu(gate) * up * prob with one current scale per row (E4M3): (data [S, F] E4M3,
+    scale [S, 1]), those of `quant.formats.quantize_current(a, fmt, dims=1, margin=margin)`."""
     if fmt != "e4m3":
         raise ValueError(f"the fused kernel writes E4M3 only, got fmt={fmt!r}")
     h, prob, S, F = _check(h_S2F, prob_S)
@@ -257,15 +254,14 @@ def swiglu_quant_rows(
     if S and F:
         block_f = min(_pow2_at_least(F), max_f)
         row_kernel[(triton.cdiv(S, block_s),)](
-            h, prob, q, scale, S, F, h.stride(0), q.stride(0), FP8_MAX[fmt] / 2.0**margin,
+            h, prob, q, scale, S, F, h.stride(0), q.stride(0), E4M3_MAX / 2.0**margin,
             HAS_PROB=prob_S is not None, ACT=act, BLOCK_S=block_s, BLOCK_F=block_f,
             ONE_TILE=block_f >= F,
         )  # fmt: skip
-    scale = scale.unsqueeze(1)
-    return QTensor(q.view(torch.float8_e4m3fn), torch.reciprocal(scale), "e4m3", scale=scale)
+    return q.view(torch.float8_e4m3fn), scale.unsqueeze(1)
 
 
-def swiglu_amax(h_S2F, prob_S, *, act=True, block_s=32, block_f=64) -> torch.Tensor:
+def amax(h_S2F, prob_S, *, act=True, block_s=32, block_f=64) -> torch.Tensor:
     """max |silu(gate) * up * prob| (fp32 scalar; NaN if a value is NaN), a as torch's
     `amax` sees it, without writing a."""
     h, prob, S, F = _check(h_S2F, prob_S)

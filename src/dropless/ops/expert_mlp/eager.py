@@ -23,7 +23,8 @@ import torch
 from ..activation.swiglu import check_supported, swiglu
 from ..compute_dtype import to_compute_dtype
 from ..dispatch import get_recipe
-from ..grouped_gemm.eager import check_counts, expand_bias, grouped_gemm
+from ..grouped_gemm import grouped_gemm
+from ..grouped_gemm.eager import check_counts, expand_bias
 from ..lora import LowRank
 from ..permute.eager import SortedPairs, permute, sort_by_expert, unpermute
 from ..specs import ActivationConfig, as_activation

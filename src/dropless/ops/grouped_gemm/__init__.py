@@ -3,15 +3,27 @@ the op in one folder.
 
 - `reference.py`: `grouped_gemm_reference`, the specification (a loop over groups);
 - `backends.py`: `GemmBackend` and the registry `GEMM_BACKENDS` of raw grouped products;
-- `eager.py`: `grouped_gemm` with its autograd Function, the "loop" and "grouped_mm"
-  (`torch._grouped_mm`) backends and `bind_offsets`;
+- `eager.py`: the autograd Function, the "loop" and "grouped_mm" (`torch._grouped_mm`)
+  backends and `bind_offsets`;
 - `gemm_kernels.py`: the Triton grouped GEMM and weight gradient; `group_kernels.py`:
   the zeroing of empty groups' weight-gradient blocks (a "triton" row op);
 - `gpu.py`: the "triton" backend, registered on the first pick for a CUDA operand;
 - `custom_op.py`: `dropless::grouped_gemm` and its backward, what a compiled region or an
-  exported program holds of a call with tensor counts.
+  exported program holds of a call with tensor counts;
+- `grouped_gemm` below: the entry (argument checks, a recipe's GEMM, autocast, the node
+  under a compiler).
 """
 
+# S rows (sorted pairs), D in features, N out features, E groups (experts)
+
+from __future__ import annotations
+
+import torch
+
+from ..compute_dtype import autocast_dtype
+from ..dispatch import get_recipe, recipe_gemm
+from ..weight_cache import cached_cast
+from . import custom_op
 from .backends import (
     GEMM_BACKENDS,
     GemmBackend,
@@ -19,10 +31,53 @@ from .backends import (
     pick_gemm_backend,
     register_gemm_backend,
 )
-from .eager import aligned_dims, bind_offsets, group_offsets, grouped_gemm
+from .eager import GroupedGemm, aligned_dims, bind_offsets, check_counts, group_offsets
 from .gpu import register_gpu
 
 GEMM_BACKENDS.on_first_cuda(register_gpu)
+
+
+def grouped_gemm(
+    x_SD: torch.Tensor,
+    w: torch.Tensor,
+    counts,
+    bias_EN: torch.Tensor | None = None,
+    *,
+    trans_w: bool = True,
+    backend: str | None = None,
+    offsets_E: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over contiguous groups of `counts` rows.
+
+    w is [E, N, D] (out, in: the nn.Linear and Transformers v5 layout) when trans_w,
+    else [E, D, N]. counts: list of ints or 1-D integer tensor (read on the host once).
+    offsets_E: their int32 cumulative ends on x's device when the caller has them
+    (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
+    Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
+    Under `torch.compile` / `torch.export` with tensor counts (no recipe, no named
+    backend) the call is one `dropless::grouped_gemm` node (`custom_op.py`): the counts
+    are read when the node runs, so the graph neither breaks nor specialises on them.
+    """
+    if _takes_node(counts, offsets_E, backend):  # torch.compile / export: one node
+        return custom_op.run(x_SD, w, counts, bias_EN, trans_w)
+    counts = check_counts(x_SD, w, counts)
+    recipe = get_recipe()
+    if recipe is not None:
+        return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w)
+    dt = autocast_dtype(x_SD, w, bias_EN)
+    if dt is not None:  # the autocast dtype, weights cast once per step (compute_dtype.py)
+        x_SD, w = x_SD.to(dt), cached_cast(w, dt)
+        bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
+    return GroupedGemm.apply(x_SD, w, bias_EN, counts, offsets_E, trans_w, backend)
+
+
+def _takes_node(counts, offsets_E, backend) -> bool:
+    """Whether a compiled call runs as the custom op (what it does not take, a recipe or
+    a named backend, keeps the eager path)."""
+    if not torch.compiler.is_compiling() or not isinstance(counts, torch.Tensor):
+        return False
+    return offsets_E is None and backend in (None, "auto") and get_recipe() is None
+
 
 __all__ = [
     "GEMM_BACKENDS",

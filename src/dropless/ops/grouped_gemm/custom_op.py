@@ -5,7 +5,7 @@ what `torch.compile` and `torch.export` see of `grouped_gemm` (and so of
 The node reads the counts on the host when it runs (it is opaque to the compiler), so a
 compiled graph neither breaks at `counts.tolist()` nor specialises on the group sizes:
 new sizes reuse the graph. It runs the autograd Function eager code runs
-(`eager._GroupedGemm`'s forward and backward called directly, on the backend picked
+(`eager.GroupedGemm`'s forward and backward called directly, on the backend picked
 when the node runs), so the math is that one's. The fake rule gives [S, N] from the
 operands.
 """
@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .eager import GroupedGemm, bound_backend, check_counts
+
 
 class _Ctx:
-    """The autograd context `_GroupedGemm`'s forward and backward read and write, for
+    """The autograd context `GroupedGemm`'s forward and backward read and write, for
     calls outside autograd (the custom op owns it)."""
 
     def __init__(self, needs_input_grad=(), saved_tensors=()):
@@ -38,10 +40,8 @@ def grouped_gemm_op(
     x_SD: Tensor, w: Tensor, bias_EN: Tensor | None, counts_E: Tensor, trans_w: bool
 ) -> Tensor:
     """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over groups of `counts_E` rows."""
-    from .eager import _GroupedGemm, check_counts
-
     counts = check_counts(x_SD, w, counts_E)
-    return _GroupedGemm.forward(_Ctx(), x_SD, w, bias_EN, counts, None, trans_w, None)
+    return GroupedGemm.forward(_Ctx(), x_SD, w, bias_EN, counts, None, trans_w, None)
 
 
 @grouped_gemm_op.register_fake
@@ -55,13 +55,11 @@ def grouped_gemm_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_x, grad_w, grad_bias); an empty tensor where `needs` (same order) says none
     is wanted."""
-    from .eager import _GroupedGemm, bound_backend
-
     counts = [int(c) for c in counts_E.tolist()]
     ctx = _Ctx((*needs, False, False, False, False), (x_SD, w))
     ctx.be, ctx.counts = bound_backend(x_SD, w, counts, None, None)
     ctx.trans_w, ctx.has_bias, ctx.host_counts = trans_w, needs[2], counts
-    grads = _GroupedGemm.backward(ctx, grad_SN)[:3]
+    grads = GroupedGemm.backward(ctx, grad_SN)[:3]
     return tuple(x_SD.new_empty(0) if g is None else g for g in grads)
 
 

@@ -18,11 +18,8 @@ import functools
 
 import torch
 
-from ..compute_dtype import autocast_dtype, autocast_off
-from ..dispatch import get_recipe, recipe_gemm
+from ..compute_dtype import autocast_off
 from ..permute.row_ops import pick_row_ops
-from ..weight_cache import cached_cast
-from . import custom_op
 from .backends import GemmBackend, pick_gemm_backend, register_gemm_backend
 
 
@@ -172,7 +169,7 @@ def bound_backend(x_SD, w, counts: list[int], offs, backend):
     return bind_offsets(be, cnt, offs, x_SD.device), cnt
 
 
-class _GroupedGemm(torch.autograd.Function):
+class GroupedGemm(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, x_SD, w, bias_EN, counts, offs, trans_w, backend):
@@ -243,45 +240,3 @@ def check_counts(x_SD: torch.Tensor, w: torch.Tensor, counts) -> list[int]:
     if sum(counts) != x_SD.shape[0]:
         raise ValueError(f"counts sum to {sum(counts)} but x has {x_SD.shape[0]} rows")
     return counts
-
-
-def grouped_gemm(
-    x_SD: torch.Tensor,
-    w: torch.Tensor,
-    counts,
-    bias_EN: torch.Tensor | None = None,
-    *,
-    trans_w: bool = True,
-    backend: str | None = None,
-    offsets_E: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over contiguous groups of `counts` rows.
-
-    w is [E, N, D] (out, in: the nn.Linear and Transformers v5 layout) when trans_w,
-    else [E, D, N]. counts: list of ints or 1-D integer tensor (read on the host once).
-    offsets_E: their int32 cumulative ends on x's device when the caller has them
-    (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
-    Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
-    Under `torch.compile` / `torch.export` with tensor counts (no recipe, no named
-    backend) the call is one `dropless::grouped_gemm` node (`custom_op.py`): the counts
-    are read when the node runs, so the graph neither breaks nor specialises on them.
-    """
-    if _takes_node(counts, offsets_E, backend):  # torch.compile / export: one node
-        return custom_op.run(x_SD, w, counts, bias_EN, trans_w)
-    counts = check_counts(x_SD, w, counts)
-    recipe = get_recipe()
-    if recipe is not None:
-        return recipe_gemm(recipe)(x_SD, w, counts, bias_EN, trans_w)
-    dt = autocast_dtype(x_SD, w, bias_EN)
-    if dt is not None:  # the autocast dtype, weights cast once per step (compute_dtype.py)
-        x_SD, w = x_SD.to(dt), cached_cast(w, dt)
-        bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
-    return _GroupedGemm.apply(x_SD, w, bias_EN, counts, offsets_E, trans_w, backend)
-
-
-def _takes_node(counts, offsets_E, backend) -> bool:
-    """Whether a compiled call runs as the custom op (what it does not take, a recipe or
-    a named backend, keeps the eager path)."""
-    if not torch.compiler.is_compiling() or not isinstance(counts, torch.Tensor):
-        return False
-    return offsets_E is None and backend in (None, "auto") and get_recipe() is None

@@ -4,7 +4,7 @@ in one folder.
 - `reference.py`: `linear_cross_entropy_reference`, the specification (the head, then
   cross-entropy, as Transformers computes them);
 - `eager.py`: `linear_cross_entropy` with its backends ("fused", "chunked", "torch") and
-  their autograd Functions;
+  their autograd Functions; `fused_pass.py`: the chunked pass of "fused";
 - `rows.py`: the registry `CE_ROWS` of the row op the "fused" backend runs on each chunk
   of logits, and its torch form;
 - `cross_entropy_kernels.py`: the Triton row op;

@@ -2,7 +2,7 @@
 (`dropless::linear_cross_entropy`): what `torch.compile` and `torch.export` see of
 `linear_cross_entropy` with reduction "mean" or "sum".
 
-The node runs the fused pass of eager code (`eager._fused_pass`: chunked logits, the row
+The node runs the fused pass of eager code (`fused_pass.py`: chunked logits, the row
 op picked when the node runs, so the Triton row kernel of a CUDA call registers and runs
 even when the process's first call is compiled), returning the loss and the gradients of
 h, w and b for an incoming gradient of 1 (empty where not wanted). Its registered
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from .fused_pass import fused_pass
 
 
 def _acc(h: Tensor) -> torch.dtype:
@@ -36,10 +38,8 @@ def linear_cross_entropy_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(loss, grad_h, grad_w, grad_b) in the accumulation dtype (fp32, fp64 for fp64
     inputs) for an incoming gradient of 1; a gradient not in `needs` (h, w, b) is empty."""
-    from .eager import _fused_pass
-
     args = (ignore_index, smoothing, reduction, chunk, None)
-    loss, grads = _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, tuple(needs))
+    loss, grads = fused_pass(h_TD, weight_VD, bias_V, labels_T, args, tuple(needs))
     return (loss, *(h_TD.new_empty(0, dtype=_acc(h_TD)) if g is None else g for g in grads))
 
 

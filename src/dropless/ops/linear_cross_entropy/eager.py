@@ -46,7 +46,8 @@ import torch.nn.functional as F
 
 from ..compute_dtype import autocast_dtype
 from . import custom_op
-from .rows import CERows, pick_ce_rows
+from .fused_pass import fused_pass, mm_into
+from .rows import CERows
 
 BACKENDS = ("auto", "fused", "chunked", "torch")
 REDUCTIONS = ("mean", "sum", "none")
@@ -253,7 +254,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_h:
                 torch.mm(d_CV, weight_VD, out=grad_h[s : s + chunk])
             if need_w:
-                _mm_into(grad_w, d_CV.t(), h_CD, accumulate=True)
+                mm_into(grad_w, d_CV.t(), h_CD, accumulate=True)
         if need_w:
             grad_w = grad_w.to(weight_VD.dtype)
         if need_b:
@@ -300,7 +301,7 @@ def fused_linear_cross_entropy(
         if rows is None and torch.compiler.is_compiling():  # one node (custom_op.py)
             return custom_op.run(h_TD, weight_VD, bias_V, labels_T, args[:4], needs)
         if not any(needs):
-            return _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
+            return fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)[0]
         return _FusedLinearCE.apply(h_TD, weight_VD, bias_V, labels_T, args, needs)
 
 
@@ -321,7 +322,7 @@ def _autocast_inputs(h_TD, weight_VD, bias_V):
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TD, weight_VD, bias_V, labels_T, args, needs):
-        loss, grads = _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)
+        loss, grads = fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs)
         # saved as tensors (not ctx attributes) so saved-tensor hooks see and can offload them
         ctx.save_for_backward(*(g for g in grads if g is not None))
         ctx.layout = tuple(g is not None for g in grads)
@@ -346,74 +347,3 @@ class _FusedLinearCE(torch.autograd.Function):
             # in place: the buffers are this backward's own (fp32 for 16-bit inputs)
             out.append(None if g is None else g.mul_(grad_out.to(g.dtype)).to(dtype))
         return out[0], out[1], out[2], None, None, None
-
-
-def _fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
-    """(loss, (grad_h, grad_w, grad_b)) for an incoming gradient of 1; the gradients
-    are None where not needed."""
-    ignore_index, smoothing, reduction, chunk, rows = args
-    T, V = h_TD.shape[0], weight_VD.shape[0]
-    dev, acc = h_TD.device, torch.promote_types(h_TD.dtype, torch.float32)
-    need_h, need_w, need_b = needs
-    grad = any(needs)
-    valid_T = labels_T != ignore_index
-    n_valid = valid_T.sum().to(acc)  # stays on the device: no host sync
-    one = torch.ones((), dtype=acc, device=dev)
-    scale_T = torch.where(valid_T, one / n_valid.clamp_min(1) if reduction == "mean" else one, 0)
-    loss_T = torch.empty(T, dtype=acc, device=dev)
-    grad_h = torch.empty(h_TD.shape, dtype=acc, device=dev) if need_h else None
-    grad_w = torch.empty(weight_VD.shape, dtype=acc, device=dev) if need_w else None
-    grad_b = torch.zeros(V, dtype=acc, device=dev) if need_b else None
-    buf_CV = torch.empty(min(chunk, T), V, dtype=h_TD.dtype, device=dev)
-    for s in range(0, T, chunk):
-        h_CD = h_TD[s : s + chunk]
-        x_CV = buf_CV[: h_CD.shape[0]]
-        if bias_V is None:
-            torch.mm(h_CD, weight_VD.t(), out=x_CV)
-        else:
-            torch.addmm(bias_V, h_CD, weight_VD.t(), out=x_CV)
-        impl = rows or pick_ce_rows(x_CV)
-        loss_T[s : s + chunk] = impl.run(
-            x_CV, labels_T[s : s + chunk], scale_T[s : s + chunk],
-            ignore_index=ignore_index, smoothing=smoothing, grad=grad,
-        )  # fmt: skip
-        if need_b:
-            grad_b.add_(x_CV.sum(0, dtype=acc))
-        if need_h:
-            _mm_into(grad_h[s : s + chunk], x_CV, weight_VD, accumulate=False)
-        if need_w:  # the first chunk writes the buffer, the others add to it
-            _mm_into(grad_w, x_CV.t(), h_CD, accumulate=s > 0)
-    if need_w and T == 0:
-        grad_w.zero_()
-    total = loss_T.sum()
-    loss = total / n_valid if reduction == "mean" else total  # 0 / 0: NaN, as stock
-    return loss, (grad_h, grad_w, grad_b)
-
-
-# whether this torch's CUDA addmm takes an fp32 `self`/`out` with 16-bit operands
-# (`out_dtype=`; older releases require `self` in the operands' dtype): found on first use
-_ADDMM_FP32_OUT: list[bool] = []
-
-
-def _mm_into(out, a, b, *, accumulate: bool):
-    """out = a @ b (out += a @ b with accumulate), in out's dtype (fp32 for 16-bit a, b).
-
-    16-bit operands on CUDA run the 16-bit GEMM writing fp32 into out (`out_dtype=`, in
-    place: no weight-sized temporary; where torch's addmm refuses an fp32 `self`, the
-    chunk's product goes through one fp32 temporary); on CPU they are upcast (16-bit
-    matmul is slow there)."""
-    if a.dtype == out.dtype:
-        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
-    if not a.is_cuda:
-        a, b = a.to(out.dtype), b.to(out.dtype)
-        return out.addmm_(a, b) if accumulate else torch.mm(a, b, out=out)
-    if not accumulate:
-        return torch.mm(a, b, out_dtype=out.dtype, out=out)
-    if not _ADDMM_FP32_OUT or _ADDMM_FP32_OUT[0]:
-        try:
-            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-            _ADDMM_FP32_OUT[:] = [True]
-            return out
-        except RuntimeError:
-            _ADDMM_FP32_OUT[:] = [False]
-    return out.add_(torch.mm(a, b, out_dtype=out.dtype))

@@ -4,8 +4,8 @@ every cast is tested against bit for bit) and the one-pass Triton casts
 
 The formats, recipes and quantized GEMMs that use them are `dropless.quant`'s; it loads
 the casts only for CUDA tensors with triton installed. The fused SwiGLU + FP8 kernels
-stay in `dropless.quant` (`triton_swiglu_quant.py`, `triton_swiglu_bwd_quant.py`): they
-return `quant.formats.QTensor`, which `ops` may not import; they take their encoders from
-`triton_fp8.py` here and the activation math from `ops/activation/activation_kernels.py`.
+live with the activation (`ops/activation/swiglu_quant_kernels.py`,
+`swiglu_bwd_quant_kernels.py`): they return raw bytes and scales, which `quant/mlp.py`
+wraps in its `QTensor`, and take their encoders from `triton_fp8.py` here.
 This `__init__` imports nothing.
 """

@@ -1,7 +1,7 @@
 """Triton device functions that encode and decode FP8: E4M3 bytes and MXFP8 blocks.
 
 The one home of the FP8 bit arithmetic the Triton kernels share (the 2-D casts of
-`triton_quant.py`, the fused SwiGLU + quantize of `triton_swiglu_quant.py`). It imports
+`triton_quant.py`, the fused SwiGLU + quantize of `ops/activation/swiglu_quant_kernels.py`). It imports
 only triton, so a kernel module takes these without importing `formats.py` (which
 imports the cast kernels lazily: an import back would be a loop).
 

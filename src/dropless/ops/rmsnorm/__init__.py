@@ -9,54 +9,22 @@ Triton kernels for CUDA tensors, the lean torch op everywhere else.
 - `rmsnorm_kernels.py`: the Triton kernels (fused residual add) and their autograd;
 - `custom_op.py`: `dropless::rms_norm` and its backward, what a compiled region or an
   exported program holds (the implementation is picked when the node runs);
-- the registry `RMSNORM` below: "torch" always, "triton" registered on the first call
-  with a CUDA tensor. Calling on CPU imports no triton.
+- `backends.py`: the registry `RMSNORM`: "torch" always, "triton" registered on the first
+  call with a CUDA tensor. Calling on CPU imports no triton.
 """
 
 # D normalised dim
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from ..registry import Registry, cuda_with_triton, lazy
-from .eager import check_weight, rms_norm_bwd, rms_norm_fwd
+from . import custom_op
+from .backends import RMSNORM, RMSNormImpl, register_gpu
+from .eager import check_weight
 from .eager import rms_norm as torch_rms_norm
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-@dataclass(frozen=True)
-class RMSNormImpl:
-    """run(x, weight_D, eps, residual) as `rms_norm`; supports(x): whether it runs x;
-    forward / backward: the raw passes the custom op runs (`eager.rms_norm_fwd` and
-    `rms_norm_bwd`'s signatures, on [R, D] rows)."""
-
-    name: str
-    run: Callable
-    supports: Callable[[torch.Tensor], bool]
-    forward: Callable
-    backward: Callable
-    priority: int = 0
-
-
-RMSNORM = Registry("rmsnorm backend")
-RMSNORM.register(RMSNormImpl("torch", torch_rms_norm, lambda x: True, rms_norm_fwd, rms_norm_bwd))
-
-
-def register_gpu() -> None:
-    """Register the Triton kernels as "triton" (the kernel module loads on first call)."""
-    kernels = "dropless.ops.rmsnorm.rmsnorm_kernels"
-    run, fwd, bwd = (lazy(kernels, f) for f in ("rms_norm", "rms_norm_fwd", "rms_norm_bwd"))
-    RMSNORM.register(RMSNormImpl("triton", run, cuda_with_triton, fwd, bwd, priority=10))
-
-
-RMSNORM.on_first_cuda(register_gpu)
-
-from . import custom_op  # noqa: E402  (its ops pick from RMSNORM when they run)
 
 
 def rms_norm(
@@ -80,4 +48,4 @@ def rms_norm(
     return RMSNORM.pick(backend, x).run(x, weight_D, eps, residual)
 
 
-__all__ = ["BACKENDS", "RMSNORM", "RMSNormImpl", "rms_norm", "torch_rms_norm"]
+__all__ = ["BACKENDS", "RMSNORM", "RMSNormImpl", "register_gpu", "rms_norm", "torch_rms_norm"]

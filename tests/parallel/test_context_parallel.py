@@ -57,3 +57,47 @@ def test_cp_sizes_resolve_and_errors_name_the_fix():
         assert needle in str(e.value), str(e.value)
     with pytest.raises(ValueError, match=r"parallel.cp=0 must be an int >= 1"):
         ParallelConfig(cp=0)
+
+
+def test_train_cp2_at_world2_equals_one_process(tmp_path):
+    """`torchrun --nproc-per-node 2 -m dropless train --set parallel.cp=2`: both ranks read
+    the same 4 sequences and keep half of each; the losses, gradient norms and held-out
+    losses of 3 steps equal one process's. (Had the ranks not split the sequences, the
+    run's dropped-token check would fail it: each rank would route twice its share.) The
+    load-balancing loss is off: under cp it is each rank's, over its half sequences."""
+    from dropless.cli.main import main
+    from dropless.train.config.recipes import TINY
+    from harness import read_metrics, torchrun
+
+    torch.set_num_threads(1)
+    run = (*TINY, "train.steps=3", "log.every=1", "checkpoint.every=0", "log.plots=false",
+           "log.tensorboard=false", "train.aux_loss_coef=0")  # fmt: skip
+    args = [a for item in run for a in ("--set", item)]
+    ref, cp = tmp_path / "ref", tmp_path / "cp"
+    assert main(["train", "--run-dir", str(ref), *args]) == 0
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = ["-m", "dropless", "train", "--run-dir", str(cp), *args, "--set", "parallel.cp=2"]
+    proc = torchrun(2, cmd, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 processes on cpu" in proc.stdout
+    want, got = read_metrics(ref), read_metrics(cp)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
+    for w, g in zip(want, got, strict=True):
+        assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-5)
+        if "loss" in w:
+            assert g["loss"] == pytest.approx(w["loss"], rel=1e-5)
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
+
+
+def test_train_cp_refuses_a_seq_len_it_cannot_split():
+    """train.seq_len not a multiple of 2 x cp: the error names the key and the sizes."""
+    from dropless.train.data.context_split import ContextSplit
+
+    with pytest.raises(
+        ValueError, match=r"sequence length 30 is not divisible by 2 x cp = 4.*train.seq_len"
+    ):
+        ContextSplit(0, 1, 0, 2).check(30)
+    x = torch.arange(16).view(1, 16)
+    xs, ys, pos = ContextSplit(0, 1, 1, 2).split(x, x + 1)
+    assert xs[0].tolist() == pos[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert ys[0].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]  # shifted before the split

@@ -27,10 +27,14 @@ class Evaluator:
         collective: bool,
         precision,
         eval_targets: np.ndarray | None = None,
+        split=None,
     ):
         self.model, self.eval_BL1, self.eval_bytes, self.env = model, eval_BL1, eval_bytes, env
         # supervised rows: [B, L] targets, IGNORE (-100) where no loss (prompt, padding)
         self.eval_targets = eval_targets
+        # parallel.cp > 1 (data/context_split.py): a cp group scores one window set, each
+        # rank its chunks of every window; None: every process its own windows
+        self.split = split
         self.micro_batch, self.collective, self.precision = (
             max(micro_batch, 1),
             collective,
@@ -52,18 +56,25 @@ class Evaluator:
         self.model.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # nll sum, targets
         world, b = self.env.world, self.micro_batch
-        mine = self.eval_BL1[self.env.rank :: world]
-        tmine = None if self.eval_targets is None else self.eval_targets[self.env.rank :: world]
+        rank, step = (self.env.rank, world) if self.split is None else (
+            self.split.data_rank, self.split.data_world
+        )  # fmt: skip
+        mine = self.eval_BL1[rank::step]
+        tmine = None if self.eval_targets is None else self.eval_targets[rank::step]
         for j in range(self._forward_count(mine)):
             part = mine[j * b : (j + 1) * b]
             xy = torch.from_numpy(part if len(part) else self.eval_BL1[:1]).to(self.env.device)
+            y = xy[:, 1:]
+            if tmine is not None and len(part):
+                y = torch.from_numpy(tmine[j * b : (j + 1) * b]).to(self.env.device)
+            x, pos = xy[:, :-1], None
+            if self.split is not None and self.split.cp > 1:
+                x, y, pos = self.split.split(x, y)
+            kw = {} if pos is None else {"position_ids": pos}
             with self.precision.autocast(), self.precision.recipe():
-                logits = self.model(input_ids=xy[:, :-1], use_cache=False).logits
+                logits = self.model(input_ids=x, use_cache=False, **kw).logits
             if not len(part):  # a filler forward on a rank with no windows left
                 continue
-            y = xy[:, 1:]
-            if tmine is not None:
-                y = torch.from_numpy(tmine[j * b : (j + 1) * b]).to(self.env.device)
             nll = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
             )

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .data.context_split import ContextSplit
 from .data.corpus import micro_batch_indices
+from .data.sft import IGNORE
 from .model.lora import base_model
 from .model.precision import Precision
 from .run.collectives import all_reduce
@@ -120,7 +122,14 @@ class MicroStep:
     outputs the losses need; the cross-entropy (fused when `ce_seen` collects it) plus the
     router losses; the backward of loss / grad_accum under the recipe (activation
     checkpointing recomputes forwards there). Returns the detached cross-entropy, aux and z
-    losses and the routers' per-expert counts [M, E]."""
+    losses and the routers' per-expert counts [M, E].
+
+    With context parallelism (`split.cp` > 1) each sequence is split over the cp ranks of
+    `cp_group` (`ContextSplit.split`: the targets shifted on the whole sequence, global
+    positions) and the cross-entropy is this rank's sum over the targets of the whole
+    sequences (counted over the cp group) times cp: FSDP averages the gradients over every
+    rank, so the group's gradient is that of its sequences' mean, as one process computes.
+    The router losses are this rank's, over its tokens (as a micro-batch's are)."""
 
     model: torch.nn.Module
     precision: Any  # Precision: .autocast() and .recipe() contexts
@@ -129,13 +138,28 @@ class MicroStep:
     aux_loss_coef: float
     z_loss_coef: float
     grad_accum: int
+    split: ContextSplit | None = None  # None: the whole sequences on this process
+    cp_group: Any = None  # the process group of this rank's sequences (cp > 1)
 
     @classmethod
-    def for_run(cls, cfg, model, precision, router, ce_seen) -> MicroStep:
+    def for_run(
+        cls, cfg, model, precision, router, ce_seen, split=None, cp_group=None
+    ) -> MicroStep:
         tc = cfg.train
         return cls(
-            model, precision, router, ce_seen, tc.aux_loss_coef, tc.z_loss_coef, tc.grad_accum
-        )
+            model, precision, router, ce_seen, tc.aux_loss_coef, tc.z_loss_coef, tc.grad_accum,
+            split, cp_group,
+        )  # fmt: skip
+
+    def _split(self, x, y):
+        """(x, y, position_ids, num_items_in_batch) of this rank: num_items None without cp."""
+        if self.split is None or self.split.cp == 1:
+            return x, y, None, None
+        x, y, pos = self.split.split(x, y)
+        n = (y != IGNORE).sum().to(torch.float32).reshape(1)
+        all_reduce(n, group=self.cp_group)  # the targets of the whole sequences
+        # sum x cp / count: FSDP's average over the cp ranks leaves the group's mean
+        return x, y, pos, n.clamp(min=1.0)[0] / self.split.cp
 
     @property
     def need_router(self) -> bool:
@@ -144,10 +168,15 @@ class MicroStep:
     def __call__(self, xy_BL1: torch.Tensor, targets_BL: torch.Tensor | None = None):
         # supervised rows carry their own targets (IGNORE where no loss: prompt, padding)
         x, y = xy_BL1[:, :-1], (xy_BL1[:, 1:] if targets_BL is None else targets_BL)
+        x, y, pos, num_items = self._split(x, y)
         need_router = self.need_router
         kw = dict(output_router_logits=need_router, use_cache=False)
+        if pos is not None:  # context parallel: the global positions of this rank's tokens
+            kw["position_ids"] = pos
         if self.ce_seen is not None:  # y as the already shifted labels
             kw.update(labels=y, shift_labels=y)
+            if num_items is not None:
+                kw["num_items_in_batch"] = num_items
             self.ce_seen.clear()
         with self.precision.autocast(), self.precision.recipe(), self.router.capture():
             out = self.model(input_ids=x, **kw)
@@ -156,7 +185,11 @@ class MicroStep:
             ce = self.ce_seen.pop()
         else:
             logits = out.logits.float()
-            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            flat = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            if num_items is None:
+                ce = F.cross_entropy(*flat)
+            else:
+                ce = F.cross_entropy(*flat, reduction="sum") / num_items
             del logits
         # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
         rs = self.router.stats(out, x.shape, need_router)
@@ -184,7 +217,13 @@ class StepRunner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
         self.seq_len = tc.seq_len
-        self.micro = MicroStep.for_run(cfg, model, parts.precision, parts.router, self.ce_seen)
+        # parallel.cp > 1: a group of cp ranks reads one micro-batch and splits its sequences
+        self.split = ContextSplit.for_run(env, parts.parallel)
+        self.split.check(tc.seq_len)
+        cp_group = parts.parallel.pmesh.cp_group if self.split.cp > 1 else None
+        self.micro = MicroStep.for_run(
+            cfg, model, parts.precision, parts.router, self.ce_seen, self.split, cp_group
+        )
 
     def _accumulate(self, state: TrainState, stop) -> tuple[StepStats, bool]:
         """Forward/backward over the micro-batches; returns the step's statistics over every
@@ -197,8 +236,14 @@ class StepRunner:
         counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
         hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         for a in range(self.grad_accum):
+            sp = self.split  # the cp ranks of one group read the same samples
             idx = micro_batch_indices(
-                state.sample_index, a, self.env.rank, self.world, self.global_batch, self.grad_accum
+                state.sample_index,
+                a,
+                sp.data_rank,
+                sp.data_world,
+                self.global_batch,
+                self.grad_accum,
             )
             xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
             tg = None

@@ -118,15 +118,17 @@ class Trainer:
         self.saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
         if env.main:  # only now: a refused resume leaves the run's files as they were
             dump_config(cfg, self.config_file)
-        micro_batch = micro_batch_size(tc.batch_size, env.world, tc.grad_accum)
         self.stepper = StepRunner(cfg, env, StepParts(
             model=self.model, layers=self.layers, router=self.router, top_k=self.top_k,
             optimizer=self.optimizer, scheduler=self.scheduler, parallel=self.parallel,
             sampler=self.data.sampler, precision=self.precision, hooks=self.hooks,
         ))  # fmt: skip
+        split = self.stepper.split  # parallel.cp > 1: each cp group scores its windows
+        micro_batch = micro_batch_size(tc.batch_size, split.data_world, tc.grad_accum)
         self.evaluate = Evaluator(
             self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
             self.parallel is not None, self.precision, eval_targets=self.data.eval_targets,
+            split=split if split.cp > 1 else None,
         )  # fmt: skip
         self.log = RunLog(
             cfg, env, run_dir, self.precision, self.start_step if resume_from else None

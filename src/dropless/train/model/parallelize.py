@@ -6,7 +6,9 @@
     stats = par.pop_stats()                                       # EP time split and bytes
 
 With several processes every run goes through FSDP2 (HSDP when dp_replicate > 1) and,
-with ep > 1, expert parallelism of the model's Transformers experts modules.
+with ep > 1, expert parallelism of the model's Transformers experts modules; with cp > 1
+the model's attention runs across the cp ranks of each sequence
+(`dropless.parallel.context`: all-gather-KV causal attention).
 """
 
 from __future__ import annotations
@@ -28,6 +30,21 @@ class TrainParallel:
 
     def __init__(self, model: nn.Module, pmesh: ParallelMesh):
         self.model, self.pmesh = model, pmesh
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel size: the ranks each sequence is split over."""
+        return self.pmesh.config.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index among the cp ranks of its sequences."""
+        return self.pmesh.cp_rank
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel group (of world / cp) this rank reads the samples of."""
+        return self.pmesh.dp_rank
 
     def clip_grad_norm_(self, params, max_norm: float) -> float:
         return float(clip_grad_norm_(list(params), max_norm))
@@ -59,7 +76,8 @@ def parallelize_for_training(
     model: nn.Module, parallel_cfg, world: int, compute_dtype: torch.dtype = torch.float32
 ) -> TrainParallel | None:
     """Shard a dropless-patched Transformers model per `parallel_cfg` (fields
-    dp_replicate, dp_shard, ep; see `ParallelConfig`). Returns None for one process
+    dp_replicate, dp_shard, cp, ep; see `ParallelConfig`); with cp > 1 switch its attention
+    to the context-parallel one. Returns None for one process
     (after checking ep == 1), unless parallel.force_distributed: then one process takes
     the parallel path too, in the 1-process group `init_env` joined. compute_dtype: the
     run's autocast dtype; with bf16 every FSDP2 unit gathers bf16 parameters and reduces
@@ -75,4 +93,8 @@ def parallelize_for_training(
         return None
     # the public call's path (`dropless.parallelize`), from the run's [parallel] section
     pm = parallelize_config(model, as_parallel_config(parallel_cfg), mixed_precision=compute_dtype)
+    if pm.config.cp > 1:
+        from ...parallel.context import enable
+
+        enable(model, pm.cp_group)
     return TrainParallel(model, pm)

@@ -1,9 +1,14 @@
 """`dropless.parallelize` inside the trainers people use: each script of examples/ (`ep_*.py`)
 under `torchrun --nproc-per-node 2` on gloo with ep=2 gives the losses and gradient norms
 of the same script on one process (fp32, 6 steps, 2 micro-batches each, clipping active),
-and the model it saves loads in stock `from_pretrained` with the one-process weights.
-Each test is one torchrun; the loop, Trainer and accelerate scripts share one
-one-process reference. Also: the refusals of `parallelize`."""
+and the model it saves loads in stock `from_pretrained` with the one-process weights; a
+LoRA run through Transformers' Trainer writes the one-process adapter, which stock PEFT
+loads; TRL's GRPOTrainer trains and saves. Also: the refusals of `parallelize`.
+
+Start-ups are shared (`_checks_parallelize_runs.py` runs several scripts' `main` in one
+process): one child runs the refusals and every one-process reference, one torchrun the
+Trainer-based scripts (Trainer, Trainer with LoRA, SFTTrainer, GRPOTrainer); the loop and
+accelerate scripts, which end their process group, have a torchrun each."""
 
 import json
 import sys
@@ -41,23 +46,59 @@ def _same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=2e-6, msg=k)
 
 
-def _one_process(script: str, out: Path) -> dict:
-    return _result(run_python([EXAMPLES / script, "--out", out], env=ENV, timeout=300))
+RUNS = Path(__file__).with_name("_checks_parallelize_runs.py")
+ERRORS = Path(__file__).with_name("_checks_parallelize_errors.py")
+LORA = "--lora 4 --max-grad-norm 0.15"  # LoRA's gradient norms are ~0.2: clipping active
+
+
+def _has_trl() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("trl") is not None
+
+
+def _runs(launch, out: Path, runs: dict, first: tuple = ()) -> tuple[dict, str]:
+    """({name: (its result, its output dir)}, stdout) of `runs` ({name: (script, args)}),
+    after the `first` (script, args) pairs, launched together by `launch(argv)`."""
+    argv = [RUNS, *first]
+    for name, (script, args) in runs.items():
+        argv += [script, f"{args} --out {out / name}"]
+    proc = launch(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {n: (json.loads((out / n / "losses.json").read_text()), out / n) for n in runs}
+    return got, proc.stdout
 
 
 @pytest.fixture(scope="module")
-def loop_one_process(tmp_path_factory) -> tuple[dict, Path]:
-    """The plain loop on one process: the reference of the loop, Trainer and accelerate
-    scripts, which compute the same steps (same data, AdamW without weight decay, the
-    same clipping; checked: their one-process losses agree to 1e-7)."""
+def one(tmp_path_factory) -> dict:
+    """The one-process runs, in one child: the refusals first (they need dropless not yet
+    patched), then the plain loop (the reference of the loop, Trainer and accelerate
+    scripts, which compute the same steps: same data, AdamW without weight decay, the same
+    clipping; checked: their one-process losses agree to 1e-7), SFTTrainer, and the
+    Trainer with LoRA."""
     out = tmp_path_factory.mktemp("one")
-    return _one_process("ep_torch_loop.py", out), out
+    runs = {"loop": ("ep_torch_loop.py", ""), "lora": ("ep_hf_trainer.py", LORA)}
+    if _has_trl():
+        runs["sft"] = ("ep_trl_sft.py", "")
+    launch = lambda argv: run_python(argv, env=ENV, timeout=400)  # noqa: E731
+    got, stdout = _runs(launch, out, runs, first=(str(ERRORS), ""))
+    got["refusals"] = "OK" in stdout.splitlines()
+    return got
 
 
-def _equal_to_one_process(script: str, tmp_path: Path, ref, rel: float = 1e-5) -> None:
-    ref, one = ref
-    two = tmp_path / "two"
-    got = _result(torchrun(2, [EXAMPLES / script, "--out", two], env=ENV, timeout=300))
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict:
+    """The Trainer-based scripts on 2 processes at ep=2, in one torchrun."""
+    runs = {"trainer": ("ep_hf_trainer.py", ""), "lora": ("ep_hf_trainer.py", LORA)}
+    if _has_trl():
+        runs["sft"] = ("ep_trl_sft.py", "")
+        runs["grpo"] = ("ep_trl_grpo.py", "--steps 3 --grad-accum 1")
+    out = tmp_path_factory.mktemp("two")
+    return _runs(lambda argv: torchrun(2, argv, env=ENV, timeout=400), out, runs)[0]
+
+
+def _equal_to_one_process(got, ref, rel: float = 1e-5) -> None:
+    (got, two), (ref, one) = got, ref
     assert (ref["world"], got["world"]) == (1, 2)
     assert len(got["losses"]) == 6
     assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
@@ -71,67 +112,66 @@ def _equal_to_one_process(script: str, tmp_path: Path, ref, rel: float = 1e-5) -
         _same_weights(two / "final", two / "final")
 
 
-def test_torch_loop_ep2_equals_one_process(tmp_path, loop_one_process):
-    _equal_to_one_process("ep_torch_loop.py", tmp_path, loop_one_process)
+def _torchrun_alone(script: str, tmp_path: Path):
+    two = tmp_path / "two"
+    proc = torchrun(2, [EXAMPLES / script, "--out", two], env=ENV, timeout=300)
+    return _result(proc), two
 
 
-def test_hf_trainer_ep2_equals_one_process(tmp_path, loop_one_process):
-    _equal_to_one_process("ep_hf_trainer.py", tmp_path, loop_one_process)
+def test_torch_loop_ep2_equals_one_process(tmp_path, one):
+    _equal_to_one_process(_torchrun_alone("ep_torch_loop.py", tmp_path), one["loop"])
 
 
-def test_accelerate_ep2_equals_one_process(tmp_path, loop_one_process):
+def test_hf_trainer_ep2_equals_one_process(one, two):
+    _equal_to_one_process(two["trainer"], one["loop"])
+
+
+def test_accelerate_ep2_equals_one_process(tmp_path, one):
     pytest.importorskip("accelerate")
-    _equal_to_one_process("ep_accelerate.py", tmp_path, loop_one_process)
+    _equal_to_one_process(_torchrun_alone("ep_accelerate.py", tmp_path), one["loop"])
 
 
-def test_hf_trainer_lora_ep2_equals_one_process(tmp_path):
+def test_hf_trainer_lora_ep2_equals_one_process(one, two):
     """`--lora 4` (experts and attention, base frozen) under Transformers' Trainer: 2
     processes at ep=2 give one process's losses and gradient norms (clipping active) and
-    the same adapter file; stock PEFT on the stock model loads it (no missing key) and
-    gives the trained model's logits, which the adapter moved."""
+    the same adapter file, written by `trainer.save_model`; stock PEFT on the stock model
+    loads it and gives the trained model's logits, which the adapter moved."""
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    lora = ["--lora", "4", "--max-grad-norm", "0.15"]
-    script = EXAMPLES / "ep_hf_trainer.py"
-    one = _result(run_python([script, "--out", tmp_path / "one", *lora], env=ENV, timeout=300))
-    two = _result(torchrun(2, [script, "--out", tmp_path / "two", *lora], env=ENV, timeout=300))
-    assert (one["world"], two["world"], len(two["losses"])) == (1, 2, 6)
-    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
-    assert min(one["grad_norms"]) > 0.15  # clipping was active
-    a = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "two" / "final" / "adapter_model.safetensors")
+    (a_run, a_dir), (b_run, b_dir) = one["lora"], two["lora"]
+    assert (a_run["world"], b_run["world"], len(b_run["losses"])) == (1, 2, 6)
+    assert b_run["losses"] == pytest.approx(a_run["losses"], rel=1e-5)
+    assert b_run["grad_norms"] == pytest.approx(a_run["grad_norms"], rel=1e-5)
+    assert min(a_run["grad_norms"]) > 0.15  # clipping was active
+    a = load_file(a_dir / "final" / "adapter_model.safetensors")
+    b = load_file(b_dir / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and any("experts" in k for k in a) and any("q_proj" in k for k in a)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     ids = torch.arange(16).reshape(2, 8) % 128  # the examples' probe batch
-    stock = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "two" / "init", experts_implementation="eager"
-    )
+    stock = AutoModelForCausalLM.from_pretrained(b_dir / "init", experts_implementation="eager")
     with torch.no_grad():
         before = stock(input_ids=ids).logits
-        peft = PeftModel.from_pretrained(stock, tmp_path / "two" / "final")
-        after = peft(input_ids=ids).logits
-    for run in (one, two):
+        after = PeftModel.from_pretrained(stock, b_dir / "final")(input_ids=ids).logits
+    for run in (a_run, b_run):
         torch.testing.assert_close(after, torch.tensor(run["probe_logits"]), rtol=1e-5, atol=1e-6)
     assert (after - before).abs().max() > 1e-2  # the adapter changed the logits
 
 
-def test_trl_sft_ep2_near_one_process(tmp_path):
+def test_trl_sft_ep2_near_one_process(one, two):
     """TRL's SFTTrainer on 2 processes drifts from one process by ~1e-4 after its first step
     with ep=1 (FSDP2 alone) as much as with ep=2 (measured: first gradient norm 1.3e-5
     apart either way, identical between the two layouts; Adam then amplifies it), so the
     bound is TRL's, not expert parallelism's: first loss 1e-6, first norm 1e-4, six losses
     1e-3 (measured 3e-4)."""
     pytest.importorskip("trl")
-    ref = _one_process("ep_trl_sft.py", tmp_path / "one"), tmp_path / "one"
-    _equal_to_one_process("ep_trl_sft.py", tmp_path, ref, rel=1e-3)
+    _equal_to_one_process(two["sft"], one["sft"], rel=1e-3)
 
 
-def test_trl_grpo_ep2_trains_and_saves(tmp_path):
+def test_trl_grpo_ep2_trains_and_saves(two):
     """TRL's GRPOTrainer at ep=2 on 2 processes: completions from the model's own `generate`
     (each decoding step's all-to-all in lockstep across ranks), a reward, 3 optimizer steps
     with nonzero gradients and finite losses, and a saved model stock `from_pretrained` loads
@@ -140,25 +180,19 @@ def test_trl_grpo_ep2_trains_and_saves(tmp_path):
     processes."""
     pytest.importorskip("trl")
     import torch
+    from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "two"
-    args = ["--out", out, "--steps", "3", "--grad-accum", "1"]
-    got = _result(torchrun(2, [EXAMPLES / "ep_trl_grpo.py", *args], env=ENV, timeout=300))
+    got, out = two["grpo"]
     assert got["world"] == 2 and len(got["losses"]) == 3, got
     assert all(abs(x) < 10 for x in got["losses"]) and max(got["grad_norms"]) > 0, got
     _same_weights(out / "final", out / "final")  # loads with no missing or unexpected key
-    from transformers import AutoModelForCausalLM
-
     a = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(out / "init").state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a if "experts" in k)
 
 
-def test_refusals():
-    tests = Path(__file__).resolve().parents[1]
-    child = Path(__file__).with_name("_checks_parallelize_errors.py")
-    proc = run_python([child], env={**ENV, "PYTHONPATH": str(tests)}, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+def test_refusals(one):
+    assert one["refusals"]  # the child's checks printed OK (`_checks_parallelize_errors.py`)
     # dropless train's checks (parallel.mesh.resolve_sizes), in parallelize's keywords
     with pytest.raises(ValueError, match=r"ep=4 must divide the processes of each replica .* = 2"):
         check_sizes(4, 1, 2, 8)

@@ -59,27 +59,33 @@ def test_cp_sizes_resolve_and_errors_name_the_fix():
         ParallelConfig(cp=0)
 
 
-def test_train_cp2_at_world2_equals_one_process(tmp_path):
+def test_train_cp2_at_world2_equals_one_process_and_resumes_at_cp1(tmp_path):
     """`torchrun --nproc-per-node 2 -m dropless train --set parallel.cp=2`: both ranks read
     the same 4 sequences and keep half of each; the losses, gradient norms and held-out
-    losses of 3 steps equal one process's. (Had the ranks not split the sequences, the
-    run's dropped-token check would fail it: each rank would route twice its share.) The
-    load-balancing loss is off: under cp it is each rank's, over its half sequences."""
+    losses equal one process's. (Had the ranks not split the sequences, the run's
+    dropped-token check would fail it: each rank would route twice its share.) Its
+    checkpoint (DCP, dense parameters sharded over dp_shard x cp) resumes on one process
+    with parallel.cp=1 and continues as the reference does. The load-balancing loss is
+    off: under cp it is each rank's, over its half sequences."""
     from dropless.cli.main import main
     from dropless.train.config.recipes import TINY
     from harness import read_metrics, torchrun
 
     torch.set_num_threads(1)
-    run = (*TINY, "train.steps=3", "log.every=1", "checkpoint.every=0", "log.plots=false",
+    run = (*TINY, "log.every=1", "checkpoint.every=0", "log.plots=false",
            "log.tensorboard=false", "train.aux_loss_coef=0")  # fmt: skip
     args = [a for item in run for a in ("--set", item)]
     ref, cp = tmp_path / "ref", tmp_path / "cp"
-    assert main(["train", "--run-dir", str(ref), *args]) == 0
+    assert main(["train", "--run-dir", str(ref), *args, "--set", "train.steps=3"]) == 0
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = ["-m", "dropless", "train", "--run-dir", str(cp), *args, "--set", "parallel.cp=2"]
-    proc = torchrun(2, cmd, env=env, timeout=300)
+    cmd = ["-m", "dropless", "train", "--run-dir", str(cp), *args, "--set", "train.steps=2"]
+    proc = torchrun(2, [*cmd, "--set", "parallel.cp=2"], env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "2 processes on cpu" in proc.stdout
+    assert [r["step"] for r in read_metrics(cp)] == [0, 1, 2]
+    # the last checkpoint (step 2), resharded onto one process without cp: step 3
+    resume = ["--resume", "--set", "parallel.cp=1", "--set", "train.steps=3"]
+    assert main(["train", "--run-dir", str(cp), *resume]) == 0
     want, got = read_metrics(ref), read_metrics(cp)
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3]
     for w, g in zip(want, got, strict=True):

@@ -15,8 +15,10 @@ GPU entries register on first use on a CUDA tensor: an op gives its registry a h
 first time it is asked to pick for a CUDA operand or for a name it does not hold. The
 hook imports no triton (the entries load their kernel modules on first call), and on a
 machine that never sees a CUDA tensor it never runs. Under `torch.compile` the hook is
-not called (Dynamo would trace the registration): a compiled region picks among the
-entries an eager call registered before it.
+not called (Dynamo would trace the registration). The ops a compiled region calls are
+custom-op nodes that pick when they run, outside the trace (`custom_op.py` of
+`expert_mlp`, `rmsnorm`, `linear_cross_entropy`, `grouped_gemm`), so there the hook runs
+on the first CUDA call as in eager code.
 """
 
 from __future__ import annotations

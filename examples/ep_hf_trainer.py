@@ -14,6 +14,11 @@ torchrun they join the process group `dropless.parallelize` needs. Gradient clip
 `trainer.save_model` gathers the model on every rank and writes, on rank 0, a checkpoint
 stock `from_pretrained` loads. Such a Trainer cannot save its optimizer for a resume:
 `save_strategy="no"` or `save_only_model=True`.
+
+`--lora 4`: LoRA of rank 4 on the experts and the attention, the base frozen, added before
+`dropless.parallelize` as `dropless train` adds it (`moe_example_common.load_model`);
+`trainer.save_model` then writes the adapter in PEFT's format (gathered from every rank by
+`dropless.hf.save_lora_adapter`), which `PeftModel.from_pretrained` loads on the stock model.
 """
 
 from __future__ import annotations

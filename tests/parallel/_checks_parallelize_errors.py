@@ -69,6 +69,10 @@ def main():
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     want = model(input_ids=ids).logits
     assert dropless.parallelize(model, ep=1) is model
+    from transformers.distributed.fsdp import is_fsdp_managed_module
+
+    # Transformers' marks: Trainer leaves the model to parallelize, generate syncs the ranks
+    assert model.is_distributed_loading_by_transformers and is_fsdp_managed_module(model)
     torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-5, atol=1e-6)
     _raises(lambda: dropless.parallelize(model), "already distributed", "once")
     _checkpointed_equals_plain(stock, ids)

@@ -275,7 +275,8 @@ def _mark_sharded(base: nn.Module, pm: ParallelMesh) -> None:
     `from_pretrained(distributed_config=...)` leaves one): its Trainer then neither moves it
     nor has accelerate wrap it in DDP (which refuses DTensors), defers FSDP2's reduction to
     the last micro-batch, and saves from every rank (the gathers are collectives). The
-    DistributedConfig describes the data-parallel layout only; it is not saved."""
+    DistributedConfig describes the data-parallel layout only; it is not saved. Also
+    Transformers' mark of an FSDP2 model, which its `generate` reads (synced_gpus)."""
     from transformers import DistributedConfig
 
     if getattr(base.config, "distributed_config", None) is None:
@@ -283,6 +284,10 @@ def _mark_sharded(base: nn.Module, pm: ParallelMesh) -> None:
             fsdp_size=pm.config.dp_shard, dp_replicate_size=pm.config.dp_replicate
         )
     base._is_distributed_loading_by_transformers = True
+    # Transformers' own FSDP2 mark (`distributed.fsdp.apply_fsdp2`): `generate` keeps every
+    # rank stepping until all are done (synced_gpus; under ep each step's forward is
+    # collective), and Trainer defers FSDP2's reduction to the last micro-batch
+    base._is_fsdp_managed_module = True
 
 
 def _load(model: nn.Module, checkpoint, device, rename) -> None:

@@ -24,11 +24,10 @@ graph there (one graph break).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from ..function_ctx import FunctionContext
 from ..grouped_gemm.eager import bind_offsets
 from ..permute.eager import sort_by_expert
 from ..specs import ActivationConfig
@@ -37,19 +36,6 @@ from .loop_mlp import LoopMLP
 from .mlp_plan import pick_mlp_path, plan_grouped
 
 _OPTIONAL_GRADS = 6  # x, weights_TK, gate_up, down, gate_up_bias, down_bias
-
-
-@dataclass
-class _Ctx:
-    """What `LoopMLP` / `GroupedMLP`'s forward and backward read and write on an autograd
-    context: called here as plain functions, outside autograd (the custom op owns it)."""
-
-    needs_input_grad: tuple = ()
-    saved_tensors: tuple = ()
-    keep_h: bool = True  # h is an input of the backward op: never freed in place there
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
 
 
 def uses_loop(x_TD: Tensor) -> bool:
@@ -91,7 +77,7 @@ def expert_mlp_op(
     loop = uses_loop(x_TD)
     sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=loop)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
-    ctx = _Ctx()
+    ctx = FunctionContext(keep_h=True)  # h is an input of the backward op: never freed there
     args = (x_TD, prob_S, gate_up, down, gate_up_bias, down_bias, sp.token_S)
     cfg = (act, trans_w, x_TD.shape[0])
     if loop:
@@ -171,7 +157,7 @@ def _loop_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
     counts = counts_E.tolist()
     hs = h_SN.split(counts)  # views of the op's input: never freed in place (keep_h)
     # LoopMLP's inputs: x, prob, gate_up, down, biases, token_S, counts, cfg
-    ctx = _Ctx(needs_input_grad=(*needs, False, False, False))
+    ctx = FunctionContext((*needs, False, False, False), keep_h=True)
     ctx.saved_tensors = (*weights, None, None, *hs)  # no low-rank factors
     ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, ()
     return LoopMLP.backward(ctx, g_out)
@@ -185,7 +171,7 @@ def _grouped_backward(g_out, weights, slot_TK, h_SN, counts_E, cfg, needs):
     rows_E = rows_of_experts(counts, x_TD, h_SN.shape[0], gate_up_bias, down_bias)
     # GroupedMLP's inputs: x, prob, gate_up, down, biases, token_S, slot_TK, counts,
     # offsets, cfg, plan
-    ctx = _Ctx(needs_input_grad=(*needs, False, False, False, False, False, False))
+    ctx = FunctionContext((*needs, False, False, False, False, False, False), keep_h=True)
     ctx.saved_tensors = (*weights, slot_TK, h_SN, rows_E, None, None)
     ctx.counts, ctx.cfg, ctx.plan, ctx.lora_scales, ctx.be = counts, cfg, plan, (), be
     return GroupedMLP.backward(ctx, g_out)

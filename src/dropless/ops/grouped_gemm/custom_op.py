@@ -17,18 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..function_ctx import FunctionContext
 from .eager import GroupedGemm, bound_backend, check_counts
-
-
-class _Ctx:
-    """The autograd context `GroupedGemm`'s forward and backward read and write, for
-    calls outside autograd (the custom op owns it)."""
-
-    def __init__(self, needs_input_grad=(), saved_tensors=()):
-        self.needs_input_grad, self.saved_tensors = needs_input_grad, saved_tensors
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
 
 
 def _out_features(w: Tensor, trans_w: bool) -> int:
@@ -41,7 +31,7 @@ def grouped_gemm_op(
 ) -> Tensor:
     """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over groups of `counts_E` rows."""
     counts = check_counts(x_SD, w, counts_E)
-    return GroupedGemm.forward(_Ctx(), x_SD, w, bias_EN, counts, None, trans_w, None)
+    return GroupedGemm.forward(FunctionContext(), x_SD, w, bias_EN, counts, None, trans_w, None)
 
 
 @grouped_gemm_op.register_fake
@@ -56,7 +46,7 @@ def grouped_gemm_backward_op(
     """(grad_x, grad_w, grad_bias); an empty tensor where `needs` (same order) says none
     is wanted."""
     counts = [int(c) for c in counts_E.tolist()]
-    ctx = _Ctx((*needs, False, False, False, False), (x_SD, w))
+    ctx = FunctionContext((*needs, False, False, False, False), (x_SD, w))
     ctx.be, ctx.counts = bound_backend(x_SD, w, counts, None, None)
     ctx.trans_w, ctx.has_bias, ctx.host_counts = trans_w, needs[2], counts
     grads = GroupedGemm.backward(ctx, grad_SN)[:3]

@@ -2,6 +2,8 @@
 of `_checks_cp.CHECKS` (cp=4 over all ranks, cp=2 over {0, 1} and {2, 3}); each check
 is reported as its own test."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from _checks_cp import CHECKS
@@ -107,3 +109,47 @@ def test_train_cp_refuses_a_seq_len_it_cannot_split():
     xs, ys, pos = ContextSplit(0, 1, 1, 2).split(x, x + 1)
     assert xs[0].tolist() == pos[0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert ys[0].tolist() == [5, 6, 7, 8, 9, 10, 11, 12]  # shifted before the split
+
+
+def test_argument_errors_say_what_to_do():
+    """Each refusal of the sharding and attention helpers, without processes."""
+    from torch import nn
+
+    with pytest.raises(ValueError, match=r"context parallel size cp=0 must be an int >= 1"):
+        cpx.check_seq_len(8, 0)
+    with pytest.raises(ValueError, match=r"cp rank 2 is outside 0..1"):
+        cpx.chunk_ids(2, 2)
+    with pytest.raises(ValueError, match=r"unshard_sequence needs 2 parts of one even length"):
+        cpx.unshard_sequence([torch.zeros(1, 4), torch.zeros(1, 6)])
+    with pytest.raises(ValueError, match=r"shard_batch needs `input_ids` or `labels`"):
+        cpx.shard_batch({"attention_mask": torch.ones(1, 8)}, 2, 0)
+    with pytest.raises(ValueError, match=r"batch\['labels'\] has length 6 along the sequence"):
+        cpx.shard_batch({"input_ids": torch.zeros(1, 8), "labels": torch.zeros(1, 6)}, 2, 0)
+    q, kv = torch.zeros(1, 4, 6, 8), torch.zeros(1, 3, 6, 8)
+    with pytest.raises(ValueError, match=r"query heads 4 must be a multiple of key/value heads 3"):
+        cpx.context_parallel_attention(q, kv, kv, None)
+    q, kv = torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"local sequence length 5 must be even.*shard_batch"):
+        cpx.context_parallel_attention(q, kv, kv, None)
+    m, q, kv = nn.Module(), torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
+    with pytest.raises(ValueError, match=r"sliding_window=16\): set the config's sliding_window"):
+        cpx.attention_forward(m, q, kv, kv, None, sliding_window=16)
+    with pytest.raises(ValueError, match=r"does not support `s_aux` in attention"):
+        cpx.attention_forward(m, q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"takes a 2-D padding mask \[B, S\] or none; got a 4-D"):
+        cpx.attention_forward(m, q, kv, kv, torch.zeros(1, 1, 6, 6))
+    with pytest.raises(RuntimeError, match=r"needs the cp process group: call .*enable"):
+        cpx.attention_forward(m, q, kv, kv, None)
+
+
+def test_preflight_counts_cp_groups_in_the_batch():
+    """At world 4 with cp=2 the batch is split over 2 groups, not 4 processes."""
+    from dropless.train.config.load import load_config
+    from dropless.train.config.recipes import TINY
+    from dropless.train.plan.preflight import preflight
+    from dropless.train.run.setup import Env
+
+    env = Env(rank=0, world=4, local_rank=0, device=torch.device("cpu"))
+    cfg = load_config(None, [*TINY, "train.batch_size=3", "parallel.cp=2"])
+    with pytest.raises(ValueError, match=r"context-parallel groups \(world 4 / parallel.cp 2\)"):
+        preflight(cfg, env, Path("/nonexistent/run"), False)

@@ -115,10 +115,13 @@ def context_parallel_attention(
     attention mask, sharded like the input ids). Returns [B, H, S, Dv] in the local layout.
     """
     n_rep = _check_heads(q_BHSD, k_BGSD, v_BGSD)
-    cp, rank = _world(group)
     S = q_BHSD.shape[2]
     if S % 2:
-        raise ValueError(f"the local sequence length {S} must be even (a head and a tail chunk)")
+        raise ValueError(
+            f"the local sequence length {S} must be even (a head and a tail chunk): split "
+            "the batch with dropless.parallel.context.shard_batch"
+        )
+    cp, rank = _world(group)
     C = S // 2
     k_BGLD = _repeat_kv(all_gather_sequence(k_BGSD, group, 2), n_rep)
     v_BGLD = _repeat_kv(all_gather_sequence(v_BGSD, group, 2), n_rep)

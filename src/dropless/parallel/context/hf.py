@@ -37,13 +37,6 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The Transformers attention function: [B, H, S, D] query (and key/value with their
     own head count) of this cp rank's tokens -> ([B, S, H, Dv], None)."""
-    group = getattr(module, _GROUP_ATTR, None)
-    if group is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} needs the cp process group: call "
-            "dropless.parallel.context.enable(model, group) instead of setting "
-            "attn_implementation alone"
-        )
     if sliding_window is not None:
         raise ValueError(
             f"context parallelism does not support sliding-window attention (this layer has "
@@ -59,7 +52,15 @@ def attention_forward(
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             f"context parallelism takes a 2-D padding mask [B, S] or none; got a "
-            f"{attention_mask.dim()}-D mask"
+            f"{attention_mask.dim()}-D mask: pass the 2-D attention_mask (1 = attend) of "
+            "this rank's tokens"
+        )
+    group = getattr(module, _GROUP_ATTR, None)
+    if group is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} needs the cp process group: call "
+            "dropless.parallel.context.enable(model, group) instead of setting "
+            "attn_implementation alone"
         )
     out = context_parallel_attention(
         query,

@@ -76,12 +76,23 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
         from ..model.lora import require_peft
 
         require_peft()
-    per = env.world * cfg.train.grad_accum
-    if cfg.train.batch_size % per:
+    cp = cfg.parallel.cp  # the cp ranks of one group read the same sequences
+    per = env.world // cp * cfg.train.grad_accum
+    if cfg.train.batch_size % per and cp == 1:
         raise ValueError(
             f"train.batch_size={cfg.train.batch_size} is not divisible by the number of processes ({env.world}) "
             f"x train.grad_accum ({cfg.train.grad_accum}); use a multiple of {per} (batch_size is the global batch)"
         )
+    if cfg.train.batch_size % per:
+        raise ValueError(
+            f"train.batch_size={cfg.train.batch_size} is not divisible by the number of context-parallel "
+            f"groups (world {env.world} / parallel.cp {cp}) x train.grad_accum ({cfg.train.grad_accum}); "
+            f"use a multiple of {per} (batch_size is the global batch; the cp ranks of a group share its sequences)"
+        )
+    if cp > 1:
+        from ...parallel.context.sharding import check_seq_len
+
+        check_seq_len(cfg.train.seq_len, cp)  # each rank holds 2 of 2 x cp equal chunks
     if cfg.data.path:
         data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
@@ -196,6 +207,9 @@ def check_plan_fits(cfg, hf_config, world: int, device: torch.device, on_rank0=N
     made (a model the fake tensors cannot trace) warns and lets the run go on: the real
     build reports its own problems."""
     if device.type != "cuda" or not getattr(cfg.train, "preflight", True):
+        return
+    if cfg.parallel.cp > 1:
+        warnings.warn("dropless: the memory plan does not model parallel.cp > 1; train.preflight skipped", stacklevel=2)  # fmt: skip
         return
     gib = device_memory_gib(device)
     try:

@@ -153,3 +153,24 @@ def test_preflight_counts_cp_groups_in_the_batch():
     cfg = load_config(None, [*TINY, "train.batch_size=3", "parallel.cp=2"])
     with pytest.raises(ValueError, match=r"context-parallel groups \(world 4 / parallel.cp 2\)"):
         preflight(cfg, env, Path("/nonexistent/run"), False)
+
+
+def test_plan_with_cp_traces_each_ranks_share():
+    """`dropless plan` with parallel.cp=2 traces the trainer's step on half of the
+    sequence per rank (the context-parallel attention declared as the GPU runs it): one
+    sequence over 2 GPUs holds half the tokens per GPU, and a lower activation peak, than
+    on one GPU."""
+    from dropless.train.config.load import load_config
+    from dropless.train.config.recipes import TINY
+    from dropless.train.plan.trace import make_plan
+
+    plans = {}
+    for cp in (1, 2):
+        cfg = load_config(None, [*TINY, "train.seq_len=2048", "train.batch_size=1",
+                                 "model.max_position_embeddings=2048", f"parallel.cp={cp}"])  # fmt: skip
+        plans[cp] = make_plan(cfg, gpus=cp, gpu_memory_gib=80, compare_checkpointing=False)
+    one, two = plans[1], plans[2]
+    assert (one.layout["tokens_per_gpu"], two.layout["tokens_per_gpu"]) == (2048, 1024)
+    assert (two.layout["cp"], two.layout["dp_shard"], two.layout["micro_batch"]) == (2, 1, 1)
+    assert "context_parallel" in two.assumptions
+    assert two.activation_peak_gib < 0.6 * one.activation_peak_gib

@@ -62,8 +62,16 @@ def format_plan(p) -> str:
     lay = p.layout
     lines = [
         f"dropless plan: {p.gpus} x {p.gpu} ({p.gpu_memory_gib:g} GiB); ep={lay['ep']} "
-        f"dp_shard={lay['dp_shard']} dp_replicate={lay['dp_replicate']}, micro-batch "
-        f"{lay['micro_batch']} x {lay['seq_len']}, {lay['finetune']}, parameters "
+        f"dp_shard={lay['dp_shard']}"
+        + (f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else "")
+        + f" dp_replicate={lay['dp_replicate']}, micro-batch "
+        f"{lay['micro_batch']} x {lay['seq_len']}"
+        + (
+            f" (each sequence over {lay['cp']} GPUs: {lay['tokens_per_gpu']} tokens per GPU)"
+            if lay.get("cp", 1) > 1
+            else ""
+        )
+        + f", {lay['finetune']}, parameters "
         f"{lay['model_dtype']}, compute {lay['compute_dtype']}, checkpointing "
         f"{'on' if lay['activation_checkpointing'] else 'off'}",
         f"per GPU (GiB), the breakdown at the traced peak ({p.peak_moment}):",

@@ -70,7 +70,9 @@ class _AllGatherSequence(torch.autograd.Function):
             out = send[rank * S : (rank + 1) * S]
         else:
             out = send.new_empty((S, *send.shape[1:]))
-            dist.reduce_scatter_tensor(out, send, group=group)
+            # torch 2.13 renames reduce_scatter_tensor (deprecated there) reduce_scatter_single
+            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            rs(out, send, group=group)
         return out.movedim(0, dim).contiguous(), None, None
 
 
@@ -80,7 +82,9 @@ def all_gather_sequence(x: torch.Tensor, group, dim: int = 2) -> torch.Tensor:
     return _AllGatherSequence.apply(x, group, dim)
 
 
-def _repeat_kv(x_BGLD: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x_BGLD: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, G, L, D] -> [B, G * n_rep, L, D]: each key/value head repeated for the n_rep
+    query heads it serves (GQA), as Transformers' `repeat_kv` does."""
     if n_rep == 1:
         return x_BGLD
     B, G, L, D = x_BGLD.shape
@@ -123,8 +127,8 @@ def context_parallel_attention(
         )
     cp, rank = _world(group)
     C = S // 2
-    k_BGLD = _repeat_kv(all_gather_sequence(k_BGSD, group, 2), n_rep)
-    v_BGLD = _repeat_kv(all_gather_sequence(v_BGSD, group, 2), n_rep)
+    k_BGLD = repeat_kv(all_gather_sequence(k_BGSD, group, 2), n_rep)
+    v_BGLD = repeat_kv(all_gather_sequence(v_BGSD, group, 2), n_rep)
     mask_BL = None
     if key_padding_BS is not None:
         parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
@@ -166,7 +170,7 @@ def reference_attention(
     """The specification: causal SDPA over the whole sequence on one process (GQA by
     repeating K/V heads). Returns [B, H, L, Dv]."""
     n_rep = _check_heads(q_BHLD, k_BGLD, v_BGLD)
-    k, v = _repeat_kv(k_BGLD, n_rep), _repeat_kv(v_BGLD, n_rep)
+    k, v = repeat_kv(k_BGLD, n_rep), repeat_kv(v_BGLD, n_rep)
     if key_padding_BL is None:
         return F.scaled_dot_product_attention(q_BHLD, k, v, is_causal=True, scale=scale)
     L = q_BHLD.shape[2]

@@ -55,13 +55,7 @@ def attention_forward(
             f"{attention_mask.dim()}-D mask: pass the 2-D attention_mask (1 = attend) of "
             "this rank's tokens"
         )
-    group = getattr(module, _GROUP_ATTR, None)
-    if group is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} needs the cp process group: call "
-            "dropless.parallel.context.enable(model, group) instead of setting "
-            "attn_implementation alone"
-        )
+    group = cp_group(module)
     out = context_parallel_attention(
         query,
         key,
@@ -72,6 +66,19 @@ def attention_forward(
         key_padding_BS=attention_mask,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def cp_group(module: torch.nn.Module):
+    """The cp process group `enable` gave `module`; a RuntimeError saying what to call when
+    it has none."""
+    group = getattr(module, _GROUP_ATTR, None)
+    if group is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} needs the cp process group: call "
+            "dropless.parallel.context.enable(model, group) instead of setting "
+            "attn_implementation alone"
+        )
+    return group
 
 
 def _padding_mask(batch_size, q_length, kv_length, attention_mask=None, **kwargs):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 NAME = "dropless_plan_flash"  # registered with Transformers' attention and mask interfaces
+NAME_CP = "dropless_plan_cp_flash"  # the same, for context-parallel attention
 DECLARED = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
@@ -43,18 +44,42 @@ def _attention(module, query, key, value, attention_mask, *args, **kwargs):
     return out.transpose(1, 2).contiguous(), None
 
 
+def _cp_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Context parallelism as the GPU runs it: the keys and values all-gathered over the cp
+    group (`dropless.parallel.context`: its autograd Function, so the gathered copies are
+    what backward keeps), repeated to the query heads, then the declared kernel's output
+    and log-sum-exp for this rank's queries."""
+    from ...parallel.context.attention import all_gather_sequence, repeat_kv
+    from ...parallel.context.hf import cp_group
+
+    group, n_rep = cp_group(module), query.shape[1] // key.shape[1]
+    k = repeat_kv(all_gather_sequence(key, group, 2), n_rep)
+    v = repeat_kv(all_gather_sequence(value, group, 2), n_rep)
+    out = _DeclaredAttention.apply(query, k, v)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def declare_attention(model) -> bool:
     """Switch `model` (the planner's copy) to the declared attention when it runs one of
-    `DECLARED`; returns whether it did."""
+    `DECLARED`, or context-parallel attention (`NAME_CP`); returns whether it did."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if getattr(model.config, "_attn_implementation", None) not in DECLARED:
+    from ...parallel.context import ATTENTION_NAME
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == ATTENTION_NAME:
+        name = NAME_CP
+        AttentionInterface.register(NAME_CP, _cp_attention)
+        AttentionMaskInterface.register(NAME_CP, lambda *a, **k: None)  # causal inside
+    elif impl in DECLARED:
+        name = NAME
+        AttentionInterface.register(NAME, _attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+    else:
         return False
-    AttentionInterface.register(NAME, _attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = NAME
+            cfg._attn_implementation = name
     return True

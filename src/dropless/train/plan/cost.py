@@ -83,7 +83,8 @@ def step_estimate(w: Workload, gpu: GpuKind, skew: float, grad_accum: int) -> di
     rate = 1e12 * gpu.compute_vs_h200 * (1.0 if w.act_bytes == 2 else 0.5)  # fp32: TF32-ish
     busiest = skew if w.ep > 1 else 1.0
     expert_flops = passes * 2.0 * w.tokens * w.top_k * w.expert_params * w.moe_layers * busiest
-    sequences = max(w.tokens // max(w.seq_len, 1), 1)
+    # this rank's share of sequences: a fraction under context parallelism (1/cp of each)
+    sequences = w.tokens / max(w.seq_len, 1)
     dense_flops = passes * (
         2.0 * w.tokens * w.dense_params + sequences * w.attn_per_seq_l2 * w.seq_len**2
     )

@@ -171,10 +171,16 @@ def trace_step(cfg, model, par, seen, world: int) -> Traced:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(cfg, params)  # outside the mode: it reads the mesh's rank list
     tc = cfg.train
-    B, L = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len
+    cp = cfg.parallel.cp  # a group of cp ranks reads one micro-batch; this rank keeps 1/cp
+    B, L = micro_batch_size(tc.batch_size, world // cp, tc.grad_accum), tc.seq_len
     V = int(model.config.vocab_size)
     precision = planned_precision(cfg)  # the compute dtype make_plan builds the model for
-    step = MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
+    split = cp_group = None
+    if cp > 1:
+        from ..data.context_split import ContextSplit
+
+        split, cp_group = ContextSplit(0, world // cp, 0, cp), par.pmesh.cp_group
+    step = MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen, split, cp_group)
     with mode, warnings.catch_warnings():
         # the tracker warns of each None it meets in the optimizer's state (no tensor: nothing to count)
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
@@ -329,11 +335,13 @@ def _workload(cfg, model, par, world: int, cdtype) -> Workload:
     expert_total = sum(p.numel() for layer in layers for p in layer.experts.parameters())
     total = sum(p.numel() for p in model.parameters())
     flops = FlopCounter.from_model(model)
-    ep = cfg.parallel.ep
-    dp_shard = par.pmesh.config.dp_shard if par is not None else 1
+    ep, cp = cfg.parallel.ep, cfg.parallel.cp
+    # the dense parameters' FSDP group: dp_shard x cp
+    dp_shard = par.pmesh.config.dp_shard * cp if par is not None else 1
     tc = cfg.train
     return Workload(
-        tokens=micro_batch_size(tc.batch_size, world, tc.grad_accum) * tc.seq_len, seq_len=tc.seq_len,
+        tokens=micro_batch_size(tc.batch_size, world // cp, tc.grad_accum) * tc.seq_len // cp,
+        seq_len=tc.seq_len,
         top_k=int(getattr(model.config, "num_experts_per_tok", 1)), hidden=int(model.config.hidden_size),
         moe_layers=len(layers), expert_params=per_expert, dense_params=flops.dense_params,
         attn_per_seq_l2=flops.attn_per_seq_l2, dense_shard_params=total - expert_total,
@@ -394,6 +402,10 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         "autocast": "CPU autocast and CPU ops stand for the CUDA ones (same output shapes)",
         "attention": "sdpa / FlashAttention: the output and fp32 log-sum-exp the GPU kernels "
         "keep (no [L, L] scores); eager and flex_attention traced as they run",
+        **({"context_parallel": f"each sequence over {cfg.parallel.cp} ranks: a rank's "
+            "tokens, its all-gathered keys and values (repeated to the query heads) kept for "
+            "backward, the output and log-sum-exp of its queries; the all-gather and "
+            "reduce-scatter of K/V are not in the time estimate"} if cfg.parallel.cp > 1 else {}),
         **cost_assumptions(gpu),
     }  # fmt: skip
 
@@ -470,8 +482,10 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
 def _layout(cfg, gpus: int, work: Workload, cdtype) -> dict:
     tc = cfg.train
     return {
-        "dp_replicate": cfg.parallel.dp_replicate, "dp_shard": work.dp_shard, "ep": cfg.parallel.ep,
-        "micro_batch": micro_batch_size(tc.batch_size, gpus, tc.grad_accum), "seq_len": tc.seq_len,
+        "dp_replicate": cfg.parallel.dp_replicate, "dp_shard": work.dp_shard // cfg.parallel.cp,
+        "cp": cfg.parallel.cp, "ep": cfg.parallel.ep,
+        "micro_batch": micro_batch_size(tc.batch_size, gpus // cfg.parallel.cp, tc.grad_accum),
+        "seq_len": tc.seq_len, "tokens_per_gpu": work.tokens,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "finetune": cfg.finetune.method, "model_dtype": str(param_dtype(cfg.model)).removeprefix("torch."),
         "compute_dtype": str(cdtype).removeprefix("torch."), "master_weights": cfg.optim.master_weights,

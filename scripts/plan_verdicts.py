@@ -38,6 +38,10 @@ ROWS = [
       "model.dtype=bf16", "--gpus", "1"]),
     ("Qwen3-30B-A3B", "8 GPUs, ep=8, LoRA, bf16 base, micro-batch 4",
      [*QWEN_EP8, "--set", "finetune.method=lora", "--set", "model.dtype=bf16"]),
+    ("Qwen3-30B-A3B", "32 GPUs, 131,072 tokens per sequence: cp=8 (each sequence over 8 GPUs) x "
+     "dp_shard 4, ep=8, full, bf16 parameters, no master copy, one sequence per cp group",
+     [*QWEN, "--set", "train.seq_len=131072", "--set", "parallel.cp=8", "--set", "parallel.ep=8",
+      "--set", "train.batch_size=4", *BF16, "--gpus", "32"]),
     ("Nemotron 3 Nano 30B-A3B", "8 GPUs, FSDP2, full, fp32 parameters, micro-batch 4",
      [*NEMO, "--set", "train.batch_size=32", "--gpus", "8"]),
     ("Nemotron 3 Nano 30B-A3B", "16 GPUs, same, micro-batch 2",

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from moe_example_common import load_model, parser, report, shared_dir, tiny_checkpoint
-
-import dropless
+from moe_example_common import load_model, parser, report, save, shared_dir, tiny_checkpoint
 
 
 def main() -> None:
@@ -32,7 +30,7 @@ def main() -> None:
     rank, world = acc.process_index, acc.num_processes
     out = shared_dir(args.out, rank)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep)
+    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
     n = args.steps * args.grad_accum * args.global_batch
     ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)
@@ -52,7 +50,7 @@ def main() -> None:
                 total = 0.0
             opt.step()
             opt.zero_grad()
-    dropless.hf.save_hf(model, out / "final")
+    save(model, out / "final", lora=bool(args.lora))
     report(out, rank, {"losses": losses, "grad_norms": norms, "world": world, "out": str(out)})
     acc.end_training()
 

@@ -23,6 +23,7 @@ from moe_example_common import (
     mean_over_ranks,
     parser,
     report,
+    save,
     shared_dir,
     tiny_checkpoint,
 )
@@ -35,7 +36,7 @@ def main() -> None:
     rank, world = init()
     out = shared_dir(args.out, rank)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep)
+    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses, norms = [], []
     for micro in batches(args, model.config.vocab_size, rank, world):
@@ -49,7 +50,7 @@ def main() -> None:
         opt.zero_grad()
         losses.append(mean_over_ranks(total))
         norms.append(float(norm))
-    dropless.hf.save_hf(model, out / "final")
+    save(model, out / "final", lora=bool(args.lora))
     report(out, rank, {"losses": losses, "grad_norms": norms, "world": world, "out": str(out)})
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

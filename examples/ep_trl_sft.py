@@ -31,18 +31,17 @@ def main() -> None:
     out = common.shared_dir(args.out, rank)
     cfg.output_dir = str(out)
     path = args.model or common.tiny_checkpoint(out, rank, args.seed)
-    model = common.load_model(path, world, args.ep)
+    model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
     n = args.steps * args.grad_accum * args.global_batch
-    # ids from 3 up: no pad (t0) or end-of-text token inside a row
-    ids = torch.randint(3, model.config.vocab_size, (n, args.seq_len), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)
     data = Dataset.from_dict({"input_ids": ids.tolist()})
     record = common.loss_record()
     trainer = SFTTrainer(
         model=model, args=cfg, train_dataset=data, callbacks=[record],
         processing_class=AutoTokenizer.from_pretrained(path),
     )  # fmt: skip
-    common.train_and_report(trainer, record, out, rank, world)
+    common.train_and_report(trainer, record, out, rank, world, lora=bool(args.lora))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--bf16", action="store_true",
+        help="Trainer-based scripts: compute under bf16 autocast (default fp32; TRL's own "
+        "configs default to bf16, these scripts set it explicitly)",
+    )  # fmt: skip
+    p.add_argument(
         "--lora", type=int, default=0, metavar="RANK",
         help="LoRA of this rank on the experts and the attention, base frozen (default 0: "
         "every weight trained); the adapter goes to OUT/final in PEFT's format",
@@ -157,6 +162,15 @@ def _init_lora(model, seed: int):
     return model
 
 
+def save(model, out: Path, lora: bool) -> None:
+    """The trained model, gathered from every rank (every rank calls this; rank 0 writes):
+    a stock Transformers checkpoint, or with LoRA the adapter in PEFT's format."""
+    if lora:
+        dropless.hf.save_lora_adapter(model, out)
+    else:
+        dropless.hf.save_hf(model, out)
+
+
 @torch.no_grad()
 def probe_logits(model, vocab: int, seq_len: int) -> list:
     """The trained model's logits on a fixed batch of 2 rows (every rank runs it: under
@@ -197,7 +211,8 @@ def trainer_arguments(args, out_default: str) -> dict:
     """The keyword arguments of a Transformers `TrainingArguments` (or TRL's `SFTConfig`)
     for the run these scripts make: each process takes its share of the global batch, in
     order, constant learning rate without weight decay, clipping, a loss logged per step,
-    no intermediate save (such a trainer cannot save its optimizer for a resume)."""
+    no intermediate save (such a trainer cannot save its optimizer for a resume), fp32
+    unless --bf16 (TRL's SFTConfig and GRPOConfig would default to bf16 autocast)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return dict(
         output_dir=args.out or out_default, per_device_train_batch_size=args.global_batch // world,
@@ -205,7 +220,7 @@ def trainer_arguments(args, out_default: str) -> dict:
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
         train_sampling_strategy="sequential",  # the same global batches for any world size
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=not torch.cuda.is_available(), bf16=args.bf16,
     )  # fmt: skip
 
 

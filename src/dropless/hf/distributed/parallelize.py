@@ -234,6 +234,14 @@ def parallelize(
     base = base_model(model)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))
+    if fsdp and hasattr(model, "generate"):
+        # `generate` is not `forward`: without this the FSDP2 root's own parameters (the
+        # embedding, the head) stay sharded when a PeftModel's generate calls the base
+        # model's forward ("got mixed torch.Tensor and DTensor"; Trainer does the same
+        # under its own FSDP2 plugin)
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
     route_peft_save(model)
     return model
 

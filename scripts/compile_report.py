@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "hf"))
 
-import dropless.hf as dh  # noqa: E402
 from families import FAMILIES, MORE_FAMILIES, build  # noqa: E402
+
+import dropless.hf as dh  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
 START, END = "<!-- compile_report:start -->", "<!-- compile_report:end -->"

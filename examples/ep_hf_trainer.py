@@ -27,6 +27,8 @@ import moe_example_common as common
 import torch
 from transformers import Trainer, TrainingArguments
 
+import dropless
+
 
 class Windows(torch.utils.data.Dataset):
     """The global data, in order: every micro-step's global batch, row by row."""
@@ -48,21 +50,30 @@ class Windows(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    args = common.parser(__doc__.splitlines()[0]).parse_args()
-    targs = TrainingArguments(
-        **common.trainer_arguments(args, "ep_hf_trainer_out"), dataloader_num_workers=0
-    )
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--save-steps", type=int, default=0, help="a resumable checkpoint every N steps")
+    p.add_argument("--resume", help="a checkpoint-N directory of a run with --save-steps")
+    args = p.parse_args()
+    kw = common.trainer_arguments(args, "ep_hf_trainer_out")
+    if args.save_steps:  # the weights by Trainer, the optimizer by trainer_checkpoints()
+        kw.update(save_strategy="steps", save_steps=args.save_steps, save_only_model=True)
+    targs = TrainingArguments(**kw, dataloader_num_workers=0)
     rank, world = common.init()  # TrainingArguments joined torchrun's process group
     out = common.shared_dir(args.out, rank)
     targs.output_dir = str(out)
     path = args.model or common.tiny_checkpoint(out, rank, args.seed)
     model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
     record = common.loss_record()
+    callbacks = [record]
+    if args.save_steps or args.resume:
+        callbacks.append(dropless.hf.trainer_checkpoints(args.resume))
     trainer = Trainer(
         model=model, args=targs, train_dataset=Windows(args, model.config.vocab_size),
-        callbacks=[record],
+        callbacks=callbacks,
     )  # fmt: skip
-    common.train_and_report(trainer, record, out, rank, world, lora=bool(args.lora))
+    common.train_and_report(
+        trainer, record, out, rank, world, lora=bool(args.lora), resume=args.resume
+    )
 
 
 if __name__ == "__main__":

@@ -240,13 +240,15 @@ def loss_record():
     return Record()
 
 
-def train_and_report(trainer, record, out: Path, rank: int, world: int, lora: bool = False) -> None:
+def train_and_report(
+    trainer, record, out: Path, rank: int, world: int, lora: bool = False, resume=None
+) -> None:
     """Train, save the model gathered from every rank to OUT/final (every rank calls it; rank
     0 writes), and report the losses and gradient norms `record` (`loss_record()`) kept.
     With LoRA `trainer.save_model` writes the adapter in PEFT's format (the PeftModel's
     `save_pretrained`, which `dropless.parallelize` routes to `dropless.hf.save_lora_adapter`
     on several processes) and the record has the trained model's `probe_logits`."""
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(out / "final"))
     result = {"losses": record.losses, "grad_norms": record.norms, "world": world, "out": str(out)}
     if lora:

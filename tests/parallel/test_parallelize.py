@@ -89,11 +89,15 @@ def one(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> dict:
     """The Trainer-based scripts on 2 processes at ep=2, in one torchrun."""
-    runs = {"trainer": ("ep_hf_trainer.py", ""), "lora": ("ep_hf_trainer.py", LORA)}
+    out = tmp_path_factory.mktemp("two")
+    runs = {
+        "trainer": ("ep_hf_trainer.py", "--save-steps 3"),  # resumable checkpoints
+        "resumed": ("ep_hf_trainer.py", f"--resume {out / 'trainer' / 'checkpoint-3'}"),
+        "lora": ("ep_hf_trainer.py", LORA),
+    }
     if _has_trl():
         runs["sft"] = ("ep_trl_sft.py", "")
         runs["grpo"] = ("ep_trl_grpo.py", "--steps 3 --grad-accum 1")
-    out = tmp_path_factory.mktemp("two")
     return _runs(lambda argv: torchrun(2, argv, env=ENV, timeout=400), out, runs)[0]
 
 
@@ -121,6 +125,19 @@ def test_torch_loop_ep2_equals_one_process(tmp_path, one):
 
 def test_hf_trainer_ep2_equals_one_process(one, two):
     _equal_to_one_process(two["trainer"], one["loop"])
+
+
+def test_hf_trainer_resumes_exactly(one, two):
+    """`--save-steps 3` (Trainer's `save_only_model` checkpoints plus the optimizer and the
+    scheduler by `dropless.hf.trainer_checkpoints()`), then a new 2-process run with
+    `--resume .../checkpoint-3`: steps 4-6 give the uninterrupted run's losses and gradient
+    norms, and the final weights are the one-process ones."""
+    (full, _), (resumed, out) = two["trainer"], two["resumed"]
+    assert len(resumed["losses"]) == 3, resumed
+    assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
+    assert resumed["grad_norms"] == pytest.approx(full["grad_norms"][3:], rel=1e-6)
+    assert (out.parent / "trainer" / "checkpoint-3" / "dropless_optimizer").is_dir()
+    _same_weights(out / "final", one["loop"][1] / "final")
 
 
 def test_accelerate_ep2_equals_one_process(tmp_path, one):

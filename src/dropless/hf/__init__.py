@@ -22,6 +22,7 @@ from .distributed.expert_parallel import shard_hf_experts
 from .distributed.parallelize import parallelize
 from .distributed.peft_save import save_lora_adapter
 from .distributed.sharded_load import load_sharded_hf
+from .distributed.trainer_checkpoint import trainer_checkpoints
 from .experts.forward import (
     DroplessFallbackWarning,
     DroplessGenericGateWarning,
@@ -67,6 +68,7 @@ __all__ = [
     # expert parallelism, FSDP2 and sharded loading for any training loop (docs/hf.md)
     "parallelize",
     "save_lora_adapter",
+    "trainer_checkpoints",
     # expert parallelism and sharded loading (docs/parallel.md)
     "shard_hf_experts",
     "load_sharded_hf",

@@ -32,6 +32,7 @@ from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh, resolve_s
 from ..lora.peft_lora import base_model
 from .expert_parallel import shard_hf_experts
 from .peft_save import route_peft_save
+from .trainer_checkpoint import accept_full_state_dicts
 
 _MESH = "_dropless_parallel_mesh"
 
@@ -242,6 +243,8 @@ def parallelize(
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         register_fsdp_forward_method(model, "generate")
+    if fsdp:
+        accept_full_state_dicts(model)  # Trainer's resume loads full tensors
     route_peft_save(model)
     return model
 

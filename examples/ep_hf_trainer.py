@@ -12,8 +12,9 @@ setting: leave `fsdp` and `deepspeed` unset). Create the `TrainingArguments` fir
 torchrun they join the process group `dropless.parallelize` needs. Gradient clipping
 (`max_grad_norm`) spans the two device meshes (Trainer's mixed-mesh norm), and
 `trainer.save_model` gathers the model on every rank and writes, on rank 0, a checkpoint
-stock `from_pretrained` loads. Such a Trainer cannot save its optimizer for a resume:
-`save_strategy="no"` or `save_only_model=True`.
+stock `from_pretrained` loads. `--save-steps 3` writes resumable checkpoints (Trainer's
+`save_only_model=True` weights, the optimizer and scheduler by
+`dropless.hf.trainer_checkpoints()`); `--resume OUT/checkpoint-3` continues from one.
 
 `--lora 4`: LoRA of rank 4 on the experts and the attention, the base frozen, added before
 `dropless.parallelize` as `dropless train` adds it (`moe_example_common.load_model`);

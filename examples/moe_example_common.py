@@ -211,7 +211,7 @@ def trainer_arguments(args, out_default: str) -> dict:
     """The keyword arguments of a Transformers `TrainingArguments` (or TRL's `SFTConfig`)
     for the run these scripts make: each process takes its share of the global batch, in
     order, constant learning rate without weight decay, clipping, a loss logged per step,
-    no intermediate save (such a trainer cannot save its optimizer for a resume), fp32
+    no intermediate save (the Trainer script's --save-steps sets resumable ones), fp32
     unless --bf16 (TRL's SFTConfig and GRPOConfig would default to bf16 autocast)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return dict(

@@ -21,9 +21,9 @@ WIDE = ["model.moe_intermediate_size=128"]
 FP8_SAVED = ["precision.fp8_saved_activations=true"]
 
 
-def _plan(sets):
+def _plan(sets, world: int = 1):
     cfg = load_config("examples/tiny.toml", [*WIDE, *sets])
-    return cfg, P.make_plan(cfg, 1, 80, compare_checkpointing=False)
+    return cfg, P.make_plan(cfg, world, 80, compare_checkpointing=False)
 
 
 def test_fp8_and_mxfp8_saved_activations_plan_below_bf16_by_what_they_keep():
@@ -109,6 +109,60 @@ def test_the_recipe_mlp_declares_what_it_keeps(recipe):
     h_fp8 = x.shape[0] * ids.shape[1] * gate_up.shape[1]  # E4M3: one byte a value
     assert declared < 2 * h_fp8  # h kept in one byte plus a scale per row
     assert declared <= measured <= declared + 64, (measured, declared, shapes)
+
+
+@pytest.mark.parametrize("recipe", ["current", "current_row", "mxfp8"])
+def test_the_recipe_mlp_declares_what_it_keeps_on_received_rows(recipe):
+    """`quant.mlp.saved_for_backward_rows` against what the recipe's MLP saves on rows
+    already in expert order (what the expert-parallel dispatcher hands it): with
+    fp8_saved_activations the rows in E4M3 and their scales, not in the compute dtype."""
+    import dropless
+    from dropless.ops.expert_mlp import grouped_mlp
+    from dropless.quant.mlp import saved_for_backward_rows
+
+    kind, _, gran = recipe.partition("_")
+    opts = dict(granularity=gran) if gran else {}
+    r = dropless.quant.recipe_from_name(
+        kind, fp8_saved_activations=True, backend="emulated", **opts
+    )
+    x, ids, _, gate_up, down = _operands(T=96)
+    counts = torch.bincount(ids.flatten(), minlength=gate_up.shape[0]).tolist()
+    x_RD = x.repeat(2, 1)  # the received rows: not a leaf the caller holds
+
+    def run():
+        with dropless.quant.autocast(recipe=r):
+            grouped_mlp(x_RD, counts, None, gate_up, down)
+
+    measured, shapes = _saved_bytes(run)
+    declared = sum(t.nbytes for t in saved_for_backward_rows(r, x_RD, len(x_RD), gate_up, True))
+    plain = dropless.quant.recipe_from_name(kind, backend="emulated", **opts)
+    in_fp32 = sum(t.nbytes for t in saved_for_backward_rows(plain, x_RD, len(x_RD), gate_up, True))
+    assert declared < 0.5 * in_fp32, "the rows and h are declared in E4M3, not in fp32"
+    assert 0.9 * declared <= measured <= declared + 64, (measured, declared, shapes)
+
+
+@pytest.mark.parametrize("fp8_saved", [True, False], ids=["fp8_saved", "rows_kept"])
+def test_the_ep_plan_keeps_the_received_rows_as_the_recipe_does(fp8_saved):
+    """Under expert parallelism the planner allocates what the recipe's MLP keeps of the
+    received rows: in E4M3 with fp8_saved_activations (the rows in the compute dtype are
+    then freed after forward), else the received rows themselves; and the plan of an
+    ep=2 run with FP8 saved activations sits below bf16's."""
+    import dropless
+    from dropless.quant.mlp import saved_for_backward_rows
+    from dropless.train.plan.experts import received_rows_saved
+
+    r = dropless.quant.recipe_from_name("current", fp8_saved_activations=fp8_saved)
+    x, ids, _, gate_up, _ = _operands(dtype=torch.bfloat16)
+    recv = x.new_empty(ids.numel(), x.shape[1])
+    with dropless.quant.autocast(recipe=r):
+        kept = received_rows_saved(x, ids, gate_up, recv)
+    declared = saved_for_backward_rows(r, x, ids.numel(), gate_up, True)
+    assert [(t.shape, t.dtype) for t in kept] == [(t.shape, t.dtype) for t in declared]
+    assert any(t is recv for t in kept) != fp8_saved
+    if fp8_saved:
+        _, bf16 = _plan(["parallel.ep=2"], world=2)
+        _, q = _plan(["parallel.ep=2", "precision.recipe=current", *FP8_SAVED], world=2)
+        assert q.activation_peak_gib < bf16.activation_peak_gib
 
 
 def test_the_activation_peak_shows_when_the_peak_is_the_optimizer_step(capsys):

@@ -226,6 +226,36 @@ def saved_for_backward(
     return (*h, x_TD.new_empty(R), *index)
 
 
+def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = True):
+    """What `_QGroupedMLP` keeps for backward on the rows path (rows already in expert
+    order, the routing weight applied by the caller: the expert-parallel dispatcher's
+    received rows) beside the weights: with fp8_saved_activations the rows x [R, D] in
+    E4M3 with their column-wise scales for the weight gradient (per expert group and
+    column under row scaling, fp32; under MXFP8 per 32-row block of each group padded to
+    whole blocks, E8M0, with the rows' int64 positions in that layout: an upper bound;
+    one scalar per tensor, counted aside) and h [R, N] as `_store_h` stores it; else x
+    and h in the rows' dtype. like: any tensor of the rows' dtype, device and width D;
+    rows: R. `dropless plan` allocates this under expert parallelism
+    (`train/plan/experts.py`)."""
+    R, D = rows, like.shape[-1]
+    E = gate_up.shape[0]
+    N = gate_up.shape[1] if trans_w else gate_up.shape[2]
+    if not recipe.fp8_saved_activations:
+        return like.new_empty(R, D), like.new_empty(R, N)
+    fp8 = dict(dtype=torch.float8_e4m3fn)
+    mode = scaling_mode(recipe)
+    if mode == "mx":
+        blocks = R // 32 + E  # at most one partial block per group
+        x = [like.new_empty(32 * blocks, D, **fp8), like.new_empty(blocks, D, dtype=torch.uint8)]
+        x.append(like.new_empty(R, dtype=torch.int64))
+    else:
+        x = [like.new_empty(R, D, **fp8)]
+        if mode == "row":
+            x.append(like.new_empty(E, D, dtype=torch.float32))
+    h = [like.new_empty(R, N, **fp8), like.new_empty(R, 1, dtype=torch.float32)]
+    return (*x, *h)
+
+
 class _QGroupedMLP(torch.autograd.Function):
     """x is x_SD (rows in expert order) or, with token_S/slot_TK, x_TD: then the rows are
     gathered here (and again in backward, so only x_TD, which the caller holds anyway,

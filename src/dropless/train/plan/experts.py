@@ -13,10 +13,11 @@ Function that allocates, at the sizes the routing fixes:
   indices) or, under a precision recipe, `dropless.quant.mlp.saved_for_backward` (h in
   E4M3 with one fp32 scale per row when precision.fp8_saved_activations is on, the
   routing weights and token indices);
-- under expert parallelism (`EP` below, the one part stated here) also the received
-  rows [R, D] (the MLP's input there), the all-to-all send buffer [S, D] while it is in
-  flight, the combine's token indices [S] (int64) and, where received rows are
-  reordered, the permutation and its inverse [R] (int64);
+- under expert parallelism (`EP` below, the one part stated here) the all-to-all send
+  buffer [S, D] while it is in flight, what the MLP keeps of the received rows [R, D]
+  (in the compute dtype; under a recipe as `dropless.quant.mlp.saved_for_backward_rows`
+  declares, E4M3 with fp8_saved_activations), the combine's token indices [S] (int64)
+  and, where received rows are reordered, the permutation and its inverse [R] (int64);
 - in backward, what the fused backward holds, in its order: under expert parallelism
   first the combine's backward (the pairs' output gradient [S, D], then the rows received
   back [R, D] and their local-order copy [R, D]); the gathered output gradient [R, D],
@@ -64,18 +65,39 @@ def declared_saved(x_TD, ids_TK, w1, rows: int) -> tuple[torch.Tensor, ...]:
     return saved_for_backward(x_TD, ids_TK, w1, trans_w, rows)
 
 
+def received_rows_saved(x_TD, ids_TK, w1, recv_RD) -> list[torch.Tensor]:
+    """What the MLP keeps of the rows recv_RD an expert-parallel rank received: under a
+    recipe what the recipe's MLP on rows declares (`dropless.quant.mlp.
+    saved_for_backward_rows`: with fp8_saved_activations the rows in E4M3, the received
+    rows themselves then freed after forward), else the routed MLP's declaration and the
+    received rows."""
+    rows = recv_RD.shape[0]
+    recipe = get_recipe()
+    if recipe is None:
+        return [*declared_saved(x_TD, ids_TK, w1, rows), recv_RD]
+    from ...quant.mlp import saved_for_backward_rows
+
+    trans_w = w1.shape[1] != x_TD.shape[1]
+    kept = list(saved_for_backward_rows(recipe, x_TD, rows, w1, trans_w))
+    if not recipe.fp8_saved_activations:  # the rows it keeps are the received ones
+        kept[0] = recv_RD
+    return kept
+
+
 class _DeclaredExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w1, w2, weights_TK, ids_TK, rows: int, ep: int):
         T, K = weights_TK.shape
         S = T * K
-        kept = list(declared_saved(x_TD, ids_TK, w1, rows))
         if ep > 1:  # EP
-            D = x_TD.shape[1]
-            send = x_TD.new_empty(S, D)  # in flight during the dispatch
-            kept.append(x_TD.new_empty(rows, D))  # received rows, saved
+            send = x_TD.new_empty(S, x_TD.shape[1])  # in flight during the dispatch
+            recv = x_TD.new_empty(rows, x_TD.shape[1])  # the received rows
             del send
+            kept = received_rows_saved(x_TD, ids_TK, w1, recv)
+            del recv
             kept.append(x_TD.new_empty(S, dtype=torch.long))  # token_S of the combine
+        else:
+            kept = list(declared_saved(x_TD, ids_TK, w1, rows))
         # rows arrive in (source, expert) blocks: reordered by copies when both exceed 1
         ctx.ep, ctx.reorder = ep > 1, ep > 1 and w1.shape[0] > 1
         if ctx.reorder:  # the reorder's permutation and its inverse [R] (int64), saved

@@ -51,6 +51,16 @@ def _bf16_compute(stock, ids, want):
     assert err < 2e-2, float(err)
 
 
+def _peft_experts_refused(stock):
+    """PEFT's target_parameters LoRA on the experts cannot be split by expert."""
+    from peft import LoraConfig, get_peft_model
+
+    names = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    model = dropless.patch_model(copy.deepcopy(stock))
+    model = get_peft_model(model, LoraConfig(r=2, target_parameters=names, target_modules=[]))
+    _raises(lambda: dropless.parallelize(model), "target_parameters", "attach_expert_lora")
+
+
 def main():
     from transformers import AutoModelForCausalLM
 
@@ -62,6 +72,7 @@ def main():
     model = dropless.patch_model(copy.deepcopy(stock))
     _raises(lambda: dropless.parallelize(model, ep=2), "ep=2", "pick ep from [1]")
     _raises(lambda: dropless.parallelize(model, ep=0), "ep=0")
+    _peft_experts_refused(stock)
     first = next(model.parameters())
     first.ds_id = 0  # what DeepSpeed ZeRO-3 leaves on every parameter it partitions
     _raises(lambda: dropless.parallelize(model), "ZeRO-3", "deepspeed")

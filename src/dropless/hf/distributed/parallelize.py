@@ -138,6 +138,7 @@ def _check_model(model: nn.Module) -> int:
             "parallelism (from_pretrained(tp_plan=...) or distributed_config=...); load it "
             "without tp_plan and distributed_config, and let dropless.parallelize(ep=...) shard it"
         )
+    _check_no_peft_experts(model, layers)
     if any(isinstance(p, DTensor) for p in base.parameters()):
         raise ValueError(
             "dropless.parallelize: the model's parameters are already distributed (DTensors: "
@@ -145,6 +146,27 @@ def _check_model(model: nn.Module) -> int:
             "call it once, on a model no other wrapper has sharded"
         )
     return int(layers[0].num_experts)
+
+
+def _check_no_peft_experts(model: nn.Module, layers) -> None:
+    """PEFT's `target_parameters` LoRA wraps an experts module in a ParamWrapper whose B
+    factor [out, r*E] has the expert index fastest: it cannot be split by expert."""
+    import sys
+
+    peft_layer = sys.modules.get("peft.tuners.lora.layer")  # never imported here
+    wrapper = getattr(peft_layer, "ParamWrapper", None)
+    if wrapper is None:
+        return
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, wrapper)]
+    if wrapped:
+        raise ValueError(
+            f"dropless.parallelize: {wrapped[0]} is PEFT's target_parameters LoRA on the experts, "
+            "whose factors cannot be split by expert (PEFT's B [out, r*E] has the expert index "
+            "fastest). Give the experts their own factors instead, which shard with them: "
+            "dropless.hf.attach_expert_lora(experts, rank, alpha) on each experts module (what "
+            "dropless train's LoRA and examples/moe_example_common.py do), keep PEFT's "
+            "target_modules for the attention, and save with dropless.hf.save_lora_adapter"
+        )
 
 
 def _check_not_deepspeed(model: nn.Module) -> None:

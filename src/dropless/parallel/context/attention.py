@@ -7,7 +7,8 @@ what every rank's queries sent to this rank's keys) and puts them back in sequen
 order; `context_parallel_attention` then computes attention of the local queries
 against the whole K/V under the causal mask of their global positions: the head chunk
 of rank r sees keys [0, (r+1) C), the tail chunk keys [0, (2 cp - r) C), both with the
-bottom-right-aligned causal mask (`torch.nn.attention.bias.causal_lower_right`).
+bottom-right-aligned causal mask (`torch.nn.attention.bias.causal_lower_right` on CUDA;
+on CPU square causal SDPA over zero-prefixed queries, see `_causal_sdpa`).
 
 `reference_attention` (whole-sequence causal SDPA on one process) is the specification;
 tests/parallel/_checks_cp.py checks the two against each other, forward and backward.
@@ -144,20 +145,35 @@ def context_parallel_attention(
 
 
 def _causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys):
-    """Bottom-right-aligned causal SDPA: query i of Lq sees keys [0, n_keys - Lq + i]."""
-    Lq = q.shape[2]
-    if mask_BL is None:
+    """Bottom-right-aligned causal SDPA: query i of Lq sees keys [0, n_keys - Lq + i].
+
+    CUDA: `causal_lower_right`, which SDPA's flash kernel takes without a mask tensor
+    (unverified: not run). Elsewhere (CPU) that bias would be materialized as an
+    [Lq, n_keys] mask (and it cannot be created under a TorchDispatchMode, such as torch's
+    memory trackers), so the queries are prefixed with n_keys - Lq zero rows and SDPA runs
+    square with is_causal=True (no mask, O(n_keys) memory); the prefix rows' outputs are
+    dropped, so they give no gradient, at the price of their compute. A padding mask
+    `mask_BL` is applied as an explicit boolean mask."""
+    B, H, Lq, D = q.shape
+    if mask_BL is not None:
+        causal = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
+        allowed = causal[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
+        )
+    if q.device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(Lq, n_keys)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
         )
-    causal = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
-    allowed = causal[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
+    pad = n_keys - Lq
+    q_ext = torch.cat([q.new_zeros(B, H, pad, D), q], 2) if pad else q
+    out = F.scaled_dot_product_attention(
+        q_ext, k, v, dropout_p=dropout_p, is_causal=True, scale=scale
     )
+    return out[:, :, pad:]
 
 
 def reference_attention(

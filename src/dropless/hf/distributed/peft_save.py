@@ -51,6 +51,8 @@ def _config(model: nn.Module, base: nn.Module, layers):
                 "(delete the others with model.delete_adapter(name) first)"
             )
         config = copy.deepcopy(model.peft_config[names[0]])
+        if isinstance(config.target_modules, set):  # PEFT's set: written in a fixed order
+            config.target_modules = sorted(config.target_modules)
     else:
         config = None
     if not layers:

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ...hf.lora.peft_lora import base_model
+
 ADAPTER_DIR = "adapter"
 _CONFIG = "_dropless_lora_config"  # on the Transformers model: its adapter file's LoraConfig
 _ATTENTION_PARENTS = ("self_attn", "attention", "attn", "mixer")
@@ -149,11 +151,6 @@ def apply_lora(model: nn.Module, fcfg, base_path: str = "", world: int = 1) -> n
     return wrapped
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The Transformers model inside `apply_lora`'s result."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _prefix(model: nn.Module) -> str:
     return "base_model.model." if base_model(model) is not model else ""
 
@@ -218,35 +215,14 @@ def init_adapters(model: nn.Module, seed: int) -> None:
         local.copy_(full[region])
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter file's tensors (PEFT's keys and layouts, fp32 on CPU), gathered from the
-    shards: every rank calls this (collectives, in the same order everywhere)."""
-    from ...hf.lora.expert_lora import factor_to_peft
-
-    params = dict(model.named_parameters())
-    state = {}
-    for name, (key, layout) in _file_keys(model).items():
-        t = params[name].detach()
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        state[key] = (factor_to_peft(layout[0], t) if layout else t).contiguous().cpu()
-    return state
-
-
 def save_adapter(model: nn.Module, out_dir: str | Path) -> Path:
     """The adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) that
-    `PeftModel.from_pretrained(stock_model, out_dir)` loads. Every rank calls this; rank 0
+    `PeftModel.from_pretrained(stock_model, out_dir)` loads: `dropless.hf.save_lora_adapter`,
+    the writer `dropless.parallelize`'s users call too. Every rank calls this; rank 0
     writes."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
+    from ...hf.distributed.peft_save import save_lora_adapter
 
-    state = adapter_state(model)
-    out = Path(out_dir)
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    base_model(model).__dict__[_CONFIG].save_pretrained(out)
-    save_file(state, out / "adapter_model.safetensors")
-    return out
+    return save_lora_adapter(model, out_dir)
 
 
 def checkpoint_name(name: str) -> str | None:

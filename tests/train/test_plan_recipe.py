@@ -211,3 +211,26 @@ def test_trainer_and_planner_run_the_same_micro_step(tmp_path, monkeypatch):
     sets = ("train.steps=1", "log.tensorboard=false", "log.plots=false", "checkpoint.every=0")
     train(tiny(*sets), run_dir=str(tmp_path / "run"))
     assert calls and all(kind == "Tensor" for kind, _ in calls)
+
+
+def test_the_unfused_loss_lets_go_of_the_fp32_logits_before_backward(monkeypatch):
+    """With train.fused_cross_entropy=false the step's fp32 copy of the logits [B, L, V]
+    is not alive in backward (it was, through a view, until the step returned: a
+    logits-sized tensor on top of the backward's peak, 8 GiB per GPU in the Nemotron
+    verdict of docs/parallel.md)."""
+    import weakref
+
+    import torch.nn.functional as F
+
+    real, alive = F.cross_entropy, []
+
+    def spy(logits, *args, **kwargs):
+        ref = weakref.ref(logits)
+        loss = real(logits, *args, **kwargs)
+        loss.register_hook(lambda g: alive.append(ref() is not None))
+        return loss
+
+    monkeypatch.setattr(F, "cross_entropy", spy)
+    cfg = load_config("examples/tiny.toml", ["train.fused_cross_entropy=false"])
+    P.make_plan(cfg, 1, 80, compare_checkpointing=False)
+    assert alive and not any(alive), alive

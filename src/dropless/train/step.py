@@ -190,7 +190,7 @@ class MicroStep:
                 ce = F.cross_entropy(*flat)
             else:
                 ce = F.cross_entropy(*flat, reduction="sum") / num_items
-            del logits
+            del logits, flat  # flat holds a view of the fp32 logits
         # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
         rs = self.router.stats(out, x.shape, need_router)
         del out  # the logits (unfused) are not held through backward

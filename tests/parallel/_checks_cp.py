@@ -174,11 +174,12 @@ def cp_families_cp2(rank, world):
 
 def cp_x_ep_fsdp(rank, world):
     """World 4 as dp_shard 2 x cp 2 with ep=2 (each expert group spans a data- and a
-    context-parallel rank) and FSDP2 over dp_shard x cp, through `parallelize_config`: the
-    loss over the global target count and every gradient equal one process."""
+    context-parallel rank) and FSDP2 over dp_shard x cp, through the public
+    `dropless.parallelize(model, ep=2, cp=2)` (`dropless train`'s `parallelize_config` runs
+    the same layout): the loss over the global target count and every gradient equal one
+    process."""
     import dropless
-    from dropless.hf.distributed.parallelize import parallelize_config
-    from dropless.parallel import ParallelConfig
+    from dropless.hf import parallel_mesh
 
     fam = _families()
     model = fam.build("qwen3_moe", implementation=None, seed=5, max_position_embeddings=SEQ)
@@ -198,11 +199,12 @@ def cp_x_ep_fsdp(rank, world):
     loss_ref = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
     loss_ref.backward()
 
-    pm = parallelize_config(model, ParallelConfig(cp=2, ep=2))
+    dropless.parallelize(model, ep=2, cp=2)  # the cp attention switched on too
+    pm = parallel_mesh(model)
     assert (pm.config.dp_shard, pm.expert_shard_size, pm.cp_mesh.size()) == (2, 2, 2)
     # the expert group spans two sequences' ranks: {0, 1} split sequence 0, ep pairs are
     # consecutive ranks of the flattened dp_shard x cp
-    cpx.enable(model, pm.cp_group)
+    assert model.config._attn_implementation == cpx.ATTENTION_NAME
     seq = pm.dp_rank
     assert seq == rank // 2 and pm.cp_rank == rank % 2
     local = cpx.shard_batch(

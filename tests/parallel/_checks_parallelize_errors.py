@@ -72,6 +72,7 @@ def main():
     model = dropless.patch_model(copy.deepcopy(stock))
     _raises(lambda: dropless.parallelize(model, ep=2), "ep=2", "pick ep from [1]")
     _raises(lambda: dropless.parallelize(model, ep=0), "ep=0")
+    _raises(lambda: dropless.parallelize(model, cp=2), "cp = 1 x 2 = 2", "pick cp from [1]")
     _peft_experts_refused(stock)
     first = next(model.parameters())
     first.ds_id = 0  # what DeepSpeed ZeRO-3 leaves on every parameter it partitions

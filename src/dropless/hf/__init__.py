@@ -19,7 +19,7 @@ trainer shares) is imported from its own module.
 """
 
 from .distributed.expert_parallel import shard_hf_experts
-from .distributed.parallelize import parallelize
+from .distributed.parallelize import parallel_mesh, parallelize
 from .distributed.peft_save import save_lora_adapter
 from .distributed.sharded_load import load_sharded_hf
 from .distributed.trainer_checkpoint import trainer_checkpoints
@@ -67,6 +67,7 @@ __all__ = [
     "disable_fused_cross_entropy",
     # expert parallelism, FSDP2 and sharded loading for any training loop (docs/hf.md)
     "parallelize",
+    "parallel_mesh",
     "save_lora_adapter",
     "trainer_checkpoints",
     # expert parallelism and sharded loading (docs/parallel.md)

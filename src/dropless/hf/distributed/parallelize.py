@@ -92,12 +92,13 @@ def _check_process_group() -> int:
     return dist.get_world_size()
 
 
-def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int) -> None:
+def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int, cp: int = 1) -> None:
     """`dropless train`'s check of the layout (`parallel.mesh.resolve_sizes`), its messages
-    in `parallelize`'s keywords (its dp_shard is world / dp_replicate: the processes of each
-    replica, which expert parallelism borrows its ranks from)."""
+    in `parallelize`'s keywords (its dp_shard is world / (dp_replicate x cp): the data
+    ranks of each replica; expert parallelism borrows its ranks from dp_shard x cp)."""
     try:
-        resolve_sizes(ParallelConfig(dp_replicate=dp_replicate, ep=ep), world, num_experts)
+        layout = ParallelConfig(dp_replicate=dp_replicate, cp=cp, ep=ep)
+        resolve_sizes(layout, world, num_experts)
     except ValueError as e:
         msg = str(e).replace(
             "parallel.dp_shard=", "the processes of each replica (world size / dp_replicate) = "
@@ -198,6 +199,7 @@ def parallelize(
     ep: int = 1,
     fsdp: bool = True,
     dp_replicate: int = 1,
+    cp: int = 1,
     mixed_precision=None,
     activation_checkpointing: bool = False,
     checkpoint=None,
@@ -215,6 +217,14 @@ def parallelize(
     sharded over the data-parallel ranks, experts over the ranks that hold the same ones;
     gradients come out averaged over every process. False is refused on several processes
     (nothing else would average the gradients).
+    cp: context-parallel size: each sequence is split over cp consecutive ranks, whose
+    attention runs across them (`dropless.parallel.context`: all-gather-KV causal
+    attention; sliding windows refused); dense parameters are FSDP-sharded over
+    dp_shard x cp and ep may span the cp ranks. The loop feeds the cp ranks of a sequence
+    the same batch and each its part (`dropless.parallel.context.shard_batch`, with global
+    position_ids), and normalises the loss by the whole sequences' target count
+    (docs/hf.md). Transformers' Trainer and TRL feed every rank its own samples: cp > 1
+    is for loops that shard the batch themselves.
     mixed_precision: None (compute in the parameters' dtype; autocast still applies), a
     dtype (FSDP2 gathers parameters in it and reduces fp32 gradients) or a
     `MixedPrecisionPolicy`. activation_checkpointing: non-reentrant per decoder layer, the
@@ -236,7 +246,7 @@ def parallelize(
     """
     world = _check_process_group()
     num_experts = _check_model(model)
-    check_sizes(ep, dp_replicate, world, num_experts)
+    check_sizes(ep, dp_replicate, world, num_experts, cp)
     if not fsdp and world > 1:
         raise ValueError(
             f"dropless.parallelize(fsdp=False) on {world} processes: without FSDP2 nothing would "
@@ -245,6 +255,7 @@ def parallelize(
     # one process takes the path a node takes (as parallel.force_distributed does)
     cfg = ParallelConfig(
         dp_replicate=dp_replicate,
+        cp=cp,
         ep=ep,
         overlap_chunks=overlap_chunks,
         force_distributed=world == 1,
@@ -255,6 +266,10 @@ def parallelize(
         device=device, reshard_after_forward=reshard_after_forward, rename=rename,
     )  # fmt: skip
     base = base_model(model)
+    if cp > 1:
+        from ...parallel.context import enable
+
+        enable(base, parallel_mesh(model).cp_group)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))
     if fsdp and hasattr(model, "generate"):
@@ -314,7 +329,7 @@ def _mark_sharded(base: nn.Module, pm: ParallelMesh) -> None:
 
     if getattr(base.config, "distributed_config", None) is None:
         base.config.distributed_config = DistributedConfig(
-            fsdp_size=pm.config.dp_shard, dp_replicate_size=pm.config.dp_replicate
+            fsdp_size=pm.config.dp_shard * pm.config.cp, dp_replicate_size=pm.config.dp_replicate
         )
     base._is_distributed_loading_by_transformers = True
     # Transformers' own FSDP2 mark (`distributed.fsdp.apply_fsdp2`): `generate` keeps every

@@ -150,12 +150,18 @@ def run_group(world: int, module: str, names: list[str]) -> dict[str, str]:
     return merged
 
 
-def tiny_moe_config(family: str = "qwen3_moe", **overrides):
-    """A fresh tiny Transformers config of `family` (any of `tests/hf/families.py`:
-    FAMILIES, MORE, BLOCK_BIAS), `overrides` set on it."""
+def hf_families():
+    """The module `tests/hf/families.py` (the tiny models of every family), importable from
+    any folder's tests and their spawned children."""
     hf = str(Path(__file__).resolve().parent / "hf")
     if hf not in sys.path:
         sys.path.append(hf)
     import families
 
-    return families.config(family, **overrides)
+    return families
+
+
+def tiny_moe_config(family: str = "qwen3_moe", **overrides):
+    """A fresh tiny Transformers config of `family` (any of `tests/hf/families.py`:
+    FAMILIES, MORE, BLOCK_BIAS), `overrides` set on it."""
+    return hf_families().config(family, **overrides)

@@ -1,5 +1,5 @@
 """The ops besides the expert MLP as `torch.library` custom ops: what `torch.compile` and
-`torch.export` see of them (RMSNorm, linear cross-entropy, the grouped GEMM). For each: opcheck (schema,
+`torch.export` see of them (RMSNorm, linear cross-entropy, the grouped GEMM, routing). For each: opcheck (schema,
 fake rule, autograd registration), a compiled call equal to eager with no graph break and
 the op as one node, the implementation picked when the node runs (not when it is traced),
 and an exported program holding the node."""
@@ -14,9 +14,14 @@ from dropless.ops.grouped_gemm import custom_op as gemm_op
 from dropless.ops.linear_cross_entropy import custom_op as ce_op
 from dropless.ops.linear_cross_entropy import linear_cross_entropy
 from dropless.ops.linear_cross_entropy.rows import CE_ROWS, EAGER_CE_ROWS, CERows
+from dropless.ops.losses import mean_normalised_scores
 from dropless.ops.rmsnorm import RMSNORM, RMSNormImpl, rms_norm
 from dropless.ops.rmsnorm import custom_op as rms_op
 from dropless.ops.rmsnorm.eager import rms_norm_fwd
+from dropless.ops.routing import ROUTING, RoutingKernels, route, route_with_aux
+from dropless.ops.routing import custom_op as route_op
+from dropless.ops.routing.reference import route_reference
+from dropless.ops.specs import RoutingConfig
 
 
 def _graph_ops(fn, *args) -> tuple[list[str], object]:
@@ -213,3 +218,89 @@ def test_grouped_gemm_exports_as_one_node():
     ep = torch.export.export(lin, (x, splits))
     assert "dropless.grouped_gemm.default" in [str(n.target) for n in ep.graph.nodes]
     torch.testing.assert_close(ep.module()(x, torch.tensor([2, 7, 0])), lin(x, [2, 7, 0]))
+
+
+ROUTINGS = {
+    "softmax": dict(score_func="softmax", renormalize=False),
+    "softmax_renorm": dict(score_func="softmax", renormalize=True, scaling_factor=2.5),
+    "sigmoid_groups_bias": dict(score_func="sigmoid", renormalize=True, n_group=4, topk_group=2),
+}
+
+
+def _route_operands(case, T=10, E=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g, dtype=dtype)
+    bias = torch.randn(E, generator=g) * 0.1 if case == "sigmoid_groups_bias" else None
+    return logits, bias, RoutingConfig(**ROUTINGS[case], expert_bias=bias is not None)
+
+
+@pytest.mark.parametrize("case", list(ROUTINGS))
+def test_route_opcheck(case):
+    logits, bias, r = _route_operands(case)
+    grouped = r.n_group or 0
+    args = (logits.requires_grad_(), bias, 3, r.score_func, r.renormalize,
+            float(r.scaling_factor), grouped, r.topk_group or 0)  # fmt: skip
+    torch.library.opcheck(route_op.route_op, args)
+
+
+@pytest.mark.parametrize("case", list(ROUTINGS))
+def test_route_compiles_to_one_node_equal_to_eager(case):
+    """route_with_aux compiled: one `dropless::route` node; weights, scores, the losses'
+    inputs and the logits' gradient equal eager's (fp64)."""
+    logits, bias, r = _route_operands(case, dtype=torch.float64)
+
+    def f(logits):
+        w, ids, scores, pm, z = route_with_aux(logits, 3, r, expert_bias_E=bias)
+        scale = torch.linspace(-1, 1, ids.numel(), dtype=w.dtype).view_as(w)
+        return (w * scale).sum() + scores.square().sum() + (pm * pm).sum() + z, ids
+
+    ops, _ = _graph_ops(f, logits)
+    assert ops.count("dropless.route.default") == 1
+    le_in, lc_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    (le, ids_e), (lc, ids_c) = (
+        f(le_in),
+        torch.compile(f, backend="aot_eager", fullgraph=True)(lc_in),
+    )
+    assert torch.equal(ids_c, ids_e)
+    torch.testing.assert_close(lc, le)
+    torch.testing.assert_close(torch.autograd.grad(lc, lc_in)[0], torch.autograd.grad(le, le_in)[0])
+
+
+def test_route_node_picks_its_implementation_when_it_runs():
+    """A routing entry registered after compiling runs inside the node (as "triton" does
+    on the first CUDA routing); its raw forward is what the node returns."""
+    torch._dynamo.reset()
+    logits, _, r = _route_operands("softmax")
+    f = torch.compile(lambda t: route(t, 2, r)[0], backend="aot_eager", fullgraph=True)
+    want = route(logits, 2, r)[0]
+    torch.testing.assert_close(f(logits), want)
+    calls = []
+
+    def fwd(logits_TE, top_k, routing, bias, *, stats):
+        calls.append(stats)
+        w, ids, scores = route_reference(logits_TE, top_k, routing, expert_bias_E=bias)
+        return w, ids, scores, mean_normalised_scores(scores) * len(w), torch.zeros(())
+
+    ROUTING.register(RoutingKernels("spy", None, None, lambda t: True, priority=99, route_fwd=fwd))
+    try:
+        torch.testing.assert_close(f(logits), want)
+    finally:
+        del ROUTING.entries["spy"]
+    assert calls == [True]
+
+
+def test_route_exports_as_one_node():
+    class Router(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16))
+
+        def forward(self, x):
+            return route(torch.nn.functional.linear(x, self.weight), 2, renormalize=True)[:2]
+
+    m, x = Router(), torch.randn(5, 16)
+    ep = torch.export.export(m, (x,))
+    assert "dropless.route.default" in [str(n.target) for n in ep.graph.nodes]
+    other = torch.randn(5, 16)
+    for a, b in zip(ep.module()(other), m(other)):
+        torch.testing.assert_close(a, b)

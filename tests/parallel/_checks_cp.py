@@ -8,29 +8,19 @@ compares against one process computing the whole sequence: the reference model o
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from dropless.parallel import context as cpx
+from harness import hf_families as _families
 
 # fp32: the same math as one process, only the order of the sums differs (the attention
 # of a chunk against a prefix, the gradients summed over ranks)
 RTOL, ATOL = 1e-4, 1e-5
 SEQ = 2048
 IGNORE = -100
-
-
-def _families():
-    """tests/hf/families.py (the tiny configs of every family), under its own name."""
-    path = Path(__file__).resolve().parents[1] / "hf" / "families.py"
-    spec = importlib.util.spec_from_file_location("hf_test_families", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 _GROUPS: dict = {}

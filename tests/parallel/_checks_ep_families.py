@@ -11,8 +11,6 @@ of a module on its stock forward names the family."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,20 +18,12 @@ from torch import nn
 
 from dropless.hf.distributed.expert_parallel import hf_dispatchers, shard_hf_experts
 from dropless.parallel import ParallelConfig, build_mesh, clip_grad_norm_
+from harness import hf_families as _families
 
 B, L, T, HIDDEN = 2, 6, 7, 12
 # fp32, the same GEMMs on the same rows as one process: only the order of the gradient
 # sums over ranks (and over tokens in a different row order) differs
 RTOL, ATOL, GRAD_ATOL = 1e-5, 1e-6, 2e-6
-
-
-def _families():
-    """tests/hf/families.py (the tiny configs of every family), under its own name."""
-    path = Path(__file__).resolve().parents[1] / "hf" / "families.py"
-    spec = importlib.util.spec_from_file_location("hf_test_families", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _nemotron_h():

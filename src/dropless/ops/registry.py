@@ -17,7 +17,8 @@ hook imports no triton (the entries load their kernel modules on first call), an
 machine that never sees a CUDA tensor it never runs. Under `torch.compile` the hook is
 not called (Dynamo would trace the registration). The ops a compiled region calls are
 custom-op nodes that pick when they run, outside the trace (`custom_op.py` of
-`expert_mlp`, `rmsnorm`, `linear_cross_entropy`, `grouped_gemm`), so there the hook runs
+`expert_mlp`, `routing`, `rmsnorm`, `linear_cross_entropy`, `grouped_gemm`), so there the
+hook runs
 on the first CUDA call as in eager code.
 """
 

@@ -265,11 +265,17 @@ def parallelize(
         activation_checkpointing=activation_checkpointing, checkpoint=checkpoint,
         device=device, reshard_after_forward=reshard_after_forward, rename=rename,
     )  # fmt: skip
-    base = base_model(model)
     if cp > 1:
         from ...parallel.context import enable
 
-        enable(base, parallel_mesh(model).cp_group)
+        enable(base_model(model), parallel_mesh(model).cp_group)
+    _ready_for_trainers(model, fsdp)
+    return model
+
+
+def _ready_for_trainers(model: nn.Module, fsdp: bool) -> None:
+    """What Transformers' Trainer, TRL and PEFT need of a model `parallelize` laid out."""
+    base = base_model(model)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))
     if fsdp and hasattr(model, "generate"):
@@ -283,7 +289,6 @@ def parallelize(
     if fsdp:
         accept_full_state_dicts(model)  # Trainer's resume loads full tensors
     route_peft_save(model)
-    return model
 
 
 def parallelize_config(model: nn.Module, cfg, *, mixed_precision=None) -> ParallelMesh:

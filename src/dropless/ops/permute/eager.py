@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing.route import pick_routing_kernels
+from ..routing.backends import pick_routing_kernels
 from .eager_rows import gather_sum
 from .row_ops import pick_row_ops
 

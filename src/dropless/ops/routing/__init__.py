@@ -2,26 +2,31 @@
 
 - `reference.py`: `route_reference`, the specification (vectorised torch);
 - `route.py`: `route`, `route_with_aux` (argument checks, the torch path, the routing
-  replay of a checkpointed recompute), the capacity rule, and the registry `ROUTING`
-  of faster implementations, which `route` and `permute.sort_by_expert` pick from;
+  replay of a checkpointed recompute) and the capacity rule;
+- `backends.py`: the registry `ROUTING` of faster implementations, which `route` and
+  `permute.sort_by_expert` pick from;
+- `custom_op.py`: `dropless::route` and its backward, what a compiled region or an
+  exported program holds of `route` / `route_with_aux`;
 - `routing_kernels.py`: the Triton kernels (scores, groups, bias, top-k and weights,
   forward and backward; the counting sort of the routing metadata) with their autograd;
 - `gpu.py`: their registration as "triton", done on the first pick for a CUDA tensor.
 """
 
-from .gpu import register_gpu
-from .route import (
+from .backends import (
     ROUTE_DTYPES,
     ROUTING,
     RoutingKernels,
+    pick_routing_kernels,
+    register_routing_kernels,
+    routing_kernel_names,
+)
+from .gpu import register_gpu
+from .route import (
     capacity_keep_mask,
     check_expert_bias,
     expert_capacity,
-    pick_routing_kernels,
-    register_routing_kernels,
     route,
     route_with_aux,
-    routing_kernel_names,
 )
 
 ROUTING.on_first_cuda(register_gpu)

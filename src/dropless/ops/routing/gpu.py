@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import lazy, triton_importable
-from .route import RoutingKernels, register_routing_kernels
+from .backends import RoutingKernels, register_routing_kernels
 
 _KERNELS = "dropless.ops.routing.routing_kernels"
 
@@ -31,5 +31,7 @@ def register_gpu() -> None:
             supports=_supports,
             priority=10,
             route_with_aux=lazy(_KERNELS, "route_with_aux"),
+            route_fwd=lazy(_KERNELS, "route_fwd"),
+            route_bwd=lazy(_KERNELS, "route_bwd"),
         )
     )

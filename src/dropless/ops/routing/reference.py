@@ -31,12 +31,7 @@ def route_reference(
     routing = as_routing(routing, **fields)
     n_group, topk_group = routing.n_group, routing.topk_group
     T, E = logits_TE.shape
-    # at least fp32 whatever the input dtype (fp64 stays fp64, for gradchecks)
-    logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
-    if routing.score_func == "softmax":
-        scores_TE = logits.softmax(dim=-1)
-    else:
-        scores_TE = logits.sigmoid()
+    scores_TE = scores_of(logits_TE, routing)
     choice_TE = (
         scores_TE if expert_bias_E is None else scores_TE + expert_bias_E.to(scores_TE.dtype)
     )
@@ -46,13 +41,25 @@ def route_reference(
         group_scores = grouped.topk(min(2, per), dim=-1).values.sum(-1)  # [T, G]
         keep_groups = group_scores.topk(topk_group, dim=-1).indices
         # scatter_ of a scalar: no host index or host value copied to the device (no sync)
-        mask = torch.zeros(T, n_group, dtype=torch.bool, device=logits.device)
+        mask = torch.zeros(T, n_group, dtype=torch.bool, device=logits_TE.device)
         mask.scatter_(1, keep_groups, True)
         mask_TE = mask.unsqueeze(-1).expand(T, n_group, per).reshape(T, E)
         choice_TE = choice_TE.masked_fill(~mask_TE, float("-inf"))
     ids_TK = choice_TE.topk(top_k, dim=-1).indices
+    return weights_of(scores_TE, ids_TK, routing), ids_TK, scores_TE
+
+
+def scores_of(logits_TE: torch.Tensor, routing: RoutingConfig) -> torch.Tensor:
+    """The routing scores [T, E]: softmax or sigmoid of the logits in fp32 at least (fp64
+    stays fp64, for gradchecks)."""
+    logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    return logits.softmax(dim=-1) if routing.score_func == "softmax" else logits.sigmoid()
+
+
+def weights_of(scores_TE: torch.Tensor, ids_TK: torch.Tensor, routing: RoutingConfig):
+    """The weights [T, K] of the chosen experts: their scores, renormalised to sum 1 when
+    `routing.renormalize`, times the scaling factor."""
     weights_TK = scores_TE.gather(1, ids_TK)
     if routing.renormalize:
         weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-    weights_TK = weights_TK * routing.scaling_factor
-    return weights_TK, ids_TK, scores_TE
+    return weights_TK * routing.scaling_factor

@@ -1,11 +1,11 @@
-"""Token-choice top-k routing, the routing-kernel registry, and the capacity limit.
+"""Token-choice top-k routing and the capacity limit.
 
 The routing math is `reference.route_reference` (already vectorised torch); this module
-adds argument checks, the deterministic capacity rule and the registry of faster routing
-implementations: `gpu.py` registers "triton" (`routing_kernels.py`: one kernel for
-scores, groups, bias, top-k and weights, forward and backward; one counting sort for the
-metadata) on the first pick for a CUDA tensor, which `route` and `sort_by_expert` pick for CUDA tensors. The torch path stays the
-specification and runs everywhere else.
+adds argument checks, the deterministic capacity rule and the choice of implementation:
+a registered routing kernel (`backends.py`; "triton", `routing_kernels.py`: one kernel for
+scores, groups, bias, top-k and weights, forward and backward, registered on the first
+pick for a CUDA tensor) or the torch reference. Under `torch.compile` / `torch.export`
+a call is one `dropless::route` node (`custom_op.py`), which picks when it runs.
 """
 
 # T tokens, E experts, K top-k
@@ -13,84 +13,15 @@ specification and runs everywhere else.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ..losses import mean_normalised_scores, z_loss
-from ..registry import Registry
 from ..replay import checkpoint_state, remember
 from ..specs import RoutingConfig, as_routing
+from . import custom_op
+from .backends import route_kernels
 from .reference import route_reference
-
-ROUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class RoutingKernels:
-    """A routing implementation besides the torch reference.
-
-    route(logits_TE, top_k, routing, expert_bias_E, *, ids_TK=None) -> (weights_TK, ids_TK,
-    scores_TE) with autograd, as `route_reference` (ties may go to the lowest expert index:
-    torch.topk leaves them unspecified); with ids_TK, the weights and scores of those
-    experts, no selection (the recompute of a checkpointed forward);
-    sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts) -> `permute.SortedPairs`
-    in the order of `permute.sort_by_expert`; supports(t): whether it runs tensor t;
-    max_experts: the widest router it takes (one tile of experts per token);
-    route_with_aux: as `route_with_aux` below (same ids_TK keyword), the losses' inputs
-    from the routing pass.
-    """
-
-    name: str
-    route: Callable
-    sort_by_expert: Callable
-    supports: Callable[[torch.Tensor], bool]
-    priority: int = 0
-    max_experts: int = 4096
-    route_with_aux: Callable | None = None
-
-
-ROUTING = Registry("routing backend")
-_KERNELS: dict[str, RoutingKernels] = ROUTING.entries
-
-
-def register_routing_kernels(kernels: RoutingKernels) -> None:
-    """Register (or replace) a routing implementation under its name."""
-    ROUTING.register(kernels)
-
-
-def routing_kernel_names() -> list[str]:
-    """The routing implementations, best first: "reference" and the registered ones."""
-    return ["reference", *ROUTING.names()]
-
-
-def pick_routing_kernels(t: torch.Tensor, name: str | None = None) -> RoutingKernels | None:
-    """The routing implementation for tensor t (None: the torch reference).
-
-    name None / "auto": the best registered one that runs t, none under torch.compile
-    (the torch ops compile). "reference": None. Another name must be registered and run t,
-    else ValueError."""
-    if name == "reference":
-        return None
-    if name in (None, "auto") and torch.compiler.is_compiling():
-        return None
-    return ROUTING.pick(name, t)
-
-
-def _route_kernels(logits_TE: torch.Tensor, backend: str | None) -> RoutingKernels | None:
-    kernels = pick_routing_kernels(logits_TE, backend)
-    fits = kernels is not None and logits_TE.dtype in ROUTE_DTYPES
-    fits = fits and logits_TE.shape[1] <= kernels.max_experts
-    if backend in (None, "auto"):
-        return kernels if fits else None
-    if kernels is not None and not fits:
-        raise ValueError(
-            f"routing backend {backend!r} takes {[str(d) for d in ROUTE_DTYPES]} logits of "
-            f"at most {kernels.max_experts} experts, got {logits_TE.dtype} with "
-            f"{logits_TE.shape[1]}; use backend='reference'"
-        )
-    return kernels
 
 
 def route(
@@ -134,7 +65,9 @@ def route(
     )
     routing.check(logits_TE.shape[1], top_k)
     check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
-    kernels = _route_kernels(logits_TE, backend)
+    if backend in (None, "auto") and torch.compiler.is_compiling():  # one node
+        return custom_op.run(logits_TE, top_k, routing, expert_bias_E)[:3]
+    kernels = route_kernels(logits_TE, backend)
     if kernels is not None:
         return _replayable(kernels.route, logits_TE, top_k, routing, expert_bias_E)
     return route_reference(logits_TE, top_k, routing, expert_bias_E=expert_bias_E)
@@ -167,7 +100,9 @@ def route_with_aux(
     routing = as_routing(routing)
     routing.check(logits_TE.shape[1], top_k)
     check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
-    kernels = _route_kernels(logits_TE, backend)
+    if backend in (None, "auto") and torch.compiler.is_compiling():  # one node
+        return custom_op.run(logits_TE, top_k, routing, expert_bias_E)
+    kernels = route_kernels(logits_TE, backend)
     if kernels is not None and kernels.route_with_aux is not None:
         return _replayable(kernels.route_with_aux, logits_TE, top_k, routing, expert_bias_E)
     weights_TK, ids_TK, scores_TE = route(

@@ -59,11 +59,8 @@ def main() -> None:
     if args.save_steps:  # the weights by Trainer, the optimizer by trainer_checkpoints()
         kw.update(save_strategy="steps", save_steps=args.save_steps, save_only_model=True)
     targs = TrainingArguments(**kw, dataloader_num_workers=0)
-    rank, world = common.init()  # TrainingArguments joined torchrun's process group
-    out = common.shared_dir(args.out, rank)
-    targs.output_dir = str(out)
-    path = args.model or common.tiny_checkpoint(out, rank, args.seed)
-    model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    # TrainingArguments joined torchrun's process group
+    rank, world, out, _, model = common.trainer_setup(args, targs)
     record = common.loss_record()
     callbacks = [record]
     if args.save_steps or args.resume:

@@ -39,11 +39,8 @@ def main() -> None:
         **base, num_generations=args.generations, max_completion_length=args.completion_len,
         shuffle_dataset=False,
     )  # fmt: skip
-    rank, world = common.init()  # GRPOConfig joined torchrun's process group
-    out = common.shared_dir(args.out, rank)
-    cfg.output_dir = str(out)
-    path = args.model or common.tiny_checkpoint(out, rank, args.seed)
-    model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    # GRPOConfig joined torchrun's process group
+    rank, world, out, path, model = common.trainer_setup(args, cfg)
     n = args.steps * args.grad_accum * args.global_batch
     prompts = [" ".join(f"t{3 + (i + j) % 100}" for j in range(4)) for i in range(n)]
     record = common.loss_record()

@@ -27,11 +27,8 @@ def main() -> None:
         **common.trainer_arguments(args, "ep_trl_sft_out"),
         dataset_kwargs={"skip_prepare_dataset": True}, max_length=args.seq_len,
     )  # fmt: skip
-    rank, world = common.init()  # SFTConfig joined torchrun's process group
-    out = common.shared_dir(args.out, rank)
-    cfg.output_dir = str(out)
-    path = args.model or common.tiny_checkpoint(out, rank, args.seed)
-    model = common.load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    # SFTConfig joined torchrun's process group
+    rank, world, out, path, model = common.trainer_setup(args, cfg)
     g = torch.Generator().manual_seed(args.seed + 1)
     n = args.steps * args.grad_accum * args.global_batch
     ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)

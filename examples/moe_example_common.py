@@ -111,6 +111,19 @@ def tiny_tokenizer(vocab: int):
     )
 
 
+def trainer_setup(args, trainer_args):
+    """(rank, world, out, path, model) for a Trainer-based script, after its
+    TrainingArguments (or TRL config) `trainer_args` joined torchrun's group: the shared
+    output directory (set as trainer_args.output_dir), the checkpoint (--model, or a tiny
+    one written there) and its model."""
+    rank, world = init()
+    out = shared_dir(args.out, rank)
+    trainer_args.output_dir = str(out)
+    path = args.model or tiny_checkpoint(out, rank, args.seed)
+    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    return rank, world, out, path, model
+
+
 def load_model(path: str, world: int, ep: int, lora: int = 0, seed: int = 0, **parallelize_kwargs):
     """The patched model: on one process loaded whole; on several built on the meta device
     and laid out by `dropless.parallelize`, each rank reading only its shards.

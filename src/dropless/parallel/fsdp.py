@@ -51,9 +51,8 @@ def apply_fsdp(
         kw["mp_policy"] = mp_policy
     world = pmesh.world_size
     for m in model.modules():
-        hf_ep = (
-            "_dropless_ep" in m.__dict__
-        )  # an HF experts module (see hf/distributed/expert_parallel.py)
+        # an HF experts module (see hf/distributed/expert_parallel.py)
+        hf_ep = "_dropless_ep" in m.__dict__
         if isinstance(m, EPGroupedExperts) or hf_ep:
             # dropless.nn experts: several chunks may call forward_sorted in one step, keep
             # them gathered. HF experts run once per layer: reshard as the dense units do, so

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .data.context_split import ContextSplit
 from .run.collectives import all_reduce
 
 
@@ -32,9 +33,9 @@ class Evaluator:
         self.model, self.eval_BL1, self.eval_bytes, self.env = model, eval_BL1, eval_bytes, env
         # supervised rows: [B, L] targets, IGNORE (-100) where no loss (prompt, padding)
         self.eval_targets = eval_targets
-        # parallel.cp > 1 (data/context_split.py): a cp group scores one window set, each
-        # rank its chunks of every window; None: every process its own windows
-        self.split = split
+        # which windows this process scores (data/context_split.py): its own, or with
+        # parallel.cp > 1 its cp group's, each rank its chunks of every window
+        self.split = split if split is not None else ContextSplit(env.rank, env.world)
         self.micro_batch, self.collective, self.precision = (
             max(micro_batch, 1),
             collective,
@@ -55,10 +56,8 @@ class Evaluator:
 
         self.model.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # nll sum, targets
-        world, b = self.env.world, self.micro_batch
-        rank, step = (self.env.rank, world) if self.split is None else (
-            self.split.data_rank, self.split.data_world
-        )  # fmt: skip
+        b = self.micro_batch
+        rank, step = self.split.data_rank, self.split.data_world
         mine = self.eval_BL1[rank::step]
         tmine = None if self.eval_targets is None else self.eval_targets[rank::step]
         for j in range(self._forward_count(mine)):
@@ -67,9 +66,7 @@ class Evaluator:
             y = xy[:, 1:]
             if tmine is not None and len(part):
                 y = torch.from_numpy(tmine[j * b : (j + 1) * b]).to(self.env.device)
-            x, pos = xy[:, :-1], None
-            if self.split is not None and self.split.cp > 1:
-                x, y, pos = self.split.split(x, y)
+            x, y, pos = self.split.split(xy[:, :-1], y)  # the whole windows without cp
             kw = {} if pos is None else {"position_ids": pos}
             with self.precision.autocast(), self.precision.recipe():
                 logits = self.model(input_ids=x, use_cache=False, **kw).logits
@@ -80,7 +77,7 @@ class Evaluator:
             )
             n = torch.tensor(float((y != -100).sum()), dtype=torch.float64)
             acc += torch.stack([nll.double().cpu(), n])
-        if world > 1 or self.env.distributed:  # forced at world 1: the node's collective
+        if self.env.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(acc)
         hf.tokens_per_expert(self.model, reset=True)
         return {

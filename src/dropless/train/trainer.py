@@ -128,7 +128,7 @@ class Trainer:
         self.evaluate = Evaluator(
             self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
             self.parallel is not None, self.precision, eval_targets=self.data.eval_targets,
-            split=split if split.cp > 1 else None,
+            split=split,
         )  # fmt: skip
         self.log = RunLog(
             cfg, env, run_dir, self.precision, self.start_step if resume_from else None

@@ -265,10 +265,6 @@ def parallelize(
         activation_checkpointing=activation_checkpointing, checkpoint=checkpoint,
         device=device, reshard_after_forward=reshard_after_forward, rename=rename,
     )  # fmt: skip
-    if cp > 1:
-        from ...parallel.context import enable
-
-        enable(base_model(model), parallel_mesh(model).cp_group)
     _ready_for_trainers(model, fsdp)
     return model
 
@@ -293,8 +289,8 @@ def _ready_for_trainers(model: nn.Module, fsdp: bool) -> None:
 
 def parallelize_config(model: nn.Module, cfg, *, mixed_precision=None) -> ParallelMesh:
     """What `parallelize` does, from a `ParallelConfig` (the `[parallel]` section of
-    `dropless train`, already checked against the world): the mesh, expert parallelism and
-    FSDP2. Returns the mesh."""
+    `dropless train`, already checked against the world): the mesh, expert parallelism,
+    FSDP2 and, with cp > 1, the context-parallel attention. Returns the mesh."""
     _apply(model, cfg, fsdp=True, mixed_precision=mixed_precision)
     return parallel_mesh(model)
 
@@ -318,6 +314,10 @@ def _apply(
             reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
     base.__dict__[_MESH] = pm
+    if pm.config.cp > 1:  # attention across the cp ranks of each sequence
+        from ...parallel.context import enable
+
+        enable(base, pm.cp_group)
     if checkpoint is not None:
         _load(model, checkpoint, device, rename)
     return model

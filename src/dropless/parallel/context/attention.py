@@ -27,17 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .sharding import unshard_sequence
+
 
 def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _to_sequence_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """Rank-ordered local tensors (head chunk then tail chunk each) -> sequence order."""
-    C = parts[0].shape[dim] // 2
-    heads = [p.narrow(dim, 0, C) for p in parts]
-    tails = [p.narrow(dim, C, C) for p in reversed(parts)]
-    return torch.cat(heads + tails, dim)
 
 
 def _to_rank_order(x: torch.Tensor, cp: int, dim: int) -> torch.Tensor:
@@ -56,7 +50,7 @@ class _AllGatherSequence(torch.autograd.Function):
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(cp)]
         dist.all_gather(parts, x, group=group)
-        return _to_sequence_order(parts, dim)
+        return unshard_sequence(parts, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -134,7 +128,7 @@ def context_parallel_attention(
     if key_padding_BS is not None:
         parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
         dist.all_gather(parts, key_padding_BS.contiguous(), group=group)
-        mask_BL = _to_sequence_order(parts, 1)
+        mask_BL = unshard_sequence(parts, 1)
     outs = []
     for part, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
         q = q_BHSD[:, :, part * C : (part + 1) * C]

@@ -93,8 +93,4 @@ def parallelize_for_training(
         return None
     # the public call's path (`dropless.parallelize`), from the run's [parallel] section
     pm = parallelize_config(model, as_parallel_config(parallel_cfg), mixed_precision=compute_dtype)
-    if pm.config.cp > 1:
-        from ...parallel.context import enable
-
-        enable(model, pm.cp_group)
     return TrainParallel(model, pm)

@@ -7,8 +7,11 @@ what every rank's queries sent to this rank's keys) and puts them back in sequen
 order; `context_parallel_attention` then computes attention of the local queries
 against the whole K/V under the causal mask of their global positions: the head chunk
 of rank r sees keys [0, (r+1) C), the tail chunk keys [0, (2 cp - r) C), both with the
-bottom-right-aligned causal mask (`torch.nn.attention.bias.causal_lower_right` on CUDA;
-on CPU square causal SDPA over zero-prefixed queries, see `_causal_sdpa`).
+bottom-right-aligned causal mask. On CPU (no padding mask, no dropout) that is
+`blockwise.chunked_causal_attention`: the gathered K/V stay at the key/value heads and
+each chunk's unmasked and causal key blocks are merged by their log-sum-exps; on CUDA
+`torch.nn.attention.bias.causal_lower_right` over K/V repeated to the query heads; with
+a padding mask or dropout an explicit boolean mask (`_causal_sdpa`).
 
 `reference_attention` (whole-sequence causal SDPA on one process) is the specification;
 tests/parallel/_checks_cp.py checks the two against each other, forward and backward.
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .blockwise import chunked_causal_attention
 from .sharding import unshard_sequence
 
 
@@ -56,18 +60,22 @@ class _AllGatherSequence(torch.autograd.Function):
     def backward(ctx, grad):
         group, dim, cp = ctx.group, ctx.dim, ctx.cp
         _, rank = _world(group)
+        if dist.get_backend(group) == "gloo":
+            # gloo has no reduce-scatter: reduce each rank's two chunks onto it, one rank's
+            # at a time, so no copy of the whole sequence's gradient is made
+            chunks = grad.chunk(2 * cp, dim)
+            for r in range(cp):
+                block = torch.cat([chunks[r], chunks[2 * cp - 1 - r]], dim)
+                dist.reduce(block, dst=dist.get_global_rank(group, r), group=group)
+                if r == rank:
+                    out = block
+            return out, None, None
         # rank-ordered along dim 0, so each rank's slice is one contiguous block
         send = _to_rank_order(grad, cp, dim).movedim(dim, 0).contiguous()
-        S = send.shape[0] // cp
-        if dist.get_backend(group) == "gloo":
-            # gloo has no reduce-scatter: sum everything, keep this rank's block
-            dist.all_reduce(send, group=group)
-            out = send[rank * S : (rank + 1) * S]
-        else:
-            out = send.new_empty((S, *send.shape[1:]))
-            # torch 2.13 renames reduce_scatter_tensor (deprecated there) reduce_scatter_single
-            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            rs(out, send, group=group)
+        out = send.new_empty((send.shape[0] // cp, *send.shape[1:]))
+        # torch 2.13 renames reduce_scatter_tensor (deprecated there) reduce_scatter_single
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        rs(out, send, group=group)
         return out.movedim(0, dim).contiguous(), None, None
 
 
@@ -122,15 +130,19 @@ def context_parallel_attention(
         )
     cp, rank = _world(group)
     C = S // 2
-    k_BGLD = repeat_kv(all_gather_sequence(k_BGSD, group, 2), n_rep)
-    v_BGLD = repeat_kv(all_gather_sequence(v_BGSD, group, 2), n_rep)
+    k_BGLD = all_gather_sequence(k_BGSD, group, 2)
+    v_BGLD = all_gather_sequence(v_BGSD, group, 2)
+    chunks = (rank, 2 * cp - 1 - rank)
+    if q_BHSD.device.type == "cpu" and key_padding_BS is None and dropout_p == 0:
+        return chunked_causal_attention(q_BHSD, k_BGLD, v_BGLD, chunks, scale)
+    k_BGLD, v_BGLD = repeat_kv(k_BGLD, n_rep), repeat_kv(v_BGLD, n_rep)
     mask_BL = None
     if key_padding_BS is not None:
         parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
         dist.all_gather(parts, key_padding_BS.contiguous(), group=group)
         mask_BL = unshard_sequence(parts, 1)
     outs = []
-    for part, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
+    for part, chunk in enumerate(chunks):
         q = q_BHSD[:, :, part * C : (part + 1) * C]
         n_keys = (chunk + 1) * C  # the causal horizon of this chunk's last query
         k, v = k_BGLD[:, :, :n_keys], v_BGLD[:, :, :n_keys]
@@ -141,33 +153,23 @@ def context_parallel_attention(
 def _causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys):
     """Bottom-right-aligned causal SDPA: query i of Lq sees keys [0, n_keys - Lq + i].
 
-    CUDA: `causal_lower_right`, which SDPA's flash kernel takes without a mask tensor
-    (unverified: not run). Elsewhere (CPU) that bias would be materialized as an
-    [Lq, n_keys] mask (and it cannot be created under a TorchDispatchMode, such as torch's
-    memory trackers), so the queries are prefixed with n_keys - Lq zero rows and SDPA runs
-    square with is_causal=True (no mask, O(n_keys) memory); the prefix rows' outputs are
-    dropped, so they give no gradient, at the price of their compute. A padding mask
-    `mask_BL` is applied as an explicit boolean mask."""
-    B, H, Lq, D = q.shape
-    if mask_BL is not None:
-        causal = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
-        allowed = causal[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
-        )
-    if q.device.type == "cuda":
+    CUDA without a padding mask: `causal_lower_right`, which SDPA's flash kernel takes
+    without a mask tensor (unverified: not run). Otherwise (a padding mask `mask_BL`, or
+    dropout on CPU) an explicit boolean [Lq, n_keys] mask."""
+    Lq = q.shape[2]
+    if mask_BL is None and q.device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
 
         bias = causal_lower_right(Lq, n_keys)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
         )
-    pad = n_keys - Lq
-    q_ext = torch.cat([q.new_zeros(B, H, pad, D), q], 2) if pad else q
-    out = F.scaled_dot_product_attention(
-        q_ext, k, v, dropout_p=dropout_p, is_causal=True, scale=scale
+    allowed = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
+    if mask_BL is not None:
+        allowed = allowed[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
     )
-    return out[:, :, pad:]
 
 
 def reference_attention(

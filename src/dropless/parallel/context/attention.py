@@ -8,10 +8,10 @@ order; `context_parallel_attention` then computes attention of the local queries
 against the whole K/V under the causal mask of their global positions: the head chunk
 of rank r sees keys [0, (r+1) C), the tail chunk keys [0, (2 cp - r) C), both with the
 bottom-right-aligned causal mask. On CPU (no padding mask, no dropout) that is
-`blockwise.chunked_causal_attention`: the gathered K/V stay at the key/value heads and
-each chunk's unmasked and causal key blocks are merged by their log-sum-exps; on CUDA
-`torch.nn.attention.bias.causal_lower_right` over K/V repeated to the query heads; with
-a padding mask or dropout an explicit boolean mask (`_causal_sdpa`).
+`blockwise.chunked_causal_attention`: each chunk's unmasked and causal key blocks merged
+by their log-sum-exps; on CUDA `torch.nn.attention.bias.causal_lower_right`; with a
+padding mask or dropout an explicit boolean mask (`_causal_sdpa`). The gathered K/V stay
+at their own heads everywhere (grouped-query attention without repeating them).
 
 `reference_attention` (whole-sequence causal SDPA on one process) is the specification;
 tests/parallel/_checks_cp.py checks the two against each other, forward and backward.
@@ -121,7 +121,7 @@ def context_parallel_attention(
     `key_padding_BS`: optional bool [B, S], True where the token may be attended (a 2-D
     attention mask, sharded like the input ids). Returns [B, H, S, Dv] in the local layout.
     """
-    n_rep = _check_heads(q_BHSD, k_BGSD, v_BGSD)
+    _check_heads(q_BHSD, k_BGSD, v_BGSD)
     S = q_BHSD.shape[2]
     if S % 2:
         raise ValueError(
@@ -135,7 +135,6 @@ def context_parallel_attention(
     chunks = (rank, 2 * cp - 1 - rank)
     if q_BHSD.device.type == "cpu" and key_padding_BS is None and dropout_p == 0:
         return chunked_causal_attention(q_BHSD, k_BGLD, v_BGLD, chunks, scale)
-    k_BGLD, v_BGLD = repeat_kv(k_BGLD, n_rep), repeat_kv(v_BGLD, n_rep)
     mask_BL = None
     if key_padding_BS is not None:
         parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
@@ -153,22 +152,21 @@ def context_parallel_attention(
 def _causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys):
     """Bottom-right-aligned causal SDPA: query i of Lq sees keys [0, n_keys - Lq + i].
 
-    CUDA without a padding mask: `causal_lower_right`, which SDPA's flash kernel takes
-    without a mask tensor (unverified: not run). Otherwise (a padding mask `mask_BL`, or
-    dropout on CPU) an explicit boolean [Lq, n_keys] mask."""
+    K/V keep their own (fewer) heads: SDPA's `enable_gqa`, so the gathered K/V are not
+    repeated to the query heads. CUDA without a padding mask: `causal_lower_right`, which
+    SDPA's flash kernel takes without a mask tensor (unverified: not run). Otherwise (a
+    padding mask `mask_BL`, or dropout on CPU) an explicit boolean [Lq, n_keys] mask."""
     Lq = q.shape[2]
     if mask_BL is None and q.device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
 
-        bias = causal_lower_right(Lq, n_keys)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale
-        )
-    allowed = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
+        allowed = causal_lower_right(Lq, n_keys)
+    else:
+        allowed = torch.ones(Lq, n_keys, dtype=torch.bool, device=q.device).tril(n_keys - Lq)
     if mask_BL is not None:
         allowed = allowed[None, None] & mask_BL[:, None, None, :n_keys].to(torch.bool)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale
+        q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale, enable_gqa=True
     )
 
 

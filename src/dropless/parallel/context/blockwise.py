@@ -63,11 +63,14 @@ class _ChunkedCausalAttention(torch.autograd.Function):
             for start, end, causal in _parts(j, C):
                 k, v = k_BGLD[:, :, start:end], v_BGLD[:, :, start:end]
                 if causal:
-                    o, l = _fwd(q, _repeat(k, R), _repeat(v, R), 0.0, True, scale=scale)
+                    o, o_lse = _fwd(q, _repeat(k, R), _repeat(v, R), 0.0, True, scale=scale)
                 else:
-                    o, l = _fwd(_fold(q, G), k, v, 0.0, False, scale=scale)
-                    o, l = _unfold(o, H), _unfold(l, H)
-                out, lse = (o.float(), l) if out is None else _merge(out, lse, o, l)
+                    o, o_lse = _fwd(_fold(q, G), k, v, 0.0, False, scale=scale)
+                    o, o_lse = _unfold(o, H), _unfold(o_lse, H)
+                if out is None:
+                    out, lse = o.float(), o_lse
+                else:
+                    out, lse = _merge(out, lse, o, o_lse)
             outs.append(out.to(q.dtype))
             lses.append(lse)
         out_BHSD, lse_BHS = torch.cat(outs, 2), torch.cat(lses, 2)
@@ -108,10 +111,10 @@ class _ChunkedCausalAttention(torch.autograd.Function):
         return dq_BHSD, dk_BGLD, dv_BGLD, None, None
 
 
-def _merge(out, lse, o, l):
+def _merge(out, lse, o, o_lse):
     """Two attention results over disjoint key sets -> the result over their union."""
-    new = torch.logaddexp(lse, l)
-    out = out * torch.exp(lse - new)[..., None] + o.float() * torch.exp(l - new)[..., None]
+    new = torch.logaddexp(lse, o_lse)
+    out = out * torch.exp(lse - new)[..., None] + o.float() * torch.exp(o_lse - new)[..., None]
     return out, new
 
 

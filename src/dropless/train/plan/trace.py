@@ -403,7 +403,7 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
         "attention": "sdpa / FlashAttention: the output and fp32 log-sum-exp the GPU kernels "
         "keep (no [L, L] scores); eager and flex_attention traced as they run",
         **({"context_parallel": f"each sequence over {cfg.parallel.cp} ranks: a rank's "
-            "tokens, its all-gathered keys and values (repeated to the query heads) kept for "
+            "tokens, its all-gathered keys and values (at their own heads) kept for "
             "backward, the output and log-sum-exp of its queries; the all-gather and "
             "reduce-scatter of K/V are not in the time estimate"} if cfg.parallel.cp > 1 else {}),
         **cost_assumptions(gpu),

@@ -95,7 +95,14 @@ class ProgramMemTracker(FSDPMemTracker):
             if t._use_count() > 1 + rec.work_refs[i][0]:
                 return True
             del t
-        return _storage_refs(rec.tensors[idx[0]]) > len(idx) + max(rec.work_refs[i][1] for i in idx)
+        bases = {id(b): b for i in idx if (b := rec.tensors[i]._base) is not None}
+        for b in bases.values():
+            # a view's base: kept alive by the view (its autograd meta) and the Python object
+            # made here; the program holds it if anything else does
+            if sys.getrefcount(b) - 3 - (b._use_count() > 1) > 0 or b._use_count() > 2:
+                return True
+        refs = len(idx) + len(bases) + max(rec.work_refs[i][1] for i in idx)
+        return _storage_refs(rec.tensors[idx[0]]) > refs
 
     def _count_let_go(self) -> None:
         """Take off the count every recorded storage the program no longer references."""

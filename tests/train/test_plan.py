@@ -166,6 +166,20 @@ def test_sdpa_is_traced_as_the_gpu_kernels_keep_it(tmp_path):
     assert peaks["eager"] - peaks["sdpa"] > scores
 
 
+def test_sdpa_plan_grows_linearly_with_the_sequence():
+    """Flash-style attention keeps O(L) per sequence, and so does the plan of one: from
+    4,096 to 8,192 tokens its activation peak doubles. On fake tensors Transformers'
+    `sdpa_mask` builds an [L, L] causal mask the GPU run never holds; traced, it made the
+    plan grow ~4x here."""
+    peaks = []
+    for L in (4096, 8192):
+        sets = ["train.activation_checkpointing=true", f"train.seq_len={L}", "train.batch_size=1"]
+        sets += [f"model.max_position_embeddings={L}", "precision.dtype=fp32"]
+        cfg = load_config("examples/tiny.toml", sets)
+        peaks.append(P.make_plan(cfg, 1, 80, compare_checkpointing=False).activation_peak_gib)
+    assert 1.8 < peaks[1] / peaks[0] < 2.2, peaks
+
+
 def test_bf16_family_with_fp32_kept_parameters_plans(tmp_path, capsys):
     """DeepSeek-V3 keeps its router weight in fp32 under model.dtype=bf16; FSDP2 takes one
     dtype per unit, so each such router is its own fp32 unit (`apply_fsdp`), as in

@@ -38,15 +38,21 @@ def _peak_bytes(tracker, run) -> int:
     return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
 
 
-def _micro_step(cfg, model, seen):
+def _micro_step(cfg, model, seen, par=None):
     """The trainer's micro-batch (`train.step.MicroStep`, what the plan traces too): CPU
-    precision, the model's router losses."""
+    precision, the model's router losses, this rank's share of each sequence under
+    context parallelism."""
     from dropless.hf.experts.router_losses import RouterLosses
+    from dropless.train.data.context_split import ContextSplit
     from dropless.train.model.precision import Precision
     from dropless.train.step import MicroStep
 
     precision = Precision(cfg.precision, torch.device("cpu"))
-    return MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen)
+    split = group = None
+    if cfg.parallel.cp > 1:
+        cp, world = par.cp, torch.distributed.get_world_size()
+        split, group = ContextSplit(par.data_rank, world // cp, par.cp_rank, cp), par.pmesh.cp_group
+    return MicroStep.for_run(cfg, model, precision, RouterLosses(model), seen, split, group)
 
 
 def _measured_peak(cfg) -> int:
@@ -114,6 +120,10 @@ LAYOUTS = {
     }
     for world in (2, 4)
 }  # at world 4, "ep2" is EP=2 x 2-way FSDP2
+# context parallelism: each rank keeps half of one 8,192-token sequence and all-gathers its
+# keys and values
+LONG = ["train.seq_len=8192", "train.batch_size=1", "model.max_position_embeddings=8192"]
+LAYOUTS[2]["tiny-cp2"] = (TINY[0], ["train.activation_checkpointing=true", *LONG, "parallel.cp=2"])  # fmt: skip
 
 
 def _calibration_config(config, sets):
@@ -163,12 +173,15 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
     model, par = build_training_model(
         cfg.model, P.resolve_hf_config(cfg), cfg.parallel, world, expert_bias=False,
         seed=0, device=torch.device("cpu"), fused_rmsnorm=tc.fused_rmsnorm,
+        activation_checkpointing=tc.activation_checkpointing,
     )  # fmt: skip
     seen = fuse_cross_entropy(model) if tc.fused_cross_entropy else None
     opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optim)
-    B, L, V = micro_batch_size(tc.batch_size, world, tc.grad_accum), tc.seq_len, model.config.vocab_size
-    g = torch.Generator().manual_seed(rank)
-    micro = _micro_step(cfg, model, seen)
+    cp = cfg.parallel.cp
+    B = micro_batch_size(tc.batch_size, world // cp, tc.grad_accum)
+    L, V = tc.seq_len, model.config.vocab_size
+    g = torch.Generator().manual_seed(rank // cp)  # the ranks of a cp group read one batch
+    micro = _micro_step(cfg, model, seen, par)
 
     def step():
         micro(torch.randint(0, V, (B, L + 1), generator=g))

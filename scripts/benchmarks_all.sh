@@ -12,6 +12,7 @@ dropless bench lora --rounds 3 --steps 2 --record
 dropless bench memory --seq-len 8192 32768 --record
 dropless bench fp8 --record
 dropless bench ep --world 2 --tokens 1024 --record
+python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md
 dropless bench train --record
 dropless bench jax --record
 python scripts/benchmarks_md.py

@@ -28,6 +28,9 @@ SECTIONS = {
     "memory": ["dropless bench memory --seq-len 8192 32768 --record"],
     "fp8": ["dropless bench fp8 --record"],
     "parallel": ["dropless bench ep --world 2 --tokens 1024 --record"],
+    "cp": [
+        "python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md"
+    ],
     "train": ["dropless bench train --record"],
     "jax": ["dropless bench jax --record"],
     "expert_mlp_op": [

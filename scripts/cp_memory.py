@@ -1,18 +1,24 @@
 #!/usr/bin/env python
-"""Per-rank peak memory of a training step with context parallelism, on gloo (CPU).
+"""Per-rank peak memory of a training step with context parallelism, on gloo (CPU), and
+the plan of the same step.
 
     python scripts/cp_memory.py 65536 1,2,4     # sequence length, then the cp sizes
+    python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md
 
 For each cp size, cp gloo processes (cp = world) train a tiny Qwen3-MoE (hidden 32, 2
 layers, 4 experts, fp32, activation checkpointing, batch 1) on one sequence of that
 length through the trainer's own micro-batch (`train.step.MicroStep` with the
 `ContextSplit`) and optimizer step; the second step is measured with the tracker of the
 plan calibration (tests/train/program_memory.py: FSDP2's tracker, the peak of live tensor
-bytes). Prints each rank's peak (MiB) and its step time (s).
+bytes). Prints each rank's peak (MiB) and its step time (s). Rounds run the cp sizes in
+turn (interleaved). `dropless plan`'s traced peak of the same configuration at
+gpus = cp is printed beside it (the planner's own figure, before its reserve); with
+`--section` the markdown table (busiest rank, median over rounds and spread) is written.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 import time
@@ -84,25 +90,103 @@ def _rank(rank: int, world: int, seq_len: int, store: str, q) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _measure(seq_len: int, cp: int) -> list[tuple[int, int, float]]:
+    """(rank, peak bytes, step seconds) of each of cp spawned gloo ranks."""
     import torch.multiprocessing as mp
 
-    seq_len, sizes = int(sys.argv[1]), [int(c) for c in sys.argv[2].split(",")]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [
+            ctx.Process(target=_rank, args=(r, cp, seq_len, f"{d}/store", q)) for r in range(cp)
+        ]
+        for p in procs:
+            p.start()
+        res = sorted(q.get(timeout=3600) for _ in procs)
+        for p in procs:
+            p.join()
+    return res
+
+
+def _planned(seq_len: int, cp: int) -> int:
+    """`dropless plan`'s traced peak (bytes, before its reserve) of this step at gpus = cp."""
+    from dropless.train.config.load import load_config
+    from dropless.train.plan.trace import make_plan
+
+    sets = [
+        f"train.seq_len={seq_len}",
+        f"model.max_position_embeddings={seq_len}",
+        f"parallel.cp={cp}",
+    ]
+    plan = make_plan(
+        load_config(None, [*SETS, *sets]), gpus=cp, gpu_memory_gib=80, compare_checkpointing=False
+    )
+    return int(plan.peak_gib_per_gpu * 2**30)
+
+
+def _section(record: dict, seq_len: int, sizes: list[int]) -> str:
+    from dropless.bench.common import provenance
+
+    fig = record["figures"]
+    base = statistics.median(fig["peak_mib"]["1"]) if "1" in fig["peak_mib"] else None
+    rows = []
     for cp in sizes:
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        with tempfile.TemporaryDirectory() as d:
-            procs = [
-                ctx.Process(target=_rank, args=(r, cp, seq_len, f"{d}/store", q)) for r in range(cp)
-            ]
-            for p in procs:
-                p.start()
-            res = sorted(q.get(timeout=3600) for _ in procs)
-            for p in procs:
-                p.join()
-        peaks = [round(b / 2**20, 1) for _, b, _ in res]
-        times = [round(s, 1) for *_, s in res]
-        print(f"seq {seq_len} cp={cp}: per-rank peak MiB {peaks}, step s {times}", flush=True)
+        peaks, times = fig["peak_mib"][str(cp)], fig["step_s"][str(cp)]
+        peak, plan = statistics.median(peaks), fig["plan_mib"][str(cp)]
+        ratio = f"{peak / base:.3f}x" if base else "-"
+        rows.append(
+            f"| {cp} | {seq_len // cp:,} | {peak:.1f} ({min(peaks):.1f}-{max(peaks):.1f}) | {ratio} "
+            f"| {plan:.1f} | {plan / peak:.3f} | {statistics.median(times):.1f} "
+            f"({min(times):.1f}-{max(times):.1f}) |"
+        )
+    return "\n".join(
+        ["## Context parallelism: per-rank memory of one long sequence (`scripts/cp_memory.py`)", "",
+         provenance(record), "",
+         f"One training step of a tiny Qwen3-MoE (hidden 32, 2 layers, 4 experts, fp32, activation "
+         f"checkpointing) on one {seq_len:,}-token sequence split over cp gloo processes (one "
+         f"thread each, on this machine's cores). Peak: the busiest rank's peak of live tensor "
+         f"bytes in the second step (the plan calibration's tracker), median over "
+         f"{fig['rounds']} interleaved rounds (min-max). Plan: `dropless plan`'s traced peak of "
+         f"the same step at gpus = cp (before its reserve). Step time: the slowest rank's "
+         f"second step; the cp processes share the machine's cores, so it is not a speed-up "
+         f"figure.", "",
+         "| cp | tokens per rank | peak MiB | vs cp=1 | plan MiB | plan / peak | step s |",
+         "|---|---|---|---|---|---|---|", *rows, ""]
+    )  # fmt: skip
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("seq_len", type=int)
+    p.add_argument("sizes", help="cp sizes, comma-separated, e.g. 1,2,4")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved rounds over the sizes")
+    p.add_argument("--section", type=Path, default=None, help="write the markdown table here")
+    args = p.parse_args()
+    sizes = [int(c) for c in args.sizes.split(",")]
+    sys.path.insert(0, str(ROOT / "src"))
+    from dropless.bench.common import Recorder
+
+    rec = Recorder.start(argparse.Namespace(no_history=True))
+    peaks: dict[str, list[float]] = {str(cp): [] for cp in sizes}
+    times: dict[str, list[float]] = {str(cp): [] for cp in sizes}
+    for _ in range(args.rounds):
+        for cp in sizes:
+            res = _measure(args.seq_len, cp)
+            ranks = [round(b / 2**20, 1) for _, b, _ in res]
+            steps = [round(s, 1) for *_, s in res]
+            peaks[str(cp)].append(max(ranks))
+            times[str(cp)].append(max(steps))
+            print(
+                f"seq {args.seq_len} cp={cp}: per-rank peak MiB {ranks}, step s {steps}", flush=True
+            )
+    plans = {str(cp): round(_planned(args.seq_len, cp) / 2**20, 1) for cp in sizes}
+    print(f"plan (MiB, traced peak at gpus = cp): {plans}", flush=True)
+    figures = {"seq_len": args.seq_len, "rounds": args.rounds, "peak_mib": peaks, "step_s": times, "plan_mib": plans}  # fmt: skip
+    record = rec.finish("cp_memory", figures)
+    if args.section:
+        args.section.write_text(_section(record, args.seq_len, sizes))
 
 
 if __name__ == "__main__":

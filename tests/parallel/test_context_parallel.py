@@ -34,27 +34,35 @@ def test_shard_round_trip_and_layout():
     assert b["position_ids"][1].tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
 
 
-@pytest.mark.parametrize(
-    "B, H, G, C, D, cp, dtype",
-    [
-        (2, 6, 2, 8, 8, 3, torch.float64),  # GQA (3 query heads per K/V head), odd cp
-        (1, 2, 1, 1, 4, 4, torch.float64),  # one-token chunks
-        (1, 4, 4, 5, 16, 1, torch.float64),  # no GQA, one rank: chunks 0 and 1
-        (1, 4, 1, 16, 8, 2, torch.bfloat16),
-    ],
-)
-def test_chunked_causal_attention_equals_reference(B, H, G, C, D, cp, dtype):
-    """The CPU path of the cp attention (blockwise: each chunk's unmasked and causal key
-    blocks merged by their log-sum-exps, K/V not repeated to the query heads) equals
-    whole-sequence causal SDPA, output and the gradients of q, k and v, for every rank's
-    chunks of a sequence split 2 x cp ways (the ranks simulated in one process: each
-    rank's K/V gradient is its share of the sum)."""
-    from dropless.parallel.context.blockwise import chunked_causal_attention
+CASES = [
+    (2, 6, 2, 8, 8, 3, torch.float64),  # GQA (3 query heads per K/V head), odd cp
+    (1, 2, 1, 1, 4, 4, torch.float64),  # one-token chunks
+    (1, 4, 4, 5, 16, 1, torch.float64),  # no GQA, one rank: chunks 0 and 1
+    (1, 4, 1, 16, 8, 2, torch.bfloat16),
+]
+# on CUDA (`pytest -m gpu`, scripts/gpu_check.py's pytest step): SDPA with causal_lower_right
+# and K/V at their own heads (enable_gqa), in bf16 at a flash-kernel head dim, and at
+# 32,768 tokens over cp=4
+GPU_CASES = [(1, 8, 2, 64, 64, 3, torch.bfloat16), (1, 16, 4, 4096, 128, 4, torch.bfloat16)]
+DEVICE_CASES = [("cpu", *c) for c in CASES] + [
+    pytest.param("cuda", *c, marks=pytest.mark.gpu) for c in [*CASES[:1], *GPU_CASES]
+]
+
+
+@pytest.mark.parametrize("device, B, H, G, C, D, cp, dtype", DEVICE_CASES)
+def test_attend_gathered_equals_reference(device, B, H, G, C, D, cp, dtype):
+    """The attention of each cp rank after the gathers (on CPU blockwise: each chunk's
+    unmasked and causal key blocks merged by their log-sum-exps; on CUDA SDPA with a
+    bottom-right causal mask; K/V at their own heads on both) equals whole-sequence
+    causal SDPA, output and the gradients of q, k and v, for every rank's chunks of a
+    sequence split 2 x cp ways (the ranks simulated in one process: each rank's K/V
+    gradient is its share of the sum)."""
+    from dropless.parallel.context.attention import attend_gathered
 
     g = torch.Generator().manual_seed(0)
     L, scale = 2 * cp * C, 0.3
-    q, k, v = (torch.randn(B, n, L, D, generator=g).to(dtype) for n in (H, G, G))
-    dout = torch.randn(B, H, L, D, generator=g).to(dtype)
+    q, k, v = (torch.randn(B, n, L, D, generator=g).to(device, dtype) for n in (H, G, G))
+    dout = torch.randn(B, H, L, D, generator=g).to(device, dtype)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = cpx.reference_attention(*ref, scale=scale)
     out_ref.backward(dout)
@@ -62,11 +70,11 @@ def test_chunked_causal_attention_equals_reference(B, H, G, C, D, cp, dtype):
     for r in range(cp):
         q_r = cpx.shard_sequence(q, cp, r, dim=2).requires_grad_()
         k_r, v_r = k.clone().requires_grad_(), v.clone().requires_grad_()
-        out = chunked_causal_attention(q_r, k_r, v_r, (r, 2 * cp - 1 - r), scale)
+        out = attend_gathered(q_r, k_r, v_r, (r, 2 * cp - 1 - r), scale)
         out.backward(cpx.shard_sequence(dout, cp, r, dim=2))
         outs.append(out.detach())
         dqs.append(q_r.grad)
-        dk, dv = dk + k_r.grad, dv + v_r.grad
+        dk, dv = dk + k_r.grad.float(), dv + v_r.grad.float()
     tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float64 else dict(rtol=2e-2, atol=4e-2)
     got = (cpx.unshard_sequence(outs, 2), cpx.unshard_sequence(dqs, 2), dk, dv)
     want = (out_ref, ref[0].grad, ref[1].grad, ref[2].grad)
@@ -101,14 +109,14 @@ def test_cp_sizes_resolve_and_errors_name_the_fix():
         ParallelConfig(cp=0)
 
 
-def test_train_cp2_at_world2_equals_one_process_and_resumes_at_cp1(tmp_path):
-    """`torchrun --nproc-per-node 2 -m dropless train --set parallel.cp=2`: both ranks read
-    the same 4 sequences and keep half of each; the losses, gradient norms and held-out
-    losses equal one process's. (Had the ranks not split the sequences, the run's
-    dropped-token check would fail it: each rank would route twice its share.) Its
-    checkpoint (DCP, dense parameters sharded over dp_shard x cp) resumes on one process
-    with parallel.cp=1 and continues as the reference does. The load-balancing loss is
-    off: under cp it is each rank's, over its half sequences."""
+def test_train_cp4_equals_one_process_and_resumes_at_cp2_then_cp1(tmp_path):
+    """`torchrun --nproc-per-node 4 -m dropless train --set parallel.cp=4`: the 4 ranks read
+    the same 4 sequences and keep a quarter of each; the losses, gradient norms and
+    held-out losses equal one process's. (Had the ranks not split the sequences, the
+    run's dropped-token check would fail it: each rank would route 4x its share.) Its
+    checkpoint (DCP, dense parameters sharded over dp_shard x cp) resumes at cp=2 on 2
+    processes, and that one's on one process with cp=1, each continuing as the reference
+    does. The load-balancing loss is off: under cp it is each rank's, over its tokens."""
     from dropless.cli.main import main
     from dropless.train.config.recipes import TINY
     from harness import read_metrics, torchrun
@@ -120,12 +128,16 @@ def test_train_cp2_at_world2_equals_one_process_and_resumes_at_cp1(tmp_path):
     ref, cp = tmp_path / "ref", tmp_path / "cp"
     assert main(["train", "--run-dir", str(ref), *args, "--set", "train.steps=3"]) == 0
     env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = ["-m", "dropless", "train", "--run-dir", str(cp), *args, "--set", "train.steps=2"]
-    proc = torchrun(2, [*cmd, "--set", "parallel.cp=2"], env=env, timeout=300)
+    cmd = ["-m", "dropless", "train", "--run-dir", str(cp)]
+    proc = torchrun(4, [*cmd, *args, "--set", "train.steps=1", "--set", "parallel.cp=4"], env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "2 processes on cpu" in proc.stdout
-    assert [r["step"] for r in read_metrics(cp)] == [0, 1, 2]
-    # the last checkpoint (step 2), resharded onto one process without cp: step 3
+    assert "4 processes on cpu" in proc.stdout
+    assert [r["step"] for r in read_metrics(cp)] == [0, 1]
+    # the last checkpoint (step 1), resharded onto 2 processes at cp=2: step 2
+    resume = ["--resume", "--set", "parallel.cp=2", "--set", "train.steps=2"]
+    proc = torchrun(2, [*cmd, *resume], env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # and that one (step 2) onto one process without cp: step 3
     resume = ["--resume", "--set", "parallel.cp=1", "--set", "train.steps=3"]
     assert main(["train", "--run-dir", str(cp), *resume]) == 0
     want, got = read_metrics(ref), read_metrics(cp)

@@ -129,23 +129,39 @@ def context_parallel_attention(
             "the batch with dropless.parallel.context.shard_batch"
         )
     cp, rank = _world(group)
-    C = S // 2
     k_BGLD = all_gather_sequence(k_BGSD, group, 2)
     v_BGLD = all_gather_sequence(v_BGSD, group, 2)
-    chunks = (rank, 2 * cp - 1 - rank)
-    if q_BHSD.device.type == "cpu" and key_padding_BS is None and dropout_p == 0:
-        return chunked_causal_attention(q_BHSD, k_BGLD, v_BGLD, chunks, scale)
     mask_BL = None
     if key_padding_BS is not None:
         parts = [torch.empty_like(key_padding_BS) for _ in range(cp)]
         dist.all_gather(parts, key_padding_BS.contiguous(), group=group)
         mask_BL = unshard_sequence(parts, 1)
+    chunks = (rank, 2 * cp - 1 - rank)
+    return attend_gathered(q_BHSD, k_BGLD, v_BGLD, chunks, scale, dropout_p, mask_BL)
+
+
+def attend_gathered(
+    q_BHSD: torch.Tensor,
+    k_BGLD: torch.Tensor,
+    v_BGLD: torch.Tensor,
+    chunks: tuple[int, int],
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    key_padding_BL: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The local part of `context_parallel_attention`, after the gathers: the queries of
+    chunks `chunks` (S / 2 tokens each, in that order) against the whole sequence's keys
+    and values (and padding mask [B, L]), under the causal mask of their global
+    positions. Returns [B, H, S, Dv]."""
+    if q_BHSD.device.type == "cpu" and key_padding_BL is None and dropout_p == 0:
+        return chunked_causal_attention(q_BHSD, k_BGLD, v_BGLD, chunks, scale)
+    C = q_BHSD.shape[2] // 2
     outs = []
     for part, chunk in enumerate(chunks):
         q = q_BHSD[:, :, part * C : (part + 1) * C]
         n_keys = (chunk + 1) * C  # the causal horizon of this chunk's last query
         k, v = k_BGLD[:, :, :n_keys], v_BGLD[:, :, :n_keys]
-        outs.append(_causal_sdpa(q, k, v, scale, dropout_p, mask_BL, n_keys))
+        outs.append(_causal_sdpa(q, k, v, scale, dropout_p, key_padding_BL, n_keys))
     return torch.cat(outs, 2)
 
 

@@ -34,23 +34,27 @@ def test_shard_round_trip_and_layout():
     assert b["position_ids"][1].tolist() == [4, 5, 6, 7, 16, 17, 18, 19]
 
 
-CASES = [
-    (2, 6, 2, 8, 8, 3, torch.float64),  # GQA (3 query heads per K/V head), odd cp
-    (1, 2, 1, 1, 4, 4, torch.float64),  # one-token chunks
-    (1, 4, 4, 5, 16, 1, torch.float64),  # no GQA, one rank: chunks 0 and 1
-    (1, 4, 1, 16, 8, 2, torch.bfloat16),
+CASES = [  # B, H, G, C, (Dq, Dv), cp, dtype
+    (2, 6, 2, 8, (8, 8), 3, torch.float64),  # GQA (3 query heads per K/V head), odd cp
+    (1, 2, 1, 1, (4, 4), 4, torch.float64),  # one-token chunks
+    (1, 4, 4, 5, (16, 16), 1, torch.float64),  # no GQA, one rank: chunks 0 and 1
+    (1, 4, 1, 16, (8, 8), 2, torch.bfloat16),
+    (1, 4, 4, 4, (12, 8), 2, torch.float64),  # MLA: query/key and value head dims apart
 ]
 # on CUDA (`pytest -m gpu`, scripts/gpu_check.py's pytest step): SDPA with causal_lower_right
 # and K/V at their own heads (enable_gqa), in bf16 at a flash-kernel head dim, and at
 # 32,768 tokens over cp=4
-GPU_CASES = [(1, 8, 2, 64, 64, 3, torch.bfloat16), (1, 16, 4, 4096, 128, 4, torch.bfloat16)]
+GPU_CASES = [
+    (1, 8, 2, 64, (64, 64), 3, torch.bfloat16),
+    (1, 16, 4, 4096, (128, 128), 4, torch.bfloat16),
+]
 DEVICE_CASES = [("cpu", *c) for c in CASES] + [
     pytest.param("cuda", *c, marks=pytest.mark.gpu) for c in [*CASES[:1], *GPU_CASES]
 ]
 
 
-@pytest.mark.parametrize("device, B, H, G, C, D, cp, dtype", DEVICE_CASES)
-def test_attend_gathered_equals_reference(device, B, H, G, C, D, cp, dtype):
+@pytest.mark.parametrize("device, B, H, G, C, dims, cp, dtype", DEVICE_CASES)
+def test_attend_gathered_equals_reference(device, B, H, G, C, dims, cp, dtype):
     """The attention of each cp rank after the gathers (on CPU blockwise: each chunk's
     unmasked and causal key blocks merged by their log-sum-exps; on CUDA SDPA with a
     bottom-right causal mask; K/V at their own heads on both) equals whole-sequence
@@ -60,9 +64,9 @@ def test_attend_gathered_equals_reference(device, B, H, G, C, D, cp, dtype):
     from dropless.parallel.context.attention import attend_gathered
 
     g = torch.Generator().manual_seed(0)
-    L, scale = 2 * cp * C, 0.3
-    q, k, v = (torch.randn(B, n, L, D, generator=g).to(device, dtype) for n in (H, G, G))
-    dout = torch.randn(B, H, L, D, generator=g).to(device, dtype)
+    L, scale, (Dq, Dv) = 2 * cp * C, 0.3, dims
+    q, k, v = (torch.randn(B, n, L, d, generator=g).to(device, dtype) for n, d in ((H, Dq), (G, Dq), (G, Dv)))  # fmt: skip
+    dout = torch.randn(B, H, L, Dv, generator=g).to(device, dtype)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     out_ref = cpx.reference_attention(*ref, scale=scale)
     out_ref.backward(dout)

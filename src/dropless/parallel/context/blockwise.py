@@ -17,11 +17,12 @@ chunk's own C keys are repeated to the query heads for the causal part.
 """
 
 # B batch, H query heads, G key/value heads, R = H / G, C chunk length, L global length,
-# D head dim
+# D head dim (Dq of queries and keys, Dv of values)
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 _fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -133,5 +134,13 @@ def chunked_causal_attention(
 ) -> torch.Tensor:
     """Causal attention of the local queries (chunk `chunks[0]` then `chunks[1]`, each
     S / 2 long) against the whole sequence's keys and values `k_BGLD`, `v_BGLD` (G key/value
-    heads, G dividing H); differentiable in all three. Returns [B, H, S, D]."""
-    return _ChunkedCausalAttention.apply(q_BHSD, k_BGLD, v_BGLD, tuple(chunks), scale)
+    heads, G dividing H); differentiable in all three. Returns [B, H, S, Dv]."""
+    Dq, Dv = q_BHSD.shape[-1], v_BGLD.shape[-1]
+    scale = Dq**-0.5 if scale is None else scale
+    if Dq == Dv:
+        return _ChunkedCausalAttention.apply(q_BHSD, k_BGLD, v_BGLD, tuple(chunks), scale)
+    # the CPU flash kernel takes one head size (MLA has Dq 192, Dv 128): zero columns change
+    # neither the scores nor the kept outputs
+    D = max(Dq, Dv)
+    q, k, v = (F.pad(t, (0, D - t.shape[-1])) for t in (q_BHSD, k_BGLD, v_BGLD))
+    return _ChunkedCausalAttention.apply(q, k, v, tuple(chunks), scale)[..., :Dv]

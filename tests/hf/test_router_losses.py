@@ -197,3 +197,39 @@ def test_no_router_logits_is_a_clear_error():
         out = model(input_ids=ids)
     with pytest.raises(ValueError, match="output_router_logits=True"):
         rl.stats(out, ids.shape)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_cp_switch_aux_is_the_familys_and_refuses_another_form(family, tmp_path):
+    """Under context parallelism the balancing loss of families with their own (Transformers'
+    Switch `load_balancing_loss_func`) is recounted over the whole sequences: on a cp group
+    of one it equals the family's own, with its gradient; a family whose own loss has
+    another form (here: the value the check compares with, changed) is refused, saying
+    what to set."""
+    import torch.distributed as dist
+
+    model = build(family)
+    ids = _ids(model.config.vocab_size)
+    router = dh.moe_layers(model)[0].router.weight
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "s"), 1), rank=0, world_size=1
+    )
+    try:
+        for changed in (False, True):
+            rl = RouterLosses(model)
+            with rl.capture():
+                out = model(input_ids=ids, output_router_logits=True)
+            if changed:
+                out.aux_loss = out.aux_loss.detach() * 1.5
+                with pytest.raises(
+                    ValueError, match="not Transformers' Switch form.*aux_loss_coef=0"
+                ):
+                    rl.stats(out, ids.shape, cp_group=dist.group.WORLD)
+                continue
+            got = rl.stats(out, ids.shape, cp_group=dist.group.WORLD)
+            torch.testing.assert_close(got.aux, out.aux_loss.float(), rtol=1e-5, atol=1e-7)
+            (g,) = torch.autograd.grad(got.aux, router, retain_graph=True)
+            (want,) = torch.autograd.grad(out.aux_loss, router)
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-8)
+    finally:
+        dist.destroy_process_group()

@@ -144,6 +144,57 @@ def _model_equals_one_process(family: str, group, seed: int) -> None:
     assert checked > 10, f"only {checked} gradients compared"
 
 
+def _router_aux_equals_one_process(family: str, group, seed: int) -> None:
+    """The balancing loss of `dropless.hf.experts.router_losses` under cp (each rank's term
+    of the whole sequence's: f counted over the group) summed over the ranks, and its
+    gradients, equal one process's on the whole sequence."""
+    from dropless.hf.experts.router_losses import RouterLosses
+
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    model0, x, _, _, _ = _reference(family, seed)
+    ref = copy.deepcopy(model0)
+    for m in ref.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "sdpa"
+    rl = RouterLosses(ref)
+    with rl.capture():
+        out = ref(input_ids=x, output_router_logits=True, use_cache=False)
+    want = rl.stats(out, x.shape)
+    want.aux.backward()
+    model = copy.deepcopy(model0)
+    cpx.enable(model, group)
+    local = cpx.shard_batch({"input_ids": x}, cp, r)
+    rl = RouterLosses(model)
+    with rl.capture():
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                    output_router_logits=True, use_cache=False)  # fmt: skip
+    got = rl.stats(out, local["input_ids"].shape, True, group)
+    assert got.source == want.source, (got.source, want.source)
+    share = got.aux / cp  # the ranks' mean is the whole sequence's loss: sum the shares here
+    share.backward()
+    total = share.detach().clone()
+    dist.all_reduce(total, group=group)
+    _close(total, want.aux.detach(), f"{family} cp={cp} {want.source} aux")
+    checked = 0
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if p_ref.grad is None:
+            continue
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        _close(grad, p_ref.grad, f"{family} cp={cp} aux grad of {name}")
+        checked += 1
+    assert checked >= 2, f"only {checked} gradients compared"
+
+
+def cp_router_losses(rank, world):
+    """The balancing loss under cp=4 equals one process's, loss and gradients: Qwen3-MoE's
+    own (Transformers' Switch form) and DeepSeek-V2's sequence-wise one."""
+    everyone, _ = _groups(rank, world)
+    _router_aux_equals_one_process("qwen3_moe", everyone, seed=0)
+    _router_aux_equals_one_process("deepseek_v2", everyone, seed=3)
+
+
 def cp_qwen3_moe_cp4(rank, world):
     """A tiny Qwen3-MoE at seq 2048, cp=4: loss and every gradient equal one process."""
     everyone, _ = _groups(rank, world)
@@ -249,4 +300,5 @@ CHECKS = [
     "cp_mixtral_cp4",
     "cp_families_cp2",
     "cp_x_ep_fsdp",
+    "cp_router_losses",
 ]

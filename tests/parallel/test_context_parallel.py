@@ -120,14 +120,14 @@ def test_train_cp4_equals_one_process_and_resumes_at_cp2_then_cp1(tmp_path):
     run's dropped-token check would fail it: each rank would route 4x its share.) Its
     checkpoint (DCP, dense parameters sharded over dp_shard x cp) resumes at cp=2 on 2
     processes, and that one's on one process with cp=1, each continuing as the reference
-    does. The load-balancing loss is off: under cp it is each rank's, over its tokens."""
+    does, the load-balancing loss included (counted over whole sequences)."""
     from dropless.cli.main import main
     from dropless.train.config.recipes import TINY
     from harness import read_metrics, torchrun
 
     torch.set_num_threads(1)
     run = (*TINY, "log.every=1", "checkpoint.every=0", "log.plots=false",
-           "log.tensorboard=false", "train.aux_loss_coef=0")  # fmt: skip
+           "log.tensorboard=false", "train.aux_loss_coef=0.1")  # fmt: skip
     args = [a for item in run for a in ("--set", item)]
     ref, cp = tmp_path / "ref", tmp_path / "cp"
     assert main(["train", "--run-dir", str(ref), *args, "--set", "train.steps=3"]) == 0

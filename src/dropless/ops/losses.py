@@ -9,6 +9,7 @@ the caller (dispatcher or trainer) already reduced across processes.
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 
 def load_balancing_loss(scores_TE: torch.Tensor, ids_TK: torch.Tensor) -> torch.Tensor:
@@ -55,11 +56,18 @@ def load_balancing_loss_from_mean(
     return probs_mean_E.shape[0] * (frac_E * probs_mean_E).sum()
 
 
-def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.Tensor:
+def sequence_aux_loss(
+    scores_BLE: torch.Tensor, ids_BLK: torch.Tensor, cp_group=None
+) -> torch.Tensor:
     """DeepSeek-V3 sequence-wise balance loss, averaged over sequences (no alpha).
 
     f_e = E / (K * L) * #{t : e in topk(t)};  P_e = mean_t s'[t, e] with s' the scores
     normalised per token;  loss = sum_e f_e * P_e.
+
+    `cp_group`: the context-parallel group each sequence is split over (every rank holding
+    an equal share of it): f counts the whole sequences' hits (summed over the group, no
+    gradient), P this rank's tokens; the result is this rank's term, whose mean over the
+    group (as FSDP averages their gradients) is the whole sequences' loss.
     """
     B, L, E = scores_BLE.shape
     K = ids_BLK.shape[-1]
@@ -69,6 +77,9 @@ def sequence_aux_loss(scores_BLE: torch.Tensor, ids_BLK: torch.Tensor) -> torch.
         ids_BLK.reshape(B, L * K),
         torch.ones_like(ids_BLK.reshape(B, -1), dtype=scores_BLE.dtype),
     )
+    if cp_group is not None:
+        torch.distributed.all_reduce(hits_BE, group=cp_group)
+        L = L * torch.distributed.get_world_size(cp_group)
     f_BE = hits_BE * (E / (K * L))
     p_BE = _per_token(scores_BLE).mean(1)
     return (f_BE * p_BE).sum(-1).mean()

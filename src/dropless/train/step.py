@@ -192,7 +192,7 @@ class MicroStep:
                 ce = F.cross_entropy(*flat, reduction="sum") / num_items
             del logits, flat  # flat holds a view of the fp32 logits
         # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
-        rs = self.router.stats(out, x.shape, need_router)
+        rs = self.router.stats(out, x.shape, need_router, self.cp_group)
         del out  # the logits (unfused) are not held through backward
         loss = ce + self.aux_loss_coef * rs.aux + self.z_loss_coef * rs.z
         with self.precision.recipe():  # activation checkpointing recomputes forwards in backward

@@ -29,6 +29,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -113,6 +114,7 @@ class RouterLosses:
         self._calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self._active = False
         self._score: dict[int, str] = {}
+        self._switch_checked = False  # _cp_switch_aux's check of the family's loss, once
         self._handles = [
             layer.experts.register_forward_pre_hook(self._hook, with_kwargs=True)
             for layer in self.layers
@@ -151,9 +153,14 @@ class RouterLosses:
             counts_ME[m].scatter_add_(0, flat, torch.ones_like(flat))
         return counts_ME
 
-    def stats(self, out, batch_shape: tuple[int, ...], need_losses: bool = True) -> RouterStats:
+    def stats(
+        self, out, batch_shape: tuple[int, ...], need_losses: bool = True, cp_group=None
+    ) -> RouterStats:
         """Losses and counts of the forward that produced `out` (run inside `capture()` with
-        output_router_logits=True when `need_losses`). batch_shape: (B, L) of its input ids."""
+        output_router_logits=True when `need_losses`). batch_shape: (B, L) of its input ids.
+        `cp_group`: the context-parallel group this rank's sequences are split over (None:
+        whole sequences here); the balancing loss is then this rank's term of the whole
+        sequences' (`_cp_switch_aux`, `sequence_aux_loss`)."""
         counts_ME = self.counts()
         zero = torch.zeros((), device=counts_ME.device)
         if not need_losses:
@@ -168,10 +175,48 @@ class RouterLosses:
         z = torch.stack([z_loss(x.reshape(-1, x.shape[-1])) for x in logits]).mean()
         aux = getattr(out, "aux_loss", None)
         if isinstance(aux, torch.Tensor):
+            if cp_group is not None:
+                aux = self._cp_switch_aux(logits, aux, cp_group)
             return RouterStats(aux.float(), z, counts_ME, "model")
-        return RouterStats(self._sequence_aux(logits, batch_shape), z, counts_ME, "sequence")
+        aux = self._sequence_aux(logits, batch_shape, cp_group)
+        return RouterStats(aux, z, counts_ME, "sequence")
 
-    def _sequence_aux(self, logits: list[torch.Tensor], batch_shape) -> torch.Tensor:
+    def _cp_switch_aux(self, logits: list[torch.Tensor], family_aux, group) -> torch.Tensor:
+        """Transformers' Switch balancing loss (`load_balancing_loss_func`: E x sum_e f_e P_e,
+        f the share of (token, expert) assignments, P the mean router probability, pooled
+        over layers) of the whole sequences, as this rank's term: f counted over the cp
+        group (no gradient), P over this rank's tokens, times cp, so that the cp ranks'
+        mean (FSDP averages their gradients) is the whole sequences' loss and gradient.
+        Checked once against the family's own loss over this rank's tokens: a family whose
+        loss has another form is refused."""
+        from torch._subclasses.fake_tensor import is_fake
+
+        K = self._calls[0][1].shape[1]
+        hits_E = torch.zeros(self.E, device=logits[0].device)
+        probs_E, rows = 0, 0
+        for x in logits:
+            w_TE = x.reshape(-1, self.E).softmax(-1)  # in the logits' dtype, as Transformers
+            sel = torch.topk(w_TE, K, -1).indices.reshape(-1)
+            hits_E.scatter_add_(0, sel, torch.ones(sel.shape, device=sel.device))
+            probs_E = probs_E + w_TE.float().sum(0)
+            rows += w_TE.shape[0]
+        if not self._switch_checked and not is_fake(hits_E):
+            mine = float(self.E * (hits_E / rows * probs_E.detach() / rows).sum())
+            if abs(mine - float(family_aux)) > 1e-3 * abs(float(family_aux)) + 1e-6:
+                raise ValueError(
+                    f"{type(self.model).__name__}'s load-balancing loss is not Transformers' "
+                    f"Switch form (its {float(family_aux):.6g}, the Switch form's {mine:.6g}); "
+                    "under context parallelism only that form is counted over whole "
+                    "sequences: set train.aux_loss_coef=0, or parallel.cp=1"
+                )
+            self._switch_checked = True
+        whole = torch.cat([hits_E, hits_E.new_tensor([float(rows)])])
+        torch.distributed.all_reduce(whole, group=group)
+        f_E = whole[:-1] / whole[-1]
+        cp = torch.distributed.get_world_size(group)
+        return self.E * (f_E * probs_E / whole[-1]).sum() * cp
+
+    def _sequence_aux(self, logits: list[torch.Tensor], batch_shape, cp_group=None) -> torch.Tensor:
         if len(logits) != len(self._calls):
             raise ValueError(
                 f"{type(self.model).__name__}: {len(logits)} router_logits were recorded but the "
@@ -195,7 +240,9 @@ class RouterLosses:
                 func = self._score[m] = identify_score_func(logits_TE, weights_TK, ids_TK, hint)
             scores_TE = SCORE_FUNCS[func](logits_TE)
             losses.append(
-                sequence_aux_loss(scores_TE.reshape(B, T // B, -1), ids_TK.reshape(B, T // B, K))
+                sequence_aux_loss(
+                    scores_TE.reshape(B, T // B, -1), ids_TK.reshape(B, T // B, K), cp_group
+                )
             )
         return torch.stack(losses).mean()
 

@@ -6,7 +6,8 @@ TorchDispatchMode following every storage), with one intra-op thread. The expert
 worker threads run the items of a Python dispatch mode in the calling thread
 (`ops/expert_threads.py`), so the tracker sees the experts' tensors too. Over gloo it is
 FSDP2's tracker, reading a collective's tensors as freed when the program lets go of them
-rather than when gloo's worker thread does (`program_memory.py` says why and how).
+rather than when gloo's worker thread does (`program_memory.py` says why and how), and
+the lower of two steps' peaks (a late release on a loaded machine only adds bytes).
 fp32, as a CPU run computes; one process, then two and four gloo processes (FSDP2 and
 EP=2, EP=2 x 2-way FSDP2 at four), the busiest rank against the plan at the routing skew
 that rank computed (a tiny random model routes unevenly: one layer's busiest rank computes
@@ -160,8 +161,8 @@ def _observed_skew(seen: list, par, num_experts: int) -> float:
 
 
 def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, float]:
-    """This rank's peak of live tensor bytes (ProgramMemTracker) in its second step, and
-    the routing skew it computed in that step."""
+    """This rank's peak of live tensor bytes (ProgramMemTracker), the lower of its second
+    and third steps', and the routing skew it computed in that step."""
     from program_memory import ProgramMemTracker
 
     from dropless.train.model.build import build_training_model
@@ -190,8 +191,14 @@ def _layout_peak(config, sets: list[str], rank: int, world: int) -> tuple[int, f
 
     step()
     routing = _record_routing(model)
-    peak = _peak_bytes(ProgramMemTracker(model, opt), step)
-    return peak, _observed_skew(routing, par, model.config.num_experts)
+    runs = []
+    # gloo letting go of a collective's buffer late (on a loaded machine) only ever adds
+    # bytes: the lower of two steps' peaks is the program's
+    for _ in range(2):
+        routing.clear()
+        peak = _peak_bytes(ProgramMemTracker(model, opt), step)
+        runs.append((peak, _observed_skew(routing, par, model.config.num_experts)))
+    return min(runs)
 
 
 def _rank_peaks(rank: int, world: int, store: str, q) -> None:

@@ -230,6 +230,7 @@ def test_cp_switch_aux_is_the_familys_and_refuses_another_form(family, tmp_path)
             torch.testing.assert_close(got.aux, out.aux_loss.float(), rtol=1e-5, atol=1e-7)
             (g,) = torch.autograd.grad(got.aux, router, retain_graph=True)
             (want,) = torch.autograd.grad(out.aux_loss, router)
-            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-8)
+            # rtol: the recount sums in another order (one CPU: 3.8e-5 relative, 2e-8 absolute)
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-7)
     finally:
         dist.destroy_process_group()

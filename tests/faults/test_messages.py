@@ -150,7 +150,7 @@ TABLE = [
     ("checkpoint/resume.py", "has no complete checkpoint to resume from", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
     ("checkpoint/resume.py", "already holds checkpoints: pass --resume", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
     ("checkpoint/resume.py", "verifies (", f"{FAULTS}/test_run_files.py::test_every_checkpoint_damaged_gives_one_way_out"),
-    ("checkpoint/resume.py", "does not exist (nothing was created)", f"{FAULTS}/test_run_files.py::test_no_folder_is_left_by_a_run_that_never_started"),
+    ("run/rundir.py", "does not exist (nothing was created)", f"{FAULTS}/test_run_files.py::test_no_folder_is_left_by_a_run_that_never_started"),
     ("run/atomic.py", "vanished during the run (deleted or moved)", f"{FAULTS}/test_run_files.py::test_a_vanished_run_directory_stops_the_run"),
     ("run/atomic.py", "is a symlink (to ", f"{FAULTS}/test_run_files.py::test_a_symlinked_metrics_or_config_file_is_refused"),
     ("checkpoint/store.py", "; the checkpoint is damaged or was edited", f"{FAULTS}/test_integrity.py::test_crafted_trainer_json_is_one_line"),

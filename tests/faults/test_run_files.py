@@ -75,11 +75,14 @@ def test_no_folder_is_left_by_a_run_that_never_started(tmp_path, monkeypatch, ca
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"text": \n')  # found by the reader, after the checks
     missing = tmp_path / "missing.txt"  # refused by the checks before any work
+    empty = tmp_path / "empty"  # an existing empty folder stays empty (the marker removed)
+    empty.mkdir()
     for extra in (["--set", f"data.path={bad}"], ["--set", f"data.path={missing}"]):
-        for where in ([], ["--run-dir", str(tmp_path / "new")]):
+        for where in ([], ["--run-dir", str(tmp_path / "new")], ["--run-dir", str(empty)]):
             assert main(["train", *where, *args(), *extra]) == 2, capsys.readouterr().err
             assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-            assert not (tmp_path / "new").exists()
+            assert not (tmp_path / "new").exists() and list(empty.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "empty", "runs"]
     capsys.readouterr()
     assert main(["train", "--resume", "--run-dir", str(tmp_path / "typo")]) == 2
     err = capsys.readouterr().err

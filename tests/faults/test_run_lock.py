@@ -122,3 +122,34 @@ def test_a_file_system_without_flock_is_named(tmp_path, monkeypatch):
         ValueError, match=r"cannot be locked \(No locks available\): its file system"
     ):
         RunLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-folder", "empty-folder"])
+def test_a_run_finished_while_this_one_started_is_kept(
+    finished_run, tmp_path, monkeypatch, capsys, existing
+):
+    """The race of a start checked before it locks, made deterministic: another run
+    finishes in the folder just before this process takes the lock (as when it trained
+    while this one checked, and released the lock as this one reached it). The checks run
+    under the lock, so this start sees the finished run and is refused; its files are
+    unchanged."""
+    run_dir = tmp_path / "run"
+    if existing:
+        run_dir.mkdir()
+    real, raced = RunLock.acquire, []
+
+    def another_run_finishes_first(self):
+        if not raced:
+            raced.append(self.path)
+            shutil.copytree(finished_run, run_dir, dirs_exist_ok=True)
+            before.update(snapshot(run_dir))
+        real(self)
+
+    before: dict = {}
+    monkeypatch.setattr(RunLock, "acquire", another_run_finishes_first)
+    argv = ["train", "--run-dir", str(run_dir), *args("log.plots=false", "log.tensorboard=false")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints: pass --resume" in err and err.count("\n") == 1, err
+    assert raced and snapshot(run_dir) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no folder of the start left

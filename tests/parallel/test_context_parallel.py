@@ -208,7 +208,7 @@ def test_preflight_counts_cp_groups_in_the_batch():
     env = Env(rank=0, world=4, local_rank=0, device=torch.device("cpu"))
     cfg = load_config(None, [*TINY, "train.batch_size=3", "parallel.cp=2"])
     with pytest.raises(ValueError, match=r"context-parallel groups \(world 4 / parallel.cp 2\)"):
-        preflight(cfg, env, Path("/nonexistent/run"), False)
+        preflight(cfg, env, Path("/nonexistent/run"))
 
 
 def test_plan_with_cp_traces_each_ranks_share():

@@ -62,10 +62,7 @@ def test_batch_not_divisible_by_processes(tmp_path):
         ValueError, match=r"train.batch_size=3 is not divisible by the number of processes \(2\)"
     ):
         preflight(
-            cfg,
-            Env(rank=0, world=2, local_rank=0, device=torch.device("cpu")),
-            tmp_path / "run",
-            False,
+            cfg, Env(rank=0, world=2, local_rank=0, device=torch.device("cpu")), tmp_path / "run"
         )
 
 

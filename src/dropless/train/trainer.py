@@ -4,15 +4,17 @@ SIGTERM or a failed check.
 
     summary = train(load_config(None, ["train.steps=50"]), run_dir="runs/x")
 
-This file is the route map of a run: `train` sets up the process (`run/`), checks the
-config (`plan/preflight.py`) and claims the run directory; `Trainer.__init__` builds the
-parts in order (`data/`, `model/`, `state.py`, `checkpoint/`, `step.py`,
-`evaluation.py`, `report/`); `Trainer.fit` runs the steps. docs/design.md follows it.
+This file is the route map of a run: `train` sets up the process (`run/`), claims the run
+directory and checks what it holds under its lock (`run/rundir.py`), checks the config
+(`plan/preflight.py`); `Trainer.__init__` builds the parts in order (`data/`, `model/`,
+`state.py`, `checkpoint/`, `step.py`, `evaluation.py`, `report/`); `Trainer.fit` runs the
+steps. docs/design.md follows it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import signal
 import time
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 
 from .checkpoint import store as ckpt
 from .checkpoint.async_save import CheckpointSaver
-from .checkpoint.resume import latest_run, with_nonfinite_fix
+from .checkpoint.resume import check_run_dir, latest_run, with_nonfinite_fix
 from .config.load import Config, dump_config
 from .data.corpus import micro_batch_size
 from .data.tokenizer import resolve_spec
@@ -287,20 +289,25 @@ def train(
     cfg = with_tokenizer_resolved(cfg)
     env = init_env(cfg.parallel.timeout_s, cfg.parallel.force_distributed)
     lock, rdir = None, None
-    fresh = not resume and (run_dir is None or not Path(run_dir).exists())
     try:
         with Heartbeat.for_run(env.main, cfg.log.progress) as beat:
             try:
                 rdir = resolve_run_dir(run_dir, resume, env)
+                beat.doing("claiming the run directory and checking what it holds")
+                # locked first, then checked (rank 0; every rank gets the verdict): no other
+                # run changes the folder between its checks and this run
+                check = functools.partial(check_run_dir, cfg, rdir, resume, env.world)
+                lock = rank0_only(lambda: claim(rdir, resume, check, created=run_dir is None), env)
+                resume_from = broadcast(lock.checked if env.main else None, env)
                 beat.doing("checking the config and the layout")
-                hf_config, resume_from = preflight(cfg, env, rdir, resume)
-                # the folder is marked and locked only once the config checks passed
-                lock = rank0_only(lambda: claim(rdir, resume), env)
+                hf_config = preflight(cfg, env, rdir)
                 trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks, beat)
             except BaseException:
-                # a run that never started leaves no folder
-                if fresh and rdir is not None and env.main:
-                    discard_new_run(rdir, lock)
+                # a run that never started leaves the folder as it was (a new one removed)
+                if lock is not None:
+                    lock.discard()
+                elif run_dir is None and rdir is not None and env.main:
+                    discard_new_run(rdir, None)  # new_run_dir made it; the claim failed
                 raise
             try:
                 summary = trainer.fit()

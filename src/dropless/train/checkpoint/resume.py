@@ -105,14 +105,10 @@ def _damaged(run_dir: Path) -> str:
 
 
 def no_resume_point(run_dir: Path) -> ValueError:
-    """Why --resume cannot start in `run_dir`, with the one action that works."""
+    """Why --resume cannot start in `run_dir` (an existing folder: `claim` refuses a
+    missing one), with the one action that works."""
     from . import store as ckpt
 
-    if not Path(run_dir).is_dir():
-        return ValueError(
-            f"--resume: the run directory {str(run_dir)!r} does not exist (nothing was created); "
-            "pass the --run-dir of the run to continue"
-        )
     if not ckpt.list_checkpoints(run_dir):
         return ValueError(
             f"--resume: {str(run_dir)!r} has no complete checkpoint to resume from; run without --resume to start it"
@@ -137,6 +133,20 @@ def check_fresh_start(run_dir: Path) -> None:
     raise ValueError(
         f"{str(run_dir)!r} already holds checkpoints: pass --resume to continue that run, or another --run-dir"
     )
+
+
+def check_run_dir(cfg: Config, run_dir: Path, resume: bool, world: int) -> Path | None:
+    """The checks of what the run directory holds, run while holding its lock (`claim`):
+    with --resume its newest checkpoint that verifies (returned) and `check_resume`;
+    otherwise `check_fresh_start` (None returned)."""
+    if not resume:
+        check_fresh_start(run_dir)
+        return None
+    resume_from = latest_checkpoint(run_dir)
+    if resume_from is None:
+        raise no_resume_point(run_dir)
+    check_resume(cfg, resume_from, world)
+    return resume_from
 
 
 def nonfinite_fix(
@@ -182,6 +192,7 @@ __all__ = [
     "changed_fixed_keys",
     "check_fresh_start",
     "check_resume",
+    "check_run_dir",
     "no_resume_point",
     "nonfinite_fix",
     "resume_config_file",

@@ -1,7 +1,9 @@
-"""`dropless train`'s preflight: every check that needs no long work, run before the run
-directory is claimed. `preflight` runs them in order; on GPUs the last one is the plan of
-the run's own layout (`trace.py`), refused before any weight is loaded when it predicts an
-out-of-memory, with the single changes the plan predicts would fit."""
+"""`dropless train`'s preflight: every check of the config that needs no long work, run once
+the run directory is claimed and its contents checked (`claim` of `run/rundir.py`, with
+`check_run_dir` of `checkpoint/resume.py` under its lock). `preflight` runs them in order;
+on GPUs the last one is the plan of the run's own layout (`trace.py`), refused before any
+weight is loaded when it predicts an out-of-memory, with the single changes the plan
+predicts would fit."""
 
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.manifest import latest_checkpoint
-from ..checkpoint.resume import check_fresh_start, check_resume, no_resume_point
 from ..data.corpus import data_files, micro_batch_size
 from ..data.genomics import DNATokenizer
 from ..data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
@@ -58,19 +58,11 @@ def warn_all_warmup(cfg) -> None:
         )
 
 
-def preflight(cfg, env: Env, run_dir: Path, resume: bool):
-    """Every check that needs no long work; returns (hf model config, checkpoint to resume)."""
+def preflight(cfg, env: Env, run_dir: Path):
+    """Every check of the config that needs no long work; returns the hf model config."""
     recipe_context(cfg.precision)
     from ...parallel.mesh import resolve_sizes
 
-    resume_from = None
-    if resume:
-        resume_from = on_rank0(lambda: latest_checkpoint(run_dir), env)
-        if resume_from is None:
-            raise no_resume_point(run_dir)
-        check_resume(cfg, resume_from, env.world)
-    else:
-        check_fresh_start(run_dir)
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work
     if cfg.finetune.method == "lora":
         from ..model.lora import require_peft
@@ -113,7 +105,7 @@ def preflight(cfg, env: Env, run_dir: Path, resume: bool):
             "note: precision.dtype=bf16 on CPU is very slow on CPUs without bf16 matmul units",
             flush=True,
         )
-    return config, resume_from
+    return config
 
 
 def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:

@@ -4,9 +4,11 @@ second process out, and default names never collide."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 import socket
 import time
@@ -123,20 +125,29 @@ class RunLock:
             pass
 
 
+#: the files a run writes into its folder before its first step (removed when it is refused)
+_STARTING_FILES = (MARKER, "config.toml", "tokenizer", "data")
+
+
+def _remove_files(run_dir: Path, names) -> None:
+    """Remove these names of `run_dir` (files, links or folders); never raises."""
+    for name in names:
+        p = run_dir / name
+        try:  # never raises: the error that stopped the run is the one to show
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists() or p.is_symlink():
+                p.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 def discard_new_run(run_dir: Path, lock: RunLock | None) -> None:
     """Remove a run directory this process created when the run failed before training:
     only our own files, and only while we hold its lock (else only if it is empty)."""
     run_dir = Path(run_dir)
     if lock is not None and lock.held:
-        for name in (MARKER, "config.toml", "tokenizer", "data", LOCK):
-            p = run_dir / name
-            try:  # never raises: the error that stopped the run is the one to show
-                if p.is_dir() and not p.is_symlink():
-                    shutil.rmtree(p, ignore_errors=True)
-                elif p.exists() or p.is_symlink():
-                    p.unlink(missing_ok=True)
-            except OSError:
-                pass
+        _remove_files(run_dir, _STARTING_FILES)
         lock.release()
     try:
         run_dir.rmdir()  # fails, and keeps it, if anything else is inside
@@ -144,37 +155,132 @@ def discard_new_run(run_dir: Path, lock: RunLock | None) -> None:
         pass
 
 
-def claim(run_dir: Path, resume: bool) -> RunLock:
-    """Check that `run_dir` may be used, mark it as a run (new runs) and lock it."""
-    run_dir = Path(run_dir)
+class Claim:
+    """A run directory held by this process (`claim`): its lock, whether this process
+    created the folder or marked it, and what the checks run under the lock returned."""
+
+    def __init__(self, run_dir: Path, lock: RunLock, created: bool, marked: bool):
+        self.run_dir, self.lock, self.created, self.marked = run_dir, lock, created, marked
+        self.checked = None
+
+    @property
+    def held(self) -> bool:
+        return self.lock.held
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def discard(self) -> None:
+        """The run was refused or failed before training: the folder goes back to what it
+        was (a folder this process created is removed; the files a starting run writes are
+        removed from one it marked); a run folder it only locked is left as it is."""
+        if self.created:
+            discard_new_run(self.run_dir, self.lock)
+        elif self.marked and self.lock.held:
+            _remove_files(self.run_dir, _STARTING_FILES)
+        self.lock.release()
+
+
+def _foreign(run_dir: Path, resume: bool) -> ValueError | None:
+    """The refusal of a folder that holds files but is not a dropless run, else None."""
+    # the lock file (or a marker being written) of a run starting now counts as a run's
+    others = run_dir.is_dir() and any(MARKER not in p.name for p in run_dir.iterdir())
+    if not others or is_run_dir(run_dir):
+        return None
+    if resume and (run_dir / "checkpoints").is_dir() and (run_dir / "config.toml").is_file():
+        return None  # a run written before the marker existed
+    return ValueError(
+        f"--run-dir {str(run_dir)!r} is an existing folder that is not a dropless run (no {MARKER} file); "
+        "nothing was written there: pass a new or empty directory"
+    )
+
+
+def _create_claimed(run_dir: Path) -> RunLock | None:
+    """A new run directory created, marked and locked in one step: a hidden folder beside
+    it gets the marker and the lock, then is renamed to `run_dir`, so no other process
+    ever sees it unmarked or unlocked. None when `run_dir` appeared meanwhile (the rename
+    fails on a folder with files; an empty one, holding nothing, is replaced)."""
+    if not run_dir.parent.exists():
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        tmp = run_dir.with_name(f".{run_dir.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            tmp.mkdir()
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise FileExistsError(f"no free temporary name beside {str(run_dir)!r}")
+    lock = RunLock(tmp)
     try:
-        # the lock file (or a marker being written) of a run starting now counts as a run's
-        others = run_dir.is_dir() and any(MARKER not in p.name for p in run_dir.iterdir())
-        if others and not is_run_dir(run_dir):
-            legacy = (
-                resume
-                and (run_dir / "checkpoints").is_dir()
-                and (run_dir / "config.toml").is_file()
-            )
-            if not legacy:
-                raise ValueError(
-                    f"--run-dir {str(run_dir)!r} is an existing folder that is not a dropless run (no {MARKER} file); "
-                    "nothing was written there: pass a new or empty directory"
-                )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = RunLock(run_dir)
-        lock.acquire()
-        if not resume and not is_run_dir(run_dir):
+        lock.acquire()  # nobody else knows this folder: only a file system without flock fails
+        write_atomic(tmp / MARKER, "dropless training run\n")
+        os.rename(tmp, run_dir)
+    except BaseException as e:
+        lock.release()
+        _remove_files(tmp, (MARKER,))
+        try:
+            tmp.rmdir()
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return None
+        raise
+    lock.path = run_dir / LOCK
+    return lock
+
+
+def claim(run_dir: Path, resume: bool, check=None, created: bool = False) -> Claim:
+    """Take `run_dir` for a run, then check what it holds: the lock comes first (a new
+    folder is created, marked and locked in one step), and every check of the folder's
+    contents (a foreign folder here; `check()`, the caller's, e.g. fresh start or resume
+    point) runs while holding it, so no other run can change the folder between a check
+    and the run. `check()`'s result is the claim's `checked`. A refusal (ValueError)
+    leaves the folder as it was: the lock is released and what the claim wrote is
+    removed. `created`: this process made the (empty) folder already (`new_run_dir`).
+    A --resume (`resume`) needs the folder to exist and creates nothing."""
+    run_dir = Path(run_dir)
+    if resume and not run_dir.is_dir():
+        raise ValueError(
+            f"--resume: the run directory {str(run_dir)!r} does not exist (nothing was created); "
+            "pass the --run-dir of the run to continue"
+        )
+    try:
+        held = None
+        if not resume and not run_dir.exists():
+            lock = _create_claimed(run_dir)
+            if lock is not None:
+                held = Claim(run_dir, lock, created=True, marked=True)
+        if held is None:
+            refused = _foreign(run_dir, resume)  # before writing anything there
+            if refused is not None:
+                raise refused
+            lock = RunLock(run_dir)
+            lock.acquire()
+            held = Claim(run_dir, lock, created=created, marked=False)
             try:
-                write_atomic(run_dir / MARKER, "dropless training run\n")
+                refused = _foreign(run_dir, resume)  # again, now that nobody can change it
+                if refused is not None:
+                    raise refused
+                if not resume and not is_run_dir(run_dir):
+                    write_atomic(run_dir / MARKER, "dropless training run\n")
+                    held.marked = True
             except BaseException:
-                lock.release()
+                held.discard()
                 raise
     except OSError as e:
         raise ValueError(
             f"the run directory {str(run_dir)!r} is not writable ({e.strerror}); pass --run-dir to a writable directory"
         ) from None
-    return lock
+    if check is not None:
+        try:
+            held.checked = check()
+        except BaseException:
+            held.discard()
+            raise
+    return held
 
 
-__all__ = ["LOCK", "MARKER", "RunLock", "claim", "discard_new_run", "is_run_dir", "new_run_dir"]
+__all__ = [
+    "LOCK", "MARKER", "Claim", "RunLock", "claim", "discard_new_run", "is_run_dir", "new_run_dir",
+]  # fmt: skip

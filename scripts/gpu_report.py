@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""`python scripts/gpu_report.py ARGS` is `python -m dropless.bench.gpu_check.report ARGS`
-in a checkout where nothing is installed: ./src goes on the path first."""
+"""`python scripts/gpu_report.py ARGS` is `python -m tools.gpu_check.report ARGS` where
+nothing is installed: the checkout's root (for `tools`) and ./src go on the path first."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from dropless.bench.gpu_check.report import main  # noqa: E402
+from tools.gpu_check.report import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,6 +9,9 @@ import time
 import pytest
 import torch
 
+# the checkout's root: its `tools` package (the GPU check, the ahead-of-time kernel compile)
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 # the `interpreted` and `import_check` fixtures: one child process under Triton's interpreter
 pytest_plugins = ["interpreted"]
 

@@ -37,20 +37,21 @@ __all__ = [
     "torchrun_argv",
 ]  # fmt: skip
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 STDERR_TAIL = 3000
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """os.environ with `env` on top (a None value removes the variable) and this
-    checkout's src first on PYTHONPATH."""
+    checkout's src, then its root (the `tools` package), first on PYTHONPATH."""
     out = dict(os.environ)
     for k, v in (env or {}).items():
         if v is None:
             out.pop(k, None)
         else:
             out[k] = v
-    path = [str(SRC), *filter(None, out.get("PYTHONPATH", "").split(os.pathsep))]
+    path = [str(SRC), str(ROOT), *filter(None, out.get("PYTHONPATH", "").split(os.pathsep))]
     out["PYTHONPATH"] = os.pathsep.join(path)
     return out
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "design.md"
-ROOTS = ("src/", "tests/", "docs/", "examples/", "scripts/", "benchmarks/")
+ROOTS = ("src/", "tests/", "docs/", "examples/", "scripts/", "benchmarks/", "tools/")
 # a step of a route: "12. `path` — `name`..."
 ROUTE_STEP = re.compile(r"^\d+\. `(?P<path>[^`]+\.py)` — `(?P<name>[\w.]+)(\(\))?`")
 

@@ -1,4 +1,4 @@
-"""The GPU check's peer handling (`dropless.bench.gpu_check.run`): the summary tables name each peer row's package,
+"""The GPU check's peer handling (`tools.gpu_check.run`): the summary tables name each peer row's package,
 version and status beside the contract rows, and carry the matmul rate and the kernel
 tables; with no wheels carried it installs nothing."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 def _script():
     """The run module afresh (its list of installed peer folders empty)."""
-    from dropless.bench.gpu_check import run
+    from tools.gpu_check import run
 
     return importlib.reload(run)
 
@@ -87,7 +87,7 @@ def test_carried_wheels_are_installed_for_the_children(tmp_path):
 
 
 def test_gpu_report_renders_peers_rate_and_kernel_tables():
-    from dropless.bench.gpu_check import report
+    from tools.gpu_check import report
 
     kernels = {"what": "CUDA kernels, device time", "total_ms": 9.5, "rows": [
         {"name": "nvjet_tst_128x256|x", "calls": 6, "total_ms": 6.2, "share": 0.653}]}  # fmt: skip

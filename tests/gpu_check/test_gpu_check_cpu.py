@@ -1,4 +1,4 @@
-"""The GPU check (`python -m dropless.bench.gpu_check`, `scripts/gpu_check.py` where nothing
+"""The GPU check (`python -m tools.gpu_check`, `scripts/gpu_check.py` where nothing
 is installed) with `--cpu` runs its steps (pytest -m gpu, the layer and step tables
 at tiny shapes on CPU) and ends with the JSON summary that outside checks read, so the
 script CI cannot run on a GPU never rots."""
@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
+from tools.gpu_check import report
+from tools.gpu_check import run as gpu_run
+from tools.gpu_check import train as gpu_train
 
-from dropless.bench.gpu_check import report
-from dropless.bench.gpu_check import run as gpu_run
-from dropless.bench.gpu_check import train as gpu_train
 from harness import run_python
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
@@ -222,7 +222,7 @@ def test_a_child_stopped_at_its_timeout_keeps_the_parts_it_finished():
 
 
 @pytest.mark.parametrize(
-    "entry", [["-m", "dropless.bench.gpu_check"], [str(SCRIPT)]], ids=["module", "script"]
+    "entry", [["-m", "tools.gpu_check"], [str(SCRIPT)]], ids=["module", "script"]
 )
 def test_unknown_step_is_a_usage_error(entry):
     proc = run_python([*entry, "--only", "nope"], timeout=60)

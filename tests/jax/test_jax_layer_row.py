@@ -1,5 +1,5 @@
-"""The JAX layer's row of gpu_check's layer table (`dropless/bench/jax_layer.py`, started
-by the GPU check's timing step, `dropless.bench.gpu_check.run`): it runs the JAX layer at the table's shape in a
+"""The JAX layer's row of gpu_check's layer table (`tools/jax_layer.py`, started
+by the GPU check's timing step, `tools.gpu_check.run`): it runs the JAX layer at the table's shape in a
 child of its own and reports ms and share of the table's dense bound, or says why it was
 skipped. Wiring checked on CPU at the bench's tiny shape (no timing claim)."""
 
@@ -7,9 +7,8 @@ import importlib.util
 import sys
 
 import pytest
-
-from dropless.bench import jax_layer
-from dropless.bench.gpu_check import run as gpu_run
+from tools import jax_layer
+from tools.gpu_check import run as gpu_run
 
 TINY = dict(E=6, K=2, D=64, F=32, T=48)  # `dropless bench layer --shape tiny`
 ROW_FIELDS = {"status", "ms", "share_of_bound", "tflops", "peak_gib"}

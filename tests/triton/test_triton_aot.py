@@ -2,7 +2,7 @@
 use; the row-gathering GEMMs with plain loads and with TMA descriptors).
 
 The interpreter checks results, not compilation; this builds the cubins with Triton's
-own ptxas, no GPU needed (`python -m dropless.bench.aot_check`). Run in a child
+own ptxas, no GPU needed (`python -m tools.aot_check`). Run in a child
 process without TRITON_INTERPRET, which would replace the compiler. That the jobs cover
 every kernel is `test_triton_aot_inventory.py`'s (fast) check.
 """
@@ -10,24 +10,21 @@ every kernel is `test_triton_aot_inventory.py`'s (fast) check.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from harness import run_python
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_bf16():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
+    env = dict(OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1", TRITON_INTERPRET=None)
     # two compiling processes: 46 s instead of 60 s on two busy cores
-    cmd = [sys.executable, "-m", "dropless.bench.aot_check", "--arch", "90", "--dtype", "bf16"]
-    cmd += ["--workers", "2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["-m", "tools.aot_check", "--arch", "90", "--dtype", "bf16", "--workers", "2"]
+    proc = run_python(args, env=env, timeout=300)
     if "No module named 'triton.backends.nvidia'" in proc.stderr:
         pytest.skip("this triton build has no NVIDIA backend")
     out = proc.stdout

@@ -128,7 +128,7 @@ def test_scan_finds_the_known_kernels():
 def test_aot_check_compiles_every_kernel():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-    from dropless.bench.aot_check import planned_kernels
+    from tools.aot_check import planned_kernels
 
     jit, calls = scan()
     reached, todo = set(), list(planned_kernels())
@@ -140,7 +140,7 @@ def test_aot_check_compiles_every_kernel():
     missing, unknown = jit - reached, reached - jit
     device = set().union(*calls.values())  # called by another jit function
     assert not missing and not unknown, (
-        "`python -m dropless.bench.aot_check` does not compile these @triton.jit "
+        "`python -m tools.aot_check` does not compile these @triton.jit "
         "functions; add a job in aot_check._jobs with the launch configuration of each "
         f"kernel's wrapper.\nkernels: {sorted(missing - device)}\ndevice functions (reached "
         f"from no planned kernel): {sorted(missing & device)}\nplanned kernels not found in "
@@ -153,7 +153,8 @@ def test_jobs_are_checked_against_the_kernel_signature():
     in the slow compile: `check_job` (run on every job when they are listed) refuses both."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed: pip install 'dropless[triton]'")
-    from dropless.bench import aot_check
+    from tools import aot_check
+
     from dropless.ops.grouped_gemm.group_kernels import zero_groups_kernel
 
     job = aot_check.Job(

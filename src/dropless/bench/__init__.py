@@ -1,2 +1,3 @@
-"""Benchmarks behind `dropless bench ...`: layer, e2e, fp8, jax; and `aot_check`, the
-ahead-of-time compile of every Triton kernel (`python -m dropless.bench.aot_check`)."""
+"""Benchmarks behind `dropless bench ...`: layer, e2e, lora, memory, fp8, ep, train, jax.
+The checkout's development tools (the GPU check, the ahead-of-time kernel compile) are in
+`tools/`, outside the package."""

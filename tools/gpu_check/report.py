@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from dropless.bench.gpu_check import CHECKOUT
+from tools.gpu_check import CHECKOUT
 
 ROOT = CHECKOUT
 
@@ -153,7 +153,7 @@ def _train_lines(train: dict | None) -> list[str]:
     rows = train["rows"]
     checks = ", ".join(f"{k} {'ok' if ok else 'FAILED'}" for k, ok in train["checks"].items())
     out = [
-        "`dropless train` on the path a node runs (`src/dropless/bench/gpu_check/train.py`): one process "
+        "`dropless train` on the path a node runs (`tools/gpu_check/train.py`): one process "
         "(`single`) vs `parallel.force_distributed=true` under `torchrun --nproc-per-node 1` "
         f"(`force_distributed`), model `{train['model']}`; checks: {checks}.",
         "",

@@ -12,7 +12,7 @@ signature before anything compiles (a misspelt name would silently become an i32
 It reports shared memory and whether the GEMM K loop is pipelined. It proves
 compilation only; speed and results on a GPU stay unverified until run there.
 
-    python -m dropless.bench.aot_check --arch 80 90 [--dtype bf16] [--only NAME] [--workers N]
+    python -m tools.aot_check --arch 80 90 [--dtype bf16] [--only NAME] [--workers N]
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def planned_kernels() -> list[str]:
 def _gemm_jobs(d: str, bk: int, prec: str) -> list[Job]:
     """The grouped GEMM (`_mm_config`: both weight layouts, both row tiles) and its weight
     gradient; y and the weight gradient are fresh contiguous tensors (unit last stride)."""
-    from ..ops.grouped_gemm import gemm_kernels as G
+    from dropless.ops.grouped_gemm import gemm_kernels as G
 
     gmm = {"a_ptr": d, "b_ptr": d, "y_ptr": d, "cnt_ptr": "*i32"}
     tiles = dict(BLOCK_N=128, BLOCK_K=bk, BLOCK_E=128, PRECISION=prec)
@@ -155,7 +155,7 @@ def _gather_jobs(dtype: str, d: str, bk: int, prec: str) -> list[Job]:
     takes: the other layout is gpt_oss's, whose biases keep it off the path), read with
     pointer loads or, on sm_90+, through TMA descriptors; the weight gradients gather
     either operand (down: dy, up: x). Indices are the counting sort's int32 token_S."""
-    from ..ops.expert_mlp import gather_gemm_kernels as K
+    from dropless.ops.expert_mlp import gather_gemm_kernels as K
 
     tiles = dict(BLOCK_M=128, BLOCK_M_TAIL=64, BLOCK_N=64, BLOCK_K=bk, BLOCK_E=128)
     base = dict(HAS_INDEX=True, HAS_P=True, INTERLEAVED=False, KIND="swiglu", PRECISION=prec)
@@ -196,12 +196,12 @@ def _row_jobs(d: str) -> list[Job]:
     (indices: the counting sort's int32), SwiGLU backward for every activation kind of
     `activations.KINDS` (each kind is its own code), cross-entropy, RMSNorm, the zeroing
     of empty groups."""
-    from ..ops.activation import swiglu_kernels as W
-    from ..ops.activation.activation_kernels import KINDS
-    from ..ops.grouped_gemm import group_kernels as Z
-    from ..ops.linear_cross_entropy import cross_entropy_kernels as X
-    from ..ops.permute import permute_kernels as P
-    from ..ops.rmsnorm import rmsnorm_kernels as R
+    from dropless.ops.activation import swiglu_kernels as W
+    from dropless.ops.activation.activation_kernels import KINDS
+    from dropless.ops.grouped_gemm import group_kernels as Z
+    from dropless.ops.linear_cross_entropy import cross_entropy_kernels as X
+    from dropless.ops.permute import permute_kernels as P
+    from dropless.ops.rmsnorm import rmsnorm_kernels as R
 
     rows = dict(BLOCK_R=2, BLOCK_N=1024)
     jobs = [
@@ -239,7 +239,7 @@ def _routing_jobs(d: str) -> list[Job]:
     16; 4 warps) and the counting sort at `_sort_blocks`' (128 pairs, 128 buckets, 64 rows
     per scan chunk). K (top-k, 8) is not a multiple of 16; without groups G and
     TOPK_GROUP are 1, which the JIT folds."""
-    from ..ops.routing import routing_kernels as R
+    from dropless.ops.routing import routing_kernels as R
 
     fwd = {"logits_ptr": d, "bias_ptr": "*fp32", "given_ptr": "*i64", "w_ptr": "*fp32",
            "ids_ptr": "*i64", "scores_ptr": "*fp32", "psum_ptr": "*fp32", "zsum_ptr": "*fp32",
@@ -281,9 +281,9 @@ def _quant_jobs(d: str) -> list[Job]:
     as for sm_90. The casts take 2-D contiguous tensors (unit column strides), except the
     MX quantization of grouped columns (`quantize_mx_groups`), which reads a transposed
     view (unit row stride); M (rows: tokens) is not a multiple of 16 there."""
-    from ..ops.activation import swiglu_bwd_quant_kernels as B
-    from ..ops.activation import swiglu_quant_kernels as S
-    from ..ops.quantize import triton_quant as Q
+    from dropless.ops.activation import swiglu_bwd_quant_kernels as B
+    from dropless.ops.activation import swiglu_quant_kernels as S
+    from dropless.ops.quantize import triton_quant as Q
 
     tile = dict(BLOCK_M=32, BLOCK_N=128)
     mx = {"x_ptr": d, "q_ptr": "*u8", "s_ptr": "*u8"}

@@ -1,9 +1,9 @@
 """One command for the day a GPU is lent: `pytest -m gpu`, then the timed tables.
 
-    python -m dropless.bench.gpu_check           # on the GPU machine, in the checkout
+    python -m tools.gpu_check           # on the GPU machine, in the checkout
     python scripts/gpu_check.py                  # the same where nothing is installed
-    python -m dropless.bench.gpu_check --cpu     # the smoke: the same steps on CPU, tiny
-    python -m dropless.bench.gpu_check --only timing,e2e
+    python -m tools.gpu_check --cpu     # the smoke: the same steps on CPU, tiny
+    python -m tools.gpu_check --only timing,e2e
 
 Steps, in order, each a child process (a device assert, which poisons the CUDA
 context, loses one step): `pytest` runs `pytest -m gpu` (every GPU correctness check
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from dropless.bench.child import run_child_process
-from dropless.bench.gpu_check import CHECKOUT
+from tools.gpu_check import CHECKOUT
 
 ROOT = CHECKOUT
 # (step, rough seconds on a GPU machine including the child's start-up; not yet measured for
@@ -100,7 +100,9 @@ JAX_S = 60  # the JAX row's child at most (its compile included): the train step
 
 def child_env(cpu: bool) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *PEER_SITE, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), str(ROOT / "src"), *PEER_SITE, env.get("PYTHONPATH", "")]
+    )
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "2")
@@ -208,12 +210,12 @@ def layer_table(record: dict) -> dict:
 
 def jax_row(table: dict, cpu: bool, timeout: float) -> dict:
     """The JAX layer at the layer table's shape, in a child of its own after the torch rows
-    (`dropless/bench/jax_layer.py`), against the table's dense bound; where jax[cuda] does
+    (`tools/jax_layer.py`), against the table's dense bound; where jax[cuda] does
     not import the row says "skipped: jax[cuda] not importable" and why."""
     bound = {k: table["rows"].get("dense_bound", {}).get(k) for k in ("ms", "tflops")}
     cfg = dict(table["shape"], dtype={"bf16": "bfloat16"}.get(table["dtype"], "float32"),
                device="cpu" if cpu else "cuda", rounds=5, warmup=2, bound=bound)  # fmt: skip
-    cmd = [sys.executable, "-m", "dropless.bench.jax_layer", json.dumps(cfg)]
+    cmd = [sys.executable, "-m", "tools.jax_layer", json.dumps(cfg)]
     status, _, stdout, tail = run_child(cmd, cpu, timeout)
     lines = stdout.strip().splitlines()
     try:
@@ -265,7 +267,7 @@ def run_step(name: str, cpu: bool, timeout: float) -> dict:
             res["timing"]["rows"]["jax_tiled"] = jax_row(res["timing"], cpu, min(timeout, JAX_S))
         return res
     if name == "train":
-        from dropless.bench.gpu_check import train
+        from tools.gpu_check import train
 
         return train.run(cpu, timeout, run_child, bench_step)
     res, record = bench_step("e2e", ["--impls", ",".join(E2E_ROWS), *E2E_ARGS[cpu]], cpu, timeout)

@@ -1,4 +1,4 @@
-"""The GPU check: one command for the day a GPU is lent (`python -m dropless.bench.gpu_check`,
+"""The GPU check: one command for the day a GPU is lent (`python -m tools.gpu_check`,
 or `python scripts/gpu_check.py` where nothing is installed).
 
 - `run.py`: the steps (`pytest -m gpu`, the layer and step tables, the `train` step) and
@@ -15,5 +15,5 @@ from __future__ import annotations
 
 from pathlib import Path
 
-#: the checkout this package runs from (src/dropless/bench/gpu_check -> the repository root)
-CHECKOUT = Path(__file__).resolve().parents[4]
+#: the checkout this package runs from (tools/gpu_check -> the repository root)
+CHECKOUT = Path(__file__).resolve().parents[2]

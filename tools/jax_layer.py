@@ -3,7 +3,7 @@ tiled grouped GEMM with a custom VJP; routing, sort, SwiGLU and combine included
 at the shape `dropless bench layer` just ran, against the dense six-GEMM bound that run
 measured (`bench/bound.py`): the same bound, the same FLOPs model, the same machine.
 
-    python -m dropless.bench.jax_layer '{"E": 128, "K": 8, "D": 2048, "F": 768,
+    python -m tools.jax_layer '{"E": 128, "K": 8, "D": 2048, "F": 768,
         "T": 16384, "dtype": "bfloat16", "device": "cuda", "rounds": 5, "warmup": 2,
         "bound": {"ms": 6.1, "tflops": 520.0}}'
 

@@ -41,11 +41,11 @@ import traceback
 import warnings
 from pathlib import Path
 
-from dropless.bench.gpu_check import CHECKOUT
 from dropless.train.run.hooks import TrainHooks
+from tools.gpu_check import CHECKOUT
 
 ROOT = CHECKOUT
-MODULE = "dropless.bench.gpu_check.train"  # what the torchrun children run
+MODULE = "tools.gpu_check.train"  # what the torchrun children run
 TOML = ROOT / "examples" / "qwen3-30b-a3b-2layers.toml"
 STEPS, SAVE_AT, SYNC_STEPS = 20, 10, (2, 3)
 # the smoke's model: the same keys at tiny sizes, fp32 (bf16 matmul is ~80x slower on CPU)

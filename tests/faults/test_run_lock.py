@@ -153,3 +153,30 @@ def test_a_run_finished_while_this_one_started_is_kept(
     assert "already holds checkpoints: pass --resume" in err and err.count("\n") == 1, err
     assert raced and snapshot(run_dir) == before
     assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no folder of the start left
+
+
+@pytest.mark.skipif(not os.environ.get("DROPLESS_SLOW_TESTS"), reason="set DROPLESS_SLOW_TESTS=1")
+def test_three_starts_at_once_one_winner_and_its_files_kept(tmp_path):
+    """20 trials of three `dropless train` (tiny, 2 steps) started together on one new
+    --run-dir: exactly one exits 0 each time, the others are refused (the lock in use, or
+    the finished run's checkpoints), and the finished run's files, hashed by the winner as
+    it returned, are unchanged once every start has exited."""
+    won = []
+    for trial in range(20):
+        run_dir, t = tmp_path / f"run{trial}", tmp_path / f"t{trial}"
+        t.mkdir()
+        argv = ["train", "--run-dir", str(run_dir), *args("train.steps=2", "log.plots=false",
+                "log.tensorboard=false")]  # fmt: skip
+        jobs = [({"snapshot": [str(run_dir), str(t / f"snap{i}.json")]}, argv) for i in range(3)]
+        results = forked_children(jobs, t)
+        codes = [c for c, _ in results]
+        assert sorted(codes) == [0, 2, 2], (trial, results)
+        for code, err in results:
+            if code == 2:
+                assert "is in use by process " in err or "already holds checkpoints" in err, err
+        winner = codes.index(0)
+        kept = json.loads((t / f"snap{winner}.json").read_text())
+        assert snapshot(run_dir) == kept, trial
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+        won.append(winner)
+    print(f"20 trials: one winner each (job {won}), the finished run's files unchanged")

@@ -9,7 +9,9 @@ or one spec followed by the dropless arguments; a spec has any of
                                               # runs in the background: checkpoint.async_save)
      "refused": "others",                     # ... and once the other forked jobs' stderr
                                               # holds the run lock's refusal
-     "signal_in_step": [9, "SIGINT", 1]}      # send the signal (this many times) mid-step
+     "signal_in_step": [9, "SIGINT", 1],      # send the signal (this many times) mid-step
+     "snapshot": [run_dir, path]}             # once the run returned 0: the SHA-256 of each
+                                              # file of run_dir, as JSON, into path
 
 One job runs in this process (under torchrun too). Several jobs are forked from this
 process after the imports, each a real process of its own (so each dies its own death)
@@ -18,12 +20,14 @@ without paying the imports again; the exit statuses are printed as a JSON list
 """
 
 import functools
+import hashlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -72,9 +76,22 @@ def _wait_for_refusals(paths: list[str], timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _snapshot(run_dir: str, path: str) -> None:
+    root = Path(run_dir)
+    files = {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+    Path(path).write_text(json.dumps(files))
+
+
 def run(job: dict) -> int:
     trainer.train = functools.partial(trainer.train, hooks=Faults(job.get("spec", {})))
-    return main(job["argv"])
+    code = main(job["argv"])
+    if code == 0 and "snapshot" in job.get("spec", {}):
+        _snapshot(*job["spec"]["snapshot"])
+    return code
 
 
 def run_forked(jobs: list[dict]) -> list[int]:

@@ -230,3 +230,35 @@ def test_plan_with_cp_traces_each_ranks_share():
     assert (two.layout["cp"], two.layout["dp_shard"], two.layout["micro_batch"]) == (2, 1, 1)
     assert "context_parallel" in two.assumptions
     assert two.activation_peak_gib < 0.6 * one.activation_peak_gib
+
+
+def test_preflight_plans_cp_on_cuda(monkeypatch):
+    """On CUDA (the device's memory faked), `dropless train` with parallel.cp=2 gets the
+    traced plan `dropless plan` makes, through the planner's fake process group: one
+    256-token sequence over 2 GPUs runs without a warning on a memory just above the
+    plan's need, and is refused just below it. The host-memory check counts a rank's share
+    of the sequence too."""
+    import warnings
+
+    from dropless.train.config.load import load_config
+    from dropless.train.config.recipes import TINY
+    from dropless.train.plan import preflight as PF
+    from dropless.train.plan.memory_fit import _activation_bytes
+    from dropless.train.plan.trace import make_plan, resolve_hf_config
+
+    cfg = load_config(None, [*TINY, "train.seq_len=256", "train.batch_size=1",
+                             "parallel.cp=2"])  # fmt: skip
+    hc = resolve_hf_config(cfg)
+    p = make_plan(cfg, 2, 80, hf_config=hc, compare_checkpointing=False)
+    assert p.layout["cp"] == 2 and p.layout["tokens_per_gpu"] == 128
+    per_token = hc.hidden_size * hc.num_hidden_layers * 4
+    assert _activation_bytes(cfg, hc, 2, 4) == 128 * per_token  # half of the one sequence
+    need, cuda = p.peak_gib_per_gpu + p.reserve_gib, torch.device("cuda", 0)
+    monkeypatch.setattr(PF, "device_memory_gib", lambda device: need * 1.001)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # planned, not skipped
+        PF.check_plan_fits(cfg, hc, 2, cuda)
+    monkeypatch.setattr(PF, "device_memory_gib", lambda device: need * 0.999)
+    monkeypatch.setattr(PF, "_suggestions", lambda *a: [])  # more plans, tested elsewhere
+    with pytest.raises(ValueError, match=r"the plan predicts this run does not fit: "):
+        PF.check_plan_fits(cfg, hc, 2, cuda)

@@ -12,7 +12,8 @@ family, no memory used). The figures are lower bounds, so a refusal is never wro
   All of it is sharded over the processes (FSDP2/EP), on the host for a CPU run (a GPU's
   memory is checked by the traced plan instead, `preflight.check_plan_fits`);
 - a micro-batch keeps at least one [tokens, hidden] activation per decoder layer for
-  backward (4 bytes per value: a CPU run computes in fp32).
+  backward (4 bytes per value: a CPU run computes in fp32); under context parallelism
+  (`parallel.cp`) a process holds 1/cp of its cp group's micro-batch.
 
 A run that would not fit is refused with the keys to change, where it would otherwise
 be killed by the operating system's out-of-memory killer with no message.
@@ -131,8 +132,9 @@ def _batch_keys(tcfg) -> str:
 
 
 def _activation_bytes(cfg, hf_config, world: int, value_bytes: int) -> int:
-    tc = cfg.train
-    tokens = micro_batch_size(tc.batch_size, world, tc.grad_accum) * tc.seq_len
+    tc, cp = cfg.train, cfg.parallel.cp
+    # parallel.cp: a group of cp processes reads one micro-batch, each keeps 1/cp of its tokens
+    tokens = micro_batch_size(tc.batch_size, world // cp, tc.grad_accum) * tc.seq_len // cp
     hidden = getattr(hf_config, "hidden_size", 0) or 0
     layers = getattr(hf_config, "num_hidden_layers", 1) or 1
     return tokens * hidden * layers * value_bytes

@@ -116,7 +116,7 @@ def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
         cands.append(
             ("train.activation_checkpointing=true", {"train": {"activation_checkpointing": True}})
         )
-    if micro_batch_size(tc.batch_size, gpus, tc.grad_accum) > 1:
+    if micro_batch_size(tc.batch_size, gpus // cfg.parallel.cp, tc.grad_accum) > 1:
         cands.append(
             (f"train.grad_accum={2 * tc.grad_accum}", {"train": {"grad_accum": 2 * tc.grad_accum}})
         )
@@ -199,9 +199,6 @@ def check_plan_fits(cfg, hf_config, world: int, device: torch.device, on_rank0=N
     made (a model the fake tensors cannot trace) warns and lets the run go on: the real
     build reports its own problems."""
     if device.type != "cuda" or not getattr(cfg.train, "preflight", True):
-        return
-    if cfg.parallel.cp > 1:
-        warnings.warn("dropless: the memory plan does not model parallel.cp > 1; train.preflight skipped", stacklevel=2)  # fmt: skip
         return
     gib = device_memory_gib(device)
     try:

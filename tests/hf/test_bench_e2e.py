@@ -46,3 +46,26 @@ def test_table_and_bad_arguments():
         e2e.run(p.parse_args(["--rounds", "0"]))
     with pytest.raises(ValueError, match="--eager-rounds 0"):
         e2e.run(p.parse_args(["--eager-rounds", "0"]))
+
+
+def test_compile_adds_compiled_twins_and_their_ratios():
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    args = p.parse_args(["--impls", "grouped_mm,eager,dropless", "--compile", "--checkpointing"])
+    assert e2e._check_args(args) == [
+        "grouped_mm", "eager", "dropless", "grouped_mm+compile", "dropless+compile",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"unknown \['eager\+compile'\]"):
+        e2e._check_args(p.parse_args(["--impls", "eager+compile"]))
+    rows = {
+        impl: {"tokens_per_s": tps, "step_s": 1.0, "best_tokens_per_s": tps, "first_loss": 9.0,
+               "peak_step_mib": None}
+        for impl, tps in (("grouped_mm", 100.0), ("dropless", 130.0),
+                          ("grouped_mm+compile", 110.0), ("dropless+compile", 154.0))
+    }  # fmt: skip
+    figures: dict = {}
+    e2e._ratios(figures, rows)
+    assert figures["dropless+compile_vs_eager"] == pytest.approx(154 / 130)
+    assert figures["dropless+compile_vs_grouped_mm+compile"] == pytest.approx(1.4)
+    assert figures["grouped_mm+compile_vs_eager"] == pytest.approx(1.1)
+    assert "HF v5 + `dropless.patch()`, `torch.compile`" in e2e._table(rows)

@@ -25,6 +25,12 @@ run names it with the version it looked for (`figures.peers`). `--profile`: one 
 training step of the `dropless` row under torch.profiler, in its first timing child after
 its timed steps: a per-kernel table in `figures.profile` (`bench/profile.py`).
 
+`--compile`: each of the `grouped_mm`, `dropless` and `dropless-fused-ce` rows asked for
+gets a compiled twin (`<row>+compile`: `torch.compile(model)`, inductor, default mode; the
+warm-up step compiles forward and backward); a row may also be named so in `--impls`.
+`--checkpointing`: every row with Transformers' gradient checkpointing (non-reentrant);
+`--fused-rmsnorm`: the dropless rows with `patch(fused_rmsnorm=True)` too.
+
 `--device cuda`: the model in bf16 on the GPU, fused AdamW, the step timed between device
 synchronizations; peak step memory from the caching allocator (max_memory_allocated
 above memory_allocated before the step, forward+backward and the AdamW step apart),
@@ -95,6 +101,8 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
 # qwen3-gpu with Qwen3's vocabulary: where the LM head and its loss weigh most
 SHAPES["qwen3-gpu-v152k"] = {**SHAPES["qwen3-gpu"], "vocab_size": 151936}
 IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *peers.E2E_ROWS)
+COMPILED = ("grouped_mm", "dropless", "dropless-fused-ce")  # rows --compile adds a twin of
+SUFFIX = "+compile"
 PROFILED = "dropless"  # --profile: the row whose step is profiled
 
 
@@ -134,6 +142,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu (fp32) or cuda (bf16; default: cuda when available)",
     )  # fmt: skip
     p.add_argument(
+        "--compile", action="store_true",
+        help=f"add a torch.compile twin ('<row>{SUFFIX}', inductor) of the {', '.join(COMPILED)} rows",
+    )  # fmt: skip
+    p.add_argument(
+        "--checkpointing", action="store_true",
+        help="every row with gradient checkpointing (non-reentrant)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fused-rmsnorm", action="store_true",
+        help="the dropless rows with patch(fused_rmsnorm=True) too",
+    )  # fmt: skip
+    p.add_argument(
         "--profile", action="store_true",
         help=f"one more step of the {PROFILED} row under torch.profiler: a per-kernel table",
     )  # fmt: skip
@@ -144,11 +164,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --- the child: one implementation, one process -----------------------------------------
 
 
-def build_row_model(impl: str, shape: dict, device: str = "cpu"):
-    """The model for one row: fp32 on CPU (bf16 matmul there is ~80x slower), bf16 on CUDA."""
+def build_row_model(
+    impl: str, shape: dict, device: str = "cpu", *, checkpointing=False, fused_rmsnorm=False
+):
+    """The model for one row: fp32 on CPU (bf16 matmul there is ~80x slower), bf16 on CUDA;
+    a `+compile` row's under `torch.compile` (inductor, default mode)."""
     import torch
     import transformers as tf
 
+    compiled = impl.endswith(SUFFIX)
+    impl = impl.removesuffix(SUFFIX)
     # a shape may set any config key (qwen3-gpu: the router aux loss, as that table had)
     cfg = tf.Qwen3MoeConfig(
         **{"max_position_embeddings": max(shape["seq"], 64), "norm_topk_prob": True}
@@ -160,7 +185,7 @@ def build_row_model(impl: str, shape: dict, device: str = "cpu"):
 
         # the one line: models built afterwards use dropless (fused-ce: loss from
         # dropless.ops.linear_cross_entropy, logits=None, opt-in)
-        dropless.patch(fused_cross_entropy=impl == "dropless-fused-ce")
+        dropless.patch(fused_cross_entropy=impl == "dropless-fused-ce", fused_rmsnorm=fused_rmsnorm)
         model = tf.AutoModelForCausalLM.from_config(cfg)
         assert model.get_experts_implementation()[""] == "dropless"
     else:
@@ -172,7 +197,9 @@ def build_row_model(impl: str, shape: dict, device: str = "cpu"):
         model = model.float().train()
     if impl in peers.E2E_ROWS:  # on the model as it will run: its dtype, its device
         peers.apply_e2e(impl, model)
-    return model
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return torch.compile(model) if compiled else model
 
 
 def child(args: dict) -> dict:
@@ -185,7 +212,10 @@ def child(args: dict) -> dict:
     tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
-    model = build_row_model(impl, shape, device)
+    model = build_row_model(
+        impl, shape, device, checkpointing=bool(args.get("checkpointing")),
+        fused_rmsnorm=bool(args.get("fused_rmsnorm")),
+    )  # fmt: skip
     # fused: torch's AdamW kernel (fastest, no parameter-sized temporaries);
     # foreach: the default multi-tensor path, whose temporaries are parameter-sized
     fused = args.get("optimizer", "fused") == "fused"
@@ -221,7 +251,7 @@ def child(args: dict) -> dict:
 
             out["profile"] = kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
     out["dropless_calls"] = None
-    if impl.startswith("dropless"):
+    if impl.startswith("dropless") and not impl.endswith(SUFFIX):  # compiled calls: not counted
         import dropless.hf.experts as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
@@ -288,9 +318,13 @@ def _measure_cuda_memory(fwd_bwd, opt_step) -> dict:
 
 def _check_args(args) -> list[str]:
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    bad = [i for i in impls if i not in IMPLS]
+    if getattr(args, "compile", False):
+        impls += [i + SUFFIX for i in impls if i in COMPILED and i + SUFFIX not in impls]
+    bad = [i for i in impls if i.removesuffix(SUFFIX) not in IMPLS]
+    bad += [i for i in impls if i.endswith(SUFFIX) and i.removesuffix(SUFFIX) not in COMPILED]
     if bad or not impls:
-        raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
+        allowed = [*IMPLS, *(i + SUFFIX for i in COMPILED)]
+        raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(allowed)}")
     if args.rounds < 1 or args.steps < 1:
         raise ValueError("--rounds and --steps must be >= 1 (use --rounds >= 3 for a result)")
     if args.eager_rounds is not None and args.eager_rounds < 1:
@@ -314,7 +348,11 @@ def _timing_rounds(args, impls, shape, device="cpu", failed=None) -> dict[str, l
     row whose child fails is dropped, its error put in `failed`."""
     failed = {} if failed is None else failed
     results: dict[str, list[dict]] = {i: [] for i in impls}
-    common = {"shape": shape, "steps": args.steps, "optimizer": args.optimizer, "device": device}
+    common = {
+        "shape": shape, "steps": args.steps, "optimizer": args.optimizer, "device": device,
+        "checkpointing": getattr(args, "checkpointing", False),
+        "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
+    }  # fmt: skip
     for r in range(args.rounds):
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
         if args.eager_rounds is not None and r >= args.eager_rounds:
@@ -353,6 +391,8 @@ def _memory_runs(args, impls, shape) -> dict[str, dict]:
             {
                 "shape": shape, "impl": impl, "mode": "memory", "steps": 0,
                 "optimizer": args.optimizer, "threads": args.threads,
+                "checkpointing": getattr(args, "checkpointing", False),
+                "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
             },
         )  # fmt: skip
         out[impl] = m
@@ -423,6 +463,8 @@ def run(args) -> int:
         "rounds_per_impl": {i: len(o) for i, o in results.items()},
         "shape": shape, "rounds": args.rounds, "steps": args.steps, "quick": args.quick,
         "optimizer": args.optimizer, "threads": first["threads"], "device": device,
+        "checkpointing": getattr(args, "checkpointing", False),
+        "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "allocator": f"timing: default (no malloc settings); {how}",
         "rows": rows, "peers": peer_status,
@@ -452,6 +494,14 @@ def _ratios(figures: dict, rows: dict) -> None:
         figures["best_speedup_vs_grouped_mm"] = d["best_tokens_per_s"] / g["best_tokens_per_s"]
         if d["peak_step_mib"] is not None and g["peak_step_mib"]:
             figures["memory_vs_grouped_mm"] = d["peak_step_mib"] / g["peak_step_mib"]
+    for impl in COMPILED:  # a compiled row against its own eager row and stock compiled
+        c, own, stock = rows.get(impl + SUFFIX), rows.get(impl), rows.get("grouped_mm" + SUFFIX)
+        if c and own:
+            figures[f"{impl}{SUFFIX}_vs_eager"] = c["tokens_per_s"] / own["tokens_per_s"]
+        if c and stock and impl != "grouped_mm":
+            figures[f"{impl}{SUFFIX}_vs_grouped_mm{SUFFIX}"] = (
+                c["tokens_per_s"] / stock["tokens_per_s"]
+            )
     fce = rows.get("dropless-fused-ce")
     if fce and g:
         figures["fused_ce_speedup_vs_grouped_mm"] = fce["tokens_per_s"] / g["tokens_per_s"]

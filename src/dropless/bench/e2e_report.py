@@ -45,6 +45,8 @@ def table(rows: dict) -> str:
 
 
 def label(impl: str) -> str:
+    if impl.endswith("+compile"):
+        return label(impl.removesuffix("+compile")) + ", `torch.compile`"
     return {
         "grouped_mm": "HF v5 `grouped_mm` (default)",
         "eager": "HF v5 `eager`",

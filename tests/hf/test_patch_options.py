@@ -115,9 +115,10 @@ def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
     plain = _saved_bytes(model, ids)
     dh.patch_model(model, fused_rmsnorm=True)
     norms = _norms(model)
-    assert norms and all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in norms)
+    # probed when wired, for the weight's dtype and device: a forward reads the answer
+    assert norms and all(hf_rmsnorm.fused_rmsnorm_state(m) == "kernel" for m in norms)
     report = dh.report(model)
-    assert report.rmsnorm == {"unprobed": len(norms)}
+    assert report.rmsnorm == {"kernel": len(norms)}
     calls = []
     real = hf_rmsnorm._kernel
 
@@ -159,9 +160,9 @@ def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
 
     monkeypatch.setattr(hf_rmsnorm, "_kernel", failing)
     llama = LlamaLikeRMSNorm(16)
-    hf_rmsnorm.enable_fused_rmsnorm(llama)
-    with pytest.warns(UserWarning, match="failed its first call"):
-        out = llama(x)
+    with pytest.warns(UserWarning, match="failed its probe on torch.float32 cpu"):
+        hf_rmsnorm.enable_fused_rmsnorm(llama)
+    out = llama(x)
     assert torch.equal(out, rms_norm_reference(x, llama.weight, 1e-6))
     assert hf_rmsnorm.fused_rmsnorm_state(llama) == "stock"
 
@@ -171,13 +172,15 @@ def test_fused_rmsnorm_on_cpu_same_numbers_less_kept(monkeypatch):
 
 
 def test_fused_rmsnorm_probe_inside_checkpointing_leaves_no_trace():
-    """The first call (the probe) happens inside a checkpointed forward: the recompute
-    must save as many tensors as the forward did, and the global RNG stream (dropout,
-    checkpointing's replayed RNG) must not move."""
+    """A model cast after wiring is probed again at its first eager call, here inside a
+    checkpointed forward: the recompute must save as many tensors as the forward did, and
+    the global RNG stream (dropout, checkpointing's replayed RNG) must not move."""
     model = build("qwen3_moe")
     stock = clone_into(model, "eager")
     ids = _ids(model)
-    dh.patch_model(model, fused_rmsnorm=True)
+    dh.patch_model(model.double(), fused_rmsnorm=True)  # probed for float64 (stock: fp32 math)
+    model.float()
+    assert all(hf_rmsnorm.fused_rmsnorm_state(m) == "unprobed" for m in _norms(model))
     for m in (model, stock):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()

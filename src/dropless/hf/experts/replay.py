@@ -6,10 +6,16 @@ experts): inside a checkpointed forward the router's top-k choices are recorded,
 recompute of that region in backward replays them, so it sends every token to the experts
 the forward chose. Outside activation checkpointing the hooks do nothing. `patch()` and
 `patch_model()` install it; `unpatch_model()` removes it.
+
+Inside a compiled region the hooks return at once (nothing traced, nothing written): the
+compiler traces a checkpointed region as one graph whose recompute runs the same ops on
+the same saved inputs, so the recompute routes as the forward did without a record
+(tests/hf/test_compile_like_stock.py checks a compiled checkpointed step against eager).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...ops.replay import enter_routing_replay, exit_routing_replay
@@ -20,10 +26,14 @@ _OPEN = "_dropless_replay_open"
 
 
 def _pre_hook(router: nn.Module, args) -> None:
+    if torch.compiler.is_compiling():
+        return
     router.__dict__.setdefault(_OPEN, []).append(enter_routing_replay(router))
 
 
 def _post_hook(router: nn.Module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack = router.__dict__.get(_OPEN)
     if stack:
         exit_routing_replay(stack.pop())

@@ -80,7 +80,7 @@ def test_rms_norm_node_picks_its_implementation_when_it_runs():
         calls.append("forward")
         return rms_norm_fwd(*a)
 
-    RMSNORM.register(RMSNormImpl("spy", None, lambda t: True, spy_fwd, None, priority=99))
+    RMSNORM.register(RMSNormImpl("spy", lambda t: True, spy_fwd, None, priority=99))
     try:
         torch.testing.assert_close(f(x, w), rms_norm(x, w, backend="torch"))
     finally:

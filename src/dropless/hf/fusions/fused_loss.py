@@ -105,7 +105,7 @@ def _fused_forward(model: nn.Module, state: _State, forward):
         state.call = {"labels": labels, **kwargs}
         try:
             out = forward(*args, **kwargs)
-            return _drop_stand_in(out, state.stand_in)
+            return _drop_stand_in(out, state.stand_in, getattr(model, "config", None))
         finally:
             state.call = state.stand_in = state.loss = None
 
@@ -133,7 +133,7 @@ def _loss_function(model: nn.Module, state: _State):
     def loss_function(logits, labels, vocab_size, **kwargs):
         if state.stand_in is None:
             return state.stock_loss_fn(logits, labels, vocab_size, **kwargs)
-        if logits is not state.stand_in:
+        if not _from_stand_in(logits, state.stand_in, getattr(model, "config", None)):
             raise ValueError(
                 f"{type(model).__name__} transforms its logits between the output head and "
                 "the loss, which the fused cross-entropy cannot reproduce; call "
@@ -142,6 +142,15 @@ def _loss_function(model: nn.Module, state: _State):
         return state.loss
 
     return loss_function
+
+
+def _from_stand_in(logits, stand_in: torch.Tensor, config) -> bool:
+    """The stand-in, or the stand-in divided by a `logits_scaling` of 1 (GraniteMoE divides
+    its logits by it; `_check_model` refused any other value): a new tensor of its shape."""
+    if logits is stand_in:
+        return True
+    identity = getattr(config, "logits_scaling", None) in (1, 1.0)
+    return identity and isinstance(logits, torch.Tensor) and logits.shape == stand_in.shape
 
 
 def disable_fused_cross_entropy(model: nn.Module) -> nn.Module:
@@ -208,12 +217,12 @@ def _causal_lm_loss(hidden_BLD: torch.Tensor, head: nn.Linear, call: dict, state
     return loss
 
 
-def _drop_stand_in(out, stand_in):
+def _drop_stand_in(out, stand_in, config):
     """The output with `logits=None`, as stock builds it (a tuple drops None entries)."""
     if stand_in is None:
         return out
     if isinstance(out, tuple):
-        return tuple(x for x in out if x is not stand_in)
+        return tuple(x for x in out if not _from_stand_in(x, stand_in, config))
     values = {f.name: getattr(out, f.name) for f in fields(out) if f.init}
     values["logits"] = None
     return type(out)(**values)

@@ -5,8 +5,9 @@ Triton kernels for CUDA tensors, the lean torch op everywhere else.
     y, h = rms_norm(x, weight, eps, residual=r)      # normalises h = x + r, returns both
 
 - `reference.py`: `rms_norm_reference`, the specification (torch's op);
-- `eager.py`: the torch op with a lean backward (keeps x and one fp32 value per row);
-- `rmsnorm_kernels.py`: the Triton kernels (fused residual add) and their autograd;
+- `eager.py`: the torch passes (keep x and one fp32 value per row) and the op's one
+  autograd Function, `RMSNormFunction`, which runs the passes the registry picks;
+- `rmsnorm_kernels.py`: the Triton passes (fused residual add);
 - `custom_op.py`: `dropless::rms_norm` and its backward, what a compiled region or an
   exported program holds (the implementation is picked when the node runs);
 - `backends.py`: the registry `RMSNORM`: "torch" always, "triton" registered on the first
@@ -21,10 +22,8 @@ import torch
 
 from . import custom_op
 from .backends import RMSNORM, RMSNormImpl, register_gpu
-from .eager import check_weight
+from .eager import check_weight, rms_norm_with
 from .eager import rms_norm as torch_rms_norm
-
-BACKENDS = ("auto", "torch", "triton")
 
 
 def rms_norm(
@@ -37,15 +36,14 @@ def rms_norm(
 ):
     """RMSNorm over the last dim of x (of `x + residual` when given, returning
     `(normed, x + residual)`). backend "auto": Triton on CUDA with triton installed, else
-    the torch op; "triton" on a tensor it cannot run on raises ValueError. Under
-    `torch.compile` / `torch.export`, "auto" is one `dropless::rms_norm` node
-    (`custom_op.py`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    the torch op; a name the registry `RMSNORM` does not hold, or "triton" on a tensor it
+    cannot run on, raises ValueError. Under `torch.compile` / `torch.export`, "auto" is one
+    `dropless::rms_norm` node (`custom_op.py`)."""
     if backend == "auto" and torch.compiler.is_compiling():
         check_weight(x, weight_D)
         return custom_op.run(x, weight_D, eps, residual)
-    return RMSNORM.pick(backend, x).run(x, weight_D, eps, residual)
+    impl = RMSNORM.pick(backend, x)
+    return rms_norm_with(impl.forward, impl.backward, x, weight_D, eps, residual)
 
 
-__all__ = ["BACKENDS", "RMSNORM", "RMSNormImpl", "register_gpu", "rms_norm", "torch_rms_norm"]
+__all__ = ["RMSNORM", "RMSNormImpl", "register_gpu", "rms_norm", "torch_rms_norm"]

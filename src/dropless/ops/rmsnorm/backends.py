@@ -12,18 +12,16 @@ from dataclasses import dataclass
 import torch
 
 from ..registry import Registry, cuda_with_triton, lazy
-from .eager import rms_norm as torch_rms_norm
 from .eager import rms_norm_bwd, rms_norm_fwd
 
 
 @dataclass(frozen=True)
 class RMSNormImpl:
-    """run(x, weight_D, eps, residual) as `rms_norm`; supports(x): whether it runs x;
-    forward / backward: the raw passes the custom op runs (`eager.rms_norm_fwd` and
-    `rms_norm_bwd`'s signatures, on [R, D] rows)."""
+    """supports(x): whether it runs x; forward / backward: its raw passes
+    (`eager.rms_norm_fwd` and `rms_norm_bwd`'s signatures, on [..., D]), which the one
+    autograd Function (`eager.RMSNormFunction`) and the custom op run."""
 
     name: str
-    run: Callable
     supports: Callable[[torch.Tensor], bool]
     forward: Callable
     backward: Callable
@@ -31,14 +29,14 @@ class RMSNormImpl:
 
 
 RMSNORM = Registry("rmsnorm backend")
-RMSNORM.register(RMSNormImpl("torch", torch_rms_norm, lambda x: True, rms_norm_fwd, rms_norm_bwd))
+RMSNORM.register(RMSNormImpl("torch", lambda x: True, rms_norm_fwd, rms_norm_bwd))
 
 
 def register_gpu() -> None:
     """Register the Triton kernels as "triton" (the kernel module loads on first call)."""
     kernels = "dropless.ops.rmsnorm.rmsnorm_kernels"
-    run, fwd, bwd = (lazy(kernels, f) for f in ("rms_norm", "rms_norm_fwd", "rms_norm_bwd"))
-    RMSNORM.register(RMSNormImpl("triton", run, cuda_with_triton, fwd, bwd, priority=10))
+    fwd, bwd = (lazy(kernels, f) for f in ("rms_norm_fwd", "rms_norm_bwd"))
+    RMSNORM.register(RMSNormImpl("triton", cuda_with_triton, fwd, bwd, priority=10))
 
 
 RMSNORM.on_first_cuda(register_gpu)

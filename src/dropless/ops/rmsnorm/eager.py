@@ -8,8 +8,9 @@ the input's size per norm; under activation checkpointing those are what a recom
 layer holds until its backward.
 
 `rms_norm_fwd` / `rms_norm_bwd` are the raw passes (no autograd), with the signatures of
-the Triton kernel's (`rmsnorm_kernels.py`): the custom op (`custom_op.py`) runs
-whichever of the two the registry picks for the device.
+the Triton kernel's (`rmsnorm_kernels.py`). `RMSNormFunction` is the op's one autograd
+Function: it runs whichever passes the registry picks for the device (eager code through
+`rms_norm_with`), and the custom op (`custom_op.py`) runs the same passes.
 
 Semantics: `reference.rms_norm_reference` (torch's op): computed in fp32
 (the input's dtype where wider), weight multiplied in that precision, cast to the
@@ -55,19 +56,33 @@ def rms_norm_bwd(gy, s, weight_D, rstd, gs=None, *, need_s: bool = True, need_w:
     return ds, gw_D
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight_D, eps: float):
-        y, _, rstd = rms_norm_fwd(x, weight_D, eps)
-        ctx.save_for_backward(x, weight_D, rstd)
-        return y
+class RMSNormFunction(torch.autograd.Function):
+    """The one autograd Function of RMSNorm: the raw passes it is given (the torch ones of
+    this file, or the Triton kernels' for a CUDA tensor) forward and backward, on x [..., D]
+    with an optional residual (`(y, x + residual)` out). Kept for backward: x + residual
+    (x itself without one) and one fp32 value per row."""
 
     @staticmethod
-    def backward(ctx, g):
-        x, weight_D, rstd = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        gx, gw_D = rms_norm_bwd(g, x, weight_D, rstd, need_s=need_x, need_w=need_w)
-        return gx, gw_D, None
+    def forward(ctx, x, weight_D, residual, eps: float, fwd, bwd):
+        y, s, rstd = fwd(x, weight_D, eps, residual)
+        ctx.save_for_backward(s, weight_D, rstd)
+        ctx.bwd, ctx.has_res = bwd, residual is not None
+        return (y, s) if ctx.has_res else y
+
+    @staticmethod
+    def backward(ctx, gy, gs=None):
+        s, weight_D, rstd = ctx.saved_tensors
+        need_x, need_w, need_r = ctx.needs_input_grad[:3]
+        ds, gw_D = ctx.bwd(gy.contiguous(), s, weight_D, rstd, gs if ctx.has_res else None)
+        return ds if need_x else None, gw_D if need_w else None, ds if need_r else None, \
+            None, None, None  # fmt: skip
+
+
+def rms_norm_with(fwd, bwd, x, weight_D, eps: float = 1e-6, residual=None):
+    """RMSNorm of x (of x + residual, returning `(y, x + residual)`) with autograd, through
+    the raw passes `fwd` / `bwd` (`rms_norm_fwd` / `rms_norm_bwd`'s signatures)."""
+    check_weight(x, weight_D)
+    return RMSNormFunction.apply(x, weight_D, residual, float(eps), fwd, bwd)
 
 
 def check_weight(x: torch.Tensor, weight_D: torch.Tensor) -> None:
@@ -88,7 +103,4 @@ def rms_norm(
     """RMSNorm over the last dim of x, times `weight_D` ([D]), keeping only x and one
     fp32 value per row for backward. With `residual`: of `x + residual`, returning
     `(normed, x + residual)` (the Triton kernel's signature)."""
-    check_weight(x, weight_D)
-    s = x if residual is None else x + residual
-    y = _RMSNorm.apply(s, weight_D, float(eps))
-    return y if residual is None else (y, s)
+    return rms_norm_with(rms_norm_fwd, rms_norm_bwd, x, weight_D, eps, residual)

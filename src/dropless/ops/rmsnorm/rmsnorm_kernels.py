@@ -113,10 +113,19 @@ def _check(x_RD: torch.Tensor, weight_D: torch.Tensor, residual_RD: torch.Tensor
 
 
 def rms_norm_fwd(
-    x_RD: torch.Tensor, weight_D: torch.Tensor, eps: float, residual_RD: torch.Tensor | None = None
+    x: torch.Tensor, weight_D: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ):
-    """Raw forward (no autograd): (y_RD, s_RD, rstd_R). s_RD is x + residual (x itself
-    without a residual); rstd_R is fp32."""
+    """Raw forward (no autograd) on x [..., D]: (y, s, rstd). s is x + residual (x itself
+    without a residual); rstd [...] is fp32."""
+    D = x.shape[-1]
+    lead = x.shape[:-1]
+    x_RD = x.reshape(-1, D)
+    residual_RD = None if residual is None else residual.reshape(-1, D)
+    y_RD, s_RD, rstd_R = _fwd(x_RD, weight_D, eps, residual_RD)
+    return y_RD.view(x.shape), s_RD.view(x.shape), rstd_R.view(lead)
+
+
+def _fwd(x_RD, weight_D, eps, residual_RD):
     _check(x_RD, weight_D, residual_RD)
     x_RD = x_RD.contiguous()
     R, D = x_RD.shape
@@ -134,14 +143,21 @@ def rms_norm_fwd(
 
 
 def rms_norm_bwd(
-    gy_RD: torch.Tensor,
-    s_RD: torch.Tensor,
+    gy: torch.Tensor,
+    s: torch.Tensor,
     weight_D: torch.Tensor,
-    rstd_R: torch.Tensor,
-    gs_RD: torch.Tensor | None = None,
+    rstd: torch.Tensor,
+    gs: torch.Tensor | None = None,
 ):
-    """Raw backward (no autograd): (ds_RD, gw_D). ds_RD is the gradient of x (and of the
-    residual); gs_RD, the gradient reaching the residual-sum output, is added to it."""
+    """Raw backward (no autograd) on [..., D]: (ds, gw_D). ds is the gradient of x (and of
+    the residual); gs, the gradient reaching the residual-sum output, is added to it."""
+    D = s.shape[-1]
+    flat = [None if t is None else t.reshape(-1, D) for t in (gy, s, gs)]
+    ds_RD, gw_D = _bwd(flat[0], flat[1], weight_D, rstd.reshape(-1), flat[2])
+    return ds_RD.view(s.shape), gw_D
+
+
+def _bwd(gy_RD, s_RD, weight_D, rstd_R, gs_RD):
     R, D = s_RD.shape
     gy_RD = gy_RD.contiguous()
     ds_RD = torch.empty_like(s_RD)
@@ -155,42 +171,3 @@ def rms_norm_bwd(
             HAS_GS=gs_RD is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
         )  # fmt: skip
     return ds_RD, gw_PD.sum(0).to(weight_D.dtype)
-
-
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RD, weight_D, residual_RD, eps):
-        y_RD, s_RD, rstd_R = rms_norm_fwd(x_RD, weight_D, eps, residual_RD)
-        ctx.save_for_backward(s_RD, weight_D, rstd_R)
-        ctx.has_res = residual_RD is not None
-        if ctx.has_res:
-            return y_RD, s_RD
-        return y_RD
-
-    @staticmethod
-    def backward(ctx, gy_RD, gs_RD=None):
-        s_RD, weight_D, rstd_R = ctx.saved_tensors
-        ds_RD, gw_D = rms_norm_bwd(gy_RD, s_RD, weight_D, rstd_R, gs_RD)
-        return ds_RD, gw_D, (ds_RD if ctx.has_res else None), None
-
-
-def rms_norm(
-    x: torch.Tensor,
-    weight_D: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-):
-    """RMSNorm over the last dim of x [..., D] with autograd, as `F.rms_norm(x, (D,), w, eps)`.
-
-    With `residual`, normalises `x + residual` and returns `(y, x + residual)` (the sum is
-    the next residual stream), else returns y. Runs the Triton kernels (CUDA, or the
-    interpreter in tests); callers route CPU tensors to the torch op.
-    """
-    D = x.shape[-1]
-    x_RD = x.reshape(-1, D)
-    r_RD = residual.reshape(-1, D) if residual is not None else None
-    out = _RMSNorm.apply(x_RD, weight_D, r_RD, eps)
-    if residual is None:
-        return out.reshape(x.shape)
-    y_RD, s_RD = out
-    return y_RD.reshape(x.shape), s_RD.reshape(x.shape)

@@ -3,7 +3,7 @@
 import pytest
 
 from dropless.train.config.load import Config, dump_config, known_keys, load_config
-from dropless.train.trainer import lr_factor
+from dropless.train.state import lr_factor
 
 
 def test_defaults_are_the_demo_run():
@@ -219,7 +219,7 @@ def test_activation_checkpointing_uses_the_name_transformers_has():
 
 
 def test_header_names_the_class_under_fsdp():
-    from dropless.train.trainer import model_class_name
+    from dropless.train.build import model_class_name
 
     class Qwen3MoeForCausalLM:
         pass

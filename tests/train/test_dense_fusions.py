@@ -9,7 +9,7 @@ import pytest
 from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config.load import Config, load_config
-from dropless.train.trainer import adamw_kernel
+from dropless.train.state import adamw_kernel
 from harness import read_metrics
 
 

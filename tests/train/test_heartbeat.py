@@ -5,7 +5,7 @@ The interval is shortened here by monkeypatching the module constant."""
 import sys
 import time
 
-from dropless.train import trainer as trainer_mod
+from dropless.train import build, trainer
 from dropless.train.config.recipes import tiny
 from dropless.train.report import heartbeat
 from dropless.train.run.hooks import TrainHooks
@@ -22,15 +22,15 @@ class SlowStep(TrainHooks):
 
 def test_silent_stretches_get_a_line_off_a_terminal(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.1)
-    prepare = trainer_mod.prepare_data
+    prepare = build.prepare_data
 
     def slow_prepare(*args):
         time.sleep(0.3)
         return prepare(*args)
 
-    monkeypatch.setattr(trainer_mod, "prepare_data", slow_prepare)
+    monkeypatch.setattr(build, "prepare_data", slow_prepare)
     cfg = tiny("train.steps=4", "data.max_bytes=20000", *QUIET)
-    trainer_mod.train(cfg, run_dir=str(tmp_path / "r"), hooks=SlowStep())
+    trainer.train(cfg, run_dir=str(tmp_path / "r"), hooks=SlowStep())
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, t in enumerate(lines) if "Qwen3MoeForCausalLM" in t)
     step2 = next(i for i, t in enumerate(lines) if t.startswith("step     2"))

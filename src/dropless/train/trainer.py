@@ -1,140 +1,38 @@
-"""The training loop: builds a run (model, data, optimizer, parallel layout), runs the
-steps with held-out evaluation, metrics and checkpoints, and stops cleanly on SIGINT /
-SIGTERM or a failed check.
+"""The training loop: runs a run's steps with held-out evaluation, metrics and
+checkpoints, and stops cleanly on SIGINT / SIGTERM or a failed check.
 
     summary = train(load_config(None, ["train.steps=50"]), run_dir="runs/x")
 
-This file is the route map of a run: `train` sets up the process (`run/`), claims the run
-directory and checks what it holds under its lock (`run/rundir.py`), checks the config
-(`plan/preflight.py`); `Trainer.__init__` builds the parts in order (`data/`, `model/`,
-`state.py`, `checkpoint/`, `step.py`, `evaluation.py`, `report/`); `Trainer.fit` runs the
-steps. docs/design.md follows it.
+`train` sets up the process (`run/setup.py`) and has `build.py` claim the run directory and
+build the run's parts once, in order; `Trainer.fit` runs the steps over them.
+docs/design.md's route follows it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import signal
 import time
 from pathlib import Path
 
 import torch
 
+from .build import RunParts, open_run, with_tokenizer_resolved
 from .checkpoint import store as ckpt
-from .checkpoint.async_save import CheckpointSaver
-from .checkpoint.resume import check_run_dir, latest_run, with_nonfinite_fix
-from .config.load import Config, dump_config
-from .data.corpus import micro_batch_size
-from .data.tokenizer import resolve_spec
-from .evaluation import Evaluator
-from .model.build import build_training_model
-from .model.lora import ADAPTER_DIR, base_model, save_adapter
-from .model.precision import Precision
-from .plan.preflight import preflight
-from .report.flops import FlopCounter
+from .checkpoint.resume import with_nonfinite_fix
+from .config.load import Config
+from .model.lora import ADAPTER_DIR, save_adapter
 from .report.heartbeat import Heartbeat
-from .report.run_log import RunLog
 from .run.errors import Interrupted, NonFiniteError
 from .run.hooks import TrainHooks
 from .run.interrupts import StopRequests
-from .run.lazy import hf
-from .run.rundir import claim, discard_new_run, new_run_dir
-from .run.setup import Env, broadcast, close_env, init_env, on_rank0, rank0_first, rank0_only
-from .state import (
-    TrainState,
-    adamw_kernel,
-    build_optimizer,
-    build_scheduler,
-    lr_factor,
-    prepare_data,
-)
-from .step import StepParts, StepRunner
-
-
-def model_class_name(model) -> str:
-    """The model's class name; FSDP2 swaps in a subclass named FSDP<Name>, so the header
-    names the class the user asked for."""
-    return next(
-        (c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")),
-        type(model).__name__,
-    )
+from .run.setup import broadcast, close_env, init_env
 
 
 class Trainer:
-    """One run. `Trainer(cfg, run_dir, env, hf_config, resume_from).fit()` -> summary dict."""
+    """One run's loop: `Trainer(build_run(...)).fit()` -> summary dict."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        run_dir: Path,
-        env: Env,
-        hf_config,
-        resume_from: Path | None,
-        hooks: TrainHooks | None = None,
-        beat: Heartbeat | None = None,
-    ):
-        self.cfg, self.run_dir, self.env = cfg, run_dir, env
-        self.hooks = hooks or TrainHooks()
-        # says what the run does when it prints nothing for a while (stdout not a terminal)
-        self.beat = beat or Heartbeat(False)
-        self.t_start, self.cpu_start = time.perf_counter(), time.process_time()
-        tc = cfg.train
-        self.config_file = run_dir / "config.toml"
-        # torch's RNG is seeded where the model is built; a resume restores all three
-        ckpt.seed_host_rngs(tc.seed)
-        self.beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
-        self.data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
-        self.precision = Precision(cfg.precision, env.device)
-        self.beat.doing(
-            "building the model" + (f" from {cfg.model.path}" if cfg.model.path else "")
-        )
-        # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
-        self.model, self.parallel = build_training_model(
-            cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
-            seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
-            fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=self.precision.dtype, finetune=cfg.finetune,
-        )  # fmt: skip
-        # LoRA: base frozen, only the adapters train and are checkpointed
-        self.lora = cfg.finetune.method == "lora"
-        self.model_name = model_class_name(base_model(self.model))
-        self.layers = hf().moe_layers(self.model)
-        from ..hf.experts.router_losses import RouterLosses
-
-        self.router = RouterLosses(self.model)
-        router = self.layers[0].router
-        self.top_k = int(router.top_k) if router is not None else int(hf_config.num_experts_per_tok)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, tc.steps, cfg.optim)
-        self.state = TrainState(seed=tc.seed, world_size=env.world)
-        self.flops = FlopCounter.from_model(self.model)
-        self.flops.frozen_base = self.lora
-        if resume_from is not None:
-            self.beat.doing(f"loading the checkpoint {resume_from}")
-            saved = ckpt.load_checkpoint(
-                resume_from, self.model, self.optimizer, self.scheduler, trainable_only=self.lora
-            )
-            self.state = TrainState.from_dict({**saved, "world_size": env.world})
-        self.start_step, self.resumed_from = self.state.step, resume_from
-        self.saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
-        if env.main:  # only now: a refused resume leaves the run's files as they were
-            dump_config(cfg, self.config_file)
-        self.stepper = StepRunner(cfg, env, StepParts(
-            model=self.model, layers=self.layers, router=self.router, top_k=self.top_k,
-            optimizer=self.optimizer, scheduler=self.scheduler, parallel=self.parallel,
-            sampler=self.data.sampler, precision=self.precision, hooks=self.hooks,
-        ))  # fmt: skip
-        split = self.stepper.split  # parallel.cp > 1: each cp group scores its windows
-        micro_batch = micro_batch_size(tc.batch_size, split.data_world, tc.grad_accum)
-        self.evaluate = Evaluator(
-            self.model, self.data.eval_BL1, self.data.eval_bytes, env, micro_batch,
-            self.parallel is not None, self.precision, eval_targets=self.data.eval_targets,
-            split=split,
-        )  # fmt: skip
-        self.log = RunLog(
-            cfg, env, run_dir, self.precision, self.start_step if resume_from else None
-        )
+    def __init__(self, parts: RunParts):
+        self.__dict__.update(vars(parts))  # the parts by name: self.model, self.state, ...
 
     def header(self) -> str:
         return self.log.header(
@@ -265,22 +163,6 @@ class Trainer:
             self.log.close()
 
 
-def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
-    """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
-    if run_dir is None:
-        run_dir = on_rank0(lambda: str(latest_run() if resume else new_run_dir()), env)
-    return Path(run_dir)
-
-
-def with_tokenizer_resolved(cfg: Config) -> Config:
-    """`cfg` with data.tokenizer="auto" made concrete (see `tokenizer.resolve_spec`), so the
-    run's config.toml, its resume checks and its data cache name the tokenizer it used."""
-    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == cfg.data.tokenizer:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
-
-
 def train(
     cfg: Config, run_dir: str | None = None, resume: bool = False, hooks: TrainHooks | None = None
 ) -> dict:
@@ -288,41 +170,26 @@ def train(
     `hooks` (a `TrainHooks`) is called at fixed points of the run."""
     cfg = with_tokenizer_resolved(cfg)
     env = init_env(cfg.parallel.timeout_s, cfg.parallel.force_distributed)
-    lock, rdir = None, None
+    claimed = trainer = None
     try:
         with Heartbeat.for_run(env.main, cfg.log.progress) as beat:
-            try:
-                rdir = resolve_run_dir(run_dir, resume, env)
-                beat.doing("claiming the run directory and checking what it holds")
-                # locked first, then checked (rank 0; every rank gets the verdict): no other
-                # run changes the folder between its checks and this run
-                check = functools.partial(check_run_dir, cfg, rdir, resume, env.world)
-                lock = rank0_only(lambda: claim(rdir, resume, check, created=run_dir is None), env)
-                resume_from = broadcast(lock.checked if env.main else None, env)
-                beat.doing("checking the config and the layout")
-                hf_config = preflight(cfg, env, rdir)
-                trainer = Trainer(cfg, rdir, env, hf_config, resume_from, hooks, beat)
-            except BaseException:
-                # a run that never started leaves the folder as it was (a new one removed)
-                if lock is not None:
-                    lock.discard()
-                elif run_dir is None and rdir is not None and env.main:
-                    discard_new_run(rdir, None)  # new_run_dir made it; the claim failed
-                raise
+            parts, claimed = open_run(cfg, run_dir, resume, env, hooks, beat)
+            trainer = Trainer(parts)
             try:
                 summary = trainer.fit()
             except NonFiniteError as e:
                 s = trainer.state  # the failing step is not in s.step yet
                 every = s.skipped_in_a_row >= s.step - trainer.start_step + 1
-                fix = with_nonfinite_fix(e, rdir, resume_from, every, cfg.train.on_nonfinite)
-                raise fix from None
+                raise with_nonfinite_fix(
+                    e, parts.run_dir, parts.resumed_from, every, cfg.train.on_nonfinite
+                ) from None
         return broadcast(summary, env)
     finally:
-        if lock is not None:
-            lock.release()
+        if claimed is not None:
+            claimed.release()
         if env.distributed:
-            trainer = None  # its model and meshes hold the process groups
+            trainer = parts = None  # its model and meshes hold the process groups
             close_env()
 
 
-__all__ = ["Trainer", "adamw_kernel", "lr_factor", "model_class_name", "train"]
+__all__ = ["Trainer", "train"]

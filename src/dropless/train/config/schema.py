@@ -6,12 +6,16 @@ allowed. `config.py` reads TOML files and `--set` overrides into these classes; 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from ...parallel.mesh import ParallelConfig
+from ...quant.recipe import BACKENDS
+from ...quant.recipe import RECIPES as RECIPE_CLASSES
+from ...quant.recipe import SCALE_RULES as RECIPE_SCALE_RULES
 
-RECIPES = ("none", "delayed", "current", "mxfp8")
+RECIPES = tuple(RECIPE_CLASSES)  # "none" and the FP8 / MXFP8 recipes of dropless.quant
 DTYPES = ("auto", "fp32", "bf16")
 PARAM_DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -254,20 +258,20 @@ class OptimConfig:
         _choice("optim", "implementation", self.implementation, ADAMW_IMPLEMENTATIONS)
 
 
-#: FP8 recipe options -> the recipes that take them (dropless.quant.recipe)
-RECIPE_OPTIONS = {
-    "fp8_format": ("delayed", "current", "mxfp8"),
-    "fp8_saved_activations": ("delayed", "current", "mxfp8"),
-    "backend": ("delayed", "current", "mxfp8"),
-    "scale_rule": ("mxfp8",),
-    "margin": ("delayed", "current"),
-    "granularity": ("current",),
-    "amax_history_len": ("delayed",),
-    "amax_compute_algo": ("delayed",),
-}
+def _recipe_options() -> dict[str, tuple[str, ...]]:
+    """FP8 recipe option -> the recipes whose dataclass takes it (`dropless.quant.recipe`)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name, cls in RECIPE_CLASSES.items():
+        for f in dataclasses.fields(cls) if cls is not None else ():
+            if f.init:
+                out[f.name] = (*out.get(f.name, ()), name)
+    return out
+
+
+#: the keys of `PrecisionConfig` besides dtype and recipe, each with the recipes it applies to
+RECIPE_OPTIONS = _recipe_options()
 FP8_FORMATS = ("", "E4M3", "E5M2", "HYBRID")  # "": the recipe's own default
-SCALE_RULES = ("", "floor", "rceil")  # "": the recipe's own default ("floor")
-BACKENDS = ("auto", "emulated", "torch")
+SCALE_RULES = ("", *RECIPE_SCALE_RULES)  # "": the recipe's own default ("floor")
 GRANULARITIES = ("tensor", "row")
 AMAX_ALGOS = ("max", "most_recent")
 

@@ -193,6 +193,28 @@ def resolve_spec(spec: str, model_path: str = "") -> str:
     )
 
 
+def vocab_size(cfg, run_dir: Path | None = None) -> int:
+    """The vocabulary the run's tokenizer has, or will have once trained: what `dropless
+    train` (its preflight, with the run directory) and `dropless plan` (without) size the
+    built-in model's embedding by. A BPE already trained in the run directory counts at its
+    own size."""
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == "bytes":
+        return ByteTokenizer.vocab_size
+    if spec == "dna":
+        return DNATokenizer.vocab_size
+    if spec == "bpe":
+        cached = Path(run_dir or "") / "tokenizer"
+        if run_dir is not None and (cached / TOKENIZER_FILE).is_file():
+            return HFTokenizer.from_dir(cached).vocab_size
+        return cfg.data.bpe_vocab_size
+    if not Path(spec).is_dir():
+        raise ValueError(
+            f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
+        )
+    return HFTokenizer.from_dir(spec).vocab_size
+
+
 def build_tokenizer(spec: str, run_tok_dir: Path, texts, bpe_vocab_size: int):
     """The run's tokenizer: "bytes", "dna", "bpe" (trained on `texts()` once, then cached in
     `run_tok_dir`) or a directory to load (copied into `run_tok_dir`)."""

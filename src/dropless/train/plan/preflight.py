@@ -16,33 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ..data.corpus import data_files, micro_batch_size
-from ..data.genomics import DNATokenizer
-from ..data.tokenizer import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, resolve_spec
+from ..data.tokenizer import vocab_size
 from ..model.build import check_compatible, hf_config
 from ..model.precision import recipe_context
 from ..run.setup import Env, on_rank0
 from .trace import GIB, make_plan, resolve_hf_config
-
-
-def tokenizer_vocab(cfg, run_dir: Path) -> int:
-    """The vocabulary size the run's tokenizer has (or will have once trained)."""
-    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == "bytes":
-        return ByteTokenizer.vocab_size
-    if spec == "dna":
-        return DNATokenizer.vocab_size
-    if spec == "bpe":
-        cached = run_dir / "tokenizer"
-        return (
-            HFTokenizer.from_dir(cached).vocab_size
-            if (cached / TOKENIZER_FILE).is_file()
-            else cfg.data.bpe_vocab_size
-        )
-    if not Path(spec).is_dir():
-        raise ValueError(
-            f"data.tokenizer={spec!r}: not 'bpe', 'bytes', 'dna' or an existing tokenizer directory"
-        )
-    return HFTokenizer.from_dir(spec).vocab_size
 
 
 def warn_all_warmup(cfg) -> None:
@@ -89,7 +67,7 @@ def preflight(cfg, env: Env, run_dir: Path):
         data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
         data_files(cfg.data.eval_path, "data.eval_path")
-    vocab = tokenizer_vocab(cfg, run_dir)
+    vocab = vocab_size(cfg, run_dir)
     config = hf_config(cfg.model, vocab)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
     check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))

@@ -410,25 +410,12 @@ def plan_assumptions(cfg, cdtype, ep: int, skew: float, gpu) -> dict:
     }  # fmt: skip
 
 
-def _vocab(cfg) -> int:
-    """The built-in model's vocabulary as `dropless train` sizes it (a trained BPE at its
-    configured size; a checkpoint or config brings its own)."""
-    from ..data.genomics import DNATokenizer
-    from ..data.tokenizer import ByteTokenizer, HFTokenizer, resolve_spec
-
-    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == "bytes":
-        return ByteTokenizer.vocab_size
-    if spec == "dna":
-        return DNATokenizer.vocab_size
-    return cfg.data.bpe_vocab_size if spec == "bpe" else HFTokenizer.from_dir(spec).vocab_size
-
-
 def resolve_hf_config(cfg):
     """The Transformers config `dropless train` would build (no weights are read)."""
+    from ..data.tokenizer import vocab_size
     from ..model.build import hf_config
 
-    return hf_config(cfg.model, 0 if (cfg.model.path or cfg.model.config) else _vocab(cfg))
+    return hf_config(cfg.model, 0 if (cfg.model.path or cfg.model.config) else vocab_size(cfg))
 
 
 def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: float = 1.5, *, hf_config=None, compare_checkpointing: bool = True) -> Plan:  # fmt: skip

@@ -1,0 +1,181 @@
+"""A run's parts, built once, in order, each from the previous one: the run directory
+(claimed, then checked under its lock), the preflight checks, the data (tokenizer, token
+streams, sampler, held-out windows), the model (built, patched, LoRA) laid out over the
+processes (`model/build.py`, `model/parallelize.py`), the optimizer and its schedule, the
+state (fresh or resumed), the step, the evaluation and the log.
+
+    parts, claim = open_run(cfg, run_dir, resume, env, hooks, beat)
+
+`trainer.py` runs the loop over these parts; docs/design.md's route follows this order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import store as ckpt
+from .checkpoint.async_save import CheckpointSaver
+from .checkpoint.resume import check_run_dir, latest_run
+from .config.load import Config, dump_config
+from .data.corpus import micro_batch_size
+from .data.tokenizer import resolve_spec
+from .evaluation import Evaluator
+from .model.build import build_training_model
+from .model.lora import base_model
+from .model.precision import Precision
+from .plan.preflight import preflight
+from .report.flops import FlopCounter
+from .report.heartbeat import Heartbeat
+from .report.run_log import RunLog
+from .run.hooks import TrainHooks
+from .run.lazy import hf
+from .run.rundir import claim, discard_new_run, new_run_dir
+from .run.setup import Env, broadcast, on_rank0, rank0_first, rank0_only
+from .state import TrainState, build_optimizer, build_scheduler, prepare_data
+from .step import StepParts, StepRunner
+
+
+@dataclass
+class RunParts:
+    """Everything a run's loop uses, each part made once by `build_run`."""
+
+    cfg: Config
+    env: Env
+    run_dir: Path
+    hooks: TrainHooks
+    beat: Heartbeat
+    t_start: float  # when the build began (perf_counter), for the setup time and rates
+    cpu_start: float
+    config_file: Path
+    data: Any  # state.RunData: tokenizer, sampler, held-out windows, unigram figure
+    precision: Precision
+    model: Any
+    parallel: Any  # the layout over the processes; None on one process
+    lora: bool
+    model_name: str
+    layers: list
+    router: Any  # hf.experts.router_losses.RouterLosses
+    top_k: int
+    params: list
+    optimizer: Any
+    scheduler: Any
+    state: TrainState
+    flops: FlopCounter
+    start_step: int
+    resumed_from: Path | None
+    saver: CheckpointSaver
+    stepper: StepRunner
+    evaluate: Evaluator
+    log: RunLog
+
+
+def model_class_name(model) -> str:
+    """The model's class name; FSDP2 swaps in a subclass named FSDP<Name>, so the header
+    names the class the user asked for."""
+    return next(
+        (c.__name__ for c in type(model).__mro__ if not c.__name__.startswith("FSDP")),
+        type(model).__name__,
+    )
+
+
+def with_tokenizer_resolved(cfg: Config) -> Config:
+    """`cfg` with data.tokenizer="auto" made concrete (see `tokenizer.resolve_spec`), so the
+    run's config.toml, its resume checks and its data cache name the tokenizer it used."""
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == cfg.data.tokenizer:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+
+
+def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
+    """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
+    if run_dir is None:
+        run_dir = on_rank0(lambda: str(latest_run() if resume else new_run_dir()), env)
+    return Path(run_dir)
+
+
+def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, beat):
+    """-> (RunParts, the run directory's claim, to release when the run ends). The folder
+    is locked first, then checked (rank 0; every rank gets the verdict): no other run changes
+    it between its checks and this run. A run that fails before training leaves the folder
+    as it was (one this process made is removed)."""
+    claimed, rdir = None, None
+    try:
+        rdir = resolve_run_dir(run_dir, resume, env)
+        beat.doing("claiming the run directory and checking what it holds")
+        check = functools.partial(check_run_dir, cfg, rdir, resume, env.world)
+        claimed = rank0_only(lambda: claim(rdir, resume, check, created=run_dir is None), env)
+        resume_from = broadcast(claimed.checked if env.main else None, env)
+        return build_run(cfg, env, rdir, resume_from, hooks, beat), claimed
+    except BaseException:
+        if claimed is not None:
+            claimed.discard()
+        elif run_dir is None and rdir is not None and env.main:
+            discard_new_run(rdir, None)  # new_run_dir made it; the claim failed
+        raise
+
+
+def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
+    """The parts of a run in a claimed `run_dir`, in order (see the module's docstring)."""
+    hooks = hooks or TrainHooks()
+    beat.doing("checking the config and the layout")
+    hf_config = preflight(cfg, env, run_dir)
+    t_start, cpu_start, tc = time.perf_counter(), time.process_time(), cfg.train
+    # torch's RNG is seeded where the model is built; a resume restores all three
+    ckpt.seed_host_rngs(tc.seed)
+    beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
+    data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
+    precision = Precision(cfg.precision, env.device)
+    beat.doing("building the model" + (f" from {cfg.model.path}" if cfg.model.path else ""))
+    # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
+    model, parallel = build_training_model(
+        cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
+        seed=tc.seed, device=env.device, activation_checkpointing=tc.activation_checkpointing,
+        fused_rmsnorm=tc.fused_rmsnorm, compute_dtype=precision.dtype, finetune=cfg.finetune,
+    )  # fmt: skip
+    layers = hf().moe_layers(model)
+    from ..hf.experts.router_losses import RouterLosses
+
+    router = RouterLosses(model)
+    gate = layers[0].router
+    top_k = int(gate.top_k) if gate is not None else int(hf_config.num_experts_per_tok)
+    lora = cfg.finetune.method == "lora"  # base frozen, only the adapters train and are saved
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.optim)
+    scheduler = build_scheduler(optimizer, tc.steps, cfg.optim)
+    state = TrainState(seed=tc.seed, world_size=env.world)
+    flops = FlopCounter.from_model(model)
+    flops.frozen_base = lora
+    if resume_from is not None:
+        beat.doing(f"loading the checkpoint {resume_from}")
+        saved = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, trainable_only=lora)
+        state = TrainState.from_dict({**saved, "world_size": env.world})
+    saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
+    config_file = run_dir / "config.toml"
+    if env.main:  # only now: a refused resume leaves the run's files as they were
+        dump_config(cfg, config_file)
+    stepper = StepRunner(cfg, env, StepParts(
+        model=model, layers=layers, router=router, top_k=top_k, optimizer=optimizer,
+        scheduler=scheduler, parallel=parallel, sampler=data.sampler, precision=precision,
+        hooks=hooks,
+    ))  # fmt: skip
+    split = stepper.split  # parallel.cp > 1: each cp group scores its windows
+    micro_batch = micro_batch_size(tc.batch_size, split.data_world, tc.grad_accum)
+    evaluate = Evaluator(
+        model, data.eval_BL1, data.eval_bytes, env, micro_batch, parallel is not None,
+        precision, eval_targets=data.eval_targets, split=split,
+    )  # fmt: skip
+    log = RunLog(cfg, env, run_dir, precision, state.step if resume_from else None)
+    return RunParts(
+        cfg=cfg, env=env, run_dir=run_dir, hooks=hooks, beat=beat, t_start=t_start,
+        cpu_start=cpu_start, config_file=config_file, data=data, precision=precision,
+        model=model, parallel=parallel, lora=lora, model_name=model_class_name(base_model(model)),
+        layers=layers, router=router, top_k=top_k, params=params, optimizer=optimizer,
+        scheduler=scheduler, state=state, flops=flops, start_step=state.step,
+        resumed_from=resume_from, saver=saver, stepper=stepper, evaluate=evaluate, log=log,
+    )  # fmt: skip

@@ -13,13 +13,25 @@ would shard it a second time. Everything else is accelerate's usual loop: `accum
 it spans the experts' mesh and the dense one), and `dropless.hf.save_hf` on every rank
 for a checkpoint stock `from_pretrained` loads. Leave accelerate's FSDP and DeepSpeed
 settings off (`accelerate config`: no distributed wrapper beyond multi-process).
+
+`--cp 2`: each sequence split over 2 consecutive ranks (`dropless.parallelize(cp=2)`): the
+loader `accelerator.prepare` returns gives both the same rows (its data-parallel size is
+world / cp), and the model takes the whole sequences and splits them itself.
 """
 
 from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
-from moe_example_common import load_model, parser, report, save, shared_dir, tiny_checkpoint
+from moe_example_common import (
+    data_world,
+    load_model,
+    parser,
+    report,
+    save,
+    shared_dir,
+    tiny_checkpoint,
+)
 
 
 def main() -> None:
@@ -30,11 +42,14 @@ def main() -> None:
     rank, world = acc.process_index, acc.num_processes
     out = shared_dir(args.out, rank)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp)
     g = torch.Generator().manual_seed(args.seed + 1)
     n = args.steps * args.grad_accum * args.global_batch
     ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)
-    loader = torch.utils.data.DataLoader(ids, batch_size=args.global_batch // world)
+    # a data-parallel rank's share (world / --cp: the prepared loader gives a cp group the same)
+    loader = torch.utils.data.DataLoader(
+        ids, batch_size=args.global_batch // data_world(args, world)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     opt, loader = acc.prepare(opt, loader)  # not the model: it is laid out already
     losses, norms, total = [], [], 0.0

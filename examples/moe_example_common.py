@@ -1,6 +1,7 @@
 """What the scripts `ep_*.py` of this folder share: their options, the process group, a tiny
 Qwen3-MoE checkpoint when no `--model` is given, the model laid out by `dropless.parallelize`,
-and the batches (the same global batch for any number of processes, split by rank)."""
+and the batches (the same global batch for any number of processes, split over the
+data-parallel ranks: world / cp, the ranks of a cp group reading the same rows)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--ep", type=int, default=0, help="expert-parallel size (default: every process)"
     )
+    p.add_argument(
+        "--cp", type=int, default=1,
+        help="context-parallel size: each sequence split over this many consecutive ranks, "
+        "which get the same samples (default 1; ignored on one process)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument(
@@ -120,11 +126,18 @@ def trainer_setup(args, trainer_args):
     out = shared_dir(args.out, rank)
     trainer_args.output_dir = str(out)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed)
+    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp)
     return rank, world, out, path, model
 
 
-def load_model(path: str, world: int, ep: int, lora: int = 0, seed: int = 0, **parallelize_kwargs):
+def data_world(args, world: int) -> int:
+    """The data-parallel ranks: the processes over --cp (the cp ranks share samples)."""
+    return world // args.cp if world > 1 else 1
+
+
+def load_model(
+    path: str, world: int, ep: int, lora: int = 0, seed: int = 0, cp: int = 1, **parallelize_kwargs
+):
     """The patched model: on one process loaded whole; on several built on the meta device
     and laid out by `dropless.parallelize`, each rank reading only its shards.
 
@@ -133,7 +146,8 @@ def load_model(path: str, world: int, ep: int, lora: int = 0, seed: int = 0, **p
     their factors, which shard with them; the attention gets PEFT's), the base read from the
     checkpoint under its own names (`rename=checkpoint_name`), then the adapters given
     PEFT's initial values, drawn over their global shapes (`init_adapters`: the same for any
-    number of processes)."""
+    number of processes). cp > 1 (several processes): each sequence split over cp ranks
+    (`dropless.parallelize(cp=...)`: the model then takes whole sequences and splits them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dropless.patch()
@@ -145,12 +159,14 @@ def load_model(path: str, world: int, ep: int, lora: int = 0, seed: int = 0, **p
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     if not lora:
-        return dropless.parallelize(model, ep=ep or world, checkpoint=path, **parallelize_kwargs)
+        return dropless.parallelize(
+            model, ep=ep or world, cp=cp, checkpoint=path, **parallelize_kwargs
+        )
     from dropless.train.model.lora import checkpoint_name
 
     model = _with_lora(model, path, world, lora, seed=None)
     dropless.parallelize(
-        model, ep=ep or world, checkpoint=path, rename=checkpoint_name, **parallelize_kwargs
+        model, ep=ep or world, cp=cp, checkpoint=path, rename=checkpoint_name, **parallelize_kwargs
     )
     return _init_lora(model, seed)
 
@@ -194,14 +210,16 @@ def probe_logits(model, vocab: int, seq_len: int) -> list:
 
 def batches(args, vocab: int, rank: int, world: int):
     """Per optimizer step, its grad_accum micro-batches of token ids: this rank's rows of the
-    global batch (the same global data for any number of processes)."""
+    global batch (the same global data for any number of processes; the ranks of a cp group
+    get the same rows)."""
     g = torch.Generator().manual_seed(args.seed + 1)
-    per = args.global_batch // world
+    dp = data_world(args, world)
+    per, i = args.global_batch // dp, rank // (world // dp)
     for _ in range(args.steps):
         step = []
         for _ in range(args.grad_accum):
             ids = torch.randint(0, vocab, (args.global_batch, args.seq_len), generator=g)
-            step.append(ids[rank * per : (rank + 1) * per].to(device()))
+            step.append(ids[i * per : (i + 1) * per].to(device()))
         yield step
 
 
@@ -222,13 +240,14 @@ def report(out: Path, rank: int, record: dict) -> None:
 
 def trainer_arguments(args, out_default: str) -> dict:
     """The keyword arguments of a Transformers `TrainingArguments` (or TRL's `SFTConfig`)
-    for the run these scripts make: each process takes its share of the global batch, in
-    order, constant learning rate without weight decay, clipping, a loss logged per step,
+    for the run these scripts make: each data-parallel rank (world / --cp) takes its share
+    of the global batch, in order, constant learning rate without weight decay, clipping, a loss logged per step,
     no intermediate save (the Trainer script's --save-steps sets resumable ones), fp32
     unless --bf16 (TRL's SFTConfig and GRPOConfig would default to bf16 autocast)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return dict(
-        output_dir=args.out or out_default, per_device_train_batch_size=args.global_batch // world,
+        output_dir=args.out or out_default,
+        per_device_train_batch_size=args.global_batch // data_world(args, world),
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,

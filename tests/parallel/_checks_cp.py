@@ -293,6 +293,71 @@ def cp_refusals(rank, world):
         raise AssertionError("a length not divisible by 2*cp was accepted")
 
 
+def _raises(fn, *words) -> None:
+    try:
+        fn()
+    except ValueError as e:
+        assert all(w in str(e) for w in words), (words, str(e))
+        return
+    raise AssertionError(f"no error; expected one naming {words}")
+
+
+def cp_whole_sequences(rank, world):
+    """`dropless.parallelize(model, ep=2, cp=2)` on 4 ranks fed whole sequences, as
+    Transformers' Trainer, TRL and accelerate feed them (`context_parallel.install`): each
+    rank's logits are its half of the sequence, the model's own loss (labels shifted over
+    the whole sequence, over the group's target count) and every gradient equal one process
+    averaging the two groups' losses (FSDP's mean over the ranks); a batch `shard_batch`
+    split passes unchanged; different batches in a cp group, packed rows, an odd length and
+    the model's own balancing loss are refused on every rank."""
+    import dropless
+    from dropless.hf import parallel_mesh
+    from dropless.hf.distributed.context_parallel import cp_inputs
+
+    fam = _families()
+    model = fam.build("qwen3_moe", implementation=None, seed=7, max_position_embeddings=64)
+    dropless.patch_model(model)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "sdpa"
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, ref.config.vocab_size, (4, 16), generator=g)
+    labels = ids.clone()
+    labels[1, 10:] = IGNORE  # the groups hold different target counts
+    ref_losses = [ref(input_ids=ids[i : i + 2], labels=labels[i : i + 2]).loss for i in (0, 2)]
+    (sum(ref_losses) / 2).backward()
+
+    dropless.parallelize(model, ep=2, cp=2)
+    pm = parallel_mesh(model)
+    rows = slice(2 * pm.dp_rank, 2 * pm.dp_rank + 2)
+    out = model(input_ids=ids[rows], labels=labels[rows])
+    assert out.logits.shape[:2] == (2, 8), out.logits.shape  # this rank's half
+    out.loss.backward()
+    mean = out.loss.detach() / world
+    dist.all_reduce(mean)
+    _close(mean, (sum(ref_losses) / 2).detach(), "cp=2 x ep=2 whole-sequence loss")
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        _close(grad, ref_params[name].grad, f"whole sequences: grad of {name}")
+    with torch.no_grad():  # split by the loop: passed through, the same logits
+        local = cpx.shard_batch({"input_ids": ids[rows]}, 2, pm.cp_rank)
+        split = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        _close(split, out.logits.detach(), "a batch shard_batch split")
+        hook = cp_inputs(model)
+        hook.checked = False  # the check runs on the first forward: run it again
+        _raises(lambda: model(input_ids=ids[rows] + pm.cp_rank), "hold different batches",
+                "dp_rank")  # fmt: skip
+        packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16)
+        _raises(lambda: model(input_ids=ids[rows], position_ids=packed), "packing=False")
+        _raises(lambda: model(input_ids=ids[rows, :14]), "not divisible by 2 x cp = 4")
+        model.config.router_aux_loss_coef = 0.01
+        _raises(lambda: model(input_ids=ids[rows], output_router_logits=True),
+                "balancing loss", "RouterLosses")  # fmt: skip
+
+
 CHECKS = [
     "cp_attention_equals_reference",
     "cp_refusals",
@@ -301,4 +366,5 @@ CHECKS = [
     "cp_families_cp2",
     "cp_x_ep_fsdp",
     "cp_router_losses",
+    "cp_whole_sequences",
 ]

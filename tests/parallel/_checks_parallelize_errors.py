@@ -1,5 +1,6 @@
 """`dropless.parallelize`'s refusals, in one child process: first without a process group,
-then in a 1-process gloo group (what can be refused there); last, the call that works on
+then in a 1-process gloo group (what can be refused there: a model Transformers' tensor
+parallelism laid out among them); last, the call that works on
 one process equals the model it was given (logits; with activation checkpointing, the
 loss and every gradient). Prints OK."""
 
@@ -78,6 +79,10 @@ def main():
     first.ds_id = 0  # what DeepSpeed ZeRO-3 leaves on every parameter it partitions
     _raises(lambda: dropless.parallelize(model), "ZeRO-3", "deepspeed")
     del first.ds_id
+    for mark, value in (("_tp_size", 2), ("_device_mesh", object())):
+        setattr(model, mark, value)  # what from_pretrained(tp_plan=...) leaves on the model
+        _raises(lambda: dropless.parallelize(model), "own tensor or expert parallelism", "tp_plan")
+        delattr(model, mark)
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     want = model(input_ids=ids).logits
     assert dropless.parallelize(model, ep=1) is model

@@ -1,16 +1,18 @@
 """`dropless.parallelize` inside the trainers people use: each script of examples/ (`ep_*.py`)
 under `torchrun --nproc-per-node 2` on gloo with ep=2 gives the losses and gradient norms
-of one process (fp32, 6 steps, 2 micro-batches each, clipping active), and the model it
-saves loads in stock `from_pretrained` with the one-process weights; a LoRA run through
-Transformers' Trainer writes the one-process adapter, which stock PEFT loads; TRL's
-GRPOTrainer trains and saves. Also: the refusals of `parallelize`.
+of the same script on one process (fp32, 6 steps, 2 micro-batches each, clipping active),
+and the model it saves loads in stock `from_pretrained` with that run's weights; a LoRA run
+through Transformers' Trainer writes the one-process adapter, which stock PEFT loads; TRL's
+GRPOTrainer trains and saves. With `--cp 2` on 4 processes (2 data-parallel groups of 2
+context-parallel ranks) the Trainer, SFTTrainer (with ep=2) and accelerate scripts equal
+their one-process runs too. Also: the refusals of `parallelize`.
 
 Start-ups are shared (`_checks_parallelize_runs.py` runs several scripts' `main` in one
-process): one child runs the refusals and the one-process references (the plain loop,
-which the loop, Trainer, accelerate and SFTTrainer scripts all equal on one process, and
-the Trainer with LoRA), one torchrun the Trainer-based scripts (Trainer, Trainer with LoRA,
-SFTTrainer, GRPOTrainer); the loop and accelerate scripts, which end their process group,
-have a torchrun each."""
+process): one child runs the refusals and the one-process references (the plain loop, the
+Trainer, SFTTrainer and accelerate scripts, the Trainer with LoRA), one torchrun of 2 the
+Trainer-based scripts (Trainer, Trainer with LoRA, SFTTrainer, GRPOTrainer), one torchrun
+of 4 the cp runs (accelerate last: it ends its process group); the loop and accelerate
+scripts at ep=2 have a torchrun each."""
 
 import json
 import sys
@@ -79,12 +81,18 @@ def _runs(launch, out: Path, runs: dict, first: tuple = ()) -> tuple[dict, str]:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> dict:
     """The one-process runs, in one child: the refusals first (they need dropless not yet
-    patched), then the plain loop (the reference of the loop, Trainer, accelerate and
-    SFTTrainer scripts, which compute the same steps: same data, AdamW without weight
-    decay, the same clipping, fp32; checked: their one-process losses agree to 1e-7), and
-    the Trainer with LoRA."""
+    patched), then each script's one-process reference (the loop, Trainer, SFTTrainer and
+    accelerate scripts compute the same steps: same data, AdamW without weight decay, the
+    same clipping, fp32), and the Trainer with LoRA."""
     out = tmp_path_factory.mktemp("one")
-    runs = {"loop": ("ep_torch_loop.py", ""), "lora": ("ep_hf_trainer.py", LORA)}
+    runs = {
+        "accelerate": ("ep_accelerate.py", ""),
+        "loop": ("ep_torch_loop.py", ""),
+        "trainer": ("ep_hf_trainer.py", ""),
+        "lora": ("ep_hf_trainer.py", LORA),
+    }
+    if _has_trl():
+        runs["sft"] = ("ep_trl_sft.py", "")
     launch = lambda argv: run_python(argv, env=ENV, timeout=400)  # noqa: E731
     got, stdout = _runs(launch, out, runs, first=(str(ERRORS), ""))
     got["refusals"] = "OK" in stdout.splitlines()
@@ -106,9 +114,21 @@ def two(tmp_path_factory) -> dict:
     return _runs(lambda argv: torchrun(2, argv, env=ENV, timeout=400), out, runs)[0]
 
 
-def _equal_to_one_process(got, ref) -> None:
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> dict:
+    """`--cp 2` on 4 processes (dp 2 x cp 2), in one torchrun: Trainer (ep 4), SFTTrainer at
+    ep=2, accelerate (ep 4; last, as it ends the process group)."""
+    out = tmp_path_factory.mktemp("four")
+    runs = {"trainer": ("ep_hf_trainer.py", "--cp 2")}
+    if _has_trl():
+        runs["sft"] = ("ep_trl_sft.py", "--cp 2 --ep 2")
+    runs["accelerate"] = ("ep_accelerate.py", "--cp 2")
+    return _runs(lambda argv: torchrun(4, argv, env=ENV, timeout=400), out, runs)[0]
+
+
+def _equal_to_one_process(got, ref, world: int = 2) -> None:
     (got, two), (ref, one) = got, ref
-    assert (ref["world"], got["world"]) == (1, 2)
+    assert (ref["world"], got["world"]) == (1, world)
     assert len(got["losses"]) == 6
     assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
     assert got["grad_norms"][0] == pytest.approx(ref["grad_norms"][0], rel=1e-6)
@@ -129,7 +149,7 @@ def test_torch_loop_ep2_equals_one_process(tmp_path, one):
 
 
 def test_hf_trainer_ep2_equals_one_process(one, two):
-    _equal_to_one_process(two["trainer"], one["loop"])
+    _equal_to_one_process(two["trainer"], one["trainer"])
 
 
 def test_hf_trainer_resumes_exactly(one, two):
@@ -142,12 +162,12 @@ def test_hf_trainer_resumes_exactly(one, two):
     assert resumed["losses"] == pytest.approx(full["losses"][3:], rel=1e-6)
     assert resumed["grad_norms"] == pytest.approx(full["grad_norms"][3:], rel=1e-6)
     assert (out.parent / "trainer" / "checkpoint-3" / "dropless_optimizer").is_dir()
-    _same_weights(out / "final", one["loop"][1] / "final")
+    _same_weights(out / "final", one["trainer"][1] / "final")
 
 
 def test_accelerate_ep2_equals_one_process(tmp_path, one):
     pytest.importorskip("accelerate")
-    _equal_to_one_process(_torchrun_alone("ep_accelerate.py", tmp_path), one["loop"])
+    _equal_to_one_process(_torchrun_alone("ep_accelerate.py", tmp_path), one["accelerate"])
 
 
 def test_hf_trainer_lora_ep2_equals_one_process(one, two):
@@ -184,7 +204,24 @@ def test_trl_sft_ep2_equals_one_process(one, two):
     """TRL's SFTTrainer in fp32 (`bf16=False`: its SFTConfig defaults to bf16 autocast,
     whose rounding made 2 processes drift from one by ~1e-3)."""
     pytest.importorskip("trl")
-    _equal_to_one_process(two["sft"], one["loop"])
+    _equal_to_one_process(two["sft"], one["sft"])
+
+
+def test_hf_trainer_cp2_equals_one_process(one, four):
+    """Transformers' Trainer with `--cp 2` on 4 processes: the cp ranks read the same
+    samples (the data-parallel size accelerate's loader and Trainer's counts see is 2), each
+    its half of every sequence."""
+    _equal_to_one_process(four["trainer"], one["trainer"], world=4)
+
+
+def test_trl_sft_cp2_ep2_equals_one_process(one, four):
+    pytest.importorskip("trl")
+    _equal_to_one_process(four["sft"], one["sft"], world=4)
+
+
+def test_accelerate_cp2_equals_one_process(one, four):
+    pytest.importorskip("accelerate")
+    _equal_to_one_process(four["accelerate"], one["accelerate"], world=4)
 
 
 def test_trl_grpo_ep2_trains_and_saves(two):

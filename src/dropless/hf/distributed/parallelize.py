@@ -220,11 +220,13 @@ def parallelize(
     cp: context-parallel size: each sequence is split over cp consecutive ranks, whose
     attention runs across them (`dropless.parallel.context`: all-gather-KV causal
     attention; sliding windows refused); dense parameters are FSDP-sharded over
-    dp_shard x cp and ep may span the cp ranks. The loop feeds the cp ranks of a sequence
-    the same batch and each its part (`dropless.parallel.context.shard_batch`, with global
-    position_ids), and normalises the loss by the whole sequences' target count
-    (docs/hf.md). Transformers' Trainer and TRL feed every rank its own samples: cp > 1
-    is for loops that shard the batch themselves.
+    dp_shard x cp and ep may span the cp ranks. The cp ranks of a sequence get the same
+    whole sequences, which the model splits itself (`context_parallel.install`: a forward
+    pre-hook; labels shifted over the whole sequence, the loss over its target count), and
+    accelerate's prepared data loaders (Transformers' Trainer's and TRL's too) shard the
+    data over world / cp groups; the first forward checks the cp ranks hold the same batch.
+    A loop may also split the batch itself (`dropless.parallel.context.shard_batch`;
+    docs/hf.md).
     mixed_precision: None (compute in the parameters' dtype; autocast still applies), a
     dtype (FSDP2 gathers parameters in it and reduces fp32 gradients) or a
     `MixedPrecisionPolicy`. activation_checkpointing: non-reentrant per decoder layer, the
@@ -265,12 +267,18 @@ def parallelize(
         activation_checkpointing=activation_checkpointing, checkpoint=checkpoint,
         device=device, reshard_after_forward=reshard_after_forward, rename=rename,
     )  # fmt: skip
-    _ready_for_trainers(model, fsdp)
+    _ready_for_trainers(model, fsdp, cp)
     return model
 
 
-def _ready_for_trainers(model: nn.Module, fsdp: bool) -> None:
+def _ready_for_trainers(model: nn.Module, fsdp: bool, cp: int = 1) -> None:
     """What Transformers' Trainer, TRL and PEFT need of a model `parallelize` laid out."""
+    from . import context_parallel
+
+    if cp > 1:  # whole sequences in, each rank's part out; the cp ranks read the same data
+        context_parallel.install(model, parallel_mesh(model))
+    else:  # the data loaders accelerate prepares from now on follow this model's layout
+        context_parallel.forget()
     base = base_model(model)
     if fsdp and hasattr(base, "is_distributed_loading_by_transformers"):
         _mark_sharded(base, parallel_mesh(model))

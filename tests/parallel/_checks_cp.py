@@ -302,14 +302,31 @@ def _raises(fn, *words) -> None:
     raise AssertionError(f"no error; expected one naming {words}")
 
 
+def _trl_packed_batch_refused(model) -> None:
+    """What TRL's SFTTrainer feeds with packing=True (its `pack_dataset` and its collator,
+    padding-free: 4 documents in one row, positions restarting) is refused."""
+    try:
+        from datasets import Dataset
+        from trl.data_utils import pack_dataset
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    except ImportError:
+        return
+    docs = [list(range(3, 3 + n)) for n in (10, 6, 12, 4)]
+    packed = pack_dataset(Dataset.from_dict({"input_ids": docs}), 16)
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(list(packed))
+    assert batch["input_ids"].shape == (1, 32)
+    keep = ("input_ids", "labels", "position_ids")
+    _raises(lambda: model(**{k: batch[k] for k in keep}), "packing=False", "padding_free=False")
+
+
 def cp_whole_sequences(rank, world):
     """`dropless.parallelize(model, ep=2, cp=2)` on 4 ranks fed whole sequences, as
     Transformers' Trainer, TRL and accelerate feed them (`context_parallel.install`): each
     rank's logits are its half of the sequence, the model's own loss (labels shifted over
     the whole sequence, over the group's target count) and every gradient equal one process
     averaging the two groups' losses (FSDP's mean over the ranks); a batch `shard_batch`
-    split passes unchanged; different batches in a cp group, packed rows, an odd length and
-    the model's own balancing loss are refused on every rank."""
+    split passes unchanged; different batches in a cp group, packed rows (TRL's packing
+    included), an odd length and the model's own balancing loss are refused on every rank."""
     import dropless
     from dropless.hf import parallel_mesh
     from dropless.hf.distributed.context_parallel import cp_inputs
@@ -352,6 +369,7 @@ def cp_whole_sequences(rank, world):
                 "dp_rank")  # fmt: skip
         packed = torch.cat([torch.arange(8), torch.arange(8)]).expand(2, 16)
         _raises(lambda: model(input_ids=ids[rows], position_ids=packed), "packing=False")
+        _trl_packed_batch_refused(model)
         _raises(lambda: model(input_ids=ids[rows, :14]), "not divisible by 2 x cp = 4")
         model.config.router_aux_loss_coef = 0.01
         _raises(lambda: model(input_ids=ids[rows], output_router_logits=True),

@@ -2,14 +2,14 @@
 torch.export run for the routed expert MLP) against the same computation called directly.
 
 Rows, forward (under no_grad, as in decoding) and forward + backward of one routed
-expert MLP, interleaved within each round (median of the rounds, min-max):
-- `custom-op`: `ops.expert_mlp.custom_op.run`, i.e. the torch.library op and its
-  registered autograd (the backward is the second custom op);
-- `direct`: eager `ops.expert_mlp` on the path the op runs for the device (CPU: the
-  per-expert loop; elsewhere the grouped path on the op's GEMM backend), the same fused
-  Function without the custom-op layer.
-custom-op / direct is the cost of the custom-op layer; at T=1 (decode) the layer's
-fixed cost is largest against the work.
+expert MLP, back to back within each round, the order alternating:
+- `custom-op`: the `dropless::expert_mlp` op and its registered autograd (the backward
+  is the second custom op), each calling the engine's forward / backward directly;
+- `direct`: eager `ops.expert_mlp`: the same sort and engine schedule (the plan of the
+  device: CPU the per-expert loop, elsewhere the grouped path) through the engine's
+  autograd Function.
+The ratio is the median of the per-round ratios custom-op / direct, with their min-max:
+the cost of the custom-op layer; at T=1 (decode) its fixed cost is largest.
 
     python scripts/bench_expert_mlp_op.py [--tokens 1 16384] [--rounds 5] [--section FILE]
 """
@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dropless.bench.common import Recorder, provenance  # noqa: E402
 from dropless.ops import expert_mlp  # noqa: E402
-from dropless.ops.expert_mlp import custom_op  # noqa: E402
-from dropless.ops.expert_mlp.mlp_plan import plan_grouped  # noqa: E402
+from dropless.ops.expert_mlp.eager import _through_custom_op  # noqa: E402
 from dropless.ops.specs import ActivationConfig  # noqa: E402
 
 SWIGLU = ActivationConfig("swiglu", True, False, 1.702, 7.0)
@@ -47,12 +46,9 @@ def _operands(T, D, F, E, K, dtype):
 
 def _rows(ops):
     x, ids, w, gu, dn = ops
-    backend = (
-        "loop" if custom_op.uses_loop(x) else plan_grouped(x, gu, dn, SWIGLU, None).backend.name
-    )
     return {
-        "custom-op": lambda: custom_op.run(x, ids, w, gu, dn, None, None, SWIGLU, True)[0],
-        "direct": lambda: expert_mlp(x, ids, w, gu, dn, backend=backend)[0],
+        "custom-op": lambda: _through_custom_op(x, ids, w, gu, dn, SWIGLU, {})[0],
+        "direct": lambda: expert_mlp(x, ids, w, gu, dn)[0],
     }
 
 
@@ -79,7 +75,8 @@ def main(argv=None) -> None:
     rec = Recorder.start(argparse.Namespace(no_history=True))
     E, K, D, F = (int(v) for v in args.shape.split(","))
     lines = [f"E={E} K={K} D={D} F={F}, float32 on {torch.get_num_threads()} torch threads:", "",
-             "| T | pass | row | ms median | min-max | vs direct |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "| T | pass | custom-op ms | direct ms | ratio (median of rounds) | min-max |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     print("\n".join(lines), flush=True)
     for T in args.tokens:
         rows = _rows(_operands(T, D, F, E, K, torch.float32))
@@ -97,19 +94,16 @@ def _table(rows: dict, T: int, backward: bool, rounds: int) -> list[str]:
     reps = max(1, int(0.5 / min(warm)))  # about half a second per timing at least
     times = {name: [] for name in rows}
     for r in range(rounds):
-        order = list(rows)[r % len(rows) :] + list(rows)[: r % len(rows)]  # rotate
+        order = list(rows) if r % 2 == 0 else list(rows)[::-1]  # alternate who goes first
         for name in order:
             times[name].append(_time(rows[name], reps, backward) * 1e3)
-    direct = statistics.median(times["direct"])
+    ratios = [a / b for a, b in zip(times["custom-op"], times["direct"])]
     what = "fwd+bwd" if backward else "fwd (no_grad)"
-    out = []
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        out.append(
-            f"| {T} | {what} | {name} | {med:.3f} | {min(ts):.3f}-{max(ts):.3f} | {med / direct:.2f} |"
-        )
-        print(out[-1], flush=True)
-    return out
+    op, direct = (statistics.median(times[n]) for n in ("custom-op", "direct"))
+    line = (f"| {T} | {what} | {op:.3f} | {direct:.3f} | {statistics.median(ratios):.3f} | "
+            f"{min(ratios):.3f}-{max(ratios):.3f} |")  # fmt: skip
+    print(line, flush=True)
+    return [line]
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 a GPU against an fp64 run of the reference MLP on the same device: forward, dx,
 d gate_up, d down, d routing weights; with the weights read through TMA descriptors
 (sm90+) and through plain loads; the routing-weight gradient bitwise repeatable; the
-automatic plan's tuning writing its cache. Marker `gpu`: skipped without CUDA (the
+opt-in plan's tuning writing its cache. Marker `gpu`: skipped without CUDA (the
 fp32 interpreter checks of the same kernels are tests/triton/test_triton_gather_gemm.py).
 UNVERIFIED until run on a GPU.
 """
@@ -42,19 +42,20 @@ def rel_err(got, want) -> float:
 
 
 def _fused_plan(x, gu, dn):
-    """The gathered plan with every GEMM that has a fused kernel on it (no tuning)."""
-    from dropless.ops.expert_mlp.gathered_mlp import FUSED, GEMMS, gathered_gemms
-    from dropless.ops.expert_mlp.gpu import triton_gather_kernels
-    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+    """The plan with every fusable GEMM on the row-gathering kernels (no tuning)."""
+    from dropless.ops.expert_mlp.plan import (
+        FUSABLE,
+        GEMMS,
+        plan_expert_mlp,
+        triton_gather_kernels,
+    )
     from dropless.ops.specs import ActivationConfig
 
     plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped")
-    plain = plan.backend.name
-    choice = {g: (plain if g in ("down", "up_dgrad") else FUSED) for g in GEMMS}
-    gemms = gathered_gemms(
-        choice, triton_gather_kernels(), {plain: plan.backend}, plan.row_ops, plan.act_row_ops
+    gemms = tuple(None if g in FUSABLE else plan.gemm(g) for g in GEMMS)
+    return dataclasses.replace(
+        plan, gemms=gemms, kernels=triton_gather_kernels(), device_counts=True
     )
-    return dataclasses.replace(plan, path="gathered", gathered=gemms, device_counts=True)
 
 
 def _operands(T, E, K, D, F, ids, seed=0):
@@ -69,7 +70,7 @@ def _operands(T, E, K, D, F, ids, seed=0):
 
 def _run(plan_fn, x, ids, w_TK, gu, dn, g, dtype):
     from dropless.ops import sort_by_expert
-    from dropless.ops.expert_mlp.fused_mlp import fused_mlp
+    from dropless.ops.expert_mlp.engine import run as fused_mlp
 
     leaves = [t.cuda().to(dtype).requires_grad_(True) for t in (x, w_TK, gu, dn)]
     plan = plan_fn(leaves[0], leaves[2], leaves[3])
@@ -115,22 +116,23 @@ def test_the_routing_weight_gradient_is_bitwise_repeatable():
         assert torch.equal(a, b)
 
 
-def test_the_automatic_plan_tunes_once_and_caches(tmp_path, monkeypatch):
-    from dropless.ops.expert_mlp import gemm_tuning
-    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+def test_the_gathered_plan_tunes_once_and_caches(tmp_path, monkeypatch):
+    from dropless.ops.expert_mlp import plan as planning
     from dropless.ops.specs import ActivationConfig
 
     path = tmp_path / "tuning.json"
-    monkeypatch.setattr(gemm_tuning, "_TUNER", gemm_tuning.GemmTuner(path))
+    monkeypatch.setattr(planning, "_TUNER", [planning.GemmTuner(path)])
+    monkeypatch.setattr(planning, "_PLANS", {})
     x, ids, w_TK, gu, dn, g = _operands(*CASES["rows_past_one_tile"])
     args = (x.cuda().bfloat16(), gu.cuda().bfloat16(), dn.cuda().bfloat16(), ActivationConfig())
-    plan = plan_expert_mlp(*args, rows=ids.numel())
+    plan = planning.plan_expert_mlp(*args, path="gathered", tokens=ids.numel())
     choices = json.loads(path.read_text())["choices"]
-    assert len(choices) == 6 and plan.path in ("gathered", "grouped")
-    assert plan.path == "grouped" or dict(plan.gathered.choice) == {
-        k.split("|")[0]: v["pick"] for k, v in choices.items()
-    }
-    out = _run(lambda *a: plan_expert_mlp(*a, ActivationConfig(), rows=ids.numel()),
+    assert len(choices) == 4 and plan.kernels is not None
+    picks = {k.split("|")[0]: v["pick"] for k, v in choices.items()}
+    assert {g: (planning.FUSED if plan.gemm(g) is None else plan.gemm(g).name)
+            for g in planning.FUSABLE} == picks  # fmt: skip
+    out = _run(lambda *a: planning.plan_expert_mlp(*a, ActivationConfig(), path="gathered",
+                                                   tokens=ids.numel()),
                x, ids, w_TK, gu, dn, g, torch.bfloat16)  # fmt: skip
     for what, a, b in zip(
         ["out", "dx", "d weights", "d gate_up", "d down"], out, _reference(x, ids, w_TK, gu, dn, g)

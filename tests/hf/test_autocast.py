@@ -14,8 +14,7 @@ from families import FAMILIES, MORE_FAMILIES, build, clone_into
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dropless.hf as dh
-from dropless.ops.expert_mlp.fused_mlp import GroupedMLP
-from dropless.ops.expert_mlp.loop_mlp import LoopMLP
+from dropless.ops.expert_mlp.engine import RoutedMLP
 from dropless.ops.grouped_gemm.eager import GroupedGemm
 
 VOCAB = 96
@@ -57,7 +56,7 @@ def spy_expert_gemms(monkeypatch) -> list:
 
         return staticmethod(run)
 
-    for cls in (LoopMLP, GroupedMLP, GroupedGemm):
+    for cls in (RoutedMLP, GroupedGemm):
         monkeypatch.setattr(cls, "forward", wrap(cls.forward))
         monkeypatch.setattr(cls, "backward", wrap(cls.backward))
     return seen

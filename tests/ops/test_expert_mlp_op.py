@@ -8,7 +8,8 @@ fake rule, autograd)."""
 import pytest
 import torch
 
-from dropless.ops.expert_mlp import custom_op
+from dropless.ops.expert_mlp import eager
+from dropless.ops.expert_mlp.plan import plan_expert_mlp
 from dropless.ops.reference import activation_reference
 from dropless.ops.specs import ActivationConfig
 
@@ -61,9 +62,22 @@ CASES = {
 
 @pytest.fixture(params=["loop", "grouped"])
 def path(request, monkeypatch):
-    """The node runs eager's path for the device (CPU: the loop); both are checked here."""
-    monkeypatch.setattr(custom_op, "uses_loop", lambda x: request.param == "loop")
+    """The node runs eager's schedule for the device (CPU: the loop); both are checked here."""
+
+    def op_plan(x, gate_up, down, act, trans_w):
+        return plan_expert_mlp(x, gate_up, down, act, path=request.param, trans_w=trans_w)
+
+    monkeypatch.setattr(eager, "_op_plan", op_plan)
     return request.param
+
+
+def _run(x, ids, w, gate_up, down, b1, b2, act, trans_w):
+    """(out, pair_S, slot_TK, counts_E) of the op."""
+    out, _h, pair_S, slot_TK, counts_E = eager.expert_mlp_op(
+        x, ids, w.to(x.dtype), gate_up, down, b1, b2, act.kind, act.gated, act.interleaved,
+        float(act.alpha), float(act.limit), trans_w,
+    )  # fmt: skip
+    return out, pair_S, slot_TK, counts_E
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -80,7 +94,7 @@ def test_custom_op_matches_the_definition(case, act, bias, trans_w, path):
             for t in ops]  # fmt: skip
     ref = [t.clone().requires_grad_(True) if t is not None and t.is_floating_point() else t
            for t in ops]  # fmt: skip
-    out, pair_S, slot_TK, counts_E = custom_op.run(*mine, act, trans_w)
+    out, pair_S, slot_TK, counts_E = _run(*mine, act, trans_w)
     want = _reference(*ref, act, trans_w)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     ids_TK = ops[1]
@@ -104,4 +118,4 @@ def test_opcheck_schema_fake_and_autograd(path):
     args = (x.requires_grad_(), ids, w.requires_grad_(), gate_up.requires_grad_(),
             down.requires_grad_(), b1.requires_grad_(), b2.requires_grad_(),
             "swiglu", True, False, 1.702, 7.0, True)  # fmt: skip
-    torch.library.opcheck(custom_op.expert_mlp_op, args)
+    torch.library.opcheck(eager.expert_mlp_op, args)

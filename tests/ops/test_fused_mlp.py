@@ -9,9 +9,11 @@ import torch
 from dropless import ops
 from dropless.ops import dispatch
 from dropless.ops.expert_mlp import composed_mlp
-from dropless.ops.expert_mlp.fused_mlp import fused_mlp, pick_mlp_path
+from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.plan import plan_expert_mlp
 from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference
+from dropless.ops.specs import ActivationConfig
 
 
 def _ids(T, K, E, g, mode):
@@ -304,9 +306,10 @@ def test_recipe_keeps_the_composed_path():
 
 def test_path_choice_and_errors():
     x, w = torch.randn(2, 8), torch.randn(2, 8, 8)
-    assert pick_mlp_path(x, w, "loop") == "loop"
-    assert pick_mlp_path(x, w, "grouped_mm") == "grouped"
-    assert pick_mlp_path(x, w, None) == "loop"  # the CPU default (docs/performance.md)
+    swiglu = ActivationConfig()
+    assert plan_expert_mlp(x, w, w, swiglu, backend="loop").path == "loop"
+    assert plan_expert_mlp(x, w, w, swiglu, backend="grouped_mm").path == "grouped"
+    assert plan_expert_mlp(x, w, w, swiglu).path == "loop"  # the CPU default (docs/performance.md)
     x, ids_TK, w_TK, gu, dn, _, _ = _problem()
     with pytest.raises(ValueError, match="activation"):
         ops.expert_mlp(x, ids_TK, w_TK, gu, dn, activation="no_such_kind")

@@ -1,7 +1,9 @@
-"""The "gathered" expert-MLP path (ops/gathered_mlp.py) on CPU, every GEMM unfused: the
-same Function and backward schedule the fused kernels run on CUDA, against the reference
-in fp32 (forward and every gradient), its backward freeing h and the recomputed a before
-the weight gradients that do not read them, and the plan's rules for choosing it."""
+"""The engine's row-gathering slots on CPU: the four fusable GEMMs of a schedule run by
+torch stand-ins of the Triton kernels (`plan.GatherKernels`: gather the rows, GEMM, the
+eager activation or its backward), so the engine's fused-slot forward and backward
+schedule is checked against the reference in fp32 (forward and every gradient), its
+backward freeing h and the recomputed a before the weight gradients that do not read
+them, and the plan's rules for the gathered path (opt-in, never picked on CPU)."""
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
 
@@ -11,8 +13,10 @@ import pytest
 import torch
 
 from dropless.ops import sort_by_expert
-from dropless.ops.expert_mlp.fused_mlp import fused_mlp
-from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+from dropless.ops.activation.eager import act_bwd_eager, act_fwd_eager
+from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.plan import GatherKernels, plan_expert_mlp
+from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 
@@ -30,6 +34,43 @@ CASES = {
 }
 
 
+def _host(counts):
+    return counts.tolist() if isinstance(counts, torch.Tensor) else counts
+
+
+def _rows(t, index):
+    return t if index is None else t.index_select(0, index)
+
+
+def torch_kernels(watch=None) -> GatherKernels:
+    """The kernels' contract in torch ops; watch(name, tensors) sees each call."""
+    mm = backends._BACKENDS["loop"]
+
+    def up_act(x, idx, w, counts, prob, trans_w, interleaved, kind, alpha, limit):
+        h = mm.mm(_rows(x, idx), w, _host(counts), trans_w)
+        return h, act_fwd_eager(h, prob, interleaved, kind, alpha, limit)
+
+    def down_dact(g, idx, w, counts, h, prob, trans_w, interleaved, need_gp, recompute, *act):
+        da = mm.mm(_rows(g, idx), w, _host(counts), not trans_w)
+        return act_bwd_eager(da, h, prob, interleaved, need_gp, recompute, *act)
+
+    def wgrad(a, b, counts, ia, ib):
+        if watch:
+            watch("wgrad")
+        return mm.wgrad(_rows(a, ia), _rows(b, ib), _host(counts))
+
+    return GatherKernels(up_act, down_dact, wgrad, lambda x, w: True, ("swiglu", "gpt_oss"))
+
+
+def fused_plan(x, gu, dn, act, trans_w=True, kernels=None, capacity=False):
+    """The grouped plan with the four fusable GEMMs on the torch stand-in kernels."""
+    plan = plan_expert_mlp(x, gu, dn, act, path="grouped", trans_w=trans_w, capacity=capacity)
+    be = plan.backend
+    return dataclasses.replace(
+        plan, gemms=(None, be, None, None, None, be), kernels=kernels or torch_kernels()
+    )
+
+
 def _operands(T, E, K, D, F, opt, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=gen)
@@ -41,16 +82,13 @@ def _operands(T, E, K, D, F, opt, seed=0):
     return x, ids, w_TK, gu, dn, torch.randn(T, D, generator=gen)
 
 
-def _gathered(x, ids, w_TK, gu, dn, act, trans_w=True, hook=None):
-    """out of the forced "gathered" path; `hook(plan) -> plan` may wrap its GEMMs."""
+def _gathered(x, ids, w_TK, gu, dn, act, trans_w=True, kernels=None):
     E = gu.shape[0]
     if not trans_w:
         gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
     sp = sort_by_expert(ids, E)
     prob_S = w_TK.reshape(-1).index_select(0, sp.pair_S)
-    plan = plan_expert_mlp(x, gu, dn, act, path="gathered", rows=ids.numel(), trans_w=trans_w)
-    assert plan.path == "gathered"
-    plan = hook(plan) if hook else plan
+    plan = fused_plan(x, gu, dn, act, trans_w, kernels)
     return fused_mlp(
         x, prob_S, gu, dn, sp.counts_E, token_S=sp.token_S, slot_TK=sp.slot_TK,
         num_out=x.shape[0], activation=act, trans_w=trans_w, plan=plan,
@@ -81,41 +119,49 @@ def _storage_bytes(t):
     return t.untyped_storage().nbytes()
 
 
-def test_backward_frees_h_and_a_before_the_weight_gradients_that_do_not_read_them():
-    """A hook on the plan's GEMMs: h (from the "up" GEMM) is freed once the activation
-    backward has read it, before either weight gradient; the recomputed a once the down
-    weight gradient has read it, before the gate/up weight gradient and dx. With
-    retain_graph nothing is freed (a second backward still needs h)."""
+def test_backward_frees_h_and_a_before_the_weight_gradients_that_do_not_read_them(
+    monkeypatch,
+):
+    """h (from the fused "up") is freed once the activation backward has read it, before
+    either weight gradient; the recomputed a once the down weight gradient has read it,
+    before the gate/up weight gradient and dx. With retain_graph nothing is freed."""
     T, E, K, D, F, opt = CASES["swiglu"]
     x, ids, w_TK, gu, dn, g = _operands(T, E, K, D, F, opt)
     seen, kept = [], {}
+    base = torch_kernels()
 
-    def hook(plan):
-        G = plan.gathered
+    def up_act(*args):
+        kept["h"], a = base.up_act(*args)
+        return kept["h"], a
 
-        def up(*args):
-            kept["h"], a = G.up(*args)
-            return kept["h"], a
+    def down_dact(*args):
+        dh, gp, kept["a"] = base.down_dact(*args)
+        return dh, gp, kept["a"]
 
-        def down_dgrad(*args):
-            dh, gp, kept["a"] = G.down_dgrad(*args)
-            return dh, gp, kept["a"]
+    def look(name):
+        seen.append((name, _storage_bytes(kept["h"]), _storage_bytes(kept["a"])))
 
-        def watch(name, fn):
-            def call(*args):
-                seen.append((name, _storage_bytes(kept["h"]), _storage_bytes(kept["a"])))
-                return fn(*args)
+    def wgrad(*args):
+        look("down_wgrad" if len(seen) % 3 == 0 else "up_wgrad")
+        return base.wgrad(*args)
 
-            return call
+    loop = backends._BACKENDS["loop"]
 
-        gemms = dataclasses.replace(
-            G, up=up, down_dgrad=down_dgrad, down_wgrad=watch("down_wgrad", G.down_wgrad),
-            up_wgrad=watch("up_wgrad", G.up_wgrad), up_dgrad=watch("up_dgrad", G.up_dgrad),
-        )  # fmt: skip
-        return dataclasses.replace(plan, gathered=gemms)
+    def mm(a, b, counts, trans_b, out=None):
+        if "a" in kept:  # the backward's one backend GEMM: dx
+            look("up_dgrad")
+        return loop.mm(a, b, counts, trans_b)
 
+    spy = backends.GemmBackend("test_spy", mm, loop.wgrad, lambda a, b: True, priority=-1)
+    monkeypatch.setitem(backends._BACKENDS, "test_spy", spy)
+    kernels = dataclasses.replace(base, up_act=up_act, down_dact=down_dact, wgrad=wgrad)
     leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
-    out = _gathered(*leaves[:1], ids, *leaves[1:], ActivationConfig(), hook=hook)
+    sp = sort_by_expert(ids, E)
+    prob_S = leaves[1].reshape(-1).index_select(0, sp.pair_S)
+    plan = fused_plan(x, gu, dn, ActivationConfig(), kernels=kernels)
+    plan = dataclasses.replace(plan, gemms=tuple(None if b is None else spy for b in plan.gemms))
+    out = fused_mlp(leaves[0], prob_S, leaves[2], leaves[3], sp.counts, token_S=sp.token_S,
+                    slot_TK=sp.slot_TK, num_out=T, plan=plan)  # fmt: skip
     out.backward(g, retain_graph=True)
     S = T * K
     assert seen == [
@@ -138,18 +184,16 @@ def test_forced_gathered_path_refuses_biases_and_a_cpu_plan_never_picks_it():
                   num_out=x.shape[0], down_bias=torch.zeros(4, 12), path="gathered")  # fmt: skip
     with pytest.raises(ValueError, match="gated experts"):
         plan_expert_mlp(x, gu, dn, ActivationConfig("gelu", gated=False), path="gathered")
-    for path in (None, "grouped"):
-        assert plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path).path != "gathered"
+    for path in (None, "grouped", "gathered"):  # no row-gathering kernel runs on CPU
+        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path)
+        assert plan.kernels is None and None not in plan.gemms
 
 
 def test_gathered_plan_unfused_gemms_follow_the_grouped_backend():
     x, ids, w_TK, gu, dn, _ = _operands(*CASES["swiglu"])
     plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="gathered")
     grouped = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped")
-    assert plan.backend.name == grouped.backend.name
-    assert dict(plan.gathered.choice) == dict.fromkeys(
-        ["up", "down", "down_dgrad", "down_wgrad", "up_wgrad", "up_dgrad"], grouped.backend.name
-    )
+    assert plan.gemms == grouped.gemms and plan.backend.name == grouped.backend.name
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])  # row-op and torch activation backward
@@ -157,7 +201,6 @@ def test_grouped_path_frees_h_before_its_weight_gradients(monkeypatch, kind):
     """The grouped path's h is freed by its last reader, the activation backward, so it
     is gone when the weight-gradient GEMMs run (a spy backend checks at each call); with
     retain_graph it is kept."""
-    from dropless.ops.grouped_gemm import backends
     from dropless.ops.grouped_gemm.backends import GemmBackend
 
     loop, kept, at_wgrad = backends._BACKENDS["loop"], [], []
@@ -201,7 +244,9 @@ def test_gathered_path_with_dropped_pairs_matches_the_grouped_path():
     for path in ("gathered", "grouped"):
         leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
         prob_S = leaves[1].reshape(-1).index_select(0, sp.pair_S)
-        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path, capacity=True)
+        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped", capacity=True)
+        if path == "gathered":
+            plan = fused_plan(x, gu, dn, ActivationConfig(), capacity=True)
         out = fused_mlp(
             leaves[0], prob_S, leaves[2], leaves[3], sp.counts, token_S=sp.token_S,
             slot_TK=sp.slot_TK, num_out=T, plan=plan,
@@ -225,7 +270,9 @@ def test_gathered_path_on_sorted_rows_matches_the_grouped_path(with_prob):
     for path in ("gathered", "grouped"):
         leaves = [t.clone().requires_grad_(True) for t in (x, gu, dn)]
         prob = p.clone().requires_grad_(True) if with_prob else None
-        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path=path)
+        plan = plan_expert_mlp(x, gu, dn, ActivationConfig(), path="grouped")
+        if path == "gathered":
+            plan = fused_plan(x, gu, dn, ActivationConfig())
         out = fused_mlp(leaves[0], prob, leaves[1], leaves[2], counts, plan=plan)
         ins = leaves + ([prob] if with_prob else [])
         results.append([out, *torch.autograd.grad(out, ins, g)])

@@ -1,6 +1,7 @@
-"""The GEMM tuning cache (ops/gemm_tuning.py) with a fake timing function: where it lives,
-its keys, what invalidates it, a corrupt file, atomic writes; and the per-GEMM choice of
-the gathered path (`gathered_mlp.tune_gathered`) picking each GEMM's fastest candidate."""
+"""The GEMM tuning cache (ops/expert_mlp/plan.py) with a fake timer: where it lives, its
+keys, what invalidates it, a corrupt file, atomic writes; and the gathered plan's
+per-GEMM choice: tuned once, read from the cache with nothing allocated, and the same
+whatever rows a rank received."""
 
 import json
 import os
@@ -9,8 +10,9 @@ import warnings
 import pytest
 import torch
 
-from dropless.ops.expert_mlp import gemm_tuning
-from dropless.ops.expert_mlp.gemm_tuning import GemmTuner, cache_path, shape_key
+from dropless.ops.expert_mlp import plan as gemm_tuning
+from dropless.ops.expert_mlp.plan import FUSED, GatherKernels, GemmTuner, cache_path, shape_key
+from dropless.ops.specs import ActivationConfig
 
 ENV = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0"}
 
@@ -42,17 +44,12 @@ def test_cache_path_honours_xdg_cache_home(monkeypatch, tmp_path):
     assert cache_path() == tmp_path / "home" / ".cache" / "dropless" / "tuning.json"
 
 
-def test_keys_bucket_rows_and_separate_every_shape_parameter():
-    base = ("up", torch.bfloat16, 128, 131072, 2048, 768, True, "swiglu")
+def test_keys_separate_every_shape_parameter_and_no_row_count():
+    base = ("up", torch.bfloat16, 128, 2048, 768, True, "swiglu")
     key = shape_key(*base)
-    assert key == "up|bfloat16|E128|S131072|D2048|F768|nt|swiglu"
-    assert shape_key("up", torch.bfloat16, 128, 100000, 2048, 768, True, "swiglu") == key
-    assert shape_key("up", torch.bfloat16, 128, 131073, 2048, 768, True, "swiglu") != key
-    assert shape_key("up", torch.float32, 1, 1, 8, 4, True, "swiglu").startswith(
-        "up|float32|E1|S1|"
-    )
-    for i, other in [(0, "down"), (1, torch.float16), (2, 64), (4, 1024), (5, 384), (6, False),
-                     (7, "gpt_oss")]:  # fmt: skip
+    assert key == "up|bfloat16|E128|D2048|F768|nt|swiglu"
+    for i, other in [(0, "down"), (1, torch.float16), (2, 64), (3, 1024), (4, 384), (5, False),
+                     (6, "gpt_oss")]:  # fmt: skip
         changed = list(base)
         changed[i] = other
         assert shape_key(*changed) != key, (i, other)
@@ -153,66 +150,80 @@ def test_one_candidate_is_not_timed_and_none_is_an_error(tmp_path):
         _tuner(tmp_path / "t.json", timer).choose("k", {})
 
 
-def test_tune_gathered_picks_each_gemms_fastest_backend(tmp_path, monkeypatch):
-    """Two spy backends: "fast_mm" wins the plain and gather+mm GEMMs, "fast_wgrad" the
-    weight gradients; each candidate really runs its backend (the fake timer reads which
-    one ran), and the choice is per GEMM."""
-    from dropless.ops.expert_mlp.gathered_mlp import tune_gathered
-    from dropless.ops.grouped_gemm import backends
-    from dropless.ops.grouped_gemm.backends import GemmBackend
-    from dropless.ops.permute.row_ops import EAGER
-    from dropless.ops.specs import ActivationConfig
+def _never(*args, **kwargs):
+    raise AssertionError("a fake kernel ran")
 
-    loop, ran = backends._BACKENDS["loop"], []
 
-    def spy(name):
-        def mm(a, b, counts, trans_b, out=None):
-            ran.append((name, "mm"))
-            return loop.mm(a, b, counts.tolist(), trans_b)
+@pytest.fixture
+def gathered_plan(monkeypatch):
+    """plan_expert_mlp with fake row-gathering kernels on CPU; each tuning candidate is
+    (GEMM, implementation) for the fake timer instead of a run."""
+    kernels = GatherKernels(_never, _never, _never, lambda x, w: True, ("swiglu",), "fake")
+    monkeypatch.setattr(gemm_tuning.GATHER_KERNELS, "entries", {"fake": kernels})
+    monkeypatch.setattr(gemm_tuning.GATHER_KERNELS, "_gpu_hook", None)
+    monkeypatch.setattr(gemm_tuning, "_PLANS", {})
 
-        def wgrad(a, b, counts):
-            ran.append((name, "wgrad"))
-            return loop.wgrad(a, b, counts.tolist())
+    def candidates(g, kernels, be, ops, args):
+        return {be.name: lambda: (g, be.name), FUSED: lambda: (g, FUSED)}
 
-        return GemmBackend(name, mm, wgrad, lambda a, b: True, -1, device_counts=True)
+    monkeypatch.setattr(gemm_tuning, "_candidates", candidates)
 
-    seconds = {("fast_mm", "mm"): 1, ("fast_mm", "wgrad"): 3, ("fast_wgrad", "mm"): 2,
-               ("fast_wgrad", "wgrad"): 1}  # fmt: skip
+    def plan(x, tuner, tokens):
+        gemm_tuning._PLANS.clear()  # a new process
+        gu, dn = torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+        return gemm_tuning.plan_expert_mlp(
+            x, gu, dn, ActivationConfig(), path="gathered", tokens=tokens, tuner=tuner
+        )
+
+    return plan
+
+
+def test_the_gathered_plan_fuses_the_gemms_the_timer_finds_faster(tmp_path, gathered_plan):
+    fast = {("up", FUSED), ("down_dgrad", "x"), ("down_wgrad", FUSED), ("up_wgrad", "x")}
+    timed = []
 
     def timer(fn):
-        ran.clear()
-        fn()
-        return sum(seconds[r] for r in ran)
+        g, impl = fn()
+        timed.append(g)
+        return 1.0 if (g, FUSED if impl == FUSED else "x") in fast else 2.0
 
-    backends = {n: spy(n) for n in ("fast_mm", "fast_wgrad")}
-    x, gu, dn = torch.randn(6, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4)
-    tuner = _tuner(tmp_path / "t.json", timer)
-    choice = tune_gathered(x, gu, dn, ActivationConfig(), True, 12, None, backends, EAGER, None,
-                           tuner)  # fmt: skip
-    assert choice == {"up": "fast_mm", "down": "fast_mm", "down_dgrad": "fast_mm",
-                      "down_wgrad": "fast_wgrad", "up_wgrad": "fast_wgrad", "up_dgrad": "fast_mm"}  # fmt: skip
+    plan = gathered_plan(torch.randn(6, 8), _tuner(tmp_path / "t.json", timer), tokens=12)
+    assert plan.describe().split() == [
+        f"up={FUSED}", f"down={plan.backend.name}", f"down_dgrad={plan.backend.name}",
+        f"down_wgrad={FUSED}", f"up_wgrad={plan.backend.name}", f"up_dgrad={plan.backend.name}",
+    ]  # fmt: skip
+    assert sorted(timed) == sorted(["up", "down_dgrad", "down_wgrad", "up_wgrad"] * 2)
     keys = set(json.loads((tmp_path / "t.json").read_text())["choices"])
-    assert "down_wgrad|float32|E3|S16|D8|F4|nt|swiglu" in keys and len(keys) == 6
+    assert "down_wgrad|float32|E3|D8|F4|nt|swiglu" in keys and len(keys) == 4
 
 
-def test_without_timing_only_cached_picks_are_read(tmp_path):
-    """What the plan does while compiling or under a Python mode (fake tensors, FLOP
-    counters): no candidate runs; cached GEMMs keep their pick, the others get None."""
-    from dropless.ops.expert_mlp.gathered_mlp import tune_gathered
-    from dropless.ops.permute.row_ops import EAGER
-    from dropless.ops.specs import ActivationConfig
+def test_a_cached_plan_allocates_nothing_for_tuning_and_every_rank_picks_the_same(
+    tmp_path, gathered_plan, monkeypatch
+):
+    """Once the cache has the shape, a later process times nothing and makes no stand-in
+    operand; the rows form (what an expert-parallel rank runs on the rows it received)
+    never times and picks the same for any number of rows."""
 
+    def timer(fn):
+        g, impl = fn()
+        return 1.0 if impl == FUSED else 2.0
+
+    path = tmp_path / "t.json"
+    first = gathered_plan(torch.randn(6, 8), _tuner(path, timer), tokens=12)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("no stand-in operands for a cached choice")
+
+    monkeypatch.setattr(gemm_tuning, "_stand_ins", fail)
+    for rows, tokens in [(6, 12), (5, None), (17, None), (0, None)]:
+        plan = gathered_plan(torch.randn(rows, 8), _tuner(path, fail), tokens=tokens)
+        assert plan.gemms == first.gemms, (rows, tokens)
+
+
+def test_the_rows_form_never_times_and_keeps_the_grouped_backend_untuned(tmp_path,
+                                                                          gathered_plan):  # fmt: skip
     def timer(fn):
         raise AssertionError("nothing may be timed")
 
-    path = tmp_path / "t.json"
-    key = shape_key("down", torch.float32, 3, 12, 8, 4, True, "swiglu")
-    _tuner(path, FakeTimer({"a": 2.0, "b": 1.0})).choose(
-        key, FakeTimer({"a": 2, "b": 1}).candidates()
-    )
-    backends = {"a": None, "b": None}  # never called
-    x, gu, dn = torch.randn(6, 8), torch.randn(3, 8, 8), torch.randn(3, 8, 4)
-    choice = tune_gathered(x, gu, dn, ActivationConfig(), True, 12, None, backends, EAGER, None,
-                           _tuner(path, timer), timing=False)  # fmt: skip
-    assert choice == {"up": None, "down": "b", "down_dgrad": None, "down_wgrad": None,
-                      "up_wgrad": None, "up_dgrad": None}  # fmt: skip
+    plan = gathered_plan(torch.randn(6, 8), _tuner(tmp_path / "t.json", timer), tokens=None)
+    assert None not in plan.gemms and not (tmp_path / "t.json").exists()

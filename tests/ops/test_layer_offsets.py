@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.ops.expert_mlp import expert_mlp, grouped_mlp
-from dropless.ops.expert_mlp.fused_mlp import fused_mlp
+from dropless.ops.expert_mlp.engine import run as fused_mlp
 from dropless.ops.grouped_gemm import grouped_gemm
 from dropless.ops.permute import permute, sort_by_expert
 
@@ -114,7 +114,7 @@ def test_results_bitwise_equal_to_per_gemm_offsets(path, monkeypatch):
     shared, _ = _layer(path)
     for module in (
         gg,
-        *(sys.modules[f"dropless.ops.expert_mlp.{m}"] for m in ("fused_mlp", "gathered_mlp")),
+        sys.modules["dropless.ops.expert_mlp.engine"],
     ):
         monkeypatch.setattr(module, "bind_offsets", lambda be, *a, **k: be)
     own, _ = _layer(path)

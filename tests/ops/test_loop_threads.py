@@ -1,4 +1,4 @@
-"""The CPU loop's experts on worker threads (ops/expert_threads.py): the same numbers as
+"""The CPU loop's experts on worker threads (ops/expert_mlp/threads.py): the same numbers as
 the loop in the calling thread, forward and backward, on every edge case; commits in
 item order whatever order the items finish in; errors reach the caller."""
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dropless import ops
-from dropless.ops.expert_mlp import expert_threads, loop_mlp
+from dropless.ops.expert_mlp import loop as loop_mlp
+from dropless.ops.expert_mlp import threads as expert_threads
 from dropless.ops.reference import expert_mlp_reference
 from dropless.ops.specs import ActivationConfig
 

@@ -1,4 +1,4 @@
-"""The expert path is chosen once, by `mlp_plan.plan_expert_mlp`: its decisions tested
+"""The expert path is chosen once, by `plan.plan_expert_mlp`: its decisions tested
 directly (path, one GEMM backend for both projections, counts on the device or the host,
 the recipe, the eager fallback under compile), and the plan's promise kept: a backend
 that declares device counts gets no host sync."""
@@ -12,7 +12,7 @@ from sync_counter import count_syncs
 import dropless
 from dropless import ops
 from dropless.ops import dispatch
-from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+from dropless.ops.expert_mlp.plan import plan_expert_mlp
 from dropless.ops.grouped_gemm import backends
 from dropless.ops.grouped_gemm.backends import GemmBackend
 from dropless.ops.reference import expert_mlp_reference
@@ -98,7 +98,7 @@ def test_auto_under_compile_is_the_grouped_path(monkeypatch):
 
 
 def test_an_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="expected 'loop', 'grouped' or 'gathered'"):
+    with pytest.raises(ValueError, match="expected one of"):
         plan_expert_mlp(*_operands(), SWIGLU, path="fused")
 
 

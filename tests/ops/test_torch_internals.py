@@ -6,7 +6,7 @@ that changes them fails here, loudly, instead of silently changing results or me
   reference to it and the id of the backward it serves). torch has no public way to
   ask "am I in a checkpointed forward / its recompute" without the caller passing a
   `context_fn`, which Transformers' gradient checkpointing does not.
-- The per-expert loop (`ops/loop_mlp.py`) frees each expert's kept h early when
+- The per-expert loop (`ops/expert_mlp/loop.py`) frees each expert's kept h early when
   `torch._C._autograd._get_current_graph_task_keep_graph()` says the graph is freed
   after this backward (torch's own AOTAutograd reads the same flag; no public API).
 - A patched model's experts spec is a constant of the compiled graph: `hf/experts/forward.py`
@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dropless.ops.expert_mlp import loop_mlp
+from dropless.ops.expert_mlp import loop as loop_mlp
 from dropless.ops.replay import _frame_class, checkpoint_state
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -54,7 +54,7 @@ def test_the_checkpoint_frame_is_found_in_forward_and_recompute(device):
 def test_the_graph_task_says_whether_the_graph_is_kept(device):
     assert hasattr(torch._C._autograd, "_get_current_graph_task_keep_graph"), (
         "torch removed _get_current_graph_task_keep_graph: the loop MLP no longer frees "
-        "each expert's kept h early (peak backward memory grows; see ops/loop_mlp.py)"
+        "each expert's kept h early (peak backward memory grows; see ops/expert_mlp/loop.py)"
     )
     seen = []
 

@@ -18,8 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.hf import shard_hf_experts
 from dropless.nn import MoE
-from dropless.ops.expert_mlp.fused_mlp import GroupedMLP
-from dropless.ops.expert_mlp.loop_mlp import LoopMLP
+from dropless.ops.expert_mlp.engine import RoutedMLP
 from dropless.ops.grouped_gemm.eager import GroupedGemm
 from dropless.parallel import ParallelConfig, build_mesh, comm, shard_moe_experts
 
@@ -48,7 +47,7 @@ def _spies():
     """(dtypes of all-to-all payloads, dtypes of expert GEMM operands) while active."""
     payload, gemm = [], set()
     launch = comm._launch
-    saved = [(cls, n, cls.__dict__[n]) for cls in (LoopMLP, GroupedMLP, GroupedGemm)
+    saved = [(cls, n, cls.__dict__[n]) for cls in (RoutedMLP, GroupedGemm)
              for n in ("forward", "backward")]  # fmt: skip
 
     def spy_launch(x, *a, **k):

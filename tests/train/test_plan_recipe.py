@@ -74,9 +74,9 @@ def _operands(T=64, D=32, F=48, E=4, K=2, dtype=torch.float32):
 
 
 def test_the_custom_op_declares_what_it_keeps():
-    """The fake rule's saved part (`ops.expert_mlp.custom_op.saved_for_backward`) is what
+    """The fake rule's saved part (`ops.expert_mlp.eager.saved_for_backward`) is what
     `dropless::expert_mlp` keeps for backward, byte for byte."""
-    from dropless.ops.expert_mlp.custom_op import expert_mlp_op, saved_for_backward
+    from dropless.ops.expert_mlp.eager import expert_mlp_op, saved_for_backward
 
     x, ids, w, gate_up, down = _operands()
 

@@ -119,23 +119,19 @@ def _raw_checks(gk, counts, dev, x, idx, g, gu, dn, p, trans, kind, il):
 
 
 def _all_fused(plan):
-    """The "gathered" plan from a grouped one, every GEMM that has a fused kernel on it
-    (without tuning; the registry offers the kernels for CUDA tensors only: here for any)."""
-    from dropless.ops.expert_mlp.gathered_mlp import FUSED, GEMMS, gathered_gemms
-    from dropless.ops.expert_mlp.gpu import triton_gather_kernels
+    """The grouped plan with every fusable GEMM on the row-gathering kernels (without
+    tuning; the registry offers the kernels for CUDA tensors only: here for any)."""
+    from dropless.ops.expert_mlp.plan import FUSABLE, GEMMS, triton_gather_kernels
 
     kernels = dataclasses.replace(triton_gather_kernels(), supports=lambda x, w: True)
-    plain = plan.backend.name
-    choice = {g: (plain if g in ("down", "up_dgrad") else FUSED) for g in GEMMS}
-    be = {plain: plan.backend}
-    gemms = gathered_gemms(choice, kernels, be, plan.row_ops, plan.act_row_ops)
-    return dataclasses.replace(plan, path="gathered", gathered=gemms, device_counts=True)
+    gemms = tuple(None if g in FUSABLE else plan.gemm(g) for g in GEMMS)
+    return dataclasses.replace(plan, gemms=gemms, kernels=kernels, device_counts=True)
 
 
 def _mlp(case, device):
     from dropless.ops import sort_by_expert
-    from dropless.ops.expert_mlp.fused_mlp import fused_mlp
-    from dropless.ops.expert_mlp.mlp_plan import plan_expert_mlp
+    from dropless.ops.expert_mlp.engine import run as fused_mlp
+    from dropless.ops.expert_mlp.plan import plan_expert_mlp
     from dropless.ops.reference import expert_mlp_reference
     from dropless.ops.specs import ActivationConfig
 
@@ -171,9 +167,9 @@ def check(case, device: str) -> None:
     if what == "mlp":
         return _mlp(c, device)
     from dropless.ops.activation import activation_kernels as activations
-    from dropless.ops.expert_mlp.gpu import GATHER_KINDS
+    from dropless.ops.expert_mlp.plan import triton_gather_kernels
 
-    assert GATHER_KINDS == activations.KINDS
+    assert triton_gather_kernels().kinds == activations.KINDS
 
 
 test_interpreted, test_cuda = interpreted_tests(CASES, check)

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from ..ops.expert_mlp import gemm_tuning
+from ..ops.expert_mlp import plan as gemm_tuning
 from . import peers
 from .bound import BOUND_GEMMS, dense_bound, layer_flops, machine_rates
 from .common import (

@@ -8,7 +8,7 @@ with A [E, r, in] and B [E, out, r]. The product B_e A_e is never formed: the up
 costs two thin GEMMs per expert ([n, in] x [in, r], [n, r] x [r, out]) and keeps one
 [n, r] intermediate u = x_n A_e^T for backward. The base weight W gets no gradient.
 
-The fused expert Functions (`expert_mlp/fused_mlp.py`) take the factors as optional inputs and call
+The expert engine (`expert_mlp/engine.py`) takes the factors as optional inputs and calls
 the helpers below: the per-expert ones (`lowrank_fwd`, `lowrank_bwd`) from the loop,
 the whole-S ones (`grouped_lowrank_fwd`, `grouped_lowrank_bwd`) from the grouped path.
 """

@@ -23,6 +23,12 @@ ACTIVATION_KINDS: dict[str, str] = {
 }
 
 
+#: The gated kinds the Triton kernels compute (`activation/activation_kernels.py`: the
+#: first four elementwise on the gate, then the clamped ones); the row-gathering GEMMs'
+#: epilogues and the Triton activation read this one table.
+KERNEL_KINDS = ("swiglu", "gelu", "gelu_tanh", "relu2", "swiglu_clamp", "gpt_oss")
+
+
 def register_activation_kind(kind: str, formula: str) -> None:
     """Make `kind` a valid `ActivationConfig.kind`; `formula` says what it computes."""
     if not isinstance(kind, str) or not kind:

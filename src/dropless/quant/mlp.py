@@ -219,7 +219,10 @@ def saved_for_backward(
     R = T * K if rows is None else rows
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
     if recipe.fp8_saved_activations:
-        h = [x_TD.new_empty(R, N, dtype=torch.float8_e4m3fn), x_TD.new_empty(R, 1, dtype=torch.float32)]  # fmt: skip
+        h = [
+            x_TD.new_empty(R, N, dtype=torch.float8_e4m3fn),
+            x_TD.new_empty(R, 1, dtype=torch.float32),
+        ]
     else:
         h = [x_TD.new_empty(R, N)]
     index = [x_TD.new_empty(R, dtype=torch.int64) for _ in range(2)]  # token_S, pair_S
@@ -360,9 +363,15 @@ class _QGroupedMLP(torch.autograd.Function):
         da = mm(gq, w2q, counts, not trans_w, torch.float32 if ctx.be == "emulated" else x_dtype)
         # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
         dh, dprob, a_S = _swiglu_grads(
-            h, prob, da, ctx.needs_input_grad[1], recipe, ts(a_scale), x_dtype,
+            h,
+            prob,
+            da,
+            ctx.needs_input_grad[1],
+            recipe,
+            ts(a_scale),
+            x_dtype,
             lambda a, scale: col(a, "x", down, scale),
-        )  # fmt: skip
+        )
         g_S = gq if tensor_mode else col(g_SD, "g", down)
         d_down = wg(g_S, a_S, down.dtype)
         db2 = None

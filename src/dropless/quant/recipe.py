@@ -61,7 +61,7 @@ class _Recipe:
         return quantized_grouped_gemm(x_SD, w, counts, bias_EN, trans_w, self)
 
     def grouped_mlp(self, x, counts, prob_S, gate_up, down, **mlp_kwargs):
-        """`ops.grouped_mlp` under this recipe: the fused GroupedMLP step (see quant/mlp.py).
+        """`ops.grouped_mlp` under this recipe: the fused MLP step (see quant/mlp.py).
 
         Also takes x_TD with token_S / slot_TK / num_out (`takes_tokens`)."""
         return quantized_grouped_mlp(x, counts, prob_S, gate_up, down, recipe=self, **mlp_kwargs)

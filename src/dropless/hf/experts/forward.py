@@ -248,9 +248,17 @@ def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
     x_SD = permute(x_TD, sp)
     if spec.path == "fused":
         y_SD = grouped_mlp(
-            x_SD, sp.counts, None, w1, w2, gate_up_bias=b1, down_bias=b2,
-            activation=spec.activation, trans_w=spec.trans_w, offsets_E=sp.offsets_E,
-        )  # fmt: skip
+            x_SD,
+            sp.counts,
+            None,
+            w1,
+            w2,
+            gate_up_bias=b1,
+            down_bias=b2,
+            activation=spec.activation,
+            trans_w=spec.trans_w,
+            offsets_E=sp.offsets_E,
+        )
     else:
         offs = dict(trans_w=spec.trans_w, offsets_E=sp.offsets_E)  # one tensor for both GEMMs
         h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, **offs)
@@ -284,16 +292,26 @@ def dropless_experts_forward(
         keep_TK = ids_TK < w1.shape[0]
     if spec.path == "fused" and not spec.post_norm:
         out_TD, sp = expert_mlp(
-            x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
-            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w, lora=lora,
-        )  # fmt: skip
+            x_TD,
+            ids_TK,
+            top_k_weights,
+            w1,
+            w2,
+            keep_TK=keep_TK,
+            gate_up_bias=b1,
+            down_bias=b2,
+            activation=spec.activation,
+            trans_w=spec.trans_w,
+            lora=lora,
+        )
     else:
         if spec.path == "generic":
             _warn_once(
-                DroplessGenericGateWarning, spec.family,
+                DroplessGenericGateWarning,
+                spec.family,
                 f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
                 "this keeps more activations for backward than the fused path.",
-            )  # fmt: skip
+            )
         out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
     record_counts(self, sp.counts_E)
     count_call(spec)

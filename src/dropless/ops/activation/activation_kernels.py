@@ -34,8 +34,10 @@ import math
 import triton
 import triton.language as tl
 
+from ..specs import KERNEL_KINDS
+
 #: the kinds `glu` computes (all gated); `elementwise` computes the first four
-KINDS = ("swiglu", "gelu", "gelu_tanh", "relu2", "swiglu_clamp", "gpt_oss")
+KINDS = KERNEL_KINDS
 ELEMENTWISE_KINDS = KINDS[:4]
 
 # a jit function reads a global only when it is a constexpr

@@ -2,7 +2,7 @@
 
 A `RowOps` bundles the raw (non-autograd) functions that the autograd Functions of
 `eager.py` (permute, combine), `activation/swiglu.py` and
-`expert_mlp/fused_mlp.py` call; those Functions exist once and take
+`expert_mlp/engine.py` call; those Functions exist once and take
 their implementation from here. "eager" (torch ops: the specification, fp32 sums and
 activation math) is always registered; `gpu.py` registers "triton" (CUDA tensors only)
 on the first pick for a CUDA tensor. Picking never chooses an

@@ -8,7 +8,7 @@ split sizes depend on the routing. So the planner swaps each experts module's fo
 Function that allocates, at the sizes the routing fixes:
 
 - in forward, what the expert MLP keeps for backward, as its own folder declares it:
-  `dropless.ops.expert_mlp.custom_op.saved_for_backward` (the fake rule of the
+  `dropless.ops.expert_mlp.eager.saved_for_backward` (the fake rule of the
   `dropless::expert_mlp` custom op: h [R, N] in the compute dtype and the sort's
   indices) or, under a precision recipe, `dropless.quant.mlp.saved_for_backward` (h in
   E4M3 with one fp32 scale per row when precision.fp8_saved_activations is on, the
@@ -53,14 +53,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def declared_saved(x_TD, ids_TK, w1, rows: int) -> tuple[torch.Tensor, ...]:
     """What the expert MLP of this call keeps for backward, as its op declares it: the
     recipe's MLP under a recipe (`dropless.quant.mlp`), else the routed expert MLP's fake
-    rule (`dropless.ops.expert_mlp.custom_op`). Weights [E, N, D] (trans_w) or [E, D, N]."""
+    rule (`dropless.ops.expert_mlp.eager`). Weights [E, N, D] (trans_w) or [E, D, N]."""
     trans_w = w1.shape[1] != x_TD.shape[1]
     recipe = get_recipe()
     if recipe is not None:
         from ...quant.mlp import saved_for_backward
 
         return saved_for_backward(recipe, x_TD, ids_TK, w1, trans_w, rows)
-    from ...ops.expert_mlp.custom_op import saved_for_backward
+    from ...ops.expert_mlp.eager import saved_for_backward
 
     return saved_for_backward(x_TD, ids_TK, w1, trans_w, rows)
 
@@ -109,7 +109,7 @@ class _DeclaredExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_TD):
-        # the live set of `GroupedMLP.backward`, in its order
+        # the live set of the engine's grouped backward, in its order
         saved = ctx.saved_tensors  # once: under activation checkpointing a second read raises
         s1, d1, s2, d2, rows, D, N, S = ctx.shapes
         x = g_TD  # the compute dtype's tensors are made like the output gradient

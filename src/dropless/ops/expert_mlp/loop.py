@@ -1,7 +1,7 @@
-"""The per-expert loop behind `fused_mlp` (the CPU default); see fused_mlp.py for the
-contract and what is saved for backward.
+"""The engine's "loop" schedule (the CPU default): the whole routed MLP as one pass per
+expert, for the engine's Function (`engine.py`) and the custom op alike.
 
-Each expert is one work item (`expert_threads.run_experts`): gather its rows, gate/up
+Each expert is one work item (`threads.run_experts`): gather its rows, gate/up
 GEMM, activation x prob, down GEMM, and, for the combine, an `index_add_` into the
 output committed in expert order. With more than one torch thread and experts big
 enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
@@ -29,10 +29,9 @@ from types import SimpleNamespace
 import torch
 
 from ..activation.eager import act_forward, act_input_grad, act_parts
-from ..compute_dtype import autocast_off
-from ..lora import lowrank_bwd, lowrank_fwd, lowranks
-from .expert_threads import python_modes_active, run_experts
-from .mlp_parts import Needs, bounds, input_grads, wt
+from ..lora import lowrank_bwd, lowrank_fwd
+from .plan import Needs, Saved
+from .threads import python_modes_active, run_experts
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
@@ -74,7 +73,18 @@ def _at(g_E, e):
     return None if g_E is None else g_E[e]
 
 
-_LORA_AT = 9  # where LoopMLP's low-rank factors start among its inputs
+def wt(w, e, trans_w):
+    """The [in, out] operand of expert e: w[e]^T for the nn.Linear layout, else w[e]."""
+    return w[e].t() if trans_w else w[e]
+
+
+def bounds(counts):
+    """(expert, first row, end row) of every expert with rows."""
+    lo = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, lo, lo + n
+        lo += n
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -122,110 +132,148 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     return g
 
 
-class LoopMLP(torch.autograd.Function):
-    """x (x_TD with token_S, or x_SD when token_S is None) -> out_TD (or y_SD)."""
+def forward(
+    x,
+    prob_S,
+    gate_up,
+    down,
+    gu_bias,
+    d_bias,
+    token_S,
+    counts,
+    act,
+    trans_w,
+    num_out,
+    lr1=None,
+    lr2=None,
+    one_h: bool = False,
+):
+    """(out_TD with token_S, else y_SD; the `Saved` of the call). one_h: keep every
+    expert's h as rows of one [S, N] tensor (the custom op's output), else one tensor per
+    expert (freed one by one in backward)."""
+    S, D = int(sum(counts)), x.shape[1]
+    N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+    F = N // 2 if act.gated else N
+    nmax = max(counts, default=0)
+    gathered = token_S is not None
+    acc = _acc_dtype(x.dtype)
+    st = SimpleNamespace(
+        x=x,
+        prob_S=prob_S,
+        gate_up=gate_up,
+        down=down,
+        gu_bias=gu_bias,
+        d_bias=d_bias,
+        token_S=token_S,
+        act=act,
+        trans_w=trans_w,
+        lr1=lr1,
+        lr2=lr2,
+        gathered=gathered,
+        h_of={},
+        h_SN=x.new_empty(S, N) if one_h else None,
+        out=x.new_zeros(num_out, D, dtype=acc) if gathered else x.new_empty(S, D),
+        u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
+        u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
+    )
 
-    @staticmethod
-    @autocast_off
-    def forward(ctx, x, prob_S, gate_up, down, gu_bias, d_bias, token_S, counts, cfg, *lora):
-        act, trans_w, num_out = cfg
-        lr1, lr2 = lowranks(lora)
-        S, D = int(sum(counts)), x.shape[1]
-        N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
-        F = N // 2 if act.gated else N
-        nmax = max(counts, default=0)
-        gathered = token_S is not None
-        st = SimpleNamespace(
-            x=x, prob_S=prob_S, gate_up=gate_up, down=down, gu_bias=gu_bias, d_bias=d_bias,
-            token_S=token_S, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2, gathered=gathered,
-            h_of={},  # expert -> its [n, N] gate/up output, kept for backward
-            # the custom op (`expert_mlp/custom_op.py`, keep_h) keeps every expert's h as
-            # rows of one [S, N] tensor: written there, not joined by a copy afterwards
-            h_SN=x.new_empty(S, N) if getattr(ctx, "keep_h", False) else None,
-            out=x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D),
-            u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
-            u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
-        )  # fmt: skip
+    def scratch():
+        return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
 
-        def scratch():
-            return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
+    def commit(item, bufs):
+        _, lo, hi = item
+        _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
 
-        def commit(item, bufs):
-            _, lo, hi = item
-            _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
+    _run_in_input_dtype(
+        list(bounds(counts)),
+        lambda item, s, bufs: _forward_expert(st, item, s, bufs),
+        workers=_num_workers(x, counts, 2 * D * (N + F)),
+        make_scratch=scratch,
+        commit=commit if gathered else None,
+        new_out=_row_buffers(x, nmax, D),
+    )
+    # one h per expert, empty ones too: the number of saved tensors does not depend on
+    # the routing (activation checkpointing compares it with the recompute's)
+    empty = x.new_empty(0, N)
+    h = st.h_SN if one_h else tuple(st.h_of.get(e, empty) for e in range(len(counts)))
+    saved = Saved(
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gu_bias,
+        d_bias,
+        token_S,
+        None,
+        h,
+        list(counts),
+        act,
+        trans_w,
+        u1=st.u1_SR,
+        u2=st.u2_SR,
+    )
+    return st.out.to(x.dtype), saved
 
-        _run_in_input_dtype(
-            list(bounds(counts)),
-            lambda item, s, bufs: _forward_expert(st, item, s, bufs),
-            workers=_num_workers(x, counts, 2 * D * (N + F)),
-            make_scratch=scratch,
-            commit=commit if gathered else None,
-            new_out=_row_buffers(x, nmax, D),
-        )
-        # one h per expert, empty ones too: the number of saved tensors does not depend
-        # on the routing (activation checkpointing compares it with the recompute's)
-        empty = x.new_empty(0, N)
-        ctx.save_for_backward(
-            x, prob_S, gate_up, down, gu_bias, d_bias, token_S, st.u1_SR, st.u2_SR, *lora[:4],
-            *(st.h_of.get(e, empty) for e in range(len(counts))),
-        )  # fmt: skip
-        ctx.counts, ctx.cfg, ctx.lora_scales = counts, cfg, lora[4:]
-        ctx.h_SN = st.h_SN
-        return st.out.to(x.dtype)
 
-    @staticmethod
-    @autocast_off
-    def backward(ctx, g_out):
-        x, prob_S, gate_up, down, gu_bias, d_bias, token_S, u1_SR, u2_SR, *rest = ctx.saved_tensors
-        n_lora = 4 if ctx.lora_scales else 0  # (a1, b1, a2, b2) when LoRA factors came in
-        ABAB, hs = rest[:n_lora], rest[n_lora:]
-        act, trans_w, _ = ctx.cfg
-        lr1, lr2 = lowranks((*ABAB, *ctx.lora_scales))
-        counts, need = ctx.counts, Needs.of(ctx, _LORA_AT)
-        D = x.shape[1]
-        N = gate_up.shape[1] if trans_w else gate_up.shape[2]
-        F = N // 2 if act.gated else N
-        nmax = max(counts, default=0)
-        st = SimpleNamespace(
-            x=x, prob_S=prob_S, gate_up=gate_up, down=down, d_bias=d_bias, token_S=token_S,
-            u1_SR=u1_SR, u2_SR=u2_SR, hs=hs, act=act, trans_w=trans_w, lr1=lr1, lr2=lr2,
-            g_out=g_out.contiguous(), gathered=token_S is not None,
-            # h is unpacked above and its storage is the loop's own; with the graph freed
-            # after this node anyway, each expert's h goes as soon as it has been read
-            # (not in the custom op's backward, `expert_mlp/custom_op.py`: there h is the
-            # op's input, one storage for every expert, held by the op's autograd node)
-            release=graph_released() and not python_modes_active() and not getattr(ctx, "keep_h", False),
-            **_grad_buffers(need, token_S is not None, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts),
-        )  # fmt: skip
+def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -> tuple:
+    """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2);
+    release: free each expert's h once read (a backward that frees the graph)."""
+    x, gate_up, counts, act, trans_w = sv.x, sv.gate_up, sv.counts, sv.act, sv.trans_w
+    hs = sv.h if isinstance(sv.h, tuple) else sv.h.split(counts)
+    D = x.shape[1]
+    N = gate_up.shape[1] if trans_w else gate_up.shape[2]
+    F = N // 2 if act.gated else N
+    nmax = max(counts, default=0)
+    gathered = sv.token_S is not None
+    st = SimpleNamespace(
+        x=x,
+        prob_S=sv.prob_S,
+        gate_up=gate_up,
+        down=sv.down,
+        d_bias=sv.d_bias,
+        token_S=sv.token_S,
+        u1_SR=sv.u1,
+        u2_SR=sv.u2,
+        hs=hs,
+        act=act,
+        trans_w=trans_w,
+        lr1=lr1,
+        lr2=lr2,
+        g_out=g_out.contiguous(),
+        gathered=gathered,
+        release=release and isinstance(sv.h, tuple),
+        **_grad_buffers(
+            need, gathered, x, sv.prob_S, gate_up, sv.down, sv.gu_bias, sv.d_bias, sv.lora, counts
+        ),
+    )
 
-        def scratch():
-            def rows(k):
-                return x.new_empty(nmax, k)
+    def scratch():
+        def rows(k):
+            return x.new_empty(nmax, k)
 
-            # "rows": the gathered gy, then (once gy is used up) the gathered x;
-            # act[0] is free once act_parts returns: ap, then the prob gradient's product
-            return {
-                "rows": rows(D) if st.gathered else None,
-                "da": rows(F),
-                "dh": rows(N),
-                "act": [rows(F) for _ in range(4)],
-            }
+        # "rows": the gathered gy, then (once gy is used up) the gathered x; act[0] is
+        # free once act_parts returns: ap, then the prob gradient's product
+        return {
+            "rows": rows(D) if gathered else None,
+            "da": rows(F),
+            "dh": rows(N),
+            "act": [rows(F) for _ in range(4)],
+        }
 
-        def commit(item, bufs):
-            _, lo, hi = item
-            _sum_into(st.gx, token_S[lo:hi], bufs, hi - lo)
+    def commit(item, bufs):
+        _, lo, hi = item
+        _sum_into(st.gx, sv.token_S[lo:hi], bufs, hi - lo)
 
-        _run_in_input_dtype(
-            list(bounds(counts)),
-            lambda item, s, bufs: _backward_expert(st, item, s, bufs),
-            workers=_num_workers(x, counts, 4 * D * (N + F)),
-            make_scratch=scratch,
-            commit=commit if st.gathered and st.gx is not None else None,
-            new_out=_row_buffers(x, nmax, D),
-        )
-        gx = None if st.gx is None else st.gx.to(x.dtype)
-        base = (gx, st.gp, st.ggu, st.gd, st.ggb, st.gdb)
-        return input_grads(ctx, _LORA_AT, base, (st.g1a, st.g1b, st.g2a, st.g2b))
+    _run_in_input_dtype(
+        list(bounds(counts)),
+        lambda item, s, bufs: _backward_expert(st, item, s, bufs),
+        workers=_num_workers(x, counts, 4 * D * (N + F)),
+        make_scratch=scratch,
+        commit=commit if gathered and st.gx is not None else None,
+        new_out=_row_buffers(x, nmax, D),
+    )
+    gx = None if st.gx is None else st.gx.to(x.dtype)
+    return (gx, st.gp, st.ggu, st.gd, st.ggb, st.gdb, st.g1a, st.g1b, st.g2a, st.g2b)
 
 
 def _forward_expert(st, item, s, bufs) -> None:

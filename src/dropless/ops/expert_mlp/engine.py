@@ -1,0 +1,449 @@
+"""The expert engine: the routed MLP (gather rows -> gate/up GEMM -> activation x prob ->
+down GEMM -> combine) as ONE autograd Function, `RoutedMLP`, whose schedule is data (a
+`plan.Schedule`), and the `forward` / `backward` it runs, which the custom op
+(`eager.py`) calls directly.
+
+Two schedules run it:
+
+- "loop" (`loop.py`, the CPU default): one pass per expert that gathers its rows into a
+  small buffer, runs both GEMMs with `torch.mm(out=)`, the activation x prob in place,
+  and `index_add_`s into the output in expert order (deterministic), spread over worker
+  threads (`threads.py`) when the experts are many and big enough;
+- "grouped": whole-S gathers and grouped GEMMs, each of the six (`plan.GEMMS`) on the
+  backend the schedule names, or, where it names None, the Triton kernel that gathers
+  its rows and computes the activation (or its backward) in its epilogue
+  (`gather_gemm_kernels.py`). With the counts on the device and backends that take
+  them there (`grouped_mm`, `triton`), nothing is read on the host.
+
+Saved for backward (`plan.Saved`), per kept (token, expert) pair: the gate/up output h
+[N] in the compute dtype, the routing prob and the sort's indices, plus x_TD, which the
+caller holds anyway. The gathered x and the activation are recomputed in backward, the
+expert outputs never kept: at D=1024, F=384, 768 values per pair against 2816 for the
+composed autograd graph. A backward that frees the graph as it goes frees h once the
+activation backward has read it, before the weight gradients run.
+
+Both schedules take biases (the down bias is scaled by the prob), every activation of
+`ActivationConfig`, `trans_w=False`, dropped pairs (capacity: the caller's SortedPairs
+leave them out) and low-rank (LoRA) factors for either projection (`lora.py`: two thin
+GEMMs per expert beside the base one, the [S, r] intermediate saved). The row-gathering
+kernels run gated experts without biases or factors only.
+"""
+
+# T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, K top-k,
+# S sorted (kept) pairs
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..activation.eager import act_forward, act_input_grad, act_parts
+from ..activation.swiglu import check_supported
+from ..compute_dtype import autocast_off
+from ..grouped_gemm.eager import bind_offsets, group_offsets
+from ..lora import (
+    LowRank,
+    check_lowrank,
+    grouped_lowrank_bwd,
+    grouped_lowrank_dx,
+    grouped_lowrank_fwd,
+    lora_inputs,
+    lowranks,
+)
+from ..specs import ActivationConfig, as_activation
+from . import loop
+from .loop import free_storage, graph_released
+from .plan import Needs, Saved, Schedule, plan_expert_mlp
+from .threads import python_modes_active
+
+_LORA_AT = 14  # where RoutedMLP's low-rank factors start among its inputs
+
+
+class RoutedMLP(torch.autograd.Function):
+    """The routed MLP of `forward`: (sched, act, trans_w, num_out, x, prob_S, gate_up,
+    down, gate_up bias, down bias, token_S, slot_TK, counts, offsets, *lora) -> out."""
+
+    @staticmethod
+    @autocast_off
+    def forward(
+        ctx,
+        sched,
+        act,
+        trans_w,
+        num_out,
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gu_bias,
+        d_bias,
+        token_S,
+        slot_TK,
+        counts,
+        offs,
+        *lora,
+    ):
+        out, sv = forward(
+            sched,
+            x,
+            prob_S,
+            gate_up,
+            down,
+            gu_bias,
+            d_bias,
+            token_S,
+            slot_TK,
+            counts,
+            offs,
+            act,
+            trans_w,
+            num_out,
+            lora,
+        )
+        ctx.save_for_backward(*sv.tensors())
+        ctx.sched, ctx.saved = sched, sv.without_tensors()
+        return out
+
+    @staticmethod
+    @autocast_off
+    def backward(ctx, g_out):
+        sv = ctx.saved.with_tensors(ctx.saved_tensors)
+        n = ctx.needs_input_grad
+        need = Needs(*n[4:10], *n[_LORA_AT : _LORA_AT + 4])
+        release = graph_released() and not python_modes_active()
+        grads = backward(ctx.sched, sv, g_out, need, release)
+        lora = (*grads[6:], None) if sv.lora else ()
+        return (None,) * 4 + grads[:6] + (None,) * 4 + lora
+
+
+def forward(
+    sched: Schedule,
+    x,
+    prob_S,
+    gate_up,
+    down,
+    gu_bias,
+    d_bias,
+    token_S,
+    slot_TK,
+    counts,
+    offs,
+    act: ActivationConfig,
+    trans_w: bool,
+    num_out,
+    lora=(),
+    one_h: bool = False,
+):
+    """(out, Saved): out_TD [num_out, D] with token_S / slot_TK, else y_SD. lora: the
+    factor inputs (`lora.lora_inputs`); one_h: keep h as one [S, N] tensor (custom op)."""
+    lr1, lr2 = lowranks(lora)
+    if sched.path == "loop":
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()  # host sync: the loop needs the bounds on the host
+        out, sv = loop.forward(
+            x,
+            prob_S,
+            gate_up,
+            down,
+            gu_bias,
+            d_bias,
+            token_S,
+            counts,
+            act,
+            trans_w,
+            num_out,
+            lr1,
+            lr2,
+            one_h,
+        )
+        return out, replace(sv, slot_TK=slot_TK, lora=lora[:4], lora_scales=lora[4:])
+    counts = counts_for(sched, counts, x.device)
+    if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
+        offs = group_offsets(counts, x.device)
+    up, dn, rk = _bound(sched, "up", offs), _bound(sched, "down", offs), sched.row_ops
+    u1 = u2 = None
+    if up is None:  # gather in the prologue, activation x prob in the epilogue
+        h, a = sched.kernels.up_act(
+            x,
+            token_S,
+            gate_up,
+            counts,
+            prob_S,
+            trans_w,
+            act.interleaved,
+            act.kind,
+            act.alpha,
+            act.limit,
+        )
+    else:
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
+        h = up.mm(x_SD, gate_up, counts, trans_w)
+        u1 = grouped_lowrank_fwd(up, x_SD, lr1, counts, h) if lr1 is not None else None
+        del x_SD  # recomputed in backward
+        if gu_bias is not None:
+            h += gu_bias.index_select(0, _rows_E(counts, h))
+        if sched.act_row_ops is not None:
+            a = sched.act_row_ops.act_fwd(
+                h, prob_S, act.interleaved, act.kind, act.alpha, act.limit
+            )
+        else:
+            a = act_forward(h, prob_S, act)
+    y = dn.mm(a, down, counts, trans_w)
+    u2 = grouped_lowrank_fwd(dn, a, lr2, counts, y) if lr2 is not None else None
+    del a  # recomputed by the activation backward
+    if d_bias is not None:
+        b_SD = d_bias.index_select(0, _rows_E(counts, y))
+        y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
+    out = rk.gather_sum(y, slot_TK) if token_S is not None else y
+    sv = Saved(
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gu_bias,
+        d_bias,
+        token_S,
+        slot_TK,
+        h,
+        counts,
+        act,
+        trans_w,
+        offs,
+        u1,
+        u2,
+        lora[:4],
+        lora[4:],
+    )
+    return out, sv
+
+
+def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> tuple:
+    """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
+    None where `need` wants none; release: free h (and the recomputed activation) once
+    read, in a backward that frees the graph as it goes (h is this call's own)."""
+    lr1, lr2 = lowranks((*sv.lora, *sv.lora_scales))
+    if sched.path == "loop":
+        return loop.backward(sv, g_out, need, release, lr1, lr2)
+    sv = replace(sv, counts=counts_for(sched, sv.counts, sv.x.device))
+    prob_S, token_S, h, counts, act, trans_w = (
+        sv.prob_S,
+        sv.token_S,
+        sv.h,
+        sv.counts,
+        sv.act,
+        sv.trans_w,
+    )
+    rk, kernels, release = sched.row_ops, sched.kernels, release and not _compiling()
+    dd, dw = _bound(sched, "down_dgrad", sv.offs), _bound(sched, "down_wgrad", sv.offs)
+    g_out = g_out.contiguous()
+    gathered = token_S is not None
+    gy = (
+        rk.gather_rows(g_out, token_S)
+        if gathered and (dd or dw or sv.d_bias is not None)
+        else g_out
+    )
+    p = None if prob_S is None else prob_S.unsqueeze(1)
+    gdb = gd = g2a = g2b = None
+    if sv.d_bias is not None:
+        rows_E = _rows_E(counts, gy)
+        if need.down_bias:
+            gdb = torch.zeros_like(sv.d_bias).index_add_(0, rows_E, gy if p is None else gy * p)
+    need_gp = prob_S is not None and need.prob
+    if dd is None:  # gather in the prologue, activation backward in the epilogue
+        dh, gp, a = kernels.down_dact(
+            g_out,
+            token_S,
+            sv.down,
+            counts,
+            h,
+            prob_S,
+            trans_w,
+            act.interleaved,
+            need_gp,
+            need.down,
+            act.kind,
+            act.alpha,
+            act.limit,
+        )
+    elif sched.act_row_ops is not None:
+        da = dd.mm(gy, sv.down, counts, not trans_w)
+        dh, gp, a = sched.act_row_ops.act_bwd(
+            da, h, prob_S, act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit
+        )
+        del da
+    else:
+        dh, gp, gd, g2a, g2b, a = _act_backward_eager(sv, dd, gy, h, p, need, lr2, release)
+    if release and (dd is None or sched.act_row_ops is not None):
+        free_storage(h)  # its last reader was the activation backward
+    del h
+    if gp is not None and sv.d_bias is not None:
+        gp += (gy * sv.d_bias.index_select(0, rows_E)).sum(1)
+    if need.down and gd is None:
+        if dw is None:
+            gd = (
+                kernels.wgrad(g_out, a, counts, token_S, None)
+                if trans_w
+                else kernels.wgrad(a, g_out, counts, None, token_S)
+            )
+        else:
+            gd = dw.wgrad(gy, a, counts) if trans_w else dw.wgrad(a, gy, counts)
+    if release and a is not None:
+        free_storage(a)
+    del a, gy
+    ggb = None
+    if sv.gu_bias is not None and need.gate_up_bias:
+        ggb = torch.zeros_like(sv.gu_bias).index_add_(0, _rows_E(counts, dh), dh)
+    gx, ggu, g1a, g1b = _gate_up_backward(sched, sv, dh, lr1, need)
+    return (gx, gp, ggu, gd, ggb, gdb, g1a, g1b, g2a, g2b)
+
+
+def _gate_up_backward(sched, sv, dh, lr1, need):
+    """(dx combined back to tokens, d gate_up, dA, dB of its low-rank update) from dh."""
+    x, token_S, counts, trans_w, rk = sv.x, sv.token_S, sv.counts, sv.trans_w, sched.row_ops
+    uw, ud = _bound(sched, "up_wgrad", sv.offs), _bound(sched, "up_dgrad", sv.offs)
+    ggu = g1a = g1b = gu1 = gx = None
+    if need.gate_up and uw is None:
+        ggu = (
+            sched.kernels.wgrad(dh, x, counts, None, token_S)
+            if trans_w
+            else sched.kernels.wgrad(x, dh, counts, token_S, None)
+        )
+    elif need.gate_up or lr1 is not None:
+        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
+        if need.gate_up:
+            ggu = uw.wgrad(dh, x_SD, counts) if trans_w else uw.wgrad(x_SD, dh, counts)
+        if lr1 is not None:
+            gu1, g1a, g1b = grouped_lowrank_bwd(uw, dh, x_SD, sv.u1, lr1, counts, need.a1, need.b1)
+        del x_SD
+    if need.x:
+        dx = ud.mm(dh, sv.gate_up, counts, not trans_w)
+        if lr1 is not None:
+            grouped_lowrank_dx(ud, gu1, lr1, counts, dx)
+        gx = rk.gather_sum(dx, sv.slot_TK) if token_S is not None else dx
+    return gx, ggu, g1a, g1b
+
+
+def _act_backward_eager(sv, be, gy, h, p, need, lr2, release):
+    """(dh, d prob, d down, dA, dB of the down update, None) by the torch math of the
+    activation (kinds the row ops lack, or a down update joining the gradient)."""
+    counts, trans_w = sv.counts, sv.trans_w
+    a0, d_gate, d_up = act_parts(h, sv.act)
+    dh = torch.empty_like(h)
+    # free h now unless one of the parts is a view of it (an identity-like kind)
+    ptr = h.untyped_storage().data_ptr()
+    if release and all(
+        t is None or t.untyped_storage().data_ptr() != ptr for t in (a0, d_gate, d_up)
+    ):
+        free_storage(h)
+    gd = gp = g2a = g2b = None
+    if need.down or lr2 is not None:
+        ap = a0 if p is None else a0 * p
+    if need.down:
+        gd = be.wgrad(gy, ap, counts) if trans_w else be.wgrad(ap, gy, counts)
+    da = be.mm(gy, sv.down, counts, not trans_w)
+    if lr2 is not None:
+        gu2, g2a, g2b = grouped_lowrank_bwd(be, gy, ap, sv.u2, lr2, counts, need.a2, need.b2)
+        grouped_lowrank_dx(be, gu2, lr2, counts, da)
+    if p is not None and need.prob:
+        gp = (da * a0).sum(1)
+    if p is not None:
+        da.mul_(p)
+    return act_input_grad(da, d_gate, d_up, sv.act.interleaved, dh), gp, gd, g2a, g2b, None
+
+
+def _compiling() -> bool:
+    # the compiled backward plans its own memory: storage calls would break it
+    return torch.compiler.is_compiling()
+
+
+def _bound(sched: Schedule, gemm: str, offs):
+    """The backend of `gemm` with the layer's offsets bound in (None: the fused kernel)."""
+    be = sched.gemm(gemm)
+    return None if be is None else bind_offsets(be, None, offs) if offs is not None else be
+
+
+def counts_for(sched: Schedule, counts, device):
+    """The counts as the schedule's GEMMs take them: a device tensor (one copy for every
+    GEMM) with `device_counts`, else a host list (a sync for a tensor)."""
+    if isinstance(counts, torch.Tensor) and not sched.device_counts:
+        return counts.tolist()
+    if sched.device_counts and not isinstance(counts, torch.Tensor):
+        return torch.tensor(counts, device=device)
+    return counts
+
+
+def _rows_E(counts, like: torch.Tensor) -> torch.Tensor:
+    """The expert of each sorted row, without a host sync (the row count is known)."""
+    c = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=like.device)
+    E = torch.arange(c.numel(), device=like.device)
+    return torch.repeat_interleave(E, c.to(like.device), output_size=like.shape[0])
+
+
+def run(
+    x: torch.Tensor,
+    prob_S: torch.Tensor | None,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    counts,
+    *,
+    token_S: torch.Tensor | None = None,
+    slot_TK: torch.Tensor | None = None,
+    num_out: int | None = None,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ActivationConfig | str | None = None,
+    interleaved: bool | None = None,
+    trans_w: bool = True,
+    alpha: float | None = None,
+    limit: float | None = None,
+    path: str | None = None,
+    backend: str | None = None,
+    lora: tuple[LowRank | None, LowRank | None] | None = None,
+    plan: Schedule | None = None,
+    offsets_E: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The engine through its autograd Function (callers use `expert_mlp` /
+    `grouped_mlp`). With token_S / slot_TK (from SortedPairs) x is x_TD and the result
+    the combined out [num_out, D]; without, x is x_SD and the result y_SD. counts: a host
+    list or a device tensor; plan: the caller's `Schedule` (else `path` / `backend` make
+    it); offsets_E: the counts' int32 end offsets on x's device (`SortedPairs.offsets_E`)."""
+    if prob_S is not None:
+        prob_S = prob_S.to(x.dtype)
+    act = check_supported(
+        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+    )
+    if plan is None:
+        bias = gate_up_bias is not None or down_bias is not None
+        plan = plan_expert_mlp(
+            x, gate_up, down, act, backend=backend, path=path, lora=lora, trans_w=trans_w, bias=bias
+        )
+    extra = _checked_lora(lora, gate_up, down, trans_w)
+    return RoutedMLP.apply(
+        plan,
+        act,
+        bool(trans_w),
+        num_out,
+        x,
+        prob_S,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        token_S,
+        slot_TK,
+        counts,
+        offsets_E,
+        *extra,
+    )
+
+
+def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
+    if lora is None:
+        return ()
+    E = gate_up.shape[0]
+    n1_out, n1_in = gate_up.shape[1:] if trans_w else gate_up.shape[:0:-1]
+    n2_out, n2_in = down.shape[1:] if trans_w else down.shape[:0:-1]
+    check_lowrank(lora[0], E, n1_in, n1_out, "gate_up")
+    check_lowrank(lora[1], E, n2_in, n2_out, "down")
+    return lora_inputs(lora)

@@ -1,0 +1,610 @@
+"""What one call of the routed expert MLP runs (`Schedule`) and what its backward reads
+(`Saved`), decided once per layer shape and kept (`plan_expert_mlp`).
+
+The schedule is data the engine (`engine.py`) follows:
+
+- `path`: "loop" (the CPU per-expert loop, `loop.py`), "grouped" (whole-S grouped GEMMs)
+  or "recipe" (a low-precision recipe's GEMMs and saved-activation format);
+- `gemms`: per GEMM of the six (`GEMMS`), the grouped-GEMM backend that runs it, or None
+  where the row-gathering Triton kernel (`gather_gemm_kernels.py`) runs it with the
+  gather fused into its prologue and, for "up" and "down_dgrad", the activation x routing
+  weight (or its backward) into its epilogue;
+- `row_ops` / `act_row_ops`: the gathers and combines, and the activation when the row
+  ops compute it (None: the torch math of `activation/eager.py`).
+
+The decisions, in order: a low-precision recipe (`dropless.autocast`) runs its GEMMs;
+else `expert_path` (`dropless.patch(expert_path=)`, `set_expert_path`): "auto" is the
+loop on CPU and the grouped path elsewhere and under torch.compile; "gathered" (opt-in:
+not yet run on a GPU, docs/performance.md) fuses the gathers of the GEMMs a tuning
+measured faster fused. The tuning (`GemmTuner`) is keyed on the layer's shape (never on
+the rows one rank received), reads a cache that `dropless bench tune` writes, and times
+only where it is asked to (`timing`): a cached pick allocates nothing.
+"""
+
+# T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, S sorted pairs
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from ..activation.eager import ACTIVATIONS
+from ..dispatch import get_recipe, recipe_mlp
+from ..grouped_gemm.backends import GEMM_BACKENDS, GemmBackend, pick_gemm_backend
+from ..grouped_gemm.gpu import supports_triton_gemm
+from ..permute.row_ops import ROW_OPS, RowOps, pick_row_ops
+from ..registry import Registry, lazy
+from ..specs import KERNEL_KINDS, ActivationConfig
+from .threads import python_modes_active
+
+_LOG = logging.getLogger("dropless")
+GEMMS = ("up", "down", "down_dgrad", "down_wgrad", "up_wgrad", "up_dgrad")
+FUSABLE = ("up", "down_dgrad", "down_wgrad", "up_wgrad")  # the ones a gather kernel runs
+FUSED = "gathered"  # the name of the row-gathering kernels in a tuning choice
+EXPERT_PATHS = ("auto", "loop", "grouped", "gathered")
+
+
+@dataclass(frozen=True)
+class GatherKernels:
+    """Kernels that gather their rows (`gather_gemm_kernels.py`): up_act(x, index_S,
+    gate_up, counts, prob_S, trans_w, interleaved, kind, alpha, limit) -> (h, a);
+    down_dact(g, index_S, down, counts, h, prob_S, trans_w, interleaved, need_prob_grad,
+    recompute, kind, alpha, limit) -> (dh, d prob, a); wgrad(a, b, counts, index_a,
+    index_b) -> [E, M, N]. supports(x, w): whether they run these operands; kinds: the
+    activation kinds their epilogues compute."""
+
+    up_act: Callable
+    down_dact: Callable
+    wgrad: Callable
+    supports: Callable[[torch.Tensor, torch.Tensor], bool]
+    kinds: tuple[str, ...]
+    name: str = "triton"
+    priority: int = 10
+
+
+GATHER_KERNELS = Registry("row-gathering GEMMs")
+
+
+def triton_gather_kernels() -> GatherKernels:
+    """The Triton row-gathering GEMMs (no triton import until their first call)."""
+    mod = "dropless.ops.expert_mlp.gather_gemm_kernels"
+    up, down, wgrad = (lazy(mod, f) for f in ("up_act", "down_dact", "gathered_wgrad"))
+    return GatherKernels(up, down, wgrad, supports=supports_triton_gemm, kinds=KERNEL_KINDS)
+
+
+def register_gpu() -> None:
+    GATHER_KERNELS.register(triton_gather_kernels())
+
+
+GATHER_KERNELS.on_first_cuda(register_gpu)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """path: "loop", "grouped" or "recipe". gemms: per GEMM of `GEMMS`, its backend, or
+    None where `kernels` run it fused. device_counts: the counts stay on the device (no
+    host sync). recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its MLP
+    (None: composed from its GEMMs) and whether it takes x_TD and gathers rows itself."""
+
+    path: str
+    gemms: tuple[GemmBackend | None, ...] = ()
+    kernels: GatherKernels | None = None
+    row_ops: RowOps | None = None
+    act_row_ops: RowOps | None = None
+    device_counts: bool = False
+    recipe: object = None
+    recipe_mlp: Callable | None = None
+    takes_tokens: bool = False
+
+    @property
+    def backend(self) -> GemmBackend | None:
+        """The backend of the first unfused GEMM (the down projection's always is)."""
+        return self.gemms[1] if self.gemms else None
+
+    def gemm(self, name: str) -> GemmBackend | None:
+        return self.gemms[GEMMS.index(name)]
+
+    @property
+    def offsets(self) -> bool:
+        """Whether some GEMM's backend reads the groups' end offsets."""
+        return any(b is not None and b.offsets for b in self.gemms)
+
+    def describe(self) -> str:
+        return " ".join(f"{g}={FUSED if b is None else b.name}" for g, b in zip(GEMMS, self.gemms))
+
+
+@dataclass
+class Saved:
+    """What the engine's backward reads, by name: the Function saves these tensors (the
+    [E] counts and offsets ride along unsaved) and the custom op declares them as outputs
+    (h, the sort's indices) or takes them as its inputs.
+    x is x_TD with token_S / slot_TK, else the sorted rows x_SD; h is the gate/up output
+    [S, N] (the loop keeps one tensor per expert, freed one by one in backward); u1 / u2
+    the low-rank intermediates [S, r]; lora the factors (a1, b1, a2, b2) and their scales."""
+
+    x: torch.Tensor
+    prob_S: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gu_bias: torch.Tensor | None
+    d_bias: torch.Tensor | None
+    token_S: torch.Tensor | None
+    slot_TK: torch.Tensor | None
+    h: torch.Tensor | tuple[torch.Tensor, ...]
+    counts: list[int] | torch.Tensor
+    act: ActivationConfig
+    trans_w: bool
+    offs: torch.Tensor | None = None
+    u1: torch.Tensor | None = None
+    u2: torch.Tensor | None = None
+    lora: tuple = ()
+    lora_scales: tuple = ()
+
+    def tensors(self) -> list:
+        """The tensors, in field order (h and lora flattened last)."""
+        h = self.h if isinstance(self.h, tuple) else (self.h,)
+        names = [f.name for f in fields(self) if f.name in _TENSOR_FIELDS]
+        out = [getattr(self, n) for n in names]
+        return [*(t if isinstance(t, torch.Tensor) else None for t in out), *self.lora, *h]
+
+    def without_tensors(self) -> Saved:
+        keep = {n: None for n in _TENSOR_FIELDS if isinstance(getattr(self, n), torch.Tensor)}
+        many = isinstance(self.h, tuple)
+        return replace(self, **keep, h=len(self.h) if many else None, lora=len(self.lora))
+
+    def with_tensors(self, ts) -> Saved:
+        """The inverse of (tensors(), without_tensors())."""
+        names = [f.name for f in fields(self) if f.name in _TENSOR_FIELDS]
+        vals = dict(zip(names, ts))
+        rest = ts[len(names) :]
+        lora, hs = tuple(rest[: self.lora]), tuple(rest[self.lora :])
+        return replace(self, **vals, lora=lora, h=hs if self.h is not None else hs[0])
+
+
+_TENSOR_FIELDS = (
+    "x",
+    "prob_S",
+    "gate_up",
+    "down",
+    "gu_bias",
+    "d_bias",
+    "token_S",
+    "slot_TK",
+    "u1",
+    "u2",
+)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which inputs want a gradient, by name."""
+
+    x: bool
+    prob: bool
+    gate_up: bool
+    down: bool
+    gate_up_bias: bool
+    down_bias: bool
+    a1: bool = False
+    b1: bool = False
+    a2: bool = False
+    b2: bool = False
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+_EXPERT_PATH = ["auto"]
+_PLANS: dict = {}
+
+
+def set_expert_path(path: str) -> None:
+    """The expert path of every later call: "auto" (default: the loop on CPU, the grouped
+    path elsewhere), "loop", "grouped" or "gathered" (opt-in, unverified on a GPU)."""
+    if path not in EXPERT_PATHS:
+        raise ValueError(f"expert_path={path!r}; expected one of {EXPERT_PATHS}")
+    _EXPERT_PATH[0] = path
+    _PLANS.clear()
+
+
+def expert_path() -> str:
+    return _EXPERT_PATH[0]
+
+
+def check_no_recipe(recipe, lora) -> None:
+    """Raise ValueError for low-rank factors under a low-precision recipe."""
+    if recipe is not None and lora is not None:
+        raise ValueError(
+            "low-rank (LoRA) factors run at full precision only, but a low-precision recipe "
+            f"({getattr(recipe, 'kind', recipe)!r}) is active: call outside dropless.autocast, "
+            "or fold the update into the weights first"
+        )
+
+
+def check_gathered_ok(lora, bias: bool, act: ActivationConfig) -> None:
+    """Raise ValueError when the gathered path is forced for experts it does not run."""
+    if lora is not None or bias or not act.gated:
+        raise ValueError(
+            "path='gathered' runs gated experts without biases and without low-rank (LoRA) "
+            "updates; use path='grouped' (or None: automatic) for these experts"
+        )
+
+
+def plan_expert_mlp(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    act: ActivationConfig,
+    *,
+    backend: str | None = None,
+    path: str | None = None,
+    lora=None,
+    capacity: bool = False,
+    tokens: int | None = None,
+    trans_w: bool = True,
+    bias: bool = False,
+    tuner: GemmTuner | None = None,
+) -> Schedule:
+    """The schedule of one call on x (x_TD or sorted rows x_SD), kept per layer shape.
+
+    path: force "loop", "grouped" or "gathered" (default: `expert_path()`); backend: a
+    grouped-GEMM backend name ("loop" forces the loop path); lora: the call's (gate_up,
+    down) low-rank updates or None; capacity: pairs may be dropped; tokens: the T*K pairs
+    of the batch before any dispatch (the gathered path's tuning key; None: the rows form,
+    which reads cached picks only, so that every expert-parallel rank picks the same);
+    tuner: the gathered path's `GemmTuner` (default: the cache file's, timing on CUDA)."""
+    if lora is not None and (not isinstance(lora, (tuple, list)) or len(lora) != 2):
+        raise TypeError(
+            "lora must be a pair (gate_up update, down update), each a LowRank or None; "
+            f"got {type(lora).__name__}"
+        )
+    recipe = get_recipe()
+    check_no_recipe(recipe, lora)
+    if recipe is not None:
+        fused = recipe_mlp(recipe)
+        takes = fused is not None and getattr(fused, "takes_tokens", False)
+        return Schedule(
+            "recipe",
+            recipe=recipe,
+            recipe_mlp=fused,
+            takes_tokens=takes,
+            device_counts=takes and not capacity,
+        )
+    path = path or expert_path()
+    if path not in EXPERT_PATHS:
+        raise ValueError(f"path={path!r}; expected one of {EXPERT_PATHS} (or None)")
+    compiling = torch.compiler.is_compiling()
+    lora_key = None if lora is None else tuple(lr is not None for lr in lora)
+    key = (
+        path,
+        backend,
+        lora_key,
+        capacity,
+        tokens,
+        trans_w,
+        bias,
+        act,
+        compiling,
+        x.device,
+        x.dtype,
+        x.shape[1:],
+        x.stride()[1:],
+        _shape(gate_up),
+        _shape(down),
+        _registered(),
+        id(tuner),
+    )
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan(
+            x,
+            gate_up,
+            down,
+            act,
+            backend,
+            path,
+            lora,
+            capacity,
+            tokens,
+            trans_w,
+            bias,
+            tuner,
+            compiling,
+        )
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _shape(w):
+    return (w.dtype, w.device, tuple(w.shape), w.stride())
+
+
+def _registered() -> tuple:
+    # a registration (first CUDA pick, a test's backend) makes a new plan
+    return tuple(
+        id(e) for r in (GEMM_BACKENDS, ROW_OPS, GATHER_KERNELS) for e in r.entries.values()
+    )
+
+
+def _plan(
+    x, gate_up, down, act, backend, path, lora, capacity, tokens, trans_w, bias, tuner, compiling
+) -> Schedule:
+    cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
+    if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):
+        return Schedule("loop")
+    down_lora = lora is not None and lora[1] is not None
+    be = pick_gemm_backend(None if backend in (None, "auto") else backend, x, gate_up, down)
+    glu = act.gated and act.kind in ACTIVATIONS and not down_lora
+    grouped = Schedule(
+        "grouped",
+        gemms=(be,) * len(GEMMS),
+        row_ops=pick_row_ops(x),
+        act_row_ops=pick_row_ops(x, activation=act.kind) if glu else None,
+        device_counts=be.device_counts and not capacity,
+    )
+    if path != "gathered":
+        return grouped
+    check_gathered_ok(lora, bias, act)
+    kernels = GATHER_KERNELS.pick(
+        None,
+        x,
+        gate_up,
+        down,
+        runs=lambda k: act.kind in k.kinds and all(k.supports(x, w) for w in (gate_up, down)),
+    )
+    if kernels is None:
+        return grouped
+    # no timing while compiling, under a Python mode (fake tensors, FLOP counters) or for
+    # the rows form (expert parallelism: the cached picks, the same on every rank)
+    timing = tokens is not None and not compiling and not python_modes_active()
+    if tuner is None:
+        tuner, timing = default_tuner(), timing and x.is_cuda
+    choice = tune_gathered(x, gate_up, down, act, trans_w, tokens, kernels, grouped, tuner, timing)
+    gemms = tuple(None if choice.get(g) == FUSED else grouped.gemm(g) for g in GEMMS)
+    plan = replace(grouped, gemms=gemms, kernels=kernels)
+    record(_describe_shape(x, gate_up, down), plan.describe())
+    return plan
+
+
+def _describe_shape(x, gate_up, down) -> str:
+    dims = f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+    return f"{str(x.dtype).removeprefix('torch.')} E={gate_up.shape[0]} weights {dims}"
+
+
+# --- the gathered path's tuning ---------------------------------------------------------
+
+
+def _dims(down, trans_w):
+    return (down.shape[1], down.shape[2]) if trans_w else (down.shape[2], down.shape[1])
+
+
+def _stand_ins(x, gate_up, down, rows: int, trans_w: bool):
+    """Operands at the layer's shape: balanced counts, random tokens and probs."""
+    E, dev = gate_up.shape[0], x.device
+    D, F = _dims(down, trans_w)
+    counts = torch.full((E,), rows // E, device=dev, dtype=torch.int64)
+    counts[: rows % E] += 1
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=x.dtype, generator=gen)
+
+    idx = torch.randint(0, x.shape[0], (rows,), device=dev, generator=gen)
+    return counts, idx, rand(rows).abs(), rand(*x.shape), rand(rows, 2 * F), rand(rows, F)
+
+
+def _candidates(g: str, kernels: GatherKernels, be: GemmBackend, ops: RowOps, args):
+    """{implementation: no-argument callable} for GEMM g: fused kernel and unfused form."""
+    cnt, idx, p, gx, h, a, x, gate_up, down, act, trans_w = args
+    rk, ak = ops.row_ops, ops.act_row_ops or ops.row_ops
+    kw = (act.interleaved, act.kind, act.alpha, act.limit)
+    gy = (lambda: rk.gather_rows(gx, idx)) if g in ("down_dgrad", "down_wgrad") else None
+    unfused = {
+        "up": lambda: ak.act_fwd(be.mm(rk.gather_rows(x, idx), gate_up, cnt, trans_w), p, *kw),
+        "down": lambda: be.mm(a, down, cnt, trans_w),
+        "down_dgrad": lambda: ak.act_bwd(
+            be.mm(gy(), down, cnt, not trans_w), h, p, act.interleaved, True, True, *kw[1:]
+        ),
+        "down_wgrad": lambda: be.wgrad(gy(), a, cnt),
+        "up_wgrad": lambda: be.wgrad(h, rk.gather_rows(x, idx), cnt),
+        "up_dgrad": lambda: be.mm(h, gate_up, cnt, not trans_w),
+    }
+    fused = {
+        "up": lambda: kernels.up_act(x, idx, gate_up, cnt, p, trans_w, *kw),
+        "down_dgrad": lambda: kernels.down_dact(
+            gx, idx, down, cnt, h, p, trans_w, act.interleaved, True, True, *kw[1:]
+        ),
+        "down_wgrad": lambda: kernels.wgrad(gx, a, cnt, idx, None),
+        "up_wgrad": lambda: kernels.wgrad(h, x, cnt, None, idx),
+    }
+    out = {be.name: unfused[g]}
+    if g in fused:
+        out[FUSED] = fused[g]
+    return out
+
+
+@torch.no_grad()
+def tune_gathered(
+    x, gate_up, down, act, trans_w, tokens, kernels, grouped: Schedule, tuner, timing: bool = True
+) -> dict[str, str | None]:
+    """{GEMM: implementation} for the fusable GEMMs: the tuner's cached pick or, with
+    `timing` and `tokens`, the faster of the fused kernel and the grouped backend's
+    unfused form on stand-ins of `tokens` rows (None where neither). The cache is asked
+    first: stand-in operands are made only when something is timed."""
+    D, F = _dims(down, trans_w)
+    E, names = gate_up.shape[0], (FUSED, grouped.backend.name)
+    keys = {g: shape_key(g, x.dtype, E, D, F, trans_w, act.kind) for g in FUSABLE}
+    choice = {g: tuner.lookup(k, names) for g, k in keys.items()}
+    missing = [g for g, c in choice.items() if c is None]
+    if not (timing and missing and tokens):
+        return choice
+    args = (*_stand_ins(x, gate_up, down, tokens, trans_w), x, gate_up, down, act, trans_w)
+    for g in missing:
+        choice[g] = tuner.choose(keys[g], _candidates(g, kernels, grouped.backend, grouped, args))
+    return choice
+
+
+VERSION = 1  # of the tuning file's format
+
+
+def cache_path() -> Path:
+    """The tuning cache: `$XDG_CACHE_HOME/dropless/tuning.json` (or ~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dropless" / "tuning.json"
+
+
+def environment() -> dict:
+    """What a measurement depends on besides its shape: GPU name, torch, Triton."""
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton}
+
+
+def shape_key(
+    gemm: str, dtype: torch.dtype, E: int, D: int, F: int, trans_w: bool, kind: str
+) -> str:
+    """The cache key of one GEMM: the layer's shape only. No device (the file's `env` says
+    where it was measured) and no row count: the rows one rank receives depend on the
+    routing, and every rank must make the same choice."""
+    layout = "nt" if trans_w else "nn"
+    return f"{gemm}|{str(dtype).removeprefix('torch.')}|E{E}|D{D}|F{F}|{layout}|{kind}"
+
+
+def cuda_timer(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median seconds of fn() on the current CUDA stream, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+class GemmTuner:
+    """Per-key choice among candidates, cached in a JSON file {version, env, choices}: a
+    file made in another environment (`env()`: GPU, torch, Triton) is discarded; writes go
+    through a temporary file and `os.replace`, merged with what another process wrote.
+    timer(fn) -> seconds (default `cuda_timer`)."""
+
+    def __init__(self, path=None, timer=None, env=None):
+        self.path = Path(path) if path is not None else cache_path()
+        self.timer = timer or cuda_timer
+        self._env = env or environment
+        self._table: dict | None = None
+
+    def choose(self, key: str, candidates: dict[str, Callable[[], object]]) -> str:
+        """The fastest of `candidates` for `key`: from the cache, else timed and stored."""
+        if not candidates:
+            raise ValueError(f"no candidates to choose from for {key!r}")
+        hit = self.lookup(key, candidates)
+        if hit is not None:
+            return hit
+        if len(candidates) == 1:
+            return next(iter(candidates))
+        seconds = {name: float(self.timer(fn)) for name, fn in candidates.items()}
+        pick = min(seconds, key=seconds.get)
+        entry = {"pick": pick, "ms": {n: round(s * 1e3, 4) for n, s in seconds.items()}}
+        self._load()[key] = entry
+        _LOG.info("tuned %s: %s (ms %s)", key, pick, entry["ms"])
+        self._save(key, entry)
+        return pick
+
+    def lookup(self, key: str, names) -> str | None:
+        """The cached pick for `key` if it is among `names`, else None (never times)."""
+        hit = self._load().get(key)
+        return hit["pick"] if isinstance(hit, dict) and hit.get("pick") in names else None
+
+    def _read(self) -> tuple[dict | None, dict]:
+        if not self.path.exists():
+            return None, {}
+        data = json.loads(self.path.read_text())
+        if not (isinstance(data, dict) and data.get("version") == VERSION):
+            raise ValueError(f"not a version-{VERSION} tuning cache")
+        if not isinstance(data.get("choices"), dict) or not isinstance(data.get("env"), dict):
+            raise ValueError("no 'env' and 'choices' objects")
+        return data["env"], data["choices"]
+
+    def _load(self) -> dict:
+        if self._table is not None:
+            return self._table
+        try:
+            file_env, choices = self._read()
+        except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
+            warnings.warn(
+                f"the GEMM tuning cache {self.path} is unreadable ({exc}); retuning and "
+                "rewriting it",
+                stacklevel=3,
+            )
+            file_env, choices = None, {}
+        if file_env is not None and file_env != self._env():
+            _LOG.info("tuning cache %s was made for %s: retuning", self.path, file_env)
+            choices = {}
+        self._table = dict(choices)
+        return self._table
+
+    def _save(self, key: str, entry: dict) -> None:
+        env = self._env()
+        try:
+            file_env, merged = self._read()  # what another process wrote meanwhile
+        except (OSError, ValueError):
+            file_env, merged = None, {}
+        merged = {**(merged if file_env == env else {}), **self._table, key: entry}
+        data = {"version": VERSION, "env": env, "choices": merged}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=1, sort_keys=True)
+                os.replace(tmp, self.path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        except OSError as exc:
+            warnings.warn(f"could not write the GEMM tuning cache {self.path}: {exc}", stacklevel=3)
+
+
+_TUNER: list[GemmTuner] = []
+_RECORDED: dict[str, str] = {}
+
+
+def default_tuner() -> GemmTuner:
+    """The process's tuner over `cache_path()` (made on first use)."""
+    if not _TUNER:
+        _TUNER.append(GemmTuner())
+    return _TUNER[0]
+
+
+def record(what: str, choice: str) -> None:
+    """Note the GEMM implementations planned for `what` (a layer shape): made once per
+    plan, outside the hot path."""
+    _RECORDED[what] = choice
+
+
+def choices_note() -> str:
+    """Markdown lines naming each layer shape's planned GEMM implementations (what
+    `dropless bench layer` prints under its tables)."""
+    if not _RECORDED:
+        return "Expert GEMMs: no gathered plan in this run (expert_path='gathered' is opt-in).  \n"
+    lines = [f"Expert GEMMs, {what}: {choice}." for what, choice in _RECORDED.items()]
+    lines.append(f"GEMM tuning cache: {default_tuner().path}.")
+    return "".join(f"{line}  \n" for line in lines)

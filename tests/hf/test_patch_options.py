@@ -1,4 +1,5 @@
-"""patch()/patch_model() options: fused linear cross-entropy and dropless's RMSNorm.
+"""patch()/patch_model() options: fused linear cross-entropy, dropless's RMSNorm and the
+expert engine's schedule (expert_path).
 
 fused_cross_entropy: a patched causal LM given labels returns stock's loss (and
 gradients) with logits=None; unpatch gives the logits back. fused_rmsnorm: a tensor of
@@ -72,6 +73,38 @@ def test_patch_model_fused_cross_entropy_and_bad_options():
         dh.patch(fused_rmsnorm="yes")
     with pytest.raises(TypeError, match="needs a causal LM"):
         dh.patch_model(model.model, fused_cross_entropy=True)
+
+
+def test_expert_path_chooses_the_engine_schedule_and_unpatch_puts_auto_back():
+    """patch(expert_path=) sets the schedule every expert call plans with (the same logits
+    on the loop and the grouped path); a bad value is refused; unpatch() restores "auto"
+    (on CPU: the per-expert loop)."""
+    from dropless.ops.expert_mlp import plan
+
+    seen = []
+    real = plan._plan
+
+    def spy(*args):
+        schedule = real(*args)
+        seen.append(schedule.path)
+        return schedule
+
+    logits = {}
+    for path in ("grouped", "loop"):
+        dh.patch(expert_path=path)
+        plan._PLANS.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plan, "_plan", spy)
+            model = build("qwen3_moe", implementation=None)
+            ids = _ids(model)
+            logits[path] = model(input_ids=ids).logits
+        assert set(seen) == {path}
+        seen.clear()
+    torch.testing.assert_close(logits["grouped"], logits["loop"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expert_path='fast'; expected one of"):
+        dh.patch(expert_path="fast")
+    dh.unpatch()
+    assert plan.expert_path() == "auto"
 
 
 class GemmaLikeRMSNorm(nn.Module):

@@ -33,6 +33,7 @@ import weakref
 
 from torch import nn
 
+from ...ops.expert_mlp import set_expert_path
 from .._compat import require_transformers
 from ..experts.forward import dropless_experts_forward
 from ..experts.replay import install_routing_replay, remove_routing_replay
@@ -215,7 +216,9 @@ def is_patched() -> bool:
     return _state["original_get_correct"] is not None
 
 
-def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> PatchReport:
+def patch(
+    *, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False, expert_path: str = "auto"
+) -> PatchReport:
     """Register the "dropless" experts implementation and make it the default.
 
     Models built or loaded afterwards (`from_config`, `from_pretrained`) run their experts
@@ -230,11 +233,15 @@ def patch(*, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False) -> 
         default because code may read the logits.
     fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.fusions.rmsnorm`): the
         Triton kernel for CUDA tensors, a torch op that keeps less for backward elsewhere.
+    expert_path: the expert engine's schedule in this process: "auto" (the per-expert loop
+        on CPU, the grouped path on CUDA), "loop", "grouped", or "gathered" (opt-in, not yet
+        run on a GPU: docs/performance.md); `unpatch()` puts "auto" back.
     Every model on the dropless path also gets routing replay for activation
     checkpointing (`dropless.hf.experts.replay`).
     """
     _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     require_transformers()
+    set_expert_path(expert_path)
     with _LOCK:
         _register()
         _install_default()
@@ -284,6 +291,7 @@ def patch_model(
     *,
     fused_cross_entropy: bool = False,
     fused_rmsnorm: bool = False,
+    expert_path: str | None = None,
 ) -> nn.Module:
     """Switch an already built MoE model to the dropless experts path (in place; returns it).
 
@@ -292,11 +300,13 @@ def patch_model(
     aux-loss-free balancing (`dropless.ops.update_expert_bias`); DeepSeek-V3 and GLM-4-MoE
     routers keep using their `e_score_correction_bias`, AFMoE and LFM2-MoE blocks their
     `expert_bias`. `fused_cross_entropy` and
-    `fused_rmsnorm` as in `patch()`. Raises TypeError/ValueError for a model that is not a
-    supported MoE model.
+    `fused_rmsnorm` and `expert_path` (None: unchanged) as in `patch()`. Raises
+    TypeError/ValueError for a model that is not a supported MoE model.
     """
     _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     layers = _require_moe(model)
+    if expert_path is not None:
+        set_expert_path(expert_path)
     if fused_cross_entropy and not _is_causal_lm_head(model):
         raise TypeError(
             f"fused_cross_entropy=True needs a causal LM with an nn.Linear output head; "
@@ -386,4 +396,5 @@ def unpatch() -> None:
         _uninstall_default()
         _unregister()
         uninstall_lean_activation()
+        set_expert_path("auto")
         _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}

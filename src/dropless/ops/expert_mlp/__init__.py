@@ -11,5 +11,6 @@
 """
 
 from .eager import composed_mlp, expert_mlp, grouped_mlp
+from .plan import EXPERT_PATHS, set_expert_path
 
-__all__ = ["composed_mlp", "expert_mlp", "grouped_mlp"]
+__all__ = ["EXPERT_PATHS", "composed_mlp", "expert_mlp", "grouped_mlp", "set_expert_path"]

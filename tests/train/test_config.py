@@ -237,6 +237,7 @@ def test_header_names_the_class_under_fsdp():
 MAY_CHANGE_ON_RESUME = {
     "model.init_std": "used only when weights are created",
     "model.implementation": "the same parameters on either experts path",
+    "model.expert_path": "a kernel schedule of the same math",
     "model.attn_implementation": "a kernel choice",
     "data.eval_tokens": "how much held-out text is scored",
     **{

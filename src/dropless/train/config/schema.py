@@ -10,6 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from ...ops.expert_mlp.plan import EXPERT_PATHS
 from ...parallel.mesh import ParallelConfig
 from ...quant.recipe import BACKENDS
 from ...quant.recipe import RECIPES as RECIPE_CLASSES
@@ -21,6 +22,7 @@ PARAM_DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
 PROGRESS = ("auto", "rich", "plain", "none")
 IMPLEMENTATIONS = ("dropless", "stock")
+
 FINETUNE_METHODS = ("full", "lora")
 LORA_TARGETS = ("experts", "attention")
 LOSS_ON = ("completion", "all")
@@ -92,6 +94,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     implementation: str = "dropless"  # experts path: "dropless" (patched) or "stock" Transformers
+    expert_path: str = "auto"  # the dropless engine's schedule (dropless.patch(expert_path=))
     attn_implementation: str = "sdpa"
     # parameter storage: "fp32", or "bf16" (half the bytes; see optim.master_weights)
     dtype: str = "fp32"
@@ -117,6 +120,7 @@ class ModelConfig:
             )
         _non_negative("model", vocab_size=self.vocab_size, init_std=self.init_std)
         _choice("model", "implementation", self.implementation, IMPLEMENTATIONS)
+        _choice("model", "expert_path", self.expert_path, EXPERT_PATHS)
         _choice("model", "attn_implementation", self.attn_implementation, ATTENTION)
         _choice("model", "dtype", self.dtype, PARAM_DTYPES)
 

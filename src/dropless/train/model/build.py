@@ -106,7 +106,7 @@ def _switch_path(model: nn.Module, mcfg, expert_bias: bool) -> nn.Module:
     """Patch to dropless (or keep stock), check it is a MoE model, no KV cache."""
     layers = hf().moe_layers(model)
     if mcfg.implementation == "dropless":
-        hf().patch_model(model, expert_bias=expert_bias)
+        hf().patch_model(model, expert_bias=expert_bias, expert_path=mcfg.expert_path)
     elif expert_bias and not all(layer.expert_bias is not None for layer in layers):
         raise ValueError(
             "train.expert_bias_rate > 0 with model.implementation='stock' needs routers with their "

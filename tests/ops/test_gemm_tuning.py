@@ -227,3 +227,27 @@ def test_the_rows_form_never_times_and_keeps_the_grouped_backend_untuned(tmp_pat
 
     plan = gathered_plan(torch.randn(6, 8), _tuner(tmp_path / "t.json", timer), tokens=None)
     assert None not in plan.gemms and not (tmp_path / "t.json").exists()
+
+
+def test_bench_tune_writes_the_cache_a_run_reads(tmp_path, gathered_plan, capsys):
+    """`dropless bench tune` (its tuning function, with the fake kernels and timer) writes
+    the picks; a later run's plan over the same file reads them and times nothing."""
+    from dropless.bench.tune import tune_shapes
+    from dropless.cli.main import build_parser
+
+    def timer(fn):
+        g, impl = fn()
+        return 1.0 if (impl == FUSED) == (g in ("up", "up_wgrad")) else 2.0
+
+    path = tmp_path / "t.json"
+    picks = tune_shapes([(3, 2, 8, 4)], 6, torch.float32, "cpu", ActivationConfig(),
+                        _tuner(path, timer))  # fmt: skip
+    assert picks[(3, 2, 8, 4)].split()[0] == f"up={FUSED}"
+
+    def fail(fn):
+        raise AssertionError("a run reads the cache, times nothing")
+
+    plan = gathered_plan(torch.randn(6, 8), _tuner(path, fail), tokens=12)
+    assert plan.describe() == picks[(3, 2, 8, 4)]
+    args = build_parser().parse_args(["bench", "tune", "--shape", "3,2,8,4", "--cache", str(path)])
+    assert args.shape == ["3,2,8,4"] and args.cache == path

@@ -27,6 +27,10 @@ BENCHES = {
     ),
     "fp8": ("dropless.bench.fp8", "saved-activation memory (and GPU step time) with FP8/MXFP8"),
     "ep": ("dropless.bench.ep", "expert-parallel layer: time split with/without overlap"),
+    "tune": (
+        "dropless.bench.tune",
+        "tune the expert engine's row-gathering GEMMs and write the cache a run reads",
+    ),
     "train": ("dropless.bench.train", "the default `dropless train` config, briefly: its summary"),
     "jax": (
         "dropless.bench.jax_bench",

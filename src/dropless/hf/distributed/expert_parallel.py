@@ -5,7 +5,8 @@
 expert weights (and its own LoRA factors) into DTensors `Shard(0)` over the "ep" axis
 (this rank keeps experts [r*L, (r+1)*L)), `ep_dispatcher` builds its
 `ExpertParallelDispatcher`, and `_LocalExperts`, a `LocalExperts`, runs the rows this
-rank received. What is adapted here is only the module's names and layouts: which
+rank received. The module keeps its forward: Transformers' experts interface calls the
+"dropless" implementation, which sends the tokens through the module's dispatcher. What is adapted here is only the module's names and layouts: which
 parameters it has (`EXPERT_PARAMS`), `trans_w`, gated or not, a post-expert norm, its own
 gate (the same flags as the single-process dropless path, `dropless.hf.experts_spec`).
 The stock router is untouched. Expert parameters keep their names and global shapes, so
@@ -19,33 +20,30 @@ reading only its shards: `load_sharded_hf` of `sharded_load.py`.
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
 
-from ...ops.compute_dtype import expert_input
-from ...ops.dispatch import get_recipe
-from ...ops.expert_mlp import grouped_mlp
-from ...ops.grouped_gemm import grouped_gemm
 from ...parallel.experts import ep_dispatcher, local_weights, shard_expert_params
-from ..lora.expert_lora import LORA_PARAMS, attached_lowrank, fold_attached
+from ..experts.forward import experts_spec, sorted_experts
+from ..lora.expert_lora import LORA_PARAMS, attached_lowrank
 
 #: the expert tensors of a v5 experts module, sharded over ep (gated experts: gate_up_proj;
 #: non-gated ones, such as Nemotron-H's relu^2: up_proj)
 EXPERT_PARAMS = (
-    "gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias",
-)  # fmt: skip
+    "gate_up_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj_bias",
+    "up_proj_bias",
+    "down_proj_bias",
+)
 
 
 class _LocalExperts:
     """What the dispatcher calls (`dropless.parallel.experts.LocalExperts`): the local slice
-    of one HF experts module.
-
-    Every form the single-process dropless path runs (`hf.experts.forward`) runs here on the rows
-    this rank received: the fused MLP (gated or not), the fused MLP then the module's
-    post-expert norm, or the generic gate between grouped GEMMs. The dispatcher applies
-    the routing weight at home (prob_S is None), after any per-row norm, as one process
-    does."""
+    of one HF experts module, run by `hf.experts.forward.sorted_experts` (every form the
+    single-process path runs) on the rows this rank received, with this rank's shards of
+    the module's own LoRA factors. The dispatcher applies the routing weight at home
+    (prob_S is None), after any per-row norm, as one process does."""
 
     def __init__(self, module: nn.Module, spec, num_experts: int):
         self.module, self.spec, self.num_global_experts = module, spec, num_experts
@@ -60,40 +58,8 @@ class _LocalExperts:
         return w if len(w) == 4 else (*w, None, None)
 
     def forward_sorted(self, x_SD, counts, prob_S):
-        m, s = self.module, self.spec
-        w1, w2, b1, b2 = self.weights()
-        plain = s.path == "fused" and not s.post_norm
-        lora = attached_lowrank(m)  # this rank's shards of the module's own factors
-        if lora is not None and (not plain or get_recipe() is not None):
-            # a path that cannot run them as thin GEMMs: folded, as one process does
-            w1, w2 = (fold_attached(w, lr, s.trans_w) for w, lr in zip((w1, w2), lora))
-            lora = None
-        if s.path == "fused":
-            y_SD = grouped_mlp(
-                x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
-                down_bias=b2, activation=s.activation, trans_w=s.trans_w, lora=lora,
-            )  # fmt: skip
-        else:  # the module's own gate, under autograd (as `hf.experts.forward._composed`)
-            h_SN = grouped_gemm(x_SD, w1, counts, b1, trans_w=s.trans_w)
-            a_SF = m._apply_gate(h_SN) if s.gated else m.act_fn(h_SN)
-            y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, trans_w=s.trans_w)
-        if s.post_norm:
-            y_SD = m.post_expert_norm(y_SD)
-        if prob_S is not None and not plain:
-            y_SD = y_SD * prob_S.to(y_SD.dtype)[:, None]
-        return y_SD
-
-
-def _ep_forward(self, hidden_states, top_k_index, top_k_weights):
-    from ..experts.forward import count_call, record_counts
-
-    local, disp = self.__dict__["_dropless_ep"]
-    # under autocast its dtype, cast before the all-to-all (what crosses the wire)
-    x_TD = expert_input(hidden_states, local.weights()[0])
-    out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
-    record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
-    count_call(local.spec)
-    return out_TD.to(hidden_states.dtype)
+        lora = attached_lowrank(self.module)
+        return sorted_experts(self.module, self.spec, x_SD, counts, prob_S, *self.weights(), lora)
 
 
 def _ep_refusal(layer, spec) -> str | None:
@@ -121,7 +87,6 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     post-norm path (or under a low-precision recipe) they are folded into this rank's
     weights, as on one process.
     """
-    from ..experts.forward import experts_spec
     from ..layers import moe_layers
 
     cfg = pmesh.config
@@ -142,9 +107,8 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         shard_expert_params(
             m, (*EXPERT_PARAMS, *LORA_PARAMS), pmesh.ep_mesh, num_experts=E, where=where
         )
-        disp = ep_dispatcher(pmesh, E)
-        m.__dict__["_dropless_ep"] = (_LocalExperts(m, spec, E), disp)
-        m.forward = types.MethodType(_ep_forward, m)
+        # the "dropless" experts implementation runs it (`dropless_experts_forward`)
+        m.__dict__["_dropless_ep"] = (_LocalExperts(m, spec, E), ep_dispatcher(pmesh, E))
         done.append(layer.name)
     return done
 

@@ -220,19 +220,15 @@ def _weights(module: nn.Module, spec: ExpertsSpec):
     path can run them, else the weights as read (PEFT folds its update into them)."""
     first = "gate_up_proj" if spec.gated else "up_proj"
     w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
-    own = None
-    if lora is None and not reason:
-        lora = own = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
-    if lora is not None and (spec.path != "fused" or spec.post_norm or get_recipe() is not None):
-        where = (
-            "under a low-precision recipe"
-            if get_recipe() is not None
-            else f"on the {spec.path} path"
-        )
-        reason = f"LoRA factors run in the fused expert MLP only, not {where}"
-        w1, w2 = folded_weights(module, (first, "down_proj"))
-        if own is not None:  # no parametrization folds the module's own factors: fold them here
-            w1, w2 = (fold_attached(w, lr, spec.trans_w) for w, lr in zip((w1, w2), own))
+    own = lora is None and not reason
+    if own:
+        lora = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
+    if lora is not None and not _runs_lora(spec):
+        reason = f"LoRA factors run in the fused expert MLP only, not {_where(spec)}"
+        if own:  # no parametrization folds the module's own factors: fold them here
+            w1, w2 = _fold(w1, w2, lora, spec)
+        else:
+            w1, w2 = folded_weights(module, (first, "down_proj"))
         lora = None
     if reason:
         _warn_once(DroplessLoRAFallbackWarning, spec.family, f"run PEFT's own LoRA fold: {reason}.")
@@ -241,31 +237,55 @@ def _weights(module: nn.Module, spec: ExpertsSpec):
     return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias, lora
 
 
-def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
-    """Sorted rows through grouped GEMMs, the module's gate (generic path) or the fused
-    MLP without the prob (post-expert norm), the norm, then the weighted combine."""
-    sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
-    x_SD = permute(x_TD, sp)
+def _runs_lora(spec: ExpertsSpec) -> bool:
+    """Whether the engine runs low-rank factors as thin GEMMs for this module: the fused
+    path without a post-expert norm, at full precision."""
+    return spec.path == "fused" and not spec.post_norm and get_recipe() is None
+
+
+def _where(spec: ExpertsSpec) -> str:
+    return (
+        "under a low-precision recipe" if get_recipe() is not None else f"on the {spec.path} path"
+    )
+
+
+def _fold(w1, w2, lora, spec: ExpertsSpec):
+    return tuple(fold_attached(w, lr, spec.trans_w) for w, lr in zip((w1, w2), lora))
+
+
+def sorted_experts(module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, b2, lora=None,
+                   offsets_E=None):  # fmt: skip
+    """The experts on rows sorted by expert (`counts` rows each), every form the dropless
+    path runs: the engine (gated or not), the engine then the module's post-expert norm,
+    or the module's own gate between grouped GEMMs; LoRA factors the engine cannot run
+    folded into the weights. prob_S (None: applied by the caller) scales each row after
+    any norm. What the local path (`_composed`) and expert parallelism
+    (`hf.distributed.expert_parallel`, on the rows a rank received) both run."""
+    if lora is not None and not _runs_lora(spec):
+        w1, w2 = _fold(w1, w2, lora, spec)
+        lora = None
+    plain = spec.path == "fused" and not spec.post_norm
     if spec.path == "fused":
-        y_SD = grouped_mlp(
-            x_SD,
-            sp.counts,
-            None,
-            w1,
-            w2,
-            gate_up_bias=b1,
-            down_bias=b2,
-            activation=spec.activation,
-            trans_w=spec.trans_w,
-            offsets_E=sp.offsets_E,
-        )
+        y_SD = grouped_mlp(x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
+                           down_bias=b2, activation=spec.activation, trans_w=spec.trans_w,
+                           lora=lora, offsets_E=offsets_E)  # fmt: skip
     else:
-        offs = dict(trans_w=spec.trans_w, offsets_E=sp.offsets_E)  # one tensor for both GEMMs
-        h_SN = grouped_gemm(x_SD, w1, sp.counts, b1, **offs)
+        offs = dict(trans_w=spec.trans_w, offsets_E=offsets_E)  # one tensor for both GEMMs
+        h_SN = grouped_gemm(x_SD, w1, counts, b1, **offs)
         a_SF = module._apply_gate(h_SN) if spec.gated else module.act_fn(h_SN)
-        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, sp.counts, b2, **offs)
+        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, **offs)
     if spec.post_norm:
         y_SD = module.post_expert_norm(y_SD)
+    if prob_S is not None and not plain:
+        y_SD = y_SD * prob_S.to(y_SD.dtype)[:, None]
+    return y_SD
+
+
+def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
+    """Sorted rows through `sorted_experts` (without the prob), then the weighted combine."""
+    sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
+    y_SD = sorted_experts(module, spec, permute(x_TD, sp), sp.counts, None, w1, w2, b1, b2,
+                          offsets_E=sp.offsets_E)  # fmt: skip
     return unpermute(y_SD, sp, weights_TK.to(y_SD.dtype)), sp
 
 
@@ -275,7 +295,12 @@ def dropless_experts_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops."""
+    """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops;
+    a module sharded over expert parallelism (`shard_hf_experts`) sends its tokens to the
+    ranks holding their experts through its dispatcher."""
+    ep = self.__dict__.get("_dropless_ep")
+    if ep is not None:
+        return _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights)
     spec = module_spec(self)
     if isinstance(spec, str):
         _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
@@ -292,29 +317,30 @@ def dropless_experts_forward(
         keep_TK = ids_TK < w1.shape[0]
     if spec.path == "fused" and not spec.post_norm:
         out_TD, sp = expert_mlp(
-            x_TD,
-            ids_TK,
-            top_k_weights,
-            w1,
-            w2,
-            keep_TK=keep_TK,
-            gate_up_bias=b1,
-            down_bias=b2,
-            activation=spec.activation,
-            trans_w=spec.trans_w,
-            lora=lora,
-        )
+            x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
+            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w, lora=lora,
+        )  # fmt: skip
     else:
         if spec.path == "generic":
             _warn_once(
-                DroplessGenericGateWarning,
-                spec.family,
+                DroplessGenericGateWarning, spec.family,
                 f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
                 "this keeps more activations for backward than the fused path.",
-            )
+            )  # fmt: skip
         out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
     record_counts(self, sp.counts_E)
     count_call(spec)
+    return out_TD.to(hidden_states.dtype)
+
+
+def _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights):
+    """The expert-parallel form: the dispatcher moves the tokens (cast first: under
+    autocast its dtype crosses the wire) and calls `ep[0].forward_sorted` on each rank."""
+    local, disp = ep
+    x_TD = expert_input(hidden_states, local.weights()[0])
+    out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)
+    record_counts(self, tokens_per_expert_E)  # this rank's tokens; reduce across ranks
+    count_call(local.spec)
     return out_TD.to(hidden_states.dtype)
 
 

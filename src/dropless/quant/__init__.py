@@ -1,5 +1,5 @@
 """FP8 and MXFP8 training: recipes, autocast, quantized grouped GEMMs, the fused
-GroupedMLP step and FP8 saved activations.
+expert MLP step and FP8 saved activations.
 
     import dropless
     with dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True)):

@@ -1,4 +1,4 @@
-"""The fused GroupedMLP step under a recipe, and FP8 saved activations.
+"""The fused expert MLP step under a recipe, and FP8 saved activations.
 
 One autograd Function owns gate/up GEMM -> SwiGLU x prob -> down GEMM, so the
 SwiGLU, the routing-weight scaling and the quantization of its output (the down

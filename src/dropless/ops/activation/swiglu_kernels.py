@@ -3,7 +3,7 @@ one pass over memory each.
 
 Algorithm. Row s of h_S2F holds gate = columns [0, F) and up = columns [F, 2F)
 (interleaved: gate = even columns, up = odd). With act(gate, up) and its two partial
-derivatives from `activations.glu` (for swiglu, sig = sigmoid(gate)):
+derivatives from `activation_kernels.glu` (for swiglu, sig = sigmoid(gate)):
 
     a[s, f]       = act * p[s]                      (swiglu: gate * sig * up * p[s])
     grad_gate     = g * p[s] * d act/d gate         (swiglu: up * sig * (1 + gate * (1 - sig)))
@@ -14,7 +14,7 @@ Forward: one program per tile of rows x columns. Backward: one program per tile 
 rows walks the F columns in tiles, so the grad_p row sum is a fixed-order register
 reduction (deterministic, no atomics); it can also write the recomputed activation `a`
 (the down projection's weight grad needs it), so nothing but h and p is saved.
-`activation` is any kind of `activations.KINDS` (a constexpr: one compiled kernel per
+`activation` is any kind of `specs.KERNEL_KINDS` (a constexpr: one compiled kernel per
 kind); "gpt_oss" is the clamped GLU (gate clamped above at `limit`, up to [-limit,
 limit], gate * sigmoid(alpha * gate) * (up + 1)), whose gradient passes where the clamp
 does not bind, as torch.clamp's. Math is in fp32; outputs are in h's dtype.
@@ -129,9 +129,9 @@ def swiglu_fwd(
 ) -> torch.Tensor:
     """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd.
 
-    act is the gated kind `activation` of `activations.KINDS`: silu(gate) * up
+    act is the gated kind `activation` of `specs.KERNEL_KINDS`: silu(gate) * up
     ("swiglu"), or for "gpt_oss" with g = min(gate, limit), u = clamp(up, -limit,
-    limit): g * sigmoid(alpha * g) * (u + 1); see `activations.glu` for the others.
+    limit): g * sigmoid(alpha * g) * (u + 1); see `activation_kernels.glu` for the others.
     """
     h_S2F = _check(h_S2F, prob_S, activation)
     S, F = h_S2F.shape[0], h_S2F.shape[1] // 2

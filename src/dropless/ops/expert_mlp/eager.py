@@ -299,8 +299,8 @@ def expert_mlp_op(
     loop = plan.path == "loop"
     sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=loop or not plan.device_counts)
     prob_S = weights_TK.reshape(-1).index_select(0, sp.pair_S).to(x_TD.dtype)
-    out, sv = engine.forward(
-        plan,
+    counts = sp.counts if loop else sp.counts_E
+    sv = Saved(
         x_TD,
         prob_S,
         gate_up,
@@ -309,13 +309,12 @@ def expert_mlp_op(
         down_bias,
         sp.token_S,
         sp.slot_TK,
-        sp.counts if loop else sp.counts_E,
-        sp.offsets_E,
+        counts,
         act,
         trans_w,
-        x_TD.shape[0],
-        one_h=True,
+        sp.offsets_E,
     )
+    out, sv = engine.forward(plan, sv, x_TD.shape[0], one_h=True)
     return out, sv.h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
 
@@ -398,11 +397,11 @@ def expert_mlp_backward_op(
         down_bias,
         pair_S // K,
         slot_TK,
-        h_SN,
         counts,
         act,
         trans_w,
         offs,
+        h=h_SN,
     )
     # h is this node's input (its storage the forward node's output): never freed here
     grads = engine.backward(plan, sv, g_out, Needs(*needs), release=False)[:6]

@@ -84,8 +84,7 @@ class RoutedMLP(torch.autograd.Function):
         offs,
         *lora,
     ):
-        out, sv = forward(
-            sched,
+        sv = Saved(
             x,
             prob_S,
             gate_up,
@@ -95,12 +94,13 @@ class RoutedMLP(torch.autograd.Function):
             token_S,
             slot_TK,
             counts,
-            offs,
             act,
             trans_w,
-            num_out,
-            lora,
+            offs,
+            lora[:4],
+            lora[4:],
         )
+        out, sv = forward(sched, sv, num_out)
         ctx.save_for_backward(*sv.tensors())
         ctx.sched, ctx.saved = sched, sv.without_tensors()
         return out
@@ -117,105 +117,52 @@ class RoutedMLP(torch.autograd.Function):
         return (None,) * 4 + grads[:6] + (None,) * 4 + lora
 
 
-def forward(
-    sched: Schedule,
-    x,
-    prob_S,
-    gate_up,
-    down,
-    gu_bias,
-    d_bias,
-    token_S,
-    slot_TK,
-    counts,
-    offs,
-    act: ActivationConfig,
-    trans_w: bool,
-    num_out,
-    lora=(),
-    one_h: bool = False,
-):
-    """(out, Saved): out_TD [num_out, D] with token_S / slot_TK, else y_SD. lora: the
-    factor inputs (`lora.lora_inputs`); one_h: keep h as one [S, N] tensor (custom op)."""
-    lr1, lr2 = lowranks(lora)
+def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
+    """(out, sv with h, u1, u2 filled in): out_TD [num_out, D] when sv has token_S /
+    slot_TK, else y_SD. one_h: keep h as one [S, N] tensor (the custom op's output)."""
     if sched.path == "loop":
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()  # host sync: the loop needs the bounds on the host
-        out, sv = loop.forward(
-            x,
-            prob_S,
-            gate_up,
-            down,
-            gu_bias,
-            d_bias,
-            token_S,
-            counts,
-            act,
-            trans_w,
-            num_out,
-            lr1,
-            lr2,
-            one_h,
-        )
-        return out, replace(sv, slot_TK=slot_TK, lora=lora[:4], lora_scales=lora[4:])
-    counts = counts_for(sched, counts, x.device)
+        if isinstance(sv.counts, torch.Tensor):
+            # host sync: the loop needs the bounds on the host
+            sv = replace(sv, counts=sv.counts.tolist())
+        return loop.forward(sv, num_out, *lowranks((*sv.lora, *sv.lora_scales)), one_h)
+    counts = counts_for(sched, sv.counts, sv.x.device)
+    offs = sv.offs
     if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
-        offs = group_offsets(counts, x.device)
-    up, dn, rk = _bound(sched, "up", offs), _bound(sched, "down", offs), sched.row_ops
-    u1 = u2 = None
-    if up is None:  # gather in the prologue, activation x prob in the epilogue
-        h, a = sched.kernels.up_act(
-            x,
-            token_S,
-            gate_up,
-            counts,
-            prob_S,
-            trans_w,
-            act.interleaved,
-            act.kind,
-            act.alpha,
-            act.limit,
-        )
-    else:
-        x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
-        h = up.mm(x_SD, gate_up, counts, trans_w)
-        u1 = grouped_lowrank_fwd(up, x_SD, lr1, counts, h) if lr1 is not None else None
-        del x_SD  # recomputed in backward
-        if gu_bias is not None:
-            h += gu_bias.index_select(0, _rows_E(counts, h))
-        if sched.act_row_ops is not None:
-            a = sched.act_row_ops.act_fwd(
-                h, prob_S, act.interleaved, act.kind, act.alpha, act.limit
-            )
-        else:
-            a = act_forward(h, prob_S, act)
-    y = dn.mm(a, down, counts, trans_w)
+        offs = group_offsets(counts, sv.x.device)
+    sv = replace(sv, counts=counts, offs=offs)
+    h, a, u1 = _up_projection(sched, sv)
+    dn, prob_S, d_bias = _bound(sched, "down", offs), sv.prob_S, sv.d_bias
+    lr2 = lowranks((*sv.lora, *sv.lora_scales))[1]
+    y = dn.mm(a, sv.down, counts, sv.trans_w)
     u2 = grouped_lowrank_fwd(dn, a, lr2, counts, y) if lr2 is not None else None
     del a  # recomputed by the activation backward
     if d_bias is not None:
         b_SD = d_bias.index_select(0, _rows_E(counts, y))
         y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
-    out = rk.gather_sum(y, slot_TK) if token_S is not None else y
-    sv = Saved(
-        x,
-        prob_S,
-        gate_up,
-        down,
-        gu_bias,
-        d_bias,
-        token_S,
-        slot_TK,
-        h,
-        counts,
-        act,
-        trans_w,
-        offs,
-        u1,
-        u2,
-        lora[:4],
-        lora[4:],
-    )
-    return out, sv
+    out = sched.row_ops.gather_sum(y, sv.slot_TK) if sv.token_S is not None else y
+    return out, replace(sv, h=h, u1=u1, u2=u2)
+
+
+def _up_projection(sched: Schedule, sv: Saved):
+    """(h, the activation x prob, the low-rank intermediate or None) of the gate/up GEMM:
+    the row-gathering kernel (gather in its prologue, activation in its epilogue) or the
+    gather, the backend's GEMM, bias, and the row ops' (or torch's) activation."""
+    act, counts, prob_S = sv.act, sv.counts, sv.prob_S
+    up = _bound(sched, "up", sv.offs)
+    kw = (act.interleaved, act.kind, act.alpha, act.limit)
+    if up is None:
+        h, a = sched.kernels.up_act(sv.x, sv.token_S, sv.gate_up, counts, prob_S, sv.trans_w, *kw)
+        return h, a, None
+    lr1 = lowranks((*sv.lora, *sv.lora_scales))[0]
+    x_SD = sched.row_ops.gather_rows(sv.x, sv.token_S) if sv.token_S is not None else sv.x
+    h = up.mm(x_SD, sv.gate_up, counts, sv.trans_w)
+    u1 = grouped_lowrank_fwd(up, x_SD, lr1, counts, h) if lr1 is not None else None
+    del x_SD  # recomputed in backward
+    if sv.gu_bias is not None:
+        h += sv.gu_bias.index_select(0, _rows_E(counts, h))
+    if sched.act_row_ops is not None:
+        return h, sched.act_row_ops.act_fwd(h, prob_S, *kw), u1
+    return h, act_forward(h, prob_S, act), u1
 
 
 def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> tuple:

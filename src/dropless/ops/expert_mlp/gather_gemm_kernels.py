@@ -5,12 +5,12 @@ tensor, nothing read on the host); `index_S` maps each sorted row to the row of 
 unsorted operand it reads (the token of the pair), so no [S, D] gathered copy is made.
 
 - `up_act`: h = x[index] @ gate_up[e]^T in the prologue-gathering GEMM; the epilogue
-  applies the activation (`activations.glu_fwd`, kind a constexpr) x routing weight and
+  applies the activation (`activation_kernels.glu_fwd`, kind a constexpr) x routing weight and
   writes both the saved pre-activation h [S, 2F] and the activated a [S, F]. A tile
   owns the F columns [f0, f0 + BN) and computes the gate and the up columns of them in
   two accumulators, so the epilogue sees both halves.
 - `down_dact`: the down projection's input gradient da = dy[index] @ down[e] (dy rows
-  gathered), with dSwiGLU in the epilogue (`activations.glu`): dh = da * p * d act, the
+  gathered), with dSwiGLU in the epilogue (`activation_kernels.glu`): dh = da * p * d act, the
   recomputed a = act * p (for the down weight gradient), and a partial routing-weight
   gradient sum_f da * act per (column tile, row) into a [tiles_n, S] buffer that is
   summed over tiles afterwards in tile order: deterministic, no atomics.
@@ -35,6 +35,9 @@ the unfused path computes it from the stored h.
 # T tokens, D model dim, F expert hidden dim, E experts, S sorted pairs, N output columns,
 # M wgrad rows, R rows of the operand a gather reads
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch
@@ -58,22 +61,9 @@ def _num_tiles(cnt_ptr, E, tiles_n, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
 
 
 @triton.jit
-def _w_tile(
-    w,
-    e,
-    n_idx,
-    n0,
-    k0,
-    mask_n,
-    K,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _w_tile(w, e, n_idx, n0, k0, mask_n, K, stride_we, stride_wk, stride_wn,
+            W_T: tl.constexpr, USE_TMA: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] tile (k, n) of expert e's weight, k from k0: w[e, n, k]
     (W_T) or w[e, k, n]. TMA reads the contiguous columns [n0, n0 + BLOCK_N) (zero past
     the tensor's edge); the pointer path reads the columns n_idx."""
@@ -104,31 +94,11 @@ def _row_index(idx_ptr, offs_m, mask_m, HAS_INDEX: tl.constexpr):
 
 
 @triton.jit
-def _glu_gemm(
-    a_ptr,
-    idx_ptr,
-    w,
-    e,
-    row0,
-    row_end,
-    f0,
-    F,
-    K,
-    stride_ar,
-    stride_ak,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    GATE_UP: tl.constexpr,
-    HAS_INDEX: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _glu_gemm(a_ptr, idx_ptr, w, e, row0, row_end, f0, F, K, stride_ar, stride_ak,
+              stride_we, stride_wk, stride_wn, GATE_UP: tl.constexpr, HAS_INDEX: tl.constexpr,
+              INTERLEAVED: tl.constexpr, W_T: tl.constexpr, USE_TMA: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):  # fmt: skip
     """a[index[rows]] @ W over K for the columns [f0, f0 + BLOCK_N): with GATE_UP, the
     gate and the up columns of them (two accumulators), else the columns themselves
     (the second accumulator is unused)."""
@@ -150,40 +120,12 @@ def _glu_gemm(
             mask=mask_m[:, None] & (offs_k < K)[None, :],
             other=0.0,
         )
-        b = _w_tile(
-            w,
-            e,
-            col_g,
-            f0,
-            k0,
-            mask_f,
-            K,
-            stride_we,
-            stride_wk,
-            stride_wn,
-            W_T,
-            USE_TMA,
-            BLOCK_N,
-            BLOCK_K,
-        )
+        b = _w_tile(w, e, col_g, f0, k0, mask_f, K, stride_we, stride_wk, stride_wn,
+                    W_T, USE_TMA, BLOCK_N, BLOCK_K)  # fmt: skip
         acc_g = tl.dot(a, b, acc_g, input_precision=PRECISION)
         if GATE_UP:
-            b = _w_tile(
-                w,
-                e,
-                col_u,
-                F + f0,
-                k0,
-                mask_f,
-                K,
-                stride_we,
-                stride_wk,
-                stride_wn,
-                W_T,
-                USE_TMA,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            b = _w_tile(w, e, col_u, F + f0, k0, mask_f, K, stride_we, stride_wk,
+                        stride_wn, W_T, USE_TMA, BLOCK_N, BLOCK_K)  # fmt: skip
             acc_u = tl.dot(a, b, acc_u, input_precision=PRECISION)
     return acc_g, acc_u, offs_m, mask_m, offs_f, mask_f, col_g, col_u
 
@@ -192,64 +134,17 @@ def _glu_gemm(
 
 
 @triton.jit
-def _up_act_tile(
-    x_ptr,
-    idx_ptr,
-    w,
-    p_ptr,
-    h_ptr,
-    a_ptr,
-    e,
-    row0,
-    row_end,
-    f0,
-    F,
-    D,
-    stride_xt,
-    stride_xd,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    stride_h,
-    stride_a,
-    alpha,
-    limit,
-    HAS_INDEX: tl.constexpr,
-    HAS_P: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _up_act_tile(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, e, row0, row_end, f0, F, D,
+                 stride_xt, stride_xd, stride_we, stride_wk, stride_wn, stride_h, stride_a,
+                 alpha, limit, HAS_INDEX: tl.constexpr, HAS_P: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, W_T: tl.constexpr, USE_TMA: tl.constexpr,
+                 KIND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     acc_g, acc_u, offs_m, mask_m, offs_f, mask_f, col_g, col_u = _glu_gemm(
-        x_ptr,
-        idx_ptr,
-        w,
-        e,
-        row0,
-        row_end,
-        f0,
-        F,
-        D,
-        stride_xt,
-        stride_xd,
-        stride_we,
-        stride_wk,
-        stride_wn,
-        True,
-        HAS_INDEX,
-        INTERLEAVED,
-        W_T,
-        USE_TMA,
-        PRECISION,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-    )
+        x_ptr, idx_ptr, w, e, row0, row_end, f0, F, D, stride_xt, stride_xd,
+        stride_we, stride_wk, stride_wn, True, HAS_INDEX, INTERLEAVED, W_T, USE_TMA,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     mask = mask_m[:, None] & mask_f[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     ty = h_ptr.dtype.element_ty
@@ -263,183 +158,46 @@ def _up_act_tile(
 
 
 @triton.jit
-def up_act_kernel(
-    x_ptr,
-    idx_ptr,
-    w,
-    p_ptr,
-    h_ptr,
-    a_ptr,
-    cnt_ptr,
-    E,
-    F,
-    D,
-    stride_xt,
-    stride_xd,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    stride_h,
-    stride_a,
-    alpha,
-    limit,
-    NUM_PROGS,
-    HAS_INDEX: tl.constexpr,
-    HAS_P: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_M_TAIL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+def up_act_kernel(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, cnt_ptr, E, F, D,
+                   stride_xt, stride_xd, stride_we, stride_wk, stride_wn, stride_h, stride_a,
+                   alpha, limit, NUM_PROGS, HAS_INDEX: tl.constexpr, HAS_P: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, W_T: tl.constexpr, USE_TMA: tl.constexpr,
+                   KIND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_M_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_E: tl.constexpr):  # fmt: skip
     tiles_n = tl.cdiv(F, BLOCK_N)
     total = _num_tiles(cnt_ptr, E, tiles_n, BLOCK_M, BLOCK_E)
     for tile in range(tl.program_id(0), total, NUM_PROGS):
         e, row0, row_end = group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
         f0 = (tile % tiles_n) * BLOCK_N
         if row_end - row0 <= BLOCK_M_TAIL:  # a short tail: the small tile
-            _up_act_tile(
-                x_ptr,
-                idx_ptr,
-                w,
-                p_ptr,
-                h_ptr,
-                a_ptr,
-                e,
-                row0,
-                row_end,
-                f0,
-                F,
-                D,
-                stride_xt,
-                stride_xd,
-                stride_we,
-                stride_wk,
-                stride_wn,
-                stride_h,
-                stride_a,
-                alpha,
-                limit,
-                HAS_INDEX,
-                HAS_P,
-                INTERLEAVED,
-                W_T,
-                USE_TMA,
-                KIND,
-                PRECISION,
-                BLOCK_M_TAIL,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            _up_act_tile(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, e, row0, row_end, f0, F, D,
+                         stride_xt, stride_xd, stride_we, stride_wk, stride_wn, stride_h,
+                         stride_a, alpha, limit, HAS_INDEX, HAS_P, INTERLEAVED, W_T, USE_TMA,
+                         KIND, PRECISION, BLOCK_M_TAIL, BLOCK_N, BLOCK_K)  # fmt: skip
         else:
-            _up_act_tile(
-                x_ptr,
-                idx_ptr,
-                w,
-                p_ptr,
-                h_ptr,
-                a_ptr,
-                e,
-                row0,
-                row_end,
-                f0,
-                F,
-                D,
-                stride_xt,
-                stride_xd,
-                stride_we,
-                stride_wk,
-                stride_wn,
-                stride_h,
-                stride_a,
-                alpha,
-                limit,
-                HAS_INDEX,
-                HAS_P,
-                INTERLEAVED,
-                W_T,
-                USE_TMA,
-                KIND,
-                PRECISION,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            _up_act_tile(x_ptr, idx_ptr, w, p_ptr, h_ptr, a_ptr, e, row0, row_end, f0, F, D,
+                         stride_xt, stride_xd, stride_we, stride_wk, stride_wn, stride_h,
+                         stride_a, alpha, limit, HAS_INDEX, HAS_P, INTERLEAVED, W_T, USE_TMA,
+                         KIND, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # --- down projection's input gradient + activation backward ---------------------------
 
 
 @triton.jit
-def _dact_tile(
-    g_ptr,
-    idx_ptr,
-    w,
-    h_ptr,
-    p_ptr,
-    dh_ptr,
-    gp_ptr,
-    a_ptr,
-    e,
-    row0,
-    row_end,
-    f0,
-    F,
-    D,
-    S,
-    stride_gt,
-    stride_gd,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    stride_h,
-    stride_dh,
-    stride_a,
-    alpha,
-    limit,
-    HAS_INDEX: tl.constexpr,
-    HAS_P: tl.constexpr,
-    NEED_GP: tl.constexpr,
-    RECOMPUTE: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+def _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, row_end, f0,
+               F, D, S, stride_gt, stride_gd, stride_we, stride_wk, stride_wn, stride_h,
+               stride_dh, stride_a, alpha, limit, HAS_INDEX: tl.constexpr, HAS_P: tl.constexpr,
+               NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr, INTERLEAVED: tl.constexpr,
+               W_T: tl.constexpr, USE_TMA: tl.constexpr, KIND: tl.constexpr,
+               PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
     da, _, offs_m, mask_m, offs_f, mask_f, _, _ = _glu_gemm(
-        g_ptr,
-        idx_ptr,
-        w,
-        e,
-        row0,
-        row_end,
-        f0,
-        F,
-        D,
-        stride_gt,
-        stride_gd,
-        stride_we,
-        stride_wk,
-        stride_wn,
-        False,
-        HAS_INDEX,
-        INTERLEAVED,
-        W_T,
-        USE_TMA,
-        PRECISION,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-    )
+        g_ptr, idx_ptr, w, e, row0, row_end, f0, F, D, stride_gt, stride_gd,
+        stride_we, stride_wk, stride_wn, False, HAS_INDEX, INTERLEAVED, W_T, USE_TMA,
+        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     da = da.to(dh_ptr.dtype.element_ty).to(tl.float32)  # as the unfused path stores it
     mask = mask_m[:, None] & mask_f[None, :]
     rows = offs_m.to(tl.int64)[:, None]
@@ -463,163 +221,42 @@ def _dact_tile(
 
 
 @triton.jit
-def dact_kernel(
-    g_ptr,
-    idx_ptr,
-    w,
-    h_ptr,
-    p_ptr,
-    dh_ptr,
-    gp_ptr,
-    a_ptr,
-    cnt_ptr,
-    E,
-    F,
-    D,
-    S,
-    stride_gt,
-    stride_gd,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    stride_h,
-    stride_dh,
-    stride_a,
-    alpha,
-    limit,
-    NUM_PROGS,
-    HAS_INDEX: tl.constexpr,
-    HAS_P: tl.constexpr,
-    NEED_GP: tl.constexpr,
-    RECOMPUTE: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    W_T: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    KIND: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_M_TAIL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+def dact_kernel(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, cnt_ptr, E, F, D, S,
+                 stride_gt, stride_gd, stride_we, stride_wk, stride_wn, stride_h, stride_dh,
+                 stride_a, alpha, limit, NUM_PROGS, HAS_INDEX: tl.constexpr,
+                 HAS_P: tl.constexpr, NEED_GP: tl.constexpr, RECOMPUTE: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, W_T: tl.constexpr, USE_TMA: tl.constexpr,
+                 KIND: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_M_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_E: tl.constexpr):  # fmt: skip
     tiles_n = tl.cdiv(F, BLOCK_N)
     total = _num_tiles(cnt_ptr, E, tiles_n, BLOCK_M, BLOCK_E)
     for tile in range(tl.program_id(0), total, NUM_PROGS):
         e, row0, row_end = group_of_tile(cnt_ptr, tile // tiles_n, E, BLOCK_M, BLOCK_E)
         f0 = (tile % tiles_n) * BLOCK_N
         if row_end - row0 <= BLOCK_M_TAIL:
-            _dact_tile(
-                g_ptr,
-                idx_ptr,
-                w,
-                h_ptr,
-                p_ptr,
-                dh_ptr,
-                gp_ptr,
-                a_ptr,
-                e,
-                row0,
-                row_end,
-                f0,
-                F,
-                D,
-                S,
-                stride_gt,
-                stride_gd,
-                stride_we,
-                stride_wk,
-                stride_wn,
-                stride_h,
-                stride_dh,
-                stride_a,
-                alpha,
-                limit,
-                HAS_INDEX,
-                HAS_P,
-                NEED_GP,
-                RECOMPUTE,
-                INTERLEAVED,
-                W_T,
-                USE_TMA,
-                KIND,
-                PRECISION,
-                BLOCK_M_TAIL,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, row_end,
+                       f0, F, D, S, stride_gt, stride_gd, stride_we, stride_wk, stride_wn,
+                       stride_h, stride_dh, stride_a, alpha, limit, HAS_INDEX, HAS_P, NEED_GP,
+                       RECOMPUTE, INTERLEAVED, W_T, USE_TMA, KIND, PRECISION, BLOCK_M_TAIL,
+                       BLOCK_N, BLOCK_K)  # fmt: skip
         else:
-            _dact_tile(
-                g_ptr,
-                idx_ptr,
-                w,
-                h_ptr,
-                p_ptr,
-                dh_ptr,
-                gp_ptr,
-                a_ptr,
-                e,
-                row0,
-                row_end,
-                f0,
-                F,
-                D,
-                S,
-                stride_gt,
-                stride_gd,
-                stride_we,
-                stride_wk,
-                stride_wn,
-                stride_h,
-                stride_dh,
-                stride_a,
-                alpha,
-                limit,
-                HAS_INDEX,
-                HAS_P,
-                NEED_GP,
-                RECOMPUTE,
-                INTERLEAVED,
-                W_T,
-                USE_TMA,
-                KIND,
-                PRECISION,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-            )
+            _dact_tile(g_ptr, idx_ptr, w, h_ptr, p_ptr, dh_ptr, gp_ptr, a_ptr, e, row0, row_end,
+                       f0, F, D, S, stride_gt, stride_gd, stride_we, stride_wk, stride_wn,
+                       stride_h, stride_dh, stride_a, alpha, limit, HAS_INDEX, HAS_P, NEED_GP,
+                       RECOMPUTE, INTERLEAVED, W_T, USE_TMA, KIND, PRECISION, BLOCK_M,
+                       BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 # --- weight gradients over gathered rows ----------------------------------------------
 
 
 @triton.jit
-def wgrad_kernel(
-    a_ptr,
-    ia_ptr,
-    b_ptr,
-    ib_ptr,
-    out_ptr,
-    cnt_ptr,
-    E,
-    M,
-    N,
-    stride_ar,
-    stride_am,
-    stride_br,
-    stride_bn,
-    stride_oe,
-    stride_om,
-    stride_on,
-    NUM_PROGS,
-    GATHER_A: tl.constexpr,
-    GATHER_B: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+def wgrad_kernel(a_ptr, ia_ptr, b_ptr, ib_ptr, out_ptr, cnt_ptr, E, M, N,
+                  stride_ar, stride_am, stride_br, stride_bn, stride_oe, stride_om, stride_on,
+                  NUM_PROGS, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr,
+                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_e = tl.cdiv(M, BLOCK_M) * tiles_n
     offs_e = tl.arange(0, BLOCK_E)
@@ -743,41 +380,14 @@ def up_act(
     w, se, sk, sn = _weight_operand(gate_up, trans_w, bn, bk, tma)
     progs = _num_programs(x, (triton.cdiv(S, bm) + E) * triton.cdiv(F, bn))
     up_act_kernel[(progs,)](
-        x,
-        _index_arg(index_S, cnt),
-        w,
-        prob_S if prob_S is not None else x,
-        h,
-        a,
-        cnt,
-        E,
-        F,
-        D,
-        x.stride(0),
-        x.stride(1),
-        se,
-        sk,
-        sn,
-        h.stride(0),
-        a.stride(0),
-        float(alpha),
-        float(limit),
-        progs,
-        HAS_INDEX=index_S is not None,
-        HAS_P=prob_S is not None,
-        INTERLEAVED=interleaved,
-        W_T=trans_w,
-        USE_TMA=tma,
-        KIND=activation,
-        PRECISION=dot_precision(x.dtype),
-        BLOCK_M=bm,
-        BLOCK_M_TAIL=bmt,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        BLOCK_E=triton.next_power_of_2(E),
-        num_warps=warps,
-        num_stages=stages,
-    )
+        x, _index_arg(index_S, cnt), w, prob_S if prob_S is not None else x, h, a, cnt,
+        E, F, D, x.stride(0), x.stride(1), se, sk, sn, h.stride(0), a.stride(0),
+        float(alpha), float(limit), progs,
+        HAS_INDEX=index_S is not None, HAS_P=prob_S is not None, INTERLEAVED=interleaved,
+        W_T=trans_w, USE_TMA=tma, KIND=activation, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=bm, BLOCK_M_TAIL=bmt, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_E=triton.next_power_of_2(E), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return h, a
 
 
@@ -816,47 +426,16 @@ def down_dact(
         w, se, sk, sn = _weight_operand(down, not trans_w, bn, bk, tma)
         progs = _num_programs(g, (triton.cdiv(S, bm) + E) * tiles_n)
         dact_kernel[(progs,)](
-            g,
-            _index_arg(index_S, cnt),
-            w,
-            h_S2F,
-            prob_S if prob_S is not None else h_S2F,
-            dh,
-            gp if need_gp else h_S2F,
-            a if recompute else h_S2F,
-            cnt,
-            E,
-            F,
-            D,
-            S,
-            g.stride(0),
-            g.stride(1),
-            se,
-            sk,
-            sn,
-            h_S2F.stride(0),
-            dh.stride(0),
-            a.stride(0) if recompute else 0,
-            float(alpha),
-            float(limit),
-            progs,
-            HAS_INDEX=index_S is not None,
-            HAS_P=prob_S is not None,
-            NEED_GP=need_gp,
-            RECOMPUTE=recompute,
-            INTERLEAVED=interleaved,
-            W_T=not trans_w,
-            USE_TMA=tma,
-            KIND=activation,
-            PRECISION=dot_precision(g.dtype),
-            BLOCK_M=bm,
-            BLOCK_M_TAIL=bmt,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            BLOCK_E=triton.next_power_of_2(E),
-            num_warps=warps,
-            num_stages=stages,
-        )
+            g, _index_arg(index_S, cnt), w, h_S2F, prob_S if prob_S is not None else h_S2F,
+            dh, gp if need_gp else h_S2F, a if recompute else h_S2F, cnt, E, F, D, S,
+            g.stride(0), g.stride(1), se, sk, sn, h_S2F.stride(0), dh.stride(0),
+            a.stride(0) if recompute else 0, float(alpha), float(limit), progs,
+            HAS_INDEX=index_S is not None, HAS_P=prob_S is not None, NEED_GP=need_gp,
+            RECOMPUTE=recompute, INTERLEAVED=interleaved, W_T=not trans_w, USE_TMA=tma,
+            KIND=activation, PRECISION=dot_precision(g.dtype), BLOCK_M=bm, BLOCK_M_TAIL=bmt,
+            BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=triton.next_power_of_2(E),
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     grad_p = gp.sum(0).to(prob_S.dtype) if need_gp else None  # tile order: deterministic
     return dh, grad_p, a
 
@@ -887,31 +466,11 @@ def gathered_wgrad(
     total = E * triton.cdiv(M, bm) * triton.cdiv(N, bn)
     progs = _num_programs(a, total)
     wgrad_kernel[(progs,)](
-        a,
-        _index_arg(index_a, cnt),
-        b,
-        _index_arg(index_b, cnt),
-        out,
-        cnt,
-        E,
-        M,
-        N,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        progs,
-        GATHER_A=index_a is not None,
-        GATHER_B=index_b is not None,
-        PRECISION=dot_precision(a.dtype),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        BLOCK_E=triton.next_power_of_2(E),
-        num_warps=warps,
-        num_stages=stages,
-    )
+        a, _index_arg(index_a, cnt), b, _index_arg(index_b, cnt), out, cnt, E, M, N,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), progs,
+        GATHER_A=index_a is not None, GATHER_B=index_b is not None,
+        PRECISION=dot_precision(a.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_E=triton.next_power_of_2(E), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out

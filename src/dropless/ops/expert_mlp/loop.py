@@ -132,49 +132,22 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     return g
 
 
-def forward(
-    x,
-    prob_S,
-    gate_up,
-    down,
-    gu_bias,
-    d_bias,
-    token_S,
-    counts,
-    act,
-    trans_w,
-    num_out,
-    lr1=None,
-    lr2=None,
-    one_h: bool = False,
-):
-    """(out_TD with token_S, else y_SD; the `Saved` of the call). one_h: keep every
+def forward(sv: Saved, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
+    """(out_TD with sv.token_S, else y_SD; sv with h, u1, u2 filled in). one_h: keep every
     expert's h as rows of one [S, N] tensor (the custom op's output), else one tensor per
     expert (freed one by one in backward)."""
+    x, counts, act = sv.x, sv.counts, sv.act
     S, D = int(sum(counts)), x.shape[1]
-    N = gate_up.shape[1] if trans_w else gate_up.shape[2]  # 2F gated, F not
+    N = sv.gate_up.shape[1] if sv.trans_w else sv.gate_up.shape[2]  # 2F gated, F not
     F = N // 2 if act.gated else N
     nmax = max(counts, default=0)
-    gathered = token_S is not None
-    acc = _acc_dtype(x.dtype)
+    gathered = sv.token_S is not None
+    sv.u1 = x.new_empty(S, lr1.rank) if lr1 is not None else None
+    sv.u2 = x.new_empty(S, lr2.rank) if lr2 is not None else None
+    out = x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D)
+    h_SN = x.new_empty(S, N) if one_h else None
     st = SimpleNamespace(
-        x=x,
-        prob_S=prob_S,
-        gate_up=gate_up,
-        down=down,
-        gu_bias=gu_bias,
-        d_bias=d_bias,
-        token_S=token_S,
-        act=act,
-        trans_w=trans_w,
-        lr1=lr1,
-        lr2=lr2,
-        gathered=gathered,
-        h_of={},
-        h_SN=x.new_empty(S, N) if one_h else None,
-        out=x.new_zeros(num_out, D, dtype=acc) if gathered else x.new_empty(S, D),
-        u1_SR=x.new_empty(S, lr1.rank) if lr1 is not None else None,
-        u2_SR=x.new_empty(S, lr2.rank) if lr2 is not None else None,
+        **vars(sv), lr1=lr1, lr2=lr2, gathered=gathered, h_of={}, h_SN=h_SN, out=out
     )
 
     def scratch():
@@ -182,7 +155,7 @@ def forward(
 
     def commit(item, bufs):
         _, lo, hi = item
-        _sum_into(st.out, token_S[lo:hi], bufs, hi - lo)
+        _sum_into(out, sv.token_S[lo:hi], bufs, hi - lo)
 
     _run_in_input_dtype(
         list(bounds(counts)),
@@ -195,24 +168,8 @@ def forward(
     # one h per expert, empty ones too: the number of saved tensors does not depend on
     # the routing (activation checkpointing compares it with the recompute's)
     empty = x.new_empty(0, N)
-    h = st.h_SN if one_h else tuple(st.h_of.get(e, empty) for e in range(len(counts)))
-    saved = Saved(
-        x,
-        prob_S,
-        gate_up,
-        down,
-        gu_bias,
-        d_bias,
-        token_S,
-        None,
-        h,
-        list(counts),
-        act,
-        trans_w,
-        u1=st.u1_SR,
-        u2=st.u2_SR,
-    )
-    return st.out.to(x.dtype), saved
+    sv.h = h_SN if one_h else tuple(st.h_of.get(e, empty) for e in range(len(counts)))
+    return out.to(x.dtype), sv
 
 
 def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -> tuple:
@@ -225,26 +182,16 @@ def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -
     F = N // 2 if act.gated else N
     nmax = max(counts, default=0)
     gathered = sv.token_S is not None
+    grads = _grad_buffers(need, gathered, sv)
     st = SimpleNamespace(
-        x=x,
-        prob_S=sv.prob_S,
-        gate_up=gate_up,
-        down=sv.down,
-        d_bias=sv.d_bias,
-        token_S=sv.token_S,
-        u1_SR=sv.u1,
-        u2_SR=sv.u2,
+        **vars(sv),
         hs=hs,
-        act=act,
-        trans_w=trans_w,
         lr1=lr1,
         lr2=lr2,
         g_out=g_out.contiguous(),
         gathered=gathered,
         release=release and isinstance(sv.h, tuple),
-        **_grad_buffers(
-            need, gathered, x, sv.prob_S, gate_up, sv.down, sv.gu_bias, sv.d_bias, sv.lora, counts
-        ),
+        **grads,
     )
 
     def scratch():
@@ -286,7 +233,7 @@ def _forward_expert(st, item, s, bufs) -> None:
     h_out = None if st.h_SN is None else st.h_SN[lo:hi]
     he = st.h_of[e] = torch.mm(xe, wt(st.gate_up, e, trans_w), out=h_out)
     if lr1 is not None:
-        lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1_SR[lo:hi])
+        lowrank_fwd(xe, lr1.a_ERI[e], lr1.b_EOR[e], lr1.scale, he, st.u1[lo:hi])
     if st.gu_bias is not None:
         he.add_(st.gu_bias[e])
     p = None if st.prob_S is None else st.prob_S[lo:hi]
@@ -294,18 +241,20 @@ def _forward_expert(st, item, s, bufs) -> None:
     y_out = bufs[0][:n] if st.gathered else st.out[lo:hi]
     ye = torch.mm(a, wt(st.down, e, trans_w), out=y_out)
     if lr2 is not None:
-        lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, st.u2_SR[lo:hi])
+        lowrank_fwd(a, lr2.a_ERI[e], lr2.b_EOR[e], lr2.scale, ye, st.u2[lo:hi])
     if st.d_bias is not None:
         ye.add_(st.d_bias[e]) if p is None else ye.addr_(p, st.d_bias[e])
     if st.gathered:
         _to_acc(bufs, n)
 
 
-def _grad_buffers(need, gathered, x, prob_S, gate_up, down, gu_bias, d_bias, ABAB, counts) -> dict:
+def _grad_buffers(need, gathered, sv: Saved) -> dict:
     """The gradients the backward fills, allocated once (None where none is wanted)."""
     # weight gradients: every expert's slice is written by an mm(out=) below; only
     # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
-    a1, b1, a2, b2 = ABAB or (None,) * 4
+    x, prob_S, counts, gu_bias, d_bias = sv.x, sv.prob_S, sv.counts, sv.gu_bias, sv.d_bias
+    gate_up, down = sv.gate_up, sv.down
+    a1, b1, a2, b2 = sv.lora or (None,) * 4
     gx = None
     if need.x:  # x_TD: a sum over the token's experts, in fp32 for 16-bit; x_SD: one row each
         gx = x.new_zeros(x.shape, dtype=_acc_dtype(x.dtype)) if gathered else torch.empty_like(x)
@@ -338,7 +287,7 @@ def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
     if lr2 is not None:
         xa = ap if st.g2a is not None else None
         gu = lowrank_bwd(
-            gy, xa, st.u2_SR[lo:hi], lr2.b_EOR[e], lr2.scale, _at(st.g2a, e), _at(st.g2b, e)
+            gy, xa, st.u2[lo:hi], lr2.b_EOR[e], lr2.scale, _at(st.g2a, e), _at(st.g2b, e)
         )
         da.addmm_(gu, lr2.a_ERI[e])
     return da
@@ -359,7 +308,7 @@ def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
     if lr1 is not None:
         xa = xe if st.g1a is not None else None
         gu = lowrank_bwd(
-            dh, xa, st.u1_SR[lo:hi], lr1.b_EOR[e], lr1.scale, _at(st.g1a, e), _at(st.g1b, e)
+            dh, xa, st.u1[lo:hi], lr1.b_EOR[e], lr1.scale, _at(st.g1a, e), _at(st.g1b, e)
         )
     if st.gx is not None:
         w_in = wt(st.gate_up, e, trans_w).t()  # [2F, D]

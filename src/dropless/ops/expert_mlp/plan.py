@@ -126,12 +126,13 @@ class Schedule:
 
 @dataclass
 class Saved:
-    """What the engine's backward reads, by name: the Function saves these tensors (the
-    [E] counts and offsets ride along unsaved) and the custom op declares them as outputs
-    (h, the sort's indices) or takes them as its inputs.
-    x is x_TD with token_S / slot_TK, else the sorted rows x_SD; h is the gate/up output
-    [S, N] (the loop keeps one tensor per expert, freed one by one in backward); u1 / u2
-    the low-rank intermediates [S, r]; lora the factors (a1, b1, a2, b2) and their scales."""
+    """A call's operands and what the engine's backward reads of them, by name: the
+    forward fills in h (the gate/up output [S, N]; the loop keeps one tensor per expert,
+    freed one by one in backward) and u1 / u2 (the low-rank intermediates [S, r]). The
+    Function saves the tensors (the [E] counts and offsets ride along unsaved); the custom
+    op declares h and the sort's indices as outputs and takes them back as inputs. x is
+    x_TD with token_S / slot_TK, else the sorted rows x_SD; lora: the factors (a1, b1, a2,
+    b2) and their scales."""
 
     x: torch.Tensor
     prob_S: torch.Tensor | None
@@ -141,15 +142,15 @@ class Saved:
     d_bias: torch.Tensor | None
     token_S: torch.Tensor | None
     slot_TK: torch.Tensor | None
-    h: torch.Tensor | tuple[torch.Tensor, ...]
     counts: list[int] | torch.Tensor
     act: ActivationConfig
     trans_w: bool
     offs: torch.Tensor | None = None
-    u1: torch.Tensor | None = None
-    u2: torch.Tensor | None = None
     lora: tuple = ()
     lora_scales: tuple = ()
+    h: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+    u1: torch.Tensor | None = None
+    u2: torch.Tensor | None = None
 
     def tensors(self) -> list:
         """The tensors, in field order (h and lora flattened last)."""
@@ -283,48 +284,31 @@ def plan_expert_mlp(
     path = path or expert_path()
     if path not in EXPERT_PATHS:
         raise ValueError(f"path={path!r}; expected one of {EXPERT_PATHS} (or None)")
-    compiling = torch.compiler.is_compiling()
     lora_key = None if lora is None else tuple(lr is not None for lr in lora)
-    key = (
-        path,
-        backend,
-        lora_key,
-        capacity,
-        tokens,
-        trans_w,
-        bias,
-        act,
-        compiling,
-        x.device,
-        x.dtype,
-        x.shape[1:],
-        x.stride()[1:],
-        _shape(gate_up),
-        _shape(down),
-        _registered(),
-        id(tuner),
-    )
+    req = _Request(path, backend, lora_key, capacity, tokens, trans_w, bias, act)
+    key = (req, torch.compiler.is_compiling(), x.device, x.dtype, x.shape[1:], x.stride()[1:])
+    key += (_shape(gate_up), _shape(down), _registered(), id(tuner))
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _plan(
-            x,
-            gate_up,
-            down,
-            act,
-            backend,
-            path,
-            lora,
-            capacity,
-            tokens,
-            trans_w,
-            bias,
-            tuner,
-            compiling,
-        )
         if len(_PLANS) > 256:
             _PLANS.clear()
-        _PLANS[key] = plan
+        plan = _PLANS[key] = _plan(x, gate_up, down, req, tuner, key[1])
     return plan
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What a call asks of the plan (part of its cache key); lora: which projections have
+    low-rank factors (None: none)."""
+
+    path: str
+    backend: str | None
+    lora: tuple[bool, bool] | None
+    capacity: bool
+    tokens: int | None
+    trans_w: bool
+    bias: bool
+    act: ActivationConfig
 
 
 def _shape(w):
@@ -338,13 +322,12 @@ def _registered() -> tuple:
     )
 
 
-def _plan(
-    x, gate_up, down, act, backend, path, lora, capacity, tokens, trans_w, bias, tuner, compiling
-) -> Schedule:
+def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
+    backend, path, act = req.backend, req.path, req.act
     cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
     if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):
         return Schedule("loop")
-    down_lora = lora is not None and lora[1] is not None
+    down_lora = req.lora is not None and req.lora[1]
     be = pick_gemm_backend(None if backend in (None, "auto") else backend, x, gate_up, down)
     glu = act.gated and act.kind in ACTIVATIONS and not down_lora
     grouped = Schedule(
@@ -352,26 +335,25 @@ def _plan(
         gemms=(be,) * len(GEMMS),
         row_ops=pick_row_ops(x),
         act_row_ops=pick_row_ops(x, activation=act.kind) if glu else None,
-        device_counts=be.device_counts and not capacity,
+        device_counts=be.device_counts and not req.capacity,
     )
     if path != "gathered":
         return grouped
-    check_gathered_ok(lora, bias, act)
-    kernels = GATHER_KERNELS.pick(
-        None,
-        x,
-        gate_up,
-        down,
-        runs=lambda k: act.kind in k.kinds and all(k.supports(x, w) for w in (gate_up, down)),
-    )
+    check_gathered_ok(req.lora, req.bias, act)
+
+    def runs(k: GatherKernels) -> bool:
+        return act.kind in k.kinds and all(k.supports(x, w) for w in (gate_up, down))
+
+    kernels = GATHER_KERNELS.pick(None, x, gate_up, down, runs=runs)
     if kernels is None:
         return grouped
     # no timing while compiling, under a Python mode (fake tensors, FLOP counters) or for
     # the rows form (expert parallelism: the cached picks, the same on every rank)
-    timing = tokens is not None and not compiling and not python_modes_active()
+    timing = req.tokens is not None and not compiling and not python_modes_active()
     if tuner is None:
         tuner, timing = default_tuner(), timing and x.is_cuda
-    choice = tune_gathered(x, gate_up, down, act, trans_w, tokens, kernels, grouped, tuner, timing)
+    args = (x, gate_up, down, act, req.trans_w, req.tokens, kernels, grouped, tuner, timing)
+    choice = tune_gathered(*args)
     gemms = tuple(None if choice.get(g) == FUSED else grouped.gemm(g) for g in GEMMS)
     plan = replace(grouped, gemms=gemms, kernels=kernels)
     record(_describe_shape(x, gate_up, down), plan.describe())

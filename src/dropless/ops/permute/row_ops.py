@@ -42,8 +42,8 @@ class RowOps:
     gather_sum(rows_SN, slot_TK, weights_TK=None) -> out_TN: out[t] = sum_k w[t,k] *
         rows[slot[t,k]] summed in fp32 in k order, slots >= S read as zero;
     pair_dot(g_TN, y_SN, slot_TK) -> fp32 [T, K]: <g[t], y[slot[t,k]]> (0 when dropped);
-    act_fwd / act_bwd: as `activations.act_fwd_eager` / `act_bwd_eager`, for the kinds in
-    `activations`; supports(t): whether it runs on tensor t;
+    act_fwd / act_bwd: as `activation/eager.py`'s `act_fwd_eager` / `act_bwd_eager`, for
+    the kinds in `activations`; supports(t): whether it runs on tensor t;
     zero_groups(out_EMN, empty_E) -> out: out[e] = 0 where empty_E[e], in place (the
     blocks of a grouped weight gradient whose group had no rows).
     """

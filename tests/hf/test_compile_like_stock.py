@@ -40,7 +40,7 @@ def _patched(family: str = "qwen3_moe", **options):
 def test_export_records_the_custom_ops_and_matches_eager(family):
     model = _patched(family, fused_rmsnorm=True)
     ids = _ids(0)
-    with torch.no_grad():
+    with torch.no_grad():  # export records the norms as nodes, on CPU too
         exported = torch.export.export(model, (ids,), {"use_cache": False})
         targets = {str(n.target) for n in exported.graph.nodes}
         assert "dropless.expert_mlp.default" in targets
@@ -107,8 +107,10 @@ def test_compiles_like_eager(family):
     dh.patch(fused_cross_entropy=True, fused_rmsnorm=True)
     model = build(family, implementation=None).train()
     targets = compile_check(model)
-    norms = [m for m in model.modules() if fused_rmsnorm_state(m) == "kernel"]
-    assert ("dropless.rms_norm.default" in targets) == bool(norms)
+    # dropless's RMSNorm on CPU: its one Function traced (the compiler fuses it), no node
+    assert "dropless.rms_norm.default" not in targets
+    if any(fused_rmsnorm_state(m) == "kernel" for m in model.modules()):
+        assert "autograd_function_apply" in targets
     fused_ce = is_fused_cross_entropy_enabled(model)
     assert ("dropless.linear_cross_entropy.default" in targets) == fused_ce
 

@@ -8,8 +8,9 @@ Triton kernels for CUDA tensors, the lean torch op everywhere else.
 - `eager.py`: the torch passes (keep x and one fp32 value per row) and the op's one
   autograd Function, `RMSNormFunction`, which runs the passes the registry picks;
 - `rmsnorm_kernels.py`: the Triton passes (fused residual add);
-- `custom_op.py`: `dropless::rms_norm` and its backward, what a compiled region or an
-  exported program holds (the implementation is picked when the node runs);
+- `custom_op.py`: `dropless::rms_norm` and its backward, what an exported program and a
+  compiled region on a GPU hold (the implementation is picked when the node runs); a
+  compiled region on CPU traces the Function on the torch passes instead;
 - `backends.py`: the registry `RMSNORM`: "torch" always, "triton" registered on the first
   call with a CUDA tensor. Calling on CPU imports no triton.
 """
@@ -22,7 +23,7 @@ import torch
 
 from . import custom_op
 from .backends import RMSNORM, RMSNormImpl, register_gpu
-from .eager import check_weight, rms_norm_with
+from .eager import check_weight, rms_norm_bwd, rms_norm_fwd, rms_norm_with
 from .eager import rms_norm as torch_rms_norm
 
 
@@ -37,10 +38,14 @@ def rms_norm(
     """RMSNorm over the last dim of x (of `x + residual` when given, returning
     `(normed, x + residual)`). backend "auto": Triton on CUDA with triton installed, else
     the torch op; a name the registry `RMSNORM` does not hold, or "triton" on a tensor it
-    cannot run on, raises ValueError. Under `torch.compile` / `torch.export`, "auto" is one
-    `dropless::rms_norm` node (`custom_op.py`)."""
+    cannot run on, raises ValueError. Under `torch.compile`, "auto" on a CPU tensor is the
+    one Function on the torch passes, traced (the compiler fuses its forward and its
+    backward; an opaque node would run them one op at a time); on another device, and
+    under `torch.export`, it is one `dropless::rms_norm` node (`custom_op.py`)."""
     if backend == "auto" and torch.compiler.is_compiling():
         check_weight(x, weight_D)
+        if x.device.type == "cpu" and not torch.compiler.is_exporting():
+            return rms_norm_with(rms_norm_fwd, rms_norm_bwd, x, weight_D, eps, residual)
         return custom_op.run(x, weight_D, eps, residual)
     impl = RMSNORM.pick(backend, x)
     return rms_norm_with(impl.forward, impl.backward, x, weight_D, eps, residual)

@@ -3,7 +3,8 @@ under `torchrun --nproc-per-node 2` on gloo with ep=2 gives the losses and gradi
 of the same script on one process (fp32, 6 steps, 2 micro-batches each, clipping active),
 and the model it saves loads in stock `from_pretrained` with that run's weights; a LoRA run
 through Transformers' Trainer writes the one-process adapter, which stock PEFT loads; TRL's
-GRPOTrainer trains and saves. With `--cp 2` on 4 processes (2 data-parallel groups of 2
+GRPOTrainer trains and saves, and on completions fixed to be the same for any number of
+processes gives one process's gradient norms and weights. With `--cp 2` on 4 processes (2 data-parallel groups of 2
 context-parallel ranks) the Trainer, SFTTrainer (with ep=2) and accelerate scripts equal
 their one-process runs too. Also: the refusals of `parallelize`.
 
@@ -56,6 +57,8 @@ def _same_weights(a: Path, b: Path) -> None:
 
 
 RUNS = Path(__file__).with_name("_checks_parallelize_runs.py")
+GRPO_FIXED = str(Path(__file__).with_name("_grpo_fixed_completions.py"))
+GRPO_ARGS = "--steps 3 --grad-accum 1"
 ERRORS = Path(__file__).with_name("_checks_parallelize_errors.py")
 LORA = "--lora 4 --max-grad-norm 0.15"  # LoRA's gradient norms are ~0.2: clipping active
 
@@ -93,6 +96,7 @@ def one(tmp_path_factory) -> dict:
     }
     if _has_trl():
         runs["sft"] = ("ep_trl_sft.py", "")
+        runs["grpo_fixed"] = (GRPO_FIXED, GRPO_ARGS)  # last: it patches GRPOTrainer
     launch = lambda argv: run_python(argv, env=ENV, timeout=400)  # noqa: E731
     got, stdout = _runs(launch, out, runs, first=(str(ERRORS), ""))
     got["refusals"] = "OK" in stdout.splitlines()
@@ -110,7 +114,8 @@ def two(tmp_path_factory) -> dict:
     }
     if _has_trl():
         runs["sft"] = ("ep_trl_sft.py", "")
-        runs["grpo"] = ("ep_trl_grpo.py", "--steps 3 --grad-accum 1")
+        runs["grpo"] = ("ep_trl_grpo.py", GRPO_ARGS)
+        runs["grpo_fixed"] = (GRPO_FIXED, GRPO_ARGS)  # last: it patches GRPOTrainer
     return _runs(lambda argv: torchrun(2, argv, env=ENV, timeout=400), out, runs)[0]
 
 
@@ -230,7 +235,7 @@ def test_trl_grpo_ep2_trains_and_saves(two):
     with nonzero gradients and finite losses, and a saved model stock `from_pretrained` loads
     whole, moved from its initial weights. Not compared with one process: each rank samples
     its completions from its own random stream, so the completions depend on the number of
-    processes."""
+    processes (`test_trl_grpo_ep2_fixed_completions_equal_one_process` fixes them)."""
     pytest.importorskip("trl")
     import torch
     from transformers import AutoModelForCausalLM
@@ -242,6 +247,21 @@ def test_trl_grpo_ep2_trains_and_saves(two):
     a = AutoModelForCausalLM.from_pretrained(out / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(out / "init").state_dict()
     assert any(not torch.equal(a[k], b[k]) for k in a if "experts" in k)
+
+
+def test_trl_grpo_ep2_fixed_completions_equal_one_process(one, two):
+    """GRPOTrainer at ep=2 on completions that do not depend on the number of processes
+    (`_grpo_fixed_completions.py`: generation replaced by a function of the prompt and the
+    copy's index; the rest is TRL's: rewards, group advantages, the policy loss and its
+    gradients): one process's gradient norms (clipping active), losses (on-policy GRPO's are
+    ~0: the advantages of a group sum to zero) and final weights."""
+    pytest.importorskip("trl")
+    (got, two_dir), (ref, one_dir) = two["grpo_fixed"], one["grpo_fixed"]
+    assert (ref["world"], got["world"], len(got["losses"])) == (1, 2, 3), got
+    assert got["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+    assert min(ref["grad_norms"]) > 0.5  # --max-grad-norm 0.5: clipping was active
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-6)
+    _same_weights(two_dir / "final", one_dir / "final")
 
 
 def test_refusals(one):

@@ -11,8 +11,8 @@ Triton kernels for CUDA tensors, the lean torch op everywhere else.
 - `custom_op.py`: `dropless::rms_norm` and its backward, what an exported program and a
   compiled region on a GPU hold (the implementation is picked when the node runs); a
   compiled region on CPU traces the Function on the torch passes instead;
-- `backends.py`: the registry `RMSNORM`: "torch" always, "triton" registered on the first
-  call with a CUDA tensor. Calling on CPU imports no triton.
+- `backends.py`: the registry `RMSNORM`: "torch" always; `gpu.py`: the "triton" entry,
+  registered on the first pick for a CUDA tensor. Calling on CPU imports no triton.
 """
 
 # D normalised dim
@@ -22,9 +22,12 @@ from __future__ import annotations
 import torch
 
 from . import custom_op
-from .backends import RMSNORM, RMSNormImpl, register_gpu
+from .backends import RMSNORM, RMSNormImpl
 from .eager import check_weight, rms_norm_bwd, rms_norm_fwd, rms_norm_with
 from .eager import rms_norm as torch_rms_norm
+from .gpu import register_gpu
+
+RMSNORM.on_first_cuda(register_gpu)
 
 
 def rms_norm(

@@ -1,6 +1,5 @@
 """The registry of RMSNorm implementations: "torch" (`eager.py`) always, "triton"
-(`rmsnorm_kernels.py`) registered on the first pick for a CUDA tensor (registering
-imports no triton: the kernel module loads on its first call)."""
+(`rmsnorm_kernels.py`) registered by `gpu.py` on the first pick for a CUDA tensor."""
 
 # D normalised dim
 
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..registry import Registry, cuda_with_triton, lazy
+from ..registry import Registry
 from .eager import rms_norm_bwd, rms_norm_fwd
 
 
@@ -30,13 +29,3 @@ class RMSNormImpl:
 
 RMSNORM = Registry("rmsnorm backend")
 RMSNORM.register(RMSNormImpl("torch", lambda x: True, rms_norm_fwd, rms_norm_bwd))
-
-
-def register_gpu() -> None:
-    """Register the Triton kernels as "triton" (the kernel module loads on first call)."""
-    kernels = "dropless.ops.rmsnorm.rmsnorm_kernels"
-    fwd, bwd = (lazy(kernels, f) for f in ("rms_norm_fwd", "rms_norm_bwd"))
-    RMSNORM.register(RMSNormImpl("triton", cuda_with_triton, fwd, bwd, priority=10))
-
-
-RMSNORM.on_first_cuda(register_gpu)

@@ -191,3 +191,21 @@ def test_bf16_on_cuda_matches_the_stock_head():
     for a, c in zip(g1, g0):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), c.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_backends_are_one_registry():
+    """ "auto" picks through the registry `CE_BACKENDS`: fused for a summed loss, torch's op
+    for per-token fp32 losses without smoothing where it exists, chunked otherwise; a named
+    backend that cannot run the call says why."""
+    from dropless.ops.linear_cross_entropy import CE_BACKENDS
+    from dropless.ops.linear_cross_entropy.eager import _pick
+
+    assert CE_BACKENDS.names() == ["fused", "torch", "chunked"]
+    h = torch.randn(3, 4)
+    torch_op = "torch" if torch_linear_cross_entropy_available() else "chunked"
+    assert _pick("auto", h, "mean", 0.1).name == "fused"
+    assert _pick("auto", h, "none", 0.0).name == torch_op
+    assert _pick("auto", h.bfloat16(), "none", 0.0).name == "chunked"
+    assert _pick("auto", h, "none", 0.1).name == "chunked"
+    with pytest.raises(ValueError, match="'fused' cannot run .*per-token incoming gradient"):
+        _pick("fused", h, "none", 0.0)

@@ -169,6 +169,11 @@ class Registry:
         for entry in self.ranked():
             if runs(entry):
                 return entry
-            if entry.priority > 0 and _LOG.isEnabledFor(logging.DEBUG):
+            # no logging inside a compiled region (Dynamo cannot trace the logger)
+            if (
+                entry.priority > 0
+                and not torch.compiler.is_compiling()
+                and _LOG.isEnabledFor(logging.DEBUG)
+            ):
                 _LOG.debug("%s %r skipped %s", self.op, entry.name, _describe(operands))
         return None

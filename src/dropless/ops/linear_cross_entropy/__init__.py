@@ -3,8 +3,8 @@ in one folder.
 
 - `reference.py`: `linear_cross_entropy_reference`, the specification (the head, then
   cross-entropy, as Transformers computes them);
-- `eager.py`: `linear_cross_entropy` with its backends ("fused", "chunked", "torch") and
-  their autograd Functions; `fused_pass.py`: the chunked pass of "fused";
+- `eager.py`: `linear_cross_entropy` with its backends ("fused", "chunked", "torch", the
+  entries of the registry `CE_BACKENDS`) and their autograd Functions; `fused_pass.py`: the chunked pass of "fused";
 - `rows.py`: the registry `CE_ROWS` of the row op the "fused" backend runs on each chunk
   of logits, and its torch form;
 - `cross_entropy_kernels.py`: the Triton row op;
@@ -14,7 +14,7 @@ in one folder.
 """
 
 from .eager import (
-    BACKENDS,
+    CE_BACKENDS,
     LOGITS_BUFFER_BYTES,
     REDUCTIONS,
     default_chunk_size,
@@ -29,7 +29,7 @@ from .rows import CE_ROWS
 CE_ROWS.on_first_cuda(register_gpu)
 
 __all__ = [
-    "BACKENDS",
+    "CE_BACKENDS",
     "LOGITS_BUFFER_BYTES",
     "REDUCTIONS",
     "default_chunk_size",

@@ -26,9 +26,12 @@
   (torch >= 2.13), which chunks too and computes the gradients in its forward. It has no
   label smoothing.
 
-"auto" takes "fused" for reductions "mean" and "sum"; for "none" (whose per-token
-incoming gradient cannot be folded into a weight gradient summed in the forward) "torch"
-where it exists and supports the call and the inputs are fp32 or fp64, else "chunked".
+The three are the entries of the registry `CE_BACKENDS` (`registry.Registry`): "auto"
+takes the best entry whose automatic rule takes the call, "fused" for reductions "mean" and
+"sum"; for "none" (whose per-token incoming gradient cannot be folded into a weight
+gradient summed in the forward) "torch" where it exists and supports the call and the
+inputs are fp32 or fp64, else "chunked". A named entry that cannot run the call raises
+ValueError with its reason; it never falls back.
 For bf16/fp16 inputs torch's op forms the logits in fp32 from the low-precision operands,
 more accurate than (and so not equal to) a head that rounds its logits to bf16 before
 `.float()`, as Transformers models do (about 1e-3 relative on the loss); "fused" and
@@ -40,16 +43,18 @@ more accurate than (and so not equal to) a head that rounds its logits to bf16 b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..compute_dtype import autocast_dtype
+from ..registry import Registry
 from . import custom_op
 from .fused_pass import fused_pass, mm_into
 from .rows import CERows
 
-BACKENDS = ("auto", "fused", "chunked", "torch")
 REDUCTIONS = ("mean", "sum", "none")
 _MIN_CHUNK = 128
 # "fused": one chunk's logits at most this large, and 2,048 rows at most. Each chunk
@@ -100,30 +105,44 @@ def linear_cross_entropy(
     per-token losses shaped like `labels` for reduction="none" (fp32, or fp64 for
     fp64 inputs).
     """
-    _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend)
+    _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size)
+    entry = _pick(backend, h, reduction, label_smoothing)
     h_TD = h.reshape(-1, h.shape[-1])
     labels_T = labels.reshape(-1)
-    if backend == "fused" or (backend == "auto" and reduction != "none"):
-        loss = fused_linear_cross_entropy(
-            h_TD, weight_VD, labels_T, bias_V, ignore_index=ignore_index,
-            label_smoothing=label_smoothing, reduction=reduction, chunk_size=chunk_size,
-        )  # fmt: skip
-    elif backend == "torch" or (backend == "auto" and _torch_fits(h, label_smoothing)):
-        loss = _torch_backend(
-            h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size
-        )
-    else:
-        T, D = h_TD.shape
-        chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
-        loss = _ChunkedLinearCE.apply(
-            h_TD, weight_VD, bias_V, labels_T, ignore_index, label_smoothing, reduction, chunk
-        )
+    loss = entry.run(
+        h_TD, weight_VD, labels_T, bias_V, ignore_index, label_smoothing, reduction, chunk_size
+    )
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
 
-def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size, backend):
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+@dataclass(frozen=True)
+class CEBackend:
+    """One way to compute `linear_cross_entropy`: run(h_TD, weight_VD, labels_T, bias_V,
+    ignore_index, label_smoothing, reduction, chunk_size) -> loss; refuses(h, reduction,
+    label_smoothing): why it cannot run the call ("" when it can); auto(h, reduction,
+    label_smoothing): whether "auto" takes it for the call (among those that can run it,
+    by priority)."""
+
+    name: str
+    run: Callable
+    refuses: Callable[..., str]
+    auto: Callable[..., bool]
+    priority: int = 0
+
+
+CE_BACKENDS = Registry("linear cross-entropy backend")
+
+
+def _pick(backend: str, h, reduction: str, label_smoothing: float) -> CEBackend:
+    call = (h, reduction, label_smoothing)
+    entry = CE_BACKENDS.entries.get(backend)
+    detail = f": {entry.refuses(*call)}" if entry is not None else ""
+    if backend in (None, "auto"):
+        return CE_BACKENDS.pick(None, h, runs=lambda e: not e.refuses(*call) and e.auto(*call))
+    return CE_BACKENDS.pick(backend, h, runs=lambda e: not e.refuses(*call), detail=detail)
+
+
+def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size):
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}: expected one of {REDUCTIONS}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -137,29 +156,12 @@ def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_
         )
     if bias_V is not None and tuple(bias_V.shape) != (weight_VD.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight_VD.shape[0]}]; got {tuple(bias_V.shape)}")
-    if backend == "fused" and reduction == "none":
-        raise ValueError(
-            "backend='fused' sums the weight gradient in the forward, which a per-token "
-            "incoming gradient (reduction='none') cannot scale; use reduction='mean' or "
-            "'sum', or backend='chunked' or 'auto'"
-        )
     if labels.dtype != torch.int64:
         raise TypeError(f"labels must be int64 class ids; got {labels.dtype}")
     if tuple(labels.shape) != tuple(h.shape[:-1]):
         raise ValueError(
             f"labels {tuple(labels.shape)} must match h without its last dim {tuple(h.shape[:-1])}"
         )
-    if backend == "torch":
-        if not torch_linear_cross_entropy_available():
-            raise ValueError(
-                f"backend='torch' needs torch.nn.functional.linear_cross_entropy with "
-                f"LinearCrossEntropyOptions (torch >= 2.13; this is {torch.__version__}); "
-                "use backend='chunked' or 'auto'"
-            )
-        if label_smoothing != 0.0:
-            raise ValueError(
-                "backend='torch' has no label smoothing; use backend='chunked' or 'auto'"
-            )
 
 
 def _torch_fits(h: torch.Tensor, label_smoothing: float) -> bool:
@@ -347,3 +349,61 @@ class _FusedLinearCE(torch.autograd.Function):
             # in place: the buffers are this backward's own (fp32 for 16-bit inputs)
             out.append(None if g is None else g.mul_(grad_out.to(g.dtype)).to(dtype))
         return out[0], out[1], out[2], None, None, None
+
+
+def _run_fused(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduction, chunk_size):
+    return fused_linear_cross_entropy(
+        h_TD, weight_VD, labels_T, bias_V, ignore_index=ignore_index,
+        label_smoothing=smoothing, reduction=reduction, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def _run_torch(h_TD, weight_VD, labels_T, bias_V, ignore_index, _smoothing, reduction, chunk_size):
+    return _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size)
+
+
+def _run_chunked(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduction, chunk_size):
+    T, D = h_TD.shape
+    chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
+    return _ChunkedLinearCE.apply(
+        h_TD, weight_VD, bias_V, labels_T, ignore_index, smoothing, reduction, chunk
+    )
+
+
+def _fused_refuses(h, reduction: str, label_smoothing: float) -> str:
+    if reduction == "none":
+        return (
+            "it sums the weight gradient in the forward, which a per-token incoming gradient "
+            "(reduction='none') cannot scale; use reduction='mean' or 'sum', or backend "
+            "'chunked' or 'auto'"
+        )
+    return ""
+
+
+def _torch_refuses(h, reduction: str, label_smoothing: float) -> str:
+    if not torch_linear_cross_entropy_available():
+        return (
+            "it needs torch.nn.functional.linear_cross_entropy with LinearCrossEntropyOptions "
+            f"(torch >= 2.13; this is {torch.__version__}); use backend 'chunked' or 'auto'"
+        )
+    if label_smoothing != 0.0:
+        return "torch's op has no label smoothing; use backend 'chunked' or 'auto'"
+    return ""
+
+
+def _never_refuses(h, reduction: str, label_smoothing: float) -> str:
+    return ""
+
+
+CE_BACKENDS.register(
+    CEBackend("fused", _run_fused, _fused_refuses, lambda *call: True, priority=30)
+)
+CE_BACKENDS.register(
+    CEBackend(
+        "torch", _run_torch, _torch_refuses,
+        lambda h, reduction, smoothing: h.dtype in (torch.float32, torch.float64), priority=20,
+    )
+)  # fmt: skip
+CE_BACKENDS.register(
+    CEBackend("chunked", _run_chunked, _never_refuses, lambda *call: True, priority=10)
+)

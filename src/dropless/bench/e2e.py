@@ -478,12 +478,27 @@ def run(args) -> int:
     print(table)
     _ratios(figures, rows)
     print(_summary(figures))
+    for name, r in figures.items():
+        if name.endswith("_vs_eager") or name.endswith(f"_vs_grouped_mm{SUFFIX}"):
+            print(f"{name}: {r['median_paired']:.2f}x median of paired rounds "
+                  f"({r['min']:.2f}-{r['max']:.2f}), {r['of_medians']:.2f}x of medians")  # fmt: skip
     record = rec.finish("e2e", figures)
     print(load_sentence(record["load"]))
     section = section_path(args.section, "e2e", rec)
     if section is not None:
         _write_section(section, table, record)
     return 0
+
+
+def _paired(row: dict, base: dict) -> dict:
+    """row / base tokens/s: the median of the per-round ratios (the rows of one round ran
+    back to back) with their spread, and the ratio of the medians."""
+    pairs = [a / b for a, b in zip(row.get("rounds", []), base.get("rounds", []))]
+    return {
+        "median_paired": statistics.median(pairs) if pairs else None,
+        "min": min(pairs, default=None), "max": max(pairs, default=None), "rounds": pairs,
+        "of_medians": row["tokens_per_s"] / base["tokens_per_s"],
+    }  # fmt: skip
 
 
 def _ratios(figures: dict, rows: dict) -> None:
@@ -496,12 +511,10 @@ def _ratios(figures: dict, rows: dict) -> None:
             figures["memory_vs_grouped_mm"] = d["peak_step_mib"] / g["peak_step_mib"]
     for impl in COMPILED:  # a compiled row against its own eager row and stock compiled
         c, own, stock = rows.get(impl + SUFFIX), rows.get(impl), rows.get("grouped_mm" + SUFFIX)
-        if c and own:
-            figures[f"{impl}{SUFFIX}_vs_eager"] = c["tokens_per_s"] / own["tokens_per_s"]
-        if c and stock and impl != "grouped_mm":
-            figures[f"{impl}{SUFFIX}_vs_grouped_mm{SUFFIX}"] = (
-                c["tokens_per_s"] / stock["tokens_per_s"]
-            )
+        for name, base in ((f"{impl}{SUFFIX}_vs_eager", own),
+                           (f"{impl}{SUFFIX}_vs_grouped_mm{SUFFIX}", stock)):  # fmt: skip
+            if c and base and base is not c:
+                figures[name] = _paired(c, base)
     fce = rows.get("dropless-fused-ce")
     if fce and g:
         figures["fused_ce_speedup_vs_grouped_mm"] = fce["tokens_per_s"] / g["tokens_per_s"]

@@ -302,6 +302,26 @@ def _raises(fn, *words) -> None:
     raise AssertionError(f"no error; expected one naming {words}")
 
 
+def _loaders_and_trainer_see_dp(model, pm) -> None:
+    """At dp 2 x cp 2: the data loader accelerate prepares gives the 2 ranks of a cp group
+    the same rows and the 2 groups the two halves of the data; Trainer's cp size is 2."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from transformers import Trainer
+
+    loader = Accelerator(cpu=True).prepare(
+        torch.utils.data.DataLoader(torch.arange(8), batch_size=2)
+    )
+    mine = torch.cat(list(loader))
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[2], rows[3]), rows
+    assert sorted(torch.cat([rows[0], rows[2]]).tolist()) == list(range(8)), rows
+    fake = SimpleNamespace(model=model, accelerator=SimpleNamespace(parallelism_config=None))
+    assert Trainer.get_cp_size(fake) == pm.config.cp == 2
+
+
 def _trl_packed_batch_refused(model) -> None:
     """What TRL's SFTTrainer feeds with packing=True (its `pack_dataset` and its collator,
     padding-free: 4 documents in one row, positions restarting) is refused."""
@@ -326,7 +346,8 @@ def cp_whole_sequences(rank, world):
     the whole sequence, over the group's target count) and every gradient equal one process
     averaging the two groups' losses (FSDP's mean over the ranks); a batch `shard_batch`
     split passes unchanged; different batches in a cp group, packed rows (TRL's packing
-    included), an odd length and the model's own balancing loss are refused on every rank."""
+    included), an odd length and the model's own balancing loss are refused on every rank.
+    Accelerate's prepared data loader gives each cp group its rows (dp 2 x cp 2)."""
     import dropless
     from dropless.hf import parallel_mesh
     from dropless.hf.distributed.context_parallel import cp_inputs
@@ -374,6 +395,7 @@ def cp_whole_sequences(rank, world):
         model.config.router_aux_loss_coef = 0.01
         _raises(lambda: model(input_ids=ids[rows], output_router_logits=True),
                 "balancing loss", "RouterLosses")  # fmt: skip
+    _loaders_and_trainer_see_dp(model, pm)
 
 
 CHECKS = [

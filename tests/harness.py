@@ -13,7 +13,13 @@ read a run's metrics.
   once.
 - `tiny_moe_config(family, **overrides)`: a tiny random Transformers config of any family
   of `tests/hf/families.py` (no download).
-- `read_metrics(run_dir)`: a run's metrics.jsonl records, read by the library.
+- `tiny_args(*extra)`: `--set` arguments of the tiny run (`recipes.TINY`) and `extra`;
+  `finished_run(base, *extra)`: such a run of 8 steps, finished, made in this process (the
+  session fixture `finished_run` of tests/train and tests/faults, one per folder so their
+  tests spread over the xdist workers); `sub_env()`: the environment of a child a test
+  starts itself to inject a fault (one thread, no warnings).
+- `read_metrics(run_dir)`: a run's metrics.jsonl records, read by the library;
+  `metrics_by_step(run_dir)`: the same records by step.
 
 The checks that run under Triton's interpreter have their own child: `tests/interpreted.py`.
 """
@@ -33,13 +39,48 @@ from pathlib import Path
 from dropless.train.report.metrics import read_metrics
 
 __all__ = [
-    "SRC", "child_env", "read_metrics", "run_python", "tiny_moe_config", "torchrun",
+    "SRC", "child_env", "finished_run", "metrics_by_step", "read_metrics", "run_python", "sub_env",
+    "tiny_args", "tiny_moe_config", "torchrun",
     "torchrun_argv",
 ]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 STDERR_TAIL = 3000
+
+
+def tiny_args(*extra: str) -> list[str]:
+    """`--set ITEM` for each item of the tiny run (`recipes.TINY`) and of `extra`."""
+    from dropless.train.config.recipes import TINY
+
+    return [a for item in (*TINY, *extra) for a in ("--set", item)]
+
+
+def finished_run(base: Path, *extra: str) -> Path:
+    """A finished 8-step tiny run in `base`/run (checkpoints at 4 and 8, a record every 2
+    steps; `extra` overrides), trained in this process on one thread."""
+    import torch
+
+    from dropless.cli.main import main
+
+    n, run_dir = torch.get_num_threads(), Path(base) / "run"
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", "--run-dir", str(run_dir), *tiny_args(*extra)]) == 0
+    finally:
+        torch.set_num_threads(n)
+    return run_dir
+
+
+def sub_env() -> dict[str, str]:
+    """os.environ for a child a test starts itself (a fault to inject): one thread, no
+    warnings."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def metrics_by_step(run_dir) -> dict[int, dict]:
+    """A run's metrics.jsonl records by step, read by the library (`read_metrics`)."""
+    return {r["step"]: r for r in read_metrics(run_dir)}
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,9 +1,7 @@
 """The command line: help, version, demo."""
 
-import subprocess
-import sys
-
 from dropless.cli.main import main
+from harness import run_python
 
 
 def test_demo_runs(capsys):
@@ -30,9 +28,7 @@ def test_demo_runs(capsys):
 
 
 def test_python_m_dropless_help():
-    proc = subprocess.run(
-        [sys.executable, "-m", "dropless", "--help"], capture_output=True, text=True
-    )
+    proc = run_python(["-m", "dropless", "--help"], timeout=120)
     assert proc.returncode == 0
     for cmd in ("train", "generate", "convert", "bench", "demo"):
         assert cmd in proc.stdout
@@ -59,7 +55,7 @@ def test_help_imports_neither_torch_nor_the_commands():
         "         'dropless.train.config.load', 'dropless.nn']\n"
         "print([m for m in heavy if m in sys.modules])\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    proc = run_python(["-c", code], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[]"
 

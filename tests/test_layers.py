@@ -10,13 +10,13 @@ A package may always import itself. `dropless` itself (the package `__init__` an
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import run_python
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ROOT = "dropless"  # the top-level package's own modules
@@ -169,10 +169,7 @@ def test_import_dropless_stays_light():
         "rms_norm(x, torch.ones(8)), ops.route(x, 2), ops.permute(x[:3], sp)\n"
         "print(ops.gemm_backends(), 'triton' in sys.modules)\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = run_python(["-c", code], env={"OMP_NUM_THREADS": "1"}, timeout=120)
     assert out.returncode == 0, out.stderr
     loaded, after_cpu_calls = out.stdout.splitlines()
     assert loaded == "[]", f"import dropless loaded {loaded}"

@@ -24,6 +24,7 @@ PUBLIC = (
 
 
 def _run(cmd, cwd, timeout=600):
+    # not through the harness: its children see this checkout's src, which this test must not
     env = {"PATH": str(Path(cmd[0]).parent), "HOME": str(cwd), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd}: {proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

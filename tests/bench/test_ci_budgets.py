@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,14 +35,8 @@ def _checker():
 def test_pytest_writes_the_time_per_folder_and_its_budget(tmp_path):
     report = tmp_path / "budgets.json"
     test = "tests/bench/test_benchmarks_md.py::test_sections_without_a_command_are_refused"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
-    proc = subprocess.run(
-        [*cmd, "--budget-report", str(report)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", test, "--budget-report", report]
+    proc = run_python(args, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:]
     written = json.loads(report.read_text())
     folders = written["folders"]
@@ -59,10 +53,7 @@ def test_a_folder_over_one_and_a_half_times_its_budget_fails(tmp_path):
     assert check.over_budget(_report(bad)) == ["jax: 136 s, budget 90 s (x1.5 = 135 s)"]
     report = tmp_path / "r.json"
     report.write_text(json.dumps(_report(bad)))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / ".ci" / "check_budgets.py"), str(report)],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    proc = run_python([ROOT / ".ci" / "check_budgets.py", report], timeout=30)
     assert proc.returncode == 1 and "OVER BUDGET: jax: 136 s" in proc.stderr
     # the suite's limit is on wall-clock time, not on the folders' sum (2 workers)
     assert check.over_budget(_report(ok, wall_s=899.0)) == []
@@ -100,7 +91,9 @@ def test_the_suite_runs_in_groups(request):
 
 def test_grouped_ids_count_for_their_folder():
     folder_of, BUDGETS = _conftest().folder_of, _conftest().BUDGETS
-    grouped = "tests/parallel/test_parallel.py::test_world2[ep_uniform]@tests/parallel/test_parallel.py"
+    grouped = (
+        "tests/parallel/test_parallel.py::test_world2[ep_uniform]@tests/parallel/test_parallel.py"
+    )
     assert folder_of(grouped) == "parallel"
     assert folder_of("tests/nn/test_moe.py::test_x@session:tests/train") == "ops+nn"
     assert folder_of("tests/test_cli.py::test_demo_runs@tests/test_cli.py") == "other"

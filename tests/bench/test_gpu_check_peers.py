@@ -70,8 +70,8 @@ def _wheel(folder: Path, name: str, version: str) -> Path:
 
 def test_carried_wheels_are_installed_for_the_children(tmp_path):
     import shutil
-    import subprocess
-    import sys
+
+    from harness import run_python
 
     gc = _script()
     _wheel(tmp_path, "gpu_check_fake_peer", "1.2.3")
@@ -81,7 +81,7 @@ def test_carried_wheels_are_installed_for_the_children(tmp_path):
     env = gc.child_env(True)
     assert res["site"] in env["PYTHONPATH"].split(":")
     code = "import importlib.metadata as m, gpu_check_fake_peer as p; print(p.VERSION, m.version(p.__name__))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = run_python(["-c", code], env=env, timeout=60)
     shutil.rmtree(res["site"])
     assert out.stdout.split() == ["1.2.3", "1.2.3"], out.stderr
 

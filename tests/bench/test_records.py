@@ -25,6 +25,7 @@ def _fake_checkout(root: Path) -> Path:
     (root / "src" / "dropless").mkdir(parents=True)
     (root / "src" / "dropless" / "x.py").write_text("x = 1\n")
     (root / "pyproject.toml").write_text("[project]\nname = 'dropless'\n")
+    # git, not a Python child: the harness starts Python
     subprocess.run([*GIT, "init", "-q", str(root)], check=True)
     subprocess.run([*GIT, "-C", str(root), "add", "-A"], check=True)
     subprocess.run([*GIT, "-C", str(root), "commit", "-qm", "c"], check=True)
@@ -99,6 +100,7 @@ def test_load_sample_counts_a_busy_process_outside_its_own_tree(tmp_path):
     # re-parented away from this process (the shell exits at once)
     spin = tmp_path / "dlspin"
     spin.symlink_to(sys.executable)
+    # not through the harness: a detached busy process under another name is the fixture
     out = subprocess.run(
         ["sh", "-c", f"{spin} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
         capture_output=True,

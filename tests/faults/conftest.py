@@ -9,9 +9,8 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
+import harness  # noqa: E402
 from dropless.cli.main import main  # noqa: E402
-
-from .faults_util import args  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -25,16 +24,8 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """A finished 8-step tiny run: checkpoints at 4 and 8, a record every 2 steps."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    run_dir = tmp_path_factory.mktemp("faults") / "run"
-    assert (
-        main(
-            ["train", "--run-dir", str(run_dir), *args("log.tensorboard=false", "log.plots=false")]
-        )
-        == 0
-    )
-    torch.set_num_threads(n)
+    base = tmp_path_factory.mktemp("faults")
+    run_dir = harness.finished_run(base, "log.tensorboard=false", "log.plots=false")
     yield run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
 

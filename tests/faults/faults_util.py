@@ -1,10 +1,10 @@
 """Shared pieces of the fault tests: the tiny run's arguments, subprocess environment,
-a snapshot of a directory's files, and hooks for in-process faults."""
+a snapshot of a directory's files, and hooks for in-process faults. A run's records by
+step: `records` (harness.metrics_by_step)."""
 
 import functools
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,27 +12,17 @@ from pathlib import Path
 import torch
 
 from dropless.train import trainer
-from dropless.train.config.recipes import TINY
 from dropless.train.run.hooks import TrainHooks
-from harness import torchrun_argv
+from harness import metrics_by_step, sub_env, tiny_args, torchrun_argv
 
+records, args = metrics_by_step, tiny_args
 CHILD = Path(__file__).with_name("train_child.py")
-
-
-def args(*extra: str) -> list[str]:
-    out = []
-    for item in (*TINY, *extra):
-        out += ["--set", item]
-    return out
-
-
-def sub_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 def child(spec: dict, argv: list[str], torchrun: int = 0) -> subprocess.Popen:
     """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0)."""
     launch = torchrun_argv(torchrun) if torchrun else [sys.executable]
+    # fault: the test kills or signals it mid-run (not the harness's run-to-exit children)
     return subprocess.Popen(
         [*launch, str(CHILD), json.dumps([{"spec": spec, "argv": argv}])],
         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -46,6 +36,7 @@ def forked_children(jobs: list[tuple[dict, list[str]]], tmp: Path) -> list[tuple
         {"spec": spec, "argv": argv, "stderr": str(tmp / f"job{i}.err")}
         for i, (spec, argv) in enumerate(jobs)
     ]
+    # fault: each job forks and injects its fault (kill, signal) in the forked child
     proc = subprocess.run(
         [sys.executable, str(CHILD), json.dumps(items)],
         env=sub_env(), capture_output=True, text=True, timeout=300,
@@ -62,11 +53,6 @@ def snapshot(root: Path) -> dict:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
-
-
-def records(run_dir: Path) -> dict:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
 
 
 class NaNAt(TrainHooks):

@@ -24,6 +24,7 @@ def _du(root: Path) -> int:
 def _small_tmpfs(where: Path, size: int):
     where.mkdir()
     opts = f"size={size}"
+    # fault: a full disk (a small tmpfs); not a Python child
     if subprocess.run(
         ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)], capture_output=True
     ).returncode:

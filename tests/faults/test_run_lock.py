@@ -21,6 +21,7 @@ HOLDER = Path(__file__).with_name("lock_holder.py")
 
 
 def _holder(run_dir: Path, *extra: str, launch=()) -> subprocess.Popen:
+    # fault: a process that holds the run's lock while the test starts runs beside it
     return subprocess.Popen(
         [*launch, sys.executable, str(HOLDER), str(run_dir), *extra],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -67,6 +68,7 @@ def test_holder_in_another_pid_namespace_keeps_the_lock(tmp_path):
     # its pid there (sh is 1, each /bin/true one more) is one no process has out here
     pid = next(p for p in range(20, 10_000) if not os.path.exists(f"/proc/{p}"))
     script = f"i=0; while [ $i -lt {pid - 2} ]; do /bin/true; i=$((i+1)); done; {sys.executable} {HOLDER} {tmp_path}"
+    # fault: the lock holder in another PID namespace
     holder = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

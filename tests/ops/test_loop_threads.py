@@ -225,7 +225,7 @@ def test_a_forked_child_starts_its_own_workers():
 
     expert_threads.run_experts(list(range(4)), lambda i, s, b: None, workers=2)
     assert expert_threads._POOL  # the parent has its workers
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("fork")  # fault: a fork with the worker threads running
     q = ctx.Queue()
     p = ctx.Process(target=_in_forked_child, args=(q,))
     p.start()

@@ -8,9 +8,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from train_util import sub_env, tiny_args  # noqa: E402, F401  (also imported from conftest)
 
-from dropless.cli.main import main  # noqa: E402
+import harness  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -22,12 +21,8 @@ def _one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
+def finished_run(tmp_path_factory):
     """A finished 8-step tiny run (checkpoints at 4 and 8) shared by several tests."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    run_dir = tmp_path_factory.mktemp("train") / "run"
-    assert main(["train", "--run-dir", str(run_dir), *tiny_args()]) == 0
-    torch.set_num_threads(n)
+    run_dir = harness.finished_run(tmp_path_factory.mktemp("train"))
     yield run_dir
     shutil.rmtree(run_dir, ignore_errors=True)

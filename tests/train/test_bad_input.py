@@ -3,13 +3,13 @@ the problem and the fix."""
 
 import pytest
 import torch
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.config.load import load_config
 from dropless.train.config.recipes import TINY
 from dropless.train.plan.preflight import preflight
 from dropless.train.run.setup import Env
+from harness import tiny_args
 
 
 def _fails(capsys, tmp_path, *args, run_dir=None):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from train_util import tiny_args
-
 from dropless.cli.main import main
+from harness import tiny_args
 
 
 def test_bench_train_records_the_run_summary(tmp_path):

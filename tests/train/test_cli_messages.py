@@ -12,11 +12,10 @@ import sys
 
 import pytest
 import torch
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as ckpt
-from harness import tiny_moe_config
+from harness import tiny_args, tiny_moe_config
 
 SOURCE_LINE = re.compile(r"\.py:\d+: |warnings\.warn\(")
 
@@ -28,9 +27,9 @@ def _damage_newest(run):
     return newest
 
 
-def test_resume_says_its_step_and_warnings_are_one_line(tiny_run, tmp_path, capsys):
+def test_resume_says_its_step_and_warnings_are_one_line(finished_run, tmp_path, capsys):
     run = tmp_path / "run"
-    shutil.copytree(tiny_run, run)
+    shutil.copytree(finished_run, run)
     damaged = _damage_newest(run)
     more = ["--set", "train.steps=10", "--set", "log.plots=false", "--set", "log.progress=plain"]
     assert main(["train", "--run-dir", str(run), "--resume", *more]) == 0

@@ -6,11 +6,10 @@ gradient norm agree (fp32), with the same optimizer kernel on both sides.
 
 import pytest
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.config.load import Config, load_config
 from dropless.train.state import adamw_kernel
-from harness import read_metrics
+from harness import read_metrics, tiny_args
 
 
 def _first_step(tmp_path, name, *extra):

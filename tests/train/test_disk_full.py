@@ -8,11 +8,11 @@ from contextlib import contextmanager
 
 import pytest
 from torch.distributed.checkpoint import filesystem as dcp_fs
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as checkpoint
 from dropless.train.run import atomic
+from harness import tiny_args
 
 
 def _enospc(*_args, **_kw):

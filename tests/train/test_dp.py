@@ -5,10 +5,9 @@ import json
 import os
 
 import pytest
-from train_util import sub_env, tiny_args
 
 from dropless.cli.main import main
-from harness import read_metrics, torchrun
+from harness import read_metrics, sub_env, tiny_args, torchrun
 
 STEPS = (
     "train.steps=4",

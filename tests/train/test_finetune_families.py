@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from conftest import tiny_args
 from dropless.cli.main import main
-from harness import read_metrics
+from harness import read_metrics, tiny_args
 
 VOCAB = 264  # the byte tokenizer's 257 ids fit
 COMMON = dict(

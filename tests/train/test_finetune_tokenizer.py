@@ -7,12 +7,11 @@ import json
 
 import pytest
 import torch
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.config.load import load_config
 from dropless.train.config.recipes import TINY
-from harness import tiny_moe_config
+from harness import tiny_args, tiny_moe_config
 
 VOCAB = 320  # a 300-token BPE plus padding rows
 
@@ -102,13 +101,13 @@ def test_padding_rows_are_accepted(tmp_path):
     check_compatible(C, 2048, 128, pretrained=False)  # fresh weights: any smaller vocabulary
 
 
-def test_a_converted_byte_run_is_found_again(tiny_run, tmp_path):
+def test_a_converted_byte_run_is_found_again(finished_run, tmp_path):
     """`dropless convert` of a byte-tokenizer run writes the tokenizer's marker, so a
     fine-tune of the converted model picks the byte tokenizer by itself."""
     from dropless.train.data.tokenizer import resolve_spec
 
     out = tmp_path / "hf"
-    assert main(["convert", str(tiny_run), str(out)]) == 0
+    assert main(["convert", str(finished_run), str(out)]) == 0
     # only what a Hugging Face model directory holds: no extension-less `bytes` marker
     names = {f.name for f in out.iterdir()}
     assert names == {"config.json", "generation_config.json", "model.safetensors", "TOKENIZER.txt"}

@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 import torch.distributed as dist
-from train_util import tiny_args
 
 from dropless.cli.main import main
-from harness import read_metrics, tiny_moe_config
+from harness import read_metrics, tiny_args, tiny_moe_config
 
 FORCE = "parallel.force_distributed=true"
 # fp32: the same GEMMs in another order (a 1-rank all-to-all, FSDP2's gradient division by
@@ -55,7 +54,7 @@ def forced_run(tmp_path_factory):
     return run_dir, issued
 
 
-def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, tiny_run):
+def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, finished_run):
     forced_run, issued = forced_run
     # the step's and the evaluation's all-reduce run as on a node (on NCCL at world 1 too)
     assert issued.count("dropless.train.step") == 8
@@ -63,10 +62,10 @@ def test_forced_run_takes_the_parallel_path_and_equals_one_process(forced_run, t
     assert issued.count("dropless.train.evaluation") == 2 * 5
     assert issued.count("bcast") >= 3  # rank 0's run-directory claim, data preparation, summary
     got = read_metrics(forced_run)
-    _same(got, read_metrics(tiny_run), [0, 2, 4, 6, 8])
+    _same(got, read_metrics(finished_run), [0, 2, 4, 6, 8])
     # the expert-parallel dispatcher ran (its stats are logged; one rank sends no bytes)
     assert all(r["ep_bytes_per_step"] == 0 for r in got[1:])
-    assert all("ep_bytes_per_step" not in r for r in read_metrics(tiny_run))
+    assert all("ep_bytes_per_step" not in r for r in read_metrics(finished_run))
     assert not dist.is_initialized()  # the 1-process group is left at the end of the run
 
 
@@ -79,13 +78,13 @@ def test_forced_checkpoint_resumes_to_the_same_losses(forced_run, tmp_path):
     _same(read_metrics(half), read_metrics(forced_run), [0, 2, 4, 6, 8])
 
 
-def test_one_process_checkpoint_resumes_under_force_distributed(tiny_run, tmp_path):
+def test_one_process_checkpoint_resumes_under_force_distributed(finished_run, tmp_path):
     half = tmp_path / "half"
-    shutil.copytree(tiny_run, half)
+    shutil.copytree(finished_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")
     assert main(["train", "--run-dir", str(half), "--resume", "--set", FORCE]) == 0
     got = read_metrics(half)
-    _same(got, read_metrics(tiny_run), [0, 2, 4, 6, 8])
+    _same(got, read_metrics(finished_run), [0, 2, 4, 6, 8])
     assert "ep_bytes_per_step" in got[-1]
 
 

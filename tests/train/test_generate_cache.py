@@ -22,8 +22,8 @@ def _no_cache_greedy(model, tok, prompt: str, n: int, context: int) -> str:
     return tok.decode(out)
 
 
-def test_generate_uses_the_cache_and_keeps_the_greedy_text(tiny_run):
-    cfg, tok, model, _ = load_run(tiny_run)
+def test_generate_uses_the_cache_and_keeps_the_greedy_text(finished_run):
+    cfg, tok, model, _ = load_run(finished_run)
     assert hf.moe_layers(model) and "dropless" in model.get_experts_implementation().values()
     lengths = []
     handle = model.register_forward_pre_hook(
@@ -40,8 +40,8 @@ def test_generate_uses_the_cache_and_keeps_the_greedy_text(tiny_run):
     assert got == want and len(tok.encode(got)) == 20
 
 
-def test_sampling_is_seeded_and_bounded(tiny_run, capsys):
-    cfg, tok, model, _ = load_run(tiny_run)
+def test_sampling_is_seeded_and_bounded(finished_run, capsys):
+    cfg, tok, model, _ = load_run(finished_run)
     a = sample(model, tok, "def ", 16, temperature=1.0, top_k=5, top_p=0.9, seed=3)
     b = sample(model, tok, "def ", 16, temperature=1.0, top_k=5, top_p=0.9, seed=3)
     assert a == b and len(tok.encode(a)) == 16
@@ -50,7 +50,16 @@ def test_sampling_is_seeded_and_bounded(tiny_run, capsys):
     torch.manual_seed(123)
     sample(model, tok, "def ", 4, temperature=1.0, seed=9)
     assert torch.equal(torch.rand(1), before)  # the caller's RNG stream is left as it was
-    args = ["generate", str(tiny_run), "--prompt", "x", "--max-new-tokens", "3", "--top-p", "0.5"]
+    args = [
+        "generate",
+        str(finished_run),
+        "--prompt",
+        "x",
+        "--max-new-tokens",
+        "3",
+        "--top-p",
+        "0.5",
+    ]
     assert main(args) == 0 and capsys.readouterr().out.startswith("x")
     assert main([*args[:-1], "1.5"]) == 2
     assert "top_p in (0, 1]" in capsys.readouterr().err

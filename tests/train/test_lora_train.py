@@ -7,9 +7,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import tiny_args
 from dropless.cli.main import main
-from harness import read_metrics, tiny_moe_config
+from harness import read_metrics, tiny_args, tiny_moe_config
 
 peft = pytest.importorskip("peft")
 

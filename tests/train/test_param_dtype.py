@@ -6,13 +6,12 @@ import shutil
 
 import pytest
 import torch
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.config.recipes import tiny
 from dropless.train.run.hooks import TrainHooks
 from dropless.train.trainer import train
-from harness import read_metrics
+from harness import read_metrics, tiny_args
 
 
 class _Dtypes(TrainHooks):

@@ -232,6 +232,7 @@ def test_plan_brackets_the_measured_peak_on_gloo(tmp_path, world):
     peak <= plan (at the routing skew that rank computed) <= 1.10 x it."""
     import torch.multiprocessing as mp
 
+    # not run_group: each rank sends its measured peaks back through a queue
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = str(tmp_path / "store")

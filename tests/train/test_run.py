@@ -5,11 +5,10 @@ import shutil
 
 import pytest
 import torch
-from train_util import tiny_args
 
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as ckpt
-from harness import read_metrics
+from harness import read_metrics, tiny_args
 
 FIELDS = (
     "loss", "eval_loss", "eval_bpb", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_process",
@@ -17,8 +16,8 @@ FIELDS = (
 )  # fmt: skip
 
 
-def test_run_writes_everything_and_learns(tiny_run):
-    recs = read_metrics(tiny_run)
+def test_run_writes_everything_and_learns(finished_run):
+    recs = read_metrics(finished_run)
     assert [r["step"] for r in recs] == [0, 2, 4, 6, 8]
     assert "unigram_bpb" in recs[0] and recs[0]["eval_bpb"] > 7.5  # uniform over 257 bytes is 8.0
     for r in recs[1:]:
@@ -33,10 +32,13 @@ def test_run_writes_everything_and_learns(tiny_run):
     assert recs[-1]["eval_loss"] < recs[0]["eval_loss"] - 0.5
     assert recs[-1]["loss_avg"] < recs[1]["loss_avg"]
     for name in ("loss.png", "expert_load.png", "config.toml", "summary.json"):
-        assert (tiny_run / name).stat().st_size > 0, name
-    assert list((tiny_run / "tensorboard").glob("events.out.tfevents.*"))
-    assert [s for s, _ in ckpt.list_checkpoints(tiny_run)] == [4, 8]  # checkpoint.every=4, keep=2
-    summary = json.loads((tiny_run / "summary.json").read_text())
+        assert (finished_run / name).stat().st_size > 0, name
+    assert list((finished_run / "tensorboard").glob("events.out.tfevents.*"))
+    assert [s for s, _ in ckpt.list_checkpoints(finished_run)] == [
+        4,
+        8,
+    ]  # checkpoint.every=4, keep=2
+    summary = json.loads((finished_run / "summary.json").read_text())
     assert (
         summary["final_bpb"] == recs[-1]["eval_bpb"]
         and summary["initial_bpb"] == recs[0]["eval_bpb"]
@@ -51,50 +53,52 @@ def test_mfu_without_a_stated_peak_measures_this_cpu():
     assert peak_tflops(torch.device("cpu"), torch.float32, 2.5) == (2.5, "log.peak_tflops")
 
 
-def test_resume_is_bit_exact(tiny_run, tmp_path):
+def test_resume_is_bit_exact(finished_run, tmp_path):
     half = tmp_path / "half"
-    shutil.copytree(tiny_run, half)
+    shutil.copytree(finished_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")  # as if it had stopped after step 4
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0  # config comes from the run dir
-    straight, resumed = read_metrics(tiny_run), read_metrics(half)
+    straight, resumed = read_metrics(finished_run), read_metrics(half)
     assert [r["step"] for r in resumed] == [0, 2, 4, 6, 8]
     for a, b in zip(straight[3:], resumed[3:]):
         for f in ("loss", "eval_loss", "grad_norm", "lr", "tokens_per_expert"):
             assert a[f] == b[f], (a["step"], f)
 
 
-def test_resume_refuses_finished_and_fresh_runs(tiny_run, tmp_path, capsys):
-    assert main(["train", "--run-dir", str(tiny_run), "--resume"]) == 2
+def test_resume_refuses_finished_and_fresh_runs(finished_run, tmp_path, capsys):
+    assert main(["train", "--run-dir", str(finished_run), "--resume"]) == 2
     assert "already at step 8 of train.steps=8; raise train.steps" in capsys.readouterr().err
-    assert main(["train", "--run-dir", str(tiny_run), *tiny_args()]) == 2
+    assert main(["train", "--run-dir", str(finished_run), *tiny_args()]) == 2
     assert "already holds checkpoints: pass --resume" in capsys.readouterr().err
     (tmp_path / "new").mkdir()  # a run folder without checkpoints (a missing one: tests/faults)
     assert main(["train", "--run-dir", str(tmp_path / "new"), "--resume"]) == 2
     assert "has no complete checkpoint to resume from" in capsys.readouterr().err
 
 
-def test_generate_returns_text(tiny_run, capsys):
-    assert main(["generate", str(tiny_run), "--prompt", "import ", "--max-new-tokens", "24"]) == 0
+def test_generate_returns_text(finished_run, capsys):
+    assert (
+        main(["generate", str(finished_run), "--prompt", "import ", "--max-new-tokens", "24"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("import ") and len(out.rstrip("\n")) > len("import ")
-    assert main(["generate", str(tiny_run / "nope")]) == 2
+    assert main(["generate", str(finished_run / "nope")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 
 
-def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
+def test_convert_loads_in_stock_transformers(finished_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dropless import hf
     from dropless.train.generate import load_run
 
     out = tmp_path / "hf"
-    assert main(["convert", str(tiny_run), str(out)]) == 0
+    assert main(["convert", str(finished_run), str(out)]) == 0
     stock = AutoModelForCausalLM.from_pretrained(out)
     assert (
         not hf.patching.patch.is_patched()
         and "dropless" not in stock.get_experts_implementation().values()
     )
-    _, _, ours, _ = load_run(tiny_run)  # patched: the dropless experts path
+    _, _, ours, _ = load_run(finished_run)  # patched: the dropless experts path
     x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = ours(input_ids=x).logits
@@ -103,10 +107,10 @@ def test_convert_loads_in_stock_transformers(tiny_run, tmp_path):
         hf.unpatch_model(ours)  # same weights, same stock code: identical bits
         assert torch.equal(stock(input_ids=x).logits, ours(input_ids=x).logits)
     with pytest.raises(SystemExit):
-        main(["convert", str(tiny_run)])
+        main(["convert", str(finished_run)])
 
 
-def test_fine_tune_with_every_option(tiny_run, tmp_path):
+def test_fine_tune_with_every_option(finished_run, tmp_path):
     """Fine-tune the converted tiny model on .jsonl data with activation checkpointing,
     aux-loss-free expert bias, z-loss, WSD, gradient accumulation and (when dropless.quant
     is there) the MXFP8 recipe."""
@@ -120,7 +124,7 @@ def test_fine_tune_with_every_option(tiny_run, tmp_path):
     except ImportError:
         recipe = "none"
     hf_dir, data = tmp_path / "hf", tmp_path / "d.jsonl"
-    assert main(["convert", str(tiny_run), str(hf_dir)]) == 0
+    assert main(["convert", str(finished_run), str(hf_dir)]) == 0
     docs = [
         json.dumps({"body": f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * 8}) for i in range(60)
     ]
@@ -168,9 +172,9 @@ def test_stock_path_one_log_point(tmp_path, capsys):
     assert len({tuple(px) for px in img.reshape(-1, 3)[::7].tolist()}) > 50  # not blank
 
 
-def test_header_and_summary_say_what_they_count(tiny_run, tmp_path, capsys):
+def test_header_and_summary_say_what_they_count(finished_run, tmp_path, capsys):
     half = tmp_path / "half"
-    shutil.copytree(tiny_run, half)
+    shutil.copytree(finished_run, half)
     shutil.rmtree(half / "checkpoints" / "step_00000008")
     assert main(["train", "--run-dir", str(half), "--resume"]) == 0
     out = capsys.readouterr().out
@@ -210,11 +214,11 @@ def test_cli_debug_and_bench_help(tmp_path, capsys):
     assert "ep" in capsys.readouterr().out.split()
 
 
-def test_converted_files_have_the_usual_mode(tiny_run, tmp_path):
+def test_converted_files_have_the_usual_mode(finished_run, tmp_path):
     import os
 
     out = tmp_path / "hf"
-    assert main(["convert", str(tiny_run), str(out)]) == 0
+    assert main(["convert", str(finished_run), str(out)]) == 0
     mask = os.umask(0)
     os.umask(mask)
     for f in out.iterdir():

@@ -6,11 +6,10 @@ import json
 import numpy as np
 import torch
 
-from conftest import tiny_args
 from dropless.cli.main import main
 from dropless.train.data import sft
 from dropless.train.data.tokenizer import ByteTokenizer
-from harness import read_metrics, tiny_moe_config
+from harness import read_metrics, tiny_args, tiny_moe_config
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"

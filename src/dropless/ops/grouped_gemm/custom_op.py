@@ -4,10 +4,9 @@ what `torch.compile` and `torch.export` see of `grouped_gemm` (and so of
 
 The node reads the counts on the host when it runs (it is opaque to the compiler), so a
 compiled graph neither breaks at `counts.tolist()` nor specialises on the group sizes:
-new sizes reuse the graph. It runs the autograd Function eager code runs
-(`eager.GroupedGemm`'s forward and backward called directly, on the backend picked
-when the node runs), so the math is that one's. The fake rule gives [S, N] from the
-operands.
+new sizes reuse the graph. It calls the forward and backward eager code's autograd
+Function calls (`eager.gemm_forward` / `gemm_backward`, on the backend picked when the
+node runs), so the math is that one's. The fake rule gives [S, N] from the operands.
 """
 
 # S rows, D in features, N out features, E groups
@@ -17,8 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..function_ctx import FunctionContext
-from .eager import GroupedGemm, bound_backend, check_counts
+from .eager import bound_backend, check_counts, gemm_backward, gemm_forward
 
 
 def _out_features(w: Tensor, trans_w: bool) -> int:
@@ -31,7 +29,7 @@ def grouped_gemm_op(
 ) -> Tensor:
     """y[s] = x[s] @ w[e(s)]^T (+ bias[e(s)]) over groups of `counts_E` rows."""
     counts = check_counts(x_SD, w, counts_E)
-    return GroupedGemm.forward(FunctionContext(), x_SD, w, bias_EN, counts, None, trans_w, None)
+    return gemm_forward(x_SD, w, bias_EN, counts, None, trans_w, None)[0]
 
 
 @grouped_gemm_op.register_fake
@@ -46,10 +44,8 @@ def grouped_gemm_backward_op(
     """(grad_x, grad_w, grad_bias); an empty tensor where `needs` (same order) says none
     is wanted."""
     counts = [int(c) for c in counts_E.tolist()]
-    ctx = FunctionContext((*needs, False, False, False, False), (x_SD, w))
-    ctx.be, ctx.counts = bound_backend(x_SD, w, counts, None, None)
-    ctx.trans_w, ctx.has_bias, ctx.host_counts = trans_w, needs[2], counts
-    grads = GroupedGemm.backward(ctx, grad_SN)[:3]
+    bound = bound_backend(x_SD, w, counts, None, None)
+    grads = gemm_backward(grad_SN, x_SD, w, bound, counts, trans_w, needs)
     return tuple(x_SD.new_empty(0) if g is None else g for g in grads)
 
 

@@ -169,34 +169,48 @@ def bound_backend(x_SD, w, counts: list[int], offs, backend):
     return bind_offsets(be, cnt, offs, x_SD.device), cnt
 
 
+def gemm_forward(x_SD, w, bias_EN, counts: list[int], offs, trans_w: bool, backend):
+    """(y, (backend, counts as it takes them)): the forward and what its backward reads
+    beside x_SD and w (`gemm_backward`)."""
+    be, cnt = bound_backend(x_SD, w, counts, offs, backend)
+    y = be.mm(x_SD, w, cnt, trans_w)
+    if bias_EN is not None:
+        y += expand_bias(bias_EN, counts)
+    return y, (be, cnt)
+
+
+def gemm_backward(grad_SN, x_SD, w, bound, counts: list[int], trans_w: bool, needs) -> tuple:
+    """(dx, dw, d bias) where `needs` (same order) wants them, else None."""
+    be, cnt = bound
+    grad_SN = grad_SN.contiguous()  # an expanded gradient (e.g. from .sum()) breaks gmm
+    gx = gw = gb = None
+    if needs[0]:
+        # y = x w^T  ->  dx = dy w ;  y = x w  ->  dx = dy w^T
+        gx = be.mm(grad_SN, w, cnt, not trans_w)
+    if needs[1]:
+        gw = be.wgrad(grad_SN, x_SD, cnt) if trans_w else be.wgrad(x_SD, grad_SN, cnt)
+    if needs[2]:
+        gb = group_sum(grad_SN, counts)
+    return gx, gw, gb
+
+
 class GroupedGemm(torch.autograd.Function):
     @staticmethod
     @autocast_off
     def forward(ctx, x_SD, w, bias_EN, counts, offs, trans_w, backend):
-        be, cnt = bound_backend(x_SD, w, counts, offs, backend)
-        y = be.mm(x_SD, w, cnt, trans_w)
-        if bias_EN is not None:
-            y += expand_bias(bias_EN, counts)
+        y, ctx.bound = gemm_forward(x_SD, w, bias_EN, counts, offs, trans_w, backend)
         ctx.save_for_backward(x_SD, w)
-        ctx.counts, ctx.trans_w, ctx.be, ctx.has_bias = cnt, trans_w, be, bias_EN is not None
-        ctx.host_counts = counts
+        ctx.counts, ctx.trans_w, ctx.has_bias = counts, trans_w, bias_EN is not None
         return y
 
     @staticmethod
     @autocast_off
     def backward(ctx, grad_SN):
         x_SD, w = ctx.saved_tensors
-        be, counts = ctx.be, ctx.counts
-        grad_SN = grad_SN.contiguous()  # an expanded gradient (e.g. from .sum()) breaks gmm
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            # y = x w^T  ->  dx = dy w ;  y = x w  ->  dx = dy w^T
-            gx = be.mm(grad_SN, w, counts, not ctx.trans_w)
-        if ctx.needs_input_grad[1]:
-            gw = be.wgrad(grad_SN, x_SD, counts) if ctx.trans_w else be.wgrad(x_SD, grad_SN, counts)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = group_sum(grad_SN, ctx.host_counts)
-        return gx, gw, gb, None, None, None, None
+        n = ctx.needs_input_grad
+        needs = (n[0], n[1], ctx.has_bias and n[2])
+        grads = gemm_backward(grad_SN, x_SD, w, ctx.bound, ctx.counts, ctx.trans_w, needs)
+        return (*grads, None, None, None, None)
 
 
 def expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Tensor:

@@ -66,12 +66,10 @@ def composed_mlp(
 
 def _activation(kw: dict) -> ActivationConfig:
     """Replace the activation keywords in `kw` by one checked ActivationConfig."""
-    act = as_activation(
-        kw.pop("activation", None),
-        interleaved=kw.pop("interleaved", None),
-        alpha=kw.pop("alpha", None),
-        limit=kw.pop("limit", None),
-    )
+    act = kw.pop("activation", None)
+    fields = {k: kw.pop(k, None) for k in ("interleaved", "alpha", "limit")}
+    if not isinstance(act, ActivationConfig) or any(v is not None for v in fields.values()):
+        act = as_activation(act, **fields)
     kw["activation"] = check_supported(act)
     return kw["activation"]
 

@@ -124,7 +124,7 @@ def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
         if isinstance(sv.counts, torch.Tensor):
             # host sync: the loop needs the bounds on the host
             sv = replace(sv, counts=sv.counts.tolist())
-        return loop.forward(sv, num_out, *lowranks((*sv.lora, *sv.lora_scales)), one_h)
+        return loop.forward(sv, num_out, *_lowranks(sv), one_h)
     counts = counts_for(sched, sv.counts, sv.x.device)
     offs = sv.offs
     if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
@@ -132,7 +132,7 @@ def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
     sv = replace(sv, counts=counts, offs=offs)
     h, a, u1 = _up_projection(sched, sv)
     dn, prob_S, d_bias = _bound(sched, "down", offs), sv.prob_S, sv.d_bias
-    lr2 = lowranks((*sv.lora, *sv.lora_scales))[1]
+    lr2 = _lowranks(sv)[1]
     y = dn.mm(a, sv.down, counts, sv.trans_w)
     u2 = grouped_lowrank_fwd(dn, a, lr2, counts, y) if lr2 is not None else None
     del a  # recomputed by the activation backward
@@ -153,7 +153,7 @@ def _up_projection(sched: Schedule, sv: Saved):
     if up is None:
         h, a = sched.kernels.up_act(sv.x, sv.token_S, sv.gate_up, counts, prob_S, sv.trans_w, *kw)
         return h, a, None
-    lr1 = lowranks((*sv.lora, *sv.lora_scales))[0]
+    lr1 = _lowranks(sv)[0]
     x_SD = sched.row_ops.gather_rows(sv.x, sv.token_S) if sv.token_S is not None else sv.x
     h = up.mm(x_SD, sv.gate_up, counts, sv.trans_w)
     u1 = grouped_lowrank_fwd(up, x_SD, lr1, counts, h) if lr1 is not None else None
@@ -169,7 +169,7 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
     None where `need` wants none; release: free h (and the recomputed activation) once
     read, in a backward that frees the graph as it goes (h is this call's own)."""
-    lr1, lr2 = lowranks((*sv.lora, *sv.lora_scales))
+    lr1, lr2 = _lowranks(sv)
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
     sv = replace(sv, counts=counts_for(sched, sv.counts, sv.x.device))
@@ -299,6 +299,11 @@ def _act_backward_eager(sv, be, gy, h, p, need, lr2, release):
     return act_input_grad(da, d_gate, d_up, sv.act.interleaved, dh), gp, gd, g2a, g2b, None
 
 
+def _lowranks(sv: Saved):
+    """The call's (gate_up, down) `LowRank`s; (None, None) without factors."""
+    return lowranks((*sv.lora, *sv.lora_scales)) if sv.lora else (None, None)
+
+
 def _compiling() -> bool:
     # the compiled backward plans its own memory: storage calls would break it
     return torch.compiler.is_compiling()
@@ -357,9 +362,10 @@ def run(
     it); offsets_E: the counts' int32 end offsets on x's device (`SortedPairs.offsets_E`)."""
     if prob_S is not None:
         prob_S = prob_S.to(x.dtype)
-    act = check_supported(
-        as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    )
+    act = activation  # the entries (`eager.py`) checked it once
+    if not isinstance(act, ActivationConfig) or (interleaved, alpha, limit) != (None,) * 3:
+        act = as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
+        act = check_supported(act)
     if plan is None:
         bias = gate_up_bias is not None or down_bias is not None
         plan = plan_expert_mlp(

@@ -26,12 +26,15 @@ gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
 from ..ops.activation.eager import act_forward
 from ..ops.activation.swiglu import swiglu
+from ..ops.expert_mlp.engine import routed_mlp
+from ..ops.expert_mlp.plan import RecipeMLP, Saved, Schedule
 from ..ops.grouped_gemm import grouped_gemm
 from ..ops.grouped_gemm.eager import expand_bias, group_sum
 from ..ops.permute import permute, unpermute
@@ -206,7 +209,7 @@ def _store_h(h_S2F) -> QTensor:
 def saved_for_backward(
     recipe, x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None
 ):
-    """What `_QGroupedMLP` keeps for backward on the token path (the one `ops.expert_mlp`
+    """What the recipe slot (`_forward`) keeps for backward on the token path (the one `ops.expert_mlp`
     takes under a recipe, dropless) beside its operands (x_TD, which it re-gathers in
     backward, and the weights; per-tensor scales are scalars): h [R, N] as `_store_h`
     stores it with fp8_saved_activations (E4M3 bytes and one fp32 scale per row), else in
@@ -230,7 +233,7 @@ def saved_for_backward(
 
 
 def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = True):
-    """What `_QGroupedMLP` keeps for backward on the rows path (rows already in expert
+    """What the recipe slot (`_forward`) keeps for backward on the rows path (rows already in expert
     order, the routing weight applied by the caller: the expert-parallel dispatcher's
     received rows) beside the weights: with fp8_saved_activations the rows x [R, D] in
     E4M3 with their column-wise scales for the weight gradient (per expert group and
@@ -259,146 +262,127 @@ def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = Tr
     return (*x, *h)
 
 
-class _QGroupedMLP(torch.autograd.Function):
-    """x is x_SD (rows in expert order) or, with token_S/slot_TK, x_TD: then the rows are
-    gathered here (and again in backward, so only x_TD, which the caller holds anyway,
-    is kept) and the output is combined back to [num_out, D]."""
-
-    @staticmethod
-    def forward(ctx, x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, trans_w, recipe):
-        be = pick_backend(recipe, x, gate_up, down)
-        mm, _ = BACKENDS[be]
-        tensor_mode = scaling_mode(recipe) == "tensor"
-        fwd_red, _ = (2, 1) if trans_w else (1, 2)
-        every_row = token_S is not None and 0 < token_S.numel() == slot_TK.numel()
-        xq = _operand_rows(recipe, x, token_S, "x", gate_up, every_row)
-        w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
-        h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
-        if b1 is not None:
-            h = h + expand_bias(b1, counts, h.shape[0]).to(h.dtype)
-        aq = swiglu_quant(h, prob_S, recipe, down)
-        w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
-        y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
-        if b2 is not None:
-            b = expand_bias(b2, counts, y.shape[0])
-            y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
-        saved: list = []
-        if recipe.fp8_saved_activations:
-            if token_S is not None:  # x_TD is the caller's: keep it, re-gather in backward
-                x_meta = save_q(saved, None, x)
-            elif tensor_mode:
-                x_meta = save_q(saved, xq, None)
-            else:
-                x_meta = save_q(
-                    saved, quantize_operand(recipe, x, "x", 0, key=gate_up, counts=counts), None
-                )
-            h_meta = save_q(saved, _store_h(h), None)
+def _forward(recipe, sv: Saved, num_out):
+    """The engine's recipe slot, forward: x is x_SD (rows in expert order) or, with
+    token_S / slot_TK, x_TD, its rows gathered here (and again in backward, so only x_TD,
+    which the caller holds anyway, is kept) and the output combined back to [T, D]."""
+    x, prob_S, gate_up, down, b1, b2 = sv.x, sv.prob_S, sv.gate_up, sv.down, sv.gu_bias, sv.d_bias
+    token_S, slot_TK, counts, trans_w = sv.token_S, sv.slot_TK, sv.counts, sv.trans_w
+    be = pick_backend(recipe, x, gate_up, down)
+    mm, _ = BACKENDS[be]
+    tensor_mode = scaling_mode(recipe) == "tensor"
+    fwd_red = 2 if trans_w else 1
+    every_row = token_S is not None and 0 < token_S.numel() == slot_TK.numel()
+    xq = _operand_rows(recipe, x, token_S, "x", gate_up, every_row)
+    w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
+    h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
+    if b1 is not None:
+        h = h + expand_bias(b1, counts, h.shape[0]).to(h.dtype)
+    aq = swiglu_quant(h, prob_S, recipe, down)
+    w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
+    y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
+    if b2 is not None:
+        b = expand_bias(b2, counts, y.shape[0])
+        y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
+    saved: list = []
+    if not recipe.fp8_saved_activations:
+        x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
+    else:
+        if token_S is not None:  # x_TD is the caller's: keep it, re-gather in backward
+            x_meta = save_q(saved, None, x)
+        elif tensor_mode:
+            x_meta = save_q(saved, xq, None)
         else:
-            x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
-        none = x.new_empty(0)
-        # dropless (every token has K slots): the slots of each token are recomputed from
-        # token_S in backward, so slot_TK need not be kept
-        keep_slots = slot_TK is not None and token_S.numel() != slot_TK.numel()
-        opt = [
-            t if t is not None else none
-            for t in (prob_S, b2, token_S, slot_TK if keep_slots else None)
-        ]
-        scales = [xq.scale, w1q.scale, aq.scale, w2q.scale] if tensor_mode else [none] * 4
-        ctx.save_for_backward(*saved, *opt, gate_up, down, *scales)
-        ctx.metas, ctx.counts, ctx.trans_w, ctx.recipe, ctx.be = (
-            (x_meta, h_meta),
-            counts,
-            trans_w,
-            recipe,
-            be,
-        )
-        ctx.flags = (
-            prob_S is not None,
-            b1 is not None,
-            b2 is not None,
-            token_S is not None,
-            tensor_mode,
-        )
-        if token_S is not None:
-            return _combine(y, slot_TK)
-        return y
+            xc = quantize_operand(recipe, x, "x", 0, key=gate_up, counts=counts)
+            x_meta = save_q(saved, xc, None)
+        h_meta = save_q(saved, _store_h(h), None)
+    if tensor_mode:
+        saved += [xq.scale, w1q.scale, aq.scale, w2q.scale]
+    # dropless (every token has K slots): the slots of each token are recomputed from
+    # token_S in backward, so slot_TK need not be kept
+    keep_slots = slot_TK is not None and token_S.numel() != slot_TK.numel()
+    out = _combine(y, slot_TK) if token_S is not None else y
+    meta = (x_meta, h_meta, be, tensor_mode)
+    kept = replace(sv, x=None, slot_TK=slot_TK if keep_slots else None, h=tuple(saved), meta=meta)
+    return out, kept
 
-    @staticmethod
-    def backward(ctx, g_out):
-        t = ctx.saved_tensors
-        x_s, h_s = load_q(t[0:3], ctx.metas[0]), load_q(t[3:6], ctx.metas[1])
-        prob, b2, token_S, slot_TK, gate_up, down, x_scale, w1_scale, a_scale, w2_scale = t[6:]
-        has_prob, has_b1, has_b2, gathered, tensor_mode = ctx.flags
-        prob = prob if has_prob else None
-        recipe, counts, trans_w = ctx.recipe, ctx.counts, ctx.trans_w
-        bwd_red = 1 if trans_w else 2
-        mm, wgrad = BACKENDS[ctx.be]
-        g_SD = g_out.contiguous()
+
+def _backward(recipe, sv: Saved, g_out, need):
+    """The engine's recipe slot, backward: (dx, d prob, d gate_up, d down, d b1, d b2)."""
+    x_meta, h_meta, be, tensor_mode = sv.meta
+    t = sv.h
+    x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
+    x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
+    prob, b2, token_S, slot_TK, gate_up, down = (
+        sv.prob_S,
+        sv.d_bias,
+        sv.token_S,
+        sv.slot_TK,
+        sv.gate_up,
+        sv.down,
+    )
+    counts, trans_w = sv.counts, sv.trans_w
+    gathered = token_S is not None
+    bwd_red = 1 if trans_w else 2
+    mm, wgrad = BACKENDS[be]
+    g_SD = g_out.contiguous()
+    if gathered:
+        g_SD = g_SD.index_select(0, token_S)
+    x_dtype = x_s.dtype if gathered else g_SD.dtype
+    h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
+
+    def ts(s):  # per-tensor scales are reused; other modes requantize
+        return s if tensor_mode else None
+
+    def wg(gq_S, aq_S, dtype):
+        return wgrad(gq_S, aq_S, counts, dtype) if trans_w else wgrad(aq_S, gq_S, counts, dtype)
+
+    def col(t_, role, key, scale=None):
+        return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
+
+    # down projection; its input (SwiGLU x prob) is recomputed from the kept h
+    # dropless (slot_TK not kept): every token is gathered, the amax is the tokens'
+    every_row = gathered and token_S.numel() > 0 and slot_TK is None
+    if gathered and (every_row or not tensor_mode):
+        gq = _operand_rows(recipe, g_out, token_S, "g", down, every_row)
+    else:
+        gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
+    w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
+    # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
+    # of their output would be one more [S, F] pass; the emulation keeps its fp32
+    da = mm(gq, w2q, counts, not trans_w, torch.float32 if be == "emulated" else x_dtype)
+
+    # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
+    def a_col(a, scale):
+        return col(a, "x", down, scale)
+
+    dh, dprob, a_S = _swiglu_grads(h, prob, da, need.prob, recipe, ts(a_scale), x_dtype, a_col)
+    d_down = wg(gq if tensor_mode else col(g_SD, "g", down), a_S, down.dtype)
+    db2 = None
+    if b2 is not None:
+        db2 = group_sum(g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts)
+        if prob is not None and need.prob:
+            b_SD = expand_bias(b2, counts, g_SD.shape[0]).float()
+            dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
+    # gate/up projection
+    dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
+    w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=ts(w1_scale))
+    dx = None
+    if need.x:
+        dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
         if gathered:
-            g_SD = g_SD.index_select(0, token_S)
-            x_dtype = x_s.dtype
-        else:
-            x_dtype = g_SD.dtype
-        h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
+            slots = slot_TK if slot_TK is not None else _slots_by_token(token_S, x_s.shape[0])
+            dx = _combine(dx, slots)
+    if not isinstance(x_s, QTensor):
+        x_SD = x_s.index_select(0, token_S) if gathered else x_s
+        x_s = col(x_SD, "x", gate_up, ts(x_scale))
+    d_gate_up = wg(dhq if tensor_mode else col(dh, "g", gate_up), x_s, gate_up.dtype)
+    db1 = group_sum(dh, counts) if sv.gu_bias is not None else None
+    return dx, dprob, d_gate_up, d_down, db1, db2
 
-        def ts(s):  # per-tensor scales are reused; other modes requantize
-            return s if tensor_mode else None
 
-        def wg(gq_S, aq_S, dtype):
-            return wgrad(gq_S, aq_S, counts, dtype) if trans_w else wgrad(aq_S, gq_S, counts, dtype)
-
-        def col(t_, role, key, scale=None):
-            return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
-
-        # down projection; its input (SwiGLU x prob) is recomputed from the kept h
-        # dropless (slot_TK not kept): every token is gathered, the amax is the tokens'
-        every_row = gathered and token_S.numel() > 0 and slot_TK.numel() == 0
-        if gathered and (every_row or not tensor_mode):
-            gq = _operand_rows(recipe, g_out, token_S, "g", down, every_row)
-        else:
-            gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
-        w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
-        # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
-        # of their output would be one more [S, F] pass; the emulation keeps its fp32
-        da = mm(gq, w2q, counts, not trans_w, torch.float32 if ctx.be == "emulated" else x_dtype)
-        # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
-        dh, dprob, a_S = _swiglu_grads(
-            h,
-            prob,
-            da,
-            ctx.needs_input_grad[1],
-            recipe,
-            ts(a_scale),
-            x_dtype,
-            lambda a, scale: col(a, "x", down, scale),
-        )
-        g_S = gq if tensor_mode else col(g_SD, "g", down)
-        d_down = wg(g_S, a_S, down.dtype)
-        db2 = None
-        if has_b2:
-            db2 = group_sum(
-                g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts
-            )
-            if prob is not None and ctx.needs_input_grad[1]:
-                b_SD = expand_bias(b2, counts, g_SD.shape[0]).float()
-                dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
-        # gate/up projection
-        dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
-        w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=ts(w1_scale))
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
-            if gathered:
-                dx = _combine(
-                    dx, slot_TK if slot_TK.numel() else _slots_by_token(token_S, x_s.shape[0])
-                )
-        if not isinstance(x_s, QTensor):
-            x_SD = x_s.index_select(0, token_S) if gathered else x_s
-            x_s = col(x_SD, "x", gate_up, ts(x_scale))
-        dh_S = dhq if tensor_mode else col(dh, "g", gate_up)
-        d_gate_up = wg(dh_S, x_s, gate_up.dtype)
-        db1 = group_sum(dh, counts) if has_b1 else None
-        return dx, dprob, d_gate_up, d_down, db1, db2, None, None, None, None, None
+#: the FP8 / MXFP8 saved-activation format and GEMMs, as the engine's recipe slot
+RECIPE_MLP = RecipeMLP(_forward, _backward)
 
 
 def quantized_grouped_mlp(
@@ -446,9 +430,10 @@ def quantized_grouped_mlp(
             b = expand_bias(down_bias, counts)
             y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype))
         return y if token_S is None else combine_rows(y, token_S, slot_TK)
-    return _QGroupedMLP.apply(
-        x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, trans_w, recipe
-    )
+    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts)
+    sv = replace(sv, act=act, trans_w=bool(trans_w))
+    num_out = x.shape[0] if token_S is not None else None
+    return routed_mlp(Schedule("recipe", recipe=recipe, recipe_mlp=RECIPE_MLP), sv, num_out)
 
 
 # tells `ops.expert_mlp` it may pass x_TD with token_S / slot_TK / num_out

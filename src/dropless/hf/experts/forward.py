@@ -253,8 +253,9 @@ def _fold(w1, w2, lora, spec: ExpertsSpec):
     return tuple(fold_attached(w, lr, spec.trans_w) for w, lr in zip((w1, w2), lora))
 
 
-def sorted_experts(module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, b2, lora=None,
-                   offsets_E=None):  # fmt: skip
+def sorted_experts(
+    module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, b2, lora=None, offsets_E=None
+):
     """The experts on rows sorted by expert (`counts` rows each), every form the dropless
     path runs: the engine (gated or not), the engine then the module's post-expert norm,
     or the module's own gate between grouped GEMMs; LoRA factors the engine cannot run
@@ -266,9 +267,9 @@ def sorted_experts(module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, 
         lora = None
     plain = spec.path == "fused" and not spec.post_norm
     if spec.path == "fused":
-        y_SD = grouped_mlp(x_SD, counts, prob_S if plain else None, w1, w2, gate_up_bias=b1,
-                           down_bias=b2, activation=spec.activation, trans_w=spec.trans_w,
-                           lora=lora, offsets_E=offsets_E)  # fmt: skip
+        kw = dict(activation=spec.activation, trans_w=spec.trans_w, offsets_E=offsets_E, lora=lora)
+        p = prob_S if plain else None
+        y_SD = grouped_mlp(x_SD, counts, p, w1, w2, gate_up_bias=b1, down_bias=b2, **kw)
     else:
         offs = dict(trans_w=spec.trans_w, offsets_E=offsets_E)  # one tensor for both GEMMs
         h_SN = grouped_gemm(x_SD, w1, counts, b1, **offs)
@@ -284,8 +285,9 @@ def sorted_experts(module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, 
 def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
     """Sorted rows through `sorted_experts` (without the prob), then the weighted combine."""
     sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
-    y_SD = sorted_experts(module, spec, permute(x_TD, sp), sp.counts, None, w1, w2, b1, b2,
-                          offsets_E=sp.offsets_E)  # fmt: skip
+    y_SD = sorted_experts(
+        module, spec, permute(x_TD, sp), sp.counts, None, w1, w2, b1, b2, offsets_E=sp.offsets_E
+    )
     return unpermute(y_SD, sp, weights_TK.to(y_SD.dtype)), sp
 
 
@@ -316,17 +318,15 @@ def dropless_experts_forward(
         # Transformers' own expert parallelism marks pairs of other ranks with ids >= E
         keep_TK = ids_TK < w1.shape[0]
     if spec.path == "fused" and not spec.post_norm:
+        kw = dict(gate_up_bias=b1, down_bias=b2, activation=spec.activation, lora=lora)
         out_TD, sp = expert_mlp(
-            x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, gate_up_bias=b1,
-            down_bias=b2, activation=spec.activation, trans_w=spec.trans_w, lora=lora,
-        )  # fmt: skip
+            x_TD, ids_TK, top_k_weights, w1, w2, keep_TK=keep_TK, trans_w=spec.trans_w, **kw
+        )
     else:
         if spec.path == "generic":
-            _warn_once(
-                DroplessGenericGateWarning, spec.family,
-                f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
-                "this keeps more activations for backward than the fused path.",
-            )  # fmt: skip
+            why = f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
+            why += "this keeps more activations for backward than the fused path."
+            _warn_once(DroplessGenericGateWarning, spec.family, why)
         out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
     record_counts(self, sp.counts_E)
     count_call(spec)

@@ -57,50 +57,18 @@ from .loop import free_storage, graph_released
 from .plan import Needs, Saved, Schedule, plan_expert_mlp
 from .threads import python_modes_active
 
-_LORA_AT = 14  # where RoutedMLP's low-rank factors start among its inputs
+_LORA_AT = 10  # where the low-rank factors start in Saved.tensors()
 
 
 class RoutedMLP(torch.autograd.Function):
-    """The routed MLP of `forward`: (sched, act, trans_w, num_out, x, prob_S, gate_up,
-    down, gate_up bias, down bias, token_S, slot_TK, counts, offsets, *lora) -> out."""
+    """The routed MLP of `forward` as one autograd node: apply(sched, num_out, meta,
+    *tensors), the call's operands as a `Saved` split into its tensors and the rest
+    (`routed_mlp` does it); saves what `forward` kept, the same way."""
 
     @staticmethod
     @autocast_off
-    def forward(
-        ctx,
-        sched,
-        act,
-        trans_w,
-        num_out,
-        x,
-        prob_S,
-        gate_up,
-        down,
-        gu_bias,
-        d_bias,
-        token_S,
-        slot_TK,
-        counts,
-        offs,
-        *lora,
-    ):
-        sv = Saved(
-            x,
-            prob_S,
-            gate_up,
-            down,
-            gu_bias,
-            d_bias,
-            token_S,
-            slot_TK,
-            counts,
-            act,
-            trans_w,
-            offs,
-            lora[:4],
-            lora[4:],
-        )
-        out, sv = forward(sched, sv, num_out)
+    def forward(ctx, sched, num_out, meta: Saved, *tensors):
+        out, sv = forward(sched, meta.with_tensors(tensors), num_out)
         ctx.save_for_backward(*sv.tensors())
         ctx.sched, ctx.saved = sched, sv.without_tensors()
         return out
@@ -109,17 +77,25 @@ class RoutedMLP(torch.autograd.Function):
     @autocast_off
     def backward(ctx, g_out):
         sv = ctx.saved.with_tensors(ctx.saved_tensors)
-        n = ctx.needs_input_grad
-        need = Needs(*n[4:10], *n[_LORA_AT : _LORA_AT + 4])
+        n = ctx.needs_input_grad[3:]  # in the order of Saved.tensors()
+        lora_need = n[_LORA_AT : _LORA_AT + 4] if sv.lora else ()
+        need = Needs(*n[:6], *lora_need)
         release = graph_released() and not python_modes_active()
         grads = backward(ctx.sched, sv, g_out, need, release)
-        lora = (*grads[6:], None) if sv.lora else ()
-        return (None,) * 4 + grads[:6] + (None,) * 4 + lora
+        lora = grads[6:] if sv.lora else ()
+        return (None,) * 3 + grads[:6] + (None,) * (_LORA_AT - 6) + lora + (None,)
+
+
+def routed_mlp(sched: Schedule, sv: Saved, num_out) -> torch.Tensor:
+    """`RoutedMLP` on a call's operands (`sv` before its forward: no h)."""
+    return RoutedMLP.apply(sched, num_out, sv.without_tensors(), *sv.tensors())
 
 
 def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
     """(out, sv with h, u1, u2 filled in): out_TD [num_out, D] when sv has token_S /
     slot_TK, else y_SD. one_h: keep h as one [S, N] tensor (the custom op's output)."""
+    if sched.path == "recipe":
+        return sched.recipe_mlp.forward(sched.recipe, sv, num_out)
     if sched.path == "loop":
         if isinstance(sv.counts, torch.Tensor):
             # host sync: the loop needs the bounds on the host
@@ -169,6 +145,8 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
     None where `need` wants none; release: free h (and the recomputed activation) once
     read, in a backward that frees the graph as it goes (h is this call's own)."""
+    if sched.path == "recipe":
+        return (*sched.recipe_mlp.backward(sched.recipe, sv, g_out, need), None, None, None, None)
     lr1, lr2 = _lowranks(sv)
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
@@ -372,23 +350,9 @@ def run(
             x, gate_up, down, act, backend=backend, path=path, lora=lora, trans_w=trans_w, bias=bias
         )
     extra = _checked_lora(lora, gate_up, down, trans_w)
-    return RoutedMLP.apply(
-        plan,
-        act,
-        bool(trans_w),
-        num_out,
-        x,
-        prob_S,
-        gate_up,
-        down,
-        gate_up_bias,
-        down_bias,
-        token_S,
-        slot_TK,
-        counts,
-        offsets_E,
-        *extra,
-    )
+    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts)
+    kw = dict(act=act, trans_w=bool(trans_w), offs=offsets_E, lora=extra[:4], lora_scales=extra[4:])
+    return routed_mlp(plan, replace(sv, **kw), num_out)
 
 
 def _checked_lora(lora, gate_up, down, trans_w) -> tuple:

@@ -132,9 +132,10 @@ class Saved:
     Function saves the tensors (the [E] counts and offsets ride along unsaved); the custom
     op declares h and the sort's indices as outputs and takes them back as inputs. x is
     x_TD with token_S / slot_TK, else the sorted rows x_SD; lora: the factors (a1, b1, a2,
-    b2) and their scales."""
+    b2) and their scales. Under a low-precision recipe h holds the tensors of the recipe's
+    saved-activation format (FP8 values and scales) and x may be None (not kept)."""
 
-    x: torch.Tensor
+    x: torch.Tensor | None
     prob_S: torch.Tensor | None
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -143,14 +144,15 @@ class Saved:
     token_S: torch.Tensor | None
     slot_TK: torch.Tensor | None
     counts: list[int] | torch.Tensor
-    act: ActivationConfig
-    trans_w: bool
+    act: ActivationConfig = ActivationConfig()
+    trans_w: bool = True
     offs: torch.Tensor | None = None
     lora: tuple = ()
     lora_scales: tuple = ()
     h: torch.Tensor | tuple[torch.Tensor, ...] | None = None
     u1: torch.Tensor | None = None
     u2: torch.Tensor | None = None
+    meta: object = None  # a recipe's saved-activation format (what its tensors in h are)
 
     def tensors(self) -> list:
         """The tensors, in field order (h and lora flattened last)."""
@@ -185,6 +187,18 @@ _TENSOR_FIELDS = (
     "u1",
     "u2",
 )
+
+
+@dataclass(frozen=True)
+class RecipeMLP:
+    """A low-precision recipe's slot of the engine (registered by `quant` through
+    `dispatch.register_recipe_mlp`): forward(recipe, sv, num_out) -> (out, sv with h the
+    tensors of its saved-activation format and meta what they are); backward(recipe, sv,
+    g_out, need) -> (dx, d prob, d gate_up, d down, d gate_up bias, d down bias). It
+    quantizes the GEMM operands itself and runs the recipe's GEMMs."""
+
+    forward: Callable
+    backward: Callable
 
 
 @dataclass(frozen=True)

@@ -74,9 +74,12 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     rec = Recorder.start(argparse.Namespace(no_history=True))
     E, K, D, F = (int(v) for v in args.shape.split(","))
-    lines = [f"E={E} K={K} D={D} F={F}, float32 on {torch.get_num_threads()} torch threads:", "",
-             "| T | pass | custom-op ms | direct ms | ratio (median of rounds) | min-max |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"E={E} K={K} D={D} F={F}, float32 on {torch.get_num_threads()} torch threads:",
+        "",
+        "| T | pass | custom-op ms | direct ms | ratio (median of rounds) | min-max |",
+        "|---|---|---|---|---|---|",
+    ]
     print("\n".join(lines), flush=True)
     for T in args.tokens:
         rows = _rows(_operands(T, D, F, E, K, torch.float32))
@@ -84,8 +87,14 @@ def main(argv=None) -> None:
             lines += _table(rows, T, backward, args.rounds)
     record = rec.finish("expert_mlp_op", {"table": lines})
     if args.section:
-        head = ["## The expert MLP as a custom op, eager (`scripts/bench_expert_mlp_op.py`)", "",
-                provenance(record), "", __doc__.split("\n\n")[1], ""]  # fmt: skip
+        head = [
+            "## The expert MLP as a custom op, eager (`scripts/bench_expert_mlp_op.py`)",
+            "",
+            provenance(record),
+            "",
+            __doc__.split("\n\n")[1],
+            "",
+        ]
         args.section.write_text("\n".join(head + lines) + "\n")
 
 
@@ -100,8 +109,10 @@ def _table(rows: dict, T: int, backward: bool, rounds: int) -> list[str]:
     ratios = [a / b for a, b in zip(times["custom-op"], times["direct"])]
     what = "fwd+bwd" if backward else "fwd (no_grad)"
     op, direct = (statistics.median(times[n]) for n in ("custom-op", "direct"))
-    line = (f"| {T} | {what} | {op:.3f} | {direct:.3f} | {statistics.median(ratios):.3f} | "
-            f"{min(ratios):.3f}-{max(ratios):.3f} |")  # fmt: skip
+    line = (
+        f"| {T} | {what} | {op:.3f} | {direct:.3f} | {statistics.median(ratios):.3f} | "
+        f"{min(ratios):.3f}-{max(ratios):.3f} |"
+    )
     print(line, flush=True)
     return [line]
 

@@ -16,7 +16,6 @@ from .activation.swiglu import expert_activation, swiglu
 from .dispatch import (
     get_recipe,
     register_recipe_gemm,
-    register_recipe_mlp,
     reset_recipe,
     set_recipe,
 )
@@ -57,7 +56,6 @@ __all__ = [
     "permute",
     "register_gemm_backend",
     "register_recipe_gemm",
-    "register_recipe_mlp",
     "remember",
     "reset_recipe",
     "route",

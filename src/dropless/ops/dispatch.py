@@ -19,7 +19,6 @@ __all__ = [
     "recipe_gemm",
     "recipe_mlp",
     "register_recipe_gemm",
-    "register_recipe_mlp",
     "reset_recipe",
     "set_recipe",
 ]
@@ -29,13 +28,13 @@ __all__ = [
 #
 # A recipe object carries its own GEMM and MLP: `recipe.grouped_gemm(x_SD, w, counts,
 # bias, trans_w)` and, optionally, `recipe.grouped_mlp(x, counts, prob_S, gate_up, down,
-# **mlp_kwargs)` (the recipes of `dropless.quant` do). A recipe object without those
-# methods uses the functions registered for its `kind`. Either way ops never imports
-# the package that defines the recipe.
+# **mlp_kwargs)` (the recipes of `dropless.quant` do: it runs the expert engine with the
+# recipe's slot). A recipe object without a GEMM method uses the GEMM registered for its
+# `kind`, and its MLP is composed from that GEMM. Either way ops never imports the package
+# that defines the recipe.
 
 _ACTIVE_RECIPE: contextvars.ContextVar = contextvars.ContextVar("dropless_recipe", default=None)
 _RECIPE_GEMMS: dict[str, Callable] = {}
-_RECIPE_MLPS: dict[str, Callable] = {}
 # Dynamo cannot trace ContextVar.get: a compiled region reads the recipe from this plain
 # attribute instead (it guards on its identity, so a graph is remade only when a recipe
 # is entered or left). It holds the recipe of the context that set it last: a compiled
@@ -69,13 +68,6 @@ def register_recipe_gemm(kind: str, fn: Callable) -> None:
     _RECIPE_GEMMS[kind] = fn
 
 
-def register_recipe_mlp(kind: str, fn: Callable) -> None:
-    """Register a fused expert MLP for recipe objects of `kind` without a `grouped_mlp`
-    method (same signature as `ops.grouped_mlp` plus a trailing `recipe` keyword).
-    Optional: without one, the MLP is composed from the recipe's grouped GEMMs."""
-    _RECIPE_MLPS[kind] = fn
-
-
 def recipe_gemm(recipe) -> Callable:
     """fn(x_SD, w, counts, bias, trans_w) -> y computing the grouped GEMM under `recipe`."""
     method = getattr(recipe, "grouped_gemm", None)
@@ -97,11 +89,4 @@ def recipe_mlp(recipe) -> Callable | None:
     x_TD with token_S / slot_TK / num_out."""
     recipe_gemm(recipe)  # a recipe without a GEMM is an error, fused MLP or not
     method = getattr(recipe, "grouped_mlp", None)
-    if callable(method):
-        return method
-    fn = _RECIPE_MLPS.get(getattr(recipe, "kind", None))
-    if fn is None:
-        return None
-    bound = functools.partial(fn, recipe=recipe)
-    bound.takes_tokens = getattr(fn, "takes_tokens", False)
-    return bound
+    return method if callable(method) else None

@@ -136,8 +136,14 @@ def _cached_weight(recipe, w, dim: int, fmt: str, mode: str, key) -> QTensor:
     if base.dtype != w.dtype:  # a dtype view: as_strided on the base cannot rebuild it
         return _quantize(recipe, w, "w", dim, fmt, mode, key, None, None)
     layout = (tuple(w.shape), w.stride(), w.storage_offset())
-    rule = (recipe.kind, mode, fmt, dim, getattr(recipe, "scale_rule", None), recipe.margin
-            if hasattr(recipe, "margin") else 0)  # fmt: skip
+    rule = (
+        recipe.kind,
+        mode,
+        fmt,
+        dim,
+        getattr(recipe, "scale_rule", None),
+        recipe.margin if hasattr(recipe, "margin") else 0,
+    )
     fn = _WEIGHT_FNS.get((rule, layout))
     if fn is None:
         fn = _WEIGHT_FNS[(rule, layout)] = _weight_fn(recipe, dim, fmt, mode, layout)
@@ -260,9 +266,14 @@ def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_a
     else:
         offs = torch.tensor(counts, device=aq.data.device).cumsum(0).to(torch.int32)
     y = torch._scaled_grouped_mm(
-        aq.data, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16,
+        aq.data,
+        b,
+        scale_a,
+        scale_b,
+        offs=offs,
+        out_dtype=torch.bfloat16,
         use_fast_accum=bool(fast_accum),
-    )  # fmt: skip
+    )
     return y.to(out_dtype)
 
 

@@ -202,8 +202,16 @@ def act_input_grad(g_nF, d_gate, d_up, interleaved: bool, out_n2F):
     return out_n2F
 
 
-def act_backward(g_SF, h_S2F, prob_S, act: ActivationConfig, *, need_prob_grad=True,
-                 recompute=False, grad_dtype=None):  # fmt: skip
+def act_backward(
+    g_SF,
+    h_S2F,
+    prob_S,
+    act: ActivationConfig,
+    *,
+    need_prob_grad=True,
+    recompute=False,
+    grad_dtype=None,
+):
     """(grad_h, grad_prob or None, the forward output or None) with the math in fp32
     (fp64 for fp64). grad_h comes in `grad_dtype` (default h's dtype), the forward output
     (act * prob, for the down projection's weight grad, with `recompute`) in h's dtype."""

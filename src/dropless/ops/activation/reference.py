@@ -66,9 +66,14 @@ def swiglu_reference(
         from .eager import REGISTERED  # elementwise functions given by the caller
 
         out = activation_reference(
-            h_S2F, act.kind, gated=act.gated, interleaved=act.interleaved, alpha=act.alpha,
-            limit=act.limit, fn=REGISTERED.get(act.kind),
-        )  # fmt: skip
+            h_S2F,
+            act.kind,
+            gated=act.gated,
+            interleaved=act.interleaved,
+            alpha=act.alpha,
+            limit=act.limit,
+            fn=REGISTERED.get(act.kind),
+        )
     else:
         out = activation_reference(
             h_S2F, act.kind, interleaved=act.interleaved, alpha=act.alpha, limit=act.limit

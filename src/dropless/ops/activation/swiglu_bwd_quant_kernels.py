@@ -19,6 +19,9 @@ backward (`ops.permute.row_ops`) and quantize after.
 
 # S rows (sorted pairs), F expert hidden dim
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch

@@ -23,6 +23,9 @@ Semantics equal `dropless.ops.swiglu`.
 
 # S rows (sorted pairs), F expert hidden dim
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch

@@ -29,6 +29,9 @@ may differ by an ulp between libraries.
 
 # S rows (sorted pairs), F expert hidden dim, B MX blocks per row
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch

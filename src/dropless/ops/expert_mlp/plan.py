@@ -191,8 +191,8 @@ _TENSOR_FIELDS = (
 
 @dataclass(frozen=True)
 class RecipeMLP:
-    """A low-precision recipe's slot of the engine (registered by `quant` through
-    `dispatch.register_recipe_mlp`): forward(recipe, sv, num_out) -> (out, sv with h the
+    """A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`, which the
+    recipe's `grouped_mlp` runs): forward(recipe, sv, num_out) -> (out, sv with h the
     tensors of its saved-activation format and meta what they are); backward(recipe, sv,
     g_out, need) -> (dx, d prob, d gate_up, d down, d gate_up bias, d down bias). It
     quantizes the GEMM operands itself and runs the recipe's GEMMs."""

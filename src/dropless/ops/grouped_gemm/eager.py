@@ -153,7 +153,7 @@ register_gemm_backend(
         priority=10,
         device_counts=True,
         offsets=True,
-    )  # fmt: skip
+    )
 )
 
 

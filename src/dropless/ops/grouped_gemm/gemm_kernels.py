@@ -22,6 +22,9 @@ below torch._grouped_mm where that runs (sm90+ bf16) and above the per-expert lo
 
 # S rows (sorted pairs), K reduction dim, N output features, M wgrad rows, E groups
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch

@@ -17,6 +17,9 @@ Semantics equal `dropless.ops.permute` / `unpermute` and the references in
 
 # T tokens, D model dim, N features, K top-k, S sorted (kept) pairs
 
+# `# fmt: skip` below: a kernel's signature and its launches keep their arguments as a few
+# lines of names (the formatter puts one per line, which makes each kernel a page of names)
+
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,7 @@
 """Top-k routing: everything about the op in one folder.
 
 - `reference.py`: `route_reference`, the specification (vectorised torch);
-- `route.py`: `route`, `route_with_aux` (argument checks, the torch path, the routing
+- `eager.py`: `route`, `route_with_aux` (argument checks, the torch path, the routing
   replay of a checkpointed recompute) and the capacity rule;
 - `backends.py`: the registry `ROUTING` of faster implementations, which `route` and
   `permute.sort_by_expert` pick from;
@@ -20,14 +20,14 @@ from .backends import (
     register_routing_kernels,
     routing_kernel_names,
 )
-from .gpu import register_gpu
-from .route import (
+from .eager import (
     capacity_keep_mask,
     check_expert_bias,
     expert_capacity,
     route,
     route_with_aux,
 )
+from .gpu import register_gpu
 
 ROUTING.on_first_cuda(register_gpu)
 

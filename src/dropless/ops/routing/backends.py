@@ -1,6 +1,6 @@
 """The registry of routing implementations besides the torch reference (`registry.Registry`):
 `gpu.py` registers "triton" (`routing_kernels.py`) on the first pick for a CUDA tensor.
-`route.py` and the custom op (`custom_op.py`) pick from it; `permute.sort_by_expert`
+`eager.py` and the custom op (`custom_op.py`) pick from it; `permute.sort_by_expert`
 takes the picked entry's counting sort."""
 
 # T tokens, E experts, K top-k
@@ -28,7 +28,7 @@ class RoutingKernels:
     sort_by_expert(ids_TK, num_experts, keep_TK, *, host_counts) -> `permute.SortedPairs`
     in the order of `permute.sort_by_expert`; supports(t): whether it runs tensor t;
     max_experts: the widest router it takes (one tile of experts per token);
-    route_with_aux: as `route_with_aux` of `route.py` (same ids_TK keyword), the losses'
+    route_with_aux: as `route_with_aux` of `eager.py` (same ids_TK keyword), the losses'
     inputs from the routing pass; route_fwd / route_bwd: the raw passes (no autograd) of
     `routing_kernels.route_fwd` / `route_bwd`, which the custom op (`custom_op.py`) runs.
     """

@@ -32,7 +32,6 @@ from ...ops import (
     ActivationConfig,
     expert_mlp,
     get_recipe,
-    grouped_gemm,
     grouped_mlp,
     permute,
     sort_by_expert,
@@ -266,15 +265,11 @@ def sorted_experts(
         w1, w2 = _fold(w1, w2, lora, spec)
         lora = None
     plain = spec.path == "fused" and not spec.post_norm
-    if spec.path == "fused":
-        kw = dict(activation=spec.activation, trans_w=spec.trans_w, offsets_E=offsets_E, lora=lora)
-        p = prob_S if plain else None
-        y_SD = grouped_mlp(x_SD, counts, p, w1, w2, gate_up_bias=b1, down_bias=b2, **kw)
-    else:
-        offs = dict(trans_w=spec.trans_w, offsets_E=offsets_E)  # one tensor for both GEMMs
-        h_SN = grouped_gemm(x_SD, w1, counts, b1, **offs)
-        a_SF = module._apply_gate(h_SN) if spec.gated else module.act_fn(h_SN)
-        y_SD = grouped_gemm(a_SF.to(w2.dtype), w2, counts, b2, **offs)
+    kw = dict(activation=spec.activation, trans_w=spec.trans_w, offsets_E=offsets_E, lora=lora)
+    if spec.path != "fused":  # the module's own gate, under autograd
+        kw["gate"] = module._apply_gate if spec.gated else module.act_fn
+    p = prob_S if plain else None
+    y_SD = grouped_mlp(x_SD, counts, p, w1, w2, gate_up_bias=b1, down_bias=b2, **kw)
     if spec.post_norm:
         y_SD = module.post_expert_norm(y_SD)
     if prob_S is not None and not plain:

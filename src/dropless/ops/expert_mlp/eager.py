@@ -24,6 +24,8 @@ capacity limit, a named backend) runs outside the graph (one graph break).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -46,20 +48,34 @@ def composed_mlp(
     gate_up,
     down,
     *,
-    gate_up_bias,
-    down_bias,
+    gate_up_bias=None,
+    down_bias=None,
     activation=None,
     interleaved=None,
     trans_w=True,
     alpha=None,
     limit=None,
     backend=None,
+    gate: Callable | None = None,
+    offsets_E=None,
 ):
-    h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w, backend=backend)
-    a = swiglu(h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
-    y = grouped_gemm(a, down, counts, None, trans_w=trans_w, backend=backend)
+    """The routed MLP on sorted rows composed of autograd ops: two grouped GEMMs (through
+    the active recipe's GEMM under `dropless.autocast`) with the activation x prob between
+    them, or `gate`, a module's own activation h -> a, with the prob applied after it (the
+    generic path of a gate with no fused form). What a recipe without an MLP of its own
+    runs, and what the engine is tested against."""
+    kw = dict(trans_w=trans_w, backend=backend, offsets_E=offsets_E)
+    h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, **kw)
+    if gate is None:
+        a = swiglu(
+            h, prob_S, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit
+        )
+    else:
+        a = gate(h).to(down.dtype)
+        a = a if prob_S is None else a * prob_S.unsqueeze(1).to(a.dtype)
+    y = grouped_gemm(a, down, counts, None, **kw)
     if down_bias is not None:
-        b_SD = expand_bias(down_bias, counts)
+        b_SD = expand_bias(down_bias, counts, y.shape[0])
         y = y + (b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1).to(b_SD.dtype))
     return y
 
@@ -91,6 +107,7 @@ def grouped_mlp(
     backend: str | None = None,
     lora: tuple[LowRank | None, LowRank | None] | None = None,
     offsets_E: torch.Tensor | None = None,
+    gate: Callable | None = None,
 ) -> torch.Tensor:
     """Expert MLP on rows sorted by expert (`counts` rows each), scaled by prob_S.
 
@@ -104,7 +121,23 @@ def grouped_mlp(
     as thin GEMMs beside the base ones, never folded into the weights (full precision only).
     offsets_E: the int32 cumulative ends of counts on x's device (`SortedPairs.offsets_E`),
     shared by every GEMM of the layer; None: computed once here where a GEMM reads them.
+    gate: a module's own activation (h [S, N] -> a [S, F]) in place of `activation`: the
+    generic path, `composed_mlp` (autograd through the gate; keeps more for backward).
     """
+    if gate is not None:
+        return composed_mlp(
+            x_SD,
+            counts,
+            prob_S,
+            gate_up,
+            down,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            trans_w=trans_w,
+            backend=backend,
+            gate=gate,
+            offsets_E=offsets_E,
+        )
     kw = dict(
         gate_up_bias=gate_up_bias,
         down_bias=down_bias,

@@ -125,14 +125,17 @@ def test_lora_plan_traces_a_frozen_base(tmp_path):
 
 def test_preflight_under_a_process_group_plans_in_a_child_process():
     """torchrun: this process is in a process group, so the verdict comes from a fresh
-    process (the one a real run's rank 0 starts), with the same figures."""
+    process (the one a real run's rank 0 starts, handed the same config objects), with the
+    same figures; a failure there is an answer, not an exception."""
     cfg = load_config("examples/tiny.toml", [])
     hc = P.resolve_hf_config(cfg)
     here = PF.verdict(cfg, hc, 1, 0.5)
-    child = PF.verdict_in_child(cfg, 1, 0.5)
+    child = PF.verdict_in_child(cfg, hc, 1, 0.5)
     assert child["fits"] is here["fits"] is False
     assert child["peak"] == pytest.approx(here["peak"], rel=1e-9)
     assert child["fixes"] == here["fixes"]
+    failed = PF.verdict_in_child(cfg, hc, 0, 0.5)  # no processes: the planner refuses
+    assert failed["error"].startswith("the plan's process failed: "), failed
 
 
 def _tiny_deepseek(path) -> None:

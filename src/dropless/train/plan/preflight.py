@@ -7,8 +7,8 @@ predicts would fit."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
 import warnings
 from pathlib import Path
 
@@ -127,6 +127,8 @@ def device_memory_gib(device: torch.device) -> float:
 
 def verdict(cfg, hf_config, world: int, gib: float) -> dict:
     """The preflight's reading of the plan: fits, the figures, and the changes that would."""
+    # a copy: building the planned model sets its experts implementation on the config
+    hf_config = copy.deepcopy(hf_config)
     p = make_plan(cfg, world, gib, hf_config=hf_config, compare_checkpointing=False)
     fixes = (
         []
@@ -141,32 +143,19 @@ def verdict(cfg, hf_config, world: int, gib: float) -> dict:
     }  # fmt: skip
 
 
-_CHILD = (
-    "import json, sys; from dropless.train.config.load import load_config; "
-    "from dropless.train.plan.preflight import verdict; "
-    "print(json.dumps(verdict(load_config(sys.argv[1], []), None, int(sys.argv[2]), float(sys.argv[3]))))"
-)
+def verdict_in_child(cfg, hf_config, world: int, gib: float) -> dict:
+    """`verdict` in a fresh Python process, handed the config objects themselves (pickled,
+    nothing dumped and parsed again): one already in a process group (torchrun) cannot start
+    the fake one the plan shards over. A failure there is returned, not raised: every rank
+    must get an answer (`on_rank0`)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-
-def verdict_in_child(cfg, world: int, gib: float) -> dict:
-    """`verdict` in a fresh Python process: one already in a process group (torchrun)
-    cannot start the fake one the plan shards over."""
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from ..config.load import dump_config
-
-    with tempfile.TemporaryDirectory() as d:
-        path = dump_config(cfg, Path(d) / "config.toml")
-        r = subprocess.run(
-            [sys.executable, "-c", _CHILD, str(path), str(world), str(gib)],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-    if r.returncode:  # returned, not raised: every rank must get an answer (on_rank0)
-        return {"error": f"the plan's process failed: {r.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(verdict, cfg, hf_config, world, gib).result()
+    except Exception as e:  # noqa: BLE001  (the child's error, whatever it is, becomes the answer)
+        return {"error": f"the plan's process failed: {type(e).__name__}: {e}"}
 
 
 def check_plan_fits(cfg, hf_config, world: int, device: torch.device, on_rank0=None) -> None:
@@ -182,7 +171,7 @@ def check_plan_fits(cfg, hf_config, world: int, device: torch.device, on_rank0=N
     try:
         if dist.is_initialized():
             run = on_rank0 or (lambda fn: fn())
-            v = run(lambda: verdict_in_child(cfg, world, gib))
+            v = run(lambda: verdict_in_child(cfg, hf_config, world, gib))
         else:
             v = verdict(cfg, hf_config, world, gib)
     except (RuntimeError, NotImplementedError, TypeError, AssertionError) as e:

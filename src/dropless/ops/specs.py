@@ -15,18 +15,21 @@ from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
-#: Activation kinds: name -> the function of (gate, up) it computes. A new kind is
-#: registered here (`register_activation_kind`) and implemented in `dropless.ops.swiglu`.
+#: The activation kinds, the one table: name -> the function of (gate, up) it computes
+#: (non-gated: of h). The reference and the eager math (`activation/`) implement these;
+#: a new elementwise kind is added by `activation.eager.register_elementwise` (here by
+#: `register_activation_kind`).
 ACTIVATION_KINDS: dict[str, str] = {
-    "swiglu": "silu(gate) * up",
+    "swiglu": "silu(gate) * up (non-gated: silu(h))",
+    "gelu": "gelu(gate) * up, exact erf GELU (non-gated: gelu(h))",
+    "gelu_tanh": "gelu_tanh(gate) * up, tanh-approximated GELU (non-gated: gelu_tanh(h))",
+    "relu2": "relu(gate)^2 * up (non-gated: relu(h)^2)",
+    "swiglu_clamp": "silu(min(gate, limit)) * clamp(up, -limit, limit)",
     "gpt_oss": "g * sigmoid(alpha * g) * (u + 1), g = min(gate, limit), u = clamp(up, -limit, limit)",
 }
-
-
-#: The gated kinds the Triton kernels compute (`activation/activation_kernels.py`: the
-#: first four elementwise on the gate, then the clamped ones); the row-gathering GEMMs'
-#: epilogues and the Triton activation read this one table.
-KERNEL_KINDS = ("swiglu", "gelu", "gelu_tanh", "relu2", "swiglu_clamp", "gpt_oss")
+#: the kinds of the table the Triton kernels compute (`activation/activation_kernels.py`,
+#: gated; the row-gathering GEMMs' epilogues too): all but the ones registered at run time
+KERNEL_KINDS = tuple(ACTIVATION_KINDS)
 
 
 def register_activation_kind(kind: str, formula: str) -> None:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..specs import ACTIVATION_KINDS, ActivationConfig, register_activation_kind
+from ..specs import KERNEL_KINDS, ActivationConfig, register_activation_kind
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -80,31 +80,19 @@ BUILTIN: dict[str, tuple[Callable, Callable]] = {
     "gelu_tanh": (_gelu_tanh, _d_gelu_tanh),
     "relu2": (_relu2, _d_relu2),
 }
-FORMULAS = {
-    "swiglu": "silu(gate) * up (non-gated: silu(h))",
-    "gelu": "gelu(gate) * up, exact erf GELU (non-gated: gelu(h))",
-    "gelu_tanh": "gelu_tanh(gate) * up, tanh-approximated GELU (non-gated: gelu_tanh(h))",
-    "relu2": "relu(gate)^2 * up (non-gated: relu(h)^2)",
-    "swiglu_clamp": "silu(min(gate, limit)) * clamp(up, -limit, limit)",
-}
 #: elementwise kinds registered at run time: kind -> f (derivative by autograd)
 REGISTERED: dict[str, Callable] = {}
-
-for _kind, _formula in FORMULAS.items():
-    if _kind not in ACTIVATION_KINDS:
-        register_activation_kind(_kind, _formula)
 
 
 def register_elementwise(kind: str, fn: Callable, formula: str) -> None:
     """Make `kind` an activation computing fn(gate) * up (gated) or fn(h) (non-gated).
 
     `fn` must be elementwise, parameter-free and differentiable by autograd."""
-    if not isinstance(kind, str) or not kind or kind in FORMULAS or kind == "gpt_oss":
+    if not isinstance(kind, str) or not kind or kind in KERNEL_KINDS or kind in REGISTERED:
         raise ValueError(f"activation kind {kind!r}: need a new non-empty name")
     if not callable(fn):
         raise TypeError(f"register_elementwise({kind!r}): fn must be callable, got {fn!r}")
     REGISTERED[kind] = fn
-    FORMULAS[kind] = formula
     register_activation_kind(kind, formula)
 
 

@@ -108,17 +108,14 @@ def swiglu_bwd_kernel(
         tl.store(gp_ptr + offs_r, tl.sum(acc_p, axis=1).to(gp_ptr.dtype.element_ty), mask=mask_r)
 
 
-ACTIVATIONS = KINDS  # every gated kind of `activation_kernels.py`
-
-
 def _check(h_S2F: torch.Tensor, prob_S: torch.Tensor | None, activation: str) -> torch.Tensor:
     check_2d("h_S2F", h_S2F)
     if h_S2F.shape[1] % 2:
         raise ValueError(f"h must be [S, 2F] with an even column count, got {tuple(h_S2F.shape)}")
     if prob_S is not None and prob_S.shape != (h_S2F.shape[0],):
         raise ValueError(f"prob_S must be [S]={h_S2F.shape[0]}, got {tuple(prob_S.shape)}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation={activation!r}; allowed: {ACTIVATIONS}")
+    if activation not in KINDS:
+        raise ValueError(f"activation={activation!r}; allowed: {KINDS}")
     return h_S2F if h_S2F.stride(-1) == 1 else h_S2F.contiguous()
 
 

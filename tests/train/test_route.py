@@ -15,3 +15,15 @@ def test_the_design_docs_route_is_the_traced_route(tmp_path):
     assert doc == design_block(trace), (
         "docs/design.md's route is stale: python tools/design_route.py"
     )
+
+
+def test_the_trainer_is_the_loop():
+    """trainer.py runs the loop over the parts build.py makes: at most 200 lines and 10
+    modules of the package imported."""
+    import ast
+
+    path = REPO / "src" / "dropless" / "train" / "trainer.py"
+    text = path.read_text()
+    tree = ast.parse(text)
+    ours = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 0}
+    assert len(text.splitlines()) <= 200 and len(ours) <= 10, (len(text.splitlines()), ours)

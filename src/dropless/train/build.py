@@ -55,11 +55,9 @@ class RunParts:
     data: Any  # state.RunData: tokenizer, sampler, held-out windows, unigram figure
     precision: Precision
     model: Any
-    parallel: Any  # the layout over the processes; None on one process
     lora: bool
     model_name: str
     layers: list
-    router: Any  # hf.experts.router_losses.RouterLosses
     top_k: int
     params: list
     optimizer: Any
@@ -174,8 +172,8 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     return RunParts(
         cfg=cfg, env=env, run_dir=run_dir, hooks=hooks, beat=beat, t_start=t_start,
         cpu_start=cpu_start, config_file=config_file, data=data, precision=precision,
-        model=model, parallel=parallel, lora=lora, model_name=model_class_name(base_model(model)),
-        layers=layers, router=router, top_k=top_k, params=params, optimizer=optimizer,
+        model=model, lora=lora, model_name=model_class_name(base_model(model)),
+        layers=layers, top_k=top_k, params=params, optimizer=optimizer,
         scheduler=scheduler, state=state, flops=flops, start_step=state.step,
         resumed_from=resume_from, saver=saver, stepper=stepper, evaluate=evaluate, log=log,
     )  # fmt: skip

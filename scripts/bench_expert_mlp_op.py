@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dropless.bench.common import Recorder, provenance  # noqa: E402
 from dropless.ops import expert_mlp  # noqa: E402
-from dropless.ops.expert_mlp.eager import _through_custom_op  # noqa: E402
+from dropless.ops.expert_mlp.eager import expert_mlp_op  # noqa: E402
 from dropless.ops.specs import ActivationConfig  # noqa: E402
 
 SWIGLU = ActivationConfig("swiglu", True, False, 1.702, 7.0)
+OP_ACT = (SWIGLU.kind, SWIGLU.gated, SWIGLU.interleaved, float(SWIGLU.alpha), float(SWIGLU.limit))
 
 
 def _operands(T, D, F, E, K, dtype):
@@ -47,7 +48,7 @@ def _operands(T, D, F, E, K, dtype):
 def _rows(ops):
     x, ids, w, gu, dn = ops
     return {
-        "custom-op": lambda: _through_custom_op(x, ids, w, gu, dn, SWIGLU, {})[0],
+        "custom-op": lambda: expert_mlp_op(x, ids, w, gu, dn, None, None, *OP_ACT, True)[0],
         "direct": lambda: expert_mlp(x, ids, w, gu, dn)[0],
     }
 

@@ -9,7 +9,7 @@ import math
 import torch
 from torch import nn
 
-from ..ops.activation.swiglu import check_supported
+from ..ops.activation.eager import check_supported
 from ..ops.expert_mlp import expert_mlp, grouped_mlp
 from ..ops.specs import ActivationConfig, as_activation
 

@@ -101,6 +101,18 @@ def is_elementwise_kind(kind: str) -> bool:
     return kind in BUILTIN or kind in REGISTERED or kind == "swiglu_clamp"
 
 
+def check_supported(act: ActivationConfig) -> ActivationConfig:
+    """Raise ValueError for an activation these ops do not compute."""
+    if act.kind in ("gpt_oss", "swiglu_clamp") and not act.gated:
+        raise ValueError(f"activation.kind={act.kind!r} needs gated=True (it uses gate and up)")
+    if act.kind != "gpt_oss" and not is_elementwise_kind(act.kind):
+        raise ValueError(
+            f"activation.kind={act.kind!r} has no implementation in dropless.ops; register "
+            "an elementwise function with dropless.ops.activation.eager.register_elementwise"
+        )
+    return act
+
+
 def split_gate_up(h, gated: bool, interleaved: bool):
     """(gate, up) views of h; (h, None) for a non-gated activation."""
     if not gated:

@@ -19,7 +19,7 @@ import torch
 
 from ..permute.row_ops import pick_row_ops
 from ..specs import ActivationConfig, as_activation
-from .eager import ACTIVATIONS, GPT_OSS, ElementwiseAct, is_elementwise_kind
+from .eager import ACTIVATIONS, GPT_OSS, ElementwiseAct, check_supported
 
 __all__ = ["ACTIVATIONS", "activation", "check_supported", "expert_activation", "swiglu"]
 
@@ -56,18 +56,6 @@ def activation(
 ) -> torch.Tensor:
     """`swiglu` computed by a given `RowOps` implementation (no picking, no checks)."""
     return _Activation.apply(h_S2F, prob_S, interleaved, activation, alpha, limit, impl)
-
-
-def check_supported(act: ActivationConfig) -> ActivationConfig:
-    """Raise ValueError for an activation these ops do not compute."""
-    if act.kind in ("gpt_oss", "swiglu_clamp") and not act.gated:
-        raise ValueError(f"activation.kind={act.kind!r} needs gated=True (it uses gate and up)")
-    if act.kind != "gpt_oss" and not is_elementwise_kind(act.kind):
-        raise ValueError(
-            f"activation.kind={act.kind!r} has no implementation in dropless.ops; register "
-            "an elementwise function with dropless.ops.activation.eager.register_elementwise"
-        )
-    return act
 
 
 def expert_activation(

@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..activation.swiglu import check_supported, swiglu
+from ..activation.eager import check_supported
+from ..activation.swiglu import swiglu
 from ..compute_dtype import to_compute_dtype
 from ..dispatch import get_recipe
 from ..grouped_gemm import grouped_gemm

@@ -38,8 +38,7 @@ from dataclasses import replace
 
 import torch
 
-from ..activation.eager import act_forward, act_input_grad, act_parts
-from ..activation.swiglu import check_supported
+from ..activation.eager import act_forward, act_input_grad, act_parts, check_supported
 from ..compute_dtype import autocast_off
 from ..grouped_gemm.eager import bind_offsets, group_offsets
 from ..lora import (

@@ -34,6 +34,7 @@ from _checks_fp32_router import (  # noqa: F401
 from _checks_fsdp import (  # noqa: F401
     fsdp_only,
     fsdp_x_ep,
+    fsdp_x_ep_fp64,
     fsdp_x_ep_full,
     fsdp_x_ep_overlap,
     hsdp_only,
@@ -64,6 +65,7 @@ CHECKS = {
         "bad_mesh_in_group",
         "fsdp_only",
         "fsdp_x_ep",
+        "fsdp_x_ep_fp64",
         "fsdp_x_ep_overlap",
         "hsdp_only",
         "hf_ep_equals_single",

@@ -60,10 +60,11 @@ def _full(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _train(world, **cfg):
+def _train(world, dtype=torch.float32, **cfg):
     torch.manual_seed(0)
-    net = Net()
-    data = _batches(world)
+    net = Net().to(dtype)
+    data = [(x.to(dtype), y.to(dtype)) for x, y in _batches(world)]
+    rtol, atol = (RTOL, ATOL) if dtype == torch.float32 else (1e-7, 1e-9)
     ref = copy.deepcopy(net)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     ref_losses, ref_norms = [], []
@@ -91,16 +92,16 @@ def _train(world, **cfg):
         opt.zero_grad()
         lsum = loss.detach().clone()
         dist.all_reduce(lsum)
-        torch.testing.assert_close(float(lsum) / world, ref_losses[step], rtol=RTOL, atol=ATOL)
-        torch.testing.assert_close(float(norm), ref_norms[step], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(float(lsum) / world, ref_losses[step], rtol=rtol, atol=atol)
+        torch.testing.assert_close(float(norm), ref_norms[step], rtol=rtol, atol=atol)
     ref_params = dict(ref.named_parameters())
     names = []
     for name, p in par.named_parameters():
         torch.testing.assert_close(
             _full(p.detach()),
             ref_params[name].detach(),
-            rtol=RTOL,
-            atol=ATOL,
+            rtol=rtol,
+            atol=atol,
             msg=lambda m, n=name: f"{n}: {m}",
         )
         names.append(name)
@@ -123,6 +124,12 @@ def fsdp_x_ep(rank, world):
 
 def fsdp_x_ep_full(rank, world):
     _train(world, dp_shard=world, ep=world)
+
+
+def fsdp_x_ep_fp64(rank, world):
+    """ep = world in float64: a shard group of 1 whose reduce dtype takes FSDP's
+    pre/post-divide path (the experts' gradients were divided by the world twice)."""
+    _train(world, torch.float64, dp_shard=world, ep=world)
 
 
 def fsdp_x_ep_overlap(rank, world):

@@ -5,7 +5,8 @@ mesh replicates over dp_replicate). Expert parameters (already DTensor Shard(0) 
 "ep"): their own `fully_shard` on dp_shard_mod_ep (HSDP likewise), FSDP's FSDP x TP
 path. The expert gradient an EP rank holds already sums the tokens of its whole EP
 group, so the experts' divide factor is the world size (FSDP's default would divide
-by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large).
+by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large); with a
+dp_shard_mod_ep group of 1 the division is a hook after the reduction, in every dtype.
 
 One FSDP2 unit takes one dtype of trainable parameters. A submodule whose trainable
 parameters are in another dtype than the rest of its unit (the router Transformers keeps
@@ -17,6 +18,7 @@ is summed over every rank, not only over the expert mesh.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -61,12 +63,20 @@ def apply_fsdp(
             for child in _replicated_children(m):
                 fully_shard(child, mesh=pmesh.dense_fsdp_mesh, **kw)
             fully_shard(m, mesh=pmesh.expert_fsdp_mesh, **{**kw, **keep})
-            m.set_gradient_divide_factor(float(world))
             shard_size = pmesh.expert_shard_size  # dp_shard x cp / ep
-            if shard_size > 1 and "nccl" not in str(dist.get_backend()):
-                # a custom factor means PREMUL_SUM, which gloo lacks: sum, then divide.
-                # Not with a shard group of 1: FSDP (2.13) then divides twice.
-                m.set_force_sum_reduction_for_comms(True)
+            if shard_size == 1:
+                # FSDP (2.13) divides a shard group of 1's gradient by the custom factor
+                # when it copies it, and again after the reduction when the reduce dtype
+                # is neither fp32 nor bf16 (fp64, fp16: its pre/post-divide path), so the
+                # experts' gradients came out divided by the world twice. Factor 1 there,
+                # and the division by the world after any replica all-reduce.
+                m.set_gradient_divide_factor(1.0)
+                m.set_all_reduce_hook(functools.partial(_divide_, by=float(world)))
+            else:
+                m.set_gradient_divide_factor(float(world))
+                if "nccl" not in str(dist.get_backend()):
+                    # a custom factor means PREMUL_SUM, which gloo lacks: sum, then divide
+                    m.set_force_sum_reduction_for_comms(True)
             if not hf_ep:  # HF experts run the dispatch inside their own forward
                 register_fsdp_forward_method(m, "forward_sorted")
     units = blocks if blocks is not None else [m for m in model.modules() if isinstance(m, MoE)]
@@ -78,6 +88,10 @@ def apply_fsdp(
     _shard_other_dtypes(model, dense, kw)
     fully_shard(model, mesh=dense, **kw)
     return model
+
+
+def _divide_(grad: torch.Tensor, by: float) -> None:
+    grad.div_(by)
 
 
 def _managed(unit: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:

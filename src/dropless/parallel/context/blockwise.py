@@ -69,7 +69,7 @@ class _ChunkedCausalAttention(torch.autograd.Function):
                     o, o_lse = _fwd(_fold(q, G), k, v, 0.0, False, scale=scale)
                     o, o_lse = _unfold(o, H), _unfold(o_lse, H)
                 if out is None:
-                    out, lse = o.float(), o_lse
+                    out, lse = _wide(o), o_lse
                 else:
                     out, lse = _merge(out, lse, o, o_lse)
             outs.append(out.to(q.dtype))
@@ -115,8 +115,13 @@ class _ChunkedCausalAttention(torch.autograd.Function):
 def _merge(out, lse, o, o_lse):
     """Two attention results over disjoint key sets -> the result over their union."""
     new = torch.logaddexp(lse, o_lse)
-    out = out * torch.exp(lse - new)[..., None] + o.float() * torch.exp(o_lse - new)[..., None]
+    out = out * torch.exp(lse - new)[..., None] + _wide(o) * torch.exp(o_lse - new)[..., None]
     return out, new
+
+
+def _wide(o: torch.Tensor) -> torch.Tensor:
+    """A part's output in the merge's dtype: fp32 for bf16/fp16/fp32, fp64 kept as fp64."""
+    return o.to(torch.promote_types(o.dtype, torch.float32))
 
 
 def _sum_heads(x_BHCD: torch.Tensor, G: int) -> torch.Tensor:

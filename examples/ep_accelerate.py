@@ -42,7 +42,9 @@ def main() -> None:
     rank, world = acc.process_index, acc.num_processes
     out = shared_dir(args.out, rank)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp)
+    model = load_model(
+        path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp, dtype=args.dtype
+    )
     g = torch.Generator().manual_seed(args.seed + 1)
     n = args.steps * args.grad_accum * args.global_batch
     ids = torch.randint(0, model.config.vocab_size, (n, args.seq_len), generator=g)

@@ -36,7 +36,9 @@ def main() -> None:
     rank, world = init()
     out = shared_dir(args.out, rank)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp)
+    model = load_model(
+        path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp, dtype=args.dtype
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     losses, norms = [], []
     for micro in batches(args, model.config.vocab_size, rank, world):

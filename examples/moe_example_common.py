@@ -46,6 +46,11 @@ def parser(description: str) -> argparse.ArgumentParser:
         "configs default to bf16, these scripts set it explicitly)",
     )  # fmt: skip
     p.add_argument(
+        "--dtype", choices=("float32", "float64"), default="float32",
+        help="the parameters' (and so the computation's) dtype (default float32; float64 "
+        "for comparisons whose only difference is the summation order, e.g. cp vs one process)",
+    )  # fmt: skip
+    p.add_argument(
         "--lora", type=int, default=0, metavar="RANK",
         help="LoRA of this rank on the experts and the attention, base frozen (default 0: "
         "every weight trained); the adapter goes to OUT/final in PEFT's format",
@@ -126,7 +131,9 @@ def trainer_setup(args, trainer_args):
     out = shared_dir(args.out, rank)
     trainer_args.output_dir = str(out)
     path = args.model or tiny_checkpoint(out, rank, args.seed)
-    model = load_model(path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp)
+    model = load_model(
+        path, world, args.ep, lora=args.lora, seed=args.seed, cp=args.cp, dtype=args.dtype
+    )
     return rank, world, out, path, model
 
 
@@ -136,8 +143,9 @@ def data_world(args, world: int) -> int:
 
 
 def load_model(
-    path: str, world: int, ep: int, lora: int = 0, seed: int = 0, cp: int = 1, **parallelize_kwargs
-):
+    path: str, world: int, ep: int, lora: int = 0, seed: int = 0, cp: int = 1,
+    dtype: str = "float32", **parallelize_kwargs,
+):  # fmt: skip
     """The patched model: on one process loaded whole; on several built on the meta device
     and laid out by `dropless.parallelize`, each rank reading only its shards.
 
@@ -146,18 +154,20 @@ def load_model(
     their factors, which shard with them; the attention gets PEFT's), the base read from the
     checkpoint under its own names (`rename=checkpoint_name`), then the adapters given
     PEFT's initial values, drawn over their global shapes (`init_adapters`: the same for any
-    number of processes). cp > 1 (several processes): each sequence split over cp ranks
+    number of processes). dtype: the parameters' ("float32" or "float64": the checkpoint's
+    fp32 values widened). cp > 1 (several processes): each sequence split over cp ranks
     (`dropless.parallelize(cp=...)`: the model then takes whole sequences and splits them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dropless.patch()
+    dtype = getattr(torch, dtype)
     if world == 1:
-        model = AutoModelForCausalLM.from_pretrained(path).to(device())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device())
         return _with_lora(model, path, world, lora, seed) if lora else model
     config = AutoConfig.from_pretrained(path)
     config.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if not lora:
         return dropless.parallelize(
             model, ep=ep or world, cp=cp, checkpoint=path, **parallelize_kwargs

@@ -1,4 +1,4 @@
-"""The peer rows of `dropless bench layer` / `e2e` (bench/peers.py): how a row that cannot
+"""The peer rows of `dropless bench layer` / `e2e` (tools/peers.py): how a row that cannot
 run is reported, and the wiring the rows add around a peer's kernel, checked on CPU with a
 plain torch kernel in its place (the peers' own kernels need CUDA)."""
 
@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from tools import peers
+from tools.layer_paths import grouped_mm_plain
 
-from dropless.bench import peers
-from dropless.bench.layer_impls import grouped_mm_plain
 from harness import tiny_moe_config
 
 
@@ -144,14 +144,12 @@ def _layer_record(tmp_path, impls: str) -> dict:
 def test_a_peer_row_that_fails_its_first_step_is_named_and_the_others_are_timed(
     tmp_path, monkeypatch
 ):
-    from dropless.bench import layer
-
     def broken(*args):
         raise RuntimeError("no kernel image for this device")
 
     # torch stands in for an installed CPU peer whose kernel raises
     monkeypatch.setitem(peers.PEERS, "liger", peers.Peer("torch", "torch", "0.0.1", False))
-    monkeypatch.setitem(layer.PATHS, "liger-moe", broken)
+    monkeypatch.setitem(peers.LAYER_PATHS, "liger-moe", broken)
     f = _layer_record(tmp_path, "dense,grouped_mm-plain,liger-moe")
     assert [r["impl"] for r in f["rows"]] == ["dense", "grouped_mm-plain"]
     st = f["peers"]["liger-moe"]
@@ -186,3 +184,12 @@ def test_e2e_with_only_peer_rows_that_cannot_run_is_refused(capsys):
 
     assert main(["bench", "e2e", "--quick", "--device", "cpu", "--impls", "cce"]) == 2
     assert "--impls: no row can run here" in capsys.readouterr().err
+
+
+def test_rows_from_tools_need_a_checkout(monkeypatch):
+    """An installed wheel has no tools/: asking for such a row says where it runs."""
+    from dropless.bench import common
+
+    monkeypatch.setattr(common, "find_checkout", lambda package_dir=None: None)
+    with pytest.raises(ValueError, match=r"liger-moe run from a dropless checkout \(tools/peers"):
+        common.from_checkout("peers", ["liger-moe"])

@@ -61,13 +61,13 @@ def test_matmul_rate_is_a_measured_rate_of_the_asked_dtype():
 
 
 def test_layer_record_has_rates_matmul_peers_and_profile(tmp_path, monkeypatch):
-    from dropless.bench import layer, peers
-    from dropless.bench.layer_impls import grouped_mm_plain
+    from tools import peers
+    from tools.layer_paths import grouped_mm_plain
 
     # torch stands in for an installed CPU peer, the plain layer for its kernel; torchao's
     # row needs CUDA (or is not installed): it is not timed, and the record says why
     monkeypatch.setitem(peers.PEERS, "liger", peers.Peer("torch", "torch", "0.0.1", False))
-    monkeypatch.setitem(layer.PATHS, "liger-moe", grouped_mm_plain)
+    monkeypatch.setitem(peers.LAYER_PATHS, "liger-moe", grouped_mm_plain)
     monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")  # what the bench sets: restored after
     hist = tmp_path / "h.jsonl"
     argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]

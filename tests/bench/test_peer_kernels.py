@@ -56,7 +56,7 @@ def _sqnr_db(row, device: str, dtype: torch.dtype, **shape) -> list[float]:
 
 def check(case: str, device: str) -> None:
     os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # one config: no timing loop
-    from dropless.bench import peers
+    from tools import peers
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     # fp32 under the interpreter: summation order only (~1e-7 relative, > 120 dB);
@@ -86,7 +86,7 @@ def test_torchao_fp8_row_against_bf16():
     """FP8 E4M3 operands (3 mantissa bits, power-of-two row scales): the 17 dB floor the
     project's FP8 recipes are held to, output and gradients."""
     pytest.importorskip("torchao")
-    from dropless.bench import peers
+    from tools import peers
 
     row = peers.LAYER_PATHS["torchao-fp8-row"]
     sqnr = _sqnr_db(row, "cuda", torch.bfloat16, T=256, D=64, F=32)

@@ -60,6 +60,22 @@ def find_checkout(package_dir: Path | None = None) -> Path | None:
     return root
 
 
+def from_checkout(module: str, rows):
+    """tools/MODULE.py of the checkout this package runs from (`find_checkout`): the rows
+    that compare against other libraries' layers are not in the wheel."""
+    import importlib
+
+    root = find_checkout()
+    if root is None or not (root / "tools" / f"{module}.py").is_file():
+        raise ValueError(
+            f"the rows {', '.join(rows)} run from a dropless checkout (tools/{module}.py, not in "
+            "the wheel): in a clone, `pip install -e .` and run the same command"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"tools.{module}")
+
+
 def add_history_arguments(p: argparse.ArgumentParser) -> None:
     """`--record`, `--history [FILE]` and `--no-history`, the same for every benchmark."""
     p.add_argument(

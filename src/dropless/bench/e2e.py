@@ -17,7 +17,8 @@ baseline. That setting changes speed (the stock model's larger temporaries page-
 more under it), which is why no timing is taken with it. Every child starts from the same
 seed, so the first-step losses of the three implementations must agree (printed as a check).
 
-Peer rows (`bench/peers.py`; the stock `grouped_mm` model with the peer applied):
+Peer rows (tools/peers.py, run from a checkout; the stock `grouped_mm` model with the
+peer applied):
 `liger` (Liger-Kernel's RMSNorm and fused linear cross-entropy), `liger-moe` (the same
 and its fused MoE experts), `cce` (Cut Cross-Entropy's loss on the final hidden states).
 A peer whose package does not import, or that needs CUDA on a CPU run, is not timed; the
@@ -49,12 +50,12 @@ import statistics
 import sys
 import time
 
-from . import peers
 from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
     follow_live_memory,
+    from_checkout,
     load_sentence,
     peak_rss_mib,
     progress,
@@ -100,7 +101,8 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
     batch=1, seq=4096)}  # fmt: skip
 # qwen3-gpu with Qwen3's vocabulary: where the LM head and its loss weigh most
 SHAPES["qwen3-gpu-v152k"] = {**SHAPES["qwen3-gpu"], "vocab_size": 151936}
-IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *peers.E2E_ROWS)
+PEER_ROWS = ("liger", "liger-moe", "cce")  # tools/peers.py's E2E_ROWS
+IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *PEER_ROWS)
 COMPILED = ("grouped_mm", "dropless", "dropless-fused-ce")  # rows --compile adds a twin of
 SUFFIX = "+compile"
 PROFILED = "dropless"  # --profile: the row whose step is profiled
@@ -189,14 +191,14 @@ def build_row_model(
         model = tf.AutoModelForCausalLM.from_config(cfg)
         assert model.get_experts_implementation()[""] == "dropless"
     else:
-        stock = "grouped_mm" if impl in peers.E2E_ROWS else impl
+        stock = "grouped_mm" if impl in PEER_ROWS else impl
         model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation=stock)
     if device == "cuda":
         model = model.to(device=device, dtype=torch.bfloat16).train()
     else:
         model = model.float().train()
-    if impl in peers.E2E_ROWS:  # on the model as it will run: its dtype, its device
-        peers.apply_e2e(impl, model)
+    if impl in PEER_ROWS:  # on the model as it will run: its dtype, its device
+        from_checkout("peers", [impl]).apply_e2e(impl, model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return torch.compile(model) if compiled else model
@@ -366,7 +368,7 @@ def _timing_rounds(args, impls, shape, device="cpu", failed=None) -> dict[str, l
             try:
                 out = run_child("dropless.bench.e2e", child | {"profile": profile})
             except RuntimeError as e:
-                if impl not in peers.E2E_ROWS:
+                if impl not in PEER_ROWS:
                     raise
                 # a peer that breaks on this stack costs its own row, not the table
                 failed[impl] = str(e).strip().splitlines()[-1][:300]
@@ -431,7 +433,9 @@ def run(args) -> int:
     impls = _check_args(args)
     device = _device(args)
     rec = Recorder.start(args)
-    peer_status = {i: peers.row_status(i, device) for i in impls if i in peers.E2E_ROWS}
+    asked = [i for i in impls if i in PEER_ROWS]
+    peers = from_checkout("peers", asked) if asked else None
+    peer_status = {i: peers.row_status(i, device) for i in asked}
     impls = [i for i in impls if peer_status.get(i, {"ok": True})["ok"]]
     for name, st in peer_status.items():
         print(f"peer row {name} ({st['package']} {st['version'] or '-'}): {st['status']}")

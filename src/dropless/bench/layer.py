@@ -22,8 +22,9 @@ Rates: every row reports ms, TFLOP/s (those 18*T*K*D*F FLOPs over its time, what
 else it computes) and its share of the bound (bound ms / its ms). The machine's dense
 matmul rate (`torch.matmul` of two square matrices: cuBLAS on CUDA, bf16; on CPU bf16
 and fp32) is measured in the same run and recorded (`figures.matmul`), and each row's
-rate is also given as a share of it. Peer rows (`bench/peers.py`) run when their package
-imports; otherwise the run names them "not installed" or "needs CUDA", with the version
+rate is also given as a share of it. The experts-path variants (tools/layer_paths.py) and
+the peer rows (tools/peers.py) run from a checkout; a peer row runs when its package
+imports, otherwise the run names it "not installed" or "needs CUDA", with the version
 looked for (`figures.peers`). `--profile`: the per-kernel table of one bf16 and one FP8
 step (`bench/profile.py`).
 """
@@ -44,12 +45,12 @@ import time
 import torch
 
 from ..ops.expert_mlp import plan as gemm_tuning
-from . import peers
 from .bound import BOUND_GEMMS, dense_bound, layer_flops, machine_rates
 from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
+    from_checkout,
     peak_rss_mib,
     progress,
     provenance,
@@ -59,7 +60,7 @@ from .common import (
     run_child,
     section_path,
 )
-from .layer_impls import DROPLESS_VARIANTS, EXPERT_PATHS, RECIPES, hf_block, route, variant_context
+from .layer_impls import DROPLESS_VARIANTS, RECIPES, hf_block, variant_context
 from .layer_table import notes as _notes
 from .layer_table import table as _table
 from .profile import kernel_table
@@ -82,8 +83,11 @@ IMPLS = (
     "hf-eager",
 )
 # rows asked for by name, the GPU tables' (`scripts/gpu_check.py`), peers included
-EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS, *peers.LAYER_ROWS)
-PATHS = {**EXPERT_PATHS, **peers.LAYER_PATHS}  # the rows with `route`'s router
+PEER_ROWS = ("liger-moe", "torchao-fp8-row")  # tools/peers.py's LAYER_ROWS
+EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS, *PEER_ROWS)
+# the rows with tools/layer_paths.py's router, run from a checkout: module -> rows
+CHECKOUT_ROWS = {"layer_paths": ("composed", "grouped_mm-plain", "bmm-padded"),
+                 "peers": PEER_ROWS}  # fmt: skip
 QUANTIZED = (*RECIPES, "torchao-fp8-row")  # rows whose output differs by FP8 rounding
 PROFILED = ("dropless", "dropless-fp8-current-row")  # --profile: one bf16, one FP8 step
 BOUND = {
@@ -97,7 +101,7 @@ TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
 In one process, side by side (implementations interleaved within each round, median of
 the rounds after a warm-up): `dropless.MoE` (`dropless`: the default path for the device;
 `dropless-grouped`: the same fused Function on `torch._grouped_mm`), two experts-path
-variants with the same router (`composed`: argsort + `grouped_mm` autograd nodes +
+variants with the same router, run from a checkout (`composed`: argsort + `grouped_mm` autograd nodes +
 combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
 `Qwen3MoeSparseMoeBlock` (`experts_implementation="grouped_mm"` and `"eager"`, same
 weights, same routes), and the dense bound: exactly six dense `torch.mm` with M = T*K rows
@@ -111,8 +115,8 @@ in the same run. Rows asked for by name (the GPU tables): `grouped_mm-plain` (ar
 with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`), and the
 peers (`liger-moe`: Liger-Kernel's fused MoE experts, one kernel config each unless
 LIGER_FUSED_MOE_AUTOTUNE=1 asks for its autotuning; `torchao-fp8-row`: torchao's FP8
-row-wise grouped GEMM on expert rows padded to 16), which run only where their package
-imports and CUDA is there (otherwise named, with the version looked for). Peak
+row-wise grouped GEMM on expert rows padded to 16), which run only from a checkout, where
+their package imports and CUDA is there (otherwise named, with the version looked for). Peak
 memory: on CPU each implementation once more in its own child process, VmHWM (reset
 through /proc/self/clear_refs) minus VmRSS once inputs and weights are allocated; on CUDA
 one more step in the same process, max_memory_allocated minus memory_allocated before it.
@@ -122,8 +126,8 @@ torch.profiler, a table per step of its kernels (on CPU: aten operators) with ca
 ms and share. Tables written before the six-GEMM bound, the rate columns or the peer rows
 existed show none of them; a row absent from a table has not run on that device.
 
-Peers carried to the GPU machine as wheels (`python -m dropless.bench.peers download
-peers/`; `scripts/gpu_check.py` installs them with `pip install --no-deps --target`):
+Peers carried to the GPU machine as wheels (`python -m tools.peers download peers/`;
+`scripts/gpu_check.py` installs them with `pip install --no-deps --target`):
 Liger-Kernel 0.8.5, Cut Cross-Entropy 25.1.1 (both `py3-none-any`), torchao 0.18.0 (one
 `abi3` wheel, built for torch >= 2.11). SonicMoE cannot be carried (sonic-moe 0.1.2 pins
 torch <= 2.9.1 and needs a 74 MB CUTLASS DSL wheel); its published figures, not measured
@@ -232,12 +236,14 @@ def build_impl(name: str, cfg: dict):
         return step, list(block.parameters()) + [x_TD], lambda: block(x_TD.unsqueeze(0))[0]
     if name in ("dropless", "dropless-grouped", *DROPLESS_VARIANTS):
         return _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD)
-    # experts-path variants with the router of `route` (identical routing)
+    # experts-path variants and peers with the router of `route` (identical routing)
+    paths = from_checkout("layer_paths", CHECKOUT_ROWS["layer_paths"])
+    path = {**paths.EXPERT_PATHS, **from_checkout("peers", PEER_ROWS).LAYER_PATHS}[name]
     leaves = [t.requires_grad_(True) for t in (w_router, gate_up, down)]
 
     def forward():
-        ids_TK, w_TK = route(x_TD, w_router, cfg["K"])
-        return PATHS[name](x_TD, ids_TK, w_TK, gate_up, down)
+        ids_TK, w_TK = paths.route(x_TD, w_router, cfg["K"])
+        return path(x_TD, ids_TK, w_TK, gate_up, down)
 
     def step():
         forward().backward(grad_TD)
@@ -418,6 +424,9 @@ def _check_args(args, dev: str) -> list[str]:
         raise ValueError(
             f"--impls: unknown {bad}; allowed: {', '.join(IMPLS + EXTRA_IMPLS)} or all"
         )
+    for module, rows in CHECKOUT_ROWS.items():
+        if any(n in rows for n in impls):
+            from_checkout(module, [n for n in impls if n in rows])
     return list(impls)
 
 
@@ -464,7 +473,9 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     run here are left out of the timing and named in `peers`."""
     shape = SHAPES[args.shape]
     torch.set_num_threads(os.cpu_count())
-    peer_status = {n: peers.row_status(n, dev) for n in impls if n in peers.LAYER_ROWS}
+    asked = [n for n in impls if n in PEER_ROWS]
+    peers = from_checkout("peers", asked) if asked else None
+    peer_status = {n: peers.row_status(n, dev) for n in asked}
     base = {k: v for k, v in shape.items() if k != "T"} | {"device": dev, "skewed": False}
     base["threads"] = torch.get_num_threads()
     for name, st in peer_status.items():

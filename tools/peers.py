@@ -1,5 +1,5 @@
 """The other libraries a user would pick instead, as rows of `dropless bench layer` and
-`dropless bench e2e`: Liger-Kernel (its fused MoE experts; its fused linear cross-entropy
+`dropless bench e2e` run from a checkout (not in the wheel; `bench.common.from_checkout`): Liger-Kernel (its fused MoE experts; its fused linear cross-entropy
 and RMSNorm), Apple's Cut Cross-Entropy, and torchao's FP8 row-wise grouped GEMM for MoE
 training. None of them is a dependency of dropless: a row runs only when its package
 imports (and, for the CUDA-only ones, on a CUDA device); otherwise the bench reports it
@@ -200,7 +200,7 @@ def download_command(dest: str) -> list[str]:
     return cmd + [f"{p.package}=={p.wanted}" for p in PEERS.values()]
 
 
-if __name__ == "__main__":  # python -m dropless.bench.peers download DIR
+if __name__ == "__main__":  # python -m tools.peers download DIR
     if len(sys.argv) != 3 or sys.argv[1] != "download":
-        sys.exit("usage: python -m dropless.bench.peers download DIR")
+        sys.exit("usage: python -m tools.peers download DIR")
     sys.exit(subprocess.call(download_command(sys.argv[2])))

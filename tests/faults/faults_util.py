@@ -19,12 +19,14 @@ records, args = metrics_by_step, tiny_args
 CHILD = Path(__file__).with_name("train_child.py")
 
 
-def child(spec: dict, argv: list[str], torchrun: int = 0) -> subprocess.Popen:
-    """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0)."""
+def child(spec: dict, argv: list[str], torchrun: int = 0, before: tuple = ()) -> subprocess.Popen:
+    """Start train_child.py on one job (under torchrun with `torchrun` processes when > 0),
+    after the (spec, argv) jobs `before`, in the same processes."""
     launch = torchrun_argv(torchrun) if torchrun else [sys.executable]
+    jobs = [{"spec": s, "argv": a} for s, a in (*before, (spec, argv))]
     # fault: the test kills or signals it mid-run (not the harness's run-to-exit children)
     return subprocess.Popen(
-        [*launch, str(CHILD), json.dumps([{"spec": spec, "argv": argv}])],
+        [*launch, str(CHILD), json.dumps(jobs)],
         env=sub_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 

@@ -1,7 +1,9 @@
 """SIGINT / SIGTERM in the middle of a step: the step finishes, a checkpoint is written,
 the process says how to resume and exits non-zero without a traceback; the resumed run is
 exact. A second Ctrl-C stops at once. On 2 gloo ranks every rank stops at the same step,
-and a rank killed during a save leaves the previous checkpoint whole."""
+and a rank killed during a save leaves the previous checkpoint whole; before that, in the
+same torchrun, a refused start (a finished run's folder) raises the same error on both
+ranks and leaves the folder as it was."""
 
 import shutil
 import signal
@@ -9,7 +11,7 @@ import signal
 from dropless.cli.main import main
 from dropless.train.checkpoint import store as ckpt
 
-from .faults_util import args, child, forked_children, records
+from .faults_util import args, child, forked_children, records, snapshot
 
 MORE = ["--resume", "--set", "train.steps=10", "--set", "checkpoint.every=0"]
 
@@ -45,8 +47,8 @@ def test_sigint_sigterm_and_a_second_ctrl_c(finished_run, tmp_path, continued):
         assert records(run)[10]["eval_loss"] == continued[10]["eval_loss"], name
 
 
-def test_two_ranks_stop_together_and_survive_a_kill_during_save(tmp_path):
-    run = tmp_path / "run"
+def test_two_ranks_stop_together_and_survive_a_kill_during_save(finished_run, tmp_path):
+    run, done, errors = tmp_path / "run", tmp_path / "done", tmp_path / "errors"
     run_args = args(
         "train.steps=6",
         "checkpoint.every=2",
@@ -54,12 +56,22 @@ def test_two_ranks_stop_together_and_survive_a_kill_during_save(tmp_path):
         "log.plots=false",
         "log.tensorboard=false",
     )
+    # first, in the same torchrun: a fresh start in a finished run's folder is refused, by
+    # rank 0 under the lock, and every rank raises that error; the folder is left as it was
+    shutil.copytree(finished_run, done)
+    errors.mkdir()
+    before = snapshot(done)
+    refused = ({"error_to": str(errors)}, ["train", "--run-dir", str(done), *run_args])
     # rank 1 alone gets SIGTERM in step 3: both ranks must stop after step 3 and save it
     # together (step 3 is no checkpoint step), and rank 1 dies in the middle of that save
     spec = {"rank": 1, "signal_in_step": [3, "SIGTERM"], "checkpoint": ["before_shards", 3]}
-    proc = child(spec, ["train", "--run-dir", str(run), *run_args], torchrun=2)
+    proc = child(spec, ["train", "--run-dir", str(run), *run_args], torchrun=2, before=[refused])
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0, err[-3000:]
+    said = [(errors / f"rank{r}.txt").read_text() for r in (0, 1)]
+    want = f"ValueError: {str(done)!r} already holds checkpoints: pass --resume to continue"
+    assert said[0] == said[1] and said[0].startswith(want), said
+    assert snapshot(done) == before
     assert sorted(records(run)) == [0, 1, 2, 3]  # rank 0 stopped after step 3 too
     assert (run / "checkpoints" / ".tmp-step_00000003").is_dir()  # it began saving step 3
     assert [s for s, _ in ckpt.list_checkpoints(run)] == [2]  # the save did not complete

@@ -10,13 +10,16 @@ or one spec followed by the dropless arguments; a spec has any of
      "refused": "others",                     # ... and once the other forked jobs' stderr
                                               # holds the run lock's refusal
      "signal_in_step": [9, "SIGINT", 1],      # send the signal (this many times) mid-step
-     "snapshot": [run_dir, path]}             # once the run returned 0: the SHA-256 of each
+     "snapshot": [run_dir, path],             # once the run returned 0: the SHA-256 of each
                                               # file of run_dir, as JSON, into path
+     "error_to": dir}                         # the error `train` raised on this rank, as
+                                              # "Type: message", into dir/rank{RANK}.txt
 
-One job runs in this process (under torchrun too). Several jobs are forked from this
-process after the imports, each a real process of its own (so each dies its own death)
-without paying the imports again; the exit statuses are printed as a JSON list
-(negative: killed by that signal).
+Jobs without a "stderr" run in this process one after the other (under torchrun too, in
+one process group). Jobs with one are forked from this process after
+the imports, each a real process of its own (so each dies its own death) without paying
+the imports again; the exit statuses are printed as a JSON list (negative: killed by that
+signal).
 """
 
 import functools
@@ -86,8 +89,25 @@ def _snapshot(run_dir: str, path: str) -> None:
     Path(path).write_text(json.dumps(files))
 
 
+TRAIN = trainer.train
+
+
+def _recording_errors(train, where: str):
+    def run(*args, **kwargs):
+        try:
+            return train(*args, **kwargs)
+        except Exception as e:
+            out = Path(where) / f"rank{os.environ.get('RANK', '0')}.txt"
+            out.write_text(f"{type(e).__name__}: {e}")
+            raise
+
+    return run
+
+
 def run(job: dict) -> int:
-    trainer.train = functools.partial(trainer.train, hooks=Faults(job.get("spec", {})))
+    spec = job.get("spec", {})
+    train = functools.partial(TRAIN, hooks=Faults(spec))
+    trainer.train = _recording_errors(train, spec["error_to"]) if "error_to" in spec else train
     code = main(job["argv"])
     if code == 0 and "snapshot" in job.get("spec", {}):
         _snapshot(*job["spec"]["snapshot"])
@@ -119,6 +139,14 @@ if __name__ == "__main__":
     jobs = json.loads(sys.argv[1])
     if isinstance(jobs, dict):  # one spec, then the dropless arguments
         jobs = [{"spec": jobs, "argv": sys.argv[2:]}]
-    if len(jobs) == 1 and "stderr" not in jobs[0]:
-        sys.exit(run(jobs[0]))
+    if all("stderr" not in job for job in jobs):
+        # the process group of a torchrun is kept from one job to the next: a group made
+        # again in the same process can meet the previous one's gloo addresses in
+        # torchrun's store (the same group name) and fail to connect
+        close = trainer.close_env
+        trainer.close_env = lambda: None
+        for job in jobs[:-1]:
+            run(job)
+        trainer.close_env = close
+        sys.exit(run(jobs[-1]))
     print(json.dumps(run_forked(jobs)), flush=True)

@@ -191,5 +191,18 @@ def test_rows_from_tools_need_a_checkout(monkeypatch):
     from dropless.bench import common
 
     monkeypatch.setattr(common, "find_checkout", lambda package_dir=None: None)
-    with pytest.raises(ValueError, match=r"liger-moe run from a dropless checkout \(tools/peers"):
-        common.from_checkout("peers", ["liger-moe"])
+    with pytest.raises(
+        ValueError, match=r"the row liger-moe: runs from a dropless checkout \(tools/peers"
+    ):
+        common.from_checkout("peers", "the row liger-moe")
+
+
+def test_a_section_writer_from_tools_is_refused_before_measuring(monkeypatch, tmp_path):
+    from argparse import Namespace
+
+    from dropless.bench import common
+
+    monkeypatch.setattr(common, "find_checkout", lambda package_dir=None: None)
+    args = Namespace(bench="memory", section=str(tmp_path / "m.md"), history=None)
+    with pytest.raises(ValueError, match=r"--section: runs from a dropless checkout"):
+        common.Recorder.start(args)

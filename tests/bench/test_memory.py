@@ -8,6 +8,7 @@ import json
 import signal
 
 import pytest
+from tools import bench_sections
 
 from dropless.bench import memory
 from dropless.cli.main import main
@@ -60,11 +61,11 @@ def test_records_table_and_section_of_every_row(tmp_path, monkeypatch):
     assert by["dropless-mxfp8"]["loss"] == pytest.approx(stock, rel=2e-2)
     assert by["dropless-mxfp8"]["loss"] != by["dropless"]["loss"]  # MXFP8 GEMMs ran
     text = section.read_text()
-    assert text.startswith(memory.TITLE) and "<!-- memory:tiny -->" in text
+    assert text.startswith(bench_sections.MEMORY_TITLE) and "<!-- memory:tiny -->" in text
     assert "Command: `" in text and "Memory limit per child: 3 GiB" in text
     assert text.count("| 32 | ") == len(memory.IMPLS)
     assert "| 32 | HF v5 `grouped_mm` + activation checkpointing | " in text
-    assert memory._summary(line["figures"]) in text
+    assert bench_sections.memory_summary(line["figures"]) in text
 
 
 def test_a_child_over_its_memory_limit_is_recorded_out_of_memory(tmp_path):
@@ -113,7 +114,9 @@ def test_bytes_per_token_and_ratio_to_stock_with_checkpointing():
         in table
     )
     figures = {"dropless_vs_stock_ckpt": {"1024": 0.25, "2048": 0.5}}
-    assert memory._summary(figures).endswith(": **0.25x** at 1024, **0.50x** at 2048.")
+    assert bench_sections.memory_summary(figures).endswith(
+        ": **0.25x** at 1024, **0.50x** at 2048."
+    )
 
 
 def test_adamw_state_is_allocated_without_changing_a_weight():

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from tools import bench_sections
 
 import dropless
 from dropless.bench import common, e2e
@@ -208,7 +209,9 @@ def test_section_blocks_replace_their_own_key_and_drop_prose(tmp_path):
         "## Old title\n\nHand-written notes.\n\n<!-- layer:a -->\nA1\n<!-- /layer:a -->\n"
         "\nMore notes.\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
     )
-    common.replace_block(path, "a", "<!-- layer:a -->\nA2\n<!-- /layer:a -->\n", "layer", "## T")
+    bench_sections.replace_block(
+        path, "a", "<!-- layer:a -->\nA2\n<!-- /layer:a -->\n", "layer", "## T"
+    )
     assert path.read_text() == (
         "## T\n\n<!-- layer:a -->\nA2\n<!-- /layer:a -->\n\n<!-- layer:b -->\nB1\n<!-- /layer:b -->\n"
     )

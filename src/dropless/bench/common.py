@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -40,6 +39,8 @@ OUTPUTS = ("benchmarks/", "BENCHMARKS.md")
 _MALLOC_PREFIX = "MALLOC_"
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# the benches whose section block tools/bench_sections.py writes (the others write their text)
+SECTION_WRITERS = ("layer", "e2e", "lora", "memory")
 _RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XLA_FLAGS")
 
 
@@ -60,16 +61,17 @@ def find_checkout(package_dir: Path | None = None) -> Path | None:
     return root
 
 
-def from_checkout(module: str, rows):
+def from_checkout(module: str, what: str):
     """tools/MODULE.py of the checkout this package runs from (`find_checkout`): the rows
-    that compare against other libraries' layers are not in the wheel."""
+    that compare against other libraries' layers and the section writers are not in the
+    wheel; `what` names what needs it."""
     import importlib
 
     root = find_checkout()
     if root is None or not (root / "tools" / f"{module}.py").is_file():
         raise ValueError(
-            f"the rows {', '.join(rows)} run from a dropless checkout (tools/{module}.py, not in "
-            "the wheel): in a clone, `pip install -e .` and run the same command"
+            f"{what}: runs from a dropless checkout (tools/{module}.py, not in the wheel): "
+            "in a clone, `pip install -e .` and run the same command"
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -154,19 +156,6 @@ def write_section(path: Path, text: str) -> None:
 def progress(text: str) -> None:
     """One progress line on stderr (stdout keeps the tables), flushed at once."""
     print(text, file=sys.stderr, flush=True)
-
-
-def replace_block(path: Path, key: str, block: str, name: str, title: str) -> None:
-    """Write the section file as `title` plus its blocks (each delimited by
-    <!-- name:key --> ... <!-- /name:key -->), `block` replacing the one of the same key.
-    Only generated text survives: anything outside the blocks is dropped."""
-    pattern = re.compile(
-        rf"<!-- {re.escape(name)}:(\S+) -->\n.*?<!-- /{re.escape(name)}:\1 -->\n", re.S
-    )
-    old = path.read_text() if path.exists() else ""
-    blocks = {m.group(1): m.group(0) for m in pattern.finditer(old)}
-    blocks[key] = block if block.endswith("\n") else block + "\n"
-    write_section(path, title + "\n\n" + "\n".join(blocks.values()))
 
 
 # --- what a record holds ----------------------------------------------------------------------
@@ -322,6 +311,8 @@ class Recorder:
     def start(cls, args, package_dir: Path | None = None) -> Recorder:
         """Resolve the history file first (so a refusal comes before an hour of
         measuring), check the allocator, then sample the load."""
+        if getattr(args, "section", None) and getattr(args, "bench", None) in SECTION_WRITERS:
+            from_checkout("bench_sections", "--section")  # refused before the measuring
         record = bool(getattr(args, "record", False))
         path, why = history_path(
             getattr(args, "history", None), getattr(args, "no_history", False), package_dir, record

@@ -67,7 +67,6 @@ from .common import (
 )
 from .e2e_report import summary as _summary
 from .e2e_report import table as _table
-from .e2e_report import write_section as _write_section
 
 SHAPE = dict(
     vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -198,7 +197,7 @@ def build_row_model(
     else:
         model = model.float().train()
     if impl in PEER_ROWS:  # on the model as it will run: its dtype, its device
-        from_checkout("peers", [impl]).apply_e2e(impl, model)
+        from_checkout("peers", f"the row {impl}").apply_e2e(impl, model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return torch.compile(model) if compiled else model
@@ -434,7 +433,7 @@ def run(args) -> int:
     device = _device(args)
     rec = Recorder.start(args)
     asked = [i for i in impls if i in PEER_ROWS]
-    peers = from_checkout("peers", asked) if asked else None
+    peers = from_checkout("peers", f"the rows {', '.join(asked)}") if asked else None
     peer_status = {i: peers.row_status(i, device) for i in asked}
     impls = [i for i in impls if peer_status.get(i, {"ok": True})["ok"]]
     for name, st in peer_status.items():
@@ -490,7 +489,7 @@ def run(args) -> int:
     print(load_sentence(record["load"]))
     section = section_path(args.section, "e2e", rec)
     if section is not None:
-        _write_section(section, table, record)
+        from_checkout("bench_sections", "--section").e2e(section, table, record)
     return 0
 
 

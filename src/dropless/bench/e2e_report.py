@@ -1,21 +1,7 @@
-"""The markdown of `dropless bench e2e`: the step table, the headline sentence and the
-section block of each shape."""
+"""The markdown `dropless bench e2e` prints: the step table and the headline sentence (the
+section block of each shape: tools/bench_sections.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
-
-from .common import provenance, replace_block
-
-TITLE = """## End to end: a Qwen3-MoE training step, stock Transformers v5 vs `dropless.patch()`
-
-Peer rows, on the stock `grouped_mm` model: `liger` (Liger-Kernel 0.8.5's RMSNorm and fused
-linear cross-entropy), `liger-moe` (the same and its fused MoE experts), `cce` (Cut
-Cross-Entropy 25.1.1's loss on the final hidden states, plus the router auxiliary loss as
-stock adds it). They run only from a checkout (tools/peers.py), where their package
-imports and CUDA is there; a run names the others with the version it looked for. `--profile`: a per-kernel table (calls, total
-ms, share) of one training step of the `dropless` row. A row absent from a table has not
-run on that device."""
 
 
 def table(rows: dict) -> str:
@@ -74,47 +60,3 @@ def summary(figures: dict) -> str:
         if "fused_ce_memory_vs_grouped_mm" in figures:
             text += f", {figures['fused_ce_memory_vs_grouped_mm']:.2f}x peak step memory"
     return text + "."
-
-
-def write_section(path: Path, table: str, record: dict) -> None:
-    """Replace this shape's block of the section file (the other shape's block is kept)."""
-    f = record["figures"]
-    s = f["shape"]
-    device = f.get("device", "cpu")
-    key = f"{s['num_experts']}e-top{s['num_experts_per_tok']}" + ("-quick" if f["quick"] else "")
-    key += "" if device == "cpu" else f"-{device}"
-    where = "fp32 on CPU" if device == "cpu" else f"bf16 on {device.upper()}"
-    memory = (
-        "Peak step memory: separate children, VmHWM minus VmRSS before the step, with glibc "
-        "serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors."
-        if device == "cpu"
-        else "Peak step memory: the CUDA caching allocator's max_memory_allocated above "
-        "memory_allocated before the step (weights and AdamW state), in the timing child."
-    )
-    block = "\n".join(
-        [
-            f"<!-- e2e:{key} -->",
-            f"### {s['num_experts']} experts top-{s['num_experts_per_tok']}"
-            + ("" if device == "cpu" else f", {device.upper()}"),
-            "",
-            provenance(record),
-            "",
-            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
-            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
-            f"{s['seq']}, {where}, {f['threads']} torch thread(s); forward + backward + "
-            f"AdamW ({f['optimizer']}).  ",
-            "Timing: each implementation in its own child process under the default allocator, "
-            f"order rotated; rounds per implementation {f['rounds_per_impl']}, {f['steps']} timed "
-            "step(s) each after a warm-up (median over rounds; best = the fastest step seen). "
-            + memory,
-            "",
-            table,
-            "",
-            summary(f) + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
-            f"<!-- /e2e:{key} -->",
-            "",
-        ]
-    )
-    replace_block(path, key, block, "e2e", TITLE)

@@ -53,8 +53,6 @@ from .common import (
     from_checkout,
     peak_rss_mib,
     progress,
-    provenance,
-    replace_block,
     require_default_allocator,
     reset_peak_rss,
     run_child,
@@ -96,45 +94,6 @@ BOUND = {
     "excludes": "routing, gather, SwiGLU, combine, autograd; operands allocated before timing",
 }
 DEFAULT_IMPLS = ("dense", "dropless", "hf-grouped_mm", "hf-eager")
-TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
-
-In one process, side by side (implementations interleaved within each round, median of
-the rounds after a warm-up): `dropless.MoE` (`dropless`: the default path for the device;
-`dropless-grouped`: the same fused Function on `torch._grouped_mm`), two experts-path
-variants with the same router, run from a checkout (`composed`: argsort + `grouped_mm` autograd nodes +
-combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
-`Qwen3MoeSparseMoeBlock` (`experts_implementation="grouped_mm"` and `"eager"`, same
-weights, same routes), and the dense bound: exactly six dense `torch.mm` with M = T*K rows
-(gate/up and down forward, both input gradients, the layer's dx included, and both weight
-gradients: 18*T*K*D*F FLOPs), on operands allocated before the clock starts, with no
-routing, gather, SwiGLU or combine. Each row's rate counts those FLOPs; the machine's
-dense matmul rate (`torch.matmul`, square, the shape's dtype; cuBLAS on CUDA) is measured
-in the same run. Rows asked for by name (the GPU tables): `grouped_mm-plain` (argsort +
-`torch._grouped_mm` + index_add written plainly), `dropless` under a recipe
-(`dropless-fp8-current-row`, `dropless-fp8-delayed`: E4M3; `dropless-mxfp8-saved`: MXFP8
-with FP8 saved activations) and with the eager row ops (`dropless-eager-row-ops`), and the
-peers (`liger-moe`: Liger-Kernel's fused MoE experts, one kernel config each unless
-LIGER_FUSED_MOE_AUTOTUNE=1 asks for its autotuning; `torchao-fp8-row`: torchao's FP8
-row-wise grouped GEMM on expert rows padded to 16), which run only from a checkout, where
-their package imports and CUDA is there (otherwise named, with the version looked for). Peak
-memory: on CPU each implementation once more in its own child process, VmHWM (reset
-through /proc/self/clear_refs) minus VmRSS once inputs and weights are allocated; on CUDA
-one more step in the same process, max_memory_allocated minus memory_allocated before it.
-Skewed rows: a router bias sends about half the pairs to 4 experts. `--profile`: one bf16
-(the shape's dtype) and one FP8 step (`dropless`, `dropless-fp8-current-row`) under
-torch.profiler, a table per step of its kernels (on CPU: aten operators) with calls, total
-ms and share. Tables written before the six-GEMM bound, the rate columns or the peer rows
-existed show none of them; a row absent from a table has not run on that device.
-
-Peers carried to the GPU machine as wheels (`python -m tools.peers download peers/`;
-`scripts/gpu_check.py` installs them with `pip install --no-deps --target`):
-Liger-Kernel 0.8.5, Cut Cross-Entropy 25.1.1 (both `py3-none-any`), torchao 0.18.0 (one
-`abi3` wheel, built for torch >= 2.11). SonicMoE cannot be carried (sonic-moe 0.1.2 pins
-torch <= 2.9.1 and needs a 74 MB CUTLASS DSL wheel); its published figures, not measured
-here and not at this shape: on Hopper, 45% less activation memory and 1.86x the compute
-throughput of ScatterMoE's bf16 MoE kernel for a fine-grained 7B MoE (Guo et al., "SonicMoE:
-Accelerating MoE with IO and Tile-aware Optimizations", arXiv:2512.14080, abstract); 1.87-4.04x
-the speed of ScatterMoE and MoMoE (Dao AI Lab, "SonicMoE" Blackwell blog post, 2026-04-22)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -237,8 +196,8 @@ def build_impl(name: str, cfg: dict):
     if name in ("dropless", "dropless-grouped", *DROPLESS_VARIANTS):
         return _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD)
     # experts-path variants and peers with the router of `route` (identical routing)
-    paths = from_checkout("layer_paths", CHECKOUT_ROWS["layer_paths"])
-    path = {**paths.EXPERT_PATHS, **from_checkout("peers", PEER_ROWS).LAYER_PATHS}[name]
+    paths = from_checkout("layer_paths", f"the row {name}")
+    path = {**paths.EXPERT_PATHS, **from_checkout("peers", f"the row {name}").LAYER_PATHS}[name]
     leaves = [t.requires_grad_(True) for t in (w_router, gate_up, down)]
 
     def forward():
@@ -426,7 +385,7 @@ def _check_args(args, dev: str) -> list[str]:
         )
     for module, rows in CHECKOUT_ROWS.items():
         if any(n in rows for n in impls):
-            from_checkout(module, [n for n in impls if n in rows])
+            from_checkout(module, f"the rows {', '.join(n for n in impls if n in rows)}")
     return list(impls)
 
 
@@ -463,8 +422,7 @@ def run(args) -> int:
     section = section_path(args.section, "layer", rec)
     if section is not None:
         key = args.shape + ("" if core is None else "-busy-core")
-        block = f"<!-- layer:{key} -->\n{provenance(record)}\n\n{table}<!-- /layer:{key} -->\n"
-        replace_block(section, key, block, "layer", TITLE)
+        from_checkout("bench_sections", "--section").layer(section, key, table, record)
     return 0
 
 
@@ -474,7 +432,7 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     shape = SHAPES[args.shape]
     torch.set_num_threads(os.cpu_count())
     asked = [n for n in impls if n in PEER_ROWS]
-    peers = from_checkout("peers", asked) if asked else None
+    peers = from_checkout("peers", f"the rows {', '.join(asked)}") if asked else None
     peer_status = {n: peers.row_status(n, dev) for n in asked}
     base = {k: v for k, v in shape.items() if k != "T"} | {"device": dev, "skewed": False}
     base["threads"] = torch.get_num_threads()

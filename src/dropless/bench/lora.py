@@ -29,10 +29,9 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     follow_live_memory,
+    from_checkout,
     load_sentence,
     progress,
-    provenance,
-    replace_block,
     require_extra,
     run_child,
     section_path,
@@ -41,7 +40,6 @@ from .e2e import QUICK, SHAPE, build_row_model, measure_memory, time_steps, timi
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
-TITLE = "## LoRA fine-tuning step: stock PEFT vs PEFT + `dropless.patch()`"
 RANK = 16
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -248,38 +246,8 @@ def run(args) -> int:
     print(load_sentence(record["load"]))
     section = section_path(args.section, "lora", rec)
     if section is not None:
-        _write_section(section, table, summary, record)
+        from_checkout("bench_sections", "--section").lora(section, table, summary, record)
     return 0
-
-
-def _write_section(path, table: str, summary: str, record: dict) -> None:
-    f = record["figures"]
-    s = f["shape"]
-    key = "lora" + ("-quick" if f["quick"] else "")
-    block = "\n".join(
-        [
-            f"<!-- lora:{key} -->",
-            provenance(record),
-            "",
-            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-            f"{s['num_hidden_layers']} layers, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-            f"moe_intermediate_size {s['moe_intermediate_size']}; batch {s['batch']} x seq {s['seq']}, fp32 "
-            f"on CPU, {f['threads']} torch thread(s). LoRA r={f['rank']} (alpha {2 * f['rank']}) on the "
-            f"experts (`target_parameters`) and q/k/v/o (`target_modules`); AdamW (fused) on the "
-            "trainable parameters.  ",
-            "Timing: each row in its own child process under the default allocator, order rotated, "
-            f"{f['rounds']} rounds x {f['steps']} timed step(s) after a warm-up (median). Peak step "
-            "memory: separate children, VmHWM minus VmRSS before the step, glibc serving blocks "
-            ">= 128 KiB by mmap from the child's start.",
-            "",
-            table,
-            "",
-            summary + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
-            f"<!-- /lora:{key} -->",
-            "",
-        ]
-    )
-    replace_block(path, key, block, "lora", TITLE)
 
 
 if __name__ == "__main__":

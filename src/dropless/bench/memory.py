@@ -43,7 +43,6 @@ import resource
 import signal
 import sys
 import time
-from pathlib import Path
 
 from .child import ChildRun, run_child_process
 from .common import (
@@ -51,11 +50,10 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     follow_live_memory,
+    from_checkout,
     load_sentence,
     peak_rss_mib,
     progress,
-    provenance,
-    replace_block,
     require_extra,
     reset_peak_rss,
     rss_mib,
@@ -78,15 +76,6 @@ SEQ_LENS = (8192, 32768)  # the measured lengths
 # --tiny: lengths whose step takes milliseconds on the tiny model (at 8192 and 32768 its
 # step took 2 s and 27 s on 2 quiet CPU cores, each row in a child of its own)
 TINY_SEQ_LENS = (32, 64)
-TITLE = """## Long sequences: peak step memory per token (`dropless bench memory`)
-
-The pinned Qwen3-MoE model at batch 1 and long sequence lengths, one training step
-(forward, backward, AdamW) per implementation and length, each in its own child
-process, no warm-up. Peak step memory: VmHWM (reset through /proc/self/clear_refs)
-minus VmRSS before the step (model, AdamW state and inputs allocated), with glibc
-serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors. Bytes per token = peak
-step memory / sequence length. A run that exceeds the memory limit is recorded as out
-of memory (OOM), not retried."""
 _M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
 _MEMORY_WORDS = re.compile(
     r"out of memory|can't allocate memory|cannot allocate memory|bad_alloc|memoryerror"
@@ -430,55 +419,13 @@ def run(args) -> int:
     print(load_sentence(record["load"]))
     section = section_path(args.section, "memory", rec)
     if section is not None:
-        _write_section(section, table, record)
+        from_checkout("bench_sections", "--section").memory(section, table, record)
     return 0
 
 
 def _say(r: dict) -> None:
     shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
     print(f"seq {r['seq']:6d} {r['impl']:16s} peak step {shown}", flush=True)
-
-
-def _summary(figures: dict) -> str:
-    ratios = figures.get("dropless_vs_stock_ckpt") or {}
-    if not ratios:
-        return "No dropless / stock-with-checkpointing ratio (a row is missing or out of memory)."
-    shown = ", ".join(f"**{r:.2f}x** at {seq}" for seq, r in ratios.items())
-    return f"dropless peak step memory vs stock with its activation checkpointing: {shown}."
-
-
-def _write_section(path: Path, table: str, record: dict) -> None:
-    f = record["figures"]
-    s = f["shape"]
-    key = "tiny" if f["tiny"] else "pinned"
-    block = "\n".join(
-        [
-            f"<!-- memory:{key} -->",
-            f"### Sequence lengths {', '.join(map(str, f['seq_lens']))}"
-            + (
-                " (--tiny: a smoke run, not a result; every row in one process)"
-                if f["tiny"]
-                else ""
-            ),
-            "",
-            provenance(record),
-            "",
-            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
-            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch 1, fp32 on "
-            f"CPU, {f['threads']} torch thread(s), AdamW (fused). Memory limit per child: "
-            f"{f['max_rss_gib']:g} GiB. Step time: one step, no warm-up, under the memory-tracking "
-            "allocator settings (an indication, not a speed figure).",
-            "",
-            table,
-            "",
-            _summary(f),
-            f"<!-- /memory:{key} -->",
-            "",
-        ]
-    )
-    replace_block(path, key, block, "memory", TITLE)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ or `python scripts/gpu_check.py` where nothing is installed).
   the one JSON summary line outside checks read; `__main__.py` calls its `main`;
 - `train.py`: the `train` step, `dropless train` on the path a node runs (its torchrun
   children run this module);
-- `report.py`: `benchmarks/sections/gpu.md` written from the logs of runs;
-- `profile.py`: where a GPU step's time and host syncs go (torch.profiler).
+- `report.py`: `benchmarks/sections/gpu.md` written from the logs of runs.
+
+Where a GPU step's time and host syncs go is tools/gpu_profile.py's (torch.profiler).
 
 The check runs from a checkout of the repository: it runs its tests and reads its examples.
 """

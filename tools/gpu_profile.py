@@ -1,4 +1,4 @@
-"""Where a GPU step's time and host syncs go: `python -m tools.gpu_check.profile [CASE...]`.
+"""Where a GPU step's time and host syncs go: `python -m tools.gpu_profile [CASE...]`.
 
 For each case, one step after two warm-up steps runs under torch.profiler (with Python
 stacks); printed: the CUDA kernels with the most device time, and every host

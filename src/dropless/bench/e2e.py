@@ -101,7 +101,8 @@ SHAPES = {"qwen3": SHAPE, "mixtral": {**SHAPE, "num_experts": 8, "num_experts_pe
 # qwen3-gpu with Qwen3's vocabulary: where the LM head and its loss weigh most
 SHAPES["qwen3-gpu-v152k"] = {**SHAPES["qwen3-gpu"], "vocab_size": 151936}
 PEER_ROWS = ("liger", "liger-moe", "cce")  # tools/peers.py's E2E_ROWS
-IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce", *PEER_ROWS)
+DEFAULT_IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
+IMPLS = (*DEFAULT_IMPLS, *PEER_ROWS)
 COMPILED = ("grouped_mm", "dropless", "dropless-fused-ce")  # rows --compile adds a twin of
 SUFFIX = "+compile"
 PROFILED = "dropless"  # --profile: the row whose step is profiled
@@ -126,7 +127,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None,
         help="torch threads in each child (default: torch's default, all cores)",
     )  # fmt: skip
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list from {','.join(IMPLS)}")
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS),
+        help=f"comma list from {','.join(IMPLS)} (the peer rows {','.join(PEER_ROWS)} run from "
+        f"a checkout; default: {','.join(DEFAULT_IMPLS)})",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
     p.add_argument(
         "--no-memory", action="store_true", help="skip the memory children (timing only)"

@@ -332,3 +332,53 @@ def test_the_loop_computes_in_its_inputs_dtype_under_autocast(workers, threads, 
         got = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)[0]
     (got_dx,) = torch.autograd.grad(got.float().sum(), x)
     assert got.dtype == bf and torch.equal(got, want) and torch.equal(got_dx, want_dx)
+
+
+@pytest.mark.parametrize("compiled", ["eager", "aot_eager"])
+def test_the_custom_op_runs_its_experts_on_the_workers(compiled, threads, monkeypatch):
+    """The custom op runs its implementation with the Autograd keys excluded (eager, and
+    every call of a compiled graph): the workers take on that key state, so the loop's
+    experts run on them, forward and backward, with the reference's numbers. (Each
+    graph's first call runs under torch's custom-op aliasing check, a TorchDispatchMode:
+    that one stays in the calling thread.)"""
+    seen = {"forward": set(), "backward": set()}
+    act_fwd, act_grad = loop_mlp.act_forward, loop_mlp.act_input_grad
+
+    def fwd_spy(*a, **kw):
+        seen["forward"].add(threading.get_ident())
+        return act_fwd(*a, **kw)
+
+    def bwd_spy(*a, **kw):
+        seen["backward"].add(threading.get_ident())
+        return act_grad(*a, **kw)
+
+    monkeypatch.setattr(loop_mlp, "act_forward", fwd_spy)
+    monkeypatch.setattr(loop_mlp, "act_input_grad", bwd_spy)
+    g = torch.Generator().manual_seed(11)
+    T, K, E, D, F = 16, 2, 8, 8, 4
+    x = torch.randn(T, D, generator=g, dtype=torch.float64)
+    ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w_TK = torch.rand(T, K, generator=g, dtype=torch.float64)
+    gu = torch.randn(E, 2 * F, D, generator=g, dtype=torch.float64)
+    dn = torch.randn(E, D, F, generator=g, dtype=torch.float64)
+    g_out = torch.randn(T, D, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w_TK, gu, dn)]
+        out = fn(leaves[0], ids_TK, *leaves[1:])
+        out.backward(g_out)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def mlp(x, ids, w, gu, dn):
+        return ops.expert_mlp(x, ids, w, gu, dn)[0]
+
+    fn = mlp if compiled == "eager" else torch.compile(mlp, backend=compiled, fullgraph=True)
+    run(fn)  # a compiled graph's first call runs under torch's aliasing check (a dispatch mode)
+    for ids in seen.values():
+        ids.clear()
+    got = run(fn)
+    me = threading.get_ident()
+    for phase, ids in seen.items():
+        assert ids and me not in ids, f"{compiled} {phase}: the experts ran in the calling thread"
+    for a, b in zip(got, run(expert_mlp_reference)):
+        torch.testing.assert_close(a, b)

@@ -20,11 +20,13 @@ the pool cannot deadlock.
 Thread-local modes: grad and inference mode, autocast (enabled, dtype, cache) and the
 dispatch keys a guard includes or excludes are per thread, and a result depends on them
 (autocast picks the GEMM dtype). Each call carries the caller's into its workers
-(`_Modes`); a worker checks that its dispatch-key state then equals the caller's, and if
-any part cannot be carried (a TorchFunctionMode / TorchDispatchMode: a Python mode is
-one object with its own state, not safe to enter on several threads; a dispatch guard
-the worker cannot reproduce) the items run in the calling thread instead, so 1 and N
-workers give the same bits under every mode.
+(`_Modes`), the dispatch keys as the caller's include and exclude sets (so a worker of
+the `dropless::expert_mlp` custom op runs with the Autograd keys excluded, as its caller
+does, eager or inside a compiled graph); a worker checks that its dispatch-key state
+then equals the caller's, and if any part cannot be carried (a TorchFunctionMode /
+TorchDispatchMode: a Python mode is one object with its own state, not safe to enter on
+several threads; a dispatch-key state the worker cannot reproduce) the items run in the
+calling thread instead, so 1 and N workers give the same bits under every mode.
 
 Thread settings: `torch.set_num_threads(1)` inside a worker makes that thread's OpenMP
 and MKL calls single-threaded, but also sets the process-wide count that
@@ -105,6 +107,10 @@ class _Modes:
         self.grad = torch.is_grad_enabled()
         self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.key_sets = (
+            torch._C._dispatch_tls_local_include_set(),
+            torch._C._dispatch_tls_local_exclude_set(),
+        )
         self.keys = _dispatch_keys()
 
     def enter(self, stack: contextlib.ExitStack) -> bool:
@@ -115,6 +121,10 @@ class _Modes:
         stack.enter_context(
             torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
         )
+        # the caller's key sets as they are, whatever guard left them so (a custom op
+        # runs its implementation with the Autograd keys excluded, as torch.compile's
+        # graphs call it)
+        stack.enter_context(torch._C._ForceDispatchKeyGuard(*self.key_sets))
         return _dispatch_keys() == self.keys
 
 

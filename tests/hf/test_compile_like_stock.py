@@ -155,3 +155,26 @@ def test_generate_with_a_compiled_forward_and_static_cache():
             got = model.generate(ids, compile_config=compile_config, **kwargs)
             assert torch.equal(got, want)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, "generate compiled"
+
+
+def test_specs_are_computed_at_wiring_and_an_unwired_module_compiles_as_stock():
+    """patch() computes each experts module's spec when the model is built (post_init),
+    so a compiled forward only reads it. A module without one (here removed) runs stock's
+    default (grouped_mm) forward inside a compiled region, fullgraph, with eager's logits,
+    and the compiled forward writes nothing on it; its next eager call computes it."""
+    from dropless.hf.experts.forward import SPEC_ATTR
+
+    torch._dynamo.reset()
+    model = _patched()
+    experts = [layer.experts for layer in dh.moe_layers(model)]
+    assert experts and all(SPEC_ATTR in vars(m) for m in experts)
+    for m in experts:
+        del m.__dict__[SPEC_ATTR]
+    compiled = torch.compile(model, fullgraph=True, backend=BACKEND)
+    ids = _ids(0)
+    with torch.no_grad():
+        got = compiled(ids, use_cache=False).logits
+        assert not any(SPEC_ATTR in vars(m) for m in experts)
+        want = model(ids, use_cache=False).logits
+    assert all(SPEC_ATTR in vars(m) for m in experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -9,9 +9,7 @@ that changes them fails here, loudly, instead of silently changing results or me
 - The per-expert loop (`ops/expert_mlp/loop.py`) frees each expert's kept h early when
   `torch._C._autograd._get_current_graph_task_keep_graph()` says the graph is freed
   after this backward (torch's own AOTAutograd reads the same flag; no public API).
-- A patched model's experts spec is a constant of the compiled graph: `hf/experts/forward.py`
-  sets the attribute `torch.compiler.assume_constant_result` sets, without importing
-  torch._dynamo. (`ops/expert_mlp/eager.py`'s use of `torch._disable_dynamo`, the lazy
+- (`ops/expert_mlp/eager.py`'s use of `torch._disable_dynamo`, the lazy
   `torch.compiler.disable`, is pinned by tests/ops/test_compile.py's recipe break.)
 
 Each test runs on CPU (CI's torch) and, marked gpu, on CUDA (the GPU machine's torch).
@@ -74,19 +72,3 @@ def test_the_graph_task_says_whether_the_graph_is_kept(device):
     torch.autograd.grad(Probe.apply(x).sum(), x, create_graph=True)
     (g,) = torch.autograd.grad(Probe.apply(x).sum(), x)
     assert seen == [True, False, False, True]
-
-
-def test_assume_constant_result_is_the_marker_dropless_sets():
-    """hf/experts/forward.py marks `_spec_constant` as torch.compiler.assume_constant_result does
-    (the attribute, without importing torch._dynamo at `import dropless`): if torch
-    renames the marker, a patched model's experts spec is traced again and a cold
-    fullgraph compile fails (tests/hf/test_compile_like_stock.py)."""
-    from dropless.hf.experts.forward import _spec_constant
-
-    def probe():
-        return 1
-
-    marked = torch.compiler.assume_constant_result(probe)
-    flags = {k: v for k, v in vars(marked).items() if k.startswith("_dynamo")}
-    assert flags == {"_dynamo_marked_constant": True}
-    assert _spec_constant._dynamo_marked_constant is True

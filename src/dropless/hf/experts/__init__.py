@@ -2,7 +2,7 @@
 
 - `forward.py`: `dropless_experts_forward`, the "dropless" experts implementation;
   `experts_spec` / `ExpertsSpec`, what a module computes, and `module_spec`, the same
-  kept on the module; the path counters `CALLS` and `PATH_CALLS`; `register_experts_hook`;
+  kept on the module (computed when a model is wired, `wire_experts`); the path counters `CALLS` and `PATH_CALLS`; `register_experts_hook`;
 - `gates.py`: the float64 probe that finds the fused form of a module's gate;
 - `replay.py`: routing replay on the routers of a model (hooks `patch()` installs);
 - `router_losses.py`: `RouterLosses`, the aux and z losses and the per-expert counts of
@@ -24,6 +24,7 @@ from .forward import (
     experts_spec,
     module_spec,
     register_experts_hook,
+    wire_experts,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "experts_spec",
     "module_spec",
     "register_experts_hook",
+    "wire_experts",
 ]

@@ -38,7 +38,7 @@ from ...ops import (
     unpermute,
 )
 from ...ops.compute_dtype import expert_input
-from ..layers import family_of
+from ..layers import family_of, is_experts_module
 from ..lora.expert_lora import attached_lowrank, fold_attached
 from ..lora.peft_lora import (
     DroplessLoRAFallbackWarning,
@@ -140,33 +140,41 @@ def _missing_weights(module: nn.Module) -> list[str]:
     return [n for n in names if raw_weight(module, n) is None]
 
 
-def module_spec(module: nn.Module) -> ExpertsSpec | str:
-    """`experts_spec(module)`, computed once per module and kept on it (a constant of the
-    graph under torch.compile)."""
-    if torch.compiler.is_compiling():
-        return _spec_constant(module)
-    return _cached_spec(module)
+SPEC_ATTR = "_dropless_spec"  # per experts module: its ExpertsSpec (or why not), once computed
 
 
-def _cached_spec(module: nn.Module) -> ExpertsSpec | str:
-    # the flags, gate and act_fn are fixed at construction: compute once per module
-    spec = module.__dict__.get("_dropless_spec")
-    if spec is None:
-        spec = module.__dict__["_dropless_spec"] = experts_spec(module)
+def module_spec(module: nn.Module) -> ExpertsSpec | str | None:
+    """`experts_spec(module)`, computed once per module and kept on it: when the model is
+    wired (`wire_experts`: patch() at model build and load, patch_model) or at the
+    module's first eager call. Inside a compiled region it is only read (a graph constant):
+    None for a module not computed yet, since the gate probe of `gates.py` makes a
+    Generator and reads values, which a graph cannot hold."""
+    spec = module.__dict__.get(SPEC_ATTR)
+    if spec is None and not torch.compiler.is_compiling():
+        # the flags, gate and act_fn are fixed at construction; the probe runs on its own
+        # float64 CPU values, whatever the weights' dtype and device
+        spec = module.__dict__[SPEC_ATTR] = experts_spec(module)
     return spec
 
 
-def _spec_constant(module: nn.Module) -> ExpertsSpec | str:
-    """The spec inside a compiled region: Dynamo runs this function when it traces the
-    call and keeps the result as a constant (the probe of `gates.py` makes a Generator
-    and reads values, which a graph cannot hold), so a model compiled before any eager
-    call traces too."""
-    return _cached_spec(module)
+def wire_experts(model: nn.Module) -> int:
+    """Compute and keep the spec of every experts module of `model` (idempotent), so a
+    compiled forward only reads it; returns how many experts modules it holds."""
+    n = 0
+    for module in model.modules():
+        if is_experts_module(module):
+            module_spec(module)
+            n += 1
+    return n
 
 
-# what `torch.compiler.assume_constant_result` sets, written here so that importing this
-# module does not import torch._dynamo (pinned by tests/ops/test_torch_internals.py)
-_spec_constant._dynamo_marked_constant = True
+def _stock_compiled(module: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """What stock Transformers runs by default (its grouped_mm experts forward, which a
+    graph holds): the forward of a module met inside a compiled region before its spec
+    was computed."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
 
 
 def _warn_once(category, family: str, message: str) -> None:
@@ -299,6 +307,8 @@ def dropless_experts_forward(
     if ep is not None:
         return _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights)
     spec = module_spec(self)
+    if spec is None:  # inside a compiled region, not wired
+        return _stock_compiled(self, hidden_states, top_k_index, top_k_weights)
     if isinstance(spec, str):
         _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
         eager = type(self).forward.__wrapped__  # the class's forward, under the decorator

@@ -10,8 +10,9 @@ request into "dropless" for models whose experts use the interface and hands eve
 else to the original. `unpatch()` puts the original function object back, removes
 "dropless" from `ExpertsInterface`, and switches every live model dropless changed back
 to the implementation it had (removing any expert bias buffers it added).
-`patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get the
-routing-replay hooks (`dropless.hf.experts.replay`) once their layers exist, and replaces PEFT's
+`patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get, once
+their layers exist, each experts module's spec computed (`wire_experts`: a compiled forward
+only reads it) and the routing-replay hooks (`dropless.hf.experts.replay`), and replaces PEFT's
 `ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora.peft_lora`).
 
 A config object keeps the implementation a model built from it resolved, and Transformers
@@ -35,7 +36,7 @@ from torch import nn
 
 from ...ops.expert_mlp import set_expert_path
 from .._compat import require_transformers
-from ..experts.forward import dropless_experts_forward
+from ..experts.forward import SPEC_ATTR, dropless_experts_forward, wire_experts
 from ..experts.replay import install_routing_replay, remove_routing_replay
 from ..fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from ..fusions.rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
@@ -133,8 +134,10 @@ def _install_default() -> None:
         ):
             _check_family(self)
         chosen = original(self, requested_experts)
-        if chosen == IMPLEMENTATION and self not in _models:
-            _models[self] = None  # restore to the stock default on unpatch
+        if chosen == IMPLEMENTATION:
+            if self not in _models:
+                _models[self] = None  # restore to the stock default on unpatch
+            wire_experts(self)  # a live model's experts (none yet while it is built)
         return chosen
 
     get_correct_experts_implementation.__wrapped__ = original
@@ -164,6 +167,7 @@ def _install_post_init(PreTrainedModel) -> None:
             give_own_config(self)  # the models built from the config before keep their path
             _switch(self)
         if self in _models:
+            wire_experts(self)  # the layers exist now
             install_routing_replay(self)
             _apply_options(self, **_state["options"])
         elif type(self)._can_set_experts_implementation():
@@ -315,6 +319,7 @@ def patch_model(
     with _LOCK:
         _register()
         _switch(model)
+        wire_experts(model)
         if expert_bias:
             _add_expert_biases(layers)
         install_routing_replay(model)
@@ -364,7 +369,7 @@ def _restore_model(model: nn.Module) -> None:
     for layer in moe_layers(model):
         if layer.router is not None:
             remove_expert_bias(layer.router)
-        layer.experts.__dict__.pop("_dropless_spec", None)
+        layer.experts.__dict__.pop(SPEC_ATTR, None)
     if "dropless" in model.get_experts_implementation().values():
         _set_implementation(model, previous)
 

@@ -152,8 +152,10 @@ def module_spec(module: nn.Module) -> ExpertsSpec | str | None:
     spec = module.__dict__.get(SPEC_ATTR)
     if spec is None and not torch.compiler.is_compiling():
         # the flags, gate and act_fn are fixed at construction; the probe runs on its own
-        # float64 CPU values, whatever the weights' dtype and device
-        spec = module.__dict__[SPEC_ATTR] = experts_spec(module)
+        # float64 CPU values, whatever the weights' dtype and device (and a model built
+        # under a meta default device, as from_pretrained does)
+        with torch.device("cpu"):
+            spec = module.__dict__[SPEC_ATTR] = experts_spec(module)
     return spec
 
 

@@ -91,6 +91,16 @@ def layer(path: Path, key: str, table: str, record: dict) -> None:
     replace_block(path, key, block, "layer", LAYER_TITLE)
 
 
+def model_line(s: dict) -> str:
+    """The shape of a bench's model (`figures["shape"]`), as the e2e and memory sections open."""
+    return (
+        f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
+        f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
+        f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
+        f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; "
+    )
+
+
 def e2e(path: Path, table: str, record: dict) -> None:
     """Replace this shape's block of the section file (the other shape's block is kept)."""
     f = record["figures"]
@@ -114,10 +124,7 @@ def e2e(path: Path, table: str, record: dict) -> None:
             "",
             provenance(record),
             "",
-            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
-            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch {s['batch']} x seq "
+            model_line(s) + f"batch {s['batch']} x seq "
             f"{s['seq']}, {where}, {f['threads']} torch thread(s); forward + backward + "
             f"AdamW ({f['optimizer']}).  ",
             "Timing: each implementation in its own child process under the default allocator, "
@@ -160,10 +167,7 @@ def memory(path: Path, table: str, record: dict) -> None:
             "",
             provenance(record),
             "",
-            f"Model (config object, random weights): vocab {s['vocab_size']}, hidden {s['hidden_size']}, "
-            f"{s['num_hidden_layers']} layers, {s['num_attention_heads']} heads / {s['num_key_value_heads']} KV "
-            f"heads, head_dim {s['head_dim']}, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
-            f"moe_intermediate_size {s['moe_intermediate_size']}, untied embeddings; batch 1, fp32 on "
+            model_line(s) + "batch 1, fp32 on "
             f"CPU, {f['threads']} torch thread(s), AdamW (fused). Memory limit per child: "
             f"{f['max_rss_gib']:g} GiB. Step time: one step, no warm-up, under the memory-tracking "
             "allocator settings (an indication, not a speed figure).",

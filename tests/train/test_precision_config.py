@@ -1,6 +1,7 @@
 """The precision section reaches every option of the FP8 recipes' Python API."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -21,10 +22,25 @@ def test_every_recipe_option_has_a_key(name):
     assert all(f"precision.{k}" in tc.known_keys() for k in keys)
 
 
-def test_allowed_values_follow_the_quant_module():
-    assert tc.BACKENDS is qrecipe.BACKENDS  # one definition, the recipes'
-    assert set(tc.FP8_FORMATS) - {""} == {f.value for f in qrecipe.Format}
-    assert set(tc.SCALE_RULES) - {""} == set(formats.SCALE_RULES)
+def test_the_section_is_generated_from_the_recipe_classes():
+    fields = {f.name: f.default for f in dataclasses.fields(tc.PrecisionConfig)}
+    # a default the recipes share is the key's; where they differ (fp8_format), "": each its own
+    assert fields == {
+        "dtype": "auto", "recipe": "none", "margin": 0, "fp8_format": "", "amax_history_len": 1024,
+        "amax_compute_algo": "max", "fp8_saved_activations": False, "backend": "auto",
+        "granularity": "tensor", "scale_rule": "floor",
+    }  # fmt: skip
+    # the values are the recipe classes' to check, named under the section
+    for bad, words in [
+        (dict(recipe="current", granularity="col"), "precision.granularity='col'; allowed: ('tensor', 'row')"),
+        (dict(recipe="mxfp8", scale_rule="up"), f"precision.scale_rule='up'; allowed: {formats.SCALE_RULES}"),
+        (dict(recipe="delayed", amax_compute_algo="mean"), "precision.amax_compute_algo='mean'; allowed:"),
+        (dict(recipe="delayed", fp8_format="e3m4"), "precision.fp8_format='e3m4'; allowed:"),
+        (dict(recipe="current", backend="cuda"), "precision.backend='cuda'; allowed:"),
+        (dict(recipe="delayed", amax_history_len=0), "precision.amax_history_len=0 must be an int >= 1"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(words)):
+            tc.PrecisionConfig(**bad)
 
 
 def _recipe(*overrides):
@@ -74,12 +90,12 @@ def test_one_recipe_object_per_run():
          "precision.fp8_saved_activations=True has no effect with precision.recipe='none'"),
         (["precision.recipe=mxfp8", "precision.granularity=row"], "it is an option of 'current'"),
         (["precision.recipe=current", "precision.amax_history_len=8"], "it is an option of 'delayed'"),
-        (["precision.fp8_format=E3M4"], "precision.fp8_format='E3M4': allowed values are"),
-        (["precision.backend=cuda"], "precision.backend='cuda': allowed values are 'auto', 'emulated', 'torch'"),
-        (["precision.scale_rule=ceil"], "precision.scale_rule='ceil': allowed values are"),
-        (["precision.amax_history_len=0"], "precision.amax_history_len=0: must be an integer >= 1"),
-        (["precision.margin=-1"], "precision.margin=-1: must be a number >= 0"),
-        (["precision.amax_compute_algo=mean"], "allowed values are 'max', 'most_recent'"),
+        (["precision.fp8_format=E3M4"], "precision.fp8_format='E3M4'; allowed: ['E4M3', 'E5M2', 'HYBRID']"),
+        (["precision.backend=cuda"], "precision.backend='cuda'; allowed: ('auto', 'emulated', 'torch')"),
+        (["precision.scale_rule=ceil"], "precision.scale_rule='ceil'; allowed:"),
+        (["precision.amax_history_len=0"], "precision.amax_history_len=0 must be an int >= 1"),
+        (["precision.margin=-1"], "precision.margin=-1 must be an int >= 0"),
+        (["precision.amax_compute_algo=mean"], "allowed: ('max', 'most_recent')"),
     ],
 )  # fmt: skip
 def test_bad_precision_options(overrides, message):

@@ -19,7 +19,11 @@ from .formats import SCALE_RULES
 from .gemm import quantized_grouped_gemm
 from .mlp import quantized_grouped_mlp
 
+# each recipe option's allowed values: the recipes check them, the run config's
+# [precision] section (generated from these dataclasses) by building the recipe
 BACKENDS = ("auto", "emulated", "torch")
+GRANULARITIES = ("tensor", "row")
+AMAX_ALGOS = ("max", "most_recent")
 
 
 class Format(str, enum.Enum):
@@ -98,10 +102,8 @@ class DelayedScaling(_Recipe):
         self._check_common()
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len={self.amax_history_len!r} must be an int >= 1")
-        if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(
-                f"amax_compute_algo={self.amax_compute_algo!r}; allowed: ('max', 'most_recent')"
-            )
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; allowed: {AMAX_ALGOS}")
         if not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin={self.margin!r} must be an int >= 0")
 
@@ -124,8 +126,10 @@ class Float8CurrentScaling(_Recipe):
 
     def __post_init__(self):
         self._check_common()
-        if self.granularity not in ("tensor", "row"):
-            raise ValueError(f"granularity={self.granularity!r}; allowed: ('tensor', 'row')")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity={self.granularity!r}; allowed: {GRANULARITIES}")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin={self.margin!r} must be an int >= 0")
 
 
 @dataclass

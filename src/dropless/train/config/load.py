@@ -20,14 +20,10 @@ from typing import Any
 
 from .schema import (
     ADAMW_IMPLEMENTATIONS,
-    AMAX_ALGOS,
     ATTENTION,
-    BACKENDS,
     DECODE_ERRORS,
     DTYPES,
     FINETUNE_METHODS,
-    FP8_FORMATS,
-    GRANULARITIES,
     IMPLEMENTATIONS,
     LORA_TARGETS,
     LOSS_ON,
@@ -35,7 +31,6 @@ from .schema import (
     PROGRESS,
     RECIPE_OPTIONS,
     RECIPES,
-    SCALE_RULES,
     SCHEDULES,
     CheckpointConfig,
     Config,
@@ -234,9 +229,9 @@ def dump_config(cfg: Config, path: str | Path) -> Path:
 
 
 __all__ = [
-    "ADAMW_IMPLEMENTATIONS", "AMAX_ALGOS", "ATTENTION", "BACKENDS", "DECODE_ERRORS", "DTYPES",
-    "FINETUNE_METHODS", "FP8_FORMATS", "GRANULARITIES", "IMPLEMENTATIONS", "LORA_TARGETS",
-    "LOSS_ON", "NONFINITE_POLICIES", "PROGRESS", "RECIPE_OPTIONS", "RECIPES", "SCALE_RULES",
+    "ADAMW_IMPLEMENTATIONS", "ATTENTION", "DECODE_ERRORS", "DTYPES",
+    "FINETUNE_METHODS", "IMPLEMENTATIONS", "LORA_TARGETS",
+    "LOSS_ON", "NONFINITE_POLICIES", "PROGRESS", "RECIPE_OPTIONS", "RECIPES",
     "SCHEDULES", "CheckpointConfig", "Config", "DataConfig", "FinetuneConfig", "LogConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "TrainSection",
     "config_to_dict", "dump_config", "known_keys", "load_config",

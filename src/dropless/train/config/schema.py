@@ -12,9 +12,7 @@ from dataclasses import dataclass, field
 
 from ...ops.expert_mlp.plan import EXPERT_PATHS
 from ...parallel.mesh import ParallelConfig
-from ...quant.recipe import BACKENDS
 from ...quant.recipe import RECIPES as RECIPE_CLASSES
-from ...quant.recipe import SCALE_RULES as RECIPE_SCALE_RULES
 
 RECIPES = tuple(RECIPE_CLASSES)  # "none" and the FP8 / MXFP8 recipes of dropless.quant
 DTYPES = ("auto", "fp32", "bf16")
@@ -262,64 +260,48 @@ class OptimConfig:
         _choice("optim", "implementation", self.implementation, ADAMW_IMPLEMENTATIONS)
 
 
-def _recipe_options() -> dict[str, tuple[str, ...]]:
-    """FP8 recipe option -> the recipes whose dataclass takes it (`dropless.quant.recipe`)."""
-    out: dict[str, tuple[str, ...]] = {}
+def _recipe_fields() -> tuple[dict[str, tuple[str, ...]], list]:
+    """Each init field of the FP8 recipe dataclasses (`dropless.quant.recipe`): the recipes
+    that take it, and PrecisionConfig's field for it (the recipes' shared default, or ""
+    where they differ: then each recipe keeps its own)."""
+    takers: dict[str, tuple[str, ...]] = {}
+    defaults: dict[str, set] = {}
     for name, cls in RECIPE_CLASSES.items():
         for f in dataclasses.fields(cls) if cls is not None else ():
             if f.init:
-                out[f.name] = (*out.get(f.name, ()), name)
-    return out
+                takers[f.name] = (*takers.get(f.name, ()), name)
+                defaults.setdefault(f.name, set()).add(getattr(f.default, "value", f.default))
+    fields = []
+    for name, values in defaults.items():
+        default = values.pop() if len(values) == 1 else ""
+        fields.append((name, type(default), field(default=default)))
+    return takers, fields
 
 
 #: the keys of `PrecisionConfig` besides dtype and recipe, each with the recipes it applies to
-RECIPE_OPTIONS = _recipe_options()
-FP8_FORMATS = ("", "E4M3", "E5M2", "HYBRID")  # "": the recipe's own default
-SCALE_RULES = ("", *RECIPE_SCALE_RULES)  # "": the recipe's own default ("floor")
-GRANULARITIES = ("tensor", "row")
-AMAX_ALGOS = ("max", "most_recent")
+RECIPE_OPTIONS, _RECIPE_FIELDS = _recipe_fields()
 
 
 @dataclass
-class PrecisionConfig:
-    """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs.
-
-    The other keys are the options of the recipe's Python class (`dropless.quant`):
-    fp8_format ("" = the recipe's default), fp8_saved_activations, backend and, per recipe,
-    scale_rule (mxfp8), margin (delayed, current), granularity (current), amax_history_len
-    and amax_compute_algo (delayed). Setting one the chosen recipe does not take is an error.
-    """
-
+class _PrecisionBase:
     dtype: str = "auto"
     recipe: str = "none"
-    fp8_format: str = ""
-    fp8_saved_activations: bool = False
-    backend: str = "auto"
-    scale_rule: str = ""
-    margin: int = 0
-    granularity: str = "tensor"
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
 
     def __post_init__(self):
         _choice("precision", "dtype", self.dtype, DTYPES)
         _choice("precision", "recipe", self.recipe, RECIPES)
-        if isinstance(self.fp8_format, str):
-            self.fp8_format = self.fp8_format.upper()
-        _choice("precision", "fp8_format", self.fp8_format, FP8_FORMATS)
-        _choice("precision", "backend", self.backend, BACKENDS)
-        _choice("precision", "scale_rule", self.scale_rule, SCALE_RULES)
-        _choice("precision", "granularity", self.granularity, GRANULARITIES)
-        _choice("precision", "amax_compute_algo", self.amax_compute_algo, AMAX_ALGOS)
-        _non_negative("precision", margin=self.margin)
-        if not isinstance(self.margin, int):
-            raise ValueError(f"precision.margin={self.margin!r}: must be an integer >= 0")
-        _positive("precision", amax_history_len=self.amax_history_len)
         defaults = PrecisionConfig.__dataclass_fields__
         for name, recipes in RECIPE_OPTIONS.items():
-            if getattr(self, name) != defaults[name].default and self.recipe not in recipes:
+            value = getattr(self, name)
+            if value == defaults[name].default:
+                continue
+            try:  # the value is checked by a recipe class that takes it
+                RECIPE_CLASSES[recipes[0]](**{name: value})
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"precision.{e}") from None
+            if self.recipe not in recipes:
                 raise ValueError(
-                    f"precision.{name}={getattr(self, name)!r} has no effect with "
+                    f"precision.{name}={value!r} has no effect with "
                     f"precision.recipe={self.recipe!r}: it is an option of "
                     f"{' / '.join(map(repr, recipes))}; set such a recipe or leave it unset"
                 )
@@ -333,6 +315,24 @@ class PrecisionConfig:
             for name, recipes in RECIPE_OPTIONS.items()
             if self.recipe in recipes and getattr(self, name) != defaults[name].default
         }
+
+
+PrecisionConfig = dataclasses.make_dataclass(
+    "PrecisionConfig",
+    _RECIPE_FIELDS,
+    bases=(_PrecisionBase,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": """dtype: "auto" = bf16 autocast on GPU, fp32 on CPU. recipe: low-precision expert GEMMs.
+
+    The other keys are generated from the options of the recipes' Python classes
+    (`dropless.quant`): fp8_format ("" = the recipe's default), fp8_saved_activations,
+    backend and, per recipe, scale_rule (mxfp8), margin (delayed, current), granularity
+    (current), amax_history_len and amax_compute_algo (delayed). Setting one the chosen
+    recipe does not take is an error; the recipe class checks the values.
+    """,
+    },
+)
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Fail when a test folder ran over 1.5x its time budget, or the suite's wall-clock time
-over 15 minutes (its target is 8; the figure is printed on every run).
+over 10 minutes (its target is 8, plus a margin; the figure is printed on every run).
 
 python .ci/check_budgets.py REPORT   # REPORT: pytest's --budget-report FILE (tests/conftest.py)
 
@@ -14,7 +14,7 @@ import sys
 
 TOLERANCE = 1.5  # a shared 2-core CI machine swings by tens of percent between runs
 SUITE_TARGET_S = 8 * 60  # the README's test command on a 2-core machine, wall-clock
-SUITE_LIMIT_S = 15 * 60  # over this the run fails
+SUITE_LIMIT_S = 10 * 60  # over this the run fails (fresh-clone runs measured 388 s and 427 s)
 
 
 def over_budget(report: dict) -> list[str]:

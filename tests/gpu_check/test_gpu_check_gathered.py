@@ -70,7 +70,7 @@ def _operands(T, E, K, D, F, ids, seed=0):
 
 def _run(plan_fn, x, ids, w_TK, gu, dn, g, dtype):
     from dropless.ops import sort_by_expert
-    from dropless.ops.expert_mlp.engine import run as fused_mlp
+    from dropless.ops.expert_mlp.eager import run as fused_mlp
 
     leaves = [t.cuda().to(dtype).requires_grad_(True) for t in (x, w_TK, gu, dn)]
     plan = plan_fn(leaves[0], leaves[2], leaves[3])

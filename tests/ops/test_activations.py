@@ -15,7 +15,7 @@ from dropless import ops
 from dropless.ops import ActivationConfig
 from dropless.ops.activation import eager as A
 from dropless.ops.activation.eager import REGISTERED, register_elementwise
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.reference import activation_reference, expert_mlp_reference
 
 if "test_softsign" not in REGISTERED:

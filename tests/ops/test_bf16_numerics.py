@@ -11,7 +11,7 @@ the whole fused MLP in bf16 against the fp64 reference, with bf16 tolerances.
 import torch
 
 from dropless import ops
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.permute.row_ops import EAGER
 from dropless.ops.reference import expert_mlp_reference
 

@@ -12,7 +12,7 @@ import torch
 from cuda_rules import GemmSpy
 
 from dropless import ops
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 
 BF16 = torch.bfloat16
 

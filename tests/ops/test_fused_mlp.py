@@ -9,7 +9,7 @@ import torch
 from dropless import ops
 from dropless.ops import dispatch
 from dropless.ops.expert_mlp import composed_mlp
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.expert_mlp.plan import plan_expert_mlp
 from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference

@@ -14,7 +14,7 @@ import torch
 
 from dropless.ops import sort_by_expert
 from dropless.ops.activation.eager import act_bwd_eager, act_fwd_eager
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.expert_mlp.plan import GatherKernels, plan_expert_mlp
 from dropless.ops.grouped_gemm import backends
 from dropless.ops.reference import expert_mlp_reference

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dropless.ops.expert_mlp import expert_mlp, grouped_mlp
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.grouped_gemm import grouped_gemm
 from dropless.ops.permute import permute, sort_by_expert
 

@@ -11,7 +11,7 @@ from test_fused_mlp import CASES, _problem
 from dropless import ops
 from dropless.ops import LowRank
 from dropless.ops.expert_mlp import composed_mlp
-from dropless.ops.expert_mlp.engine import run as fused_mlp
+from dropless.ops.expert_mlp.eager import run as fused_mlp
 from dropless.ops.reference import lowrank_fold_reference
 
 R = 3

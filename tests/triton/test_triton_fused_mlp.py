@@ -48,7 +48,7 @@ def _row_ops(impl):
 
 def _run(impl, device, T, E, K, D, F, opt, seed=0):
     from dropless.ops import sort_by_expert
-    from dropless.ops.expert_mlp.engine import run as fused_mlp
+    from dropless.ops.expert_mlp.eager import run as fused_mlp
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(T, D, generator=gen)

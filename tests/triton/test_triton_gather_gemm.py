@@ -130,7 +130,7 @@ def _all_fused(plan):
 
 def _mlp(case, device):
     from dropless.ops import sort_by_expert
-    from dropless.ops.expert_mlp.engine import run as fused_mlp
+    from dropless.ops.expert_mlp.eager import run as fused_mlp
     from dropless.ops.expert_mlp.plan import plan_expert_mlp
     from dropless.ops.reference import expert_mlp_reference
     from dropless.ops.specs import ActivationConfig

@@ -38,22 +38,13 @@ from dataclasses import replace
 
 import torch
 
-from ..activation.eager import act_forward, act_input_grad, act_parts, check_supported
+from ..activation.eager import act_forward, act_input_grad, act_parts
 from ..compute_dtype import autocast_off
 from ..grouped_gemm.eager import bind_offsets, group_offsets
-from ..lora import (
-    LowRank,
-    check_lowrank,
-    grouped_lowrank_bwd,
-    grouped_lowrank_dx,
-    grouped_lowrank_fwd,
-    lora_inputs,
-    lowranks,
-)
-from ..specs import ActivationConfig, as_activation
+from ..lora import grouped_lowrank_bwd, grouped_lowrank_dx, grouped_lowrank_fwd, lowranks
 from . import loop
 from .loop import free_storage, graph_released
-from .plan import Needs, Saved, Schedule, plan_expert_mlp
+from .plan import Needs, Saved, Schedule
 from .threads import python_modes_active
 
 _LORA_AT = 10  # where the low-rank factors start in Saved.tensors()
@@ -307,59 +298,3 @@ def _rows_E(counts, like: torch.Tensor) -> torch.Tensor:
     c = counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, device=like.device)
     E = torch.arange(c.numel(), device=like.device)
     return torch.repeat_interleave(E, c.to(like.device), output_size=like.shape[0])
-
-
-def run(
-    x: torch.Tensor,
-    prob_S: torch.Tensor | None,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    counts,
-    *,
-    token_S: torch.Tensor | None = None,
-    slot_TK: torch.Tensor | None = None,
-    num_out: int | None = None,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    activation: ActivationConfig | str | None = None,
-    interleaved: bool | None = None,
-    trans_w: bool = True,
-    alpha: float | None = None,
-    limit: float | None = None,
-    path: str | None = None,
-    backend: str | None = None,
-    lora: tuple[LowRank | None, LowRank | None] | None = None,
-    plan: Schedule | None = None,
-    offsets_E: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The engine through its autograd Function (callers use `expert_mlp` /
-    `grouped_mlp`). With token_S / slot_TK (from SortedPairs) x is x_TD and the result
-    the combined out [num_out, D]; without, x is x_SD and the result y_SD. counts: a host
-    list or a device tensor; plan: the caller's `Schedule` (else `path` / `backend` make
-    it); offsets_E: the counts' int32 end offsets on x's device (`SortedPairs.offsets_E`)."""
-    if prob_S is not None:
-        prob_S = prob_S.to(x.dtype)
-    act = activation  # the entries (`eager.py`) checked it once
-    if not isinstance(act, ActivationConfig) or (interleaved, alpha, limit) != (None,) * 3:
-        act = as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
-        act = check_supported(act)
-    if plan is None:
-        bias = gate_up_bias is not None or down_bias is not None
-        plan = plan_expert_mlp(
-            x, gate_up, down, act, backend=backend, path=path, lora=lora, trans_w=trans_w, bias=bias
-        )
-    extra = _checked_lora(lora, gate_up, down, trans_w)
-    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts)
-    kw = dict(act=act, trans_w=bool(trans_w), offs=offsets_E, lora=extra[:4], lora_scales=extra[4:])
-    return routed_mlp(plan, replace(sv, **kw), num_out)
-
-
-def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
-    if lora is None:
-        return ()
-    E = gate_up.shape[0]
-    n1_out, n1_in = gate_up.shape[1:] if trans_w else gate_up.shape[:0:-1]
-    n2_out, n2_in = down.shape[1:] if trans_w else down.shape[:0:-1]
-    check_lowrank(lora[0], E, n1_in, n1_out, "gate_up")
-    check_lowrank(lora[1], E, n2_in, n2_out, "down")
-    return lora_inputs(lora)

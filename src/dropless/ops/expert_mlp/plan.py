@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..activation.eager import ACTIVATIONS
+from ..activation.eager import ACTIVATIONS, check_supported
 from ..dispatch import get_recipe, recipe_mlp
 from ..grouped_gemm.backends import GEMM_BACKENDS, GemmBackend, pick_gemm_backend
 from ..grouped_gemm.gpu import supports_triton_gemm
@@ -337,7 +337,7 @@ def _registered() -> tuple:
 
 
 def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
-    backend, path, act = req.backend, req.path, req.act
+    backend, path, act = req.backend, req.path, check_supported(req.act)
     cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
     if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):
         return Schedule("loop")

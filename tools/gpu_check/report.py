@@ -4,11 +4,12 @@
 
 Each LOG is the stdout of one `gpu_check.py` run on a GPU machine (its last line is the
 JSON summary) and SHA the commit it ran on; the section holds only what the summaries
-measured, one subsection per run: each group's status, the layer timing rows and the
-end-to-end rows, with the command line, the device and torch version the groups
-reported, and the run's date. `--pytest` adds the summary line of a `pytest -m gpu`
-run on the machine of that LOG. The logs are kept beside the section (benchmarks/gpu/)
-and one line per run goes to benchmarks/history.jsonl.
+measured, one subsection per run (`render_run`): its command line, device, torch version
+and date, and the tables of its summary (`tables`, which the runner prints too).
+`--pytest` adds the summary line of a `pytest -m gpu` run on the machine of that LOG. The
+logs are kept beside the section (benchmarks/gpu/) and one line per run goes to
+benchmarks/history.jsonl. Summaries of the runner's earlier form (their groups' `checks`
+lists, the 5-GEMM bound, `host_syncs_per_step`) render as they were.
 """
 
 from __future__ import annotations
@@ -23,6 +24,35 @@ from pathlib import Path
 from tools.gpu_check import CHECKOUT
 
 ROOT = CHECKOUT
+LAYER_NOTE = (
+    "Layer forward+backward (`dropless bench layer --device cuda`, median of 10 after 3 warm-up "
+    "steps); the dense bound is that bench's: the experts' six GEMMs with M = T*K rows as dense "
+    "`torch.mm`; peak is the step's memory above what was allocated before it."
+)
+EARLY_LAYER_NOTE = (  # the runner's earlier form, which had no `bound`
+    "Layer forward+backward (CUDA events, median of 10 after 3 warm-up steps); peak is the "
+    "step's memory above what was allocated before it. The dense bound of this run is the "
+    "script's earlier one: a dense bf16 chain of 5 of the experts' 6 GEMMs (no input gradient) "
+    "plus an eager SwiGLU, smaller than `dropless bench layer`'s six-GEMM bound that later runs "
+    "use, so `share_of_bound` here reads high."
+)
+E2E_NOTE = (
+    "Qwen3-MoE training step (forward, backward, fused AdamW; median of 5 after one warm-up "
+    "step), stock Transformers `grouped_mm` vs `dropless.patch()` and "
+    "`dropless.patch(fused_cross_entropy=True)`; peak is the step's memory above the weights "
+    "and optimizer state."
+)
+# (group, title, columns always shown, columns shown where a row has them)
+BENCH_TABLES = (
+    ("timing", "Layer", ["ms", "share_of_bound", "peak_gib"],
+     ["host_syncs_per_step", "tflops", "share_of_matmul_rate", "version"]),
+    ("e2e", "End to end", ["ms", "tokens_per_s", "speed_vs_grouped_mm", "peak_step_gib",
+                           "memory_vs_grouped_mm"], ["version"]),
+)  # fmt: skip
+TRAIN_COLS = [
+    "steps", "first_loss", "last_loss", "max_rel_loss_diff", "tokens_per_s",
+    "max_memory_allocated_gib", "syncs_forward_per_layer", "syncs_recompute_per_layer",
+]  # fmt: skip
 
 
 def _summary(log: Path) -> dict:
@@ -32,84 +62,67 @@ def _summary(log: Path) -> dict:
     raise SystemExit(f"{log}: no gpu_check summary line (was the run cut short?)")
 
 
-def _rows(title: str, res: dict, cols: list[str]) -> list[str]:
-    out = [f"**{title}**: {res.get('shape')} {res.get('dtype')}", ""]
-    out += ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for name, row in res.get("rows", {}).items():
-        out.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in cols) + " |")
-    return out + [""]
+def _md(cols: list[str], rows: dict, first: str = "row") -> list[str]:
+    """{name: {col: value}} as a markdown table, one column per col ("" where absent)."""
+    out = [f"| {first} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    return out + [
+        f"| {name} | " + " | ".join(str(row.get(c, "")) for c in cols) + " |"
+        for name, row in rows.items()
+    ]
 
 
-def render_run(s: dict, log: Path, commit: str, command: str, pytest_line: str | None) -> list[str]:
+def _checks(g: dict) -> str:
+    """A step's checks: ok / all of the script's earlier groups, pytest's counts."""
+    if "checks" in g:
+        return f"{sum(c.get('status') == 'ok' for c in g['checks'])} / {len(g['checks'])} ok"
+    if "counts" in g:
+        return ", ".join(f"{v} {k}" for k, v in g["counts"].items())
+    return "-"
+
+
+def render_run(
+    s: dict, log: Path, commit: str, command: str, pytest_line: str | None, when: str = ""
+) -> list[str]:
+    """One run's subsection: its header, then `tables`."""
     info = next((g["info"] for g in s["groups"].values() if "info" in g), {})
     when = (
         s.get("date")
-        or _DATES.get(log)
+        or when
         or dt.datetime.fromtimestamp(log.stat().st_mtime, dt.timezone.utc).strftime(
             "%Y-%m-%d %H:%M UTC (the log file's time)"
         )
     )
-    argv = " ".join(s.get("argv", [])) if "argv" in s else None
-    cmd = f"python scripts/gpu_check.py {argv}".strip() if argv is not None else command
+    cmd = f"python scripts/gpu_check.py {' '.join(s['argv'])}".strip() if "argv" in s else command
+    ok = "every group run passed" if s.get("ok") else "FAILED: " + str(s.get("failed"))
     lines = [
         f"### `{cmd}` on commit {commit}",
         "",
         f"{info.get('device', '?')}, torch {info.get('torch', '?')}; run {when}; the whole run "
         f"took {s.get('elapsed_s')} s; log `{log.relative_to(ROOT)}`.  ",
-        f"Overall: {'every group run passed' if s.get('ok') else 'FAILED: ' + str(s.get('failed'))}.",
+        f"Overall: {ok}.",
         "",
     ]
     if pytest_line:
         lines += [f"`pytest -m gpu` on the same machine: {pytest_line}", ""]
-    lines += ["| group | status | checks | seconds |", "|---|---|---|---|"]
-    for name, g in s["groups"].items():
-        status = g["status"] + (f" ({g['reason']})" if g.get("reason") else "")
-        lines.append(f"| {name} | {status} | {_checks(g)} | {g.get('seconds', '')} |")
-    lines.append("")
-    timing = s["groups"].get("timing", {}).get("timing")
-    if timing and "bound" in timing:
-        lines += [
-            "Layer forward+backward (`dropless bench layer --device cuda`, median of 10 after "
-            "3 warm-up steps); the dense bound is that bench's: the experts' six GEMMs with "
-            "M = T*K rows as dense `torch.mm`; peak is the step's memory above what was "
-            "allocated before it.",
-            "",
-        ]
-    elif timing:
-        lines += [
-            "Layer forward+backward (CUDA events, median of 10 after 3 warm-up steps); peak is "
-            "the step's memory above what was allocated before it. The dense bound of this "
-            "run is the script's earlier one: a dense bf16 chain of 5 of the experts' 6 GEMMs "
-            "(no input gradient) plus an eager SwiGLU, smaller than `dropless bench layer`'s "
-            "six-GEMM bound that later runs use, so `share_of_bound` here reads high.",
-            "",
-        ]
-    if timing:
-        cols = ["ms", "share_of_bound", "peak_gib"]
-        if any("host_syncs_per_step" in r for r in timing["rows"].values()):
-            cols.append("host_syncs_per_step")  # the earlier form measured them here
-        cols += [c for c in ("tflops", "share_of_matmul_rate", "version")
-                 if any(c in r for r in timing["rows"].values())]  # fmt: skip
-        lines += _rows("Layer", timing, cols) + _extras(timing)
-    e2e = s["groups"].get("e2e", {}).get("e2e")
-    if e2e:
-        lines += [
-            "Qwen3-MoE training step (forward, backward, fused AdamW; median of 5 after one "
-            "warm-up step), stock Transformers `grouped_mm` vs `dropless.patch()` and "
-            "`dropless.patch(fused_cross_entropy=True)`; peak is the step's memory above "
-            "the weights and optimizer state.",
-            "",
-        ]
-        cols = [
-            "ms",
-            "tokens_per_s",
-            "speed_vs_grouped_mm",
-            "peak_step_gib",
-            "memory_vs_grouped_mm",
-        ]
-        if any("version" in r for r in e2e["rows"].values()):
-            cols.append("version")
-        lines += _rows("End to end", e2e, cols) + _extras(e2e)
+    return lines + tables(s)
+
+
+def tables(s: dict) -> list[str]:
+    """A summary's tables: the steps, the layer and step tables, the train step."""
+    steps = {
+        name: dict(status=g["status"] + (f" ({g['reason']})" if g.get("reason") else ""),
+                   checks=_checks(g), seconds=g.get("seconds", ""))
+        for name, g in s["groups"].items()
+    }  # fmt: skip
+    lines = _md(["status", "checks", "seconds"], steps, "group") + [""]
+    for group, title, cols, optional in BENCH_TABLES:
+        res = s["groups"].get(group, {}).get(group)
+        if not res:
+            continue
+        note = E2E_NOTE if group == "e2e" else LAYER_NOTE if "bound" in res else EARLY_LAYER_NOTE
+        cols = cols + [c for c in optional if any(c in r for r in res["rows"].values())]
+        lines += [note, "", f"**{title}**: {res.get('shape')} {res.get('dtype')}", ""]
+        lines += _md(cols, res.get("rows", {})) + [""] + _extras(res)
     return lines + _train_lines(s["groups"].get("train", {}).get("train"))
 
 
@@ -131,19 +144,15 @@ def _extras(res: dict) -> list[str]:
         out += [
             "",
             f"Per-kernel time of one `{name}` step ({t['what']}, {t['total_ms']} ms in all):",
+            "",
+            "| kernel | calls | total ms | share |",
+            "|---|---|---|---|",
         ]
-        out += ["", "| kernel | calls | total ms | share |", "|---|---|---|---|"]
         out += [f"| `{r['name'][:90].replace('|', '/')}` | {r['calls']} | {r['total_ms']} "
                 f"| {r['share']} |" for r in t["rows"]]  # fmt: skip
     if not out:
         return []
     return [line + "  " if line and not line.startswith("|") else line for line in out] + [""]
-
-
-TRAIN_COLS = [
-    "steps", "first_loss", "last_loss", "max_rel_loss_diff", "tokens_per_s",
-    "max_memory_allocated_gib", "syncs_forward_per_layer", "syncs_recompute_per_layer",
-]  # fmt: skip
 
 
 def _train_lines(train: dict | None) -> list[str]:
@@ -157,44 +166,13 @@ def _train_lines(train: dict | None) -> list[str]:
         "(`single`) vs `parallel.force_distributed=true` under `torchrun --nproc-per-node 1` "
         f"(`force_distributed`), model `{train['model']}`; checks: {checks}.",
         "",
-        "| row | " + " | ".join(TRAIN_COLS) + " |",
-        "|---|" + "---|" * len(TRAIN_COLS),
     ]
-    for name in ("single", "force_distributed"):
-        row = rows.get(name, {})
-        out.append(f"| {name} | " + " | ".join(str(row.get(c, "")) for c in TRAIN_COLS) + " |")
+    out += _md(TRAIN_COLS, {n: rows.get(n, {}) for n in ("single", "force_distributed")})
     out.append("")
     for name in ("resume", "bench_e2e", "gloo_ep2", "ep_rank_share"):
         if name in rows:
             out.append(f"- {name}: " + ", ".join(f"{k}={v}" for k, v in rows[name].items()))
     return out + [""]
-
-
-_DATES: dict[Path, str] = {}  # --date LOG WHEN, for a log whose summary has no date
-
-
-def _checks(g: dict) -> str:
-    """A step's checks: ok / all of the script's earlier groups, pytest's counts."""
-    if "checks" in g:
-        return f"{sum(c.get('status') == 'ok' for c in g['checks'])} / {len(g['checks'])} ok"
-    if "counts" in g:
-        return ", ".join(f"{v} {k}" for k, v in g["counts"].items())
-    return "-"
-
-
-def render(runs: list[tuple[dict, Path, str, str | None]], command: str, argv: list[str]) -> str:
-    lines = [
-        "## GPU check (`scripts/gpu_check.py`)",
-        "",
-        f"Command: `python scripts/gpu_report.py {shlex.join(argv)}`, from the logs of the "
-        "`gpu_check.py` runs below (each headed by its command line on the GPU machine). "
-        "Each run is on a fresh machine "
-        "of the same kind; their spread is the machine-to-machine variation of the figures.",
-        "",
-    ]
-    for s, log, commit, pytest_line in runs:
-        lines += render_run(s, log, commit, command, pytest_line)
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,27 +200,33 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     pytest_of = {Path(a).resolve(): Path(b) for a, b in args.pytest}
-    _DATES.update({Path(a).resolve(): b for a, b in args.date})
-    runs = []
-    for log_name, commit in args.run:
-        log = Path(log_name).resolve()
+    dates = {Path(a).resolve(): b for a, b in args.date}
+    lines = [
+        "## GPU check (`scripts/gpu_check.py`)",
+        "",
+        f"Command: `python scripts/gpu_report.py {shlex.join(argv)}`, from the logs of the "
+        "`gpu_check.py` runs below (each headed by its command line on the GPU machine). "
+        "Each run is on a fresh machine "
+        "of the same kind; their spread is the machine-to-machine variation of the figures.",
+        "",
+    ]
+    runs = [(_summary(Path(log).resolve()), Path(log).resolve(), sha) for log, sha in args.run]
+    for s, log, commit in runs:
         pytest_line = None
         if log in pytest_of:
             tail = [ln for ln in pytest_of[log].read_text().splitlines() if " passed" in ln]
             pytest_line = tail[-1].strip() if tail else "no summary line"
-        runs.append((_summary(log), log, commit, pytest_line))
-    text = render(runs, args.command, argv)
+        lines += render_run(s, log, commit, args.command, pytest_line, dates.get(log, ""))
+    text = "\n".join(lines)
     (ROOT / "benchmarks" / "sections" / "gpu.md").write_text(text + "\n")
-    if args.no_history:  # rewriting the section of runs already recorded
-        print(text)
-        return 0
-    with open(ROOT / "benchmarks" / "history.jsonl", "a") as f:
-        for s, log, commit, _ in runs:
-            record = dict(
-                bench="gpu_check", command=args.command, commit=commit,
-                log=str(log.relative_to(ROOT)), figures=s,
-            )  # fmt: skip
-            f.write(json.dumps(record) + "\n")
+    if not args.no_history:  # --no-history: rewriting the section of runs already recorded
+        with open(ROOT / "benchmarks" / "history.jsonl", "a") as f:
+            for s, log, commit in runs:
+                record = dict(
+                    bench="gpu_check", command=args.command, commit=commit,
+                    log=str(log.relative_to(ROOT)), figures=s,
+                )  # fmt: skip
+                f.write(json.dumps(record) + "\n")
     print(text)
     return 0
 

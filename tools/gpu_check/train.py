@@ -1,30 +1,16 @@
-"""The `train` step of the GPU check (`run.py`): `dropless train` on the path a node runs.
+"""The `train` step of the GPU check (`run.py`): `dropless train` on the path a node runs, at
+the model of examples/qwen3-30b-a3b-2layers.toml (two Qwen3-30B-A3B layers, bf16; `--cpu`:
+the same keys at tiny sizes, fp32, on gloo, no bench row).
 
-On CUDA, at the model of examples/qwen3-30b-a3b-2layers.toml (two Qwen3-30B-A3B layers:
-128 experts top-8, hidden 2048, expert width 768; vocab 32,768; seq 4096, micro-batch 1;
-model.dtype=bf16), in one child under `torchrun --nproc-per-node 1` (rows of the summary):
-
-- single: 20 steps on one process (no process group, no activation checkpointing);
-- force_distributed: the same 20 steps with parallel.force_distributed=true on NCCL (FSDP2,
-  DTensor experts behind the all-to-all dispatcher) and activation checkpointing; host syncs
-  counted per decoder layer in forward and in the recompute (tests/ops/sync_counter.py, the
-  counter the host-sync tests use, and on CUDA the device's own count in sync debug mode),
-  steps 2-3; an async DCP checkpoint at step 10;
-- resume: the forced run resumed from that checkpoint: steps 11-20 against its losses;
-- ep_rank_share: one 8-way expert-parallel rank's share of the 30B layer timed: 16 local
-  experts receiving T*K/8 = 32,768 rows (T = 8 ranks x 4096 tokens), forward+backward,
-  next to dense GEMMs of the same FLOPs;
-
-then `dropless bench e2e --device cuda --shape qwen3-30b-2l` (bench_e2e: the same model,
-seq and batch; its dropless-fused-ce row, as `dropless train` fuses the loss) next to the
-single run's tokens/s, and 2 processes sharing the GPU over gloo with CUDA tensors (gloo_ep2:
-ep=2 at a small shape, against one process with 2 micro-batches; skipped, saying why, where
-gloo's collectives refuse CUDA tensors). `--cpu`: the same at tiny sizes on CPU (gloo, fp32),
-bench_e2e skipped (no bench shape is the smoke's model).
-
-Disk: one checkpoint at a time (step 10: bf16 weights and fp32 AdamW moments, ~14 GB);
-each run's last, synchronous checkpoint is not written (a hook stops the run there).
-Wall time on an H200: about 200 s (estimate, not yet measured).
+One child under `torchrun --nproc-per-node 1` (`main_child`) runs the rows `single` (one
+process), `force_distributed` (parallel.force_distributed=true with activation
+checkpointing; host syncs counted per decoder layer in forward and in the recompute, steps
+2-3; a checkpoint at step 10), `resume` (from that checkpoint), the reference of `gloo_ep2`
+and `ep_rank_share` (one 8-way EP rank's expert compute against dense GEMMs of its FLOPs),
+writing its results part by part; then `bench_e2e` (`dropless bench e2e` at the same model)
+and `gloo_ep2` (2 processes, ep=2, over gloo with CUDA tensors where CUDA is there). Each
+run's last checkpoint is not written (a hook stops the run there). The rows and checks:
+docs/kernels.md, "The GPU check".
 """
 
 from __future__ import annotations
@@ -41,13 +27,16 @@ import traceback
 import warnings
 from pathlib import Path
 
+from dropless.bench.common import step_times
+from dropless.train.report.metrics import read_metrics
 from dropless.train.run.hooks import TrainHooks
 from tools.gpu_check import CHECKOUT
 
 ROOT = CHECKOUT
 MODULE = "tools.gpu_check.train"  # what the torchrun children run
 TOML = ROOT / "examples" / "qwen3-30b-a3b-2layers.toml"
-STEPS, SAVE_AT, SYNC_STEPS = 20, 10, (2, 3)
+SYNC_STEPS = (2, 3)
+SAVE_AT = {False: 10, True: 3}  # the checkpoint the resume starts from (GPU, --cpu)
 # the smoke's model: the same keys at tiny sizes, fp32 (bf16 matmul is ~80x slower on CPU)
 CPU_SETS = [
     "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
@@ -71,15 +60,7 @@ EP_RANK = {False: (16, 32768, 2048, 768), True: (4, 64, 32, 32)}
 # bf16: 8 mantissa bits, rounded at every GEMM output, over 20 AdamW steps (the losses move
 # by ~0.1 in that time); fp32: the same GEMMs in another order
 LOSS_REL = {False: 2e-2, True: 1e-4}
-
-
-def _sets(cpu: bool, *extra: str) -> list[str]:
-    return [*(CPU_SETS if cpu else []), *extra]
-
-
-def _steps(cpu: bool) -> tuple[int, int]:
-    return (6, 3) if cpu else (STEPS, SAVE_AT)
-
+MIN_CHILD_S = 20  # a child's start-up: with less time left it is skipped, saying so
 
 # ---- in the children ---------------------------------------------------------------------
 
@@ -88,77 +69,59 @@ class FinalSaveSkipped(Exception):
     """Raised by the hook at the run's last checkpoint: the check needs no second one."""
 
 
-@contextlib.contextmanager
-def _cuda_syncs():
-    """On CUDA: a list of the syncs the device reports in the block (its sync debug mode,
-    as tests/gpu_check/test_gpu_check_paths.py counts them; torch's own ops included);
-    None on CPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        yield None
-        return
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield caught
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-def _hooks(last_step: int, count_steps=()):
-    return CheckHooks(last_step, count_steps)
-
-
 class CheckHooks(TrainHooks):
-    """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's
-    own hooks) and in the recompute of activation checkpointing (Transformers
-    checkpoints the layer's `forward`, inside its hooks: its submodules' hooks fire
-    again in backward); `sync_counter`'s count (the calls dropless makes that read the
-    device) and, on CUDA, the device's own. Stops the run at its last checkpoint."""
+    """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's own
+    hooks) and in the recompute of activation checkpointing (Transformers checkpoints the
+    layer's `forward`, inside its hooks: its submodules' hooks fire again in backward), by
+    `sync_counter` (the calls dropless makes that read the device, as the host-sync tests
+    count them) and, on CUDA, by the device's own count (its sync debug mode, torch's own
+    ops included). Stops the run at its last checkpoint."""
 
     def __init__(self, last_step: int, count_steps=()):
         self.last_step, self.count_steps = last_step, tuple(count_steps)
-        self.syncs: dict[str, list[int]] = {
-            "forward": [], "recompute": [], "cuda_forward": [], "cuda_recompute": []
-        }  # fmt: skip
+        self.syncs = {k: [] for k in ("forward", "recompute", "cuda_forward", "cuda_recompute")}
         self.where: list[str] = []
-        self._stack = contextlib.ExitStack()
-        self._found = self._cuda = None
-        self._hooked = False
+        self._stack, self._found, self._hooked = contextlib.ExitStack(), None, False
 
     def _start(self):
+        import torch
+
         sys.path.insert(0, str(ROOT / "tests" / "ops"))  # the counter the host-sync tests use
         from sync_counter import count_syncs
 
-        self._found = self._stack.enter_context(count_syncs())
-        self._cuda = self._stack.enter_context(_cuda_syncs())
+        self._found, self._cuda = self._stack.enter_context(count_syncs()), None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            self._stack.callback(torch.cuda.set_sync_debug_mode, 0)
+            self._cuda = self._stack.enter_context(warnings.catch_warnings(record=True))
+            warnings.simplefilter("always")
         self._open, self._done, self._rec = {}, set(), {}
 
     def _stop(self):
         if self._found is not None:
             self._stack.close()
             for n, c in self._rec.values():
-                self.syncs["recompute"].append(n)
-                if self._cuda is not None:
-                    self.syncs["cuda_recompute"].append(c)
-            self._found = self._cuda = None
+                self._add("recompute", n, c)
+            self._found = None
+
+    def _add(self, phase: str, n: int, c: int):
+        self.syncs[phase].append(n)
+        if self._cuda is not None:
+            self.syncs[f"cuda_{phase}"].append(c)
 
     def _now(self) -> tuple[int, int]:
-        cuda = self._cuda or []
-        return len(self._found), sum("synchroniz" in str(w.message) for w in cuda)
+        return len(self._found), sum("synchroniz" in str(w.message) for w in self._cuda or [])
 
     def _hook(self, model):
         from dropless.hf.distributed.parallelize import decoder_layers
 
         for i, layer in enumerate(decoder_layers(model)):
             layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
-            layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, "forward"))
+            layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i))
             for c in layer.children():
                 c.register_forward_pre_hook(lambda m, a, i=i: self._enter((i, m)))
-                c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m), "recompute"))
+                c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m)))
         self._hooked = True
 
     def _counting(self, key) -> bool:
@@ -173,17 +136,15 @@ class CheckHooks(TrainHooks):
         if self._counting(key):
             self._open.setdefault(key, []).append(self._now())
 
-    def _leave(self, key, phase):
+    def _leave(self, key):
         if not self._counting(key) or not self._open.get(key):
             return
         (n0, c0), (n1, c1) = self._open[key].pop(), self._now()
         self.where += self._found[n0:]
-        if phase == "forward":
-            self.syncs["forward"].append(n1 - n0)
-            if self._cuda is not None:
-                self.syncs["cuda_forward"].append(c1 - c0)
+        if not isinstance(key, tuple):  # a layer's forward
+            self._add("forward", n1 - n0, c1 - c0)
             self._done.add(key)
-        else:
+        else:  # a submodule in the recompute: summed per layer
             n, c = self._rec.get(key[0], (0, 0))
             self._rec[key[0]] = (n + n1 - n0, c + c1 - c0)
 
@@ -202,9 +163,7 @@ class CheckHooks(TrainHooks):
             raise FinalSaveSkipped(step)
 
 
-def _train(
-    sets: list[str], run_dir: Path, resume: bool = False, count_steps=(), after: int = 0
-) -> dict:
+def _train(sets: list[str], run_dir: Path, resume=False, count_steps=(), after=0) -> dict:
     """One `dropless train` run in this process -> its figures and the losses of its
     steps after `after` (a resumed run's metrics.jsonl starts with the first run's)."""
     import torch
@@ -213,7 +172,7 @@ def _train(
     from dropless.train.trainer import train
 
     cfg = load_config(TOML, sets)
-    hooks = _hooks(cfg.train.steps, count_steps)
+    hooks = CheckHooks(cfg.train.steps, count_steps)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -225,18 +184,16 @@ def _train(
     finally:
         hooks._stop()
     wall = time.perf_counter() - t0
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in recs if "loss" in r and r["step"] > after]
+    steps = [r for r in read_metrics(run_dir) if "loss" in r and r["step"] > after]
     rates = [r["tokens_per_s"] for r in steps if r["step"] > max(SYNC_STEPS)] or [
         r["tokens_per_s"] for r in steps
     ]
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
     out = dict(
         wall_s=round(wall, 1),
         losses={r["step"]: r["loss"] for r in steps},
         tokens_per_s=statistics.median(rates),
-        max_memory_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        if cuda
-        else None,
+        max_memory_allocated_gib=peak,
         syncs=hooks.syncs,
         sync_sites=sorted(set(hooks.where)),
     )
@@ -246,28 +203,12 @@ def _train(
     return out
 
 
-def _time(fn, rounds: int, warmup: int) -> float:
-    import torch
-
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def ep_rank_share(cpu: bool) -> dict:
     """One EP rank's expert compute (the rows its local experts receive), fwd+bwd, timed
-    against dense GEMMs of identical FLOPs."""
+    against the dense bound of `dropless bench layer` (its six GEMMs) at those rows."""
     import torch
-    import torch.nn.functional as F
 
+    from dropless.bench.bound import dense_bound
     from dropless.ops.expert_mlp import grouped_mlp
 
     L, S, D, Fh = EP_RANK[cpu]
@@ -278,18 +219,15 @@ def ep_rank_share(cpu: bool) -> dict:
     x = torch.randn(S, D, generator=g).to(dev, dt).requires_grad_()
     w1 = (torch.randn(L, 2 * Fh, D, generator=g) * 0.02).to(dev, dt).requires_grad_()
     w2 = (torch.randn(L, D, Fh, generator=g) * 0.02).to(dev, dt).requires_grad_()
-    d1, d2 = w1[0].detach().clone().requires_grad_(), w2[0].detach().clone().requires_grad_()
     gy = torch.randn(S, D, generator=g).to(dev, dt)
 
     def experts():
         grouped_mlp(x, counts, None, w1, w2).backward(gy)
 
-    def dense():  # the same six GEMMs (input gradient included) with M = S rows
-        gu = x @ d1.T
-        ((F.silu(gu[:, :Fh]) * gu[:, Fh:]) @ d2.T).backward(gy)
-
+    dense = dense_bound(x, w1, w2, gy, 1)  # the six GEMMs with M = S rows as dense torch.mm
     rounds, warmup = (3, 1) if cpu else (10, 3)
-    t, td = _time(experts, rounds, warmup), _time(dense, rounds, warmup)
+    sync = torch.cuda.synchronize if dev == "cuda" else None
+    t, td = (statistics.median(step_times(f, rounds, warmup, sync)) for f in (experts, dense))
     flops = 18 * S * D * Fh  # 6 S D F forward, twice that backward
     return dict(
         experts=L, rows=S, D=D, F=Fh, dtype=str(dt).removeprefix("torch."),
@@ -299,34 +237,34 @@ def ep_rank_share(cpu: bool) -> dict:
     )  # fmt: skip
 
 
-def _attempt(res: dict, name: str, fn, out: Path) -> bool:
-    """res[name] = fn(), or the error that stopped it: one failing part (a GPU is lent for
-    minutes) leaves the others' figures; OUT/main.json is rewritten after every part."""
-    try:
-        res[name] = fn()
-    except Exception as e:  # reported in the summary; the other parts go on
-        tb = traceback.format_exc()
-        print(tb, file=sys.stderr, flush=True)
-        res[name] = {"error": f"{type(e).__name__}: {e}"[:600], "traceback": tb[-2000:]}
-    (out / "main.json").write_text(json.dumps(res))
-    return "error" not in res[name]
-
-
 def main_child(out: Path, cpu: bool) -> None:
-    """single, force_distributed, resume, the gloo_ep2 reference and ep_rank_share."""
-    _, save_at = _steps(cpu)
+    """single, force_distributed, resume, the gloo_ep2 reference and ep_rank_share, each
+    in turn: one failing part (a GPU is lent for minutes) is its error and leaves the
+    others' figures; OUT/main.json is rewritten after every part."""
     res: dict = {}
-    single = _sets(cpu, "checkpoint.every=0")
-    _attempt(res, "single", lambda: _train(single, out / "single", count_steps=SYNC_STEPS), out)
-    forced = _sets(cpu, "parallel.force_distributed=true", "train.activation_checkpointing=true")
+
+    def part(name: str, fn) -> bool:
+        try:
+            res[name] = fn()
+        except Exception as e:  # reported in the summary; the other parts go on
+            tb = traceback.format_exc()
+            print(tb, file=sys.stderr, flush=True)
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:600], "traceback": tb[-2000:]}
+        (out / "main.json").write_text(json.dumps(res))
+        return "error" not in res[name]
+
+    tiny = CPU_SETS if cpu else []
+    single = [*tiny, "checkpoint.every=0"]
+    part("single", lambda: _train(single, out / "single", count_steps=SYNC_STEPS))
+    forced = [*tiny, "parallel.force_distributed=true", "train.activation_checkpointing=true"]
     run = out / "forced"
-    if _attempt(res, "force_distributed", lambda: _train(forced, run, count_steps=SYNC_STEPS), out):
+    if part("force_distributed", lambda: _train(forced, run, count_steps=SYNC_STEPS)):
         files = [f for f in (run / "checkpoints").rglob("*") if f.is_file()]
         res["checkpoint_gib"] = round(sum(f.stat().st_size for f in files) / 2**30, 3)
-        _attempt(res, "resume", lambda: _train(forced, run, resume=True, after=save_at), out)
+        part("resume", lambda: _train(forced, run, resume=True, after=SAVE_AT[cpu]))
     ref = [*(EP2_CPU_SETS if cpu else EP2_SETS), "train.grad_accum=2"]
-    _attempt(res, "gloo_ep2_reference", lambda: _train(ref, out / "ep2_ref"), out)
-    _attempt(res, "ep_rank_share", lambda: ep_rank_share(cpu), out)
+    part("gloo_ep2_reference", lambda: _train(ref, out / "ep2_ref"))
+    part("ep_rank_share", lambda: ep_rank_share(cpu))
 
 
 def ep2_child(out: Path, cpu: bool) -> None:
@@ -335,99 +273,76 @@ def ep2_child(out: Path, cpu: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    rank = int(os.environ["RANK"])
     if torch.cuda.is_available():
         os.environ["LOCAL_RANK"] = "0"  # two processes, one GPU
         dist.init_process_group("gloo")  # dropless train would pick NCCL (one GPU per rank)
     result = {"status": "ok"}
     try:
-        sets = [*(EP2_CPU_SETS if cpu else EP2_SETS), "parallel.ep=2"]
-        result |= _train(sets, out / "ep2")
+        result |= _train([*(EP2_CPU_SETS if cpu else EP2_SETS), "parallel.ep=2"], out / "ep2")
     except (RuntimeError, NotImplementedError, ValueError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         refused = any(w in msg.lower() for w in ("gloo", "cuda", "device", "not supported"))
-        result = {
-            "status": "skipped" if refused else "fail",
-            "reason": f"{type(e).__name__}: {msg}",
-        }
-    if rank == 0:
+        result = dict(status="skipped" if refused else "fail", reason=f"{type(e).__name__}: {msg}")
+    if int(os.environ["RANK"]) == 0:
         (out / "ep2.json").write_text(json.dumps(result))
 
 
 # ---- in run.py's process ------------------------------------------------------------
 
 
-def _max_rel(got: dict, want: dict) -> float | None:
+def _r(v, nd=6):
+    return None if v is None else round(v, nd)
+
+
+def _max_rel(got: dict | None, want: dict | None) -> float | None:
+    """The largest relative difference of the losses of the steps both runs logged."""
+    got, want = ({int(k): v for k, v in (r or {}).get("losses", {}).items()} for r in (got, want))
     both = [k for k in got if k in want]
-    if not both:
-        return None
-    return max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in both)
+    return max((abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in both), default=None)
 
 
-def _run_row(r: dict) -> dict:
-    losses = list(r["losses"].values())
-    s = r["syncs"]
-    return dict(
+def _run_row(r: dict | None) -> dict:
+    """The row of a run, or of a part that did not run through (its error, or "not run")."""
+    if r is None or "error" in r:
+        return dict(status="fail", error=r["error"] if r else "not run (an earlier part failed)")
+    losses, s = list(r["losses"].values()), r["syncs"]
+    row = dict(
         steps=len(losses), first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4),
         tokens_per_s=round(r["tokens_per_s"]), wall_s=r["wall_s"],
-        max_memory_allocated_gib=r["max_memory_allocated_gib"],
-        syncs_forward_per_layer=_max(s["forward"]),
-        syncs_recompute_per_layer=_max(s["recompute"]),
-        cuda_syncs_forward_per_layer=_max(s.get("cuda_forward")),
-        cuda_syncs_recompute_per_layer=_max(s.get("cuda_recompute")),
-        sync_sites=r["sync_sites"],
+        max_memory_allocated_gib=r["max_memory_allocated_gib"], sync_sites=r["sync_sites"],
     )  # fmt: skip
-
-
-def _max(v):
-    return max(v) if v else None
-
-
-def _keys(d: dict) -> dict:
-    return {int(k): v for k, v in d.items()}
-
-
-def _failed(r: dict | None) -> dict | None:
-    """The row of a part that did not run through (None if it did)."""
-    if r is None:
-        return dict(status="fail", error="not run (an earlier part failed)")
-    return dict(status="fail", error=r["error"]) if "error" in r else None
+    for cuda in ("", "cuda_"):
+        for phase in ("forward", "recompute"):
+            row[f"{cuda}syncs_{phase}_per_layer"] = max(s.get(cuda + phase) or [None])
+    return row
 
 
 def train_table(main: dict, ep2: dict | None, bench: dict | None, cpu: bool) -> dict:
     """The summary's rows and checks from the children's results (a part that failed is a
     row with its error, and fails the checks that need it)."""
     tol = LOSS_REL[cpu]
-
-    def losses(name: str) -> dict:
-        return _keys((main.get(name) or {}).get("losses", {}))
-
-    def run_row(name: str) -> dict:
-        return _failed(main.get(name)) or _run_row(main[name])
-
-    single, forced, resumed = losses("single"), losses("force_distributed"), losses("resume")
-    rows = {"single": run_row("single"), "force_distributed": run_row("force_distributed")}
+    single, forced, resumed = (main.get(k) for k in ("single", "force_distributed", "resume"))
+    rows = {"single": _run_row(single), "force_distributed": _run_row(forced)}
     rows["force_distributed"]["max_rel_loss_diff"] = _r(_max_rel(forced, single))
+    steps = [int(k) for k in (resumed or {}).get("losses", {})]
     rows["resume"] = dict(
-        from_step=min(resumed) - 1 if resumed else None, steps=len(resumed),
-        checkpoint_gib=main.get("checkpoint_gib"), wall_s=(main.get("resume") or {}).get("wall_s"),
+        from_step=min(steps) - 1 if steps else None, steps=len(steps),
+        checkpoint_gib=main.get("checkpoint_gib"), wall_s=(resumed or {}).get("wall_s"),
         max_rel_loss_diff=_r(_max_rel(resumed, forced)),
-    ) | (_failed(main.get("resume")) or {})  # fmt: skip
-    rows["bench_e2e"] = dict(bench or dict(status="skipped", reason="--cpu: no bench shape is the smoke's model"))  # fmt: skip
+    ) | (_run_row(resumed) if resumed is None or "error" in resumed else {})  # fmt: skip
+    b = dict(bench or dict(status="skipped", reason="--cpu: no bench shape is the smoke's model"))
     for run, key in (("single", "train_vs_bench"), ("force_distributed", "forced_vs_bench")):
-        if rows["bench_e2e"].get("tokens_per_s") and rows[run].get("tokens_per_s"):
-            rows["bench_e2e"][key] = _r(rows[run]["tokens_per_s"] / rows["bench_e2e"]["tokens_per_s"], 3)  # fmt: skip
-    rows["gloo_ep2"] = dict(ep2 or {"status": "fail", "reason": "the 2-process child wrote no result"})  # fmt: skip
-    if rows["gloo_ep2"].get("losses"):
-        got, want = _keys(rows["gloo_ep2"].pop("losses")), losses("gloo_ep2_reference")
-        rows["gloo_ep2"] = dict(status="ok", steps=len(got), max_rel_loss_diff=_r(_max_rel(got, want)))  # fmt: skip
-    rows["ep_rank_share"] = _failed(main.get("ep_rank_share")) or main["ep_rank_share"]
-    return dict(model=TOML.name if not cpu else f"{TOML.name} at tiny sizes", tolerance=tol,
-                rows=rows, checks=checks(rows, tol, cpu))  # fmt: skip
-
-
-def _within(v, tol) -> bool:
-    return v is not None and v <= tol
+        if b.get("tokens_per_s") and rows[run].get("tokens_per_s"):
+            b[key] = _r(rows[run]["tokens_per_s"] / b["tokens_per_s"], 3)
+    ep2 = dict(ep2 or dict(status="fail", reason="the 2-process child wrote no result"))
+    if ep2.get("losses"):
+        diff = _r(_max_rel(ep2, main.get("gloo_ep2_reference")))
+        ep2 = dict(status="ok", steps=len(ep2["losses"]), max_rel_loss_diff=diff)
+    share = main.get("ep_rank_share")
+    share = share if share and "error" not in share else _run_row(share)
+    rows |= dict(bench_e2e=b, gloo_ep2=ep2, ep_rank_share=share)
+    model = TOML.name if not cpu else f"{TOML.name} at tiny sizes"
+    return dict(model=model, tolerance=tol, rows=rows, checks=checks(rows, tol, cpu))
 
 
 def checks(rows: dict, tol: float, cpu: bool) -> dict[str, bool]:
@@ -435,28 +350,22 @@ def checks(rows: dict, tol: float, cpu: bool) -> dict[str, bool]:
     their counts on the host (a second sync per layer, reported; CUDA's grouped path takes
     them on the device)."""
     f, ep2 = rows["force_distributed"], rows["gloo_ep2"]
+    within = lambda v, limit: v is not None and v <= limit  # noqa: E731
     out = {
-        "losses_equal": _within(f["max_rel_loss_diff"], tol),
-        "resume_reproduces": _within(rows["resume"]["max_rel_loss_diff"], tol),
+        "losses_equal": within(f["max_rel_loss_diff"], tol),
+        "resume_reproduces": within(rows["resume"]["max_rel_loss_diff"], tol),
         "gloo_ep2_equal": ep2["status"] == "skipped"
-        or (ep2["status"] == "ok" and _within(ep2.get("max_rel_loss_diff"), tol)),
+        or (ep2["status"] == "ok" and within(ep2.get("max_rel_loss_diff"), tol)),
     }
     if not cpu:  # both counts: dropless's reads of the device, and the device's own
-        cuda_fwd, cuda_rec = (f.get(f"cuda_syncs_{k}_per_layer") for k in ("forward", "recompute"))
-        out["forward_syncs_le_1_per_layer"] = _within(f.get("syncs_forward_per_layer"), 1) and (
-            cuda_fwd is None or cuda_fwd <= 1
+        fwd, rec = (f.get(f"cuda_syncs_{k}_per_layer") for k in ("forward", "recompute"))
+        out["forward_syncs_le_1_per_layer"] = within(f.get("syncs_forward_per_layer"), 1) and (
+            fwd is None or fwd <= 1
         )
-        out["recompute_syncs_0"] = f.get("syncs_recompute_per_layer") == 0 and cuda_rec in (None, 0)
+        out["recompute_syncs_0"] = f.get("syncs_recompute_per_layer") == 0 and rec in (None, 0)
     if "train_vs_bench" in rows["bench_e2e"]:
         out["train_within_10pct_of_bench"] = rows["bench_e2e"]["train_vs_bench"] >= 0.9
     return out
-
-
-def _r(v, nd=6):
-    return None if v is None else round(v, nd)
-
-
-MIN_CHILD_S = 20  # a child's start-up: with less time left it is skipped, saying so
 
 
 def _bench(bench_step, left) -> dict:
@@ -470,13 +379,13 @@ def _bench(bench_step, left) -> dict:
     return dict(status=res["status"], tokens_per_s=round(row["tokens_per_s"]) if row else None)
 
 
-def _ep2(torchrun: list[str], out: Path, flag: list[str], run_child, left) -> dict:
-    if left() < MIN_CHILD_S:
-        return dict(status="fail", reason=f"budget: {left():.0f} s left for the 2-process child")
-    cmd = [*torchrun, "--nproc-per-node", "2", "-m", MODULE, "ep2", str(out), *flag]
-    status, _, _, tail = run_child(cmd, flag == ["--cpu"], left())
-    f = out / "ep2.json"
-    return json.loads(f.read_text()) if f.exists() else dict(status="fail", reason=f"{status}: {tail[-300:]}")  # fmt: skip
+def _child(procs: str, mode: str, out: Path, cpu: bool, run_child, left) -> tuple:
+    """A torchrun child of this module -> (status, exit code, stderr tail, its result)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc-per-node", procs, "-m", MODULE, mode, str(out)]
+    status, code, _, tail = run_child(cmd + (["--cpu"] if cpu else []), cpu, left())
+    f = out / f"{mode}.json"
+    return status, code, tail, json.loads(f.read_text()) if f.exists() else None
 
 
 def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
@@ -488,17 +397,15 @@ def run(cpu: bool, timeout: float, run_child, bench_step) -> dict:
     left = lambda: end - time.perf_counter()  # noqa: E731
     tmp_root = None if cpu else os.environ.get("TMPDIR")
     with tempfile.TemporaryDirectory(prefix="gpu-check-train-", dir=tmp_root) as tmp:
-        out = Path(tmp)
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        flag = ["--cpu"] if cpu else []
-        cmd = [*torchrun, "--nproc-per-node", "1", "-m", MODULE, "main", tmp, *flag]
-        status, code, _, tail = run_child(cmd, cpu, left())
-        f = out / "main.json"
-        main = json.loads(f.read_text()) if f.exists() else None
+        status, code, tail, main = _child("1", "main", Path(tmp), cpu, run_child, left)
         if main is None:
             return dict(status=status if status != "ok" else "fail", exit=code, stderr_tail=tail)
         bench = None if cpu else _bench(bench_step, left)
-        ep2 = _ep2(torchrun, out, flag, run_child, left)
+        if left() < MIN_CHILD_S:
+            ep2 = dict(status="fail", reason=f"budget: {left():.0f} s left for the 2-process child")
+        else:
+            ep2_status, _, ep2_tail, ep2 = _child("2", "ep2", Path(tmp), cpu, run_child, left)
+            ep2 = ep2 or dict(status="fail", reason=f"{ep2_status}: {ep2_tail[-300:]}")
     table = train_table(main, ep2, bench, cpu)
     failed = [k for k, ok in table["checks"].items() if not ok]
     res = dict(status="fail" if failed or status != "ok" else "ok", exit=code)

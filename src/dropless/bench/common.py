@@ -441,6 +441,22 @@ def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
     return run.last_json()
 
 
+def step_times(fn, rounds: int, warmup: int = 0, sync=None) -> list[float]:
+    """Seconds of each of `rounds` calls of fn() after `warmup` untimed ones; `sync` (a
+    device's synchronize) runs before the clock starts and before it stops."""
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def rss_mib() -> float:
     """This process's resident memory now (VmRSS from /proc/self/status), MiB."""
     with open("/proc/self/status") as f:

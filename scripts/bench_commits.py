@@ -23,9 +23,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
 
-from dropless.bench.common import Recorder, provenance  # noqa: E402
+from tools.bench_sections import provenance  # noqa: E402
+
+from dropless.bench.common import Recorder  # noqa: E402
 
 LAYER = ["bench", "layer", "--shape", "qwen3", "--rounds", "3", "--impls", "dropless",
          "--no-skewed", "--no-memory"]  # fmt: skip

@@ -24,9 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
 
-from dropless.bench.common import Recorder, provenance  # noqa: E402
+from tools.bench_sections import provenance  # noqa: E402
+
+from dropless.bench.common import Recorder  # noqa: E402
 from dropless.ops import expert_mlp  # noqa: E402
 from dropless.ops.expert_mlp.eager import expert_mlp_op  # noqa: E402
 from dropless.ops.specs import ActivationConfig  # noqa: E402

@@ -125,7 +125,7 @@ def _planned(seq_len: int, cp: int) -> int:
 
 
 def _section(record: dict, seq_len: int, sizes: list[int]) -> str:
-    from dropless.bench.common import provenance
+    from tools.bench_sections import provenance
 
     fig = record["figures"]
     base = statistics.median(fig["peak_mib"]["1"]) if "1" in fig["peak_mib"] else None
@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--section", type=Path, default=None, help="write the markdown table here")
     args = p.parse_args()
     sizes = [int(c) for c in args.sizes.split(",")]
-    sys.path.insert(0, str(ROOT / "src"))
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
     from dropless.bench.common import Recorder
 
     rec = Recorder.start(argparse.Namespace(no_history=True))

@@ -1,15 +1,74 @@
-"""The section files of `dropless bench layer|e2e|memory|lora` (benchmarks/sections/, from
-which BENCHMARKS.md is made): each bench's title and the block of one run, written when the
-bench runs from a checkout with `--record` or `--section FILE` (not in the wheel;
-`bench.common.from_checkout`). The other benches write their printed text as the section."""
+"""The section files of `dropless bench ...` (benchmarks/sections/, from which BENCHMARKS.md is
+made), written when a bench runs from a checkout with `--record` or `--section FILE` (not in
+the wheel: `bench.common.write_section` hands over the run's record and printed text):
+`layer`, `e2e`, `lora` and `memory` keep one block per shape (`replace_block`); the others
+are their title, the run's provenance and the text the bench printed."""
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
-from dropless.bench.common import provenance, write_section
-from dropless.bench.e2e_report import summary as e2e_summary
+from dropless.bench.common import HISTORY_IN_CHECKOUT, find_checkout, load_sentence
+
+
+def date_of(record: dict) -> str:
+    """'YYYY-MM-DD HH:MM UTC' of a record, for section headers."""
+    return record["date"][:16].replace("T", " ") + " UTC"
+
+
+def provenance(record: dict) -> str:
+    """Command, commit (dirty or not), machine and date of a record, for a section header."""
+    m = record["machine"]
+    commit = record.get("commit") or "unknown commit"
+    if record.get("dirty"):
+        commit += " + uncommitted changes"
+    gpu = f", {m['gpu']}" if "gpu" in m else ""
+    return (
+        f"Command: `{record['command']}`  \n"
+        f"Commit {commit}; {m['cpu']}, {m['cores']} cores{gpu}, torch {m['torch']}, "
+        f"python {m['python']}; {date_of(record)}.  \n"
+        f"{load_sentence(record['load'])}"
+    )
+
+
+def section_path(section: str | None, name: str, rec) -> Path | None:
+    """The section file a benchmark writes: the one given; by default the checkout's, and
+    only with `--record` and when the run's history line went to the checkout's history
+    (a section's figures always have their line)."""
+    if section:
+        return Path(section)
+    root = find_checkout(rec.package_dir)
+    if root is None or rec.path != root / HISTORY_IN_CHECKOUT:
+        print(
+            f"section: not written (--record writes benchmarks/sections/{name}.md, "
+            "--section FILE writes FILE)",
+            file=sys.stderr,
+        )
+        return None
+    return root / "benchmarks" / "sections" / f"{name}.md"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Write a whole section file and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"section: wrote {path}", file=sys.stderr)
+
+
+def write(name: str, section: str | None, rec, record: dict, *text: str) -> None:
+    """The section NAME of one run (`bench.common.write_section`), at `section_path`."""
+    path = section_path(section, name, rec)
+    if path is None:
+        return
+    if name in PLAIN:
+        title, prose = PLAIN[name]
+        head = f"{title}\n\n{provenance(record)}{prose(record['figures'])}\n\n"
+        write_section(path, head + text[0])
+    else:
+        globals()[name](path, record, *text)
+
 
 LAYER_TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
 
@@ -86,7 +145,9 @@ def replace_block(path: Path, key: str, block: str, name: str, title: str) -> No
     write_section(path, title + "\n\n" + "\n".join(blocks.values()))
 
 
-def layer(path: Path, key: str, table: str, record: dict) -> None:
+def layer(path: Path, record: dict, table: str) -> None:
+    f = record["figures"]
+    key = f["shape"] + ("" if f.get("busy_core") is None else "-busy-core")
     block = f"<!-- layer:{key} -->\n{provenance(record)}\n\n{table}<!-- /layer:{key} -->\n"
     replace_block(path, key, block, "layer", LAYER_TITLE)
 
@@ -101,7 +162,7 @@ def model_line(s: dict) -> str:
     )
 
 
-def e2e(path: Path, table: str, record: dict) -> None:
+def e2e(path: Path, record: dict, table: str, summary: str) -> None:
     """Replace this shape's block of the section file (the other shape's block is kept)."""
     f = record["figures"]
     s = f["shape"]
@@ -134,8 +195,7 @@ def e2e(path: Path, table: str, record: dict) -> None:
             "",
             table,
             "",
-            e2e_summary(f)
-            + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
+            summary + (" (--quick: a tiny smoke shape, not a result.)" if f["quick"] else ""),
             f"<!-- /e2e:{key} -->",
             "",
         ]
@@ -151,7 +211,7 @@ def memory_summary(figures: dict) -> str:
     return f"dropless peak step memory vs stock with its activation checkpointing: {shown}."
 
 
-def memory(path: Path, table: str, record: dict) -> None:
+def memory(path: Path, record: dict, table: str) -> None:
     f = record["figures"]
     s = f["shape"]
     key = "tiny" if f["tiny"] else "pinned"
@@ -182,7 +242,7 @@ def memory(path: Path, table: str, record: dict) -> None:
     replace_block(path, key, block, "memory", MEMORY_TITLE)
 
 
-def lora(path: Path, table: str, summary: str, record: dict) -> None:
+def lora(path: Path, record: dict, table: str, summary: str) -> None:
     f = record["figures"]
     s = f["shape"]
     key = "lora" + ("-quick" if f["quick"] else "")
@@ -210,3 +270,51 @@ def lora(path: Path, table: str, summary: str, record: dict) -> None:
         ]
     )
     replace_block(path, key, block, "lora", LORA_TITLE)
+
+
+# the sections whose body is the text the bench printed: (title, what follows the provenance)
+PLAIN = {
+    "fp8": (
+        "## FP8 / MXFP8 saved activations (`dropless bench fp8`)",
+        lambda f: (
+            f"\n\nOne MoE layer, {', '.join(f'{k}={v}' for k, v in f['shape'].items())}, bf16 "
+            "weights and input. Memory: the bytes of every tensor "
+            "autograd keeps from forward to backward, counted with "
+            "`torch.autograd.graph.saved_tensors_hooks` (each storage once; parameters and views "
+            "of them left out), for the layer's whole forward (router, losses, experts), then a "
+            "backward to check it runs; exact and allocator independent, so CPU measures it. "
+            "FP8 rows: the recipe with `fp8_saved_activations=True`, through `dropless.MoE` and "
+            "through the expert MLP handed `x_TD` and the token indices (`x_TD path`). Seconds: "
+            "wall time of that forward+backward on this machine (emulated FP8 on CPU), not a "
+            "speed claim."
+        ),
+    ),
+    "train": (
+        "## `dropless train` (the default config, briefly: `dropless bench train`)",
+        lambda f: (
+            "\n\nThe run's own summary; config overrides: "
+            + ", ".join(f"`{o}`" for o in f["overrides"])
+            + "."
+        ),
+    ),
+    "parallel": (
+        "## Expert parallelism: time split with and without overlap (`dropless bench ep`)",
+        lambda f: (
+            "\n\nOne expert-parallel MoE layer (fp32, forward + backward) in `--world` processes on "
+            "this machine, gloo on loopback. Three settings side by side in the same processes: "
+            "the plain dispatch (1 chunk), 4 chunks without overlap, 4 chunks with overlap. The "
+            "split is forward wall time per phase; a phase that waits for a transfer counts the "
+            "wait. Bytes: activations sent by rank 0 in the forward (dispatch + combine); the "
+            "backward sends as many again."
+        ),
+    ),
+    "jax": (
+        "## JAX layer (CPU, fp32)",
+        lambda f: (
+            f"  \njax {f['rows'].get('dropless', {}).get('jax', '?')}. Shape: {f['shape']}. Median "
+            "of the timed rounds after an AOT compile; each row in its own child process, peak RSS "
+            "of that process (and above the runtime it imported before any array)."
+        ),
+    ),
+    "tuning": ("## Expert GEMM tuning (`dropless bench tune`)", lambda f: ""),
+}

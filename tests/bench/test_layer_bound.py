@@ -8,9 +8,10 @@ from collections import Counter
 
 import pytest
 import torch
+from tools import bench_profile as profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dropless.bench import bound, profile
+from dropless.bench import bound
 from dropless.cli.main import main
 
 

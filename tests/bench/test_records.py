@@ -78,7 +78,10 @@ def test_history_goes_to_the_checkout_from_any_directory(tmp_path, monkeypatch):
     assert line["bench"] == "unit" and line["cwd"] == str(elsewhere)
     assert line["dirty"] is False and line["commit"]
     assert not (elsewhere / "benchmarks").exists()
-    assert common.section_path(None, "unit", rec) == tmp_path / "repo/benchmarks/sections/unit.md"
+    assert (
+        bench_sections.section_path(None, "unit", rec)
+        == tmp_path / "repo/benchmarks/sections/unit.md"
+    )
     # this package, imported from the checkout under test, resolves to that checkout
     real = common.find_checkout()
     assert real == Path(dropless.__file__).resolve().parents[2]
@@ -93,7 +96,7 @@ def test_load_figures_in_every_record(tmp_path):
         assert isinstance(load["busy_processes"], int) and load["busy_processes"] >= 0
     text = common.load_sentence(record["load"])
     assert f"{record['load']['before']['loadavg'][0]:.2f} before" in text
-    assert common.provenance(record).endswith(text)
+    assert bench_sections.provenance(record).endswith(text)
 
 
 def test_load_sample_counts_a_busy_process_outside_its_own_tree(tmp_path):
@@ -237,6 +240,7 @@ def test_bench_writes_in_the_checkout_only_with_record(tmp_path, monkeypatch, ca
     """Without --record a run from a checkout writes nothing there (no history line, no
     section) and says so; with --record it writes both and names them."""
     root = _fake_checkout(tmp_path / "repo").parents[1]
+    (root / "tools").symlink_to(Path(bench_sections.__file__).parent)  # the section writers
     monkeypatch.setattr(common, "PACKAGE_DIR", root / "src" / "dropless")
     monkeypatch.chdir(tmp_path)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if ".git" not in p.parts)

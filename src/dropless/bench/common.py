@@ -10,8 +10,8 @@ A benchmark's run goes:
 Nothing is written unless asked: `--record` appends the history line to the
 `benchmarks/history.jsonl` of the checkout this package runs from (found from the
 package's own location, not the current directory) and rewrites the bench's
-`benchmarks/sections/NAME.md`; `--history FILE` / `--section FILE` write elsewhere.
-Every file written is named on stderr.
+`benchmarks/sections/NAME.md` (`write_section`: the checkout's tools/bench_sections.py);
+`--history FILE` / `--section FILE` write elsewhere. Every file written is named on stderr.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ OUTPUTS = ("benchmarks/", "BENCHMARKS.md")
 _MALLOC_PREFIX = "MALLOC_"
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-# the benches whose section block tools/bench_sections.py writes (the others write their text)
-SECTION_WRITERS = ("layer", "e2e", "lora", "memory")
 _RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "XLA_FLAGS")
 
 
@@ -127,30 +125,18 @@ def add_section_argument(p: argparse.ArgumentParser, name: str) -> None:
     )  # fmt: skip
 
 
-def section_path(section: str | None, name: str, rec: Recorder) -> Path | None:
-    """The section file a benchmark writes: the one given; by default the checkout's, and
-    only with `--record` and when the run's history line went to the checkout's history
-    (a section's figures always have their line); None to skip."""
-    if section == "":
-        return None
-    if section:
-        return Path(section)
-    root = find_checkout(rec.package_dir)
-    if not rec.record or root is None or rec.path != root / HISTORY_IN_CHECKOUT:
+def write_section(args, rec: Recorder, name: str, record: dict, *text: str) -> None:
+    """Hand the run's record and printed text to the checkout's section writer
+    (tools/bench_sections.py, not in the wheel): `--section FILE` writes FILE; by default
+    `--record` writes the checkout's benchmarks/sections/NAME.md; `--section ''` nothing."""
+    if args.section is None and not rec.record:
         print(
             f"section: not written (--record writes benchmarks/sections/{name}.md, "
             "--section FILE writes FILE)",
             file=sys.stderr,
         )
-        return None
-    return root / "benchmarks" / "sections" / f"{name}.md"
-
-
-def write_section(path: Path, text: str) -> None:
-    """Write a whole section file and say where."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"section: wrote {path}", file=sys.stderr)
+    elif args.section != "":
+        from_checkout("bench_sections", "--section").write(name, args.section, rec, record, *text)
 
 
 def progress(text: str) -> None:
@@ -311,8 +297,9 @@ class Recorder:
     def start(cls, args, package_dir: Path | None = None) -> Recorder:
         """Resolve the history file first (so a refusal comes before an hour of
         measuring), check the allocator, then sample the load."""
-        if getattr(args, "section", None) and getattr(args, "bench", None) in SECTION_WRITERS:
-            from_checkout("bench_sections", "--section")  # refused before the measuring
+        for flag, module in (("section", "bench_sections"), ("profile", "bench_profile")):
+            if getattr(args, flag, None):  # run from a checkout: refused before the measuring
+                from_checkout(module, f"--{flag}")
         record = bool(getattr(args, "record", False))
         path, why = history_path(
             getattr(args, "history", None), getattr(args, "no_history", False), package_dir, record
@@ -360,26 +347,6 @@ class Recorder:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def date_of(record: dict) -> str:
-    """'YYYY-MM-DD HH:MM UTC' of a record, for section headers."""
-    return record["date"][:16].replace("T", " ") + " UTC"
-
-
-def provenance(record: dict) -> str:
-    """Command, commit (dirty or not), machine and date of a record, for a section header."""
-    m = record["machine"]
-    commit = record.get("commit") or "unknown commit"
-    if record.get("dirty"):
-        commit += " + uncommitted changes"
-    gpu = f", {m['gpu']}" if "gpu" in m else ""
-    return (
-        f"Command: `{record['command']}`  \n"
-        f"Commit {commit}; {m['cpu']}, {m['cores']} cores{gpu}, torch {m['torch']}, "
-        f"python {m['python']}; {date_of(record)}.  \n"
-        f"{load_sentence(record['load'])}"
-    )
 
 
 # --- allocator and children -------------------------------------------------------------------

@@ -24,7 +24,7 @@ and its fused MoE experts), `cce` (Cut Cross-Entropy's loss on the final hidden 
 A peer whose package does not import, or that needs CUDA on a CPU run, is not timed; the
 run names it with the version it looked for (`figures.peers`). `--profile`: one more
 training step of the `dropless` row under torch.profiler, in its first timing child after
-its timed steps: a per-kernel table in `figures.profile` (`bench/profile.py`).
+its timed steps: a per-kernel table in `figures.profile` (tools/bench_profile.py, run from a checkout).
 
 `--compile`: each of the `grouped_mm`, `dropless` and `dropless-fused-ce` rows asked for
 gets a compiled twin (`<row>+compile`: `torch.compile(model)`, inductor, default mode; the
@@ -63,7 +63,7 @@ from .common import (
     reset_peak_rss,
     rss_mib,
     run_child,
-    section_path,
+    write_section,
 )
 from .e2e_report import summary as _summary
 from .e2e_report import table as _table
@@ -253,9 +253,8 @@ def child(args: dict) -> dict:
         if device == "cuda":
             out.update(_measure_cuda_memory(fwd_bwd, opt_step))
         if args.get("profile"):
-            from .profile import kernel_table
-
-            out["profile"] = kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
+            prof = from_checkout("bench_profile", "--profile")
+            out["profile"] = prof.kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
     out["dropless_calls"] = None
     if impl.startswith("dropless") and not impl.endswith(SUFFIX):  # compiled calls: not counted
         import dropless.hf.experts as dh
@@ -479,22 +478,20 @@ def run(args) -> int:
     }  # fmt: skip
     profiled = [o["profile"] for o in results.get(PROFILED, []) if "profile" in o]
     if profiled:
-        from .profile import markdown
-
         figures["profile"] = {PROFILED: profiled[0]}
-        table += "\n\n" + markdown(f"`{PROFILED}` training step", profiled[0])
+        prof = from_checkout("bench_profile", "--profile")
+        table += "\n\n" + prof.markdown(f"`{PROFILED}` training step", profiled[0])
     print(table)
     _ratios(figures, rows)
-    print(_summary(figures))
+    summary = _summary(figures)
+    print(summary)
     for name, r in figures.items():
         if name.endswith("_vs_eager") or name.endswith(f"_vs_grouped_mm{SUFFIX}"):
             print(f"{name}: {r['median_paired']:.2f}x median of paired rounds "
                   f"({r['min']:.2f}-{r['max']:.2f}), {r['of_medians']:.2f}x of medians")  # fmt: skip
     record = rec.finish("e2e", figures)
     print(load_sentence(record["load"]))
-    section = section_path(args.section, "e2e", rec)
-    if section is not None:
-        from_checkout("bench_sections", "--section").e2e(section, table, record)
+    write_section(args, rec, "e2e", record, table, summary)
     return 0
 
 

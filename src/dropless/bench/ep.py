@@ -22,9 +22,7 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
-    provenance,
     require_default_allocator,
-    section_path,
     write_section,
 )
 
@@ -130,33 +128,10 @@ def run(a) -> int:
     rec = Recorder.start(a)
     rows = run_bench(args)
     record = rec.finish("parallel_ep_overlap", {"args": args, "rows": rows})
-    text = render(record)
+    text = _table(args, rows)
     print(text)
-    section = section_path(a.section, "parallel", rec)
-    if section is not None:
-        write_section(section, text)
+    write_section(a, rec, "parallel", record, text)
     return 0
-
-
-def render(record: dict) -> str:
-    """The section text of one `dropless bench ep` record."""
-    f = record["figures"]
-    return (
-        "## Expert parallelism: time split with and without overlap (`dropless bench ep`)\n\n"
-        f"{provenance(record)}\n\n"
-        "One expert-parallel MoE layer (fp32, forward + backward) in `--world` processes on "
-        "this machine, gloo on loopback. Three settings side by side in the same processes: "
-        "the plain dispatch (1 chunk), 4 chunks without overlap, 4 chunks with overlap. The "
-        "split is forward wall time per phase; a phase that waits for a transfer counts the "
-        "wait. Bytes: activations sent by rank 0 in the forward (dispatch + combine); the "
-        "backward sends as many again.\n\n" + _table(f["args"], f["rows"])
-    )
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return run(p.parse_args(argv))
 
 
 def _table(args, rows) -> str:
@@ -173,7 +148,3 @@ def _table(args, rows) -> str:
         for n, r in rows.items()
     )
     return head + body
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,9 +22,7 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
-    provenance,
     require_default_allocator,
-    section_path,
     write_section,
 )
 
@@ -195,33 +193,15 @@ def run(args) -> int:
                 continue
             figures["step_ms"][v] = measure_step_time(shape, v, args.steps)
     record = rec.finish("fp8", figures)
-    text = render(record)
+    text = render(figures)
     print(text)
-    section = section_path(args.section, "fp8", rec)
-    if section is not None:
-        write_section(section, text)
+    write_section(args, rec, "fp8", record, text)
     return 0
 
 
-def render(record: dict) -> str:
-    """The section text of one `dropless bench fp8` record."""
-    f = record["figures"]
-    shape_s = ", ".join(f"{k}={v}" for k, v in f["shape"].items())
+def render(f: dict) -> str:
+    """The tables of one `dropless bench fp8` run (its section's body)."""
     lines = [
-        "## FP8 / MXFP8 saved activations (`dropless bench fp8`)",
-        "",
-        provenance(record),
-        "",
-        f"One MoE layer, {shape_s}, bf16 weights and input. Memory: the bytes of every tensor "
-        "autograd keeps from forward to backward, counted with "
-        "`torch.autograd.graph.saved_tensors_hooks` (each storage once; parameters and views "
-        "of them left out), for the layer's whole forward (router, losses, experts), then a "
-        "backward to check it runs; exact and allocator independent, so CPU measures it. "
-        "FP8 rows: the recipe with `fp8_saved_activations=True`, through `dropless.MoE` and "
-        "through the expert MLP handed `x_TD` and the token indices (`x_TD path`). Seconds: "
-        "wall time of that forward+backward on this machine (emulated FP8 on CPU), not a "
-        "speed claim.",
-        "",
         "| saved activations | MiB | bytes/token | vs bf16 | s (fwd+bwd) |",
         "|---|---|---|---|---|",
     ]

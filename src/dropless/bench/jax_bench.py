@@ -171,18 +171,9 @@ def _run_child(cfg: dict, watch_gib: float = 1.0, timeout: float = 3600) -> dict
     return dict(run.last_json(), status="ok")
 
 
-def _table(rows: dict, shape: str, record: dict) -> str:
-    from dropless.bench.common import provenance
-
-    dense = rows.get("dense_bound", {})
-    ours = rows.get("dropless", {})
+def _table(rows: dict) -> str:
+    dense, ours = rows.get("dense_bound", {}), rows.get("dropless", {})
     lines = [
-        "## JAX layer (CPU, fp32)",
-        "",
-        provenance(record) + f"  \njax {ours.get('jax', '?')}. Shape: {shape}. Median of the "
-        "timed rounds after an AOT compile; each row in its own child process, peak RSS of "
-        "that process (and above the runtime it imported before any array).",
-        "",
         "| implementation | fwd ms | fwd+bwd ms | fwd+bwd / dense bound | peak RSS MiB | above imported runtime MiB | dropped pairs |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -217,7 +208,6 @@ def run(args) -> int:
         Recorder,
         progress,
         require_extra,
-        section_path,
         write_section,
     )
 
@@ -262,11 +252,9 @@ def run(args) -> int:
         figures["ragged_over_dropless_fwd_bwd"] = rg["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
         figures["ragged_over_dropless_peak_rss"] = rg["peak_rss_mib"] / ours["peak_rss_mib"]
     record = rec.finish("jax", figures)
-    text = _table(rows, shape, record)
+    text = _table(rows)
     print(text)
-    section = section_path(args.section, "jax", rec)
-    if section is not None:
-        write_section(section, text)
+    write_section(args, rec, "jax", record, text)
     return 0
 
 

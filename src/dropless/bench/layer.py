@@ -26,7 +26,7 @@ rate is also given as a share of it. The experts-path variants (tools/layer_path
 the peer rows (tools/peers.py) run from a checkout; a peer row runs when its package
 imports, otherwise the run names it "not installed" or "needs CUDA", with the version
 looked for (`figures.peers`). `--profile`: the per-kernel table of one bf16 and one FP8
-step (`bench/profile.py`).
+step (tools/bench_profile.py, run from a checkout).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, M = T*K rows
@@ -56,13 +56,11 @@ from .common import (
     require_default_allocator,
     reset_peak_rss,
     run_child,
-    section_path,
+    write_section,
 )
 from .layer_impls import DROPLESS_VARIANTS, RECIPES, hf_block, variant_context
 from .layer_table import notes as _notes
 from .layer_table import table as _table
-from .profile import kernel_table
-from .profile import markdown as kernel_markdown
 
 SHAPES = {
     "qwen3": dict(E=64, K=8, D=1024, F=384, T=[2048], dtype="float32"),
@@ -419,10 +417,7 @@ def run(args) -> int:
         "busy_core": core, **extra,
     }  # fmt: skip
     record = rec.finish("layer", figures)
-    section = section_path(args.section, "layer", rec)
-    if section is not None:
-        key = args.shape + ("" if core is None else "-busy-core")
-        from_checkout("bench_sections", "--section").layer(section, key, table, record)
+    write_section(args, rec, "layer", record, table)
     return 0
 
 
@@ -461,7 +456,8 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     extra = {"matmul": rates, "bound": BOUND, "peers": peer_status}
     if args.profile:
         extra["profile"] = _profile(cfg | {"T": (args.tokens or shape["T"])[0]})
-        text += [kernel_markdown(f"`{n}` T={extra['profile']['T']}", t)
+        prof = from_checkout("bench_profile", "--profile")
+        text += [prof.markdown(f"`{n}` T={extra['profile']['T']}", t)
                  for n, t in extra["profile"]["tables"].items()]  # fmt: skip
     text.append(gemm_tuning.choices_note())  # which implementation ran each expert GEMM
     table = "\n".join(text)
@@ -489,7 +485,7 @@ def _probe(name: str, cfg: dict) -> str | None:
 
 def _profile(cfg: dict) -> dict:
     """One bf16 (or the shape's dtype) and one FP8 step under the profiler, uniform routes."""
-    tables = {}
+    tables, prof = {}, from_checkout("bench_profile", "--profile")
     for name in PROFILED:
         progress(f"T={cfg['T']} profile: {name}")
         step, params, _ = build_impl(name, {**cfg, "skewed": False})
@@ -498,7 +494,7 @@ def _profile(cfg: dict) -> dict:
             _zero(params)
             step()
 
-        tables[name] = kernel_table(once, cfg["device"])
+        tables[name] = prof.kernel_table(once, cfg["device"])
     _SETUP_CACHE.clear()
     return {"T": cfg["T"], "tables": tables}
 

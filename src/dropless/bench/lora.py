@@ -29,12 +29,11 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     follow_live_memory,
-    from_checkout,
     load_sentence,
     progress,
     require_extra,
     run_child,
-    section_path,
+    write_section,
 )
 from .e2e import QUICK, SHAPE, build_row_model, measure_memory, time_steps, timing_figures
 
@@ -244,9 +243,7 @@ def run(args) -> int:
     print(summary)
     record = rec.finish("lora", figures)
     print(load_sentence(record["load"]))
-    section = section_path(args.section, "lora", rec)
-    if section is not None:
-        from_checkout("bench_sections", "--section").lora(section, table, summary, record)
+    write_section(args, rec, "lora", record, table, summary)
     return 0
 
 

@@ -50,15 +50,14 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     follow_live_memory,
-    from_checkout,
     load_sentence,
     peak_rss_mib,
     progress,
     require_extra,
     reset_peak_rss,
     rss_mib,
-    section_path,
     timing_env,
+    write_section,
 )
 from .e2e import QUICK, SHAPE
 
@@ -417,9 +416,7 @@ def run(args) -> int:
     }
     record = rec.finish("memory", figures)
     print(load_sentence(record["load"]))
-    section = section_path(args.section, "memory", rec)
-    if section is not None:
-        from_checkout("bench_sections", "--section").memory(section, table, record)
+    write_section(args, rec, "memory", record, table)
     return 0
 
 

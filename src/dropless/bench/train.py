@@ -13,9 +13,7 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
-    provenance,
     require_default_allocator,
-    section_path,
     write_section,
 )
 
@@ -55,11 +53,9 @@ def run(args) -> int:
     figures["overrides"] = overrides
     figures["tokens_per_step"] = cfg.train.batch_size * cfg.train.seq_len
     record = rec.finish("train", figures)
-    text = render(record)
+    text = render(figures)
     print(text)
-    section = section_path(args.section, "train", rec)
-    if section is not None:
-        write_section(section, text)
+    write_section(args, rec, "train", record, text)
     return 0
 
 
@@ -69,9 +65,8 @@ def _fmt(v, spec: str) -> str:
     return format(v, spec)
 
 
-def render(record: dict) -> str:
-    """The section text of one `dropless bench train` record."""
-    f = record["figures"]
+def render(f: dict) -> str:
+    """The table of one `dropless bench train` run's figures (its section's body)."""
     rows = [
         ("steps x tokens per step", f"{f['steps']} x {f['tokens_per_step']:,}"),
         ("wall time (whole run) s", _fmt(f["wall_s"], ".1f")),
@@ -87,17 +82,5 @@ def render(record: dict) -> str:
         ("peak memory MiB", _fmt(f["peak_memory_mib"], ",.0f")),
         ("expert load max/mean (last window)", _fmt(f["max_mean_load"], ".2f")),
     ]  # fmt: skip
-    lines = [
-        "## `dropless train` (the default config, briefly: `dropless bench train`)",
-        "",
-        provenance(record),
-        "",
-        "The run's own summary; config overrides: "
-        + ", ".join(f"`{o}`" for o in f["overrides"])
-        + ".",
-        "",
-        "| figure | value |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in rows],
-    ]
+    lines = ["| figure | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows]]
     return "\n".join(lines) + "\n"

@@ -23,8 +23,6 @@ from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
-    provenance,
-    section_path,
     write_section,
 )
 
@@ -81,12 +79,8 @@ def run(args) -> int:
         for (E, K, D, F), gemms in picks.items()
     ]
     record = rec.finish("tune", {"picks": lines, "cache": str(tuner.path)})
-    text = "\n".join(
-        ["## Expert GEMM tuning (`dropless bench tune`)", "", provenance(record), "", *lines]
-    )
+    text = "\n".join(lines)
     print(text)
     print(f"written: {tuner.path}")
-    section = section_path(args.section, "tuning", rec)
-    if section is not None:
-        write_section(section, text)
+    write_section(args, rec, "tuning", record, text)
     return 0

@@ -1,4 +1,5 @@
-"""Where a step's time goes: one step under torch.profiler, as a per-kernel table.
+"""Where a step's time goes: one step under torch.profiler, as a per-kernel table (run from
+a checkout, not in the wheel: `bench.common.from_checkout`).
 
 `dropless bench layer --profile` profiles one bf16 and one FP8 layer step (`dropless`
 and `dropless-fp8-current-row`) and `dropless bench e2e --profile` one training step of

@@ -52,6 +52,9 @@ def test_no_line_on_a_terminal_or_with_progress_off(monkeypatch):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
     assert not heartbeat.Heartbeat.for_run(True, "plain").enabled
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False, raising=False)
-    assert heartbeat.Heartbeat.for_run(True, "auto").enabled
+    beat = heartbeat.Heartbeat.for_run(True, "auto")
+    assert beat.enabled and beat._thread.is_alive()
+    beat.close()
+    assert not beat._thread.is_alive()
     assert not heartbeat.Heartbeat.for_run(True, "none").enabled
     assert not heartbeat.Heartbeat.for_run(False, "auto").enabled  # rank 0 only

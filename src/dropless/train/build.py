@@ -35,8 +35,8 @@ from .report.run_log import RunLog
 from .run.hooks import TrainHooks
 from .run.lazy import hf
 from .run.rundir import claim, discard_new_run, new_run_dir
-from .run.setup import Env, broadcast, on_rank0, rank0_first, rank0_only
-from .state import TrainState, build_optimizer, build_scheduler, prepare_data
+from .run.setup import Env, broadcast, on_rank0, rank0_only
+from .state import TrainState, optimizer_and_schedule, prepare_data
 from .step import StepParts, StepRunner
 
 
@@ -52,7 +52,7 @@ class RunParts:
     t_start: float  # when the build began (perf_counter), for the setup time and rates
     cpu_start: float
     config_file: Path
-    data: Any  # state.RunData: tokenizer, sampler, held-out windows, unigram figure
+    data: Any  # corpus.RunData: tokenizer, sampler, held-out windows, unigram figure
     precision: Precision
     model: Any
     lora: bool
@@ -103,11 +103,14 @@ def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, be
     it between its checks and this run. A run that fails before training leaves the folder
     as it was (one this process made is removed)."""
     claimed, rdir = None, None
+    cfg = with_tokenizer_resolved(cfg)
     try:
         rdir = resolve_run_dir(run_dir, resume, env)
         beat.doing("claiming the run directory and checking what it holds")
         check = functools.partial(check_run_dir, cfg, rdir, resume, env.world)
-        claimed = rank0_only(lambda: claim(rdir, resume, check, created=run_dir is None), env)
+        claimed = rank0_only(
+            functools.partial(claim, rdir, resume, check, created=run_dir is None), env
+        )
         resume_from = broadcast(claimed.checked if env.main else None, env)
         return build_run(cfg, env, rdir, resume_from, hooks, beat), claimed
     except BaseException:
@@ -122,13 +125,13 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     """The parts of a run in a claimed `run_dir`, in order (see the module's docstring)."""
     hooks = hooks or TrainHooks()
     beat.doing("checking the config and the layout")
+    precision = Precision(cfg.precision, env.device)  # a bad recipe option is reported here
     hf_config = preflight(cfg, env, run_dir)
     t_start, cpu_start, tc = time.perf_counter(), time.process_time(), cfg.train
     # torch's RNG is seeded where the model is built; a resume restores all three
     ckpt.seed_host_rngs(tc.seed)
     beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
-    data = prepare_data(cfg, run_dir, env, lambda fn: rank0_first(fn, env))
-    precision = Precision(cfg.precision, env.device)
+    data = prepare_data(cfg, run_dir, env)
     beat.doing("building the model" + (f" from {cfg.model.path}" if cfg.model.path else ""))
     # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
     model, parallel = build_training_model(
@@ -144,8 +147,7 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     top_k = int(gate.top_k) if gate is not None else int(hf_config.num_experts_per_tok)
     lora = cfg.finetune.method == "lora"  # base frozen, only the adapters train and are saved
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.optim)
-    scheduler = build_scheduler(optimizer, tc.steps, cfg.optim)
+    optimizer, scheduler = optimizer_and_schedule(params, cfg.optim, tc.steps)
     state = TrainState(seed=tc.seed, world_size=env.world)
     flops = FlopCounter.from_model(model)
     flops.frozen_base = lora

@@ -68,7 +68,7 @@ class Evaluator:
                 y = torch.from_numpy(tmine[j * b : (j + 1) * b]).to(self.env.device)
             x, y, pos = self.split.split(xy[:, :-1], y)  # the whole windows without cp
             kw = {} if pos is None else {"position_ids": pos}
-            with self.precision.autocast(), self.precision.recipe():
+            with self.precision.forward():
                 logits = self.model(input_ids=x, use_cache=False, **kw).logits
             if not len(part):  # a filler forward on a rank with no windows left
                 continue

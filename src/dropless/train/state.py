@@ -6,22 +6,16 @@ checkpoint), its data (`RunData`), the optimizer and the learning-rate schedule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .data.corpus import (
-    WindowSampler,
-    byte_counts,
-    cached_streams,
-    eval_windows,
-    load_corpus,
-    unigram_bits_per_byte,
-)
+from .data.corpus import RunData, text_data
 from .data.tokenizer import build_tokenizer
+from .run.setup import rank0_first
 
 
 @dataclass
@@ -47,73 +41,30 @@ class TrainState:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-@dataclass
-class RunData:
-    """Tokenizer, training windows and the held-out set of one run."""
-
-    tokenizer: object
-    sampler: WindowSampler
-    eval_BL1: np.ndarray
-    eval_bytes: int
-    unigram_bpb: float
-    train_tokens: int
-    eval_targets: np.ndarray | None = None  # supervised data: [B, L], IGNORE where no loss
-
-
-def _say_on_rank0(env):
-    """print, flushed, on rank 0 only (every rank may read the corpus)."""
-    return (lambda text: print(text, flush=True)) if env.main else None
-
-
-def prepare_data(cfg, run_dir: Path, env, rank0_first) -> RunData:
-    """Train (or load) the tokenizer and tokenize the corpus (cached in the run dir).
-    `rank0_first(fn)` runs `fn` on rank 0 first, then on the others (which read the cache).
-    Supervised records (messages, prompt/completion) become padded rows (`data/sft.py`)."""
+def prepare_data(cfg, run_dir: Path, env) -> RunData:
+    """The run's data, prepared on rank 0 first, then on the other ranks (which read the
+    tokenizer and token streams rank 0 cached in the run directory): text through
+    `corpus.text_data`, supervised records (messages, prompt/completion) as padded rows
+    (`data/sft.py`)."""
     from .data.sft import prepare_sft, sft_kind
 
     kind = sft_kind(cfg.data.path) if cfg.data.path else None
-    if kind is not None:
+    if kind is None:
+        return rank0_first(functools.partial(text_data, cfg, run_dir, env.main), env)
 
-        def make_tokenizer(texts):
-            return rank0_first(
-                lambda: build_tokenizer(
-                    cfg.data.tokenizer,
-                    run_dir / "tokenizer",
-                    lambda: texts,
-                    cfg.data.bpe_vocab_size,
-                )  # fmt: skip
-            )
-
-        d = prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
-        return RunData(
-            tokenizer=d.tok, sampler=d.sampler, eval_BL1=d.eval_rows, eval_bytes=d.eval_bytes,
-            unigram_bpb=d.unigram_bpb, train_tokens=d.train_tokens, eval_targets=d.eval_targets,
-        )  # fmt: skip
-    corpus: list = []
-
-    def docs():
-        if not corpus:
-            corpus.append(load_corpus(cfg.data, say=_say_on_rank0(env)))
-        return corpus[0]
-
-    def build():
-        tok = build_tokenizer(
-            cfg.data.tokenizer, run_dir / "tokenizer", lambda: docs()[0], cfg.data.bpe_vocab_size
+    def make_tokenizer(texts):
+        return rank0_first(
+            lambda: build_tokenizer(
+                cfg.data.tokenizer, run_dir / "tokenizer", lambda: texts, cfg.data.bpe_vocab_size
+            ),
+            env,
         )
-        return tok, *cached_streams(cfg.data, tok, run_dir / "data", docs)
 
-    tok, train_N, held_N = rank0_first(build)
-    seq_len = cfg.train.seq_len
-    eval_BL1 = eval_windows(held_N, seq_len, cfg.data.eval_tokens)
-    targets = eval_BL1[:, 1:].reshape(-1)
+    d = prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
     return RunData(
-        tokenizer=tok,
-        sampler=WindowSampler(train_N, seq_len, cfg.train.seed),
-        eval_BL1=eval_BL1,
-        eval_bytes=int(tok.nbytes_V[targets].sum()),
-        unigram_bpb=unigram_bits_per_byte(byte_counts(tok, train_N), tok.token_bytes(targets)),
-        train_tokens=len(train_N),
-    )
+        tokenizer=d.tok, sampler=d.sampler, eval_BL1=d.eval_rows, eval_bytes=d.eval_bytes,
+        unigram_bpb=d.unigram_bpb, train_tokens=d.train_tokens, eval_targets=d.eval_targets,
+    )  # fmt: skip
 
 
 def lr_factor(step: int, total: int, ocfg) -> float:
@@ -186,6 +137,12 @@ def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.Lam
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, ocfg))
 
 
+def optimizer_and_schedule(params: list[torch.nn.Parameter], ocfg, total: int) -> tuple:
+    """(optimizer, learning-rate schedule) of a run of `total` steps."""
+    optimizer = build_optimizer(params, ocfg)
+    return optimizer, build_scheduler(optimizer, total, ocfg)
+
+
 __all__ = [
     "RunData",
     "adamw_kernel",
@@ -193,5 +150,6 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "lr_factor",
+    "optimizer_and_schedule",
     "prepare_data",
 ]

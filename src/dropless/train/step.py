@@ -132,7 +132,7 @@ class MicroStep:
     The router losses are this rank's, over its tokens (as a micro-batch's are)."""
 
     model: torch.nn.Module
-    precision: Any  # Precision: .autocast() and .recipe() contexts
+    precision: Any  # Precision: .forward() and .recipe() contexts
     router: Any  # dropless.hf.experts.router_losses.RouterLosses
     ce_seen: list | None  # fuse_cross_entropy's list, or None: logits and F.cross_entropy
     aux_loss_coef: float
@@ -178,7 +178,7 @@ class MicroStep:
             if num_items is not None:
                 kw["num_items_in_batch"] = num_items
             self.ce_seen.clear()
-        with self.precision.autocast(), self.precision.recipe(), self.router.capture():
+        with self.precision.forward(), self.router.capture():
             out = self.model(input_ids=x, **kw)
         if self.ce_seen is not None:
             assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
@@ -225,7 +225,7 @@ class StepRunner:
             cfg, model, parts.precision, parts.router, self.ce_seen, self.split, cp_group
         )
 
-    def _accumulate(self, state: TrainState, stop) -> tuple[StepStats, bool]:
+    def _accumulate(self, state: TrainState, stops) -> tuple[StepStats, bool]:
         """Forward/backward over the micro-batches; returns the step's statistics over every
         process and whether the experts path counted its pairs (the dropless path does,
         stock not)."""
@@ -257,7 +257,7 @@ class StepRunner:
         # read after backward, so a signal during this step stops after this step; the
         # all-reduce below makes every process stop at the same step
         pairs = 0.0 if path_ME is None else float(path_ME.sum())
-        vec = StepStats.pack(sums, stop(), counts_ME, pairs)
+        vec = StepStats.pack(sums, stops is not None and stops.requested, counts_ME, pairs)
         processes = 1
         if self.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(vec)
@@ -280,14 +280,15 @@ class StepRunner:
             )
         return dropped
 
-    def run(self, state: TrainState, stop=lambda: False) -> dict:
-        """One optimizer step; advances `state`. `stop()` says whether this process was
-        asked to stop (the result's "stop" is whether any process was). Raises before
+    def run(self, state: TrainState, stops=None) -> dict:
+        """One optimizer step; advances `state`. `stops` (a `run.interrupts.StopRequests`)
+        says whether this process was asked to stop (the result's "stop" is whether any
+        process was). Raises before
         `optimizer.step()` when a check fails (non-finite values under
         on_nonfinite="stop", dropped tokens)."""
         self.model.train()
         tc = self.cfg.train
-        stats, path_counted = self._accumulate(state, stop)
+        stats, path_counted = self._accumulate(state, stops)
         grad_norm = self._clip()
         loss, step = stats.loss, state.step + 1
         counts_ME = stats.counts_ME

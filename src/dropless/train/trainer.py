@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .build import RunParts, open_run, with_tokenizer_resolved
+from .build import RunParts, open_run
 from .checkpoint import store as ckpt
 from .checkpoint.resume import with_nonfinite_fix
 from .config.load import Config
@@ -123,7 +123,7 @@ class Trainer:
             while self.state.step < total:
                 self.beat.doing(self._doing(total))
                 t0 = time.perf_counter()
-                result = self.stepper.run(self.state, stop=lambda: stops.requested)
+                result = self.stepper.run(self.state, stops)
                 if env.device.type == "cuda":
                     torch.cuda.synchronize(env.device)
                 dt = time.perf_counter() - t0
@@ -168,11 +168,11 @@ def train(
 ) -> dict:
     """Run `dropless train` in this process (and its torchrun group); returns the summary.
     `hooks` (a `TrainHooks`) is called at fixed points of the run."""
-    cfg = with_tokenizer_resolved(cfg)
     env = init_env(cfg.parallel.timeout_s, cfg.parallel.force_distributed)
-    claimed = trainer = None
+    beat = Heartbeat.for_run(env.main, cfg.log.progress)
+    claimed = trainer = parts = None
     try:
-        with Heartbeat.for_run(env.main, cfg.log.progress) as beat:
+        try:
             parts, claimed = open_run(cfg, run_dir, resume, env, hooks, beat)
             trainer = Trainer(parts)
             try:
@@ -183,6 +183,8 @@ def train(
                 raise with_nonfinite_fix(
                     e, parts.run_dir, parts.resumed_from, every, cfg.train.on_nonfinite
                 ) from None
+        finally:
+            beat.close()
         return broadcast(summary, env)
     finally:
         if claimed is not None:

@@ -20,6 +20,7 @@ import sys
 import sysconfig
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from ..run.atomic import atomic_file, write_atomic
 from .fasta import FASTA_SUFFIXES, is_fasta_path, iter_fasta_pieces
 from .genomics import reverse_complement
+from .tokenizer import build_tokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 MIB = 1 << 20
@@ -425,3 +427,45 @@ def unigram_bits_per_byte(train_counts_256: np.ndarray, eval_bytes: bytes) -> fl
     logp = np.log2(counts / counts.sum())
     ev = np.frombuffer(eval_bytes, dtype=np.uint8)
     return float(-logp[ev].mean()) if len(ev) else float("nan")
+
+
+@dataclass
+class RunData:
+    """Tokenizer, training windows and the held-out set of one run."""
+
+    tokenizer: object
+    sampler: object  # WindowSampler, or sft.RowSampler for supervised records
+    eval_BL1: np.ndarray
+    eval_bytes: int
+    unigram_bpb: float
+    train_tokens: int
+    eval_targets: np.ndarray | None = None  # supervised data: [B, L], IGNORE where no loss
+
+
+def text_data(cfg, run_dir: Path, verbose: bool) -> RunData:
+    """A run's text data, made in one go: the tokenizer (trained on the training documents
+    or loaded, saved in `run_dir/tokenizer`), the token streams (tokenized once, cached in
+    `run_dir/data`), the training windows, the held-out windows and the unigram baseline.
+    The documents are read only when the tokenizer or the streams need them; `verbose`
+    prints what the embedded corpus read."""
+    loaded: list = []
+
+    def docs():
+        if not loaded:
+            say = (lambda text: print(text, flush=True)) if verbose else None
+            loaded.append(load_corpus(cfg.data, say=say))
+        return loaded[0]
+
+    dc, seq_len = cfg.data, cfg.train.seq_len
+    tok = build_tokenizer(dc.tokenizer, run_dir / "tokenizer", lambda: docs()[0], dc.bpe_vocab_size)
+    train_N, held_N = cached_streams(dc, tok, run_dir / "data", docs)
+    eval_BL1 = eval_windows(held_N, seq_len, dc.eval_tokens)
+    targets = eval_BL1[:, 1:].reshape(-1)
+    return RunData(
+        tokenizer=tok,
+        sampler=WindowSampler(train_N, seq_len, cfg.train.seed),
+        eval_BL1=eval_BL1,
+        eval_bytes=int(tok.nbytes_V[targets].sum()),
+        unigram_bpb=unigram_bits_per_byte(byte_counts(tok, train_N), tok.token_bytes(targets)),
+        train_tokens=len(train_N),
+    )

@@ -30,6 +30,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
+    @contextlib.contextmanager
+    def forward(self):
+        """The context a forward runs in: autocast to the compute dtype and the recipe."""
+        with self.autocast(), self.recipe():
+            yield
+
 
 @contextlib.contextmanager
 def _nothing():

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ..data.corpus import data_files, micro_batch_size
 from ..data.tokenizer import vocab_size
 from ..model.build import check_compatible, hf_config
-from ..model.precision import recipe_context
 from ..run.setup import Env, on_rank0
 from .trace import GIB, make_plan, resolve_hf_config
 
@@ -37,8 +36,8 @@ def warn_all_warmup(cfg) -> None:
 
 
 def preflight(cfg, env: Env, run_dir: Path):
-    """Every check of the config that needs no long work; returns the hf model config."""
-    recipe_context(cfg.precision)
+    """Every check of the config that needs no long work; returns the hf model config.
+    (The precision recipe is checked where it is built, `model/precision.py`.)"""
     from ...parallel.mesh import resolve_sizes
 
     resolve_sizes(cfg.parallel, env.world, None)  # layout vs world, before any work

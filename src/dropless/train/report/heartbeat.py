@@ -15,10 +15,10 @@ INTERVAL_S = 30.0
 
 
 class Heartbeat:
-    """`with Heartbeat(enabled) as beat:` starts a daemon thread that prints `dropless
-    train: <beat.doing(...)> (N s since the start)` after each INTERVAL_S of silence;
-    `beat.printed()` tells it that the run printed a line itself. Disabled, it only
-    keeps the state (no thread, no output)."""
+    """`Heartbeat.for_run(...)` starts a daemon thread that prints `dropless train:
+    <beat.doing(...)> (N s since the start)` after each INTERVAL_S of silence, until
+    `beat.close()`; `beat.printed()` tells it that the run printed a line itself. Disabled,
+    it only keeps the state (no thread, no output)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -30,8 +30,14 @@ class Heartbeat:
 
     @classmethod
     def for_run(cls, main: bool, progress: str) -> Heartbeat:
-        """On rank 0, unless log.progress="none", when stdout is not a terminal."""
-        return cls(main and progress != "none" and not sys.stdout.isatty())
+        """On rank 0, unless log.progress="none", when stdout is not a terminal; started."""
+        beat = cls(main and progress != "none" and not sys.stdout.isatty())
+        if beat.enabled:
+            beat._thread = threading.Thread(
+                target=beat._run, name="dropless-heartbeat", daemon=True
+            )
+            beat._thread.start()
+        return beat
 
     def doing(self, what: str) -> None:
         self.what = what
@@ -50,15 +56,7 @@ class Heartbeat:
                 sys.stdout.flush()
                 self.last = now
 
-    def __enter__(self) -> Heartbeat:
-        if self.enabled:
-            self._thread = threading.Thread(
-                target=self._run, name="dropless-heartbeat", daemon=True
-            )
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

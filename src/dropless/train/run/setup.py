@@ -6,7 +6,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -26,10 +26,11 @@ class Env:
     #: the run takes the parallel path (FSDP2, DTensor experts): several processes, or one
     #: under parallel.force_distributed
     distributed: bool = False
+    #: rank 0: the process that writes the run's files and prints
+    main: bool = field(init=False)
 
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
+    def __post_init__(self) -> None:
+        self.main = self.rank == 0
 
 
 def init_env(timeout_s: float = 1800.0, force_distributed: bool = False) -> Env:

@@ -1,24 +1,14 @@
-"""The fused expert MLP step under a recipe, and FP8 saved activations.
+"""The expert engine's recipe slot (`RECIPE_MLP`): FP8 / MXFP8 GEMMs and saved activations.
 
-One autograd Function owns gate/up GEMM -> SwiGLU x prob -> down GEMM, so the
-SwiGLU, the routing-weight scaling and the quantization of its output (the down
-GEMM's input) happen in one pass (`swiglu_quant`: on CUDA a Triton kernel that writes
-the FP8 values and their scales for every E4M3 recipe, the torch path otherwise), and
-the Function decides what is kept for backward:
-
-- fp8_saved_activations=False: x and h = x @ gate_up^T in full precision;
-- fp8_saved_activations=True: h in FP8 (E4M3, one scale per row) and x as the FP8 operand of its weight gradient (or,
-  given x_TD and token_S, x_TD itself, which the caller holds anyway). The SwiGLU
-  backward then reads the dequantized h.
-
-The backward recomputes the SwiGLU output from the kept h for the down weight gradient
-in the same pass as the SwiGLU backward (`_swiglu_grads`: with a per-tensor scale on
-CUDA a Triton kernel that writes it in FP8, else the registered row ops' backward, then
-the quantizer), and (token path) combines through the row ops' `gather_sum`. With
-row-wise or MX scales (per-tensor ones when no pair is dropped), the token path
-quantizes the T token rows once and gathers FP8 bytes and scales (`_operand_rows`).
-
-gpt_oss / interleaved activations are composed from the recipe's grouped GEMMs.
+Forward: gate/up GEMM -> SwiGLU x prob quantized for the down GEMM in one pass
+(`swiglu_quant`: a Triton kernel on CUDA for every E4M3 recipe, the torch math otherwise)
+-> down GEMM. Kept for backward: x and h in full precision, or with
+fp8_saved_activations h in E4M3 (one scale per row) and x as the FP8 operand of its
+weight gradient (on the token path x_TD itself, which the caller holds anyway). The
+backward recomputes the SwiGLU output from h in the same pass as the SwiGLU backward
+(`_swiglu_grads`). With row-wise or MX scales the token path quantizes the T token rows
+once and gathers FP8 bytes and scales (`_operand_rows`). Other activations are composed
+from the recipe's grouped GEMMs.
 """
 
 # S rows (sorted pairs), D model dim, F expert hidden dim, E experts
@@ -32,25 +22,17 @@ from types import SimpleNamespace
 import torch
 
 from ..ops.activation.eager import act_forward
-from ..ops.activation.swiglu import swiglu
+from ..ops.expert_mlp.eager import composed_mlp
 from ..ops.expert_mlp.engine import routed_mlp
 from ..ops.expert_mlp.plan import RecipeMLP, Saved, Schedule
-from ..ops.grouped_gemm import grouped_gemm
 from ..ops.grouped_gemm.eager import expand_bias, group_sum
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
 from ..ops.registry import triton_importable
 from ..ops.specs import ActivationConfig
+from . import gemm
 from .formats import QTensor, quantize_current, scale_from_amax
-from .gemm import (
-    BACKENDS,
-    delayed_state,
-    load_q,
-    pick_backend,
-    quantize_operand,
-    save_q,
-    scaling_mode,
-)
+from .gemm import BACKENDS, delayed_state, load_q, pick_backend, quantize_operand, save_q
 
 _SWIGLU = ActivationConfig()
 
@@ -60,26 +42,17 @@ def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
     return act_forward(h_S2F.float(), None if prob_S is None else prob_S.float(), _SWIGLU)
 
 
-def _swiglu_backward(h_S2F, prob_S, g_SF, want_prob: bool):
-    """(grad_h, grad_prob or None, a = silu(gate) * up * prob) in one pass over h: the
-    SwiGLU backward of the registered row ops (`ops.permute.row_ops`: the Triton kernel on CUDA,
-    `ops.activation.eager`'s fp32 math otherwise), which also recomputes the activation the
-    down weight gradient reads. grad_h and a come in h's dtype, the math in fp32."""
-    rows = pick_row_ops(h_S2F, activation="swiglu")
-    return rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
-
-
 def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize_col):
     """(grad_h in `dtype`, grad_prob or None, the recomputed activation quantized for the
     down weight gradient). With a per-tensor scale known from forward (current per
     tensor, delayed) on CUDA in E4M3, one Triton pass also writes that activation in FP8
-    (`swiglu_bwd_quant`); otherwise the row op's backward, then `quantize_col`."""
-    if scale is not None and h_S2F.is_cuda and recipe.fwd_format == "e4m3":
-        if triton_importable():
-            return swiglu_bwd_quant(
-                g_SF, h_S2F, prob_S, scale, need_prob_grad=want_prob, grad_dtype=dtype
-            )
-    dh, dprob, a = _swiglu_backward(h_S2F, prob_S, g_SF, want_prob)
+    (`swiglu_bwd_quant`); otherwise the registered row ops' SwiGLU backward (which also
+    recomputes the activation, in h's dtype), then `quantize_col`."""
+    if scale is not None and h_S2F.is_cuda and recipe.fwd_format == "e4m3" and triton_importable():
+        kw = dict(need_prob_grad=want_prob, grad_dtype=dtype)
+        return swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw)
+    rows = pick_row_ops(h_S2F, activation="swiglu")
+    dh, dprob, a = rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
     return dh.to(dtype), dprob, quantize_col(a, scale)
 
 
@@ -143,7 +116,7 @@ def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
     bit-exact tests."""
     from ..ops.activation.swiglu_quant_kernels import amax as swiglu_amax
 
-    mode = scaling_mode(recipe)
+    mode = gemm.scaling_mode(recipe)
     if mode == "mx":
         return swiglu_quant_mx(h_S2F, prob_S, fmt="e4m3", scale_rule=recipe.scale_rule, **kw)
     if recipe.kind == "delayed":
@@ -155,14 +128,6 @@ def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
         return swiglu_quant_rows(h_S2F, prob_S, "e4m3", recipe.margin, **kw)
     scale = scale_from_amax(swiglu_amax(h_S2F, prob_S, **kw), "e4m3", recipe.margin)
     return swiglu_quant_scaled(h_S2F, prob_S, "e4m3", scale, **kw)[0]
-
-
-def permute_rows(x_TD, token_S, slot_TK):
-    return permute(x_TD, SimpleNamespace(token_S=token_S, slot_TK=slot_TK))
-
-
-def combine_rows(y_SD, token_S, slot_TK):
-    return unpermute(y_SD, SimpleNamespace(token_S=token_S, slot_TK=slot_TK))
 
 
 def _slots_by_token(token_S: torch.Tensor, T: int) -> torch.Tensor:
@@ -195,7 +160,7 @@ def _operand_rows(recipe, t, token_S, role, key, every_row: bool = False):
     first (a capacity limit drops some)."""
     if token_S is None:
         return quantize_operand(recipe, t, role, 1, key=key)
-    if scaling_mode(recipe) == "tensor" and not every_row:
+    if gemm.scaling_mode(recipe) == "tensor" and not every_row:
         return quantize_operand(recipe, t.index_select(0, token_S), role, 1, key=key)
     return _gather_q(quantize_operand(recipe, t.contiguous(), role, 1, key=key), token_S)
 
@@ -209,15 +174,12 @@ def _store_h(h_S2F) -> QTensor:
 def saved_for_backward(
     recipe, x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None
 ):
-    """What the recipe slot (`_forward`) keeps for backward on the token path (the one `ops.expert_mlp`
-    takes under a recipe, dropless) beside its operands (x_TD, which it re-gathers in
-    backward, and the weights; per-tensor scales are scalars): h [R, N] as `_store_h`
-    stores it with fp8_saved_activations (E4M3 bytes and one fp32 scale per row), else in
-    x's dtype; the routing weights prob_S [R] and token_S [R] (int64; slot_TK is recomputed
-    from it), and pair_S [R] (int64), which autograd keeps for the entry's gather of the
-    routing weights (`prob_S = weights_TK.flatten()[pair_S]`). R = T*K unless `rows` says
-    how many rows the experts compute (the memory planner's busiest expert-parallel rank).
-    `dropless plan` allocates this declaration (`train/plan/experts.py`)."""
+    """What `_forward` keeps for backward on the token path (dropless) beside x_TD and
+    the weights (per-tensor scales are scalars): h [R, N] as `_store_h` stores it with
+    fp8_saved_activations, else in x's dtype; prob_S [R], token_S [R] and pair_S [R]
+    (int64; autograd keeps pair_S for the entry's gather of the routing weights). R = T*K
+    unless `rows` says how many rows the experts compute. `dropless plan` allocates this
+    declaration (`train/plan/experts.py`)."""
     T, K = ids_TK.shape
     R = T * K if rows is None else rows
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
@@ -233,23 +195,20 @@ def saved_for_backward(
 
 
 def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = True):
-    """What the recipe slot (`_forward`) keeps for backward on the rows path (rows already in expert
-    order, the routing weight applied by the caller: the expert-parallel dispatcher's
-    received rows) beside the weights: with fp8_saved_activations the rows x [R, D] in
-    E4M3 with their column-wise scales for the weight gradient (per expert group and
-    column under row scaling, fp32; under MXFP8 per 32-row block of each group padded to
-    whole blocks, E8M0, with the rows' int64 positions in that layout: an upper bound;
-    one scalar per tensor, counted aside) and h [R, N] as `_store_h` stores it; else x
-    and h in the rows' dtype. like: any tensor of the rows' dtype, device and width D;
-    rows: R. `dropless plan` allocates this under expert parallelism
-    (`train/plan/experts.py`)."""
+    """What `_forward` keeps for backward on the rows path (the expert-parallel
+    dispatcher's received rows) beside the weights: with fp8_saved_activations the rows
+    x [R, D] in E4M3 with their column-wise scales for the weight gradient (per expert
+    group and column under row scaling, fp32; under MXFP8 per 32-row block of each group
+    padded to whole blocks, E8M0, with the rows' int64 positions in that layout: an upper
+    bound) and h [R, N] as `_store_h` stores it; else x and h in the rows' dtype. like:
+    a tensor of the rows' dtype, device and width D; rows: R."""
     R, D = rows, like.shape[-1]
     E = gate_up.shape[0]
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
     if not recipe.fp8_saved_activations:
         return like.new_empty(R, D), like.new_empty(R, N)
     fp8 = dict(dtype=torch.float8_e4m3fn)
-    mode = scaling_mode(recipe)
+    mode = gemm.scaling_mode(recipe)
     if mode == "mx":
         blocks = R // 32 + E  # at most one partial block per group
         x = [like.new_empty(32 * blocks, D, **fp8), like.new_empty(blocks, D, dtype=torch.uint8)]
@@ -266,11 +225,11 @@ def _forward(recipe, sv: Saved, num_out):
     """The engine's recipe slot, forward: x is x_SD (rows in expert order) or, with
     token_S / slot_TK, x_TD, its rows gathered here (and again in backward, so only x_TD,
     which the caller holds anyway, is kept) and the output combined back to [T, D]."""
-    x, prob_S, gate_up, down, b1, b2 = sv.x, sv.prob_S, sv.gate_up, sv.down, sv.gu_bias, sv.d_bias
-    token_S, slot_TK, counts, trans_w = sv.token_S, sv.slot_TK, sv.counts, sv.trans_w
+    x, prob_S, gate_up, down, b1, b2, token_S, slot_TK = sv.tensors()[:8]
+    counts, trans_w = sv.counts, sv.trans_w
     be = pick_backend(recipe, x, gate_up, down)
     mm, _ = BACKENDS[be]
-    tensor_mode = scaling_mode(recipe) == "tensor"
+    tensor_mode = gemm.scaling_mode(recipe) == "tensor"
     fwd_red = 2 if trans_w else 1
     every_row = token_S is not None and 0 < token_S.numel() == slot_TK.numel()
     xq = _operand_rows(recipe, x, token_S, "x", gate_up, every_row)
@@ -313,14 +272,7 @@ def _backward(recipe, sv: Saved, g_out, need):
     t = sv.h
     x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
     x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
-    prob, b2, token_S, slot_TK, gate_up, down = (
-        sv.prob_S,
-        sv.d_bias,
-        sv.token_S,
-        sv.slot_TK,
-        sv.gate_up,
-        sv.down,
-    )
+    _, prob, gate_up, down, _, b2, token_S, slot_TK = sv.tensors()[:8]
     counts, trans_w = sv.counts, sv.trans_w
     gathered = token_S is not None
     bwd_red = 1 if trans_w else 2
@@ -402,36 +354,28 @@ def quantized_grouped_mlp(
     slot_TK=None,
     num_out=None,
 ):
-    """`ops.grouped_mlp` under a recipe (the recipes' `grouped_mlp` method).
-
-    x is x_SD (rows sorted by expert); or, with token_S and slot_TK from SortedPairs,
-    x_TD, and the result is the combined out [T, D] (only x_TD is then kept for the
-    backward: the gathered rows are not). `backend` (a full-precision GEMM backend
-    name) is ignored: the recipe's `backend` chooses. `activation`: the ActivationConfig
-    `ops` resolved (default swiglu).
-    """
+    """`ops.grouped_mlp` under a recipe (the recipes' `grouped_mlp` method): the engine
+    with the recipe's slot. x is x_SD (rows sorted by expert); or, with token_S and
+    slot_TK from SortedPairs, x_TD, and the result is the combined out [T, D] (only x_TD
+    is then kept for the backward). `backend` (a full-precision GEMM backend name) is
+    ignored: the recipe's `backend` chooses. `activation`: the ActivationConfig `ops`
+    resolved (default swiglu); others are composed from the recipe's grouped GEMMs."""
     if recipe is None:
         raise ValueError("quantized_grouped_mlp needs recipe=; use dropless.autocast(recipe=...)")
-    if not isinstance(counts, torch.Tensor):  # a device tensor stays there (no sync)
-        counts = [int(c) for c in counts]
     if (token_S is None) != (slot_TK is None):
         raise ValueError("token_S and slot_TK go together (both from SortedPairs) or not at all")
-    if token_S is not None and num_out is not None and num_out != x.shape[0]:
-        raise ValueError(f"num_out={num_out} must equal x_TD.shape[0]={x.shape[0]}")
+    if not isinstance(counts, torch.Tensor):  # a device tensor stays there (no sync)
+        counts = [int(c) for c in counts]
     act = activation if activation is not None else ActivationConfig()
     if act.kind != "swiglu" or act.interleaved:
-        if isinstance(counts, torch.Tensor):
-            counts = counts.tolist()  # host sync: the composed path takes host counts
-        x_SD = x if token_S is None else permute_rows(x, token_S, slot_TK)
-        h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, trans_w=trans_w)
-        a = swiglu(h, prob_S, activation=act)
-        y = grouped_gemm(a, down, counts, None, trans_w=trans_w)
-        if down_bias is not None:
-            b = expand_bias(down_bias, counts)
-            y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype))
-        return y if token_S is None else combine_rows(y, token_S, slot_TK)
-    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts)
-    sv = replace(sv, act=act, trans_w=bool(trans_w))
+        sp = SimpleNamespace(token_S=token_S, slot_TK=slot_TK)
+        x_SD = x if token_S is None else permute(x, sp)
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        kw = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, trans_w=trans_w, activation=act)
+        y = composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
+        return y if token_S is None else unpermute(y, sp)
+    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, act)
+    sv.trans_w = bool(trans_w)
     num_out = x.shape[0] if token_S is not None else None
     return routed_mlp(Schedule("recipe", recipe=recipe, recipe_mlp=RECIPE_MLP), sv, num_out)
 

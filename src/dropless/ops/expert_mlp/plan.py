@@ -1,24 +1,13 @@
 """What one call of the routed expert MLP runs (`Schedule`) and what its backward reads
 (`Saved`), decided once per layer shape and kept (`plan_expert_mlp`).
 
-The schedule is data the engine (`engine.py`) follows:
-
-- `path`: "loop" (the CPU per-expert loop, `loop.py`), "grouped" (whole-S grouped GEMMs)
-  or "recipe" (a low-precision recipe's GEMMs and saved-activation format);
-- `gemms`: per GEMM of the six (`GEMMS`), the grouped-GEMM backend that runs it, or None
-  where the row-gathering Triton kernel (`gather_gemm_kernels.py`) runs it with the
-  gather fused into its prologue and, for "up" and "down_dgrad", the activation x routing
-  weight (or its backward) into its epilogue;
-- `row_ops` / `act_row_ops`: the gathers and combines, and the activation when the row
-  ops compute it (None: the torch math of `activation/eager.py`).
-
 The decisions, in order: a low-precision recipe (`dropless.autocast`) runs its GEMMs;
 else `expert_path` (`dropless.patch(expert_path=)`, `set_expert_path`): "auto" is the
 loop on CPU and the grouped path elsewhere and under torch.compile; "gathered" (opt-in:
 not yet run on a GPU, docs/performance.md) fuses the gathers of the GEMMs a tuning
 measured faster fused. The tuning (`GemmTuner`) is keyed on the layer's shape (never on
 the rows one rank received), reads a cache that `dropless bench tune` writes, and times
-only where it is asked to (`timing`): a cached pick allocates nothing.
+only where it is asked to: a cached pick allocates nothing.
 """
 
 # T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, S sorted pairs
@@ -32,8 +21,9 @@ import os
 import statistics
 import tempfile
 import warnings
+from collections import namedtuple
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -155,38 +145,25 @@ class Saved:
     meta: object = None  # a recipe's saved-activation format (what its tensors in h are)
 
     def tensors(self) -> list:
-        """The tensors, in field order (h and lora flattened last)."""
+        """The tensors of `_TENSOR_FIELDS`, then lora and h flattened."""
         h = self.h if isinstance(self.h, tuple) else (self.h,)
-        names = [f.name for f in fields(self) if f.name in _TENSOR_FIELDS]
-        out = [getattr(self, n) for n in names]
-        return [*(t if isinstance(t, torch.Tensor) else None for t in out), *self.lora, *h]
+        return [*(getattr(self, n) for n in _TENSOR_FIELDS), *self.lora, *h]
 
     def without_tensors(self) -> Saved:
-        keep = {n: None for n in _TENSOR_FIELDS if isinstance(getattr(self, n), torch.Tensor)}
         many = isinstance(self.h, tuple)
-        return replace(self, **keep, h=len(self.h) if many else None, lora=len(self.lora))
+        h = len(self.h) if many else None
+        return replace(self, **dict.fromkeys(_TENSOR_FIELDS), h=h, lora=len(self.lora))
 
     def with_tensors(self, ts) -> Saved:
         """The inverse of (tensors(), without_tensors())."""
-        names = [f.name for f in fields(self) if f.name in _TENSOR_FIELDS]
-        vals = dict(zip(names, ts))
-        rest = ts[len(names) :]
-        lora, hs = tuple(rest[: self.lora]), tuple(rest[self.lora :])
+        n = len(_TENSOR_FIELDS)
+        lora, hs = tuple(ts[n : n + self.lora]), tuple(ts[n + self.lora :])
+        vals = dict(zip(_TENSOR_FIELDS, ts))
         return replace(self, **vals, lora=lora, h=hs if self.h is not None else hs[0])
 
 
-_TENSOR_FIELDS = (
-    "x",
-    "prob_S",
-    "gate_up",
-    "down",
-    "gu_bias",
-    "d_bias",
-    "token_S",
-    "slot_TK",
-    "u1",
-    "u2",
-)
+_TENSOR_FIELDS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_S", "slot_TK")
+_TENSOR_FIELDS += ("u1", "u2")
 
 
 @dataclass(frozen=True)
@@ -236,25 +213,6 @@ def expert_path() -> str:
     return _EXPERT_PATH[0]
 
 
-def check_no_recipe(recipe, lora) -> None:
-    """Raise ValueError for low-rank factors under a low-precision recipe."""
-    if recipe is not None and lora is not None:
-        raise ValueError(
-            "low-rank (LoRA) factors run at full precision only, but a low-precision recipe "
-            f"({getattr(recipe, 'kind', recipe)!r}) is active: call outside dropless.autocast, "
-            "or fold the update into the weights first"
-        )
-
-
-def check_gathered_ok(lora, bias: bool, act: ActivationConfig) -> None:
-    """Raise ValueError when the gathered path is forced for experts it does not run."""
-    if lora is not None or bias or not act.gated:
-        raise ValueError(
-            "path='gathered' runs gated experts without biases and without low-rank (LoRA) "
-            "updates; use path='grouped' (or None: automatic) for these experts"
-        )
-
-
 def plan_expert_mlp(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -284,7 +242,12 @@ def plan_expert_mlp(
             f"got {type(lora).__name__}"
         )
     recipe = get_recipe()
-    check_no_recipe(recipe, lora)
+    if recipe is not None and lora is not None:
+        raise ValueError(
+            "low-rank (LoRA) factors run at full precision only, but a low-precision recipe "
+            f"({getattr(recipe, 'kind', recipe)!r}) is active: call outside dropless.autocast, "
+            "or fold the update into the weights first"
+        )
     if recipe is not None:
         fused = recipe_mlp(recipe)
         takes = fused is not None and getattr(fused, "takes_tokens", False)
@@ -310,19 +273,9 @@ def plan_expert_mlp(
     return plan
 
 
-@dataclass(frozen=True)
-class _Request:
-    """What a call asks of the plan (part of its cache key); lora: which projections have
-    low-rank factors (None: none)."""
-
-    path: str
-    backend: str | None
-    lora: tuple[bool, bool] | None
-    capacity: bool
-    tokens: int | None
-    trans_w: bool
-    bias: bool
-    act: ActivationConfig
+# what a call asks of the plan (part of its cache key); lora: which projections have
+# low-rank factors (None: none)
+_Request = namedtuple("_Request", "path backend lora capacity tokens trans_w bias act")
 
 
 def _shape(w):
@@ -353,7 +306,11 @@ def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
     )
     if path != "gathered":
         return grouped
-    check_gathered_ok(req.lora, req.bias, act)
+    if req.lora is not None or req.bias or not act.gated:
+        raise ValueError(
+            "path='gathered' runs gated experts without biases and without low-rank (LoRA) "
+            "updates; use path='grouped' (or None: automatic) for these experts"
+        )
 
     def runs(k: GatherKernels) -> bool:
         return act.kind in k.kinds and all(k.supports(x, w) for w in (gate_up, down))
@@ -370,13 +327,9 @@ def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
     choice = tune_gathered(*args)
     gemms = tuple(None if choice.get(g) == FUSED else grouped.gemm(g) for g in GEMMS)
     plan = replace(grouped, gemms=gemms, kernels=kernels)
-    record(_describe_shape(x, gate_up, down), plan.describe())
+    what = f"E={gate_up.shape[0]} weights {tuple(gate_up.shape)}, {tuple(down.shape)}"
+    _RECORDED[f"{str(x.dtype).removeprefix('torch.')} {what}"] = plan.describe()  # choices_note
     return plan
-
-
-def _describe_shape(x, gate_up, down) -> str:
-    dims = f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
-    return f"{str(x.dtype).removeprefix('torch.')} E={gate_up.shape[0]} weights {dims}"
 
 
 # --- the gathered path's tuning ---------------------------------------------------------
@@ -402,20 +355,18 @@ def _stand_ins(x, gate_up, down, rows: int, trans_w: bool):
 
 
 def _candidates(g: str, kernels: GatherKernels, be: GemmBackend, ops: RowOps, args):
-    """{implementation: no-argument callable} for GEMM g: fused kernel and unfused form."""
+    """{implementation: no-argument callable} for fusable GEMM g: fused and unfused."""
     cnt, idx, p, gx, h, a, x, gate_up, down, act, trans_w = args
     rk, ak = ops.row_ops, ops.act_row_ops or ops.row_ops
     kw = (act.interleaved, act.kind, act.alpha, act.limit)
     gy = (lambda: rk.gather_rows(gx, idx)) if g in ("down_dgrad", "down_wgrad") else None
     unfused = {
         "up": lambda: ak.act_fwd(be.mm(rk.gather_rows(x, idx), gate_up, cnt, trans_w), p, *kw),
-        "down": lambda: be.mm(a, down, cnt, trans_w),
         "down_dgrad": lambda: ak.act_bwd(
             be.mm(gy(), down, cnt, not trans_w), h, p, act.interleaved, True, True, *kw[1:]
         ),
         "down_wgrad": lambda: be.wgrad(gy(), a, cnt),
         "up_wgrad": lambda: be.wgrad(h, rk.gather_rows(x, idx), cnt),
-        "up_dgrad": lambda: be.mm(h, gate_up, cnt, not trans_w),
     }
     fused = {
         "up": lambda: kernels.up_act(x, idx, gate_up, cnt, p, trans_w, *kw),
@@ -425,10 +376,7 @@ def _candidates(g: str, kernels: GatherKernels, be: GemmBackend, ops: RowOps, ar
         "down_wgrad": lambda: kernels.wgrad(gx, a, cnt, idx, None),
         "up_wgrad": lambda: kernels.wgrad(h, x, cnt, None, idx),
     }
-    out = {be.name: unfused[g]}
-    if g in fused:
-        out[FUSED] = fused[g]
-    return out
+    return {be.name: unfused[g], FUSED: fused[g]}
 
 
 @torch.no_grad()
@@ -533,10 +481,9 @@ class GemmTuner:
         if not self.path.exists():
             return None, {}
         data = json.loads(self.path.read_text())
-        if not (isinstance(data, dict) and data.get("version") == VERSION):
-            raise ValueError(f"not a version-{VERSION} tuning cache")
-        if not isinstance(data.get("choices"), dict) or not isinstance(data.get("env"), dict):
-            raise ValueError("no 'env' and 'choices' objects")
+        ok = isinstance(data, dict) and data.get("version") == VERSION
+        if not (ok and isinstance(data.get("choices"), dict) and isinstance(data.get("env"), dict)):
+            raise ValueError(f"not a version-{VERSION} tuning cache with 'env' and 'choices'")
         return data["env"], data["choices"]
 
     def _load(self) -> dict:
@@ -545,11 +492,8 @@ class GemmTuner:
         try:
             file_env, choices = self._read()
         except (OSError, ValueError) as exc:  # JSONDecodeError is a ValueError
-            warnings.warn(
-                f"the GEMM tuning cache {self.path} is unreadable ({exc}); retuning and "
-                "rewriting it",
-                stacklevel=3,
-            )
+            msg = f"the GEMM tuning cache {self.path} is unreadable ({exc}); retuning"
+            warnings.warn(msg, stacklevel=3)
             file_env, choices = None, {}
         if file_env is not None and file_env != self._env():
             _LOG.info("tuning cache %s was made for %s: retuning", self.path, file_env)
@@ -588,12 +532,6 @@ def default_tuner() -> GemmTuner:
     if not _TUNER:
         _TUNER.append(GemmTuner())
     return _TUNER[0]
-
-
-def record(what: str, choice: str) -> None:
-    """Note the GEMM implementations planned for `what` (a layer shape): made once per
-    plan, outside the hot path."""
-    _RECORDED[what] = choice
 
 
 def choices_note() -> str:

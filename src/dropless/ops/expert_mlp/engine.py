@@ -1,32 +1,21 @@
 """The expert engine: the routed MLP (gather rows -> gate/up GEMM -> activation x prob ->
 down GEMM -> combine) as ONE autograd Function, `RoutedMLP`, whose schedule is data (a
 `plan.Schedule`), and the `forward` / `backward` it runs, which the custom op
-(`eager.py`) calls directly.
+(`eager.py`) calls directly. Schedules: "loop" (`loop.py`, the CPU default, one pass per
+expert, on worker threads from `threads.py`); "grouped": whole-S gathers and grouped
+GEMMs, each of the six (`plan.GEMMS`) on the backend the schedule names or, where it
+names None, the Triton kernel that gathers its rows and computes the activation (or its
+backward) in its epilogue (`gather_gemm_kernels.py`); "recipe": a low-precision recipe's
+slot (`quant/mlp.py`). With device counts and backends that take them nothing is read
+on the host.
 
-Two schedules run it:
-
-- "loop" (`loop.py`, the CPU default): one pass per expert that gathers its rows into a
-  small buffer, runs both GEMMs with `torch.mm(out=)`, the activation x prob in place,
-  and `index_add_`s into the output in expert order (deterministic), spread over worker
-  threads (`threads.py`) when the experts are many and big enough;
-- "grouped": whole-S gathers and grouped GEMMs, each of the six (`plan.GEMMS`) on the
-  backend the schedule names, or, where it names None, the Triton kernel that gathers
-  its rows and computes the activation (or its backward) in its epilogue
-  (`gather_gemm_kernels.py`). With the counts on the device and backends that take
-  them there (`grouped_mm`, `triton`), nothing is read on the host.
-
-Saved for backward (`plan.Saved`), per kept (token, expert) pair: the gate/up output h
-[N] in the compute dtype, the routing prob and the sort's indices, plus x_TD, which the
-caller holds anyway. The gathered x and the activation are recomputed in backward, the
-expert outputs never kept: at D=1024, F=384, 768 values per pair against 2816 for the
-composed autograd graph. A backward that frees the graph as it goes frees h once the
-activation backward has read it, before the weight gradients run.
-
-Both schedules take biases (the down bias is scaled by the prob), every activation of
-`ActivationConfig`, `trans_w=False`, dropped pairs (capacity: the caller's SortedPairs
-leave them out) and low-rank (LoRA) factors for either projection (`lora.py`: two thin
-GEMMs per expert beside the base one, the [S, r] intermediate saved). The row-gathering
-kernels run gated experts without biases or factors only.
+Saved for backward (`plan.Saved`), per kept pair: h [N] in the compute dtype, the prob
+and the sort's indices, plus x_TD, which the caller holds anyway; the gathered x and the
+activation are recomputed (768 values per pair at D=1024, F=384, against 2816 for the
+composed autograd graph). Both schedules take biases (the down bias is scaled by the
+prob), every `ActivationConfig`, `trans_w=False`, dropped pairs and low-rank (LoRA)
+factors for either projection (`lora.py`); the row-gathering kernels run gated experts
+without biases or factors only.
 """
 
 # T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, K top-k,
@@ -141,23 +130,17 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
     sv = replace(sv, counts=counts_for(sched, sv.counts, sv.x.device))
-    prob_S, token_S, h, counts, act, trans_w = (
-        sv.prob_S,
-        sv.token_S,
-        sv.h,
-        sv.counts,
-        sv.act,
-        sv.trans_w,
-    )
-    rk, kernels, release = sched.row_ops, sched.kernels, release and not _compiling()
+    prob_S, token_S, h, counts = sv.prob_S, sv.token_S, sv.h, sv.counts
+    act, trans_w = sv.act, sv.trans_w
+    # the compiled backward plans its own memory: storage calls would break it
+    rk, kernels = sched.row_ops, sched.kernels
+    release = release and not torch.compiler.is_compiling()
     dd, dw = _bound(sched, "down_dgrad", sv.offs), _bound(sched, "down_wgrad", sv.offs)
     g_out = g_out.contiguous()
     gathered = token_S is not None
-    gy = (
-        rk.gather_rows(g_out, token_S)
-        if gathered and (dd or dw or sv.d_bias is not None)
-        else g_out
-    )
+    gy = g_out
+    if gathered and (dd or dw or sv.d_bias is not None):
+        gy = rk.gather_rows(g_out, token_S)
     p = None if prob_S is None else prob_S.unsqueeze(1)
     gdb = gd = g2a = g2b = None
     if sv.d_bias is not None:
@@ -165,27 +148,12 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
         if need.down_bias:
             gdb = torch.zeros_like(sv.d_bias).index_add_(0, rows_E, gy if p is None else gy * p)
     need_gp = prob_S is not None and need.prob
+    flags = (act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit)
     if dd is None:  # gather in the prologue, activation backward in the epilogue
-        dh, gp, a = kernels.down_dact(
-            g_out,
-            token_S,
-            sv.down,
-            counts,
-            h,
-            prob_S,
-            trans_w,
-            act.interleaved,
-            need_gp,
-            need.down,
-            act.kind,
-            act.alpha,
-            act.limit,
-        )
+        dh, gp, a = kernels.down_dact(g_out, token_S, sv.down, counts, h, prob_S, trans_w, *flags)
     elif sched.act_row_ops is not None:
         da = dd.mm(gy, sv.down, counts, not trans_w)
-        dh, gp, a = sched.act_row_ops.act_bwd(
-            da, h, prob_S, act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit
-        )
+        dh, gp, a = sched.act_row_ops.act_bwd(da, h, prob_S, *flags)
         del da
     else:
         dh, gp, gd, g2a, g2b, a = _act_backward_eager(sv, dd, gy, h, p, need, lr2, release)
@@ -195,12 +163,9 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if gp is not None and sv.d_bias is not None:
         gp += (gy * sv.d_bias.index_select(0, rows_E)).sum(1)
     if need.down and gd is None:
-        if dw is None:
-            gd = (
-                kernels.wgrad(g_out, a, counts, token_S, None)
-                if trans_w
-                else kernels.wgrad(a, g_out, counts, None, token_S)
-            )
+        if dw is None:  # dW = gy^T a (trans_w) or a^T gy, the rows of g_out gathered
+            ops = (g_out, a, token_S, None) if trans_w else (a, g_out, None, token_S)
+            gd = kernels.wgrad(*ops[:2], counts, *ops[2:])
         else:
             gd = dw.wgrad(gy, a, counts) if trans_w else dw.wgrad(a, gy, counts)
     if release and a is not None:
@@ -219,11 +184,8 @@ def _gate_up_backward(sched, sv, dh, lr1, need):
     uw, ud = _bound(sched, "up_wgrad", sv.offs), _bound(sched, "up_dgrad", sv.offs)
     ggu = g1a = g1b = gu1 = gx = None
     if need.gate_up and uw is None:
-        ggu = (
-            sched.kernels.wgrad(dh, x, counts, None, token_S)
-            if trans_w
-            else sched.kernels.wgrad(x, dh, counts, token_S, None)
-        )
+        ops = (dh, x, None, token_S) if trans_w else (x, dh, token_S, None)
+        ggu = sched.kernels.wgrad(*ops[:2], counts, *ops[2:])
     elif need.gate_up or lr1 is not None:
         x_SD = rk.gather_rows(x, token_S) if token_S is not None else x
         if need.gate_up:
@@ -270,11 +232,6 @@ def _act_backward_eager(sv, be, gy, h, p, need, lr2, release):
 def _lowranks(sv: Saved):
     """The call's (gate_up, down) `LowRank`s; (None, None) without factors."""
     return lowranks((*sv.lora, *sv.lora_scales)) if sv.lora else (None, None)
-
-
-def _compiling() -> bool:
-    # the compiled backward plans its own memory: storage calls would break it
-    return torch.compiler.is_compiling()
 
 
 def _bound(sched: Schedule, gemm: str, offs):

@@ -1,22 +1,11 @@
 """The engine's "loop" schedule (the CPU default): the whole routed MLP as one pass per
-expert, for the engine's Function (`engine.py`) and the custom op alike.
-
-Each expert is one work item (`threads.run_experts`): gather its rows, gate/up
-GEMM, activation x prob, down GEMM, and, for the combine, an `index_add_` into the
-output committed in expert order. With more than one torch thread and experts big
-enough to pay for a hand-off, the items run on worker threads with single-threaded ops;
-otherwise in the calling thread. Backward is the same per expert, writing the weight
-gradients straight into preallocated [E, ...] tensors.
-
-Each expert's gate/up output h is its own saved tensor, so that a backward that frees
-the graph (no retain_graph, no create_graph) can free it as soon as that expert's
-activation gradient is formed: the weight gradients fill up while the kept h drains,
-instead of both being whole at the end of the layer's backward (measured on the pinned
-e2e model: 20 MiB less peak step memory).
-
-The combine and the input gradient sum several experts' rows per token: for 16-bit
-inputs they are summed in fp32 and rounded once, as the grouped path's gathers do, so
-both paths give the same bits for the same expert outputs.
+expert (`threads.run_experts`): gather its rows, gate/up GEMM, activation x prob, down GEMM,
+and an `index_add_` into the output committed in expert order; on worker threads with
+single-threaded ops when the experts are many and big enough. Backward writes the weight
+gradients straight into preallocated [E, ...] tensors. Each expert's h is its own saved
+tensor, freed as soon as its activation gradient is formed in a backward that frees the
+graph. Token sums of 16-bit inputs run in fp32 and are rounded once, as the grouped
+path's gathers do.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,

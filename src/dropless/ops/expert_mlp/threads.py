@@ -1,37 +1,17 @@
 """Per-expert work of the CPU loop spread over worker threads, each running torch ops
-with one thread.
+with one thread: no OpenMP barrier per op (where one descheduled core stalls the whole
+team), work stealing off a shared counter, one expert's rows kept in its core's cache.
 
-Why: one expert's GEMM (a few hundred rows) is small for torch's OpenMP team. Every op
-ends in a barrier, and when another process holds one of the cores the whole team waits
-for its descheduled member, so the op runs at the speed of the slowest core. Here `n`
-long-lived threads (n = the caller's `torch.get_num_threads()`) take experts off a
-shared counter, each running the whole expert single-threaded: no barrier per op, a
-thread slowed by another process simply takes fewer experts (work stealing, not a
-static split), and one expert's rows stay in its core's cache from the first GEMM to
-the last. torch ops release the GIL, so the threads run in parallel.
+Determinism: results several experts add into the same rows are committed in item order,
+one at a time, from a bounded pool of output buffers (a thread takes a buffer before it
+claims an item, so the lowest unfinished item always holds one: no deadlock).
 
-Determinism: results that several experts add into the same rows (the combine's
-`index_add_`) are committed in item order, one at a time, by whichever thread finishes
-the next item in line, so every row is summed in the order of the serial loop. Results
-that wait for their turn sit in a bounded pool of output buffers; a thread takes a
-buffer before it claims an item, so the lowest unfinished item always holds one and
-the pool cannot deadlock.
-
-Thread-local modes: grad and inference mode, autocast (enabled, dtype, cache) and the
-dispatch keys a guard includes or excludes are per thread, and a result depends on them
-(autocast picks the GEMM dtype). Each call carries the caller's into its workers
-(`_Modes`), the dispatch keys as the caller's include and exclude sets (so a worker of
-the `dropless::expert_mlp` custom op runs with the Autograd keys excluded, as its caller
-does, eager or inside a compiled graph); a worker checks that its dispatch-key state
-then equals the caller's, and if any part cannot be carried (a TorchFunctionMode /
-TorchDispatchMode: a Python mode is one object with its own state, not safe to enter on
-several threads; a dispatch-key state the worker cannot reproduce) the items run in the
-calling thread instead, so 1 and N workers give the same bits under every mode.
-
-Thread settings: `torch.set_num_threads(1)` inside a worker makes that thread's OpenMP
-and MKL calls single-threaded, but also sets the process-wide count that
-`torch.get_num_threads()` reports and that new threads start from; the caller's count
-is put back as soon as the workers are started.
+Thread-local modes (grad, inference, autocast, the dispatch keys a guard includes or
+excludes) are carried into the workers (`_Modes`); where they cannot be (a Python
+TorchFunctionMode / TorchDispatchMode, a dispatch-key state the worker cannot
+reproduce) the items run in the calling thread, so 1 and N workers give the same bits.
+`torch.set_num_threads(1)` in a worker also sets the process-wide count: the caller's is
+put back once the workers are started.
 """
 
 from __future__ import annotations

@@ -51,7 +51,10 @@ def _operands(T, D, F, E, K, dtype):
 def _rows(ops):
     x, ids, w, gu, dn = ops
     return {
-        "custom-op": lambda: expert_mlp_op(x, ids, w, gu, dn, None, None, *OP_ACT, True)[0],
+        # keep_h: what a compiled graph passes (no h kept in a call that records no backward)
+        "custom-op": lambda: expert_mlp_op(
+            x, ids, w, gu, dn, None, None, *OP_ACT, True, torch.is_grad_enabled()
+        )[0],
         "direct": lambda: expert_mlp(x, ids, w, gu, dn)[0],
     }
 

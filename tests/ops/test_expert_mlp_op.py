@@ -75,7 +75,7 @@ def _run(x, ids, w, gate_up, down, b1, b2, act, trans_w):
     """(out, pair_S, slot_TK, counts_E) of the op."""
     out, _h, pair_S, slot_TK, counts_E = eager.expert_mlp_op(
         x, ids, w.to(x.dtype), gate_up, down, b1, b2, act.kind, act.gated, act.interleaved,
-        float(act.alpha), float(act.limit), trans_w,
+        float(act.alpha), float(act.limit), trans_w, True,
     )  # fmt: skip
     return out, pair_S, slot_TK, counts_E
 
@@ -117,5 +117,23 @@ def test_opcheck_schema_fake_and_autograd(path):
     x, ids, w, gate_up, down, b1, b2 = _operands(6, 8, 6, 5, 2, SWIGLU, True, True)
     args = (x.requires_grad_(), ids, w.requires_grad_(), gate_up.requires_grad_(),
             down.requires_grad_(), b1.requires_grad_(), b2.requires_grad_(),
-            "swiglu", True, False, 1.702, 7.0, True)  # fmt: skip
+            "swiglu", True, False, 1.702, 7.0, True, True)  # fmt: skip
     torch.library.opcheck(eager.expert_mlp_op, args)
+
+
+def test_a_call_that_records_no_backward_keeps_no_h(path):
+    """keep_h=False (what `ops.expert_mlp` passes under no_grad or without a tensor that
+    requires grad): the same output, h empty (a fresh [S, N] tensor per call is the
+    custom op's cost at many tokens); the fake rule says the same shapes (opcheck)."""
+    x, ids, w, gate_up, down, b1, b2 = _operands(7, 8, 6, 5, 2, SWIGLU, True, True)
+    args = (x, ids, w, gate_up, down, b1, b2, "swiglu", True, False, 1.702, 7.0, True)
+    out, h, *indices = eager.expert_mlp_op(*args, True)
+    out_no_h, h_none, *indices_no_h = eager.expert_mlp_op(*args, False)
+    assert h.shape == (14, 12) and h_none.shape == (0, 12)
+    torch.testing.assert_close(out_no_h, out, rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(indices, indices_no_h))
+    torch.library.opcheck(eager.expert_mlp_op, (*args, False))
+    assert not eager._needs_grad(x, w, gate_up, down, b1)
+    with torch.no_grad():
+        assert not eager._needs_grad(x, w, gate_up.requires_grad_(), down)
+    assert eager._needs_grad(x, w, gate_up, down)

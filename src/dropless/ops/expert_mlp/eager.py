@@ -218,6 +218,12 @@ def _expert_mlp_eager(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, kw):
 # --- the custom op --------------------------------------------------------------------
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether the call records a backward: the op keeps h for it only then (a constant of
+    the traced graph; Dynamo guards grad mode and requires_grad already)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _through_custom_op(x_TD, ids_TK, weights_TK, gate_up, down, *, trans_w=True, **kw):
     """The call as one `dropless::expert_mlp` node (torch.compile, torch.export)."""
     kw.pop("backend", None), kw.pop("lora", None)
@@ -227,8 +233,9 @@ def _through_custom_op(x_TD, ids_TK, weights_TK, gate_up, down, *, trans_w=True,
     b1, b2 = b["gate_up_bias"], b["down_bias"]
     w = weights_TK.to(x_TD.dtype)
     args = (act.kind, act.gated, act.interleaved, float(act.alpha), float(act.limit), bool(trans_w))
+    keep_h = _needs_grad(x_TD, w, gate_up, down, b1, b2)
     out_TD, _h, pair_S, slot_TK, counts_E = expert_mlp_op(
-        x_TD, ids_TK, w, gate_up, down, b1, b2, *args
+        x_TD, ids_TK, w, gate_up, down, b1, b2, *args, keep_h
     )
     offs = counts_E.cumsum(0, dtype=torch.int32)
     sp = SortedPairs(pair_S // ids_TK.shape[1], pair_S, slot_TK, counts_E, None, offsets_E=offs)
@@ -266,9 +273,12 @@ def expert_mlp_op(
     alpha: float,
     limit: float,
     trans_w: bool,
+    keep_h: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out_TD, h_SN, pair_S, slot_TK, counts_E): the engine's forward on every pair
-    (dropless) and what its backward reads (`saved_for_backward`)."""
+    (dropless) and what its backward reads (`saved_for_backward`). keep_h False (a call
+    that records no backward): h is [0, N], never held as one [S, N] tensor (a fresh
+    allocation of hundreds of MiB per call at 16k tokens: its page faults cost ~5%)."""
     act = ActivationConfig(kind, gated, interleaved, alpha, limit)
     plan = _op_plan(x_TD, gate_up, down, act, trans_w)
     host = plan.path == "loop" or not plan.device_counts
@@ -276,8 +286,9 @@ def expert_mlp_op(
     operands = (x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias)
     sort = (sp.token_S, sp.pair_S, sp.slot_TK, sp.counts_E)
     sv = _op_saved(plan, operands, *sort, act, trans_w, sp.offsets_E)
-    out, sv = engine.forward(plan, sv, x_TD.shape[0], one_h=True)
-    return out, sv.h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
+    out, sv = engine.forward(plan, sv, x_TD.shape[0], one_h=keep_h)
+    h = sv.h if keep_h else x_TD.new_empty(0, gate_up.shape[1 if trans_w else 2])
+    return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
 
 
 def saved_for_backward(x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None):
@@ -298,9 +309,10 @@ def saved_for_backward(x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | 
 
 @expert_mlp_op.register_fake
 def _(x_TD, ids_TK, weights_TK, gate_up, down, *rest):
-    trans_w = rest[-1]
+    trans_w, keep_h = rest[-2:]
     out = x_TD.new_empty(ids_TK.shape[0], down.shape[1] if trans_w else down.shape[2])
-    return (out, *saved_for_backward(x_TD, ids_TK, gate_up, trans_w))
+    h, *indices = saved_for_backward(x_TD, ids_TK, gate_up, trans_w)
+    return (out, h if keep_h else h.new_empty(0, h.shape[1]), *indices)
 
 
 @torch.library.custom_op("dropless::expert_mlp_backward", mutates_args=())
@@ -350,7 +362,7 @@ def _(g_out, x_TD, *rest):
 def _setup_context(ctx, inputs, output):
     x, _ids, w, gate_up, down, gub, db, *act_args = inputs
     ctx.save_for_backward(x, w, gate_up, down, gub, db, *output[1:])
-    ctx.act_args = tuple(act_args)
+    ctx.act_args = tuple(act_args)[:6]  # kind .. trans_w, not keep_h
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -359,7 +371,7 @@ def _backward(ctx, g_out, *_unused):
     needs = [n[0], n[2], n[3], n[4], gub is not None and n[5], db is not None and n[6]]
     grads = expert_mlp_backward_op(g_out.contiguous(), *ctx.saved_tensors, *ctx.act_args, needs)
     gx, gw, ggu, gd, ggb, gdb = (g if need else None for g, need in zip(grads, needs))
-    return gx, None, gw, ggu, gd, ggb, gdb, *(None,) * 6
+    return gx, None, gw, ggu, gd, ggb, gdb, *(None,) * 7  # the activation's five, trans_w, keep_h
 
 
 torch.library.register_autograd("dropless::expert_mlp", _backward, setup_context=_setup_context)

@@ -38,8 +38,9 @@ from ...ops import (
     unpermute,
 )
 from ...ops.compute_dtype import expert_input
+from ...ops.expert_mlp.plan import plan_expert_mlp
 from ..layers import family_of, is_experts_module
-from ..lora.expert_lora import attached_lowrank, fold_attached
+from ..lora.expert_lora import LORA_SCALE, attached_lowrank, fold_attached
 from ..lora.peft_lora import (
     DroplessLoRAFallbackWarning,
     experts_weights,
@@ -156,7 +157,24 @@ def module_spec(module: nn.Module) -> ExpertsSpec | str | None:
         # under a meta default device, as from_pretrained does)
         with torch.device("cpu"):
             spec = module.__dict__[SPEC_ATTR] = experts_spec(module)
+        _plan_experts(module, spec)
     return spec
+
+
+def _plan_experts(module: nn.Module, spec: ExpertsSpec | str) -> None:
+    """Plan the module's expert MLP now for its weights' dtype and device
+    (`plan_expert_mlp` keeps the schedule per layer shape): a forward in that dtype finds
+    the path, the GEMM backends and the sort chosen. Not for weights on the meta device
+    or of a tensor subclass (sharded), which plan at their first call."""
+    if not isinstance(spec, ExpertsSpec) or spec.path != "fused" or spec.post_norm:
+        return
+    w1 = raw_weight(module, "gate_up_proj" if spec.gated else "up_proj")
+    w2 = raw_weight(module, "down_proj")
+    if any(type(w) not in (torch.Tensor, nn.Parameter) or w.is_meta for w in (w1, w2)):
+        return
+    D = w1.shape[2] if spec.trans_w else w1.shape[1]
+    x = torch.empty(0, D, dtype=w1.dtype, device=w1.device)
+    plan_expert_mlp(x, w1, w2, spec.activation, trans_w=spec.trans_w, bias=spec.has_bias)
 
 
 def wire_experts(model: nn.Module) -> int:
@@ -225,8 +243,23 @@ def register_experts_hook(fn) -> _HookHandle:
 
 
 def _weights(module: nn.Module, spec: ExpertsSpec):
-    """(w1, w2, b1, b2, lora): the base weights and PEFT's LoRA factors when the fused
-    path can run them, else the weights as read (PEFT folds its update into them)."""
+    """(w1, w2, b1, b2, lora): the module's weights, and LoRA factors where it carries
+    some. Whether it does is state the attachment leaves on the module (the scale of
+    `attach_expert_lora`, the parametrization PEFT registers for the forward): without it
+    nothing of `hf.lora` runs."""
+    if LORA_SCALE in module.__dict__ or "parametrizations" in module._modules:
+        return _lora_weights(module, spec)
+    first = "gate_up_proj" if spec.gated else "up_proj"
+    if not spec.has_bias:
+        return getattr(module, first), module.down_proj, None, None, None
+    b1, b2 = getattr(module, first + "_bias"), module.down_proj_bias
+    return getattr(module, first), module.down_proj, b1, b2, None
+
+
+def _lora_weights(module: nn.Module, spec: ExpertsSpec):
+    """`_weights` of a module with LoRA factors: the base weights and PEFT's factors when
+    the fused path can run them, else the weights as read (PEFT folds its update into
+    them) or with the module's own factors folded in."""
     first = "gate_up_proj" if spec.gated else "up_proj"
     w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
     own = lora is None and not reason

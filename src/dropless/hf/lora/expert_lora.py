@@ -23,6 +23,9 @@ from ..layers import moe_layers
 from .peft_lora import raw_weight
 
 LORA_PARAMS = ("lora_A_first", "lora_B_first", "lora_A_down", "lora_B_down")
+#: the key of the factors' scale in an experts module's `__dict__`: there only while the
+#: module carries factors (what the dropless experts forward checks)
+LORA_SCALE = "_dropless_lora_scale"
 
 
 def peft_to_experts(lora_a_w: torch.Tensor, lora_b_w: torch.Tensor, num_experts: int):
@@ -88,13 +91,13 @@ def attach_expert_lora(
         )
         module.register_parameter(f"lora_A_{which}", nn.Parameter(a.to(w.device)))
         module.register_parameter(f"lora_B_{which}", nn.Parameter(b.to(w.device)))
-    module.__dict__["_dropless_lora_scale"] = float(alpha) / rank
+    module.__dict__[LORA_SCALE] = float(alpha) / rank
 
 
 def attached_lowrank(module: nn.Module):
     """(gate_up LowRank, down LowRank) from factors `attach_expert_lora` registered (local
     shards under expert parallelism), or None."""
-    scale = module.__dict__.get("_dropless_lora_scale")
+    scale = module.__dict__.get(LORA_SCALE)
     if scale is None:
         return None
 
@@ -132,7 +135,7 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    layers = [x for x in moe_layers(model) if "_dropless_lora_scale" in x.experts.__dict__]
+    layers = [x for x in moe_layers(model) if LORA_SCALE in x.experts.__dict__]
     if not layers:
         raise ValueError(
             "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
@@ -142,7 +145,7 @@ def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     names = ("gate_up_proj" if first.has_gate else "up_proj", "down_proj")
     config = peft.LoraConfig(
         r=rank,
-        lora_alpha=first.__dict__["_dropless_lora_scale"] * rank,
+        lora_alpha=first.__dict__[LORA_SCALE] * rank,
         target_parameters=[
             f"{x.name.rpartition('.')[2]}.experts.{n}" for x in layers[:1] for n in names
         ],
@@ -166,7 +169,7 @@ def expert_factor_keys(model: nn.Module, where: dict) -> dict[str, tuple[str, st
     (its key in a PEFT adapter file, "A" or "B", num_experts)}; `where` from `peft_paths`."""
     out = {}
     for x in moe_layers(model):
-        if "_dropless_lora_scale" not in x.experts.__dict__:
+        if LORA_SCALE not in x.experts.__dict__:
             continue
         owner = next(n for n, m in model.named_modules() if m is x.experts)
         names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
@@ -215,7 +218,7 @@ def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
     n = 0
     with torch.no_grad():
         for x in moe_layers(model):
-            if "_dropless_lora_scale" not in x.experts.__dict__:
+            if LORA_SCALE not in x.experts.__dict__:
                 continue
             owner = next(k for k, m in model.named_modules() if m is x.experts)
             names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
@@ -234,7 +237,7 @@ def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
                     lo = _shard_offset(t)
                     local.copy_(full[lo : lo + local.shape[0]])
                 n += 1
-            x.experts.__dict__["_dropless_lora_scale"] = float(config.lora_alpha) / config.r
+            x.experts.__dict__[LORA_SCALE] = float(config.lora_alpha) / config.r
     return n
 
 

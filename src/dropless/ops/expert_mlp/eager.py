@@ -33,7 +33,7 @@ from ..dispatch import get_recipe
 from ..grouped_gemm import grouped_gemm
 from ..grouped_gemm.eager import check_counts, expand_bias
 from ..lora import LowRank, check_lowrank, lora_inputs
-from ..permute.eager import SortedPairs, permute, sort_by_expert, unpermute
+from ..permute.eager import SortedPairs, permute, unpermute
 from ..specs import ActivationConfig, as_activation
 from . import engine
 from .plan import Needs, Saved, Schedule, plan_expert_mlp
@@ -145,7 +145,7 @@ def run(
         )
     sp = None
     if ids_TK is not None:
-        sp = sort_by_expert(ids_TK, gate_up.shape[0], keep_TK, host_counts=not plan.device_counts)
+        sp = plan.sort(ids_TK, gate_up.shape[0], keep_TK, host_counts=not plan.device_counts)
         prob_S = prob_S.reshape(-1).index_select(0, sp.pair_S)
         counts = sp.counts_E if plan.device_counts else sp.counts
         if plan.path == "recipe" and not plan.takes_tokens:
@@ -282,7 +282,7 @@ def expert_mlp_op(
     act = ActivationConfig(kind, gated, interleaved, alpha, limit)
     plan = _op_plan(x_TD, gate_up, down, act, trans_w)
     host = plan.path == "loop" or not plan.device_counts
-    sp = sort_by_expert(ids_TK, gate_up.shape[0], host_counts=host)
+    sp = plan.sort(ids_TK, gate_up.shape[0], host_counts=host)
     operands = (x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias)
     sort = (sp.token_S, sp.pair_S, sp.slot_TK, sp.counts_E)
     sv = _op_saved(plan, operands, *sort, act, trans_w, sp.offsets_E)

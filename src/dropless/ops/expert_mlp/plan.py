@@ -33,8 +33,10 @@ from ..activation.eager import ACTIVATIONS, check_supported
 from ..dispatch import get_recipe, recipe_mlp
 from ..grouped_gemm.backends import GEMM_BACKENDS, GemmBackend, pick_gemm_backend
 from ..grouped_gemm.gpu import supports_triton_gemm
+from ..permute.eager import sort_by_expert, sort_for
 from ..permute.row_ops import ROW_OPS, RowOps, pick_row_ops
 from ..registry import Registry, lazy
+from ..routing.backends import ROUTING
 from ..specs import KERNEL_KINDS, ActivationConfig
 from .threads import python_modes_active
 
@@ -85,7 +87,9 @@ class Schedule:
     """path: "loop", "grouped" or "recipe". gemms: per GEMM of `GEMMS`, its backend, or
     None where `kernels` run it fused. device_counts: the counts stay on the device (no
     host sync). recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its MLP
-    (None: composed from its GEMMs) and whether it takes x_TD and gathers rows itself."""
+    (None: composed from its GEMMs) and whether it takes x_TD and gathers rows itself.
+    sort: the `sort_by_expert` that runs the call's device (a routing kernel's or the
+    torch sort), picked with the plan and called directly."""
 
     path: str
     gemms: tuple[GemmBackend | None, ...] = ()
@@ -96,6 +100,7 @@ class Schedule:
     recipe: object = None
     recipe_mlp: Callable | None = None
     takes_tokens: bool = False
+    sort: Callable = sort_by_expert
 
     @property
     def backend(self) -> GemmBackend | None:
@@ -262,8 +267,11 @@ def plan_expert_mlp(
     if path not in EXPERT_PATHS:
         raise ValueError(f"path={path!r}; expected one of {EXPERT_PATHS} (or None)")
     lora_key = None if lora is None else tuple(lr is not None for lr in lora)
+    tokens = tokens if path == "gathered" else None  # only its tuning reads them
     req = _Request(path, backend, lora_key, capacity, tokens, trans_w, bias, act)
-    key = (req, torch.compiler.is_compiling(), x.device, x.dtype, x.shape[1:], x.stride()[1:])
+    # type(x): a fake tensor's plan (`dropless plan`) picks no kernel that reads data
+    key = (req, torch.compiler.is_compiling(), type(x), x.device, x.dtype, x.shape[1:])
+    key += (x.stride()[1:],)
     key += (_shape(gate_up), _shape(down), _registered(), id(tuner))
     plan = _PLANS.get(key)
     if plan is None:
@@ -285,15 +293,16 @@ def _shape(w):
 def _registered() -> tuple:
     # a registration (first CUDA pick, a test's backend) makes a new plan
     return tuple(
-        id(e) for r in (GEMM_BACKENDS, ROW_OPS, GATHER_KERNELS) for e in r.entries.values()
+        id(e) for r in (GEMM_BACKENDS, ROW_OPS, GATHER_KERNELS, ROUTING) for e in r.entries.values()
     )
 
 
 def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
     backend, path, act = req.backend, req.path, check_supported(req.act)
     cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
+    sort = sort_for(x)
     if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):
-        return Schedule("loop")
+        return Schedule("loop", sort=sort)
     down_lora = req.lora is not None and req.lora[1]
     be = pick_gemm_backend(None if backend in (None, "auto") else backend, x, gate_up, down)
     glu = act.gated and act.kind in ACTIVATIONS and not down_lora
@@ -303,6 +312,7 @@ def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
         row_ops=pick_row_ops(x),
         act_row_ops=pick_row_ops(x, activation=act.kind) if glu else None,
         device_counts=be.device_counts and not req.capacity,
+        sort=sort,
     )
     if path != "gathered":
         return grouped

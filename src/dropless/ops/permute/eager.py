@@ -9,6 +9,7 @@ same input gives the same bits on every backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,8 @@ def sort_by_expert(
     *,
     host_counts: bool = True,
 ) -> SortedPairs:
-    """Stable sort of the T*K pairs by expert id (ties keep (token, k) order).
+    """Stable sort of the T*K pairs by expert id (ties keep (token, k) order), by the
+    routing kernel that runs ids_TK or the torch sort (`sort_for`).
 
     keep_TK (bool) marks pairs kept under a capacity limit; others are left out of the
     slots. The host copy of counts is the one device->host sync of a layer.
@@ -62,15 +64,36 @@ def sort_by_expert(
     known without reading a device value, so the sort is sync-free (CUDA graphs,
     torch.compile without graph breaks); consumers then use `counts_E`.
     """
-    T, K = ids_TK.shape
-    flat = ids_TK.reshape(-1)
+    _check_host_counts(keep_TK, host_counts)
+    return sort_for(ids_TK)(ids_TK, num_experts, keep_TK, host_counts=host_counts)
+
+
+def sort_for(t: torch.Tensor) -> Callable[..., SortedPairs]:
+    """The `sort_by_expert` that runs tensor t's device: the best registered routing
+    kernel's (`ops.routing`; none under torch.compile), else `torch_sort_by_expert`. A
+    caller that plans once (the expert MLP's `Schedule.sort`) keeps it and calls it."""
+    kernels = pick_routing_kernels(t)
+    return torch_sort_by_expert if kernels is None else kernels.sort_by_expert
+
+
+def _check_host_counts(keep_TK, host_counts: bool) -> None:
     if not host_counts and keep_TK is not None:
         raise ValueError(
             "host_counts=False needs keep_TK=None: the dropped count is data-dependent"
         )
-    kernels = pick_routing_kernels(ids_TK)
-    if kernels is not None:
-        return kernels.sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=host_counts)
+
+
+def torch_sort_by_expert(
+    ids_TK: torch.Tensor,
+    num_experts: int,
+    keep_TK: torch.Tensor | None = None,
+    *,
+    host_counts: bool = True,
+) -> SortedPairs:
+    """`sort_by_expert` by torch ops (argsort, bincount), on any device."""
+    _check_host_counts(keep_TK, host_counts)
+    T, K = ids_TK.shape
+    flat = ids_TK.reshape(-1)
     if not host_counts:
         return _sort_sync_free(flat, num_experts, T, K)
     if keep_TK is not None:

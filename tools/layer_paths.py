@@ -2,13 +2,53 @@
 from a checkout (not in the wheel; `bench.common.from_checkout`), each with the router of
 `route` on the same inputs and weights: `composed` (dropless's sort and permute around
 `grouped_mm` autograd nodes), `grouped_mm-plain` (written plainly, no dropless op) and
-`bmm-padded` (bmm over experts padded to the largest count)."""
+`bmm-padded` (bmm over experts padded to the largest count); and the contexts of the
+`dropless.MoE` rows the GPU table asks for by name (`VARIANTS`: under a low-precision
+recipe, or with the eager row ops in place of the Triton ones)."""
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted pairs
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+# dropless under a recipe: E4M3 gradients too, since torch's FP8 grouped GEMM takes no
+# E5M2 operand (HYBRID's dgrad would run emulated, see docs/fp8.md)
+RECIPES = {
+    "dropless-fp8-current-row": lambda d: d.Float8CurrentScaling(
+        granularity="row", fp8_format="E4M3"
+    ),
+    "dropless-fp8-delayed": lambda d: d.DelayedScaling(fp8_format="E4M3"),
+    "dropless-mxfp8-saved": lambda d: d.MXFP8BlockScaling(fp8_saved_activations=True),
+}
+
+
+def variant_context(name: str):
+    """The context a `dropless.MoE` row of `VARIANTS` runs in: its recipe's autocast, or the
+    Triton row ops unregistered, so the pick falls to the eager ones."""
+    import dropless
+
+    if name in RECIPES:
+        return dropless.autocast(recipe=RECIPES[name](dropless))
+    return _eager_row_ops()
+
+
+@contextlib.contextmanager
+def _eager_row_ops():
+    from dropless.ops.permute import row_ops
+
+    row_ops.ROW_OPS.load_gpu()  # registered on the first CUDA pick: register it, then hide it
+    saved = row_ops.ROW_OPS.entries.pop("triton", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            row_ops.register_row_ops(saved)
+
+
+VARIANTS = (*RECIPES, "dropless-eager-row-ops")
 
 
 def route(x_TD, w_router_ED, K):

@@ -103,7 +103,7 @@ def test_a_bench_without_its_extra_says_so_before_a_child_starts(
 
 
 def test_the_layer_bench_names_the_extra_of_its_hugging_face_rows(monkeypatch):
-    from dropless.bench.layer_impls import hf_block
+    from dropless.bench.layer import hf_block
 
     for name in list(sys.modules):
         if name == "transformers" or name.startswith("transformers."):

@@ -7,9 +7,10 @@ matmul rate (`torch.matmul` of two square matrices: cuBLAS on CUDA)."""
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
+
+from .common import step_times
 
 # the six GEMMs of the bound, in the order it runs them: (what, operand shapes)
 BOUND_GEMMS = (
@@ -62,17 +63,9 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int | None = None, rounds: i
     n = n or size
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(n, n, generator=g).to(device=device, dtype=dtype) for _ in range(2))
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    torch.matmul(a, b)
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.matmul(a, b)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3 / reps)
-    ms = statistics.median(times)
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    times = step_times(lambda: [torch.matmul(a, b) for _ in range(reps)], rounds, 1, sync)
+    ms = statistics.median(times) * 1e3 / reps
     how = "cuBLAS (torch.matmul)" if device == "cuda" else "torch.matmul on CPU"
     name = str(dtype).removeprefix("torch.")
     return {"dtype": name, "n": n, "ms": ms, "tflops": 2.0 * n**3 / ms / 1e9, "how": how}

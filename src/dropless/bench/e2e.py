@@ -7,36 +7,20 @@ load from other processes hits them alike; >= 3 rounds. Timing children run unde
 default allocator (malloc settings removed from their environment, no mallopt): one
 warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s =
 batch*seq / median step time). Memory is measured in separate children, one per
-implementation after the timing rounds: glibc is told, before the model is built, to
-serve blocks >= 128 KiB with mmap and to trim freed memory (mallopt), so the resident
-set follows the live tensors;
-after a warm-up step the child reads VmRSS (the steady state: weights, AdamW state),
-resets VmHWM (/proc/self/clear_refs) and runs one more step, forward+backward and the
-AdamW step measured apart; peak step memory = the larger of the two VmHWM minus that
-baseline. That setting changes speed (the stock model's larger temporaries page-fault
-more under it), which is why no timing is taken with it. Every child starts from the same
-seed, so the first-step losses of the three implementations must agree (printed as a check).
+implementation after the timing rounds, with glibc told before the model is built to
+serve blocks >= 128 KiB with mmap and to trim freed memory (`follow_live_memory`), so the
+resident set follows the live tensors: after a warm-up step, the larger VmHWM of
+forward+backward and of the AdamW step above the steady VmRSS (`measure_memory`). That
+setting changes speed, which is why no timing is taken with it. Every child starts from
+the same seed, so the first-step losses of the rows must agree (printed as a check).
+`--device cuda`: bf16, fused AdamW, the step timed between device synchronizations; peak
+step memory from the caching allocator, in the timing child after its timed steps.
 
-Peer rows (tools/peers.py, run from a checkout; the stock `grouped_mm` model with the
-peer applied):
-`liger` (Liger-Kernel's RMSNorm and fused linear cross-entropy), `liger-moe` (the same
-and its fused MoE experts), `cce` (Cut Cross-Entropy's loss on the final hidden states).
-A peer whose package does not import, or that needs CUDA on a CPU run, is not timed; the
-run names it with the version it looked for (`figures.peers`). `--profile`: one more
-training step of the `dropless` row under torch.profiler, in its first timing child after
-its timed steps: a per-kernel table in `figures.profile` (tools/bench_profile.py, run from a checkout).
-
-`--compile`: each of the `grouped_mm`, `dropless` and `dropless-fused-ce` rows asked for
-gets a compiled twin (`<row>+compile`: `torch.compile(model)`, inductor, default mode; the
-warm-up step compiles forward and backward); a row may also be named so in `--impls`.
-`--checkpointing`: every row with Transformers' gradient checkpointing (non-reentrant);
-`--fused-rmsnorm`: the dropless rows with `patch(fused_rmsnorm=True)` too.
-
-`--device cuda`: the model in bf16 on the GPU, fused AdamW, the step timed between device
-synchronizations; peak step memory from the caching allocator (max_memory_allocated
-above memory_allocated before the step, forward+backward and the AdamW step apart),
-measured in the timing child after its timed steps (allocator statistics do not change
-speed), so there are no memory children.
+The peer rows (`PEER_ROWS`: the stock `grouped_mm` model with the peer applied) run from a
+checkout (tools/peers.py); one whose package does not import, or that needs CUDA on a CPU
+run, is not timed, the run names it with the version it looked for (`figures.peers`).
+`--profile` (tools/bench_profile.py): a per-kernel table of one more training step of the
+`dropless` row, in its first timing child (`figures.profile`).
 """
 
 # B batch, L sequence length
@@ -48,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from .common import (
     Recorder,
@@ -63,6 +46,7 @@ from .common import (
     reset_peak_rss,
     rss_mib,
     run_child,
+    step_times,
     write_section,
 )
 from .e2e_report import summary as _summary
@@ -203,14 +187,16 @@ def build_row_model(
         model = model.float().train()
     if impl in PEER_ROWS:  # on the model as it will run: its dtype, its device
         from_checkout("peers", f"the row {impl}").apply_e2e(impl, model)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # older Transformers 5 releases name it gradient_checkpointing_enable only
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
     return torch.compile(model) if compiled else model
 
 
-def child(args: dict) -> dict:
+def child(args: dict, build=build_row_model) -> dict:
     """One implementation in this process: `mode` "time" (default allocator, timed steps)
-    or "memory" (mallopt so RSS follows live tensors, peak step memory, no timing)."""
+    or "memory" (mallopt so RSS follows live tensors, peak step memory, no timing); its
+    model from `build` (`bench lora`: the LoRA rows, AdamW on the trainable parameters)."""
     import torch
 
     shape, impl, device = args["shape"], args["impl"], args.get("device", "cpu")
@@ -218,14 +204,15 @@ def child(args: dict) -> dict:
     tracked = follow_live_memory() if args.get("mode") == "memory" else None
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
-    model = build_row_model(
+    model = build(
         impl, shape, device, checkpointing=bool(args.get("checkpointing")),
-        fused_rmsnorm=bool(args.get("fused_rmsnorm")),
+        fused_rmsnorm=bool(args.get("fused_rmsnorm")), **{k: args[k] for k in ("rank",) if k in args},
     )  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]
     # fused: torch's AdamW kernel (fastest, no parameter-sized temporaries);
     # foreach: the default multi-tensor path, whose temporaries are parameter-sized
     fused = args.get("optimizer", "fused") == "fused"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=not fused)
     g = torch.Generator().manual_seed(1)
     ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
     ids_BL = ids_BL.to(device)
@@ -242,6 +229,7 @@ def child(args: dict) -> dict:
     first_loss = float(fwd_bwd())  # warm-up: AdamW state allocated here
     opt_step()
     out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
+    out["trainable"] = sum(p.numel() for p in params)
     out["threads"] = torch.get_num_threads()
     out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if out["mode"] == "memory":
@@ -256,7 +244,7 @@ def child(args: dict) -> dict:
             prof = from_checkout("bench_profile", "--profile")
             out["profile"] = prof.kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
     out["dropless_calls"] = None
-    if impl.startswith("dropless") and not impl.endswith(SUFFIX):  # compiled calls: not counted
+    if "dropless" in impl and not impl.endswith(SUFFIX):  # compiled calls: not counted
         import dropless.hf.experts as dh
 
         out["dropless_calls"] = sum(dh.CALLS.values())
@@ -264,17 +252,8 @@ def child(args: dict) -> dict:
 
 
 def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int, sync=None) -> dict:
-    """`steps` timed training steps: median and best step time, tokens/s from the median.
-    `sync` (a device's synchronize) runs before the clock starts and before it stops."""
-    sync = sync or (lambda: None)
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        fwd_bwd()
-        opt_step()
-        sync()
-        times.append(time.perf_counter() - t0)
+    """`steps` timed training steps: median and best step time, tokens/s from the median."""
+    times = step_times(lambda: (fwd_bwd(), opt_step()), steps, sync=sync)
     step_s = statistics.median(times)
     return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
 
@@ -348,28 +327,34 @@ def _device(args) -> str:
     return dev
 
 
-def _timing_rounds(args, impls, shape, device="cpu", failed=None) -> dict[str, list[dict]]:
+def _common(args, shape: dict, device: str) -> dict:
+    """What every child of a run is given (`bench lora`'s LoRA rank too)."""
+    keys = ("steps", "optimizer", "threads", "checkpointing", "fused_rmsnorm", "rank")
+    return {"shape": shape, "device": device} | {
+        k: getattr(args, k) for k in keys if hasattr(args, k)
+    }
+
+
+def _timing_rounds(
+    args, impls, shape, device="cpu", failed=None, module="dropless.bench.e2e"
+) -> dict[str, list[dict]]:
     """Timing children only (default allocator), the order rotated every round. A peer
     row whose child fails is dropped, its error put in `failed`."""
     failed = {} if failed is None else failed
     results: dict[str, list[dict]] = {i: [] for i in impls}
-    common = {
-        "shape": shape, "steps": args.steps, "optimizer": args.optimizer, "device": device,
-        "checkpointing": getattr(args, "checkpointing", False),
-        "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
-    }  # fmt: skip
+    eager_rounds = getattr(args, "eager_rounds", None)
     for r in range(args.rounds):
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
-        if args.eager_rounds is not None and r >= args.eager_rounds:
+        if eager_rounds is not None and r >= eager_rounds:
             order = [i for i in order if i != "eager"]
         for impl in order:
             progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
             if impl in failed:
                 continue
             profile = bool(getattr(args, "profile", False)) and impl == PROFILED and r == 0
-            child = {**common, "impl": impl, "mode": "time", "threads": args.threads}
+            child = _common(args, shape, device) | {"impl": impl, "mode": "time"}
             try:
-                out = run_child("dropless.bench.e2e", child | {"profile": profile})
+                out = run_child(module, child | {"profile": profile})
             except RuntimeError as e:
                 if impl not in PEER_ROWS:
                     raise
@@ -379,29 +364,21 @@ def _timing_rounds(args, impls, shape, device="cpu", failed=None) -> dict[str, l
                 continue
             results[impl].append(out)
             print(
-                f"round {r + 1}/{args.rounds} {impl:10s} {out['tokens_per_s']:8.0f} tokens/s "
+                f"round {r + 1}/{args.rounds} {impl:14s} {out['tokens_per_s']:8.0f} tokens/s "
                 f"step {out['step_s']:.2f} s  loss {out['first_loss']:.4f}",
                 flush=True,
             )
     return {i: outs for i, outs in results.items() if i not in failed}
 
 
-def _memory_runs(args, impls, shape) -> dict[str, dict]:
+def _memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, dict]:
     """One memory child per implementation (mallopt inside it), separate from timing."""
     out = {}
     for impl in impls:
         progress(f"memory: measuring {impl} (its own process)")
-        m = run_child(
-            "dropless.bench.e2e",
-            {
-                "shape": shape, "impl": impl, "mode": "memory", "steps": 0,
-                "optimizer": args.optimizer, "threads": args.threads,
-                "checkpointing": getattr(args, "checkpointing", False),
-                "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
-            },
-        )  # fmt: skip
-        out[impl] = m
-        print(f"memory {impl:10s} peak step {m['peak_step_mib']:.0f} MiB", flush=True)
+        child = _common(args, shape, "cpu") | {"impl": impl, "mode": "memory", "steps": 0}
+        out[impl] = run_child(module, child)
+        print(f"memory {impl:14s} peak step {out[impl]['peak_step_mib']:.0f} MiB", flush=True)
     return out
 
 
@@ -427,6 +404,7 @@ def _rows(results: dict, memory: dict, shape: dict) -> dict:
             "peak_fwd_bwd_mib": mem.get("peak_fwd_bwd_mib"),
             "peak_optimizer_mib": mem.get("peak_optimizer_mib"),
             "memory_tracked": mem.get("memory_tracked"),
+            "trainable": outs[0].get("trainable"),
         }
     return rows
 

@@ -13,6 +13,7 @@ and are reported only when one is present.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -23,6 +24,7 @@ from .common import (
     add_history_arguments,
     add_section_argument,
     require_default_allocator,
+    step_times,
     write_section,
 )
 
@@ -134,16 +136,13 @@ def measure_step_time(shape: dict, variant: str, steps: int) -> float:
     )
     x = torch.randn(shape["T"], shape["D"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
     recipe = _recipe(variant, saved=True)
-    times = []
-    for _ in range(steps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         with dropless.autocast(enabled=recipe is not None, recipe=recipe):
             out, _ = moe(x)
         out.float().sum().backward()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times[2:])[len(times[2:]) // 2]
+
+    return 1e3 * statistics.median(step_times(step, steps, 2, torch.cuda.synchronize))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -64,23 +64,15 @@ def _median_ms(fn, args, rounds):
     return statistics.median(times)
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _child(cfg: dict) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from dropless.bench.common import peak_rss_mib
+    from dropless.bench.common import peak_rss_mib, rss_mib
     from dropless.jax import MoEConfig, init_params, moe_apply, swiglu
 
-    base_rss_mib = _rss_mib()  # the imported runtime (torch via dropless, jax), before any array
+    base_rss_mib = rss_mib()  # the imported runtime (torch via dropless, jax), before any array
     E, K, D, F, T = cfg["E"], cfg["K"], cfg["D"], cfg["F"], cfg["T"]
     impl, rounds = cfg["impl"], cfg["rounds"]
     x = jnp.asarray(np.random.default_rng(0).standard_normal((T, D), dtype=np.float32))

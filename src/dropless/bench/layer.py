@@ -9,24 +9,14 @@ in its own child process (CPU) and reports the step's peak RSS (VmHWM from
 /proc/self/status, reset through /proc/self/clear_refs) minus the RSS once inputs and
 weights are allocated; on CUDA, max_memory_allocated minus memory_allocated.
 
-The dense bound (row `dense`) is exactly six dense `torch.mm` calls and nothing else:
-with M = T*K rows and one expert's weights, the gate/up forward [M,D]x[D,2F], the down
-forward [M,F]x[F,D], the down input gradient [M,D]x[D,F], the down weight gradient
-[D,M]x[M,F], the gate/up input gradient [M,2F]x[2F,D] (the layer's input gradient) and
-the gate/up weight gradient [2F,M]x[M,D]: 18*T*K*D*F FLOPs, the expert GEMMs of the
-layer. Its operands are allocated before the clock starts (the input repeated K times,
-random stand-ins for the gate/up output gradient and the activation); no routing,
-gather, SwiGLU, combine or autograd is in it.
-
-Rates: every row reports ms, TFLOP/s (those 18*T*K*D*F FLOPs over its time, whatever
-else it computes) and its share of the bound (bound ms / its ms). The machine's dense
-matmul rate (`torch.matmul` of two square matrices: cuBLAS on CUDA, bf16; on CPU bf16
-and fp32) is measured in the same run and recorded (`figures.matmul`), and each row's
-rate is also given as a share of it. The experts-path variants (tools/layer_paths.py) and
-the peer rows (tools/peers.py) run from a checkout; a peer row runs when its package
-imports, otherwise the run names it "not installed" or "needs CUDA", with the version
-looked for (`figures.peers`). `--profile`: the per-kernel table of one bf16 and one FP8
-step (tools/bench_profile.py, run from a checkout).
+The dense bound (row `dense`, bench/bound.py) is the layer's six expert GEMMs as dense
+`torch.mm` on operands allocated before the clock starts, 18*T*K*D*F FLOPs, nothing else.
+Every row reports ms, TFLOP/s (those FLOPs over its time), its share of the bound and of
+the machine's dense matmul rate, measured in the same run (`figures.matmul`). The
+experts-path variants (tools/layer_paths.py) and the peer rows (tools/peers.py) run from
+a checkout; a peer row runs when its package imports, otherwise the run names it, with
+the version looked for (`figures.peers`). `--profile` (tools/bench_profile.py): the
+per-kernel table of one bf16 and one FP8 step.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, M = T*K rows
@@ -34,6 +24,7 @@ step (tools/bench_profile.py, run from a checkout).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -41,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -58,7 +50,6 @@ from .common import (
     run_child,
     write_section,
 )
-from .layer_impls import DROPLESS_VARIANTS, RECIPES, hf_block, variant_context
 from .layer_table import notes as _notes
 from .layer_table import table as _table
 
@@ -78,13 +69,16 @@ IMPLS = (
     "hf-grouped_mm",
     "hf-eager",
 )
-# rows asked for by name, the GPU tables' (`scripts/gpu_check.py`), peers included
+# rows asked for by name, the GPU tables' (`scripts/gpu_check.py`), peers included; the
+# `dropless.MoE` rows under a recipe or with the eager row ops (tools/layer_paths.VARIANTS)
+VARIANTS = ("dropless-fp8-current-row", "dropless-fp8-delayed", "dropless-mxfp8-saved",
+            "dropless-eager-row-ops")  # fmt: skip
 PEER_ROWS = ("liger-moe", "torchao-fp8-row")  # tools/peers.py's LAYER_ROWS
-EXTRA_IMPLS = ("grouped_mm-plain", *DROPLESS_VARIANTS, *PEER_ROWS)
-# the rows with tools/layer_paths.py's router, run from a checkout: module -> rows
-CHECKOUT_ROWS = {"layer_paths": ("composed", "grouped_mm-plain", "bmm-padded"),
+EXTRA_IMPLS = ("grouped_mm-plain", *VARIANTS, *PEER_ROWS)
+# the rows run from a checkout: tools/ module -> rows
+CHECKOUT_ROWS = {"layer_paths": ("composed", "grouped_mm-plain", "bmm-padded", *VARIANTS),
                  "peers": PEER_ROWS}  # fmt: skip
-QUANTIZED = (*RECIPES, "torchao-fp8-row")  # rows whose output differs by FP8 rounding
+QUANTIZED = (*VARIANTS[:3], "torchao-fp8-row")  # rows whose output differs by FP8 rounding
 PROFILED = ("dropless", "dropless-fp8-current-row")  # --profile: one bf16, one FP8 step
 BOUND = {
     "gemms": [f"{what}: {shapes}" for what, shapes in BOUND_GEMMS],
@@ -191,7 +185,7 @@ def build_impl(name: str, cfg: dict):
             block(x_TD.unsqueeze(0)).backward(grad_TD.unsqueeze(0))
 
         return step, list(block.parameters()) + [x_TD], lambda: block(x_TD.unsqueeze(0))[0]
-    if name in ("dropless", "dropless-grouped", *DROPLESS_VARIANTS):
+    if name in ("dropless", "dropless-grouped", *VARIANTS):
         return _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD)
     # experts-path variants and peers with the router of `route` (identical routing)
     paths = from_checkout("layer_paths", f"the row {name}")
@@ -210,8 +204,12 @@ def build_impl(name: str, cfg: dict):
 
 def _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD):
     """`dropless.MoE` with the shared weights; a variant runs in its context (a recipe's
-    autocast, the eager row ops)."""
+    autocast, the eager row ops: tools/layer_paths.py)."""
     from dropless import nn as dnn
+
+    context = contextlib.nullcontext
+    if name in VARIANTS:
+        context = partial(from_checkout("layer_paths", f"the row {name}").variant_context, name)
 
     E, K, D, F = cfg["E"], cfg["K"], cfg["D"], cfg["F"]
     backend = "grouped_mm" if name == "dropless-grouped" else None
@@ -224,14 +222,41 @@ def _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD):
         moe.experts.down_proj.copy_(down)
 
     def step():
-        with variant_context(name):
+        with context():
             moe(x_TD)[0].backward(grad_TD)
 
     def forward():
-        with variant_context(name):
+        with context():
             return moe(x_TD)[0]
 
     return step, list(moe.parameters()) + [x_TD], forward
+
+
+def hf_block(cfg, impl, w_router, gate_up, down):
+    try:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ModuleNotFoundError:  # the command line says this one line (cli/messages.py)
+        raise ModuleNotFoundError(
+            "the Hugging Face rows (hf-*) need transformers: pip install 'dropless[hf]'",
+            name="transformers",
+        ) from None
+    conf = Qwen3MoeConfig(
+        hidden_size=cfg["D"],
+        moe_intermediate_size=cfg["F"],
+        num_experts=cfg["E"],
+        num_experts_per_tok=cfg["K"],
+        norm_topk_prob=True,
+        experts_implementation=impl,
+    )
+    with torch.device(w_router.device):  # its own initialization on the device: fast on a GPU
+        block = Qwen3MoeSparseMoeBlock(conf).to(dtype=w_router.dtype)
+    assert block.experts.config._experts_implementation == impl
+    with torch.no_grad():
+        block.gate.weight.copy_(w_router)
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
+    return block
 
 
 # --- measuring ---------------------------------------------------------------------------

@@ -21,27 +21,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
+from . import e2e
 from .common import (
     Recorder,
     add_history_arguments,
     add_section_argument,
-    follow_live_memory,
     load_sentence,
-    progress,
     require_extra,
-    run_child,
     write_section,
 )
-from .e2e import QUICK, SHAPE, build_row_model, measure_memory, time_steps, timing_figures
+from .e2e import QUICK, SHAPE, build_row_model
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
 RANK = 16
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+LABELS = {
+    "peft": "stock PEFT LoRA, HF v5 `grouped_mm`",
+    "peft_dropless": "PEFT LoRA + `dropless.patch()`",
+    "full": "full fine-tuning, HF v5 `grouped_mm`",
+    "full_dropless": "full fine-tuning + `dropless.patch()`",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,17 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_section_argument(p, "lora")
 
 
-# --- the child ------------------------------------------------------------------------------
-
-
-def build_model(impl: str, shape: dict, rank: int = RANK):
+def build_model(impl: str, shape: dict, device: str = "cpu", rank: int = RANK, **_):
     """The row's model: PEFT-wrapped (LoRA rows) or plain (full rows), fp32, train mode."""
     if impl.startswith("peft"):
         import peft  # before patch(): dropless then registers PEFT's factors without a fold
     model = build_row_model("dropless" if impl.endswith("dropless") else "grouped_mm", shape)
     if not impl.startswith("peft"):
         return model
-
     config = peft.LoraConfig(
         r=rank, lora_alpha=2 * rank, target_parameters=EXPERTS, target_modules=ATTENTION
     )
@@ -79,54 +78,9 @@ def build_model(impl: str, shape: dict, rank: int = RANK):
 
 
 def child(args: dict) -> dict:
-    """One row in this process: mode "time" (default allocator) or "memory"."""
-    import torch
-
-    shape, impl = args["shape"], args["impl"]
-    # memory mode: the allocator policy from the start, before the model's first allocation
-    tracked = follow_live_memory() if args.get("mode") == "memory" else None
-    if args.get("threads"):
-        torch.set_num_threads(int(args["threads"]))
-    model = build_model(impl, shape, args.get("rank", RANK))
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    g = torch.Generator().manual_seed(1)
-    ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
-
-    def fwd_bwd() -> float:
-        loss = model(input_ids=ids_BL, labels=ids_BL).loss
-        loss.backward()
-        return float(loss.detach())
-
-    def opt_step() -> None:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    first_loss = fwd_bwd()
-    opt_step()
-    out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
-    out["trainable"] = sum(p.numel() for p in params)
-    out["threads"] = torch.get_num_threads()
-    out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
-    if out["mode"] == "memory":
-        out.update(measure_memory(fwd_bwd, opt_step, tracked))
-    else:
-        out.update(time_steps(fwd_bwd, opt_step, args["steps"], shape["batch"] * shape["seq"]))
-    if impl.endswith("dropless"):
-        import dropless.hf.experts as dh
-
-        out["dropless_calls"] = sum(dh.CALLS.values())
-    return out
-
-
-# --- the parent -----------------------------------------------------------------------------
-
-_LABELS = {
-    "peft": "stock PEFT LoRA, HF v5 `grouped_mm`",
-    "peft_dropless": "PEFT LoRA + `dropless.patch()`",
-    "full": "full fine-tuning, HF v5 `grouped_mm`",
-    "full_dropless": "full fine-tuning + `dropless.patch()`",
-}
+    """One row in this process (`bench e2e`'s child with this bench's model): mode "time"
+    (default allocator) or "memory"."""
+    return e2e.child(args, build=build_model)
 
 
 def _check_args(args) -> list[str]:
@@ -154,53 +108,11 @@ def _table(rows: dict) -> str:
                 mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x"
         peak = r.get("peak_step_mib")
         lines.append(
-            f"| {_LABELS[impl]} | {r['trainable']:,} | {r['tokens_per_s']:.0f} "
+            f"| {LABELS[impl]} | {r['trainable']:,} | {r['tokens_per_s']:.0f} "
             f"({r['best_tokens_per_s']:.0f}) | {r['step_s']:.2f} "
             f"| {'-' if peak is None else f'{peak:.1f}'} | {speed} | {mem} | {r['first_loss']:.4f} |"
         )
     return "\n".join(lines)
-
-
-def _rounds(args, impls, shape) -> dict[str, list[dict]]:
-    results: dict[str, list[dict]] = {i: [] for i in impls}
-    common = {"shape": shape, "steps": args.steps, "rank": args.rank, "threads": args.threads}
-    for r in range(args.rounds):
-        for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
-            progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
-            out = run_child("dropless.bench.lora", {**common, "impl": impl, "mode": "time"})
-            results[impl].append(out)
-            print(
-                f"round {r + 1}/{args.rounds} {impl:14s} {out['tokens_per_s']:8.0f} tokens/s "
-                f"loss {out['first_loss']:.4f}",
-                flush=True,
-            )
-    return results
-
-
-def _memory(args, impls, shape) -> dict[str, dict]:
-    out = {}
-    for impl in impls:
-        progress(f"memory: measuring {impl} (its own process)")
-        m = run_child(
-            "dropless.bench.lora",
-            {"shape": shape, "impl": impl, "mode": "memory", "steps": 0, "rank": args.rank,
-             "threads": args.threads},
-        )  # fmt: skip
-        out[impl] = m
-        print(f"memory {impl:14s} peak step {m['peak_step_mib']:.0f} MiB", flush=True)
-    return out
-
-
-def rows_of(results: dict, memory: dict, shape: dict) -> dict:
-    rows = {}
-    for impl, outs in results.items():
-        mem = memory.get(impl, {})
-        rows[impl] = {
-            **timing_figures(outs, shape),
-            "peak_step_mib": mem.get("peak_step_mib"),
-            "trainable": outs[0]["trainable"],
-        }
-    return rows
 
 
 def _summary(rows: dict) -> str:
@@ -220,9 +132,9 @@ def run(args) -> int:
     impls = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.quick else SHAPE
-    results = _rounds(args, impls, shape)
-    memory = {} if args.no_memory else _memory(args, impls, shape)
-    rows = rows_of(results, memory, shape)
+    results = e2e._timing_rounds(args, impls, shape, module="dropless.bench.lora")
+    memory = {} if args.no_memory else e2e._memory_runs(args, impls, shape, "dropless.bench.lora")
+    rows = e2e._rows(results, memory, shape)
     lora = [rows[i]["first_loss"] for i in ("peft", "peft_dropless") if i in rows]
     if len(lora) == 2 and abs(lora[0] - lora[1]) > 1e-3 * abs(lora[0]):
         print(f"WARNING: first-step losses of the LoRA rows differ: {lora}")

@@ -5,9 +5,9 @@ Rows (`--impls`):
 - `grouped_mm`: stock Transformers, `experts_implementation="grouped_mm"` (its default);
 - `grouped_mm-ckpt`: the same with its activation checkpointing (every decoder layer);
 - `dropless`: the long-sequence recipe, as `dropless train` runs it by default:
-  `dropless.patch()`, activation checkpointing, the fused linear + cross-entropy head
-  (`enable_fused_cross_entropy`) and dropless's RMSNorm (`enable_fused_rmsnorm`: on CPU a
-  torch op that keeps the input and one value per row for backward);
+  `dropless.patch(fused_cross_entropy=True, fused_rmsnorm=True)` (the fused linear +
+  cross-entropy head; dropless's RMSNorm, on CPU a torch op that keeps the input and one
+  value per row for backward) and activation checkpointing (`bench e2e`'s model);
 - `dropless-mxfp8` (not run by default): the recipe plus MXFP8 saved activations
   (`dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True))`
   around the forward and the backward, where checkpointing recomputes the layers). On
@@ -59,7 +59,7 @@ from .common import (
     timing_env,
     write_section,
 )
-from .e2e import QUICK, SHAPE
+from .e2e import QUICK, SHAPE, build_row_model
 
 IMPLS = ("grouped_mm", "grouped_mm-ckpt", "dropless", "dropless-mxfp8")
 DEFAULT_IMPLS = ("grouped_mm", "grouped_mm-ckpt", "dropless")
@@ -116,35 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _build(impl: str, shape: dict, seq: int):
-    import torch
-    import transformers as tf
-
-    cfg = tf.Qwen3MoeConfig(
-        **{k: shape[k] for k in MODEL_KEYS},
-        max_position_embeddings=max(seq, 64), norm_topk_prob=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    if impl.startswith("dropless"):
-        import dropless
-        from dropless.hf.fusions.fused_loss import enable_fused_cross_entropy
-        from dropless.hf.fusions.rmsnorm import enable_fused_rmsnorm
-
-        dropless.patch()
-        model = tf.AutoModelForCausalLM.from_config(cfg)
-        assert model.get_experts_implementation()[""] == "dropless"
-        enable_fused_cross_entropy(model)
-        enable_fused_rmsnorm(model)
-    else:
-        model = tf.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
-    model = model.float().train()
-    if impl != "grouped_mm":
-        # older Transformers 5 releases name it gradient_checkpointing_enable only
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable({"use_reentrant": False})
-    return model
+    """`bench e2e`'s model of the row: stock, or dropless with the fused loss and RMSNorm."""
+    row = "dropless-fused-ce" if impl.startswith("dropless") else "grouped_mm"
+    return build_row_model(
+        row, {**shape, "seq": seq}, checkpointing=impl != "grouped_mm", fused_rmsnorm=True
+    )
 
 
 def _recipe(impl: str):

@@ -12,6 +12,7 @@ shares are of the rows' sum, so on each device they add up to 1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -86,3 +87,21 @@ def markdown(title: str, table: dict) -> str:
             name = name[:87] + "..."
         lines.append(f"| `{name}` | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def layer_steps(build_impl, cfg: dict, names) -> tuple[dict, list[str]]:
+    """`dropless bench layer --profile`: one step of each row in `names` (`build_impl` of
+    bench/layer.py, uniform routes) under the profiler -> ({T, tables}, their markdown)."""
+    tables = {}
+    for name in names:
+        print(f"T={cfg['T']} profile: {name}", file=sys.stderr, flush=True)
+        step, params, _ = build_impl(name, {**cfg, "skewed": False})
+
+        def once(step=step, params=params):
+            for p in params:
+                p.grad = None
+            step()
+
+        tables[name] = kernel_table(once, cfg["device"])
+    text = [markdown(f"`{n}` T={cfg['T']}", t) for n, t in tables.items()]
+    return {"T": cfg["T"], "tables": tables}, text

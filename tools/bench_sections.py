@@ -283,8 +283,8 @@ PLAIN = {
             "`torch.autograd.graph.saved_tensors_hooks` (each storage once; parameters and views "
             "of them left out), for the layer's whole forward (router, losses, experts), then a "
             "backward to check it runs; exact and allocator independent, so CPU measures it. "
-            "FP8 rows: the recipe with `fp8_saved_activations=True`, through `dropless.MoE` and "
-            "through the expert MLP handed `x_TD` and the token indices (`x_TD path`). Seconds: "
+            "FP8 rows: the recipe with `fp8_saved_activations=True`, through `dropless.MoE`, "
+            "whose expert MLP is handed `x_TD` and the token indices under a recipe. Seconds: "
             "wall time of that forward+backward on this machine (emulated FP8 on CPU), not a "
             "speed claim."
         ),

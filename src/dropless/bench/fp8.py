@@ -30,7 +30,9 @@ from .common import (
 
 # the Qwen3-30B-A3B layer scaled down (docs/design.md, "The reference shape")
 SHAPE = dict(T=512, D=1024, F=384, E=64, K=8)
-VARIANTS = ("bf16", "fp8_current", "fp8_delayed", "mxfp8")
+# variant -> its recipe (`quant.recipe_from_name`), with FP8 saved activations
+RECIPES = {"bf16": "none", "fp8_current": "current", "fp8_delayed": "delayed", "mxfp8": "mxfp8"}
+VARIANTS = tuple(RECIPES)
 
 
 def saved_tensor_bytes(fn, exclude: list[torch.Tensor] = ()) -> tuple[int, object]:
@@ -54,63 +56,24 @@ def saved_tensor_bytes(fn, exclude: list[torch.Tensor] = ()) -> tuple[int, objec
     return sum(seen.values()), out
 
 
-def _recipe(name: str, saved: bool):
-    from dropless import quant
+def _recipe(name: str):
+    from dropless.quant import recipe_from_name
 
-    if name == "fp8_current":
-        return quant.Float8CurrentScaling(fp8_saved_activations=saved)
-    if name == "fp8_delayed":
-        return quant.DelayedScaling(fp8_saved_activations=saved)
-    if name == "mxfp8":
-        return quant.MXFP8BlockScaling(fp8_saved_activations=saved)
-    return None
+    return recipe_from_name(RECIPES[name], fp8_saved_activations=True)
 
 
-def _token_path_forward(moe, x_TD, recipe):
-    """The MoE layer's forward with the expert MLP handed x_TD and the token indices
-    (what `ops.expert_mlp` does at full precision), for recipes: only x_TD, which the
-    router keeps anyway, is saved for the experts' input."""
-    from dropless.ops import load_balancing_loss_global, sort_by_expert, z_loss
-    from dropless.quant import quantized_grouped_mlp
-
-    r = moe.router(x_TD)
-    sp = sort_by_expert(r.ids_TK, moe.num_experts)
-    prob_S = r.weights_TK.to(x_TD.dtype).reshape(-1).index_select(0, sp.pair_S)
-    ex = moe.experts
-    out = quantized_grouped_mlp(
-        x_TD,
-        sp.counts,
-        prob_S,
-        ex.gate_up_proj,
-        ex.down_proj,
-        recipe=recipe,
-        token_S=sp.token_S,
-        slot_TK=sp.slot_TK,
-        num_out=x_TD.shape[0],
-    )
-    lb = load_balancing_loss_global(r.scores_TE, sp.counts_E, x_TD.shape[0])
-    return out, lb + z_loss(r.logits_TE)
-
-
-def measure_memory(
-    shape: dict, variant: str, path: str = "moe", seed: int = 0, backward: bool = True
-) -> dict:
-    """Saved-activation bytes of one MoE layer forward (bf16 weights and input).
-
-    path "moe": `dropless.MoE.forward` as wired now; "tokens": the expert MLP given
-    x_TD and token indices (see `_token_path_forward`)."""
+def measure_memory(shape: dict, variant: str, seed: int = 0, backward: bool = True) -> dict:
+    """Saved-activation bytes of one `dropless.MoE` layer forward (bf16 weights and input);
+    under a recipe its expert MLP is handed x_TD and the token indices (`ops.expert_mlp`)."""
     import dropless
 
     torch.manual_seed(seed)
     moe = dropless.MoE(shape["D"], shape["F"], shape["E"], shape["K"], dtype=torch.bfloat16)
     x = torch.randn(shape["T"], shape["D"], dtype=torch.bfloat16, requires_grad=True)
-    recipe = _recipe(variant, saved=True)
+    recipe = _recipe(variant)
 
     def fwd():
         with dropless.autocast(enabled=recipe is not None, recipe=recipe):
-            if path == "tokens" and recipe is not None:
-                out, aux = _token_path_forward(moe, x, recipe)
-                return out.float().sum() + aux  # a linear loss: keeps nothing itself
             out, aux = moe(x)
             return out.float().sum() + aux.lb_loss + aux.z_loss
 
@@ -135,7 +98,7 @@ def measure_step_time(shape: dict, variant: str, steps: int) -> float:
         shape["D"], shape["F"], shape["E"], shape["K"], dtype=torch.bfloat16, device="cuda"
     )
     x = torch.randn(shape["T"], shape["D"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    recipe = _recipe(variant, saved=True)
+    recipe = _recipe(variant)
 
     def step():
         with dropless.autocast(enabled=recipe is not None, recipe=recipe):
@@ -176,9 +139,7 @@ def run(args) -> int:
     print(f"MoE layer {shape_s}; saved activations counted with saved_tensors_hooks (CPU)")
     figures: dict = {"shape": shape, "memory": {}}
     for v in variants:
-        for path in ("moe", "tokens") if v != "bf16" else ("moe",):
-            key = v if path == "moe" else f"{v}, x_TD path"
-            figures["memory"][key] = measure_memory(shape, v, path, backward=not args.no_backward)
+        figures["memory"][v] = measure_memory(shape, v, backward=not args.no_backward)
     base = figures["memory"]["bf16"]["saved_MiB"]
     for m in figures["memory"].values():
         m["ratio_vs_bf16"] = m["saved_MiB"] / base

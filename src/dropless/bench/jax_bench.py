@@ -5,8 +5,9 @@ Rows, each measured in its own child process (so peak memory is its own):
 - ragged_dot: the same layer with `jax.lax.ragged_dot` as the grouped GEMM (dropless;
   on XLA:CPU a masked dense matmul over all experts: slow and ~19 GB at the default
   shape, so it runs last, alone, only when enough memory is free, with a watchdog);
-- capacity_einsum: the GShard/Switch dispatch-einsum layer with capacity factor 1.25
-  (drops the overflow; its dispatch/combine einsums cost more than the experts);
+- capacity_einsum (asked for by name, run from a checkout: tools/jax_capacity.py): the
+  GShard/Switch dispatch-einsum layer with capacity factor 1.25 (drops the overflow; its
+  dispatch/combine einsums cost more than the experts);
 - dense_bound: a dense GEMM chain with the experts' FLOPs (T*K rows, one weight).
 """
 
@@ -25,6 +26,7 @@ from .common import add_history_arguments, add_section_argument
 
 MODULE = "dropless.bench.jax_bench"
 IMPLS = ("dropless", "ragged_dot", "capacity_einsum", "dense_bound")
+DEFAULT_IMPLS = ("dropless", "ragged_dot", "dense_bound")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ragged-rounds", type=int, default=1, help="timed rounds for the slow ragged_dot row"
     )
     p.add_argument("--capacity-factor", type=float, default=1.25)
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {IMPLS}")
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS),
+        help=f"comma-separated subset of {IMPLS} (default: {','.join(DEFAULT_IMPLS)})",
+    )  # fmt: skip
     p.add_argument(
         "--ragged-min-free-gib",
         type=float,
@@ -69,7 +74,7 @@ def _child(cfg: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dropless.bench.common import peak_rss_mib, rss_mib
+    from dropless.bench.common import from_checkout, peak_rss_mib, rss_mib
     from dropless.jax import MoEConfig, init_params, moe_apply, swiglu
 
     base_rss_mib = rss_mib()  # the imported runtime (torch via dropless, jax), before any array
@@ -85,29 +90,9 @@ def _child(cfg: dict) -> dict:
             out, aux = moe_apply(p, x, mcfg)
             return out, aux.dropped
 
-    elif impl == "capacity_einsum":
-        C = math.ceil(cfg["capacity_factor"] * T * K / E)
-        extra["capacity"] = C
-
-        def fwd(p, x):
-            logits_TE = x @ p["router"]["weight"].T
-            w_TK, ids_TK = jax.lax.top_k(jax.nn.softmax(logits_TE, -1), K)
-            w_TK = w_TK / w_TK.sum(-1, keepdims=True)
-            onehot_TKE = jax.nn.one_hot(ids_TK, E, dtype=jnp.int32)
-            # position of each pair in its expert's queue, in (k, token) priority order
-            pos_KTE = (
-                jnp.cumsum(onehot_TKE.transpose(1, 0, 2).reshape(K * T, E), 0).reshape(K, T, E) - 1
-            )
-            pos_TK = (pos_KTE.transpose(1, 0, 2) * onehot_TKE).sum(-1)
-            keep_TK = pos_TK < C
-            slot_TKC = jax.nn.one_hot(jnp.where(keep_TK, pos_TK, C), C, dtype=x.dtype)
-            dispatch_TEC = jnp.einsum("tke,tkc->tec", onehot_TKE.astype(x.dtype), slot_TKC)
-            combine_TEC = jnp.einsum("tke,tkc,tk->tec", onehot_TKE.astype(x.dtype), slot_TKC, w_TK)
-            x_ECD = jnp.einsum("tec,td->ecd", dispatch_TEC, x)
-            h = jnp.einsum("ecd,efd->ecf", x_ECD, p["experts"]["gate_up_proj"])
-            a = swiglu(h.reshape(E * C, 2 * F)).reshape(E, C, F)
-            y_ECD = jnp.einsum("ecf,edf->ecd", a, p["experts"]["down_proj"])
-            return jnp.einsum("tec,ecd->td", combine_TEC, y_ECD), T * K - keep_TK.sum()
+    elif impl == "capacity_einsum":  # tools/jax_capacity.py, run from a checkout
+        C = extra["capacity"] = math.ceil(cfg["capacity_factor"] * T * K / E)
+        fwd = from_checkout("jax_capacity", "the row capacity_einsum").layer(E, K, F, C)
 
     else:  # dense_bound: the experts' FLOPs as two dense GEMMs over T*K rows
         x = jnp.tile(x, (K, 1))
@@ -198,6 +183,7 @@ def run(args) -> int:
     from dropless.bench.child import mem_available_gib
     from dropless.bench.common import (
         Recorder,
+        from_checkout,
         progress,
         require_extra,
         write_section,
@@ -209,6 +195,8 @@ def run(args) -> int:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         raise ValueError(f"--impls {bad}: allowed {IMPLS}")
+    if "capacity_einsum" in impls:
+        from_checkout("jax_capacity", "the row capacity_einsum")  # refused before measuring
     rec = Recorder.start(args)
     base = dict(
         E=args.experts,

@@ -47,6 +47,7 @@ from .common import (
     progress,
     require_default_allocator,
     reset_peak_rss,
+    rss_mib,
     run_child,
     write_section,
 )
@@ -288,8 +289,7 @@ def _memory_child(cfg: dict) -> dict:
     gc.collect()
     if cfg["device"] == "cuda":
         return _cuda_peak(step, params)
-    with open("/proc/self/status") as f:
-        base = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+    base = rss_mib()
     if not reset_peak_rss():
         return {"peak_mib": None, "how": "VmHWM reset unavailable"}
     step()
@@ -456,9 +456,10 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     peer_status = {n: peers.row_status(n, dev) for n in asked}
     base = {k: v for k, v in shape.items() if k != "T"} | {"device": dev, "skewed": False}
     base["threads"] = torch.get_num_threads()
+    T0 = (args.tokens or shape["T"])[0]
     for name, st in peer_status.items():
         if st["ok"]:  # one step first: a peer that breaks here costs its row, not the table
-            err = _probe(name, base | {"T": (args.tokens or shape["T"])[0]})
+            err = _probe(name, base | {"T": T0})
             if err:
                 peer_status[name] = st | {"ok": False, "status": f"failed: {err}"}
     impls = [n for n in impls if peer_status.get(n, {"ok": True})["ok"]]
@@ -480,10 +481,10 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     text.append(_notes(rates, peer_status))
     extra = {"matmul": rates, "bound": BOUND, "peers": peer_status}
     if args.profile:
-        extra["profile"] = _profile(cfg | {"T": (args.tokens or shape["T"])[0]})
         prof = from_checkout("bench_profile", "--profile")
-        text += [prof.markdown(f"`{n}` T={extra['profile']['T']}", t)
-                 for n, t in extra["profile"]["tables"].items()]  # fmt: skip
+        extra["profile"], tables = prof.layer_steps(build_impl, cfg | {"T": T0}, PROFILED)
+        text += tables
+        _SETUP_CACHE.clear()
     text.append(gemm_tuning.choices_note())  # which implementation ran each expert GEMM
     table = "\n".join(text)
     print(table)
@@ -506,22 +507,6 @@ def _probe(name: str, cfg: dict) -> str | None:
     finally:
         _SETUP_CACHE.clear()
     return None
-
-
-def _profile(cfg: dict) -> dict:
-    """One bf16 (or the shape's dtype) and one FP8 step under the profiler, uniform routes."""
-    tables, prof = {}, from_checkout("bench_profile", "--profile")
-    for name in PROFILED:
-        progress(f"T={cfg['T']} profile: {name}")
-        step, params, _ = build_impl(name, {**cfg, "skewed": False})
-
-        def once(step=step, params=params):
-            _zero(params)
-            step()
-
-        tables[name] = prof.kernel_table(once, cfg["device"])
-    _SETUP_CACHE.clear()
-    return {"T": cfg["T"], "tables": tables}
 
 
 if __name__ == "__main__":  # memory child: python -m dropless.bench.layer '{json}'

@@ -93,10 +93,12 @@ def _raw_checks(gk, counts, dev, x, idx, g, gu, dn, p, trans, kind, il):
     from dropless.ops.activation.eager import act_bwd_eager, act_fwd_eager
 
     E, device = len(counts), dev[0].device
-    act = dict(interleaved=il, activation=kind, limit=1.5)
+    act = dict(interleaved=il, activation=kind, alpha=1.702, limit=1.5)
     cnt = torch.tensor(counts, device=device)
     h, a = gk.up_act(dev[0], dev[1], dev[2], cnt, dev[4], trans, **act)
-    dh, gp, a2 = gk.down_dact(dev[5], dev[1], dev[3], cnt, h, dev[4], trans, **act)
+    dh, gp, a2 = gk.down_dact(
+        dev[5], dev[1], dev[3], cnt, h, dev[4], trans, need_prob_grad=True, recompute=True, **act
+    )
     xs, gs = (x, g) if idx is None else (x[idx], g[idx])
     h_ref = _per_expert(xs, gu, counts, True)
     a_ref = act_fwd_eager(h_ref, p, **act)

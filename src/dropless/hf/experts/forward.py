@@ -1,20 +1,16 @@
 """The "dropless" experts implementation for Transformers v5 experts modules.
 
-Transformers v5 decorates each family's experts class with `@use_experts_implementation`,
-which sets layout flags on the instance (`has_gate`, `has_bias`, `is_transposed`,
-`is_concatenated`, `has_post_expert_norm`, `_is_expert_parallel`) and dispatches
-`forward(hidden_states, top_k_index, top_k_weights)` through `ExpertsInterface` by
-`config._experts_implementation`. `dropless_experts_forward` is registered there under
+Transformers v5's `@use_experts_implementation` sets layout flags on each experts module
+(`has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`, `_is_expert_parallel`)
+and dispatches `forward(hidden_states, top_k_index, top_k_weights)` by
+`config._experts_implementation`; `dropless_experts_forward` is registered there under
 "dropless". `experts_spec` reads the flags, the gate function and `act_fn` (what the
-module computes, see `gates.py`, never its family name) and picks:
-
-- the fused path: `dropless.ops.expert_mlp` (sort by expert -> grouped GEMM ->
-  activation x prob -> grouped GEMM -> combine) with the module's `ActivationConfig`, so
-  every fast path and low-precision recipe registered in `ops` applies; with a
-  post-expert norm, the same MLP without the prob, the norm, then the weighted combine;
-- the generic-gate path, for a gate with no fused form: our grouped GEMMs with the
-  module's own `_apply_gate` (or `act_fn`) between them under autograd;
-- a fallback to the class's own forward, only for weights not in the v5 layout.
+module computes, see `gates.py`, never its family name) and picks the fused path
+(`dropless.ops.expert_mlp` with the module's `ActivationConfig`, so every fast path and
+recipe of `ops` applies; with a post-expert norm, the MLP without the prob, the norm, then
+the weighted combine), the generic-gate path (our grouped GEMMs with the module's own
+gate between them under autograd), or the class's own forward for weights not in the v5
+layout.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k
@@ -24,6 +20,7 @@ from __future__ import annotations
 import collections
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -119,13 +116,8 @@ def experts_spec(module: nn.Module) -> ExpertsSpec | str:
     if missing:
         return f"expected 3-D expert weights {missing} (the Transformers v5 layout) are missing"
     gated = bool(module.has_gate)
-    base = dict(
-        family=family,
-        trans_w=not module.is_transposed,
-        has_bias=bool(module.has_bias),
-        gated=gated,
-        post_norm=bool(getattr(module, "has_post_expert_norm", False)),
-    )
+    base = dict(family=family, trans_w=not module.is_transposed, has_bias=bool(module.has_bias))
+    base.update(gated=gated, post_norm=bool(getattr(module, "has_post_expert_norm", False)))
     form = fused_form(module)
     if isinstance(form, str):
         return ExpertsSpec(activation=None, path="generic", reason=form, **base)
@@ -180,28 +172,16 @@ def _plan_experts(module: nn.Module, spec: ExpertsSpec | str) -> None:
 def wire_experts(model: nn.Module) -> int:
     """Compute and keep the spec of every experts module of `model` (idempotent), so a
     compiled forward only reads it; returns how many experts modules it holds."""
-    n = 0
-    for module in model.modules():
-        if is_experts_module(module):
-            module_spec(module)
-            n += 1
-    return n
-
-
-def _stock_compiled(module: nn.Module, hidden_states, top_k_index, top_k_weights):
-    """What stock Transformers runs by default (its grouped_mm experts forward, which a
-    graph holds): the forward of a module met inside a compiled region before its spec
-    was computed."""
-    from transformers.integrations.moe import grouped_mm_experts_forward
-
-    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    experts = [m for m in model.modules() if is_experts_module(m)]
+    for module in experts:
+        module_spec(module)
+    return len(experts)
 
 
 def _warn_once(category, family: str, message: str) -> None:
-    if (family, message) in _WARNED:
-        return
-    _WARNED.add((family, message))
-    warnings.warn(f"dropless: {family} experts {message}", category, stacklevel=4)
+    if (family, message) not in _WARNED:
+        _WARNED.add((family, message))
+        warnings.warn(f"dropless: {family} experts {message}", category, stacklevel=4)
 
 
 def in_backward() -> bool:
@@ -221,15 +201,7 @@ def record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
     module.__dict__["_dropless_counts_E"] = counts_E.clone() if total is None else total + counts_E
 
 
-class _HookHandle:
-    def __init__(self, key: int):
-        self.key = key
-
-    def remove(self) -> None:
-        _HOOKS.pop(self.key, None)
-
-
-def register_experts_hook(fn) -> _HookHandle:
+def register_experts_hook(fn) -> SimpleNamespace:
     """Call `fn(module, top_k_index, top_k_weights)` on every dropless experts call.
 
     The ids and weights are the router's own choice for that call (e.g. to compute a
@@ -239,7 +211,7 @@ def register_experts_hook(fn) -> _HookHandle:
         raise TypeError(f"register_experts_hook needs a callable, got {type(fn).__name__}")
     key = max(_HOOKS, default=0) + 1
     _HOOKS[key] = fn
-    return _HookHandle(key)
+    return SimpleNamespace(remove=lambda: _HOOKS.pop(key, None))
 
 
 def _weights(module: nn.Module, spec: ExpertsSpec):
@@ -266,7 +238,8 @@ def _lora_weights(module: nn.Module, spec: ExpertsSpec):
     if own:
         lora = attached_lowrank(module)  # factors owned by the module (attach_expert_lora)
     if lora is not None and not _runs_lora(spec):
-        reason = f"LoRA factors run in the fused expert MLP only, not {_where(spec)}"
+        where = f"on the {spec.path} path" if get_recipe() is None else "under a recipe"
+        reason = f"LoRA factors run in the fused expert MLP only, not {where}"
         if own:  # no parametrization folds the module's own factors: fold them here
             w1, w2 = _fold(w1, w2, lora, spec)
         else:
@@ -285,12 +258,6 @@ def _runs_lora(spec: ExpertsSpec) -> bool:
     return spec.path == "fused" and not spec.post_norm and get_recipe() is None
 
 
-def _where(spec: ExpertsSpec) -> str:
-    return (
-        "under a low-precision recipe" if get_recipe() is not None else f"on the {spec.path} path"
-    )
-
-
 def _fold(w1, w2, lora, spec: ExpertsSpec):
     return tuple(fold_attached(w, lr, spec.trans_w) for w, lr in zip((w1, w2), lora))
 
@@ -302,7 +269,7 @@ def sorted_experts(
     path runs: the engine (gated or not), the engine then the module's post-expert norm,
     or the module's own gate between grouped GEMMs; LoRA factors the engine cannot run
     folded into the weights. prob_S (None: applied by the caller) scales each row after
-    any norm. What the local path (`_composed`) and expert parallelism
+    any norm. What the local path and expert parallelism
     (`hf.distributed.expert_parallel`, on the rows a rank received) both run."""
     if lora is not None and not _runs_lora(spec):
         w1, w2 = _fold(w1, w2, lora, spec)
@@ -320,21 +287,7 @@ def sorted_experts(
     return y_SD
 
 
-def _composed(module, spec, x_TD, ids_TK, weights_TK, keep_TK, w1, w2, b1, b2):
-    """Sorted rows through `sorted_experts` (without the prob), then the weighted combine."""
-    sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
-    y_SD = sorted_experts(
-        module, spec, permute(x_TD, sp), sp.counts, None, w1, w2, b1, b2, offsets_E=sp.offsets_E
-    )
-    return unpermute(y_SD, sp, weights_TK.to(y_SD.dtype)), sp
-
-
-def dropless_experts_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-) -> torch.Tensor:
+def dropless_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops;
     a module sharded over expert parallelism (`shard_hf_experts`) sends its tokens to the
     ranks holding their experts through its dispatcher."""
@@ -342,8 +295,10 @@ def dropless_experts_forward(
     if ep is not None:
         return _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights)
     spec = module_spec(self)
-    if spec is None:  # inside a compiled region, not wired
-        return _stock_compiled(self, hidden_states, top_k_index, top_k_weights)
+    if spec is None:  # inside a compiled region, not wired: stock's default (a graph holds it)
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if isinstance(spec, str):
         _warn_once(DroplessFallbackWarning, family_of(self), f"run their own forward: {spec}.")
         eager = type(self).forward.__wrapped__  # the class's forward, under the decorator
@@ -367,7 +322,11 @@ def dropless_experts_forward(
             why = f"run dropless grouped GEMMs with their own gate between them ({spec.reason}); "
             why += "this keeps more activations for backward than the fused path."
             _warn_once(DroplessGenericGateWarning, spec.family, why)
-        out_TD, sp = _composed(self, spec, x_TD, ids_TK, top_k_weights, keep_TK, w1, w2, b1, b2)
+        # sorted rows through `sorted_experts` (without the prob), then the weighted combine
+        sp = sort_by_expert(ids_TK, w1.shape[0], keep_TK)
+        x_SD, args = permute(x_TD, sp), (w1, w2, b1, b2)
+        y_SD = sorted_experts(self, spec, x_SD, sp.counts, None, *args, offsets_E=sp.offsets_E)
+        out_TD = unpermute(y_SD, sp, top_k_weights.to(y_SD.dtype))
     record_counts(self, sp.counts_E)
     count_call(spec)
     return out_TD.to(hidden_states.dtype)

@@ -1,35 +1,21 @@
 """Grouped GEMMs that gather their rows and fuse the expert activation into the epilogue.
 
 Rows are pairs sorted by expert (group e holds rows [off[e], off[e+1]), counts a device
-tensor, nothing read on the host); `index_S` maps each sorted row to the row of the
-unsorted operand it reads (the token of the pair), so no [S, D] gathered copy is made.
+tensor); `index_S` maps each sorted row to the row of the operand it reads (the pair's
+token), so no [S, D] gathered copy is made. `up_act`: h = x[index] @ gate_up[e]^T with
+the activation (`activation_kernels.glu_fwd`) x routing weight in the epilogue, writing h
+and a (a tile computes the gate and the up columns of its F columns in two
+accumulators). `down_dact`: da = dy[index] @ down[e] with the activation backward in the
+epilogue: dh, the recomputed a, and per column tile a partial routing-weight gradient
+summed over tiles afterwards in tile order (deterministic, no atomics).
+`gathered_wgrad`: out[e] = A_e^T @ B_e with either operand's rows gathered in the K loop.
 
-- `up_act`: h = x[index] @ gate_up[e]^T in the prologue-gathering GEMM; the epilogue
-  applies the activation (`activation_kernels.glu_fwd`, kind a constexpr) x routing weight and
-  writes both the saved pre-activation h [S, 2F] and the activated a [S, F]. A tile
-  owns the F columns [f0, f0 + BN) and computes the gate and the up columns of them in
-  two accumulators, so the epilogue sees both halves.
-- `down_dact`: the down projection's input gradient da = dy[index] @ down[e] (dy rows
-  gathered), with dSwiGLU in the epilogue (`activation_kernels.glu`): dh = da * p * d act, the
-  recomputed a = act * p (for the down weight gradient), and a partial routing-weight
-  gradient sum_f da * act per (column tile, row) into a [tiles_n, S] buffer that is
-  summed over tiles afterwards in tile order: deterministic, no atomics.
-- `gathered_wgrad`: out[e] = A_e^T @ B_e with either operand's rows gathered through an
-  index inside the K loop (the weight gradients read x[index] and dy[index] in place).
-
-Scheduling: persistent (a fixed number of programs walk the tiles with a grid stride),
-tiles numbered expert-major (all tiles of expert e, column tiles fastest, before those
-of e + 1), so the programs running at one time share one expert's weights in L2. The
-last row tile of an expert runs with BLOCK_M_TAIL rows when its rows fit, so a tail of a
-few rows does not pay for a full-height MMA.
-
-Weights are read with plain masked `tl.load` (any GPU, and the interpreter), or on
-Hopper and newer (compute capability >= 9, weights 16-byte aligned, not interleaved)
-through TMA tensor descriptors (`_use_tma`). The TMA path is UNVERIFIED on hardware: it
-runs under the interpreter in the tests, but no GPU has run it yet.
-
-fp32 accumulation; the activation is computed from h rounded to its storage dtype, as
-the unfused path computes it from the stored h.
+Persistent programs walk the tiles expert-major (programs running at one time share one
+expert's weights in L2); an expert's last row tile runs BLOCK_M_TAIL rows when its rows
+fit. Weights are read with masked `tl.load`, or on Hopper and newer through TMA tensor
+descriptors (`_use_tma`), a path UNVERIFIED on hardware (it runs under the interpreter in
+the tests). fp32 accumulation; the activation reads h rounded to its storage dtype, as the
+unfused path does.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, S sorted pairs, N output columns,
@@ -48,9 +34,6 @@ from .._triton import on_gpu
 from ..activation.activation_kernels import glu, glu_fwd
 from ..activation.swiglu_kernels import gate_up_cols
 from ..grouped_gemm.gemm_kernels import counts_tensor, dot_precision, group_of_tile
-from ..specs import ActivationConfig
-
-_GPT_OSS = ActivationConfig("gpt_oss")  # the alpha/limit defaults
 
 
 @triton.jit
@@ -348,24 +331,11 @@ def _index_arg(index: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tens
     return fallback if index is None else index.contiguous()
 
 
-def up_act(
-    x: torch.Tensor,
-    index_S: torch.Tensor | None,
-    gate_up: torch.Tensor,
-    counts,
-    prob_S: torch.Tensor | None,
-    trans_w: bool = True,
-    interleaved: bool = False,
-    activation: str = "swiglu",
-    alpha: float = _GPT_OSS.alpha,
-    limit: float = _GPT_OSS.limit,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def up_act(x, index_S, gate_up, counts, prob_S, trans_w, interleaved, activation, alpha, limit):
     """(h_S2F, a_SF): h = x[index] @ gate_up[e]^T (trans_w; gate_up [E, 2F, D]) or
     @ gate_up[e] ([E, D, 2F]) for the rows of expert e, a = act(gate, up) * prob.
-
     index_S: the row of x each sorted row reads (None: x is already sorted, [S, D]);
-    counts: rows per expert (device tensor or list); raw, no autograd.
-    """
+    counts: rows per expert (device tensor or list); raw, no autograd."""
     E = gate_up.shape[0]
     F2, D = (gate_up.shape[1], gate_up.shape[2]) if trans_w else gate_up.shape[:0:-1]
     S = index_S.shape[0] if index_S is not None else x.shape[0]
@@ -391,26 +361,12 @@ def up_act(
     return h, a
 
 
-def down_dact(
-    g: torch.Tensor,
-    index_S: torch.Tensor | None,
-    down: torch.Tensor,
-    counts,
-    h_S2F: torch.Tensor,
-    prob_S: torch.Tensor | None,
-    trans_w: bool = True,
-    interleaved: bool = False,
-    need_prob_grad: bool = True,
-    recompute: bool = True,
-    activation: str = "swiglu",
-    alpha: float = _GPT_OSS.alpha,
-    limit: float = _GPT_OSS.limit,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def down_dact(g, index_S, down, counts, h_S2F, prob_S, trans_w, interleaved, need_prob_grad,
+              recompute, activation, alpha, limit):  # fmt: skip
     """(dh_S2F, d prob_S or None, a_SF or None) of the down projection's input gradient
     da = g[index] @ down[e] (trans_w: down [E, D, F]; else [E, F, D], da = g @ down[e]^T)
     through the activation: dh = da * prob * d act; d prob = sum_f da * act (combined
-    over column tiles in a fixed order); a = act * prob when `recompute`. Raw.
-    """
+    over column tiles in a fixed order); a = act * prob when `recompute`. Raw."""
     E = down.shape[0]
     D, F = (down.shape[1], down.shape[2]) if trans_w else down.shape[:0:-1]
     S = h_S2F.shape[0]
@@ -440,13 +396,7 @@ def down_dact(
     return dh, grad_p, a
 
 
-def gathered_wgrad(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    counts,
-    index_a: torch.Tensor | None = None,
-    index_b: torch.Tensor | None = None,
-) -> torch.Tensor:
+def gathered_wgrad(a, b, counts, index_a=None, index_b=None) -> torch.Tensor:
     """out[e] = A_e^T @ B_e -> [E, M, N], A = a[index_a] (or a) and B = b[index_b] (or
     b) over the sorted rows of expert e, the gathers read inside the K loop; zeros for
     an empty expert. Raw."""

@@ -13,6 +13,7 @@ path's gathers do.
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -135,9 +136,8 @@ def forward(sv: Saved, num_out, lr1=None, lr2=None, one_h: bool = False) -> tupl
     sv.u2 = x.new_empty(S, lr2.rank) if lr2 is not None else None
     out = x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D)
     h_SN = x.new_empty(S, N) if one_h else None
-    st = SimpleNamespace(
-        **vars(sv), lr1=lr1, lr2=lr2, gathered=gathered, h_of={}, h_SN=h_SN, out=out
-    )
+    st = SimpleNamespace(**vars(sv), lr1=lr1, lr2=lr2, gathered=gathered, h_of={}, h_SN=h_SN)
+    st.out = out
 
     def scratch():
         return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
@@ -172,29 +172,15 @@ def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -
     nmax = max(counts, default=0)
     gathered = sv.token_S is not None
     grads = _grad_buffers(need, gathered, sv)
-    st = SimpleNamespace(
-        **vars(sv),
-        hs=hs,
-        lr1=lr1,
-        lr2=lr2,
-        g_out=g_out.contiguous(),
-        gathered=gathered,
-        release=release and isinstance(sv.h, tuple),
-        **grads,
-    )
+    st = SimpleNamespace(**vars(sv), hs=hs, lr1=lr1, lr2=lr2, g_out=g_out.contiguous(), **grads)
+    st.gathered, st.release = gathered, release and isinstance(sv.h, tuple)
 
     def scratch():
-        def rows(k):
-            return x.new_empty(nmax, k)
-
         # "rows": the gathered gy, then (once gy is used up) the gathered x; act[0] is
         # free once act_parts returns: ap, then the prob gradient's product
-        return {
-            "rows": rows(D) if gathered else None,
-            "da": rows(F),
-            "dh": rows(N),
-            "act": [rows(F) for _ in range(4)],
-        }
+        new = partial(x.new_empty, nmax)
+        rows = (new(D) if gathered else None, new(F), new(N))
+        return dict(zip(("rows", "da", "dh"), rows), act=[new(F) for _ in range(4)])
 
     def commit(item, bufs):
         _, lo, hi = item

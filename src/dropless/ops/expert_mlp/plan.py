@@ -49,11 +49,8 @@ EXPERT_PATHS = ("auto", "loop", "grouped", "gathered")
 
 @dataclass(frozen=True)
 class GatherKernels:
-    """Kernels that gather their rows (`gather_gemm_kernels.py`): up_act(x, index_S,
-    gate_up, counts, prob_S, trans_w, interleaved, kind, alpha, limit) -> (h, a);
-    down_dact(g, index_S, down, counts, h, prob_S, trans_w, interleaved, need_prob_grad,
-    recompute, kind, alpha, limit) -> (dh, d prob, a); wgrad(a, b, counts, index_a,
-    index_b) -> [E, M, N]. supports(x, w): whether they run these operands; kinds: the
+    """Kernels that gather their rows: `gather_gemm_kernels.py`'s up_act, down_dact and
+    gathered_wgrad (wgrad); supports(x, w): whether they run these operands; kinds: the
     activation kinds their epilogues compute."""
 
     up_act: Callable
@@ -75,11 +72,7 @@ def triton_gather_kernels() -> GatherKernels:
     return GatherKernels(up, down, wgrad, supports=supports_triton_gemm, kinds=KERNEL_KINDS)
 
 
-def register_gpu() -> None:
-    GATHER_KERNELS.register(triton_gather_kernels())
-
-
-GATHER_KERNELS.on_first_cuda(register_gpu)
+GATHER_KERNELS.on_first_cuda(lambda: GATHER_KERNELS.register(triton_gather_kernels()))
 
 
 @dataclass(frozen=True)
@@ -122,13 +115,10 @@ class Schedule:
 @dataclass
 class Saved:
     """A call's operands and what the engine's backward reads of them, by name: the
-    forward fills in h (the gate/up output [S, N]; the loop keeps one tensor per expert,
-    freed one by one in backward) and u1 / u2 (the low-rank intermediates [S, r]). The
-    Function saves the tensors (the [E] counts and offsets ride along unsaved); the custom
-    op declares h and the sort's indices as outputs and takes them back as inputs. x is
-    x_TD with token_S / slot_TK, else the sorted rows x_SD; lora: the factors (a1, b1, a2,
-    b2) and their scales. Under a low-precision recipe h holds the tensors of the recipe's
-    saved-activation format (FP8 values and scales) and x may be None (not kept)."""
+    forward fills in h (the gate/up output [S, N]; the loop keeps one tensor per expert)
+    and u1 / u2 (the low-rank intermediates [S, r]). x is x_TD with token_S / slot_TK,
+    else the sorted rows x_SD; lora: the factors (a1, b1, a2, b2) and their scales. Under
+    a recipe h holds its saved-activation format's tensors and x may be None (not kept)."""
 
     x: torch.Tensor | None
     prob_S: torch.Tensor | None
@@ -171,32 +161,13 @@ _TENSOR_FIELDS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_
 _TENSOR_FIELDS += ("u1", "u2")
 
 
-@dataclass(frozen=True)
-class RecipeMLP:
-    """A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`, which the
-    recipe's `grouped_mlp` runs): forward(recipe, sv, num_out) -> (out, sv with h the
-    tensors of its saved-activation format and meta what they are); backward(recipe, sv,
-    g_out, need) -> (dx, d prob, d gate_up, d down, d gate_up bias, d down bias). It
-    quantizes the GEMM operands itself and runs the recipe's GEMMs."""
-
-    forward: Callable
-    backward: Callable
-
-
-@dataclass(frozen=True)
-class Needs:
-    """Which inputs want a gradient, by name."""
-
-    x: bool
-    prob: bool
-    gate_up: bool
-    down: bool
-    gate_up_bias: bool
-    down_bias: bool
-    a1: bool = False
-    b1: bool = False
-    a2: bool = False
-    b2: bool = False
+# A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`): forward(recipe,
+# sv, num_out) -> (out, sv with h the tensors of its saved-activation format and meta what
+# they are); backward(recipe, sv, g_out, need) -> the six gradients of `Needs`' first six.
+RecipeMLP = namedtuple("RecipeMLP", "forward backward")
+# which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
+Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")
+Needs.__new__.__defaults__ = (False,) * 4
 
 
 # --- the plan ---------------------------------------------------------------------------
@@ -256,13 +227,8 @@ def plan_expert_mlp(
     if recipe is not None:
         fused = recipe_mlp(recipe)
         takes = fused is not None and getattr(fused, "takes_tokens", False)
-        return Schedule(
-            "recipe",
-            recipe=recipe,
-            recipe_mlp=fused,
-            takes_tokens=takes,
-            device_counts=takes and not capacity,
-        )
+        kw = dict(recipe=recipe, recipe_mlp=fused, takes_tokens=takes)
+        return Schedule("recipe", device_counts=takes and not capacity, **kw)
     path = path or expert_path()
     if path not in EXPERT_PATHS:
         raise ValueError(f"path={path!r}; expected one of {EXPERT_PATHS} (or None)")

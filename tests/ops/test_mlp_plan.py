@@ -128,3 +128,29 @@ def test_the_device_counts_path_matches_the_reference(monkeypatch):
     out, sp = ops.expert_mlp(x, ids, w, gu, dn, backend="test_device_counts")
     assert sp.counts is None  # nothing was read on the host
     torch.testing.assert_close(out, expert_mlp_reference(x, ids, w, gu, dn), rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_holds_the_sort_and_a_fake_tensor_plans_apart(monkeypatch):
+    """The sort is chosen with the plan (the routing kernel that runs the device, else the
+    torch sort) and the call runs it from there; a fake tensor's plan is its own, so a
+    kernel that reads data is never picked for one, nor refused for real tensors after."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from dropless.ops.permute.eager import torch_sort_by_expert
+    from dropless.ops.routing import ROUTING, RoutingKernels
+
+    ran = []
+
+    def sort(ids_TK, num_experts, keep_TK=None, *, host_counts=True):
+        ran.append(ids_TK.shape)
+        return torch_sort_by_expert(ids_TK, num_experts, keep_TK, host_counts=host_counts)
+
+    kernels = RoutingKernels("test", None, sort, supports=lambda t: not is_fake(t), priority=5)
+    monkeypatch.setitem(ROUTING.entries, "test", kernels)
+    x, gu, dn = _operands()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        assert plan_expert_mlp(mode.from_tensor(x), gu, dn, SWIGLU).sort is torch_sort_by_expert
+    assert plan_expert_mlp(x, gu, dn, SWIGLU).sort is sort
+    ids = torch.randint(0, gu.shape[0], (x.shape[0], 2))
+    out, sp = ops.expert_mlp(x, ids, torch.rand(x.shape[0], 2), gu, dn)
+    assert ran == [ids.shape] and sp.counts == torch.bincount(ids.flatten(), minlength=4).tolist()

@@ -71,8 +71,7 @@ def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
 
 
 def swiglu_quant_mx(h_S2F, prob_S=None, **kw) -> QTensor:
-    """`ops/activation/swiglu_quant_kernels.quantize_mx` (same keywords) as an MXFP8
-    QTensor like `formats.quantize_mx(a, 1)`."""
+    """`ops/activation/swiglu_quant_kernels.quantize_mx` as `formats.quantize_mx(a, 1)`."""
     from ..ops.activation.swiglu_quant_kernels import quantize_mx
 
     q, s = quantize_mx(h_S2F, prob_S, **kw)
@@ -80,8 +79,7 @@ def swiglu_quant_mx(h_S2F, prob_S=None, **kw) -> QTensor:
 
 
 def swiglu_quant_scaled(h_S2F, prob_S, fmt: str, scale: torch.Tensor, **kw):
-    """`swiglu_quant_kernels.quantize_scaled` as (QTensor with the per-tensor `scale`,
-    amax of the unquantized result)."""
+    """`quantize_scaled` as (QTensor of the per-tensor `scale`, amax before quantizing)."""
     from ..ops.activation.swiglu_quant_kernels import quantize_scaled
 
     q, amax = quantize_scaled(h_S2F, prob_S, fmt, scale, **kw)
@@ -90,8 +88,7 @@ def swiglu_quant_scaled(h_S2F, prob_S, fmt: str, scale: torch.Tensor, **kw):
 
 
 def swiglu_quant_rows(h_S2F, prob_S, fmt: str = "e4m3", margin: int = 0, **kw) -> QTensor:
-    """`swiglu_quant_kernels.quantize_rows` as the QTensor of
-    `formats.quantize_current(a, fmt, dims=1, margin=margin)` (scale [S, 1])."""
+    """`quantize_rows` as `formats.quantize_current(a, fmt, dims=1, margin=margin)`."""
     from ..ops.activation.swiglu_quant_kernels import quantize_rows
 
     q, scale = quantize_rows(h_S2F, prob_S, fmt, margin, **kw)
@@ -99,8 +96,8 @@ def swiglu_quant_rows(h_S2F, prob_S, fmt: str = "e4m3", margin: int = 0, **kw) -
 
 
 def swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw):
-    """`ops/activation/swiglu_bwd_quant_kernels.bwd_quant` (same keywords) as (grad_h,
-    grad_prob or None, the activation as an E4M3 QTensor with the per-tensor `scale`)."""
+    """`swiglu_bwd_quant_kernels.bwd_quant` as (grad_h, grad_prob or None, the activation
+    as an E4M3 QTensor of the per-tensor `scale`)."""
     from ..ops.activation.swiglu_bwd_quant_kernels import bwd_quant
 
     grad_h, grad_p, q = bwd_quant(g_SF, h_S2F, prob_S, scale, **kw)
@@ -183,13 +180,9 @@ def saved_for_backward(
     T, K = ids_TK.shape
     R = T * K if rows is None else rows
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
-    if recipe.fp8_saved_activations:
-        h = [
-            x_TD.new_empty(R, N, dtype=torch.float8_e4m3fn),
-            x_TD.new_empty(R, 1, dtype=torch.float32),
-        ]
-    else:
-        h = [x_TD.new_empty(R, N)]
+    fp8 = recipe.fp8_saved_activations  # E4M3 values and one fp32 scale per row
+    h = [x_TD.new_empty(R, N, dtype=torch.float8_e4m3fn if fp8 else None)]
+    h += [x_TD.new_empty(R, 1, dtype=torch.float32)] if fp8 else []
     index = [x_TD.new_empty(R, dtype=torch.int64) for _ in range(2)]  # token_S, pair_S
     return (*h, x_TD.new_empty(R), *index)
 

@@ -40,27 +40,15 @@ from .plan import Needs, Saved, Schedule, plan_expert_mlp
 
 
 def composed_mlp(
-    x_SD,
-    counts,
-    prob_S,
-    gate_up,
-    down,
-    *,
-    gate_up_bias=None,
-    down_bias=None,
-    trans_w=True,
-    backend=None,
-    gate: Callable | None = None,
-    offsets_E=None,
-    **act,
+    x_SD, counts, prob_S, gate_up, down, *, gate_up_bias=None, down_bias=None, gate=None, **act
 ):
     """The routed MLP on sorted rows composed of autograd ops: two grouped GEMMs (through
-    the active recipe's GEMM under `dropless.autocast`) with the activation (`act`: the
-    keywords of `swiglu`) x prob between them, or `gate`, a module's own activation
-    h -> a, with the prob applied after it (the generic path of a gate with no fused
-    form). What a recipe without an MLP of its own runs, and what the engine is tested
-    against."""
-    kw = dict(trans_w=trans_w, backend=backend, offsets_E=offsets_E)
+    the active recipe's GEMM under `dropless.autocast`; trans_w, backend, offsets_E as
+    `grouped_gemm` takes them) with the activation (the other keywords: those of
+    `swiglu`) x prob between them, or `gate`, a module's own activation h -> a, with the
+    prob applied after it (the generic path of a gate with no fused form). What a recipe
+    without an MLP of its own runs, and what the engine is tested against."""
+    kw = {k: act.pop(k) for k in ("trans_w", "backend", "offsets_E") if k in act}
     h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, **kw)
     if gate is None:
         a = swiglu(h, prob_S, **act)

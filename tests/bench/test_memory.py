@@ -26,10 +26,7 @@ def _in_process(monkeypatch, limits: list) -> None:
     monkeypatch.setattr(memory, "_address_space_limit", no_limit)
     monkeypatch.setattr(memory, "follow_live_memory", lambda: False)
     monkeypatch.setattr(memory, "_one_malloc_arena", lambda: False)
-    monkeypatch.setattr(memory, "run_memory_child", lambda args, timeout: memory.child(args))
-    monkeypatch.setattr(
-        memory, "run_rows_in_one_child", lambda rows, timeout: [memory.child(r) for r in rows]
-    )
+    monkeypatch.setattr(memory, "run_rows", lambda rows, timeout: [memory.child(r) for r in rows])
 
 
 def test_records_table_and_section_of_every_row(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ pinned model at 8192 and 32768, one child per row). No child is started here."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 from dropless.bench import memory
@@ -28,8 +29,7 @@ def _children(monkeypatch) -> list:
         started.append(rows)
         return [_ok(r) for r in rows]
 
-    monkeypatch.setattr(memory, "run_rows_in_one_child", one_child)
-    monkeypatch.setattr(memory, "run_memory_child", lambda row, timeout: one_child([row], 0)[0])
+    monkeypatch.setattr(memory, "run_rows", one_child)
     return started
 
 
@@ -62,15 +62,17 @@ def test_a_shared_child_that_dies_leaves_the_later_rows_to_their_own_children(mo
     rows = [{"impl": impl, "seq": 32} for impl in memory.DEFAULT_IMPLS]
     printed = '{"impl": "grouped_mm", "seq": 32, "status": "ok"}\n'
 
-    def killed(*args, **kwargs):  # the first row printed, then the kernel's OOM killer
-        return ChildRun("fail", -signal.SIGKILL, printed, "")
-
-    monkeypatch.setattr(memory, "run_child_process", killed)
     alone = []
-    monkeypatch.setattr(
-        memory, "run_memory_child", lambda row, timeout: alone.append(row) or _ok(row)
-    )
-    out = memory.run_rows_in_one_child(rows, 10)
+
+    def child(cmd, **kwargs):  # the shared child is killed; the later rows alone run through
+        job = json.loads(cmd[-1])["rows"]
+        if len(job) > 1:
+            return ChildRun("fail", -signal.SIGKILL, printed, "")
+        alone.extend(job)
+        return ChildRun("ok", 0, json.dumps(_ok(job[0])) + "\n", "")
+
+    monkeypatch.setattr(memory, "run_child_process", child)
+    out = memory.run_rows(rows, 10)
     assert [r["status"] for r in out] == ["ok", "oom", "ok"]
     assert out[1]["impl"] == "grouped_mm-ckpt" and out[1]["error"] == "killed by SIGKILL"
     assert alone == rows[2:]
@@ -83,7 +85,7 @@ def test_a_shared_child_past_its_time_records_the_rest_as_timeouts(monkeypatch):
         return ChildRun("timeout", None, '{"impl": "grouped_mm", "seq": 32}\n', "", "past 1 s")
 
     monkeypatch.setattr(memory, "run_child_process", late)
-    out = memory.run_rows_in_one_child(rows, 1)
+    out = memory.run_rows(rows, 1)
     assert [r.get("status") for r in out] == [None, "timeout", "timeout"]
 
 

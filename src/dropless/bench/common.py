@@ -1,17 +1,11 @@
 """What every benchmark shares: the history file and its records (command line, commit,
 dirty flag, machine, load), child processes under the default allocator, peak memory.
 
-A benchmark's run goes:
-
     rec = Recorder.start(args)        # resolves the history file (or refuses), samples load
     ...measure...
     record = rec.finish("layer", figures)   # samples load again, appends one JSON line
 
-Nothing is written unless asked: `--record` appends the history line to the
-`benchmarks/history.jsonl` of the checkout this package runs from (found from the
-package's own location, not the current directory) and rewrites the bench's
-`benchmarks/sections/NAME.md` (`write_section`: the checkout's tools/bench_sections.py);
-`--history FILE` / `--section FILE` write elsewhere. Every file written is named on stderr.
+What is written, and where: docs/performance.md, "Benchmark records".
 """
 
 from __future__ import annotations
@@ -284,11 +278,9 @@ class Recorder:
     """One benchmark run: where its history line goes and what was measured around it."""
 
     path: Path | None
-    why_not: str = ""
     command: str = ""
     argv: list[str] = field(default_factory=list)
     load_before: dict = field(default_factory=dict)
-    load_after: dict = field(default_factory=dict)
     started: str = ""
     package_dir: Path | None = None
     record: bool = False
@@ -313,17 +305,12 @@ class Recorder:
         command, argv = command_line()
         before = load_sample()
         return cls(
-            path, why, command, argv, before, started=_now(), package_dir=package_dir,
-            record=record,
-        )  # fmt: skip
-
-    @property
-    def load(self) -> dict:
-        return {"before": self.load_before, "after": self.load_after}
+            path, command, argv, before, started=_now(), package_dir=package_dir, record=record
+        )
 
     def finish(self, bench: str, figures: dict) -> dict:
         """Sample the load again and append the record (unless there is no history file)."""
-        self.load_after = load_sample()
+        load = {"before": self.load_before, "after": load_sample()}
         record = {
             "bench": bench,
             "command": self.command,
@@ -334,7 +321,7 @@ class Recorder:
             "machine": machine(),
             "started": self.started,
             "date": _now(),
-            "load": self.load,
+            "load": load,
             "figures": figures,
         }
         if self.path is not None:

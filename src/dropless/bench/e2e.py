@@ -92,13 +92,20 @@ SUFFIX = "+compile"
 PROFILED = "dropless"  # --profile: the row whose step is profiled
 
 
+def add_child_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the rows' children, `bench e2e`'s and `bench lora`'s."""
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each runs every row once (>= 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per child (default 2)")
+    p.add_argument(
+        "--threads", type=int, default=None,
+        help="torch threads in each child (default: torch's default, all cores)",
+    )  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
+    p.add_argument("--no-memory", action="store_true", help="skip the memory children")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--rounds", type=int, default=3, help="rounds, each runs every implementation once (>= 3)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=2, help="timed training steps per child (default 2)"
-    )
+    add_child_arguments(p)
     p.add_argument(
         "--eager-rounds", type=int, default=None,
         help="rounds that include the slow stock eager row (default: all rounds)",
@@ -108,18 +115,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="AdamW implementation for every row (default fused: torch's CPU kernel)",
     )  # fmt: skip
     p.add_argument(
-        "--threads", type=int, default=None,
-        help="torch threads in each child (default: torch's default, all cores)",
-    )  # fmt: skip
-    p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS),
         help=f"comma list from {','.join(IMPLS)} (the peer rows {','.join(PEER_ROWS)} run from "
         f"a checkout; default: {','.join(DEFAULT_IMPLS)})",
     )  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
-    p.add_argument(
-        "--no-memory", action="store_true", help="skip the memory children (timing only)"
-    )
     p.add_argument(
         "--shape", choices=sorted(SHAPES), default="qwen3",
         help="qwen3: 64 experts top-8 (default); mixtral: 8 experts top-2, same active FLOPs; "
@@ -318,15 +317,6 @@ def _check_args(args) -> list[str]:
     return impls
 
 
-def _device(args) -> str:
-    import torch
-
-    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dev == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device here; use --device cpu")
-    return dev
-
-
 def _common(args, shape: dict, device: str) -> dict:
     """What every child of a run is given (`bench lora`'s LoRA rank too)."""
     keys = ("steps", "optimizer", "threads", "checkpointing", "fused_rmsnorm", "rank")
@@ -382,37 +372,35 @@ def _memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, d
     return out
 
 
-def timing_figures(outs: list[dict], shape: dict) -> dict:
-    """One row's speed over its rounds (each a timing child's result): median tokens/s
-    and step time, tokens/s of the best step, the first loss, every round's tokens/s."""
-    return {
-        "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
-        "step_s": statistics.median(o["step_s"] for o in outs),
-        "best_tokens_per_s": shape["batch"] * shape["seq"] / min(o["best_step_s"] for o in outs),
-        "first_loss": outs[0]["first_loss"],
-        "rounds": [o["tokens_per_s"] for o in outs],
-    }
-
-
 def _rows(results: dict, memory: dict, shape: dict) -> dict:
+    """Each row's speed over its rounds (each a timing child's result): median tokens/s
+    and step time, tokens/s of the best step, the first loss, every round's tokens/s; and
+    its memory (`memory`: the memory child's, or on CUDA the timing child's)."""
     rows = {}
     for impl, outs in results.items():
-        mem = memory.get(impl, {})
         rows[impl] = {
-            **timing_figures(outs, shape),
-            "peak_step_mib": mem.get("peak_step_mib"),
-            "peak_fwd_bwd_mib": mem.get("peak_fwd_bwd_mib"),
-            "peak_optimizer_mib": mem.get("peak_optimizer_mib"),
-            "memory_tracked": mem.get("memory_tracked"),
+            "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
+            "step_s": statistics.median(o["step_s"] for o in outs),
+            "best_tokens_per_s": shape["batch"]
+            * shape["seq"]
+            / min(o["best_step_s"] for o in outs),
+            "first_loss": outs[0]["first_loss"],
+            "rounds": [o["tokens_per_s"] for o in outs],
             "trainable": outs[0].get("trainable"),
         }
+        for k in ("peak_step_mib", "peak_fwd_bwd_mib", "peak_optimizer_mib", "memory_tracked"):
+            rows[impl][k] = memory.get(impl, {}).get(k)
     return rows
 
 
 def run(args) -> int:
     require_extra("e2e", "hf", "transformers")
+    import torch
+
     impls = _check_args(args)
-    device = _device(args)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device here; use --device cpu")
     rec = Recorder.start(args)
     asked = [i for i in impls if i in PEER_ROWS]
     peers = from_checkout("peers", f"the rows {', '.join(asked)}") if asked else None

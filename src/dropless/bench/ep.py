@@ -66,18 +66,10 @@ def _worker(rank, world, port, args, out_path):
                 walls.append(t2 - t0)
                 fwds.append(t1 - t0)
                 splits.append(disp.pop_stats())
-        med = {
-            k: statistics.median(s[k] for s in splits)
-            for k in ("dispatch_s", "expert_s", "combine_s")
-        }
-        rows[name] = {
-            "fwd_bwd_ms": 1e3 * statistics.median(walls),
-            "fwd_ms": 1e3 * statistics.median(fwds),
-            "dispatch_ms": 1e3 * med["dispatch_s"],
-            "expert_ms": 1e3 * med["expert_s"],
-            "combine_ms": 1e3 * med["combine_s"],
-            "bytes_sent_per_step": splits[-1]["bytes_sent"],
-        }
+        phases = {p: [s[f"{p}_s"] for s in splits] for p in ("dispatch", "expert", "combine")}
+        times = {"fwd_bwd": walls, "fwd": fwds} | phases
+        rows[name] = {f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()}
+        rows[name]["bytes_sent_per_step"] = splits[-1]["bytes_sent"]
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)

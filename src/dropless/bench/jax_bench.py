@@ -27,14 +27,15 @@ from .common import add_history_arguments, add_section_argument
 MODULE = "dropless.bench.jax_bench"
 IMPLS = ("dropless", "ragged_dot", "capacity_einsum", "dense_bound")
 DEFAULT_IMPLS = ("dropless", "ragged_dot", "dense_bound")
+# the layer's shape: option -> (its letter, default)
+SHAPE = dict(
+    experts=("E", 64), top_k=("K", 8), hidden=("D", 1024), ffn=("F", 384), tokens=("T", 2048)
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=384)
-    p.add_argument("--tokens", type=int, default=2048)
+    for name, (key, default) in SHAPE.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"{key}")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (median reported)")
     p.add_argument(
         "--ragged-rounds", type=int, default=1, help="timed rounds for the slow ragged_dot row"
@@ -198,18 +199,10 @@ def run(args) -> int:
     if "capacity_einsum" in impls:
         from_checkout("jax_capacity", "the row capacity_einsum")  # refused before measuring
     rec = Recorder.start(args)
-    base = dict(
-        E=args.experts,
-        K=args.top_k,
-        D=args.hidden,
-        F=args.ffn,
-        T=args.tokens,
-        capacity_factor=args.capacity_factor,
-    )
+    shape = {key: getattr(args, name) for name, (key, _) in SHAPE.items()}
+    base = shape | {"capacity_factor": args.capacity_factor}
     rows = {}
-    for impl in [i for i in impls if i != "ragged_dot"] + (
-        ["ragged_dot"] if "ragged_dot" in impls else []
-    ):
+    for impl in sorted(impls, key=lambda i: i == "ragged_dot"):  # the slow one last
         if impl == "ragged_dot":
             free = mem_available_gib()
             if free < args.ragged_min_free_gib:
@@ -222,8 +215,7 @@ def run(args) -> int:
         progress(f"timing {impl}: {rounds} round(s) in its own process")
         rows[impl] = _run_child(dict(base, impl=impl, rounds=rounds))
         print(json.dumps(rows[impl]), flush=True)
-    shape = f"E={args.experts}, K={args.top_k}, D={args.hidden}, F={args.ffn}, T={args.tokens}"
-    figures = dict(shape=shape, rows=rows)
+    figures = dict(shape=", ".join(f"{k}={v}" for k, v in shape.items()), rows=rows)
     d, rg = rows.get("dense_bound", {}), rows.get("ragged_dot", {})
     ours = rows.get("dropless", {})
     if ours.get("status") == "ok" and d.get("status") == "ok":

@@ -46,6 +46,7 @@ from .common import (
     peak_rss_mib,
     progress,
     require_default_allocator,
+    require_extra,
     reset_peak_rss,
     rss_mib,
     run_child,
@@ -158,18 +159,15 @@ def _generate(cfg: dict):
     return x_TD.to(**to), w_router_ED.to(**to), gate_up.to(**to), down.to(**to), grad_TD.to(**to)
 
 
-def _hot_share(x_TD, w_ED, K) -> float:
-    ids = (x_TD @ w_ED.t()).topk(K, dim=-1).indices
-    return float((ids < 4).float().mean())
-
-
 def _skew_bias(x_TD, w_ED, K) -> float:
+    """The logit bias of the 4 hot experts that sends about half the pairs to them."""
     lo, hi = 0.0, 50.0
     for _ in range(30):
         mid = (lo + hi) / 2
         w = w_ED.clone()
         w[:4, 0] = mid
-        lo, hi = (mid, hi) if _hot_share(x_TD, w, K) < 0.5 else (lo, mid)
+        hot = float(((x_TD @ w.t()).topk(K, dim=-1).indices < 4).float().mean())
+        lo, hi = (mid, hi) if hot < 0.5 else (lo, mid)
     return hi
 
 
@@ -234,14 +232,11 @@ def _dropless(name, cfg, x_TD, w_router, gate_up, down, grad_TD):
 
 
 def hf_block(cfg, impl, w_router, gate_up, down):
-    try:
-        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except ModuleNotFoundError:  # the command line says this one line (cli/messages.py)
-        raise ModuleNotFoundError(
-            "the Hugging Face rows (hf-*) need transformers: pip install 'dropless[hf]'",
-            name="transformers",
-        ) from None
+    """Hugging Face v5's `Qwen3MoeSparseMoeBlock` with the shared weights (the hf-* rows)."""
+    require_extra("layer", "hf", "transformers")  # the command line says it in one line
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     conf = Qwen3MoeConfig(
         hidden_size=cfg["D"],
         moe_intermediate_size=cfg["F"],

@@ -48,18 +48,11 @@ LABELS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each runs every row once (>= 3)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per child (default 2)")
+    e2e.add_child_arguments(p)
     p.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
     p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list from {','.join(IMPLS)}"
     )
-    p.add_argument(
-        "--threads", type=int, default=None,
-        help="torch threads in each child (default: torch's default, all cores)",
-    )  # fmt: skip
-    p.add_argument("--quick", action="store_true", help="tiny shape for a smoke run (not a result)")
-    p.add_argument("--no-memory", action="store_true", help="skip the memory children")
     add_history_arguments(p)
     add_section_argument(p, "lora")
 

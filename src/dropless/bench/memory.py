@@ -1,33 +1,23 @@
 """`dropless bench memory`: peak step memory per token of the pinned Qwen3-MoE at long
 sequence lengths (batch 1), stock Transformers v5 against dropless's long-sequence recipe.
 
-Rows (`--impls`):
-- `grouped_mm`: stock Transformers, `experts_implementation="grouped_mm"` (its default);
-- `grouped_mm-ckpt`: the same with its activation checkpointing (every decoder layer);
-- `dropless`: the long-sequence recipe, as `dropless train` runs it by default:
-  `dropless.patch(fused_cross_entropy=True, fused_rmsnorm=True)` (the fused linear +
-  cross-entropy head; dropless's RMSNorm, on CPU a torch op that keeps the input and one
-  value per row for backward) and activation checkpointing (`bench e2e`'s model);
-- `dropless-mxfp8` (not run by default): the recipe plus MXFP8 saved activations
-  (`dropless.autocast(recipe=dropless.MXFP8BlockScaling(fp8_saved_activations=True))`
-  around the forward and the backward, where checkpointing recomputes the layers). On
-  CPU the MXFP8 GEMMs are emulated (both operands dequantized to fp32 per GEMM): their
-  temporaries outweigh the smaller saved tensors, so this row raises the peak there.
+Rows (`LABELS`): stock `grouped_mm`, without and with its activation checkpointing;
+`dropless`, the recipe `dropless train` runs by default (`bench e2e`'s model with
+`patch(fused_cross_entropy=True, fused_rmsnorm=True)` and activation checkpointing); and,
+not run by default, `dropless-mxfp8`, the recipe with MXFP8 saved activations around the
+forward and the backward (where checkpointing recomputes the layers). On CPU the MXFP8
+GEMMs are emulated (both operands dequantized to fp32 per GEMM): their temporaries
+outweigh the smaller saved tensors, so this row raises the peak there.
 
-Every (length, implementation) runs in its own child process, once (`--tiny`, a smoke
-run on a tiny model at lengths 32 and 64 by default, runs them all in one child: about
-20 s on 2 quiet CPU cores, most of it importing torch and Transformers): AdamW's state is
-allocated first (a step with learning rate 0, no forward), then ONE timed step (forward,
-backward, AdamW) with no warm-up. Memory: glibc serves blocks >= 128 KiB by mmap (from
-the child's start) and returns freed memory, so RSS follows live tensors; the step's peak is VmHWM (reset
-through /proc/self/clear_refs) minus VmRSS before the step (model, AdamW state, inputs).
-The time is that of this single step under those allocator settings: an indication, not
-a speed figure (`dropless bench e2e` times steps under the default allocator).
-
-A child whose address space would pass `--max-rss-gib` (RLIMIT_AS, set just before the
-step on top of what the process has mapped then) fails its allocation; that, a
-MemoryError, a RuntimeError about memory, or a child killed by SIGKILL (the kernel's
-out-of-memory killer) is recorded as out of memory, and not retried.
+Every (length, implementation) runs in its own child process, once (`--tiny`: every row in
+one child): AdamW's state is allocated first (`_prime_adamw`), then ONE step (forward,
+backward, AdamW) with no warm-up; its peak is VmHWM above VmRSS before the step, glibc
+serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors
+(`follow_live_memory`). The step's time under those settings is an indication, not a
+speed figure. A child whose address space would pass `--max-rss-gib` (RLIMIT_AS, set just
+before the step) fails its allocation; that, a MemoryError, a RuntimeError about memory,
+or a child killed by SIGKILL (the kernel's out-of-memory killer) is recorded as out of
+memory, and not retried.
 """
 
 # B batch (1), L sequence length
@@ -44,7 +34,7 @@ import signal
 import sys
 import time
 
-from .child import ChildRun, run_child_process
+from .child import run_child_process
 from .common import (
     Recorder,
     add_history_arguments,
@@ -250,21 +240,6 @@ def _step(model, opt, ids_BL, impl: str, base: float) -> dict:
 # --- the parent -------------------------------------------------------------------------
 
 
-def _memory_child(payload: dict, timeout: float) -> ChildRun:
-    cmd = [sys.executable, "-m", "dropless.bench.memory", json.dumps(payload)]
-    return run_child_process(cmd, timeout=timeout, env=timing_env())
-
-
-def run_memory_child(args: dict, timeout: float) -> dict:
-    """One child under the default environment (malloc settings removed); an
-    out-of-memory end (exception, allocation abort, SIGKILL) or a timeout is a record,
-    any other failure raises RuntimeError with the child's error output."""
-    run = _memory_child(args, timeout)
-    if run.status == "timeout":
-        return {"impl": args["impl"], "seq": args["seq"], "status": "timeout"}
-    return child_result(args, run.returncode, run.stdout, run.stderr)
-
-
 def _rows_printed(stdout: str) -> list[dict]:
     """The records a child printed, one JSON line per row."""
     out = []
@@ -276,11 +251,14 @@ def _rows_printed(stdout: str) -> list[dict]:
     return out
 
 
-def run_rows_in_one_child(rows: list[dict], timeout: float) -> list[dict]:
-    """--tiny: every row in one child, in order (one import of torch and Transformers
-    instead of one per row). If that child ends abnormally, the row it was on gets the
-    record `child_result` gives it and the rows after it run each in its own child."""
-    run = _memory_child({"rows": rows}, timeout)
+def run_rows(rows: list[dict], timeout: float) -> list[dict]:
+    """The rows in one child under the default environment (malloc settings removed), in
+    order: one row, or (--tiny) every row with one import of torch and Transformers. An
+    out-of-memory end (exception, allocation abort, SIGKILL) or a timeout is the record of
+    the row the child was on, the rows after it then run each in its own child (a timeout:
+    they are timeouts too); any other failure raises RuntimeError with its error output."""
+    cmd = [sys.executable, "-m", "dropless.bench.memory", json.dumps({"rows": rows})]
+    run = run_child_process(cmd, timeout=timeout, env=timing_env())
     done = _rows_printed(run.stdout)
     if run.status == "timeout":
         late = rows[len(done) :]
@@ -289,7 +267,7 @@ def run_rows_in_one_child(rows: list[dict], timeout: float) -> list[dict]:
         return done
     rest = rows[len(done) :]
     failed = child_result(rest[0], run.returncode or 1, "", run.stderr)
-    return done + [failed] + [run_memory_child(r, timeout) for r in rest[1:]]
+    return done + [failed] + [out for r in rest[1:] for out in run_rows([r], timeout)]
 
 
 def child_result(args: dict, returncode: int, stdout: str, stderr: str) -> dict:
@@ -366,15 +344,14 @@ def run(args) -> int:
     todo = [{**common, "impl": impl, "seq": seq} for seq in args.seq_len for impl in impls]
     if args.tiny:
         progress(f"--tiny: {len(todo)} rows in one process")
-        rows = run_rows_in_one_child(todo, args.timeout_s)
-        for r in rows:
-            _say(r)
-    else:
-        rows = []
-        for child_args in todo:
-            progress(f"seq {child_args['seq']}: measuring {child_args['impl']} (its own process)")
-            rows.append(run_memory_child(child_args, args.timeout_s))
-            _say(rows[-1])
+    rows = []
+    for group in [todo] if args.tiny else [[r] for r in todo]:
+        if not args.tiny:
+            progress(f"seq {group[0]['seq']}: measuring {group[0]['impl']} (its own process)")
+        rows += run_rows(group, args.timeout_s)
+        for r in rows[-len(group) :]:
+            shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
+            print(f"seq {r['seq']:6d} {r['impl']:16s} peak step {shown}", flush=True)
     _add_ratios(rows)
     table = _table(rows)
     print(table)
@@ -394,11 +371,6 @@ def run(args) -> int:
     print(load_sentence(record["load"]))
     write_section(args, rec, "memory", record, table)
     return 0
-
-
-def _say(r: dict) -> None:
-    shown = f"{r['peak_step_mib']:,.0f} MiB" if r["status"] == "ok" else r["status"]
-    print(f"seq {r['seq']:6d} {r['impl']:16s} peak step {shown}", flush=True)
 
 
 if __name__ == "__main__":

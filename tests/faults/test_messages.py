@@ -163,7 +163,7 @@ TABLE = [
     ("data/tokenizer.py", "pass a directory saved by a Hugging Face fast tokenizer", f"{HERE}[no-tokenizer-json]"),
     ("data/tokenizer.py", "or an existing tokenizer directory", f"{HERE}[tokenizer-dir]"),
     ("trainer.py", "written. Resume with: dropless train --run-dir", f"{FAULTS}/test_signals.py::test_sigint_sigterm_and_a_second_ctrl_c"),
-    ("trainer.py", "raise train.steps to continue it", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
+    ("build.py", "raise train.steps to continue it", "tests/train/test_run.py::test_resume_refuses_finished_and_fresh_runs"),
     ("mesh.py", "is not implemented (planned); allowed:", "tests/parallel/test_mesh_config.py::test_deepep_is_not_a_choice_but_a_clear_error"),
     ("dispatcher.py", "must be an int >= 1", f"{HERE}[num-chunks]"),
     ("dispatcher.py", "is not divisible by the EP group size", f"{HERE}[ep-group-size]"),

@@ -155,6 +155,10 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
         beat.doing(f"loading the checkpoint {resume_from}")
         saved = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, trainable_only=lora)
         state = TrainState.from_dict({**saved, "world_size": env.world})
+        if state.step >= tc.steps:
+            raise ValueError(
+                f"the run is already at step {state.step} of train.steps={tc.steps}; raise train.steps to continue it (--set train.steps=N)"
+            )
     saver = CheckpointSaver(cfg.checkpoint.async_save, cfg.parallel.timeout_s)
     config_file = run_dir / "config.toml"
     if env.main:  # only now: a refused resume leaves the run's files as they were
@@ -170,7 +174,7 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
         model, data.eval_BL1, data.eval_bytes, env, micro_batch, parallel is not None,
         precision, eval_targets=data.eval_targets, split=split,
     )  # fmt: skip
-    log = RunLog(cfg, env, run_dir, precision, state.step if resume_from else None)
+    log = RunLog(cfg, env, run_dir, precision, state.step if resume_from else None, beat)
     return RunParts(
         cfg=cfg, env=env, run_dir=run_dir, hooks=hooks, beat=beat, t_start=t_start,
         cpu_start=cpu_start, config_file=config_file, data=data, precision=precision,

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from .data.context_split import ContextSplit
-from .data.corpus import micro_batch_indices
 from .data.sft import IGNORE
 from .model.lora import base_model
 from .model.precision import Precision
@@ -218,8 +217,7 @@ class StepRunner:
         self.grad_accum, self.world, self.global_batch = tc.grad_accum, env.world, tc.batch_size
         self.seq_len = tc.seq_len
         # parallel.cp > 1: a group of cp ranks reads one micro-batch and splits its sequences
-        self.split = ContextSplit.for_run(env, parts.parallel)
-        self.split.check(tc.seq_len)
+        self.split = ContextSplit.for_run(env, parts.parallel, tc.seq_len)
         cp_group = parts.parallel.pmesh.cp_group if self.split.cp > 1 else None
         self.micro = MicroStep.for_run(
             cfg, model, parts.precision, parts.router, self.ce_seen, self.split, cp_group
@@ -237,18 +235,13 @@ class StepRunner:
         hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
         for a in range(self.grad_accum):
             sp = self.split  # the cp ranks of one group read the same samples
-            idx = micro_batch_indices(
-                state.sample_index,
-                a,
-                sp.data_rank,
-                sp.data_world,
-                self.global_batch,
+            xy, tg = self.sampler.micro_batch(
+                state.sample_index, a, sp.data_rank, sp.data_world, self.global_batch,
                 self.grad_accum,
-            )
-            xy = torch.from_numpy(self.sampler.batch(idx)).to(dev)
-            tg = None
-            if hasattr(self.sampler, "batch_targets"):  # supervised data (sft.RowSampler)
-                tg = torch.from_numpy(self.sampler.batch_targets(idx)).to(dev)
+            )  # fmt: skip
+            xy = torch.from_numpy(xy).to(dev)
+            if tg is not None:  # supervised data (sft.RowSampler): its own targets
+                tg = torch.from_numpy(tg).to(dev)
             ce, lb, zl, c = self.micro(xy, tg)
             sums += torch.stack([ce, lb, zl]).double() / self.grad_accum
             counts_ME += c.to(dev)

@@ -97,12 +97,8 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, env, total = self.cfg, self.env, self.cfg.train.steps
-        if self.state.step >= total:
-            raise ValueError(
-                f"the run is already at step {self.state.step} of train.steps={total}; raise train.steps to continue it (--set train.steps=N)"
-            )
         ckpt.remove_partial(self.run_dir)
-        self.progress = self.log.progress(total, self.state.step, on_line=self.beat.printed)
+        self.progress = self.log.progress
         if self.state.step == 0:
             self.beat.doing("evaluating the held-out set before step 1")
             ev = self.evaluate()

@@ -31,11 +31,14 @@ class ContextSplit:
     cp: int = 1
 
     @classmethod
-    def for_run(cls, env, parallel) -> ContextSplit:
-        """From the run's `Env` and its `TrainParallel` (None on one process)."""
+    def for_run(cls, env, parallel, seq_len: int) -> ContextSplit:
+        """From the run's `Env` and its `TrainParallel` (None on one process), checked
+        against train.seq_len (`check`)."""
         if parallel is None or parallel.cp == 1:
             return cls(env.rank, env.world)
-        return cls(parallel.data_rank, env.world // parallel.cp, parallel.cp_rank, parallel.cp)
+        split = cls(parallel.data_rank, env.world // parallel.cp, parallel.cp_rank, parallel.cp)
+        split.check(seq_len)
+        return split
 
     def check(self, seq_len: int) -> None:
         """A clear error when train.seq_len cannot be split into 2*cp equal chunks."""

@@ -379,6 +379,13 @@ class WindowSampler:
         rows = [self.tokens_N[w * L : w * L + L + 1] for w in map(self._window, indices)]
         return np.stack(rows).astype(np.int64)
 
+    def micro_batch(self, start, micro, rank, world, batch_size, grad_accum) -> tuple:
+        """(int64 [b, L + 1], None): one process's micro-batch (`micro_batch_indices`); the
+        None is where `sft.RowSampler` answers its targets."""
+        return self.batch(
+            micro_batch_indices(start, micro, rank, world, batch_size, grad_accum)
+        ), None
+
 
 def micro_batch_size(batch_size: int, world: int, grad_accum: int) -> int:
     """Sequences in one process's micro-batch: the global batch over the processes and the
@@ -413,8 +420,7 @@ def byte_counts(tok, tokens_N: np.ndarray) -> np.ndarray:
     """float64 [256]: how often each byte value occurs in the text behind `tokens_N`."""
     V = tok.vocab_size
     hist_V256 = np.zeros((V, 256), dtype=np.float64)
-    for i in range(V):
-        b = tok.token_bytes([i])
+    for i, b in enumerate(tok.bytes_V):
         if b:
             hist_V256[i] = np.bincount(np.frombuffer(b, dtype=np.uint8), minlength=256)
     return np.bincount(tokens_N, minlength=V)[:V].astype(np.float64) @ hist_V256
@@ -466,6 +472,8 @@ def text_data(cfg, run_dir: Path, verbose: bool) -> RunData:
         sampler=WindowSampler(train_N, seq_len, cfg.train.seed),
         eval_BL1=eval_BL1,
         eval_bytes=int(tok.nbytes_V[targets].sum()),
-        unigram_bpb=unigram_bits_per_byte(byte_counts(tok, train_N), tok.token_bytes(targets)),
+        unigram_bpb=unigram_bits_per_byte(
+            byte_counts(tok, train_N), b"".join(tok.bytes_V[i] for i in targets)
+        ),
         train_tokens=len(train_N),
     )

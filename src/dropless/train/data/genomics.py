@@ -53,6 +53,7 @@ class DNATokenizer:
         self.nbytes_V = np.ones(self.vocab_size, dtype=np.int64)
         self.nbytes_V[: self.unk_id] = 0  # PAD, BOS, EOS stand for no character
         self._letters = np.frombuffer(("\0" * len(SPECIALS) + BASES).encode(), dtype=np.uint8)
+        self.bytes_V = [self.token_bytes([i]) for i in range(self.vocab_size)]
         # token id -> id of its complement (specials and UNK map to themselves)
         comp = np.arange(self.vocab_size, dtype=np.uint8)
         for b, c in _COMPLEMENT.items():

@@ -161,6 +161,14 @@ class RowSampler:
     def batch_targets(self, indices) -> np.ndarray:
         return self.targets[[self._row(i) for i in indices]]
 
+    def micro_batch(self, start, micro, rank, world, batch_size, grad_accum) -> tuple:
+        """(rows [b, L + 1], targets [b, L]) of one process's micro-batch (as
+        `WindowSampler.micro_batch`)."""
+        from .corpus import micro_batch_indices
+
+        idx = micro_batch_indices(start, micro, rank, world, batch_size, grad_accum)
+        return self.batch(idx), self.batch_targets(idx)
+
 
 def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
     """Hold out every record whose index hashes below eval_fraction (at least one)."""

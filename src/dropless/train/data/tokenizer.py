@@ -1,8 +1,8 @@
 """Tokenizers for training: plain bytes, or a byte-level BPE (the `tokenizers` library)
 trained on the run's data and cached in the run directory, or one loaded from a directory.
 
-Each knows how many raw bytes every token stands for (`nbytes_V`), so held-out loss can
-be reported in bits per byte whatever the vocabulary.
+Each knows the raw bytes every token stands for (`bytes_V`, and their count `nbytes_V`),
+so held-out loss can be reported in bits per byte whatever the vocabulary.
 """
 
 # V vocabulary
@@ -61,6 +61,7 @@ class ByteTokenizer:
     eos_id = 256
 
     def __init__(self):
+        self.bytes_V = [bytes([i]) for i in range(256)] + [b""]
         self.nbytes_V = np.ones(self.vocab_size, dtype=np.int64)
         self.nbytes_V[self.eos_id] = 0
 
@@ -94,9 +95,8 @@ class HFTokenizer:
         eos = tok.token_to_id(EOS)
         self.eos_id = eos if eos is not None else None
         self._byte_level = _is_byte_level(tok)
-        self.nbytes_V = np.array(
-            [len(self._bytes_of(i)) for i in range(self.vocab_size)], dtype=np.int64
-        )
+        self.bytes_V = [self._bytes_of(i) for i in range(self.vocab_size)]
+        self.nbytes_V = np.array([len(b) for b in self.bytes_V], dtype=np.int64)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
@@ -137,7 +137,7 @@ class HFTokenizer:
         return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def token_bytes(self, ids: Iterable[int]) -> bytes:
-        return b"".join(self._bytes_of(int(i)) for i in ids)
+        return b"".join(self.bytes_V[int(i)] for i in ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)

@@ -67,6 +67,14 @@ def padding_rows(vocab_size: int) -> int:
     return max(256, vocab_size // 100)
 
 
+def model_config(mcfg, tok_vocab: int, seq_len: int):
+    """The Transformers config of `hf_config`, checked against the tokenizer's vocabulary
+    and the sequence length (`check_compatible`): what the preflight asks."""
+    config = hf_config(mcfg, tok_vocab)
+    check_compatible(config, tok_vocab, seq_len, pretrained=bool(mcfg.path))
+    return config
+
+
 def check_compatible(config, tok_vocab: int, seq_len: int, pretrained: bool = False) -> None:
     """Fail fast on a tokenizer the model cannot embed or a sequence it cannot position.
     pretrained: the embeddings are a checkpoint's (model.path), so the tokenizer must be

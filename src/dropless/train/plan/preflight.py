@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..data.corpus import data_files, micro_batch_size
 from ..data.tokenizer import vocab_size
-from ..model.build import check_compatible, hf_config
+from ..model.build import model_config
 from ..run.setup import Env, on_rank0
 from .trace import GIB, make_plan, resolve_hf_config
 
@@ -67,9 +67,8 @@ def preflight(cfg, env: Env, run_dir: Path):
     if cfg.data.eval_path:
         data_files(cfg.data.eval_path, "data.eval_path")
     vocab = vocab_size(cfg, run_dir)
-    config = hf_config(cfg.model, vocab)
+    config = model_config(cfg.model, vocab, cfg.train.seq_len)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
-    check_compatible(config, vocab, cfg.train.seq_len, pretrained=bool(cfg.model.path))
     from .memory_fit import check_fits_memory
 
     check_fits_memory(cfg, config, env.world, env.device)  # before the model is built

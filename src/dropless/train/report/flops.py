@@ -1,4 +1,5 @@
-"""The training FLOPs of a step, for the metrics (MFU) and the plan."""
+"""The training FLOPs of a step, for the metrics (MFU) and the plan, and how a FLOP rate
+reads."""
 
 # T tokens, L sequence length
 
@@ -60,3 +61,8 @@ class FlopCounter:
         fwd = 2.0 * tokens * self.dense_params + 2.0 * routed_pairs * self.expert_params
         fwd += sequences * self.attn_per_seq_l2 * seq_len * seq_len
         return (2.0 if self.frozen_base else 3.0) * fwd
+
+
+def rate(tflops: float) -> str:
+    """A FLOP rate in the unit that reads best (CPU peaks are GFLOP/s, GPU peaks TFLOP/s)."""
+    return f"{tflops:.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.4g} GFLOP/s"

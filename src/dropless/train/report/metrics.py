@@ -1,5 +1,5 @@
-"""Run metrics: peak FLOP/s for MFU, memory, expert-load figures, the JSONL + TensorBoard
-writer and the live progress display."""
+"""Run metrics: peak FLOP/s for MFU, memory, expert-load figures and the JSONL +
+TensorBoard writer (the live display is `progress.py`)."""
 
 # L MoE layers, E experts
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -52,11 +51,6 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[
                 return peak, f"{key} dense {'bf16' if dtype == torch.bfloat16 else 'tf32'} spec"
         return float("nan"), f"unknown GPU {name!r}: set log.peak_tflops"
     return measure_cpu_tflops(), "measured fp32 matmul on this CPU"
-
-
-def rate(tflops: float) -> str:
-    """A FLOP rate in the unit that reads best (CPU peaks are GFLOP/s, GPU peaks TFLOP/s)."""
-    return f"{tflops:.4g} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:.4g} GFLOP/s"
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -159,51 +153,3 @@ def read_metrics(run_dir: Path) -> list[dict]:
             continue
         out.append(rec)
     return out
-
-
-class Progress:
-    """A rich progress bar on a terminal (step, loss, tokens/s, MFU, ETA), else plain lines."""
-
-    def __init__(self, mode: str, total: int, start: int, enabled: bool, on_line=None):
-        self.enabled = enabled and mode != "none"
-        # the bar draws on stdout: `dropless train > log` gets plain lines
-        self.rich = self.enabled and (mode == "rich" or (mode == "auto" and sys.stdout.isatty()))
-        self.total, self.bar, self.on_line = total, None, on_line
-        if self.rich:
-            try:
-                from rich.progress import BarColumn, TextColumn, TimeRemainingColumn
-                from rich.progress import Progress as RichProgress
-            except ModuleNotFoundError:
-                self.rich = False
-            else:
-                self.bar = RichProgress(
-                    TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                    TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  MFU {task.fields[mfu]}"),
-                    TextColumn("ETA"), TimeRemainingColumn(), transient=False,
-                )  # fmt: skip
-                self.bar.start()
-                self.task = self.bar.add_task(
-                    "train", total=total, completed=start, loss="-", tps="-", mfu="-"
-                )
-
-    def update(self, step: int, loss: float, tps: float, mfu: float, eta_s: float) -> None:
-        if self.bar is not None:
-            mfu_s = f"{mfu:.1%}" if math.isfinite(mfu) else "n/a"
-            self.bar.update(
-                self.task, completed=step, loss=f"{loss:.3f}", tps=f"{tps:,.0f}", mfu=mfu_s
-            )
-
-    def line(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.console.print(text)
-        else:  # one write: a heartbeat line (heartbeat.py) cannot split it
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-        if self.on_line is not None:
-            self.on_line()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from ..checkpoint import store as ckpt
+from .flops import rate
 from .metrics import (
     MetricsWriter,
-    Progress,
     load_stats,
     measure_cpu_tflops,
     peak_memory_mib,
     peak_tflops,
-    rate,
     read_metrics,
 )
+from .progress import Progress
 
 
 def processes(n: int) -> str:
@@ -61,10 +61,17 @@ class Window:
 class RunLog:
     """Rank 0 writes; every rank keeps the timing totals (the summary is broadcast)."""
 
-    def __init__(self, cfg, env, run_dir, precision, resume_step: int | None):
+    def __init__(self, cfg, env, run_dir, precision, resume_step: int | None, beat=None):
+        """`resume_step`: the step a resumed run starts from (None: a fresh run); `beat`:
+        the run's `Heartbeat`, told of each line the display prints."""
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.peak, self.peak_source = peak_tflops(env.device, precision.dtype, cfg.log.peak_tflops)
         self.writer = MetricsWriter(run_dir, cfg.log.tensorboard, resume_step) if env.main else None
+        #: the display: a progress bar on a terminal, else plain lines
+        self.progress = Progress(
+            cfg.log.progress, cfg.train.steps, resume_step or 0, env.main,
+            None if beat is None else beat.printed,
+        )  # fmt: skip
         self.window = Window()
         self.train_time = self.train_flops = 0.0
         # the DNA tokenizer reads one base per byte of sequence: bits per byte are per base
@@ -144,10 +151,6 @@ class RunLog:
             f"lr {r['lr']:.2e}  {r['tokens_per_s']:,.0f} tok/s  {r['tflops_per_process'] * 1e3:.1f} GFLOP/s  "
             f"MFU {r['mfu']:.1%} (training steps since the last log){load}{skipped}"
         )
-
-    def progress(self, total: int, start: int, on_line=None) -> Progress:
-        """The display; `on_line()` is called after each line it prints."""
-        return Progress(self.cfg.log.progress, total, start, self.env.main, on_line)
 
     def summary(
         self,

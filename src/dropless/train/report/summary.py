@@ -6,7 +6,7 @@ import json
 import math
 
 from ..run.atomic import write_atomic
-from .metrics import rate
+from .flops import rate
 
 
 def _fmt(v, spec: str) -> str:

@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...parallel.fsdp import apply_fsdp
+from ...parallel.fsdp import apply_fsdp, clip_grad_norm_
 from ...parallel.mesh import ParallelConfig, ParallelMesh, build_mesh, resolve_sizes
 from ..lora.peft_lora import base_model
-from .expert_parallel import shard_hf_experts
+from .expert_parallel import hf_dispatchers, shard_hf_experts
 from .peft_save import route_peft_save
 from .trainer_checkpoint import accept_full_state_dicts
 
@@ -295,12 +295,41 @@ def _ready_for_trainers(model: nn.Module, fsdp: bool, cp: int = 1) -> None:
     route_peft_save(model)
 
 
-def parallelize_config(model: nn.Module, cfg, *, mixed_precision=None) -> ParallelMesh:
+class ModelLayout:
+    """A model laid out by `parallelize_config`, as a training loop asks it: its mesh
+    (`pmesh`), gradient clipping over the meshes its parameters live on, and the
+    expert-parallel figures of the steps since the last ask."""
+
+    def __init__(self, model: nn.Module, pmesh: ParallelMesh):
+        self.model, self.pmesh = model, pmesh
+
+    def clip_grad_norm_(self, params, max_norm: float) -> float:
+        return float(clip_grad_norm_(list(params), max_norm))
+
+    def ep_sums(self) -> torch.Tensor | None:
+        """float64 [4]: this rank's dispatch, expert and combine seconds and the bytes its
+        all-to-alls sent (forward + backward) since the last call, over every MoE layer;
+        None without expert parallelism."""
+        ds = hf_dispatchers(self.model)
+        if not ds:
+            return None
+        t = torch.zeros(4, dtype=torch.float64)
+        for d in ds:
+            s = d.pop_stats()
+            t += torch.tensor(
+                [s["dispatch_s"], s["expert_s"], s["combine_s"], 2.0 * s["bytes_sent"]],
+                dtype=torch.float64,
+            )
+        return t
+
+
+def parallelize_config(model: nn.Module, cfg, *, mixed_precision=None) -> ModelLayout:
     """What `parallelize` does, from a `ParallelConfig` (the `[parallel]` section of
     `dropless train`, already checked against the world): the mesh, expert parallelism,
-    FSDP2 and, with cp > 1, the context-parallel attention. Returns the mesh."""
+    FSDP2 and, with cp > 1, the context-parallel attention. Returns the layout, the one
+    thing `dropless train` asks of this layer."""
     _apply(model, cfg, fsdp=True, mixed_precision=mixed_precision)
-    return parallel_mesh(model)
+    return ModelLayout(model, parallel_mesh(model))
 
 
 def _apply(

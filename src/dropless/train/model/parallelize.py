@@ -16,20 +16,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...hf.distributed.expert_parallel import hf_dispatchers
-from ...hf.distributed.parallelize import parallelize_config
-from ...parallel.fsdp import clip_grad_norm_
-from ...parallel.mesh import ParallelMesh, as_parallel_config
+from ...hf.distributed.parallelize import ModelLayout, parallelize_config
+from ...parallel.mesh import as_parallel_config
 from ..run.collectives import all_reduce
 
 __all__ = ["TrainParallel", "parallelize_for_training"]
 
 
 class TrainParallel:
-    """A model spread over the mesh: gradient clipping and EP stats."""
+    """A model spread over the mesh (`hf.distributed.parallelize.ModelLayout`): gradient
+    clipping and the EP figures, reduced over the processes."""
 
-    def __init__(self, model: nn.Module, pmesh: ParallelMesh):
-        self.model, self.pmesh = model, pmesh
+    def __init__(self, layout: ModelLayout):
+        self.layout, self.pmesh = layout, layout.pmesh
 
     @property
     def cp(self) -> int:
@@ -47,21 +46,14 @@ class TrainParallel:
         return self.pmesh.dp_rank
 
     def clip_grad_norm_(self, params, max_norm: float) -> float:
-        return float(clip_grad_norm_(list(params), max_norm))
+        return self.layout.clip_grad_norm_(params, max_norm)
 
     def pop_stats(self) -> dict:
         """This step's forward time split (s, mean over ranks) and the activation bytes
         sent to other ranks per step (all ranks, forward + backward)."""
-        ds = hf_dispatchers(self.model)
-        if not ds:
+        t = self.layout.ep_sums()
+        if t is None:
             return {}
-        t = torch.zeros(4, dtype=torch.float64)
-        for d in ds:
-            s = d.pop_stats()
-            t += torch.tensor(
-                [s["dispatch_s"], s["expert_s"], s["combine_s"], 2.0 * s["bytes_sent"]],
-                dtype=torch.float64,
-            )
         all_reduce(t, group=self.pmesh.dp_group)
         w = self.pmesh.world_size
         return {
@@ -92,5 +84,6 @@ def parallelize_for_training(
         resolve_sizes(parallel_cfg, 1, num_experts)  # ep > 1 on one process: a clear error
         return None
     # the public call's path (`dropless.parallelize`), from the run's [parallel] section
-    pm = parallelize_config(model, as_parallel_config(parallel_cfg), mixed_precision=compute_dtype)
-    return TrainParallel(model, pm)
+    return TrainParallel(
+        parallelize_config(model, as_parallel_config(parallel_cfg), mixed_precision=compute_dtype)
+    )

@@ -72,7 +72,11 @@ def triton_gather_kernels() -> GatherKernels:
     return GatherKernels(up, down, wgrad, supports=supports_triton_gemm, kinds=KERNEL_KINDS)
 
 
-GATHER_KERNELS.on_first_cuda(lambda: GATHER_KERNELS.register(triton_gather_kernels()))
+def register_gpu() -> None:
+    GATHER_KERNELS.register(triton_gather_kernels())
+
+
+GATHER_KERNELS.on_first_cuda(register_gpu)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ SECTIONS = {
         "python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md"
     ],
     "train": ["dropless bench train --record"],
-    "jax": ["dropless bench jax --record"],
+    "jax": ["dropless bench jax --impls dropless,ragged_dot,capacity_einsum,dense_bound --record"],
     "expert_mlp_op": [
         "python scripts/bench_expert_mlp_op.py --tokens 1 16384 --rounds 3 "
         "--section benchmarks/sections/expert_mlp_op.md"

@@ -106,12 +106,14 @@ def test_budget_skips_what_does_not_fit_and_says_so():
 
 def _train_results(forward_syncs=1, recompute_syncs=0, resumed_loss=9.0, ep2=None, cuda=(1, 0)):
     """What the train step's children write, at made-up figures: losses of steps 1-4."""
-    run = dict(losses={"1": 10.0, "2": 9.5, "3": 9.2, "4": 9.0}, tokens_per_s=50000.0,
-               wall_s=30.0, max_memory_allocated_gib=20.0, sync_sites=[],
-               syncs={"forward": [forward_syncs] * 4, "recompute": []})  # fmt: skip
-    forced = run | dict(tokens_per_s=48000.0, syncs={
-        "forward": [forward_syncs] * 4, "recompute": [recompute_syncs] * 2,
-        "cuda_forward": [cuda[0]] * 4, "cuda_recompute": [cuda[1]] * 2})  # fmt: skip
+    run = dict(losses={"1": 10.0, "2": 9.5, "3": 9.2, "4": 9.0}, steps=4, first_loss=10.0,
+               last_loss=9.0, tokens_per_s=50000, wall_s=30.0, max_memory_allocated_gib=20.0,
+               sync_sites=[], syncs_forward_per_layer=forward_syncs,
+               syncs_recompute_per_layer=None, cuda_syncs_forward_per_layer=None,
+               cuda_syncs_recompute_per_layer=None)  # fmt: skip
+    forced = run | dict(tokens_per_s=48000, syncs_recompute_per_layer=recompute_syncs,
+                        cuda_syncs_forward_per_layer=cuda[0],
+                        cuda_syncs_recompute_per_layer=cuda[1])  # fmt: skip
     resumed = dict(run, losses={"3": 9.2, "4": resumed_loss})
     main = dict(single=run, force_distributed=forced, resume=resumed, checkpoint_gib=13.5,
                 gloo_ep2_reference=dict(run, losses={"1": 6.0, "2": 5.9}),

@@ -141,7 +141,7 @@ def bench_step(bench: str, args: list[str], cpu: bool, timeout: float) -> tuple[
     return res, record
 
 
-def _round(v, nd=3):
+def round_or_none(v, nd=3):
     return None if v is None else round(v, nd)
 
 
@@ -178,7 +178,7 @@ def layer_table(record: dict) -> dict:
         "bench/layer.py's dense bound: exactly the six GEMMs with M = T*K rows as dense "
         "torch.mm (input grad included), no routing, gather, SwiGLU or combine"
     )
-    rates = {k: dict(n=v["n"], tflops=_round(v["tflops"]), how=v["how"])
+    rates = {k: dict(n=v["n"], tflops=round_or_none(v["tflops"]), how=v["how"])
              for k, v in f.get("matmul", {}).items()}  # fmt: skip
     return dict(shape=dims | {"T": f["rows"][0]["T"]}, dtype=dtype, bound=bound, matmul=rates) | (
         _table(record, uniform, LAYER_IMPLS, LAYER_FIELDS)

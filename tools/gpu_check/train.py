@@ -31,6 +31,7 @@ from dropless.bench.common import step_times
 from dropless.train.report.metrics import read_metrics
 from dropless.train.run.hooks import TrainHooks
 from tools.gpu_check import CHECKOUT
+from tools.gpu_check.run import round_or_none
 
 ROOT = CHECKOUT
 MODULE = "tools.gpu_check.train"  # what the torchrun children run
@@ -79,7 +80,8 @@ class CheckHooks(TrainHooks):
 
     def __init__(self, last_step: int, count_steps=()):
         self.last_step, self.count_steps = last_step, tuple(count_steps)
-        self.syncs = {k: [] for k in ("forward", "recompute", "cuda_forward", "cuda_recompute")}
+        # per counted layer call: dropless's reads of the device, and (CUDA) the device's own
+        self.syncs = {f"{c}syncs_{p}": [] for c in ("", "cuda_") for p in ("forward", "recompute")}
         self.where: list[str] = []
         self._stack, self._found, self._hooked = contextlib.ExitStack(), None, False
 
@@ -106,9 +108,9 @@ class CheckHooks(TrainHooks):
             self._found = None
 
     def _add(self, phase: str, n: int, c: int):
-        self.syncs[phase].append(n)
+        self.syncs[f"syncs_{phase}"].append(n)
         if self._cuda is not None:
-            self.syncs[f"cuda_{phase}"].append(c)
+            self.syncs[f"cuda_syncs_{phase}"].append(c)
 
     def _now(self) -> tuple[int, int]:
         return len(self._found), sum("synchroniz" in str(w.message) for w in self._cuda or [])
@@ -117,36 +119,33 @@ class CheckHooks(TrainHooks):
         from dropless.hf.distributed.parallelize import decoder_layers
 
         for i, layer in enumerate(decoder_layers(model)):
-            layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i))
-            layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i))
-            for c in layer.children():
-                c.register_forward_pre_hook(lambda m, a, i=i: self._enter((i, m)))
-                c.register_forward_hook(lambda m, a, o, i=i: self._leave((i, m)))
+            for m, key in ((layer, i), *((c, (i, c)) for c in layer.children())):
+                m.register_forward_pre_hook(lambda m, a, key=key: self._mark(key, False))
+                m.register_forward_hook(lambda m, a, o, key=key: self._mark(key, True))
         self._hooked = True
 
-    def _counting(self, key) -> bool:
+    def _mark(self, key, leaving: bool):
+        """Entering or leaving a layer's forward (key i) or, once that is done, one of its
+        submodules in the recompute (key (i, submodule)); in the counted steps' training
+        forwards only (not an evaluation's)."""
         import torch
 
+        layer = key if isinstance(key, int) else key[0]
         if self._found is None or not torch.is_grad_enabled():
-            return False  # outside the counted steps, or an evaluation forward
-        # a submodule counts only once its layer's forward is done: in the recompute
-        return not isinstance(key, tuple) or key[0] in self._done
-
-    def _enter(self, key):
-        if self._counting(key):
-            self._open.setdefault(key, []).append(self._now())
-
-    def _leave(self, key):
-        if not self._counting(key) or not self._open.get(key):
             return
-        (n0, c0), (n1, c1) = self._open[key].pop(), self._now()
-        self.where += self._found[n0:]
-        if not isinstance(key, tuple):  # a layer's forward
-            self._add("forward", n1 - n0, c1 - c0)
-            self._done.add(key)
-        else:  # a submodule in the recompute: summed per layer
-            n, c = self._rec.get(key[0], (0, 0))
-            self._rec[key[0]] = (n + n1 - n0, c + c1 - c0)
+        if key != layer and layer not in self._done:
+            return  # a submodule in the layer's own forward
+        if not leaving:
+            self._open[key] = self._now()
+        elif key in self._open:
+            (n0, c0), (n1, c1) = self._open.pop(key), self._now()
+            self.where += self._found[n0:]
+            if key == layer:
+                self._add("forward", n1 - n0, c1 - c0)
+                self._done.add(layer)
+            else:  # summed per layer
+                n, c = self._rec.get(layer, (0, 0))
+                self._rec[layer] = (n + n1 - n0, c + c1 - c0)
 
     def after_backward(self, step, model):
         if step in self.count_steps:
@@ -189,14 +188,15 @@ def _train(sets: list[str], run_dir: Path, resume=False, count_steps=(), after=0
         r["tokens_per_s"] for r in steps
     ]
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None
+    losses = {r["step"]: r["loss"] for r in steps}
     out = dict(
-        wall_s=round(wall, 1),
-        losses={r["step"]: r["loss"] for r in steps},
-        tokens_per_s=statistics.median(rates),
-        max_memory_allocated_gib=peak,
-        syncs=hooks.syncs,
+        steps=len(losses), first_loss=round(steps[0]["loss"], 4),
+        last_loss=round(steps[-1]["loss"], 4), tokens_per_s=round(statistics.median(rates)),
+        wall_s=round(wall, 1), max_memory_allocated_gib=peak, losses=losses,
         sync_sites=sorted(set(hooks.where)),
-    )
+    )  # fmt: skip
+    for key, counts in hooks.syncs.items():  # the most in one decoder layer
+        out[f"{key}_per_layer"] = max(counts or [None])
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -290,10 +290,6 @@ def ep2_child(out: Path, cpu: bool) -> None:
 # ---- in run.py's process ------------------------------------------------------------
 
 
-def _r(v, nd=6):
-    return None if v is None else round(v, nd)
-
-
 def _max_rel(got: dict | None, want: dict | None) -> float | None:
     """The largest relative difference of the losses of the steps both runs logged."""
     got, want = ({int(k): v for k, v in (r or {}).get("losses", {}).items()} for r in (got, want))
@@ -302,19 +298,11 @@ def _max_rel(got: dict | None, want: dict | None) -> float | None:
 
 
 def _run_row(r: dict | None) -> dict:
-    """The row of a run, or of a part that did not run through (its error, or "not run")."""
+    """The row of a run (its losses left out), or of a part that did not run through (its
+    error, or "not run")."""
     if r is None or "error" in r:
         return dict(status="fail", error=r["error"] if r else "not run (an earlier part failed)")
-    losses, s = list(r["losses"].values()), r["syncs"]
-    row = dict(
-        steps=len(losses), first_loss=round(losses[0], 4), last_loss=round(losses[-1], 4),
-        tokens_per_s=round(r["tokens_per_s"]), wall_s=r["wall_s"],
-        max_memory_allocated_gib=r["max_memory_allocated_gib"], sync_sites=r["sync_sites"],
-    )  # fmt: skip
-    for cuda in ("", "cuda_"):
-        for phase in ("forward", "recompute"):
-            row[f"{cuda}syncs_{phase}_per_layer"] = max(s.get(cuda + phase) or [None])
-    return row
+    return {k: v for k, v in r.items() if k != "losses"}
 
 
 def train_table(main: dict, ep2: dict | None, bench: dict | None, cpu: bool) -> dict:
@@ -323,20 +311,20 @@ def train_table(main: dict, ep2: dict | None, bench: dict | None, cpu: bool) -> 
     tol = LOSS_REL[cpu]
     single, forced, resumed = (main.get(k) for k in ("single", "force_distributed", "resume"))
     rows = {"single": _run_row(single), "force_distributed": _run_row(forced)}
-    rows["force_distributed"]["max_rel_loss_diff"] = _r(_max_rel(forced, single))
+    rows["force_distributed"]["max_rel_loss_diff"] = round_or_none(_max_rel(forced, single), 6)
     steps = [int(k) for k in (resumed or {}).get("losses", {})]
     rows["resume"] = dict(
         from_step=min(steps) - 1 if steps else None, steps=len(steps),
         checkpoint_gib=main.get("checkpoint_gib"), wall_s=(resumed or {}).get("wall_s"),
-        max_rel_loss_diff=_r(_max_rel(resumed, forced)),
+        max_rel_loss_diff=round_or_none(_max_rel(resumed, forced), 6),
     ) | (_run_row(resumed) if resumed is None or "error" in resumed else {})  # fmt: skip
     b = dict(bench or dict(status="skipped", reason="--cpu: no bench shape is the smoke's model"))
     for run, key in (("single", "train_vs_bench"), ("force_distributed", "forced_vs_bench")):
         if b.get("tokens_per_s") and rows[run].get("tokens_per_s"):
-            b[key] = _r(rows[run]["tokens_per_s"] / b["tokens_per_s"], 3)
+            b[key] = round_or_none(rows[run]["tokens_per_s"] / b["tokens_per_s"])
     ep2 = dict(ep2 or dict(status="fail", reason="the 2-process child wrote no result"))
     if ep2.get("losses"):
-        diff = _r(_max_rel(ep2, main.get("gloo_ep2_reference")))
+        diff = round_or_none(_max_rel(ep2, main.get("gloo_ep2_reference")), 6)
         ep2 = dict(status="ok", steps=len(ep2["losses"]), max_rel_loss_diff=diff)
     share = main.get("ep_rank_share")
     share = share if share and "error" not in share else _run_row(share)

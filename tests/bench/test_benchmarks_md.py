@@ -26,7 +26,7 @@ def test_sections_without_a_command_are_refused(tmp_path):
     (sections / "fp8.md").write_text("## FP8\n\nCommand: `dropless bench fp8`  \n| a |\n")
     text = md.build(tmp_path)
     assert "Command: `dropless bench fp8`" in text and text.startswith(md.HEADER)
-    assert "No section yet: `dropless bench jax --record` writes it" in text
+    assert "No section yet: `dropless bench train --record` writes it" in text
     (sections / "layer.md").write_text("## Layer\n\nWe saw 2x on a quiet day.\n")
     with pytest.raises(SystemExit, match="layer.md: no 'Command:' line"):
         md.build(tmp_path)

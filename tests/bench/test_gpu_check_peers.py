@@ -103,7 +103,7 @@ def test_gpu_report_renders_peers_rate_and_kernel_tables():
     s = dict(argv=[], ok=True, date="2026-12-01 16:00 UTC", groups={"timing": dict(status="ok", timing=timing),
                                        "e2e": dict(status="ok", e2e=e2e)})  # fmt: skip
     log = report.ROOT / "benchmarks" / "gpu" / "x.log"
-    text = "\n".join(report.render_run(s, log, "abc1234", "", None))
+    text = "\n".join(report.render_run(s, log, "abc1234"))
     assert (
         "| row | ms | share_of_bound | peak_gib | tflops | share_of_matmul_rate | version |" in text
     )

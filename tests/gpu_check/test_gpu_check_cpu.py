@@ -275,7 +275,7 @@ def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
             shape={}, dtype="bfloat16", rows={"dropless": dict(ms=50.0, tokens_per_s=300000)})),
     })  # fmt: skip
     log = report.ROOT / "benchmarks" / "gpu" / "x.log"
-    text = "\n".join(report.render_run(summary, log, "abc1234", "", None))
+    text = "\n".join(report.render_run(summary, log, "abc1234"))
     assert "### `python scripts/gpu_check.py --budget 240` on commit abc1234" in text
     assert "NVIDIA H200, torch 2.11.0+cu130; run 2026-12-01 16:00 UTC" in text
     assert "| pytest | ok | 40 passed, 900 deselected | 60.0 |" in text
@@ -285,7 +285,27 @@ def test_gpu_report_renders_a_summary_of_this_runner(tmp_path):
     main, ep2 = _train_results()
     train = gpu_train.train_table(main, ep2, None, cpu=False)
     summary["groups"]["train"] = dict(status="ok", seconds=180.0, train=train)
-    text = "\n".join(report.render_run(summary, log, "abc1234", "", None))
+    text = "\n".join(report.render_run(summary, log, "abc1234"))
     assert "| train | ok | - | 180.0 |" in text
     assert "| force_distributed | 4 | 10.0 | 9.0 | 0.0 | 48000 | 20.0 | 1 | 0 |" in text
     assert "- resume: from_step=2, steps=2" in text and "recompute_syncs_0 ok" in text
+
+
+def test_gpu_report_adds_a_run_and_keeps_the_others(tmp_path, monkeypatch):
+    """A run's block replaces the block of the same log; the other runs' blocks stay."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    (tmp_path / "benchmarks" / "gpu").mkdir(parents=True)
+    section = tmp_path / "benchmarks" / "sections" / "gpu.md"
+    section.parent.mkdir()
+    section.write_text(report.TITLE + "\n\n<!-- gpu:old.log -->\nOLD\n<!-- /gpu:old.log -->\n")
+    summary = dict(argv=["--only", "e2e"], date="2026-12-01 16:00 UTC", elapsed_s=9.0, ok=True,
+                   groups={"e2e": dict(status="ok", seconds=9.0)})  # fmt: skip
+    log = tmp_path / "benchmarks" / "gpu" / "new.log"
+    for _ in range(2):  # the second run of the same log replaces its block
+        log.write_text("output\n" + json.dumps({"gpu_check": summary}) + "\n")
+        assert report.main(["--run", str(log), "abc1234"]) == 0
+    text = section.read_text()
+    assert text.count("<!-- gpu:new.log -->") == 1 and "OLD" in text
+    assert "### `python scripts/gpu_check.py --only e2e` on commit abc1234" in text
+    history = (tmp_path / "benchmarks" / "history.jsonl").read_text().splitlines()
+    assert len(history) == 2 and json.loads(history[0])["log"] == "benchmarks/gpu/new.log"

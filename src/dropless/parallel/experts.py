@@ -2,14 +2,8 @@
 
 Expert weights are sharded over the EP axis as DTensor `Shard(0)`, E/ep experts per rank
 (rank r holds experts [r*L, (r+1)*L)). Both front ends go through the same three pieces:
-
-- `shard_expert_params(module, names, ep_mesh, ...)`: checks that the experts split
-  evenly (a `ValueError` naming the module) and replaces each named parameter by its
-  DTensor `Shard(0)`, in place, parameter names and global shapes unchanged;
-- `ep_dispatcher(pmesh, num_experts)`: the `ExpertParallelDispatcher` of the layer;
-- `LocalExperts`: what the dispatcher runs on the rows this rank received
-  (`forward_sorted(x_SD, counts, prob_S)` and `num_global_experts`), on `local_view`s
-  of the sharded weights.
+`shard_expert_params`, `ep_dispatcher` and `LocalExperts` (on `local_view`s of the
+sharded weights).
 
 `shard_moe_experts` applies them to every `dropless.nn.MoE` (its experts become
 `EPGroupedExperts`); `dropless.hf.shard_hf_experts` applies them to every experts module
@@ -71,11 +65,9 @@ def shard_expert_params(
 ) -> list[str]:
     """Shard the expert parameters `names` of `module` over `ep_mesh`, in place.
 
-    Each named `nn.Parameter` (absent or None ones are skipped) becomes an `nn.Parameter`
-    holding a DTensor `Shard(0)` over `ep_mesh`: global shape unchanged, this rank's
-    rows [r*L, (r+1)*L) (L = num_experts / ep) copied from the full tensor every rank
-    holds, the same `requires_grad`; no communication. Raises ValueError, naming `where`
-    (the module), when ep does not divide num_experts. Returns the names sharded.
+    Each named `nn.Parameter` becomes a DTensor `Shard(0)` parameter, global shape
+    unchanged, copied from the full tensor every rank holds: no communication. Returns
+    the names sharded.
     """
     P, r = ep_mesh.size(), ep_mesh.get_local_rank()
     E = int(num_experts)
@@ -179,12 +171,10 @@ class EPGroupedExperts(GroupedExperts):
 def shard_moe_experts(model: nn.Module, pmesh) -> list[str]:
     """Expert-parallelise every `dropless.nn.MoE` in `model` in place.
 
-    Each MoE's experts become `EPGroupedExperts` (Shard(0) over pmesh's "ep" axis)
-    and its dispatcher an `ExpertParallelDispatcher` over the EP group, summing
-    counts over the data-parallel group (`ep_dispatcher`). With ep == 1 the experts
-    stay whole and the dispatcher only sums the counts over the data-parallel group
-    (so the balancing loss is the global-batch one for every EP size). Returns the
-    names of the MoE modules changed.
+    Each MoE's experts become `EPGroupedExperts` and its dispatcher `ep_dispatcher`'s.
+    With ep == 1 the experts stay whole and the dispatcher only sums the counts over the
+    data-parallel group (so the balancing loss is the global-batch one for every EP
+    size). Returns the names of the MoE modules changed.
     """
     from ..nn.moe import MoE
     from .dispatcher import GlobalCountsDispatcher

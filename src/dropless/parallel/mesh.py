@@ -20,7 +20,7 @@ reductions.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -102,13 +102,9 @@ def _check_timeout(t) -> None:
 
 def as_parallel_config(cfg) -> ParallelConfig:
     """Accept a ParallelConfig, a run config with a `.parallel` section, or a dict."""
-    if isinstance(cfg, ParallelConfig):
-        return cfg
     if cfg is None:
         return ParallelConfig()
-    if isinstance(cfg, dict):
-        return ParallelConfig(**cfg)
-    src = getattr(cfg, "parallel", cfg)
+    src = cfg if isinstance(cfg, ParallelConfig | dict) else getattr(cfg, "parallel", cfg)
     if isinstance(src, ParallelConfig):
         return src
     if isinstance(src, dict):
@@ -181,7 +177,6 @@ class ParallelMesh:
     mesh: object
     expert_mesh: object
     dp: object
-    extra: dict = field(default_factory=dict)
     shard_mesh: object = None
 
     @property

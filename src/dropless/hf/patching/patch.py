@@ -371,7 +371,8 @@ def _restore_model(model: nn.Module) -> None:
             remove_expert_bias(layer.router)
         layer.experts.__dict__.pop(SPEC_ATTR, None)
     if "dropless" in model.get_experts_implementation().values():
-        _set_implementation(model, previous)
+        # validated through get_correct_...: the stock names it may get here are valid
+        model.set_experts_implementation(previous)
 
 
 def _stock_default(model) -> str:
@@ -381,12 +382,6 @@ def _stock_default(model) -> str:
 
         original = PreTrainedModel.get_correct_experts_implementation
     return original(model, None)
-
-
-def _set_implementation(model, implementation) -> None:
-    # set_experts_implementation validates the request through get_correct_...;
-    # the stock names it may get here are always valid.
-    model.set_experts_implementation(implementation)
 
 
 def unpatch() -> None:

@@ -164,15 +164,7 @@ def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_
         )
 
 
-def _torch_fits(h: torch.Tensor, label_smoothing: float) -> bool:
-    return (
-        torch_linear_cross_entropy_available()
-        and label_smoothing == 0.0
-        and h.dtype in (torch.float32, torch.float64)
-    )
-
-
-def _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size):
+def _run_torch(h_TD, weight_VD, labels_T, bias_V, ignore_index, _smoothing, reduction, chunk_size):
     # chunk_size None: torch's own heuristic (chunking_method="auto")
     opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
     # torch's chunked mean gives NaN gradients when every label is ignored; the plain
@@ -358,10 +350,6 @@ def _run_fused(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduc
     )  # fmt: skip
 
 
-def _run_torch(h_TD, weight_VD, labels_T, bias_V, ignore_index, _smoothing, reduction, chunk_size):
-    return _torch_backend(h_TD, weight_VD, labels_T, bias_V, ignore_index, reduction, chunk_size)
-
-
 def _run_chunked(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduction, chunk_size):
     T, D = h_TD.shape
     chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
@@ -391,10 +379,6 @@ def _torch_refuses(h, reduction: str, label_smoothing: float) -> str:
     return ""
 
 
-def _never_refuses(h, reduction: str, label_smoothing: float) -> str:
-    return ""
-
-
 CE_BACKENDS.register(
     CEBackend("fused", _run_fused, _fused_refuses, lambda *call: True, priority=30)
 )
@@ -405,5 +389,5 @@ CE_BACKENDS.register(
     )
 )  # fmt: skip
 CE_BACKENDS.register(
-    CEBackend("chunked", _run_chunked, _never_refuses, lambda *call: True, priority=10)
+    CEBackend("chunked", _run_chunked, lambda *call: "", lambda *call: True, priority=10)
 )

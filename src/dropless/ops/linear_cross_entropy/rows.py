@@ -45,7 +45,6 @@ class CERows:
 
 
 CE_ROWS = Registry("cross-entropy rows")
-_CE_ROWS: dict[str, CERows] = CE_ROWS.entries
 
 
 def register_ce_rows(impl: CERows) -> None:

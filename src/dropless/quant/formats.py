@@ -267,11 +267,10 @@ def padded_rows(counts, device=None, rows: int | None = None) -> tuple[torch.Ten
         e_S = torch.repeat_interleave(torch.arange(E, device=c.device), c, output_size=rows)
         rows_S = torch.arange(rows, device=c.device) + shift_E.index_select(0, e_S)
         return rows_S, -(-(rows + (BLOCK - 1) * E) // BLOCK) * BLOCK
-    starts, rows_l, p = [], [], 0
+    rows_l, p = [], 0
     for n in counts:
         rows_l.append(torch.arange(p, p + n))
         p += -(-n // BLOCK) * BLOCK
-        starts.append(p)
     rows_S = torch.cat(rows_l) if rows_l else torch.zeros(0, dtype=torch.long)
     return rows_S.to(device), p
 

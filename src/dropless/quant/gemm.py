@@ -200,32 +200,24 @@ def _for(backend, counts):
     return counts
 
 
-def _hp_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, dtype) -> torch.Tensor:
-    a, b = aq.dequantize(dtype), bq.dequantize(dtype)
-    be = pick_gemm_backend(None, a, b)
-    return be.mm(a, b, _for(be, counts), trans_b).to(out_dtype)
+def _dequantized(dtype):
+    """(mm, wgrad) on both operands dequantized to `dtype`, through the grouped GEMM."""
+
+    def mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
+        a, b = aq.dequantize(dtype), bq.dequantize(dtype)
+        be = pick_gemm_backend(None, a, b)
+        return be.mm(a, b, _for(be, counts), trans_b).to(out_dtype)
+
+    def wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
+        a, b = aq.dequantize(dtype), bq.dequantize(dtype)
+        be = pick_gemm_backend(None, a, b)
+        return be.wgrad(a, b, _for(be, counts)).to(out_dtype)
+
+    return mm, wgrad
 
 
-def _hp_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype, dtype) -> torch.Tensor:
-    a, b = aq.dequantize(dtype), bq.dequantize(dtype)
-    be = pick_gemm_backend(None, a, b)
-    return be.wgrad(a, b, _for(be, counts)).to(out_dtype)
-
-
-def _emu_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
-    return _hp_mm(aq, bq, counts, trans_b, out_dtype, torch.float32)
-
-
-def _emu_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
-    return _hp_wgrad(aq, bq, counts, out_dtype, torch.float32)
-
-
-def _bf16_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
-    return _hp_mm(aq, bq, counts, trans_b, out_dtype, torch.bfloat16)
-
-
-def _bf16_wgrad(aq: QTensor, bq: QTensor, counts, out_dtype) -> torch.Tensor:
-    return _hp_wgrad(aq, bq, counts, out_dtype, torch.bfloat16)
+_emu_mm, _emu_wgrad = _dequantized(torch.float32)
+_bf16_mm, _bf16_wgrad = _dequantized(torch.bfloat16)
 
 
 _WARNED_E5M2 = False

@@ -51,6 +51,9 @@ class _Recipe:
             raise ValueError(f"backend={self.backend!r}; allowed: {BACKENDS}")
         if not isinstance(self.fp8_saved_activations, bool):
             raise TypeError("fp8_saved_activations must be a bool")
+        margin = getattr(self, "margin", 0)
+        if not isinstance(margin, int) or margin < 0:
+            raise ValueError(f"margin={margin!r} must be an int >= 0")
 
     @property
     def fwd_format(self) -> str:
@@ -104,8 +107,6 @@ class DelayedScaling(_Recipe):
             raise ValueError(f"amax_history_len={self.amax_history_len!r} must be an int >= 1")
         if self.amax_compute_algo not in AMAX_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; allowed: {AMAX_ALGOS}")
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin={self.margin!r} must be an int >= 0")
 
 
 @dataclass
@@ -128,8 +129,6 @@ class Float8CurrentScaling(_Recipe):
         self._check_common()
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity={self.granularity!r}; allowed: {GRANULARITIES}")
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin={self.margin!r} must be an int >= 0")
 
 
 @dataclass

@@ -38,11 +38,8 @@ def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
     if x.device.type != "cpu" or python_modes_active():
         return 1
     busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
-    if busy < MIN_EXPERTS_PER_THREAD * threads:
-        return 1
-    if sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy:
-        return 1
-    return threads
+    few = busy < MIN_EXPERTS_PER_THREAD * threads
+    return 1 if few or sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy else threads
 
 
 def graph_released() -> bool:

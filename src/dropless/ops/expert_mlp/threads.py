@@ -68,10 +68,8 @@ os.register_at_fork(after_in_child=_forget_workers)
 
 def _dispatch_keys() -> tuple[str, str]:
     """This thread's local dispatch-key state (what guards and autocast include or exclude)."""
-    return (
-        repr(torch._C._dispatch_tls_local_include_set()),
-        repr(torch._C._dispatch_tls_local_exclude_set()),
-    )
+    c = torch._C
+    return repr(c._dispatch_tls_local_include_set()), repr(c._dispatch_tls_local_exclude_set())
 
 
 def python_modes_active() -> bool:
@@ -87,10 +85,8 @@ class _Modes:
         self.grad = torch.is_grad_enabled()
         self.autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         self.autocast_cache = torch.is_autocast_cache_enabled()
-        self.key_sets = (
-            torch._C._dispatch_tls_local_include_set(),
-            torch._C._dispatch_tls_local_exclude_set(),
-        )
+        c = torch._C
+        self.key_sets = (c._dispatch_tls_local_include_set(), c._dispatch_tls_local_exclude_set())
         self.keys = _dispatch_keys()
 
     def enter(self, stack: contextlib.ExitStack) -> bool:

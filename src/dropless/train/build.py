@@ -56,10 +56,8 @@ class RunParts:
     precision: Precision
     model: Any
     lora: bool
-    model_name: str
     layers: list
     top_k: int
-    params: list
     optimizer: Any
     scheduler: Any
     state: TrainState
@@ -174,12 +172,16 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
         model, data.eval_BL1, data.eval_bytes, env, micro_batch, parallel is not None,
         precision, eval_targets=data.eval_targets, split=split,
     )  # fmt: skip
-    log = RunLog(cfg, env, run_dir, precision, state.step if resume_from else None, beat)
+    model_name = model_class_name(base_model(model))
+    facts = dict(
+        model_name=model_name, n_params=sum(p.numel() for p in model.parameters()),
+        n_trainable=sum(p.numel() for p in params), layers=layers, top_k=top_k,
+        vocab=model.config.vocab_size, tok_kind=data.tokenizer.kind, train_tokens=data.train_tokens,
+    )  # fmt: skip
+    log = RunLog(cfg, env, run_dir, precision, state.step if resume_from else None, beat, facts)
     return RunParts(
         cfg=cfg, env=env, run_dir=run_dir, hooks=hooks, beat=beat, t_start=t_start,
         cpu_start=cpu_start, config_file=config_file, data=data, precision=precision,
-        model=model, lora=lora, model_name=model_class_name(base_model(model)),
-        layers=layers, top_k=top_k, params=params, optimizer=optimizer,
-        scheduler=scheduler, state=state, flops=flops, start_step=state.step,
+        model=model, lora=lora, layers=layers, top_k=top_k, optimizer=optimizer, scheduler=scheduler, state=state, flops=flops, start_step=state.step,
         resumed_from=resume_from, saver=saver, stepper=stepper, evaluate=evaluate, log=log,
     )  # fmt: skip

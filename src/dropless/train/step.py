@@ -250,7 +250,7 @@ class StepRunner:
         # read after backward, so a signal during this step stops after this step; the
         # all-reduce below makes every process stop at the same step
         pairs = 0.0 if path_ME is None else float(path_ME.sum())
-        vec = StepStats.pack(sums, stops is not None and stops.requested, counts_ME, pairs)
+        vec = StepStats.pack(sums, stops is not None and stops.signum is not None, counts_ME, pairs)
         processes = 1
         if self.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(vec)

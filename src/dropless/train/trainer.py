@@ -34,14 +34,6 @@ class Trainer:
     def __init__(self, parts: RunParts):
         self.__dict__.update(vars(parts))  # the parts by name: self.model, self.state, ...
 
-    def header(self) -> str:
-        return self.log.header(
-            self.model_name, sum(p.numel() for p in self.model.parameters()),
-            sum(p.numel() for p in self.params), self.layers, self.top_k,
-            self.model.config.vocab_size, self.data.tokenizer.kind, self.precision.dtype,
-            self.data.train_tokens,
-        )  # fmt: skip
-
     def save(self, wait: bool = False) -> Path:
         """A checkpoint of this step: written in the background (checkpoint.async_save), or
         complete on return when `wait` (the run's last one)."""
@@ -108,7 +100,7 @@ class Trainer:
             )
             self.log.write({"step": 0, **ev, "unigram_bpb": self.data.unigram_bpb})
         setup_s = time.perf_counter() - self.t_start
-        self.progress.line(self.header())
+        self.progress.line(self.log.header_line)
         if self.resumed_from is not None:
             self.progress.line(
                 f"dropless train: resumed from step {self.start_step} of {total} ({self.resumed_from})"

@@ -61,11 +61,16 @@ class Window:
 class RunLog:
     """Rank 0 writes; every rank keeps the timing totals (the summary is broadcast)."""
 
-    def __init__(self, cfg, env, run_dir, precision, resume_step: int | None, beat=None):
+    def __init__(
+        self, cfg, env, run_dir, precision, resume_step: int | None, beat=None, facts=None
+    ):
         """`resume_step`: the step a resumed run starts from (None: a fresh run); `beat`:
-        the run's `Heartbeat`, told of each line the display prints."""
+        the run's `Heartbeat`, told of each line the display prints; `facts`: what the
+        header line says of the run's model and data (`header`'s arguments but the dtype),
+        made into `header_line` here, once the parts are built."""
         self.cfg, self.env, self.run_dir = cfg, env, run_dir
         self.peak, self.peak_source = peak_tflops(env.device, precision.dtype, cfg.log.peak_tflops)
+        self.header_line = None if facts is None else self.header(dtype=precision.dtype, **facts)
         self.writer = MetricsWriter(run_dir, cfg.log.tensorboard, resume_step) if env.main else None
         #: the display: a progress bar on a terminal, else plain lines
         self.progress = Progress(

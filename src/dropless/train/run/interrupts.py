@@ -19,10 +19,6 @@ class StopRequests:
         self.announce = announce
         self._previous: dict = {}
 
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
             if signum == signal.SIGINT:  # the second Ctrl-C: stop now

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -264,6 +265,7 @@ def _backward(recipe, sv: Saved, g_out, need):
     x_meta, h_meta, be, tensor_mode = sv.meta
     t = sv.h
     x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
+    # per-tensor scales are reused; other modes requantize (no scale)
     x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
     _, prob, gate_up, down, _, b2, token_S, slot_TK = sv.tensors()[:8]
     counts, trans_w = sv.counts, sv.trans_w
@@ -276,13 +278,10 @@ def _backward(recipe, sv: Saved, g_out, need):
     x_dtype = x_s.dtype if gathered else g_SD.dtype
     h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
 
-    def ts(s):  # per-tensor scales are reused; other modes requantize
-        return s if tensor_mode else None
-
     def wg(gq_S, aq_S, dtype):
         return wgrad(gq_S, aq_S, counts, dtype) if trans_w else wgrad(aq_S, gq_S, counts, dtype)
 
-    def col(t_, role, key, scale=None):
+    def col(t_, scale, role, key):
         return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
 
     # down projection; its input (SwiGLU x prob) is recomputed from the kept h
@@ -292,17 +291,15 @@ def _backward(recipe, sv: Saved, g_out, need):
         gq = _operand_rows(recipe, g_out, token_S, "g", down, every_row)
     else:
         gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
-    w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=ts(w2_scale))
+    w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=w2_scale)
     # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
     # of their output would be one more [S, F] pass; the emulation keeps its fp32
     da = mm(gq, w2q, counts, not trans_w, torch.float32 if be == "emulated" else x_dtype)
 
     # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
-    def a_col(a, scale):
-        return col(a, "x", down, scale)
-
-    dh, dprob, a_S = _swiglu_grads(h, prob, da, need.prob, recipe, ts(a_scale), x_dtype, a_col)
-    d_down = wg(gq if tensor_mode else col(g_SD, "g", down), a_S, down.dtype)
+    a_col = partial(col, role="x", key=down)
+    dh, dprob, a_S = _swiglu_grads(h, prob, da, need.prob, recipe, a_scale, x_dtype, a_col)
+    d_down = wg(gq if tensor_mode else col(g_SD, None, "g", down), a_S, down.dtype)
     db2 = None
     if b2 is not None:
         db2 = group_sum(g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts)
@@ -311,7 +308,7 @@ def _backward(recipe, sv: Saved, g_out, need):
             dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
     # gate/up projection
     dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
-    w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=ts(w1_scale))
+    w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=w1_scale)
     dx = None
     if need.x:
         dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
@@ -320,8 +317,8 @@ def _backward(recipe, sv: Saved, g_out, need):
             dx = _combine(dx, slots)
     if not isinstance(x_s, QTensor):
         x_SD = x_s.index_select(0, token_S) if gathered else x_s
-        x_s = col(x_SD, "x", gate_up, ts(x_scale))
-    d_gate_up = wg(dhq if tensor_mode else col(dh, "g", gate_up), x_s, gate_up.dtype)
+        x_s = col(x_SD, x_scale, "x", gate_up)
+    d_gate_up = wg(dhq if tensor_mode else col(dh, None, "g", gate_up), x_s, gate_up.dtype)
     db1 = group_sum(dh, counts) if sv.gu_bias is not None else None
     return dx, dprob, d_gate_up, d_down, db1, db2
 

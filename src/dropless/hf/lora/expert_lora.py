@@ -31,10 +31,9 @@ LORA_SCALE = "_dropless_lora_scale"
 def peft_to_experts(lora_a_w: torch.Tensor, lora_b_w: torch.Tensor, num_experts: int):
     """PEFT's `lora_A.weight [E*r, in]`, `lora_B.weight [out, r*E]` -> A [E, r, in],
     B [E, out, r] (in/out of the projection as applied, whatever `is_transposed` is)."""
-    E = num_experts
-    a = lora_a_w.reshape(E, -1, lora_a_w.shape[-1])
-    b = lora_b_w.reshape(lora_b_w.shape[0], -1, E).permute(2, 0, 1)
-    return a, b
+    return factor_from_peft("A", lora_a_w, num_experts), factor_from_peft(
+        "B", lora_b_w, num_experts
+    )
 
 
 def experts_to_peft(a_ERI: torch.Tensor, b_EOR: torch.Tensor):
@@ -215,30 +214,23 @@ def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
     config = peft.LoraConfig.from_pretrained(str(adapter_dir))
     state = load_file(Path(adapter_dir) / "adapter_model.safetensors")
     where = peft_paths(model, config)
-    n = 0
+    try:
+        keys = expert_factor_keys(model, where)
+    except KeyError as e:  # (experts module, weight) PEFT's config does not target
+        raise ValueError(f"{adapter_dir}: no LoRA factors for {e.args[0]}") from None
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for x in moe_layers(model):
-            if LORA_SCALE not in x.experts.__dict__:
-                continue
-            owner = next(k for k, m in model.named_modules() if m is x.experts)
-            names = ("gate_up_proj" if x.experts.has_gate else "up_proj", "down_proj")
-            for which, name in zip(("first", "down"), names):
-                path = where.get((owner, name))
-                if path is None or f"{path}.lora_A.weight" not in state:
-                    raise ValueError(f"{adapter_dir}: no LoRA factors for {owner}.{name}")
-                a, b = peft_to_experts(
-                    state[f"{path}.lora_A.weight"], state[f"{path}.lora_B.weight"], x.num_experts
-                )
-                for t, full in (
-                    (getattr(x.experts, f"lora_A_{which}"), a),
-                    (getattr(x.experts, f"lora_B_{which}"), b),
-                ):
-                    local = t.to_local() if hasattr(t, "to_local") else t
-                    lo = _shard_offset(t)
-                    local.copy_(full[lo : lo + local.shape[0]])
-                n += 1
+        for name, (key, kind, E) in keys.items():
+            if key not in state:
+                raise ValueError(f"{adapter_dir}: no LoRA factors for {name}")
+            t = params[name]
+            local = t.to_local() if hasattr(t, "to_local") else t
+            lo = _shard_offset(t)
+            local.copy_(factor_from_peft(kind, state[key], E)[lo : lo + local.shape[0]])
+    for x in moe_layers(model):
+        if LORA_SCALE in x.experts.__dict__:
             x.experts.__dict__[LORA_SCALE] = float(config.lora_alpha) / config.r
-    return n
+    return len(keys) // 2
 
 
 def _shard_offset(t: torch.Tensor) -> int:

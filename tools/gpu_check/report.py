@@ -38,12 +38,12 @@ E2E_NOTE = (
     "`dropless.patch(fused_cross_entropy=True)`; peak is the step's memory above the weights "
     "and optimizer state."
 )
-# (group, title, columns always shown, columns shown where a row has them)
+# (group, title, note, columns always shown, columns shown where a row has them)
 BENCH_TABLES = (
-    ("timing", "Layer", ["ms", "share_of_bound", "peak_gib"],
+    ("timing", "Layer", LAYER_NOTE, ["ms", "share_of_bound", "peak_gib"],
      ["tflops", "share_of_matmul_rate", "version"]),
-    ("e2e", "End to end", ["ms", "tokens_per_s", "speed_vs_grouped_mm", "peak_step_gib",
-                           "memory_vs_grouped_mm"], ["version"]),
+    ("e2e", "End to end", E2E_NOTE, ["ms", "tokens_per_s", "speed_vs_grouped_mm",
+                                     "peak_step_gib", "memory_vs_grouped_mm"], ["version"]),
 )  # fmt: skip
 TRAIN_COLS = [
     "steps", "first_loss", "last_loss", "max_rel_loss_diff", "tokens_per_s",
@@ -84,18 +84,16 @@ def render_run(s: dict, log: Path, commit: str) -> list[str]:
 
 def tables(s: dict) -> list[str]:
     """A summary's tables: the steps, the layer and step tables, the train step."""
-    steps = {
-        name: dict(status=g["status"] + (f" ({g['reason']})" if g.get("reason") else ""),
-                   checks=", ".join(f"{v} {k}" for k, v in g["counts"].items()) if "counts" in g else "-",
-                   seconds=g.get("seconds", ""))
-        for name, g in s["groups"].items()
-    }  # fmt: skip
+    steps = {}
+    for name, g in s["groups"].items():
+        status = g["status"] + (f" ({g['reason']})" if g.get("reason") else "")
+        counts = ", ".join(f"{v} {k}" for k, v in g.get("counts", {}).items())  # pytest's
+        steps[name] = dict(status=status, checks=counts or "-", seconds=g.get("seconds", ""))
     lines = _md(["status", "checks", "seconds"], steps, "group") + [""]
-    for group, title, cols, optional in BENCH_TABLES:
+    for group, title, note, cols, optional in BENCH_TABLES:
         res = s["groups"].get(group, {}).get(group)
         if not res:
             continue
-        note = E2E_NOTE if group == "e2e" else LAYER_NOTE
         cols = cols + [c for c in optional if any(c in r for r in res["rows"].values())]
         lines += [note, "", f"**{title}**: {res.get('shape')} {res.get('dtype')}", ""]
         lines += _md(cols, res.get("rows", {})) + [""] + _extras(res)

@@ -309,23 +309,21 @@ def train_table(main: dict, ep2: dict | None, bench: dict | None, cpu: bool) -> 
     """The summary's rows and checks from the children's results (a part that failed is a
     row with its error, and fails the checks that need it)."""
     tol = LOSS_REL[cpu]
-    single, forced, resumed = (main.get(k) for k in ("single", "force_distributed", "resume"))
-    rows = {"single": _run_row(single), "force_distributed": _run_row(forced)}
-    rows["force_distributed"]["max_rel_loss_diff"] = round_or_none(_max_rel(forced, single), 6)
-    steps = [int(k) for k in (resumed or {}).get("losses", {})]
-    rows["resume"] = dict(
-        from_step=min(steps) - 1 if steps else None, steps=len(steps),
-        checkpoint_gib=main.get("checkpoint_gib"), wall_s=(resumed or {}).get("wall_s"),
-        max_rel_loss_diff=round_or_none(_max_rel(resumed, forced), 6),
-    ) | (_run_row(resumed) if resumed is None or "error" in resumed else {})  # fmt: skip
+    # the runs' rows, each against the run whose losses it must equal
+    rows = {k: _run_row(main.get(k)) for k in ("single", "force_distributed", "resume")}
+    for run, ref in (("force_distributed", "single"), ("resume", "force_distributed")):
+        rows[run]["max_rel_loss_diff"] = round_or_none(_max_rel(main.get(run), main.get(ref)), 6)
+    steps = [int(k) for k in (main.get("resume") or {}).get("losses", {})]
+    rows["resume"] |= dict(from_step=min(steps) - 1 if steps else None, steps=len(steps))
+    rows["resume"]["checkpoint_gib"] = main.get("checkpoint_gib")
     b = dict(bench or dict(status="skipped", reason="--cpu: no bench shape is the smoke's model"))
     for run, key in (("single", "train_vs_bench"), ("force_distributed", "forced_vs_bench")):
         if b.get("tokens_per_s") and rows[run].get("tokens_per_s"):
             b[key] = round_or_none(rows[run]["tokens_per_s"] / b["tokens_per_s"])
     ep2 = dict(ep2 or dict(status="fail", reason="the 2-process child wrote no result"))
-    if ep2.get("losses"):
+    if ep2.get("losses"):  # its status "ok" and its row against the 1-process reference
         diff = round_or_none(_max_rel(ep2, main.get("gloo_ep2_reference")), 6)
-        ep2 = dict(status="ok", steps=len(ep2["losses"]), max_rel_loss_diff=diff)
+        ep2 = _run_row(ep2) | dict(max_rel_loss_diff=diff)
     share = main.get("ep_rank_share")
     share = share if share and "error" not in share else _run_row(share)
     rows |= dict(bench_e2e=b, gloo_ep2=ep2, ep_rank_share=share)

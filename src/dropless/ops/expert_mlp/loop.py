@@ -102,13 +102,23 @@ def _to_acc(bufs, n: int) -> None:
         rows_acc[:n].copy_(rows[:n])
 
 
-def _run_in_input_dtype(items, compute, **kw) -> None:
-    """`run_experts` with autocast off: the loop writes into buffers of its inputs'
-    dtype (`out=` ops, which autocast leaves alone), so its few autocast-eligible GEMMs
-    must not switch dtype under it. The caller chooses the precision by the dtype of
-    what it passes in."""
+def _run(st, expert, flops_per_row: int, scratch, total) -> None:
+    """`run_experts` over the experts of `st` (expert(st, item, scratch, bufs)), each one's
+    rows summed into `total` at its tokens in expert order (None: written in place).
+    Autocast is off: the loop writes into buffers of its inputs' dtype (`out=` ops, which
+    autocast leaves alone), so its few autocast-eligible GEMMs must not switch dtype under
+    it; the caller chooses the precision by the dtype of what it passes in."""
+    x, counts = st.x, st.counts
+
+    def commit(item, bufs):
+        _, lo, hi = item
+        _sum_into(total, st.token_S[lo:hi], bufs, hi - lo)
+
+    kw = dict(make_scratch=scratch, commit=None if total is None else commit)
+    kw.update(new_out=_row_buffers(x, max(counts, default=0), x.shape[1]))
     with torch.autocast("cpu", enabled=False):
-        run_experts(items, compute, **kw)
+        workers = _num_workers(x, counts, flops_per_row)
+        run_experts(list(bounds(counts)), partial(expert, st), workers=workers, **kw)
 
 
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
@@ -139,18 +149,7 @@ def forward(sv: Saved, num_out, lr1=None, lr2=None, one_h: bool = False) -> tupl
     def scratch():
         return {"x": x.new_empty(nmax, D) if gathered else None, "a": x.new_empty(nmax, F)}
 
-    def commit(item, bufs):
-        _, lo, hi = item
-        _sum_into(out, sv.token_S[lo:hi], bufs, hi - lo)
-
-    _run_in_input_dtype(
-        list(bounds(counts)),
-        lambda item, s, bufs: _forward_expert(st, item, s, bufs),
-        workers=_num_workers(x, counts, 2 * D * (N + F)),
-        make_scratch=scratch,
-        commit=commit if gathered else None,
-        new_out=_row_buffers(x, nmax, D),
-    )
+    _run(st, _forward_expert, 2 * D * (N + F), scratch, out if gathered else None)
     # one h per expert, empty ones too: the number of saved tensors does not depend on
     # the routing (activation checkpointing compares it with the recompute's)
     empty = x.new_empty(0, N)
@@ -179,18 +178,7 @@ def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -
         rows = (new(D) if gathered else None, new(F), new(N))
         return dict(zip(("rows", "da", "dh"), rows), act=[new(F) for _ in range(4)])
 
-    def commit(item, bufs):
-        _, lo, hi = item
-        _sum_into(st.gx, sv.token_S[lo:hi], bufs, hi - lo)
-
-    _run_in_input_dtype(
-        list(bounds(counts)),
-        lambda item, s, bufs: _backward_expert(st, item, s, bufs),
-        workers=_num_workers(x, counts, 4 * D * (N + F)),
-        make_scratch=scratch,
-        commit=commit if gathered and st.gx is not None else None,
-        new_out=_row_buffers(x, nmax, D),
-    )
+    _run(st, _backward_expert, 4 * D * (N + F), scratch, st.gx if gathered else None)
     gx = None if st.gx is None else st.gx.to(x.dtype)
     return (gx, st.gp, st.ggu, st.gd, st.ggb, st.gdb, st.g1a, st.g1b, st.g2a, st.g2b)
 

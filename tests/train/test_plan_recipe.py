@@ -81,7 +81,9 @@ def test_the_custom_op_declares_what_it_keeps():
     x, ids, w, gate_up, down = _operands()
 
     def run():
-        expert_mlp_op(x, ids, w, gate_up, down, None, None, "swiglu", True, False, 1.702, 7.0, True, True)
+        expert_mlp_op(
+            x, ids, w, gate_up, down, None, None, "swiglu", True, False, 1.702, 7.0, True, True
+        )
 
     measured, _ = _saved_bytes(run)
     declared = sum(t.nbytes for t in saved_for_backward(x, ids, gate_up, True))

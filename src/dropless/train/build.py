@@ -11,7 +11,6 @@ state (fresh or resumed), the step, the evaluation and the log.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from .checkpoint.async_save import CheckpointSaver
 from .checkpoint.resume import check_run_dir, latest_run
 from .config.load import Config, dump_config
 from .data.corpus import micro_batch_size
-from .data.tokenizer import resolve_spec
+from .data.tokenizer import resolve as resolve_tokenizer
 from .evaluation import Evaluator
 from .model.build import build_training_model
 from .model.lora import base_model
@@ -79,15 +78,6 @@ def model_class_name(model) -> str:
     )
 
 
-def with_tokenizer_resolved(cfg: Config) -> Config:
-    """`cfg` with data.tokenizer="auto" made concrete (see `tokenizer.resolve_spec`), so the
-    run's config.toml, its resume checks and its data cache name the tokenizer it used."""
-    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
-    if spec == cfg.data.tokenizer:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
-
-
 def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
     """The run directory: given, or (resume) the newest under runs/, or a new runs/<timestamp>."""
     if run_dir is None:
@@ -101,7 +91,6 @@ def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, be
     it between its checks and this run. A run that fails before training leaves the folder
     as it was (one this process made is removed)."""
     claimed, rdir = None, None
-    cfg = with_tokenizer_resolved(cfg)
     try:
         rdir = resolve_run_dir(run_dir, resume, env)
         beat.doing("claiming the run directory and checking what it holds")
@@ -123,8 +112,9 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     """The parts of a run in a claimed `run_dir`, in order (see the module's docstring)."""
     hooks = hooks or TrainHooks()
     beat.doing("checking the config and the layout")
+    cfg, vocab = resolve_tokenizer(cfg, run_dir)  # data.tokenizer="auto" made concrete
     precision = Precision(cfg.precision, env.device)  # a bad recipe option is reported here
-    hf_config = preflight(cfg, env, run_dir)
+    hf_config = preflight(cfg, env, run_dir, vocab)
     t_start, cpu_start, tc = time.perf_counter(), time.process_time(), cfg.train
     # torch's RNG is seeded where the model is built; a resume restores all three
     ckpt.seed_host_rngs(tc.seed)

@@ -56,8 +56,10 @@ def check_resume(cfg: Config, ckpt_dir: Path, world: int) -> None:
     saved_file = Path(ckpt_dir) / "config.toml"
     if not saved_file.is_file():
         return  # checkpoints written before configs were copied into them
-    saved = load_config(saved_file)
-    changed = changed_fixed_keys(saved, cfg)
+    from ..data.tokenizer import with_spec_resolved
+
+    saved = load_config(saved_file)  # data.tokenizer as the run resolved it
+    changed = changed_fixed_keys(saved, with_spec_resolved(cfg))
     if changed:
         raise ValueError(
             f"--resume: the checkpoint {str(ckpt_dir)!r} cannot continue with a changed "

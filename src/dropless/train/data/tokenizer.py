@@ -9,6 +9,7 @@ so held-out loss can be reported in bits per byte whatever the vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import filecmp
 import shutil
 from collections.abc import Iterable
@@ -191,6 +192,23 @@ def resolve_spec(spec: str, model_path: str = "") -> str:
         "set data.tokenizer to the directory of the tokenizer the model was trained with "
         "(a new one would give its ids a meaning the trained embeddings do not have)"
     )
+
+
+def with_spec_resolved(cfg):
+    """`cfg` with data.tokenizer="auto" made concrete (`resolve_spec`), so the run's
+    config.toml, its resume checks and its data cache name the tokenizer it used."""
+    spec = resolve_spec(cfg.data.tokenizer, cfg.model.path)
+    if spec == cfg.data.tokenizer:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+
+
+def resolve(cfg, run_dir: Path):
+    """(`cfg` with its tokenizer resolved, the vocabulary that tokenizer has or will have):
+    what a run asks of its tokenizer before any data is read, once its run directory is
+    claimed (a BPE already trained there counts at its own size, `vocab_size`)."""
+    cfg = with_spec_resolved(cfg)
+    return cfg, vocab_size(cfg, run_dir)
 
 
 def vocab_size(cfg, run_dir: Path | None = None) -> int:

@@ -35,8 +35,9 @@ def warn_all_warmup(cfg) -> None:
         )
 
 
-def preflight(cfg, env: Env, run_dir: Path):
+def preflight(cfg, env: Env, run_dir: Path, vocab: int | None = None):
     """Every check of the config that needs no long work; returns the hf model config.
+    `vocab`: the tokenizer's vocabulary (`tokenizer.resolve`), else asked of `vocab_size`.
     (The precision recipe is checked where it is built, `model/precision.py`.)"""
     from ...parallel.mesh import resolve_sizes
 
@@ -66,7 +67,8 @@ def preflight(cfg, env: Env, run_dir: Path):
         data_files(cfg.data.path, "data.path")
     if cfg.data.eval_path:
         data_files(cfg.data.eval_path, "data.eval_path")
-    vocab = vocab_size(cfg, run_dir)
+    if vocab is None:
+        vocab = vocab_size(cfg, run_dir)
     config = model_config(cfg.model, vocab, cfg.train.seq_len)
     resolve_sizes(cfg.parallel, env.world, getattr(config, "num_experts", None))
     from .memory_fit import check_fits_memory

@@ -172,12 +172,11 @@ class _Pick(torch.autograd.Function):
 def routing_replay(owner):
     """Record the top-k choices made inside (checkpointed forward), or replay them (its
     recompute). `owner`: the module that routes (one record list per owner and region)."""
-    state = checkpoint_state()
-    if state is None:
+    mode = enter_routing_replay(owner)
+    try:
         yield
-        return
-    with _TopKMode(state[0], state[1], (id(owner), "topk")):
-        yield
+    finally:
+        exit_routing_replay(mode)
 
 
 def enter_routing_replay(owner) -> TorchFunctionMode | None:

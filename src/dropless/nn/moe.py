@@ -35,14 +35,6 @@ class MoEAux:
     router_logits: torch.Tensor | None = None
 
 
-def _lb_loss(r, counts_E, n_tokens) -> torch.Tensor:
-    # the router's pass computed the mean scores (a routing kernel on CUDA) unless a
-    # custom router returned only the scores
-    if r.probs_mean_E is None:
-        return load_balancing_loss_global(r.scores_TE, counts_E, n_tokens)
-    return load_balancing_loss_from_mean(r.probs_mean_E, counts_E, n_tokens)
-
-
 class SharedExpert(nn.Module):
     """A dense SwiGLU MLP every token goes through, with an optional sigmoid gate."""
 
@@ -156,7 +148,7 @@ class MoE(nn.Module):
         )
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         if not isinstance(x, torch.Tensor) or not torch.is_floating_point(x):
             raise TypeError(
                 f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}"
@@ -165,9 +157,6 @@ class MoE(nn.Module):
             raise ValueError(
                 f"x must be [..., hidden_size={self.hidden_size}], got {tuple(x.shape)}"
             )
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
-        self._check_input(x)
         lead = x.shape[:-1]
         x_TD = x.reshape(-1, self.hidden_size)
         # a checkpointed recompute routes as its forward did (dropless.ops.replay)
@@ -188,8 +177,14 @@ class MoE(nn.Module):
         )
         if self.shared_expert is not None:
             out_TD = out_TD + self.shared_expert(x_TD)
+        # the router's pass computed the mean scores (a routing kernel on CUDA) unless a
+        # custom router returned only the scores
+        if r.probs_mean_E is None:
+            lb_loss = load_balancing_loss_global(r.scores_TE, counts_E, n_tokens)
+        else:
+            lb_loss = load_balancing_loss_from_mean(r.probs_mean_E, counts_E, n_tokens)
         aux = MoEAux(
-            lb_loss=_lb_loss(r, counts_E, n_tokens),
+            lb_loss=lb_loss,
             z_loss=z_loss(r.logits_TE) if r.z_loss is None else r.z_loss,
             tokens_per_expert=tokens_per_expert,
             # dropless needs no count (and no host sync); capacity mode counts the drops

@@ -62,16 +62,6 @@ class _LocalExperts:
         return sorted_experts(self.module, self.spec, x_SD, counts, prob_S, *self.weights(), lora)
 
 
-def _ep_refusal(layer, spec) -> str | None:
-    """Why the experts of `layer` cannot run expert-parallel, or None."""
-    if isinstance(spec, str):  # the stock forward would need every expert on each rank
-        return (
-            f"{layer.name} ({layer.family}): expert parallelism runs the dropless experts path, "
-            f"and this module runs its own forward ({spec}). Train it with parallel.ep=1."
-        )
-    return None
-
-
 def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """Expert-parallelise every experts module of a dropless-patched HF model in place.
 
@@ -98,9 +88,11 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
         if "_dropless_ep" in m.__dict__:
             continue
         spec = experts_spec(m)
-        why = _ep_refusal(layer, spec)
-        if why is not None:
-            raise ValueError(why)
+        if isinstance(spec, str):  # the stock forward would need every expert on each rank
+            raise ValueError(
+                f"{layer.name} ({layer.family}): expert parallelism runs the dropless experts "
+                f"path, and this module runs its own forward ({spec}). Train it with parallel.ep=1."
+            )
         E = int(m.num_experts)
         where = f"{layer.name} ({layer.family})"
         # LoRA factors the module owns shard with their experts

@@ -52,12 +52,10 @@ def _gpt_oss_router_forward(self, hidden_states: torch.Tensor):
     return router_logits, scores_TK, ids_TK
 
 
-def _forward_for(family: str):
-    if family in _SOFTMAX_FAMILIES:
-        return _softmax_router_forward
-    if family == "gpt_oss":
-        return _gpt_oss_router_forward
-    return None
+_FORWARDS = {
+    **dict.fromkeys(_SOFTMAX_FAMILIES, _softmax_router_forward),
+    "gpt_oss": _gpt_oss_router_forward,
+}
 
 
 #: Names families give the score bias that shifts expert choice (not the weights).
@@ -86,11 +84,11 @@ def add_expert_bias(
     (or its MoE `block`) already has a score bias."""
     if router_bias(router, block) is not None:
         return False
-    forward = _forward_for(family)
+    forward = _FORWARDS.get(family)
     if forward is None:
         raise ValueError(
             f"expert_bias=True: no biased router for family {family!r}; "
-            f"families with one: {sorted([*_SOFTMAX_FAMILIES, 'gpt_oss'])} "
+            f"families with one: {sorted(_FORWARDS)} "
             "(deepseek_v3 and glm4_moe use their own e_score_correction_bias)"
         )
     router.register_buffer(

@@ -4,17 +4,33 @@ from `train()` to the first optimizer step, in a child; docs/design.md's route i
 
 from pathlib import Path
 
+import pytest
+
 from route_trace import TINY_ARGS, design_block, doc_block, trace_in_child
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_design_docs_route_is_the_traced_route(tmp_path):
-    trace = trace_in_child(TINY_ARGS, tmp_path, REPO)
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    return trace_in_child(TINY_ARGS, tmp_path_factory.mktemp("route"), REPO)
+
+
+def test_the_design_docs_route_is_the_traced_route(trace):
     doc = doc_block((REPO / "docs" / "design.md").read_text())
     assert doc == design_block(trace), (
         "docs/design.md's route is stale: python tools/design_route.py"
     )
+
+
+def test_the_run_build_enters_each_file_of_train_at_most_3_times(trace):
+    """train/ builds a run's parts once, in order, and asks each file in few visits: no
+    file of src/dropless/train/ is entered more than 3 times before the first optimizer
+    step. (The whole route's limits, <= 20 re-entries and no file of the package over 3,
+    wait on the expert forward's files: ops/, hf/.)"""
+    train = "src/dropless/train/"
+    over = [f for f in trace["over_3"] if f.startswith(train)]
+    assert not over, f"files of {train} entered more than 3 times: {over}"
 
 
 def test_the_trainer_is_the_loop():

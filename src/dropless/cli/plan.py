@@ -113,7 +113,8 @@ def format_plan(p) -> str:
 def run(args) -> int:
     from ..train.config.load import load_config
     from ..train.plan.trace import make_plan
-    from .train import one_line, say
+    from .messages import say_error
+    from .train import one_line
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -126,7 +127,7 @@ def run(args) -> int:
     except ValueError as e:
         if getattr(args, "debug", False):
             raise
-        say(f"dropless plan: error: {one_line(e)}")
+        say_error(f"dropless plan: error: {one_line(e)}")
         return 2
     print(format_plan(p), flush=True)
     if args.json:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .messages import say_error
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -64,12 +66,6 @@ def one_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
-def say(text: str) -> None:
-    from .messages import say_error
-
-    say_error(text)
-
-
 def run(args) -> int:
     from torch.distributed.checkpoint import CheckpointException
 
@@ -85,22 +81,19 @@ def run(args) -> int:
             config = _resumed_config(run_dir)
         cfg = load_config(config, args.overrides)
         trainer.train(cfg, run_dir=run_dir, resume=args.resume)
-    except TrainingStopped as e:
+    except (TrainingStopped, KeyboardInterrupt, ValueError, OSError, CheckpointException) as e:
         if getattr(args, "debug", False):
             raise
-        say(f"dropless train: {e}")
-        return e.exit_code
-    except KeyboardInterrupt:
-        if getattr(args, "debug", False):
-            raise
-        say(
-            "dropless train: interrupted at once (Ctrl-C outside a step, or a second one); the steps "
-            "since the last complete checkpoint are lost; --resume continues from that checkpoint"
-        )
-        return 130
-    except (ValueError, OSError, CheckpointException) as e:
-        if getattr(args, "debug", False):
-            raise
-        say(f"dropless train: error: {one_line(e)}")
+        if isinstance(e, TrainingStopped):
+            say_error(f"dropless train: {e}")
+            return e.exit_code
+        if isinstance(e, KeyboardInterrupt):
+            say_error(
+                "dropless train: interrupted at once (Ctrl-C outside a step, or a second one); the "
+                "steps since the last complete checkpoint are lost; --resume continues from that "
+                "checkpoint"
+            )
+            return 130
+        say_error(f"dropless train: error: {one_line(e)}")
         return 2
     return 0

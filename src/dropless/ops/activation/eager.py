@@ -2,14 +2,9 @@
 
 An activation kind names the elementwise function f applied between the two expert
 projections: gated experts compute f(gate) * up from the [gate | up] (or interleaved)
-output of the first projection, non-gated ones f(h). Built in:
-
-- "swiglu": f = silu (the historical name of the gated form);
-- "gelu": exact GELU, x * Phi(x); "gelu_tanh": GELU with the tanh approximation;
-- "relu2": relu(x)^2;
-- "swiglu_clamp": silu(min(gate, limit)) * clamp(up, -limit, limit) (gated only);
-- "gpt_oss": GPT-OSS's clamped GLU, g * sigmoid(alpha * g) * (clamp(up, -limit, limit) + 1)
-  with g = min(gate, limit).
+output of the first projection, non-gated ones f(h). The built-in kinds and their
+formulas are the table `specs.ACTIVATION_KINDS` ("swiglu": f = silu, the historical name
+of the gated form).
 
 Any other elementwise function can be registered (`register_elementwise`); its
 derivative is taken with autograd on the elementwise function alone, inside the

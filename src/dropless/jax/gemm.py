@@ -41,14 +41,6 @@ def default_backend(platform: str | None = None) -> str:
     return "tiled"
 
 
-def _check_backend(backend: str | None) -> str:
-    if backend is None:
-        return default_backend()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS} or None (pick by platform)")
-    return backend
-
-
 def _chunk_sizes(tile: int, min_chunk: int, rows: int) -> list[int]:
     """Chunk sizes tile, tile/2, ..., min_chunk; those longer than the buffer never run."""
     if tile < min_chunk or tile & (tile - 1) or min_chunk & (min_chunk - 1):
@@ -183,7 +175,9 @@ def grouped_gemm(
     row (the layer allocates them) and saves the "tiled" backend a padded copy; the
     rows past sum(counts_E) are then unspecified.
     """
-    backend = _check_backend(backend)
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS} or None (pick by platform)")
     if x_PD.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, in] and w [E, out, in]; got {x_PD.shape} and {w.shape}")
     if x_PD.shape[1] != w.shape[2 if trans_w else 1]:

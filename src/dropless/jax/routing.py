@@ -30,11 +30,9 @@ def route(
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int32, scores_TE fp32).
 
-    `routing` (a `RoutingConfig`, or its fields as keywords, not both): softmax or
-    sigmoid scores; `renormalize` rescales the top-k weights to sum 1;
-    `scaling_factor` multiplies them; `n_group`/`topk_group` limit the choice to the
-    best groups (DeepSeek-V3); `expert_bias_E` shifts the choice, not the weights
-    (required when `routing.expert_bias`, refused otherwise).
+    `routing` (a `RoutingConfig`, or its fields as keywords, not both) says how;
+    `expert_bias_E` shifts the choice, not the weights (required when
+    `routing.expert_bias`, refused otherwise).
     """
     if logits_TE.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")

@@ -33,13 +33,8 @@ class TopKRouter(nn.Module):
 
     Args:
         hidden_size: D. num_experts: E. top_k: K (1 <= K <= E).
-        routing: a `RoutingConfig`; or its fields as keywords (not both):
-        score_func: "softmax" (default) or "sigmoid" (scores always fp32).
-        renormalize: rescale the top-k weights to sum to 1 (default True).
-        scaling_factor: multiplies the weights (DeepSeek-V3's routed_scaling_factor).
-        n_group, topk_group: group-limited selection (DeepSeek-V3).
-        expert_bias: keep an `expert_bias` buffer [E] that shifts which experts are
-            chosen but not their weights (aux-loss-free balancing; updated by
+        routing: a `RoutingConfig` (default: renormalize=True); or its fields as keywords
+            (not both). expert_bias: keep an `expert_bias` buffer [E] (updated by
             `dropless.ops.update_expert_bias`).
     """
 

@@ -39,13 +39,10 @@ def route(
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int64, scores_TE fp32).
 
-    `routing` (a `RoutingConfig`) says how: softmax or sigmoid scores, optional
-    renormalisation of the top-k weights to sum 1, a scaling factor, group-limited
-    selection (DeepSeek-V3). The keywords `score_func`, `renormalize`,
-    `scaling_factor`, `n_group`, `topk_group` are the same fields, for calls without
-    a config (not both). `expert_bias_E` [E] shifts selection, not the weights; it is
-    required when `routing.expert_bias` is True and refused when it is False (the
-    keyword form sets expert_bias from whether it is given).
+    `routing` (a `RoutingConfig`, or its fields as keywords, not both) says how.
+    `expert_bias_E` [E] shifts selection, not the weights; it is required when
+    `routing.expert_bias` is True and refused when it is False (the keyword form sets
+    expert_bias from whether it is given).
 
     backend: None / "auto" (a registered routing kernel for CUDA logits, else the torch
     reference; in a checkpointed region both replay the forward's choice in the recompute,

@@ -24,9 +24,8 @@ import torch
 
 from ..ops.activation.eager import act_forward
 from ..ops.expert_mlp.eager import composed_mlp
-from ..ops.expert_mlp.engine import routed_mlp
+from ..ops.expert_mlp.engine import add_bias, routed_mlp
 from ..ops.expert_mlp.plan import RecipeMLP, Saved, Schedule
-from ..ops.grouped_gemm.eager import expand_bias, group_sum
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
 from ..ops.registry import triton_importable
@@ -55,11 +54,6 @@ def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize
     rows = pick_row_ops(h_S2F, activation="swiglu")
     dh, dprob, a = rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
     return dh.to(dtype), dprob, quantize_col(a, scale)
-
-
-def _combine(rows_SN, slot_TK):
-    """out[t] = sum_k rows[slot[t, k]] (fp32 sums in k order): the registered row op."""
-    return pick_row_ops(rows_SN).gather_sum(rows_SN, slot_TK)
 
 
 def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
@@ -126,11 +120,6 @@ def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
         return swiglu_quant_rows(h_S2F, prob_S, "e4m3", recipe.margin, **kw)
     scale = scale_from_amax(swiglu_amax(h_S2F, prob_S, **kw), "e4m3", recipe.margin)
     return swiglu_quant_scaled(h_S2F, prob_S, "e4m3", scale, **kw)[0]
-
-
-def _slots_by_token(token_S: torch.Tensor, T: int) -> torch.Tensor:
-    """[T, K] slots of each token (in expert order) when every token has K slots."""
-    return torch.argsort(token_S, stable=True).view(T, token_S.numel() // max(T, 1))
 
 
 def _gather_q(q: QTensor, index_S: torch.Tensor) -> QTensor:
@@ -215,11 +204,11 @@ def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = Tr
     return (*x, *h)
 
 
-def _forward(recipe, sv: Saved, num_out):
-    """The engine's recipe slot, forward: x is x_SD (rows in expert order) or, with
-    token_S / slot_TK, x_TD, its rows gathered here (and again in backward, so only x_TD,
-    which the caller holds anyway, is kept) and the output combined back to [T, D]."""
-    x, prob_S, gate_up, down, b1, b2, token_S, slot_TK = sv.tensors()[:8]
+def _forward(recipe, sv: Saved):
+    """The engine's recipe slot, forward: (y_SD before the down bias, what backward
+    keeps). x is x_SD (rows in expert order) or, with token_S, x_TD, its rows gathered
+    here (and again in backward, so only x_TD, which the caller holds anyway, is kept)."""
+    x, prob_S, gate_up, down, b1, _, token_S, slot_TK = sv.tensors()[:8]
     counts, trans_w = sv.counts, sv.trans_w
     be = pick_backend(recipe, x, gate_up, down)
     mm, _ = BACKENDS[be]
@@ -230,13 +219,10 @@ def _forward(recipe, sv: Saved, num_out):
     w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
     h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
     if b1 is not None:
-        h = h + expand_bias(b1, counts, h.shape[0]).to(h.dtype)
+        add_bias(h, b1, counts)
     aq = swiglu_quant(h, prob_S, recipe, down)
     w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
     y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
-    if b2 is not None:
-        b = expand_bias(b2, counts, y.shape[0])
-        y = y + (b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(y.dtype)
     saved: list = []
     if not recipe.fp8_saved_activations:
         x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
@@ -251,30 +237,28 @@ def _forward(recipe, sv: Saved, num_out):
         h_meta = save_q(saved, _store_h(h), None)
     if tensor_mode:
         saved += [xq.scale, w1q.scale, aq.scale, w2q.scale]
-    # dropless (every token has K slots): the slots of each token are recomputed from
-    # token_S in backward, so slot_TK need not be kept
+    # dropless (every token has K slots): the engine recomputes the slots of each token
+    # from token_S in backward, so slot_TK need not be kept
     keep_slots = slot_TK is not None and token_S.numel() != slot_TK.numel()
-    out = _combine(y, slot_TK) if token_S is not None else y
     meta = (x_meta, h_meta, be, tensor_mode)
     kept = replace(sv, x=None, slot_TK=slot_TK if keep_slots else None, h=tuple(saved), meta=meta)
-    return out, kept
+    return y, kept
 
 
-def _backward(recipe, sv: Saved, g_out, need):
-    """The engine's recipe slot, backward: (dx, d prob, d gate_up, d down, d b1, d b2)."""
+def _backward(recipe, sv: Saved, g_out, g_SD, need):
+    """The engine's recipe slot, backward, from g_out and its rows g_SD (gathered):
+    (dx_SD, dh, d prob, d gate_up, d down); the engine adds the biases' gradients and
+    combines dx back to tokens."""
     x_meta, h_meta, be, tensor_mode = sv.meta
     t = sv.h
     x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
     # per-tensor scales are reused; other modes requantize (no scale)
     x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
-    _, prob, gate_up, down, _, b2, token_S, slot_TK = sv.tensors()[:8]
+    _, prob, gate_up, down, _, _, token_S, slot_TK = sv.tensors()[:8]
     counts, trans_w = sv.counts, sv.trans_w
     gathered = token_S is not None
     bwd_red = 1 if trans_w else 2
     mm, wgrad = BACKENDS[be]
-    g_SD = g_out.contiguous()
-    if gathered:
-        g_SD = g_SD.index_select(0, token_S)
     x_dtype = x_s.dtype if gathered else g_SD.dtype
     h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
 
@@ -300,27 +284,15 @@ def _backward(recipe, sv: Saved, g_out, need):
     a_col = partial(col, role="x", key=down)
     dh, dprob, a_S = _swiglu_grads(h, prob, da, need.prob, recipe, a_scale, x_dtype, a_col)
     d_down = wg(gq if tensor_mode else col(g_SD, None, "g", down), a_S, down.dtype)
-    db2 = None
-    if b2 is not None:
-        db2 = group_sum(g_SD if prob is None else g_SD * prob.unsqueeze(1).to(g_SD.dtype), counts)
-        if prob is not None and need.prob:
-            b_SD = expand_bias(b2, counts, g_SD.shape[0]).float()
-            dprob = dprob + (g_SD.float() * b_SD).sum(-1).to(dprob.dtype)
     # gate/up projection
     dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
     w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=w1_scale)
-    dx = None
-    if need.x:
-        dx = mm(dhq, w1q, counts, not trans_w, x_dtype)
-        if gathered:
-            slots = slot_TK if slot_TK is not None else _slots_by_token(token_S, x_s.shape[0])
-            dx = _combine(dx, slots)
+    dx = mm(dhq, w1q, counts, not trans_w, x_dtype) if need.x else None
     if not isinstance(x_s, QTensor):
         x_SD = x_s.index_select(0, token_S) if gathered else x_s
         x_s = col(x_SD, x_scale, "x", gate_up)
     d_gate_up = wg(dhq if tensor_mode else col(dh, None, "g", gate_up), x_s, gate_up.dtype)
-    db1 = group_sum(dh, counts) if sv.gu_bias is not None else None
-    return dx, dprob, d_gate_up, d_down, db1, db2
+    return dx, dh, dprob, d_gate_up, d_down
 
 
 #: the FP8 / MXFP8 saved-activation format and GEMMs, as the engine's recipe slot
@@ -367,7 +339,8 @@ def quantized_grouped_mlp(
     sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, act)
     sv.trans_w = bool(trans_w)
     num_out = x.shape[0] if token_S is not None else None
-    return routed_mlp(Schedule("recipe", recipe=recipe, recipe_mlp=RECIPE_MLP), sv, num_out)
+    sched = Schedule("recipe", row_ops=pick_row_ops(x), recipe=recipe, recipe_mlp=RECIPE_MLP)
+    return routed_mlp(sched, sv, num_out)
 
 
 # tells `ops.expert_mlp` it may pass x_TD with token_S / slot_TK / num_out

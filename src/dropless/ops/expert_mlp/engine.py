@@ -72,30 +72,38 @@ def routed_mlp(sched: Schedule, sv: Saved, num_out) -> torch.Tensor:
 
 def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
     """(out, sv with h, u1, u2 filled in): out_TD [num_out, D] when sv has token_S /
-    slot_TK, else y_SD. one_h: keep h as one [S, N] tensor (the custom op's output)."""
-    if sched.path == "recipe":
-        return sched.recipe_mlp.forward(sched.recipe, sv, num_out)
+    slot_TK, else y_SD. one_h: keep h as one [S, N] tensor (the custom op's output). The
+    recipe path's slot runs the two GEMMs and keeps its saved-activation format; the
+    down bias and the combine are the engine's."""
     if sched.path == "loop":
         if isinstance(sv.counts, torch.Tensor):
             # host sync: the loop needs the bounds on the host
             sv = replace(sv, counts=sv.counts.tolist())
         return loop.forward(sv, num_out, *_lowranks(sv), one_h)
-    counts = counts_for(sched, sv.counts, sv.x.device)
-    offs = sv.offs
-    if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
-        offs = group_offsets(counts, sv.x.device)
-    sv = replace(sv, counts=counts, offs=offs)
-    h, a, u1 = _up_projection(sched, sv)
-    dn, prob_S, d_bias = _bound(sched, "down", offs), sv.prob_S, sv.d_bias
-    lr2 = _lowranks(sv)[1]
-    y = dn.mm(a, sv.down, counts, sv.trans_w)
-    u2 = grouped_lowrank_fwd(dn, a, lr2, counts, y) if lr2 is not None else None
-    del a  # recomputed by the activation backward
-    if d_bias is not None:
-        b_SD = d_bias.index_select(0, _rows_E(counts, y))
-        y += b_SD if prob_S is None else b_SD * prob_S.unsqueeze(1)
+    if sched.path == "recipe":
+        y, kept = sched.recipe_mlp.forward(sched.recipe, sv)
+    else:
+        counts = counts_for(sched, sv.counts, sv.x.device)
+        offs = sv.offs
+        if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
+            offs = group_offsets(counts, sv.x.device)
+        sv = replace(sv, counts=counts, offs=offs)
+        h, a, u1 = _up_projection(sched, sv)
+        dn, lr2 = _bound(sched, "down", offs), _lowranks(sv)[1]
+        y = dn.mm(a, sv.down, counts, sv.trans_w)
+        u2 = grouped_lowrank_fwd(dn, a, lr2, counts, y) if lr2 is not None else None
+        del a  # recomputed by the activation backward
+        kept = replace(sv, h=h, u1=u1, u2=u2)
+    if sv.d_bias is not None:
+        add_bias(y, sv.d_bias, sv.counts, sv.prob_S)
     out = sched.row_ops.gather_sum(y, sv.slot_TK) if sv.token_S is not None else y
-    return out, replace(sv, h=h, u1=u1, u2=u2)
+    return out, kept
+
+
+def add_bias(t_SN, bias_EN, counts, prob_S=None) -> torch.Tensor:
+    """t_SN += the bias of each row's expert (times the row's prob), in t's dtype."""
+    b = bias_EN.index_select(0, _rows_E(counts, t_SN))
+    return t_SN.add_((b if prob_S is None else b * prob_S.unsqueeze(1).to(b.dtype)).to(t_SN.dtype))
 
 
 def _up_projection(sched: Schedule, sv: Saved):
@@ -114,7 +122,7 @@ def _up_projection(sched: Schedule, sv: Saved):
     u1 = grouped_lowrank_fwd(up, x_SD, lr1, counts, h) if lr1 is not None else None
     del x_SD  # recomputed in backward
     if sv.gu_bias is not None:
-        h += sv.gu_bias.index_select(0, _rows_E(counts, h))
+        add_bias(h, sv.gu_bias, counts)
     if sched.act_row_ops is not None:
         return h, sched.act_row_ops.act_fwd(h, prob_S, *kw), u1
     return h, act_forward(h, prob_S, act), u1
@@ -124,8 +132,17 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
     None where `need` wants none; release: free h (and the recomputed activation) once
     read, in a backward that frees the graph as it goes (h is this call's own)."""
-    if sched.path == "recipe":
-        return (*sched.recipe_mlp.backward(sched.recipe, sv, g_out, need), None, None, None, None)
+    if sched.path == "recipe":  # the slot's GEMMs; the bias gradients and combine here
+        g_out, token_S = g_out.contiguous(), sv.token_S
+        gy = g_out.index_select(0, token_S) if token_S is not None else g_out
+        gx, dh, gp, ggu, gd = sched.recipe_mlp.backward(sched.recipe, sv, g_out, gy, need)
+        ggb, gdb, gp = _bias_grads(sv, gy, dh, gp, need)
+        if gx is not None and token_S is not None:  # slot_TK not kept: every token has K
+            slots = sv.slot_TK
+            if slots is None:
+                slots = torch.argsort(token_S, stable=True).view(g_out.shape[0], -1)
+            gx = sched.row_ops.gather_sum(gx, slots)
+        return (gx, gp, ggu, gd, ggb, gdb, None, None, None, None)
     lr1, lr2 = _lowranks(sv)
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
@@ -142,11 +159,7 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if gathered and (dd or dw or sv.d_bias is not None):
         gy = rk.gather_rows(g_out, token_S)
     p = None if prob_S is None else prob_S.unsqueeze(1)
-    gdb = gd = g2a = g2b = None
-    if sv.d_bias is not None:
-        rows_E = _rows_E(counts, gy)
-        if need.down_bias:
-            gdb = torch.zeros_like(sv.d_bias).index_add_(0, rows_E, gy if p is None else gy * p)
+    gd = g2a = g2b = None
     need_gp = prob_S is not None and need.prob
     flags = (act.interleaved, need_gp, need.down, act.kind, act.alpha, act.limit)
     if dd is None:  # gather in the prologue, activation backward in the epilogue
@@ -160,8 +173,7 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if release and (dd is None or sched.act_row_ops is not None):
         free_storage(h)  # its last reader was the activation backward
     del h
-    if gp is not None and sv.d_bias is not None:
-        gp += (gy * sv.d_bias.index_select(0, rows_E)).sum(1)
+    ggb, gdb, gp = _bias_grads(sv, gy, dh, gp, need)
     if need.down and gd is None:
         if dw is None:  # dW = gy^T a (trans_w) or a^T gy, the rows of g_out gathered
             ops = (g_out, a, token_S, None) if trans_w else (a, g_out, None, token_S)
@@ -171,11 +183,25 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if release and a is not None:
         free_storage(a)
     del a, gy
-    ggb = None
-    if sv.gu_bias is not None and need.gate_up_bias:
-        ggb = torch.zeros_like(sv.gu_bias).index_add_(0, _rows_E(counts, dh), dh)
     gx, ggu, g1a, g1b = _gate_up_backward(sched, sv, dh, lr1, need)
     return (gx, gp, ggu, gd, ggb, gdb, g1a, g1b, g2a, g2b)
+
+
+def _bias_grads(sv: Saved, gy, dh, gp, need: Needs):
+    """(d gate_up bias, d down bias, gp plus the down bias's term of d prob) from the
+    gathered gy [S, D] and dh [S, N]; None where there is no bias or `need` wants none."""
+    ggb = gdb = None
+    if sv.d_bias is not None:
+        rows_E = _rows_E(sv.counts, gy)
+        if need.down_bias:
+            g = gy if sv.prob_S is None else gy * sv.prob_S.unsqueeze(1)
+            gdb = torch.zeros_like(sv.d_bias).index_add_(0, rows_E, g.to(sv.d_bias.dtype))
+        if gp is not None:
+            gp += (gy * sv.d_bias.index_select(0, rows_E)).sum(1)
+    if sv.gu_bias is not None and need.gate_up_bias:
+        rows_E = _rows_E(sv.counts, dh)
+        ggb = torch.zeros_like(sv.gu_bias).index_add_(0, rows_E, dh.to(sv.gu_bias.dtype))
+    return ggb, gdb, gp
 
 
 def _gate_up_backward(sched, sv, dh, lr1, need):

@@ -165,9 +165,11 @@ _TENSOR_FIELDS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_
 _TENSOR_FIELDS += ("u1", "u2")
 
 
-# A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`): forward(recipe,
-# sv, num_out) -> (out, sv with h the tensors of its saved-activation format and meta what
-# they are); backward(recipe, sv, g_out, need) -> the six gradients of `Needs`' first six.
+# A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`), its two GEMMs
+# and saved-activation format: forward(recipe, sv) -> (y_SD before the down bias, sv with h
+# the tensors of that format and meta what they are); backward(recipe, sv, g_out, g_SD,
+# need) -> (dx_SD, dh, d prob, d gate_up, d down). The engine adds the biases, their
+# gradients and the combines.
 RecipeMLP = namedtuple("RecipeMLP", "forward backward")
 # which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
 Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")

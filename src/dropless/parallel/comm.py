@@ -16,14 +16,10 @@ import torch
 import torch.distributed as dist
 
 
-def _recv_buffer(x_ND: torch.Tensor, rows: int) -> torch.Tensor:
-    return x_ND.new_empty((rows, *x_ND.shape[1:]))
-
-
 def _launch(x_ND, out_splits, in_splits, group, async_op):
     """Returns (receive buffer, work or None, the contiguous send tensor)."""
     x_ND = x_ND.contiguous()
-    out = _recv_buffer(x_ND, sum(out_splits))
+    out = x_ND.new_empty((sum(out_splits), *x_ND.shape[1:]))
     work = dist.all_to_all_single(
         out,
         x_ND,

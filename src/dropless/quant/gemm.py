@@ -7,32 +7,18 @@ N (g row-wise, w along N); wgrad dw[e] = g_e^T x_e reduces over the rows of expe
 no block straddles two experts). Per-tensor scales are the same whatever the
 reduction dim, so those quantizations are done once and reused.
 
-Backends: `emulated` dequantizes both operands to fp32 and runs the fp32 grouped GEMM
-(products of fp8 values and power-of-two / fp32 scales are exact in fp32, so it
-matches an fp32-accumulating FP8 GEMM up to summation order); `torch` runs row-wise
-FP8 through torch._scaled_grouped_mm on sm90+ (the weight gradients too, 2D x 2D grouped
-along the rows with per-expert column scales, once a one-time probe on the device
-agrees with the emulated GEMM; else, and for E5M2 gradients, they run as bf16 GEMMs on
-dequantized operands); `bf16` (MXFP8 on sm90+, where torch has
-no MX grouped GEMM) dequantizes to bf16, which holds every MX value E4M3 x 2^k exactly
-(down to 2^-133), and runs the bf16 grouped GEMM: the same products at bf16 GEMM speed,
-while the saved activations stay in FP8. Both ran on an H200 (torch 2.11) at commit
-5d8f939, 2026-11-30 (BENCHMARKS.md, "GPU check": a MoE forward+backward under row-wise
-E4M3, delayed HYBRID and MXFP8 recipes above the SQNR floor with no host sync, and the
-layer timings). Since then the Triton FP8 casts it quantizes with on CUDA
-(`triton_quant.py`) changed (7bebe2e, one shared encoder; 3-D weights), and the FP8
-weight-gradient GEMM and the column-major cached weights were added: none of that has
-run on a GPU yet.
+Backends: `emulated` (both operands dequantized to fp32, the fp32 grouped GEMM), `torch`
+(row-wise FP8 through torch._scaled_grouped_mm on sm90+, weight gradients too once a
+probe agrees) and `bf16` (MXFP8 on sm90+ as bf16 GEMMs on exact dequantized values).
+What each computes, what ran on a GPU and when: docs/fp8.md.
 
 Counts may be a host list or a device tensor; nothing here reads a device tensor of
 counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
 
-Weights are quantized once per optimizer step, for the recipes whose weight
-quantization depends on the weight alone (current scaling, MXFP8; delayed scaling
-updates its history at every call): the quantized copy lives in the one weight cache of
-`ops.weight_cache` (keyed by the parameter's version counter, storage and the count of
-optimizer steps, so it holds under FSDP2 too), and a weight that the FP8 GEMMs read
-column-major is stored so once (`dgrad_layout`), not transposed per call.
+Weights are quantized once per optimizer step where their quantization depends on the
+weight alone (current scaling, MXFP8), in the one weight cache of `ops.weight_cache`; a
+weight the FP8 GEMMs read column-major is stored so once (`dgrad_layout`), not
+transposed per call (docs/fp8.md).
 """
 
 # S rows (sorted pairs), D in features, N out features, E experts
@@ -238,7 +224,7 @@ def _warn_e5m2_once() -> None:
 def _torch_mm(aq: QTensor, bq: QTensor, counts, trans_b: bool, out_dtype, fast_accum=False):
     """fast_accum: the forward GEMMs' fast FP8 accumulation (as Transformer Engine; the
     gradient GEMMs keep the precise one)."""
-    # Ran on an H200 at commit 5d8f939 (2026-11-30; see the module docstring).
+    # Ran on an H200 at commit 5d8f939 (2026-11-30; docs/fp8.md).
     # _scaled_grouped_mm takes e4m3 operands, b column-major [E, K, N], and row-wise
     # fp32 scales [S] and [E, N]: a per-tensor scale is expanded.
     e4m3 = torch.float8_e4m3fn

@@ -1,32 +1,15 @@
 """Context parallelism inside trainers that feed whole sequences: Transformers' `Trainer`,
 TRL's `SFTTrainer`, accelerate's prepared data loader, or a loop of one's own.
 
-`dropless.parallelize(model, cp=N)` calls `install(model, mesh)`, which makes three things
-hold for every loop:
-
-- the ranks of a cp group get the same samples: accelerate's `prepare_data_loader` (what
-  Trainer and TRL use too) is handed the layout's ("dp_replicate", "dp_shard", "cp") device
-  mesh when accelerate has none of its own, so it shards the data over the dp = world / cp
-  groups, as it does for its own cp axis (`Accelerator._prepare_device_mesh`; the layout of
-  the process's last `parallelize` call: one with cp=1 hands none);
-- the model takes whole sequences and splits them itself: a forward pre-hook on the model
-  gives each rank its load-balanced part (as `dropless.parallel.context.shard_batch` splits
-  a batch, with global `position_ids`), the labels shifted over the whole sequence first (`shift_labels`, which
-  Transformers' causal-LM loss and TRL's fused head score unshifted), and, when the caller
-  gives no `num_items_in_batch`, the whole sequences' target count / cp, so the cp ranks'
-  losses sum to the sequences' mean loss and FSDP's average over the ranks is one
-  process's gradient;
-- Trainer's count of targets, gathered from every rank, counts each sample cp times:
-  `Trainer.get_cp_size` says cp (accelerate's own cp would say it), so Trainer and TRL
-  divide by it.
-
-The first forward checks that the ranks of each cp group hold the same batch (an
-all-reduce of a hash of it) and raises, naming what to use, when they do not. A batch
-already split by `shard_batch` (its `position_ids` this rank's chunks) passes unchanged:
-the loop then does the rest itself (docs/hf.md). Refused with a ValueError: packed rows
-(`position_ids` restarting inside a row: TRL's `packing` / `padding_free`), a sequence
-length not divisible by 2 x cp, the model's own balancing loss (computed over the rank's
-tokens only), generation with a cache.
+`dropless.parallelize(model, cp=N)` calls `install(model, mesh)`: accelerate's
+`prepare_data_loader` is handed the layout's ("dp_replicate", "dp_shard", "cp") mesh
+(so the ranks of a cp group get the same samples), a forward pre-hook on the model
+(`CPInputs`) gives each rank its load-balanced part of the whole sequences it is given
+(labels shifted over the whole sequence first, `num_items_in_batch` the whole sequences'
+target count / cp), and `Trainer.get_cp_size` says cp. The first forward checks that the
+ranks of each cp group hold the same batch; a batch `shard_batch` split already passes
+unchanged. What holds, what is refused and why: docs/hf.md, "Many GPUs with your own
+trainer".
 """
 
 # B batch, L whole sequence length, S this rank's length (L / cp)

@@ -1,36 +1,22 @@
 """PEFT LoRA on fused experts, run as dropless's low-rank path.
 
-PEFT (0.21) reaches the 3-D expert weights of Transformers v5 with
-`LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`: a
-`ParamWrapper` registers, for the duration of each forward, a parametrization whose
-`_LoraFactorsProxy` folds `W + scaling * lhs @ rhs` with `torch.baddbmm` when the weight
-is read. That is a weight-sized tensor per projection per step, kept for backward, and
-a weight-sized gradient reduced to the factors.
-
-The dropless experts forward never reads the parametrized weight: `experts_weights`
-finds the proxy, takes the base weight (`parametrizations[name].original`) and the
-proxy's factors, and hands them to the fused expert Function as `LowRank` updates
-(two thin grouped GEMMs per projection). Autograd carries the factors' gradients back to
-PEFT's `lora_A` / `lora_B` weights through PEFT's own reshapes.
+PEFT (0.21) reaches the 3-D expert weights of Transformers v5 (`target_parameters`) with a
+parametrization whose `_LoraFactorsProxy` folds `W + scaling * lhs @ rhs` when the weight
+is read: a weight-sized tensor per projection per step, kept for backward. The dropless
+experts forward never reads the parametrized weight: `experts_weights` takes the base
+weight and the proxy's factors and hands them to the fused expert Function as `LowRank`
+updates (two thin grouped GEMMs per projection).
 
 PEFT's layout (`ParamWrapper.get_delta_factors`): `lora_A.weight [E*r, in]` reshapes to
 (E, r, in); `lora_B.weight [out, r*E]` to (out, r, E), expert index fastest. For
 weights stored [E, out, in] (`is_transposed=False`) the proxy holds lhs = B [E, out, r],
 rhs = A [E, r, in]; for [E, in, out] it holds lhs = A^T, rhs = B^T.
 
-Registering PEFT's parametrization runs the fold once more (torch checks the shape and
-dtype of its output unless `unsafe=True`). While dropless is patched in,
-`ParamWrapper._activate_lora` is replaced, for experts modules on the dropless path with
-one active adapter, by the same registration with `unsafe=True`: no fold at all. It is
-installed by `dropless.patch()` / `patch_model()` when PEFT's LoRA layer module is
-imported, or else by an import hook they leave that installs it as soon as peft is
-imported (never from a forward, and `patch()` does not import peft), and removed by
-`dropless.unpatch()`.
-
-Anything else (several active adapters, whose delta PEFT sums into one tensor; a
-low-precision base weight; another parametrization) runs PEFT's own fold, with one
-`DroplessLoRAFallbackWarning` per family and reason. Merged or disabled adapters leave
-no parametrization: the plain path runs.
+While dropless is patched in, `ParamWrapper._activate_lora` registers the factors with
+`unsafe=True` (torch's check would fold once more) for experts modules on the dropless
+path with one active adapter; anything else runs PEFT's own fold, with one
+`DroplessLoRAFallbackWarning` per family and reason. How it is installed and what falls
+back: docs/lora.md, "How it works".
 """
 
 # E experts, r rank, I in features, O out features

@@ -1,25 +1,13 @@
 """`patch()` / `patch_model()` / `unpatch()`: make Transformers v5 MoE models use dropless.
 
-How "dropless" becomes the default (the one place that does it: `_install_default`):
-Transformers resolves a model's experts implementation in
-`PreTrainedModel.get_correct_experts_implementation(requested)`, called from `post_init`
-for every model built (`from_config`, `__init__`) or loaded (`from_pretrained`), and from
-`set_experts_implementation`; a `None` request becomes "grouped_mm" there. `patch()`
-replaces that method on the `PreTrainedModel` class with a wrapper that turns a `None`
-request into "dropless" for models whose experts use the interface and hands everything
-else to the original. `unpatch()` puts the original function object back, removes
-"dropless" from `ExpertsInterface`, and switches every live model dropless changed back
-to the implementation it had (removing any expert bias buffers it added).
-`patch()` also wraps `PreTrainedModel.post_init` so that models built on dropless get, once
-their layers exist, each experts module's spec computed (`wire_experts`: a compiled forward
-only reads it) and the routing-replay hooks (`dropless.hf.experts.replay`), and replaces PEFT's
-`ParamWrapper._activate_lora` when peft is imported, now or later (`dropless.hf.lora.peft_lora`).
-
-A config object keeps the implementation a model built from it resolved, and Transformers
-hands that to the next model built from it as if asked for. `patch()` also wraps the
-`PretrainedConfig._experts_implementation` setter, which every explicit request passes,
-and `post_init` puts a new MoE model whose config holds the stock default no one asked
-for on a copy of the config set to dropless (`dropless.hf.patching.configs`).
+`patch()` wraps `PreTrainedModel.get_correct_experts_implementation` (the one place that
+makes "dropless" the default: `_install_default`), `PreTrainedModel.post_init` (a new
+model's experts wired, its routing-replay hooks and the options, once its layers exist)
+and the `PretrainedConfig._experts_implementation` setter (explicit requests marked:
+`dropless.hf.patching.configs`), and replaces PEFT's `ParamWrapper._activate_lora`
+(`dropless.hf.lora.peft_lora`). `unpatch()` puts the original objects back and switches
+every live model dropless changed back to the implementation it had. Why and how:
+docs/hf.md, "How `patch()` becomes the default".
 
 These are process-wide class attributes: `patch()`, `patch_model()`, `unpatch()` and
 `unpatch_model()` change them under one lock, so calls from several threads install each

@@ -1,20 +1,14 @@
 """Grouped GEMM for rows sorted by expert: y[r] = x[r] @ w[e(r)]^T, with a custom VJP.
 
-Backends:
-- "tiled" (the default everywhere): a loop over experts; each expert's rows are covered by
-  chunks of `tile` rows plus the binary decomposition of the remainder (tile/2, ...,
-  `min_chunk`), so each chunk is one dense matmul against that expert's weight and
-  at most `min_chunk - 1` rows per expert are computed in vain. Forward, dgrad and
-  wgrad are all such loops (`jax.custom_vjp`); nothing of size [E, S, N] exists.
-  A last chunk may spill up to `min_chunk - 1` rows past its expert: the next expert
-  overwrites them (experts run in order), so the buffer needs `min_chunk` rows of
-  margin after the last valid row (`MARGIN`); wgrad masks the spill.
-- "ragged_dot": `jax.lax.ragged_dot`. XLA:CPU lowers it as a masked dense matmul over
-  all experts (~100x slower, ~19 GB at the bench shape), and XLA:GPU densifies it the
-  same way in the JAX/XLA versions we target (tens of GB at E=128, T=16k), so it is
-  opt-in only, until a measurement on a GPU says otherwise.
+Backends: "tiled" (the default everywhere), a loop over experts covering each expert's
+rows with chunks of `tile` rows plus the binary decomposition of the remainder (tile/2,
+..., `min_chunk`), forward, dgrad and wgrad alike (`jax.custom_vjp`; nothing of size
+[E, S, N] exists); "ragged_dot", `jax.lax.ragged_dot`, opt-in only: XLA densifies it over
+all experts (measured on CPU: docs/jax.md, "The grouped GEMM").
 
-`default_backend()` is "tiled"; `backend=` overrides.
+A last chunk may spill up to `min_chunk - 1` rows past its expert: the next expert
+overwrites them (experts run in order), so the buffer needs `min_chunk` rows of margin
+after the last valid row (`MARGIN`); wgrad masks the spill.
 """
 
 # P rows of the sorted buffer (valid rows + margin), D in features, N out features, E experts

@@ -1,19 +1,13 @@
 """Expert parallelism: experts sharded over a mesh axis, tokens moved by all-to-all.
 
-Inside `jax.shard_map` each device routes its tokens, sorts the pairs by expert and
-sends each peer the rows for the peer's experts:
-- exchange="padded" (XLA:CPU, where ragged_all_to_all does not compile): one
-  fixed-size `lax.all_to_all` of [n, C, D] blocks, C rows per peer;
-- exchange="ragged" (GPU/TPU): `lax.ragged_all_to_all` into a receive buffer of
-  C rows, no per-peer padding (unverified here: no GPU/TPU on this machine).
-The receiver regroups the rows by local expert with one gather, runs the same
-grouped expert MLP as the single-device layer, and the results travel back.
-
-Dropless by construction: C is either the worst case (capacity=None: every pair of
-a device could go to one peer, C = T_local*K; fully jittable, no host sync) or a
-power-of-two bucket that `ep_bucket` measured for this batch (one host sync; at
-most log2(T_local*K) + 1 distinct shapes, so recompiles stay bounded).
-`aux.dropped` counts pairs that did not fit, psum'd over devices: it is 0.
+Inside `jax.shard_map` each device routes its tokens, sorts the pairs by expert and sends
+each peer the rows for the peer's experts (exchange "padded": one fixed-size
+`lax.all_to_all` of [n, C, D] blocks, the XLA:CPU path; "ragged": `lax.ragged_all_to_all`
+into a receive buffer of C rows, unverified on GPU/TPU). The receiver regroups the rows by
+local expert with one gather, runs the single-device layer's grouped expert MLP, and the
+results travel back. Dropless by construction: C is the worst case (capacity=None) or a
+power-of-two bucket `ep_bucket` measured for this batch; `aux.dropped` (psum'd) is 0.
+Sizes, recompiles and what was tested: docs/jax.md, "Expert parallelism".
 """
 
 # T local tokens, D model dim, E experts, El local experts, K top-k, S local pairs (T*K),

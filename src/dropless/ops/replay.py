@@ -1,25 +1,18 @@
 """Routing replay: the recompute of a checkpointed forward routes exactly as the forward did.
 
-Activation checkpointing (`torch.utils.checkpoint` without reentrance, which Transformers'
-gradient checkpointing and `dropless train` use) runs a region's forward again inside
-backward. A router that runs again may choose other experts (low-precision noise, ties, a
-router weight or expert bias changed in between), and then token counts, all-to-all sizes
-and gradients no longer match the forward whose outputs the rest of the graph used.
-
     with routing_replay(router):     # around the code that selects experts
         weights, ids = router(x)
 
-In a checkpointed forward every `torch.topk` inside the block is recorded (its indices);
-in the recompute of that region each `torch.topk` returns the recorded indices, with its
-values gathered from the tensor it is now given, so weights and gradients are computed
-from the current scores at the experts the forward chose. `remember(key, compute)` does the
-same for any value that must not be computed twice (the expert-parallel counts exchange).
-
-Records live with the checkpoint region they belong to (the `_CheckpointFrame` torch keeps
-for it), per key in call order, so nested regions, several layers and micro-batches never
-mix, and records are freed with the graph. Outside a checkpointed region nothing is
-recorded and nothing changes. Reentrant checkpointing (`use_reentrant=True`) is not
-covered: its forward runs without grad and leaves nothing to tie a record to.
+In a checkpointed forward (torch's non-reentrant checkpoint) every `torch.topk` inside the
+block records its indices; in the recompute of that region each `torch.topk` returns the
+recorded indices, with its values gathered from the tensor it is now given, so weights and
+gradients come from the current scores at the experts the forward chose. `remember(key,
+compute)` does the same for any value that must not be computed twice (the
+expert-parallel counts exchange). Records live with the checkpoint region they belong to
+(the `_CheckpointFrame` torch keeps for it), per key in call order, and are freed with
+the graph; outside a checkpointed region nothing is recorded. Why, and what is not
+covered (reentrant checkpointing): docs/performance.md, "Activation checkpointing with
+routing replay".
 """
 
 # T tokens, E experts, K top-k

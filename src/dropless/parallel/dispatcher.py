@@ -1,23 +1,16 @@
 """Expert-parallel dispatcher: tokens go to the rank that owns their expert and back.
 
-Per chunk of tokens (one chunk unless overlap is asked for):
-  1. sort the (token, k) pairs by global expert; global expert e lives on EP rank
-     e // L (L = E / ep local experts), so the sorted rows are grouped by rank;
-  2. one all-to-all of the per-expert counts for all chunks, then ONE host copy of
-     every count the layer needs on the host (send/receive splits, received rows per
-     chunk, the global token count): the only host sync of the layer;
-  3. all-to-all of the rows with uneven splits (autograd-aware, `comm.py`), and of
-     each row's routing weight (fp32, one value per row of D);
-  4. reorder the received rows from (source rank, local expert) to (local expert,
-     source rank), run the local experts' grouped MLP with the routing weight fused
-     into its activation (as on one process: the combine then saves no [S, D] expert
-     output for the weights' gradient, which the MLP computes from what it keeps),
-     reorder back;
-  5. the reverse all-to-all and the unweighted combine.
-The counts summed over every data-parallel rank feed the global balancing loss.
-With overlap, every chunk's dispatch is started first; chunk c's experts then run
-while later chunks' rows are still in flight, and chunk c's return transfer runs
-while chunk c+1 computes.
+Per chunk of tokens (one chunk unless overlap is asked for): sort the pairs by global
+expert (so the rows are grouped by owning rank); one all-to-all of the per-expert counts
+for all chunks, then ONE host copy of every count the layer needs (the layer's only host
+sync); the all-to-all of the rows and of each row's routing weight (`comm.py`); the
+received rows reordered to local-expert order, the local experts' grouped MLP with the
+routing weight fused into its activation, reordered back; the reverse all-to-all and the
+unweighted combine. The counts summed over every data-parallel rank feed the global
+balancing loss. With overlap, every chunk's dispatch is started first; chunk c's experts
+then run while later chunks' rows are still in flight, and chunk c's return transfer runs
+while chunk c+1 computes. Why each step: docs/parallel.md, "The expert-parallel
+dispatcher".
 """
 
 # T tokens, D model dim, E experts (global), L local experts, P EP ranks, K top-k,

@@ -9,12 +9,9 @@ sharded weights).
 `EPGroupedExperts`); `dropless.hf.shard_hf_experts` applies them to every experts module
 of a patched Transformers model and adapts only its names and layouts.
 
-Choice: the expert parameters are DTensors `Shard(0)` on the "ep" mesh (global
-shape [E, ...], local [E/ep, ...]) rather than plain local slices, so that
-`state_dict()` and torch.distributed.checkpoint see the global tensors and a
-checkpoint saved with one EP size loads with another, and so FSDP2 can shard them
-further over dp_shard_mod_ep (its FSDP x TP path). The expert compute itself runs
-on `to_local()` views, so the grouped GEMM never sees a DTensor.
+The expert parameters are DTensors `Shard(0)` on the "ep" mesh, not plain local slices,
+so checkpoints reshard and FSDP2 can shard them further (docs/parallel.md, "Why DTensor
+and not plain local slices"); the expert compute runs on `to_local()` views.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts (global), L local experts, S rows

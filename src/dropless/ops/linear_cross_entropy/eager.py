@@ -1,41 +1,28 @@
 """Linear layer + cross-entropy without the full `[T, V]` logits.
 
 `linear_cross_entropy(h, w, labels)` equals `F.cross_entropy(F.linear(h, w, b).float(), labels)`
-(the loss of a language-model head). Three backends:
+(the loss of a language-model head), through one of the entries of the registry
+`CE_BACKENDS`:
 
-- "fused" (reduction "mean"/"sum"): the gradients are computed in the forward, so the
-  backward only scales them by the incoming gradient (no logits are recomputed: three
-  GEMMs per chunk, not four). Chunks of C = 2,048 tokens (fewer where a chunk's logits
-  would not fit `LOGITS_BUFFER_BYTES`: vocabularies above 262,144 in bf16): the logits go
-  into one reused `[C, V]` buffer in the input dtype (bf16 logits for a bf16 head, as the stock
-  head rounds them); one row op (`cross_entropy_rows`: a Triton kernel per row block on
-  CUDA, an in-place log-softmax on CPU) reads them for max / sum-exp / loss and writes the
-  scaled, masked gradient `softmax - onehot` over them; then `grad_h[chunk] = g @ W` and
-  `grad_W += g^T h[chunk]` accumulated in place into one fp32 buffer. No host syncs:
-  `ignore_index` and the mean's token count are masks and device scalars. Buffers: the
-  `[C, V]` chunk (freed after the forward), and kept from forward to backward `grad_h`
-  `[T, D]` (fp32 for 16-bit inputs), `grad_W` `[V, D]` fp32 and `grad_b` `[V]` fp32: O(T*D
-  + V*D), never O(T*V). E.g. bf16, T = 16,384, D = 1,024: the chunk is 128 MiB at V =
-  32,768 (594 MiB at 151,936), `grad_h` 64 MiB, `grad_W` 128 MiB (594 MiB). The backward scales them in place, so a second backward through
-  the same graph (`retain_graph=True`) raises.
-- "chunked" (the reference of "fused"; every reduction): a custom autograd Function over
-  chunks of tokens. The forward keeps one chunk's fp32 logits at a time and saves only the
-  per-token log-sum-exp; the backward recomputes each chunk's logits and forms the
-  gradients of h, w and b from them.
+- "fused" (reductions "mean"/"sum"): the gradients are computed in the forward, chunk by
+  chunk of tokens into one reused `[C, V]` logits buffer in the input dtype (`fused_pass.py`,
+  its row op `rows.py`), so the backward only scales them by the incoming gradient (no
+  logits recomputed: three GEMMs per chunk, not four), in place: a second backward through
+  the same graph raises. Kept from forward to backward: O(T*D + V*D), never O(T*V);
+- "chunked" (the reference of "fused"; every reduction): the forward keeps one chunk's
+  fp32 logits at a time and saves the per-token log-sum-exp; the backward recomputes each
+  chunk's logits;
 - "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
-  (torch >= 2.13), which chunks too and computes the gradients in its forward. It has no
-  label smoothing.
+  (torch >= 2.13), which chunks too; no label smoothing.
 
-The three are the entries of the registry `CE_BACKENDS` (`registry.Registry`): "auto"
-takes the best entry whose automatic rule takes the call, "fused" for reductions "mean" and
-"sum"; for "none" (whose per-token incoming gradient cannot be folded into a weight
-gradient summed in the forward) "torch" where it exists and supports the call and the
-inputs are fp32 or fp64, else "chunked". A named entry that cannot run the call raises
-ValueError with its reason; it never falls back.
-For bf16/fp16 inputs torch's op forms the logits in fp32 from the low-precision operands,
-more accurate than (and so not equal to) a head that rounds its logits to bf16 before
-`.float()`, as Transformers models do (about 1e-3 relative on the loss); "fused" and
-"chunked" round where the stock head does.
+"auto" takes "fused" for "mean" and "sum"; for "none" (whose per-token incoming gradient
+cannot be folded into a weight gradient summed in the forward) "torch" where it runs the
+call and the inputs are fp32 or fp64, else "chunked": for bf16/fp16 inputs torch's op forms
+the logits in fp32 from the low-precision operands, more accurate than (and so not equal
+to) a head that rounds its logits to bf16 before `.float()`, as Transformers models do;
+"fused" and "chunked" round where the stock head does. A named entry that cannot run the
+call raises ValueError with its reason; it never falls back. Chunk sizes, buffers and
+their memory: docs/genomics.md, "Fused linear + cross-entropy".
 """
 
 # T tokens, D hidden (in features), V vocabulary (classes), C tokens in one chunk

@@ -1,17 +1,13 @@
 """The dtype the expert path computes in: the user's request, not the weights' dtype.
 
-Under `torch.autocast` (Trainer's `bf16=True`, `dropless train`'s `precision.dtype=bf16`)
-the expert GEMMs run in the autocast dtype even when the weights are fp32: `expert_mlp`,
-`grouped_mlp` and `grouped_gemm` cast the tokens once and the weights once per optimizer
-step (`weight_cache.cached_cast`) at their entry, before the plan picks a backend, so
-`nn.MoE`, the Hugging Face experts and the expert-parallel path all get it. The casts are
-differentiable: gradients reach fp32 weights in fp32. Inside the fused autograd Functions
-autocast is off (`autocast_off`): their operands are already in the compute dtype, and
-their `out=` buffers must not meet GEMMs that autocast would switch.
-
-Callers that move tokens before the expert GEMMs (the all-to-all) cast them first with
-`expert_input`, so what crosses the wire is the compute dtype. Autocast leaves fp64 alone,
-and so does this: with any fp64 operand nothing is cast. Without autocast nothing changes.
+Under `torch.autocast` the expert GEMMs run in the autocast dtype even when the weights
+are fp32: `expert_mlp`, `grouped_mlp` and `grouped_gemm` cast the tokens once and the
+weights once per optimizer step (`weight_cache.cached_cast`) at their entry, before the
+plan picks a backend; callers that move tokens first (the all-to-all) cast them with
+`expert_input`. Inside the fused autograd Functions autocast is off (`autocast_off`):
+their operands are already in the compute dtype, and their `out=` buffers must not meet
+GEMMs that autocast would switch. With any fp64 operand, or without autocast, nothing is
+cast (docs/performance.md, "Under `torch.autocast`").
 """
 
 from __future__ import annotations

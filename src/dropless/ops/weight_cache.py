@@ -2,27 +2,15 @@
 
 Under autocast the expert path multiplies bf16 copies of fp32 weights; an activation
 checkpoint's recompute and every micro-batch of a gradient-accumulation step would cast
-them again. The cache keeps one derived tensor per (weight, dtype, conversion) and serves
-it while nothing can have changed the weight:
-
-- the weight's `_version` is the same (every in-place write bumps it: an optimizer
-  update, `copy_` from `load_state_dict`, a manual edit under `no_grad`);
-- no optimizer step ran since (a global `torch.optim` step hook bumps a generation):
-  FSDP2 re-gathers its unsharded parameters into the same tensor object every forward
-  and restores their version counter, so the version alone cannot see a new step there;
-- the weight's storage is at the same address (a `.data =` assignment moves it);
-- a cast made in inference mode is served in inference mode only.
-
-The cache keeps detached casts; a call that needs the weight's gradient gets the cast
-attached to the weight by a small autograd node, so a cast made under `no_grad` (a
-reentrant checkpoint's first forward) still carries the gradient when its recompute
-reuses it, and a cached cast never keeps a deleted weight alive.
-
-Entries die with their weight (weak keys) and the whole cache is dropped at each
-optimizer step, so no copy outlives the step that made it. Only leaf tensors are cached
-(a DTensor's `to_local()` is a new tensor per call: converted per call; so is a tensor
-made under inference_mode, which has no version counter). A write through
-`.data` bypasses the version counter: call `clear()` after one.
+them again. The cache keeps one detached derived tensor per (weight, dtype, conversion)
+and serves it while the weight's `_version`, its storage address and the count of
+optimizer steps are unchanged (FSDP2 re-gathers into the same tensor and restores its
+version counter, so the version alone cannot see a new step there), and a cast made in
+inference mode only in inference mode. A call that needs the weight's gradient gets the
+cast attached to the weight by a small autograd node, so a cached cast never keeps a
+deleted weight alive. Entries die with their weight (weak keys) and the whole cache is
+dropped at each optimizer step. Only leaf tensors are cached; a write through `.data`
+bypasses the version counter: call `clear()` after one (docs/performance.md).
 
 `fn` makes other derived forms (the FP8 weight and its scale) share the same rules; its
 identity is part of the key, so pass the same function object on every call.

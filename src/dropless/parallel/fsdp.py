@@ -3,10 +3,7 @@
 Dense parameters: `fully_shard` on dp_shard (HSDP: the 2-D (dp_replicate, dp_shard)
 mesh replicates over dp_replicate). Expert parameters (already DTensor Shard(0) on
 "ep"): their own `fully_shard` on dp_shard_mod_ep (HSDP likewise), FSDP's FSDP x TP
-path. The expert gradient an EP rank holds already sums the tokens of its whole EP
-group, so the experts' divide factor is the world size (FSDP's default would divide
-by the dp_shard_mod_ep x dp_replicate size only, leaving it ep times too large); with a
-dp_shard_mod_ep group of 1 the division is a hook after the reduction, in every dtype.
+path, divided by the world size (docs/parallel.md, "Gradient scaling").
 
 One FSDP2 unit takes one dtype of trainable parameters. A submodule whose trainable
 parameters are in another dtype than the rest of its unit (the router Transformers keeps

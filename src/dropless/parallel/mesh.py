@@ -8,13 +8,7 @@ sequences): dp_shard x cp = dp_shard_mod_ep x ep. With cp = 1 the root mesh is 2
 ("dp_replicate", "dp_shard"); with cp > 1 it is ("dp_replicate", "dp_shard_cp") and
 `mesh` its unflattening ("dp_replicate", "dp_shard", "cp"). The root is unflattened into
 ("dp_replicate", "dp_shard_mod_ep", "ep") for the experts and flattened into "dp" for
-reductions.
-
-- dense parameters: FSDP over dp_shard x cp flattened (HSDP: replicated over
-  dp_replicate), as TorchTitan shards over "dp_shard_cp";
-- expert parameters: Shard(0) over ep, FSDP over dp_shard_mod_ep (HSDP likewise);
-- load-balancing counts and metrics: all-reduced over dp (every rank, cp ranks included:
-  they hold different tokens).
+reductions. What is placed over which mesh: docs/parallel.md, "Layout".
 """
 
 from __future__ import annotations

@@ -2,23 +2,15 @@
 
 Each cp rank holds its queries, keys and values for two chunks of the sequence (chunk r
 and chunk 2*cp-1-r, `sharding.py`). `all_gather_sequence` all-gathers K and V over the cp
-group in forward (an autograd Function: its backward reduce-scatters dK / dV, summing
-what every rank's queries sent to this rank's keys) and puts them back in sequence
-order; `context_parallel_attention` then computes attention of the local queries
-against the whole K/V under the causal mask of their global positions: the head chunk
-of rank r sees keys [0, (r+1) C), the tail chunk keys [0, (2 cp - r) C), both with the
-bottom-right-aligned causal mask. On CPU (no padding mask, no dropout) that is
-`blockwise.chunked_causal_attention`: each chunk's unmasked and causal key blocks merged
-by their log-sum-exps; on CUDA `torch.nn.attention.bias.causal_lower_right`; with a
-padding mask or dropout an explicit boolean mask (`_causal_sdpa`). The gathered K/V stay
-at their own heads everywhere (grouped-query attention without repeating them).
-
-`reference_attention` (whole-sequence causal SDPA on one process) is the specification;
-tests/parallel/_checks_cp.py checks the two against each other, forward and backward.
-
-Where this runs: gloo/CPU (tested), and any backend with all_gather (NCCL: unverified,
-not run). PyTorch's own `torch.distributed.tensor.experimental.context_parallel` (ring
-attention over SDPA on CUDA/NCCL) is not used here; this one works on every backend.
+group in forward (an autograd Function: its backward reduce-scatters dK / dV) and puts
+them back in sequence order; `context_parallel_attention` then computes attention of the
+local queries against the whole K/V under the causal mask of their global positions
+(`attend_gathered`: on CPU without padding mask or dropout `blockwise.chunked_causal_attention`,
+else SDPA with a bottom-right-aligned causal mask, `_causal_sdpa`). `reference_attention`
+(whole-sequence causal SDPA on one process) is the specification. How each part runs and
+what was tested: docs/parallel.md, "Context parallelism". PyTorch's own
+`torch.distributed.tensor.experimental.context_parallel` (ring attention over SDPA on
+CUDA/NCCL) is not used here: this one works on every backend with all_gather.
 """
 
 # B batch, H query heads, G key/value heads, S local length (2 C), C chunk length,

@@ -336,11 +336,10 @@ def quantized_grouped_mlp(
         kw = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, trans_w=trans_w, activation=act)
         y = composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
         return y if token_S is None else unpermute(y, sp)
-    sv = Saved(x, prob_S, gate_up, down, gate_up_bias, down_bias, token_S, slot_TK, counts, act)
-    sv.trans_w = bool(trans_w)
-    num_out = x.shape[0] if token_S is not None else None
+    b1, b2, tw = gate_up_bias, down_bias, bool(trans_w)
+    sv = Saved(x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, act, tw)
     sched = Schedule("recipe", row_ops=pick_row_ops(x), recipe=recipe, recipe_mlp=RECIPE_MLP)
-    return routed_mlp(sched, sv, num_out)
+    return routed_mlp(sched, sv, None)  # the combine has slot_TK's rows
 
 
 # tells `ops.expert_mlp` it may pass x_TD with token_S / slot_TK / num_out

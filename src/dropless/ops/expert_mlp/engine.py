@@ -137,11 +137,9 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
         gy = g_out.index_select(0, token_S) if token_S is not None else g_out
         gx, dh, gp, ggu, gd = sched.recipe_mlp.backward(sched.recipe, sv, g_out, gy, need)
         ggb, gdb, gp = _bias_grads(sv, gy, dh, gp, need)
-        if gx is not None and token_S is not None:  # slot_TK not kept: every token has K
-            slots = sv.slot_TK
-            if slots is None:
-                slots = torch.argsort(token_S, stable=True).view(g_out.shape[0], -1)
-            gx = sched.row_ops.gather_sum(gx, slots)
+        if gx is not None and token_S is not None:  # no slot_TK kept: every token has K
+            slots = sv.slot_TK if sv.slot_TK is not None else token_S.argsort(stable=True)
+            gx = sched.row_ops.gather_sum(gx, slots.reshape(g_out.shape[0], -1))
         return (gx, gp, ggu, gd, ggb, gdb, None, None, None, None)
     lr1, lr2 = _lowranks(sv)
     if sched.path == "loop":

@@ -133,14 +133,11 @@ def build_optimizer(params: list[torch.nn.Parameter], ocfg) -> torch.optim.Optim
     return torch.optim.AdamW(groups, lr=ocfg.lr, betas=betas, eps=ocfg.eps, **kernel)
 
 
-def build_scheduler(optimizer, total: int, ocfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, ocfg))
-
-
 def optimizer_and_schedule(params: list[torch.nn.Parameter], ocfg, total: int) -> tuple:
-    """(optimizer, learning-rate schedule) of a run of `total` steps."""
+    """(optimizer, learning-rate schedule) of a run of `total` steps (`lr_factor`)."""
     optimizer = build_optimizer(params, ocfg)
-    return optimizer, build_scheduler(optimizer, total, ocfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, ocfg))
+    return optimizer, schedule
 
 
 __all__ = [
@@ -148,7 +145,6 @@ __all__ = [
     "adamw_kernel",
     "TrainState",
     "build_optimizer",
-    "build_scheduler",
     "lr_factor",
     "optimizer_and_schedule",
     "prepare_data",

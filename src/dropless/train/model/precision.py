@@ -25,21 +25,13 @@ class Precision:
         self.device_type = autocast_device or device.type
         self.recipe = recipe_context(pcfg)
 
-    def autocast(self):
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.dtype)
-
     @contextlib.contextmanager
     def forward(self):
         """The context a forward runs in: autocast to the compute dtype and the recipe."""
-        with self.autocast(), self.recipe():
+        bf16 = self.dtype != torch.float32
+        autocast = torch.autocast(self.device_type, dtype=self.dtype) if bf16 else None
+        with autocast or contextlib.nullcontext(), self.recipe():
             yield
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def recipe_context(precision):
@@ -53,7 +45,7 @@ def recipe_context(precision):
     name = precision if isinstance(precision, str) else precision.recipe
     options = {} if isinstance(precision, str) else precision.recipe_options()
     if name == "none":
-        return _nothing
+        return contextlib.nullcontext
     from ...quant import autocast, recipe_from_name
 
     try:

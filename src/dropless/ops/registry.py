@@ -3,12 +3,8 @@ op (grouped-GEMM backends, row ops, routing kernels, cross-entropy rows, row-gat
 GEMMs, RMSNorm).
 
 An entry is any object with a `name`, a `priority` and a `supports(*operands)`
-predicate. `pick(name, *operands)`:
-
-- name None or "auto": the highest-priority entry that runs the operands (None when
-  none does: the caller's torch path runs);
-- another name: that entry; ValueError when it is not registered or cannot run the
-  operands. A named entry never falls back to another.
+predicate. `pick(name, *operands)` takes the best entry that runs the operands, or the
+named one (ValueError when it cannot: a named entry never falls back to another).
 
 GPU entries register on first use on a CUDA tensor: an op gives its registry a hook
 (`on_first_cuda`) that registers its Triton entries; the registry calls it once, the
@@ -18,8 +14,7 @@ machine that never sees a CUDA tensor it never runs. Under `torch.compile` the h
 not called (Dynamo would trace the registration). The ops a compiled region calls are
 custom-op nodes that pick when they run, outside the trace (`custom_op.py` of
 `expert_mlp`, `routing`, `rmsnorm`, `linear_cross_entropy`, `grouped_gemm`), so there the
-hook runs
-on the first CUDA call as in eager code.
+hook runs on the first CUDA call as in eager code.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """A LoRA adapter of a model laid out by `dropless.parallelize`, written in PEFT's format.
 
-PEFT's own `PeftModel.save_pretrained` cannot write it: the adapters are DTensors (FSDP2
-shards, the experts' factors split over ep), which safetensors cannot take, and the
-experts' own factors (`attach_expert_lora`: A [E, r, in], B [E, out, r], sharded with their
-experts) are not PEFT parameters. `save_lora_adapter` gathers every adapter tensor (a
-collective per tensor, as `save_hf` gathers), converts the experts' factors to PEFT's
-layout and keys (those stock PEFT gives a `target_parameters` LoRA on the same model), adds
-their projections to the config's `target_parameters`, and writes on rank 0 the directory
-`PeftModel.from_pretrained(stock_model, dir)` loads. `parallelize` routes a PeftModel's
-`save_pretrained` here, so Transformers' `Trainer.save_model` (which calls it on every rank
-of a model marked as sharded) writes that directory.
+PEFT's own `PeftModel.save_pretrained` cannot write it: the adapters are DTensors, and the
+experts' own factors (`attach_expert_lora`) are not PEFT parameters. `save_lora_adapter`
+gathers every adapter tensor (a collective per tensor), converts the experts' factors to
+PEFT's layout and keys, adds their projections to the config's `target_parameters`, and
+writes on rank 0 the directory `PeftModel.from_pretrained(stock_model, dir)` loads;
+`route_peft_save` makes a PeftModel's `save_pretrained` (what `Trainer.save_model` calls on
+every rank) go through it (docs/hf.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Resuming Transformers' `Trainer` on a model laid out by `dropless.parallelize`.
 
-Transformers 5.24's Trainer refuses to checkpoint the optimizer of a model sharded at load
-time (`save_only_model=True` is required) and, resuming, loads the checkpoint's tensors with
-`model.load_state_dict`, which cannot fill DTensor parameters from full tensors, nor read the
-per-expert layout `save_pretrained` writes for fused experts. `trainer_checkpoints()` is a
-callback that adds what is missing: at every save, the optimizer and the learning-rate
-scheduler, sharded, as a torch.distributed.checkpoint (DCP) folder `dropless_optimizer/`
-inside `checkpoint-N/`; at the start of a resumed run, the weights read from
-`checkpoint-N/` by `load_sharded_hf` (each rank its own slices), then the optimizer and
-scheduler. `parallelize` gives the model a `load_state_dict` that takes full tensors
-(`set_model_state_dict`), so Trainer's own load gets through (it cannot place the experts'
-per-expert tensors, which it reports as missing; the callback then loads them).
+Trainer cannot checkpoint the optimizer of a model sharded at load time, and its resume
+loads full tensors with `model.load_state_dict`, which cannot fill DTensor parameters nor
+read the per-expert layout `save_pretrained` writes for fused experts. `trainer_checkpoints()`
+is a callback that adds what is missing: the optimizer and scheduler as a sharded
+torch.distributed.checkpoint folder `checkpoint-N/dropless_optimizer/` at every save, and
+on resume the weights read by `load_sharded_hf`, then the optimizer and scheduler;
+`accept_full_state_dicts` gives the model a `load_state_dict` that takes full tensors, so
+Trainer's own load gets through. Why and how to use it: docs/hf.md, "Resuming a Trainer run".
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """Config objects that carry an experts implementation from before `dropless.patch()`.
 
-Transformers resolves a model's experts implementation onto its config
-(`config._experts_implementation`, "grouped_mm" for the stock default), and the next model
-built from that config object takes the value as if it had been asked for. After
-`patch()`, a model rebuilt from such a config (the A/B pattern: build stock, patch, build
-again from the same config) would so run the stock path. Two pieces tell such a leftover
-from a request and move the new model off it:
-
-- every explicit request passes the `PretrainedConfig._experts_implementation` setter
-  (the `experts_implementation=` of `from_config`, `from_pretrained` or a config's
-  constructor, or an assignment). While patched, that setter stores the value as `Asked`,
-  a `str` that copies keep (`from_pretrained` deep-copies its config) and pickles drop;
-  Transformers' own resolution writes the internal attribute directly, a plain `str`.
-- `give_own_config(model)` puts a model built from a leftover on a copy of its config (and
-  of the sub-configs), so the models built from the config before keep their own path:
-  every model built from a config object shares it, and the experts dispatch reads it
-  on every call.
+Transformers resolves a model's experts implementation onto its config, and the next model
+built from that config object takes the value as if it had been asked for: after `patch()`,
+a model rebuilt from a config that built a stock model would run the stock path (docs/hf.md,
+"A config object that already built a model"). Two pieces tell such a leftover from a
+request and move the new model off it: while patched, the
+`PretrainedConfig._experts_implementation` setter (which every explicit request passes)
+stores the value as `Asked`, a `str` that copies keep and pickles drop (Transformers' own
+resolution writes the internal attribute directly, a plain `str`); `give_own_config(model)`
+puts a model built from a leftover on a copy of its config (and of the sub-configs), so the
+models built from the config before keep their own path.
 """
 
 from __future__ import annotations

@@ -191,6 +191,37 @@ def test_fp8_saved_activations_memory_expert_mlp():
         assert torch.isfinite(gate_up.grad.float()).all()
 
 
+@pytest.mark.parametrize("dropped", [False, True])
+def test_bias_grads_of_bf16_tokens_sum_in_the_bias_dtype(dropped):
+    """bf16 tokens, fp32 weights, biases and probs under a recipe, on the token path: the
+    engine adds the biases and sums their gradients in the biases' dtype; the down bias's
+    is sum over each expert's kept pairs of g_out[token] * prob, not quantized."""
+    g = torch.Generator().manual_seed(3)
+    T, K = 24, 2
+    x = torch.randn(T, D, generator=g).bfloat16().requires_grad_()
+    gate_up = torch.randn(E, 2 * F, D, generator=g).mul_(0.1).requires_grad_()
+    down = torch.randn(E, D, F, generator=g).mul_(0.1).requires_grad_()
+    b1, b2 = (torch.randn(E, n, generator=g).mul_(0.1).requires_grad_() for n in (2 * F, D))
+    ids = torch.randint(0, E, (T, K), generator=g)
+    keep = torch.rand(T, K, generator=g) > 0.3 if dropped else None
+    sp = sort_by_expert(ids, E, keep)
+    prob = torch.rand(sp.token_S.numel(), generator=g)
+    tokens = dict(token_S=sp.token_S, slot_TK=sp.slot_TK, gate_up_bias=b1, down_bias=b2)
+    y = quantized_grouped_mlp(
+        x, sp.counts, prob, gate_up, down, recipe=MXFP8BlockScaling(), **tokens
+    )
+    g_out = torch.randn(y.shape, generator=g).to(y.dtype)
+    y.backward(g_out)
+    assert (
+        y.dtype == x.grad.dtype == torch.bfloat16
+        and b1.grad.dtype == b2.grad.dtype == torch.float32
+    )
+    rows = g_out.float()[sp.token_S] * prob.unsqueeze(1)
+    want = torch.zeros(E, D).index_add_(0, expand_bias(torch.arange(E), sp.counts), rows)
+    torch.testing.assert_close(b2.grad, want)
+    assert torch.isfinite(b1.grad).all() and b1.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_moe_layer_under_autocast(name):
     torch.manual_seed(0)

@@ -84,7 +84,8 @@ class Schedule:
     """path: "loop", "grouped" or "recipe". gemms: per GEMM of `GEMMS`, its backend, or
     None where `kernels` run it fused. device_counts: the counts stay on the device (no
     host sync). recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its MLP
-    (None: composed from its GEMMs) and whether it takes x_TD and gathers rows itself.
+    (the plan's: the recipe's `grouped_mlp`, None: composed from its GEMMs; the engine's:
+    its `RecipeMLP` slot) and whether it takes x_TD and gathers rows itself.
     sort: the `sort_by_expert` that runs the call's device (a routing kernel's or the
     torch sort), picked with the plan and called directly."""
 
@@ -165,11 +166,10 @@ _TENSOR_FIELDS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_
 _TENSOR_FIELDS += ("u1", "u2")
 
 
-# A low-precision recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`), its two GEMMs
-# and saved-activation format: forward(recipe, sv) -> (y_SD before the down bias, sv with h
-# the tensors of that format and meta what they are); backward(recipe, sv, g_out, g_SD,
-# need) -> (dx_SD, dh, d prob, d gate_up, d down). The engine adds the biases, their
-# gradients and the combines.
+# A recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`: GEMMs, saved format), whose
+# engine adds the biases, their gradients and the combines: forward(recipe, sv) -> (y_SD,
+# sv with h that format's tensors, meta what they are); backward(recipe, sv, g_out, g_SD,
+# need) -> (dx_SD, dh, d prob, d gate_up, d down).
 RecipeMLP = namedtuple("RecipeMLP", "forward backward")
 # which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
 Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")

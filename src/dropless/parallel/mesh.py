@@ -27,22 +27,12 @@ PLANNED_DISPATCHERS = ("deepep",)
 @dataclass
 class ParallelConfig:
     """How a run is laid out over processes (also the `[parallel]` section of
-    `dropless train`'s config).
+    `dropless train`'s config: each key in docs/train.md).
 
-    Processes come from torchrun: world = dp_replicate x dp_shard x cp. dp_replicate: HSDP
-    replica groups (1: plain FSDP). dp_shard: the data-parallel shard size; -1 takes
-    world_size / (dp_replicate x cp). cp: context-parallel size, the ranks each sequence is
-    split over (each holds 2 of 2 x cp chunks; dense parameters are FSDP-sharded over
-    dp_shard x cp). ep: expert-parallel size, must divide dp_shard x cp (and the number of
-    experts); experts are FSDP-sharded over the rest. dispatcher: "alltoall"
-    (torch.distributed; the only one implemented: "deepep" is planned, not implemented).
-    overlap_chunks: split each dispatch into this many chunks so one chunk's all-to-all
-    overlaps another's expert compute (1: no overlap). timeout_s: the process group's
-    timeout, for every collective (and the wait for rank 0's data preparation).
-    force_distributed: take the parallel path (FSDP2, DTensor experts, the all-to-all
-    dispatcher) on one process too, in a 1-process group when not under torchrun, so the
-    code a node runs can be checked on one device (a run of several processes always takes
-    it). The sizes are checked against the world by `resolve_sizes`, before any work.
+    World = dp_replicate x dp_shard x cp (dp_shard -1: world_size / (dp_replicate x cp));
+    ep divides dp_shard x cp and the number of experts; dispatcher "alltoall" is the only
+    one implemented ("deepep" is planned). The sizes are checked against the world by
+    `resolve_sizes`, before any work.
     """
 
     dp_replicate: int = 1

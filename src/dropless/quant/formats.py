@@ -2,18 +2,9 @@
 
 Conventions (Transformer Engine's): `scale` multiplies before the cast, so
 q = sat_cast(x * scale) and x ~= q * scale_inv with scale_inv = 1 / scale (fp32).
-Current scaling picks scale = fp8_max / amax / 2**margin; an amax of 0 or a
-non-finite amax gives scale 1.
-
-Element casts saturate: values beyond the format's max (and +-Inf) become +-max,
-NaN stays NaN. MXFP8 (OCP MX v1.0): blocks of 32 consecutive values along the
-reduction dimension share an E8M0 scale X = 2**e (see `mx_exponent`); a block with
-a NaN or Inf gets the NaN scale (E8M0 0xFF) and E4M3 NaN elements (0x7F). A row
-whose length is not a multiple of 32 ends in a partial block, scaled as if padded
-with zeros (the data is stored padded to the block size).
-
-`ops/quantize/reference.py` holds the pure-torch specification these are tested against bit
-for bit.
+Casts, current scaling, MXFP8 blocks and their NaN and padding rules: docs/fp8.md,
+"Numerics". `ops/quantize/reference.py` holds the pure-torch specification these are
+tested against bit for bit.
 """
 
 # S rows, N / D features, B blocks of 32

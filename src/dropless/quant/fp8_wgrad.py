@@ -7,13 +7,8 @@ rows are placed at a multiple of 32 in transposed FP8 copies (zeros between;
 `formats.padded_rows`, no host read with device counts), a^T [M, K] row-major and b
 [K, N] column-major, as the op takes them, with one fp32 scale per (group, column) and
 int32 ends of the padded groups. An empty group's block is zeroed on the device.
-
-Used only on CUDA sm90+ (`torch_fp8_available`) once a one-time probe per device (uneven
-groups, an empty one) agrees with an fp32 GEMM of the dequantized operands to bf16
-rounding (`fp8_wgrad_available`); a failed probe is said once, and the caller then
-runs bf16 GEMMs on dequantized operands. Checked on CPU against torch's meta kernel of
-the op and a reference of its arithmetic (tests/quant/test_fp8_wgrad.py); not yet run
-on a GPU.
+Used on CUDA sm90+ once a one-time probe per device agrees with an fp32 GEMM of the
+dequantized operands (`fp8_wgrad_available`); what has run where: docs/fp8.md.
 """
 
 # S rows, M / N columns, E experts (groups), K the grouped (row) dim

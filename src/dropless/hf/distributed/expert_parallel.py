@@ -2,18 +2,13 @@
 
 `shard_hf_experts(model, pmesh)` runs the expert parallelism of `dropless.nn.MoE`
 (`dropless.parallel.experts`) on each experts module: `shard_expert_params` turns its
-expert weights (and its own LoRA factors) into DTensors `Shard(0)` over the "ep" axis
-(this rank keeps experts [r*L, (r+1)*L)), `ep_dispatcher` builds its
-`ExpertParallelDispatcher`, and `_LocalExperts`, a `LocalExperts`, runs the rows this
-rank received. The module keeps its forward: Transformers' experts interface calls the
-"dropless" implementation, which sends the tokens through the module's dispatcher. What is adapted here is only the module's names and layouts: which
-parameters it has (`EXPERT_PARAMS`), `trans_w`, gated or not, a post-expert norm, its own
-gate (the same flags as the single-process dropless path, `dropless.hf.experts_spec`).
-The stock router is untouched. Expert parameters keep their names and global shapes, so
-DCP checkpoints reshard.
-
-A model built on the meta device is sharded first and filled afterwards, each rank
-reading only its shards: `load_sharded_hf` of `sharded_load.py`.
+expert weights (and its own LoRA factors) into DTensors `Shard(0)` over the "ep" axis,
+`ep_dispatcher` builds its `ExpertParallelDispatcher`, and `_LocalExperts` runs the rows
+this rank received. The module keeps its forward (the "dropless" experts implementation
+sends the tokens through its dispatcher) and its names and global shapes, so DCP
+checkpoints reshard; only its names and layouts are adapted here. Which experts run
+expert-parallel and what is refused: docs/parallel.md. A model built on the meta device is
+sharded first and filled afterwards by `load_sharded_hf` (`sharded_load.py`).
 """
 
 # T tokens, D model dim, E experts (global), L local experts, K top-k, S rows
@@ -70,12 +65,6 @@ def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
     Returns the names of the MoE blocks changed; no-op when ep == 1 (unless
     parallel.force_distributed: then the 1-rank expert-parallel path, the node's code).
-    Every form of experts the dropless path runs is sharded (fused gated or non-gated,
-    post-expert norm, generic gate). Raises ValueError, naming the module, its family and
-    why, for an experts module on its own stock forward (it would need every expert on
-    each rank). `attach_expert_lora` factors shard with their experts; on the generic or
-    post-norm path (or under a low-precision recipe) they are folded into this rank's
-    weights, as on one process.
     """
     from ..layers import moe_layers
 

@@ -1,19 +1,14 @@
 """Causal attention of a cp rank's two chunks against the gathered keys, block by block (CPU).
 
-Chunk j of the sequence (length C) attends to keys [0, (j+1) C): the keys before it,
-which every one of its queries sees (no mask), and its own chunk, under the square
-causal mask. Each part is one call of SDPA's CPU flash kernel, which also returns the
-rows' log-sum-exp; the two outputs are merged by their log-sum-exps (as ring attention
-does), so nothing of length (j+1) C is built for the queries (no zero-prefixed queries,
-no [C, (j+1) C] mask). Backward runs the kernel's backward on each part with the merged
-output and log-sum-exp, which gives each part's exact share of the gradients.
-
-Grouped-query attention without repeating the gathered keys: in the unmasked part the
-n_rep query heads that share a key/value head are folded into its query rows ([B, G,
-n_rep C, D]), which is exact because no row's mask depends on its position; only the
-chunk's own C keys are repeated to the query heads for the causal part.
-
-`attention.reference_attention` is the specification (tests/parallel/_checks_cp.py).
+Chunk j of the sequence (length C) attends to the keys before it (no mask) and to its own
+chunk (square causal mask): each part is one call of SDPA's CPU flash kernel, which also
+returns the rows' log-sum-exp, and the two outputs are merged by their log-sum-exps (as
+ring attention does), so nothing of length (j+1) C is built for the queries. Backward runs
+the kernel's backward on each part with the merged output and log-sum-exp, which gives
+each part's exact share of the gradients. In the unmasked part the query heads that share
+a key/value head are folded into its rows (exact: no row's mask depends on its position),
+so the gathered keys are not repeated (docs/parallel.md, "Context parallelism";
+`attention.reference_attention` is the specification).
 """
 
 # B batch, H query heads, G key/value heads, R = H / G, C chunk length, L global length,

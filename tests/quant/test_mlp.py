@@ -251,6 +251,26 @@ def test_gpt_oss_activation_is_composed_under_recipe():
     assert sqnr_db(out, ref) >= 20 and moe.experts.gate_up_proj.grad is not None
 
 
+def test_a_composed_activation_runs_the_recipe_it_is_given():
+    """quantized_grouped_mlp(recipe=r) with an activation the slot does not fuse composes
+    r's grouped GEMMs whether or not dropless.autocast is active (the composed GEMMs read
+    the active recipe: without autocast they ran at full precision)."""
+    from dropless.ops.specs import ActivationConfig
+
+    p, dy = _params()
+    gelu = ActivationConfig("gelu", gated=True)
+    args = (p["x"], COUNTS, p["prob"], p["gate_up"], p["down"])
+    kw = dict(gate_up_bias=p["b1"], down_bias=p["b2"], activation=gelu)
+    exact = grouped_mlp(*args, **kw)
+    given = quantized_grouped_mlp(*args, **kw, recipe=MXFP8BlockScaling())
+    with autocast(recipe=MXFP8BlockScaling()):
+        active = quantized_grouped_mlp(*args, **kw, recipe=MXFP8BlockScaling())
+    torch.testing.assert_close(given, active, rtol=0, atol=0)
+    assert 20 <= sqnr_db(given, exact) < 60  # quantized, not the full-precision result
+    given.backward(dy)
+    assert p["gate_up"].grad is not None
+
+
 def test_mlp_needs_a_recipe_and_matching_indices():
     p, _ = _params()
     with pytest.raises(ValueError, match="recipe"):

@@ -297,11 +297,17 @@ def test_recipe_keeps_the_composed_path():
     token = ops.set_recipe(Recipe())
     try:
         x, ids_TK, w_TK, gu, dn, _, _ = _problem()
-        ops.expert_mlp(x, ids_TK, w_TK, gu, dn)
+        out, sp = ops.expert_mlp(x, ids_TK, w_TK, gu, dn)
+        # the tokens form (sorted pairs handed in) of a recipe without a fused MLP: the
+        # rows form between a gather and a combine, as expert_mlp runs it
+        prob_S = w_TK.reshape(-1)[sp.pair_S]
+        tokens = dict(token_S=sp.token_S, slot_TK=sp.slot_TK, num_out=x.shape[0])
+        again = fused_mlp(x, prob_S, gu, dn, sp.counts, **tokens)
     finally:
         ops.reset_recipe(token)
         dispatch._RECIPE_GEMMS.pop(Recipe.kind)
-    assert len(calls) == 2  # gate/up and down went through the recipe's GEMM
+    assert len(calls) == 4  # gate/up and down went through the recipe's GEMM, twice
+    torch.testing.assert_close(again, out, rtol=0, atol=0)
 
 
 def test_path_choice_and_errors():

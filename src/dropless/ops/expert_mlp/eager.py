@@ -23,6 +23,7 @@ factors, a capacity limit, a named backend) runs outside the graph (one graph br
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -136,14 +137,16 @@ def run(
         sp = plan.sort(ids_TK, gate_up.shape[0], keep_TK, host_counts=not plan.device_counts)
         prob_S = prob_S.reshape(-1).index_select(0, sp.pair_S)
         counts = sp.counts_E if plan.device_counts else sp.counts
-        if plan.path == "recipe" and not plan.takes_tokens:
-            return unpermute(run(permute(x, sp), prob_S, gate_up, down, counts, **kw), sp), sp
         token_S, slot_TK, num_out, offsets_E = sp.token_S, sp.slot_TK, x.shape[0], sp.offsets_E
     if plan.path == "recipe" and token_S is not None:
-        # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
-        # saved activations) for backward, instead of a permuted [S, D] copy
-        tokens = dict(token_S=token_S, slot_TK=slot_TK, num_out=num_out)
-        out = plan.recipe_mlp(x, counts, prob_S, gate_up, down, **kw, **tokens)
+        if plan.takes_tokens:
+            # the recipe's MLP gathers rows itself and keeps only x_TD (plus its quantized
+            # saved activations) for backward, instead of a permuted [S, D] copy
+            tokens = dict(token_S=token_S, slot_TK=slot_TK, num_out=num_out)
+            out = plan.recipe_mlp(x, counts, prob_S, gate_up, down, **kw, **tokens)
+        else:  # the rows form between a gather and a combine
+            rows = sp or SimpleNamespace(token_S=token_S, slot_TK=slot_TK)
+            out = unpermute(run(permute(x, rows), prob_S, gate_up, down, counts, **kw), rows)
         return out if sp is None else (out, sp)
     if plan.path == "recipe":
         counts = check_counts(x, gate_up, counts)

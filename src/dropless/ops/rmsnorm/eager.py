@@ -8,9 +8,8 @@ the input's size per norm; under activation checkpointing those are what a recom
 layer holds until its backward.
 
 `rms_norm_fwd` / `rms_norm_bwd` are the raw passes (no autograd), with the signatures of
-the Triton kernel's (`rmsnorm_kernels.py`). `RMSNormFunction` is the op's one autograd
-Function: it runs whichever passes the registry picks for the device (eager code through
-`rms_norm_with`), and the custom op (`custom_op.py`) runs the same passes.
+the Triton kernel's (`rmsnorm_kernels.py`); `RMSNormFunction` runs whichever passes it is
+given.
 
 Semantics: `reference.rms_norm_reference` (torch's op): computed in fp32
 (the input's dtype where wider), weight multiplied in that precision, cast to the

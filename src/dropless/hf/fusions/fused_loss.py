@@ -4,15 +4,11 @@
     enable_fused_cross_entropy(model)
     out = model(input_ids=ids, labels=labels)   # out.loss as stock, out.logits is None
 
-With `labels`, the model's output head no longer produces the `[B, L, V]` logits: it
-computes the loss directly from the final hidden states with
-`dropless.ops.linear_cross_entropy` (chunked over tokens, never holding all fp32 logits;
-backend "auto": "fused", whose forward also computes the gradients of the hidden
-states and the head, and whose backward only scales them) and the model returns
-`logits=None`. The labels are shifted exactly like Transformers'
-`ForCausalLMLoss` (`shift_labels`, `ignore_index` and `num_items_in_batch` honoured), and
-everything the model adds to the loss afterwards (the router auxiliary loss) is left to
-the model's own code. Without `labels` the model is untouched and returns its logits.
+With `labels`, the loss comes from the final hidden states through
+`dropless.ops.linear_cross_entropy`, without the `[B, L, V]` logits, shifted exactly like
+Transformers' `ForCausalLMLoss` (`shift_labels`, `ignore_index`, `num_items_in_batch`); what
+the model adds to the loss afterwards (the router auxiliary loss) is its own code's
+(docs/hf.md, `fused_cross_entropy=True`). Without `labels` the model is untouched.
 
 How: the instance's `forward` records the labels of the call, the output head's `forward`
 (an `nn.Linear`) computes the loss where the full logits would have been computed and

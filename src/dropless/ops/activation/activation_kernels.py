@@ -8,13 +8,11 @@ side. The specification is `reference.activation_reference`; the torch
 forms are in `eager.py`. Math in fp32; `KIND` is a `tl.constexpr` string, so each
 kind compiles to its own straight-line code (no branch at run time).
 
-- `elementwise(x, KIND) -> (f(x), f'(x))` for the kinds with an elementwise f:
-  "swiglu" (silu: x * sigmoid(x)), "gelu" (exact, x * Phi(x)), "gelu_tanh" (the tanh
-  approximation) and "relu2" (relu(x)^2). A non-gated expert computes f(h).
+- `elementwise(x, KIND) -> (f(x), f'(x))` for the kinds with an elementwise f ("swiglu",
+  "gelu", "gelu_tanh", "relu2"; formulas: `specs.ACTIVATION_KINDS`). A non-gated expert
+  computes f(h).
 - `glu(gate, up, alpha, limit, KIND) -> (act, d act/d gate, d act/d up)` for every
-  gated kind: f(gate) * up for the elementwise kinds, and
-  "swiglu_clamp": silu(min(gate, limit)) * clamp(up, -limit, limit);
-  "gpt_oss": g * sigmoid(alpha * g) * (clamp(up, -limit, limit) + 1), g = min(gate, limit).
+  gated kind (f(gate) * up for the elementwise kinds, "swiglu_clamp", "gpt_oss").
   Through a clamp the gradient passes where min <= x <= max, as torch.clamp's. `act`
   excludes the routing weight. `alpha` is read by "gpt_oss", `limit` by the clamped kinds.
 - `glu_fwd(gate, up, alpha, limit, KIND) -> act` alone (the compiler drops the

@@ -15,9 +15,7 @@ rows walks the F columns in tiles, so the grad_p row sum is a fixed-order regist
 reduction (deterministic, no atomics); it can also write the recomputed activation `a`
 (the down projection's weight grad needs it), so nothing but h and p is saved.
 `activation` is any kind of `specs.KERNEL_KINDS` (a constexpr: one compiled kernel per
-kind); "gpt_oss" is the clamped GLU (gate clamped above at `limit`, up to [-limit,
-limit], gate * sigmoid(alpha * gate) * (up + 1)), whose gradient passes where the clamp
-does not bind, as torch.clamp's. Math is in fp32; outputs are in h's dtype.
+kind; formulas in `specs.ACTIVATION_KINDS`). Math is in fp32; outputs are in h's dtype.
 Semantics equal `dropless.ops.swiglu`.
 """
 
@@ -127,12 +125,8 @@ def swiglu_fwd(
     alpha: float = _GPT_OSS.alpha,
     limit: float = _GPT_OSS.limit,
 ) -> torch.Tensor:
-    """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd.
-
-    act is the gated kind `activation` of `specs.KERNEL_KINDS`: silu(gate) * up
-    ("swiglu"), or for "gpt_oss" with g = min(gate, limit), u = clamp(up, -limit,
-    limit): g * sigmoid(alpha * g) * (u + 1); see `activation_kernels.glu` for the others.
-    """
+    """a[s] = act(gate[s], up[s]) * prob[s] (prob = 1 when None); raw, no autograd. act is
+    the gated kind `activation` of `specs.KERNEL_KINDS` (`activation_kernels.glu`)."""
     h_S2F = _check(h_S2F, prob_S, activation)
     S, F = h_S2F.shape[0], h_S2F.shape[1] // 2
     a_SF = h_S2F.new_empty(S, F)

@@ -185,7 +185,7 @@ class ExpertParallelDispatcher:
         one host sync of the layer. Returns (recv_PCL, send_h, recv_h, global counts
         [E], tokens)."""
         P, C = send_PCL.shape[0], send_PCL.shape[1]
-        global_buf = self._global_counts(ids_TK, E)
+        global_buf = _global_counts(ids_TK, E, self.dp_group)
         recv_PCL = torch.empty_like(send_PCL.contiguous())
         dist.all_to_all_single(recv_PCL, send_PCL.contiguous(), group=self.ep_group)
         send_PC, recv_PC = send_PCL.sum(-1), recv_PCL.sum(-1)
@@ -194,13 +194,6 @@ class ExpertParallelDispatcher:
         send_h = [host[p * C : (p + 1) * C] for p in range(P)]
         recv_h = [host[P * C + p * C : P * C + (p + 1) * C] for p in range(P)]
         return recv_PCL, send_h, recv_h, global_buf[:E], int(host[-1])
-
-    def _global_counts(self, ids_TK, E):
-        """[E + 1]: pairs routed to each expert, then tokens, summed over the
-        data-parallel group (on the device: read with the layer's one host copy)."""
-        buf = _counts_and_tokens(ids_TK, E)
-        dist.all_reduce(buf, group=self.dp_group)
-        return buf
 
 
 class GlobalCountsDispatcher:
@@ -213,22 +206,21 @@ class GlobalCountsDispatcher:
     def __call__(self, x_TD, ids_TK, weights_TK, experts, keep_TK=None):
         out_TD, sp = experts(x_TD, ids_TK, weights_TK, keep_TK)
         E = experts.num_experts
-        buf = remember((id(self), "global_counts"), lambda: self._reduce(ids_TK, E))
+        buf = remember(
+            (id(self), "global_counts"), lambda: _global_counts(ids_TK, E, self.dp_group)
+        )
         return out_TD, sp.counts_E, buf[:E], int(buf[E])  # host sync: the token count
 
-    def _reduce(self, ids_TK, E):
-        buf = _counts_and_tokens(ids_TK, E)
-        dist.all_reduce(buf, group=self.dp_group)
-        return buf
 
-
-def _counts_and_tokens(ids_TK: torch.Tensor, E: int) -> torch.Tensor:
-    """[E + 1] int64: pairs per expert, then the token count. index_add_, not bincount:
+def _global_counts(ids_TK: torch.Tensor, E: int, group) -> torch.Tensor:
+    """[E + 1] int64: pairs per expert, then the token count, summed over the data-parallel
+    `group` on the device (read with the layer's one host copy). index_add_, not bincount:
     CUDA's bincount reads the max id on the host to size its output."""
     flat = ids_TK.reshape(-1)
     buf = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
     buf.index_add_(0, flat, torch.ones_like(flat))
     buf[E:].fill_(ids_TK.shape[0])  # `buf[E] = n` would copy a host scalar: a sync
+    dist.all_reduce(buf, group=group)
     return buf
 
 

@@ -354,37 +354,47 @@ def cached_streams(cfg, tok, cache_dir: Path, docs_fn) -> tuple[np.ndarray, np.n
     return train, held
 
 
-class WindowSampler:
-    """Sample index -> a window of L + 1 tokens of the stream (inputs and shifted targets)."""
+class ShuffledSampler:
+    """Sample index -> an item of a fresh permutation of the `num_items` items each epoch
+    (seeded by (seed, epoch)); subclasses give `batch(indices)` and `targets(indices)`."""
 
-    def __init__(self, tokens_N: np.ndarray, seq_len: int, seed: int):
-        self.tokens_N, self.seq_len, self.seed = tokens_N, seq_len, seed
-        self.num_windows = (len(tokens_N) - 1) // seq_len
-        if self.num_windows < 1:
-            raise ValueError(
-                f"the training data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; use more data or a shorter train.seq_len"
-            )
+    def __init__(self, num_items: int, seed: int):
+        self.num_windows, self.seed = num_items, seed
         self._perm_epoch, self._perm = -1, None
 
-    def _window(self, i: int) -> int:
+    def _item(self, i: int) -> int:
         epoch, j = divmod(i, self.num_windows)
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._perm_epoch = epoch
         return int(self._perm[j])
 
+    def targets(self, indices):
+        return None  # a stream's targets are its inputs shifted (the step does it)
+
+    def micro_batch(self, start, micro, rank, world, batch_size, grad_accum) -> tuple:
+        """(int64 [b, L + 1], its targets [b, L] or None): one process's micro-batch
+        (`micro_batch_indices`)."""
+        idx = micro_batch_indices(start, micro, rank, world, batch_size, grad_accum)
+        return self.batch(idx), self.targets(idx)
+
+
+class WindowSampler(ShuffledSampler):
+    """Sample index -> a window of L + 1 tokens of the stream (inputs and shifted targets)."""
+
+    def __init__(self, tokens_N: np.ndarray, seq_len: int, seed: int):
+        super().__init__((len(tokens_N) - 1) // seq_len, seed)
+        self.tokens_N, self.seq_len = tokens_N, seq_len
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the training data has {len(tokens_N)} tokens, fewer than train.seq_len + 1 = {seq_len + 1}; use more data or a shorter train.seq_len"
+            )
+
     def batch(self, indices) -> np.ndarray:
         """int64 [B, L + 1] for the given global sample indices."""
         L = self.seq_len
-        rows = [self.tokens_N[w * L : w * L + L + 1] for w in map(self._window, indices)]
+        rows = [self.tokens_N[w * L : w * L + L + 1] for w in map(self._item, indices)]
         return np.stack(rows).astype(np.int64)
-
-    def micro_batch(self, start, micro, rank, world, batch_size, grad_accum) -> tuple:
-        """(int64 [b, L + 1], None): one process's micro-batch (`micro_batch_indices`); the
-        None is where `sft.RowSampler` answers its targets."""
-        return self.batch(
-            micro_batch_indices(start, micro, rank, world, batch_size, grad_accum)
-        ), None
 
 
 def micro_batch_size(batch_size: int, world: int, grad_accum: int) -> int:

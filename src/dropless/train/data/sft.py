@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .corpus import ShuffledSampler
+
 IGNORE = -100  # cross_entropy's ignore_index: targets without loss
 FALLBACK_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -138,36 +140,20 @@ def encode_rows(
     return toks[useful], targets[useful]
 
 
-class RowSampler:
-    """Sample index -> one padded row (the interface of `data.WindowSampler`, plus targets)."""
+class RowSampler(ShuffledSampler):
+    """Sample index -> one padded row and its targets (`data.ShuffledSampler`)."""
 
     def __init__(self, toks_RL1: np.ndarray, targets_RL: np.ndarray, seed: int):
-        self.toks, self.targets, self.seed = toks_RL1, targets_RL, seed
-        self.num_windows = len(toks_RL1)
+        super().__init__(len(toks_RL1), seed)
+        self.toks, self.targets_RL = toks_RL1, targets_RL
         if self.num_windows < 1:
             raise ValueError("the supervised data has no records; point data.path at .jsonl data")
-        self._perm_epoch, self._perm = -1, None
-
-    def _row(self, i: int) -> int:
-        epoch, j = divmod(i, self.num_windows)
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[j])
 
     def batch(self, indices) -> np.ndarray:
-        return self.toks[[self._row(i) for i in indices]]
+        return self.toks[[self._item(i) for i in indices]]
 
-    def batch_targets(self, indices) -> np.ndarray:
-        return self.targets[[self._row(i) for i in indices]]
-
-    def micro_batch(self, start, micro, rank, world, batch_size, grad_accum) -> tuple:
-        """(rows [b, L + 1], targets [b, L]) of one process's micro-batch (as
-        `WindowSampler.micro_batch`)."""
-        from .corpus import micro_batch_indices
-
-        idx = micro_batch_indices(start, micro, rank, world, batch_size, grad_accum)
-        return self.batch(idx), self.batch_targets(idx)
+    def targets(self, indices) -> np.ndarray:
+        return self.targets_RL[[self._item(i) for i in indices]]
 
 
 def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:

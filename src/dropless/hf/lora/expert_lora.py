@@ -121,46 +121,18 @@ def fold_attached(w: torch.Tensor, lowrank: LowRank | None, trans_w: bool) -> to
     return w + (d if trans_w else d.transpose(1, 2))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
     """Write the factors `attach_expert_lora` gave the experts modules of `model` (gathered
     when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
     directory (adapter_config.json + adapter_model.safetensors) that
-    `PeftModel.from_pretrained(stock_model, out_dir)` loads."""
-    import peft
-    import torch.distributed as dist
-    from safetensors.torch import save_file
+    `PeftModel.from_pretrained(stock_model, out_dir)` loads: `save_lora_adapter`'s file."""
+    from ..distributed.peft_save import save_lora_adapter
 
-    layers = [x for x in moe_layers(model) if LORA_SCALE in x.experts.__dict__]
-    if not layers:
+    if not any(LORA_SCALE in x.experts.__dict__ for x in moe_layers(model)):
         raise ValueError(
             "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
         )
-    first = layers[0].experts
-    rank = first.lora_A_first.shape[1]
-    names = ("gate_up_proj" if first.has_gate else "up_proj", "down_proj")
-    config = peft.LoraConfig(
-        r=rank,
-        lora_alpha=first.__dict__[LORA_SCALE] * rank,
-        target_parameters=[
-            f"{x.name.rpartition('.')[2]}.experts.{n}" for x in layers[:1] for n in names
-        ],
-        target_modules=[],
-    )
-    where = peft_paths(model, config)
-    params = dict(model.named_parameters())
-    state = {}
-    for name, (key, kind, _) in expert_factor_keys(model, where).items():
-        state[key] = factor_to_peft(kind, _full(params[name]).detach()).contiguous().cpu()
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        return
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(out)
-    save_file(state, out / "adapter_model.safetensors")
+    save_lora_adapter(model, out_dir)
 
 
 def expert_factor_keys(model: nn.Module, where: dict) -> dict[str, tuple[str, str, int]]:

@@ -170,13 +170,13 @@ def test_an_e2e_peer_child_that_fails_costs_its_row_only(monkeypatch, capsys):
     monkeypatch.setattr(e2e, "run_child", child)
     args = SimpleNamespace(rounds=2, steps=1, optimizer="fused", eager_rounds=None, threads=None)
     failed: dict = {}
-    out = e2e._timing_rounds(args, ["dropless", "cce"], e2e.QUICK, "cpu", failed)
+    out = e2e.timing_rounds(args, ["dropless", "cce"], e2e.QUICK, "cpu", failed)
     assert list(out) == ["dropless"] and len(out["dropless"]) == 2
     assert failed == {"cce": "ValueError: cce needs triton"}
     assert capsys.readouterr().out.count("cce: failed") == 1  # not retried in round 2
     with pytest.raises(RuntimeError, match="cce needs triton"):  # a dropless row's failure
         monkeypatch.setattr(e2e, "run_child", lambda *a, **k: child("m", {"impl": "cce"}))
-        e2e._timing_rounds(args, ["dropless"], e2e.QUICK, "cpu", {})
+        e2e.timing_rounds(args, ["dropless"], e2e.QUICK, "cpu", {})
 
 
 def test_e2e_with_only_peer_rows_that_cannot_run_is_refused(capsys):

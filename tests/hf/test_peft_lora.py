@@ -253,7 +253,7 @@ def test_expert_owned_factors_save_as_a_peft_adapter(tmp_path):
     ids = _ids()
     with torch.no_grad():
         want = model(ids).logits
-    el.save_expert_lora_as_peft(model, tmp_path / "adapter")
+    dh.save_expert_lora_as_peft(model, tmp_path / "adapter")
     dh.unpatch()
     stock = build("qwen3_moe", "eager").double()
     loaded = peft.PeftModel.from_pretrained(stock, tmp_path / "adapter")

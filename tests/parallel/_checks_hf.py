@@ -144,7 +144,7 @@ def hf_ep_lora_equals_single(rank, world):
 
     from safetensors.torch import load_file
 
-    from dropless.hf.lora.expert_lora import save_expert_lora_as_peft
+    from dropless.hf import save_expert_lora_as_peft
 
     box = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)  # one directory on this machine for every rank

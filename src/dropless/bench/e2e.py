@@ -325,7 +325,7 @@ def _common(args, shape: dict, device: str) -> dict:
     }
 
 
-def _timing_rounds(
+def timing_rounds(
     args, impls, shape, device="cpu", failed=None, module="dropless.bench.e2e"
 ) -> dict[str, list[dict]]:
     """Timing children only (default allocator), the order rotated every round. A peer
@@ -361,7 +361,7 @@ def _timing_rounds(
     return {i: outs for i, outs in results.items() if i not in failed}
 
 
-def _memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, dict]:
+def memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, dict]:
     """One memory child per implementation (mallopt inside it), separate from timing."""
     out = {}
     for impl in impls:
@@ -372,7 +372,7 @@ def _memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, d
     return out
 
 
-def _rows(results: dict, memory: dict, shape: dict) -> dict:
+def table_rows(results: dict, memory: dict, shape: dict) -> dict:
     """Each row's speed over its rounds (each a timing child's result): median tokens/s
     and step time, tokens/s of the best step, the first loss, every round's tokens/s; and
     its memory (`memory`: the memory child's, or on CUDA the timing child's)."""
@@ -412,15 +412,15 @@ def run(args) -> int:
         raise ValueError(f"--impls: no row can run here ({peer_status}); add a dropless row")
     shape = QUICK if args.quick else SHAPES[args.shape]
     failed: dict[str, str] = {}
-    results = _timing_rounds(args, impls, shape, device, failed)
+    results = timing_rounds(args, impls, shape, device, failed)
     for impl, err in failed.items():
         peer_status[impl] |= {"ok": False, "status": f"failed: {err}"}
     impls = [i for i in impls if i not in failed]
     if device == "cuda":  # measured by the timing children (the last round's)
         memory = {} if args.no_memory else {i: o[-1] for i, o in results.items()}
     else:
-        memory = {} if args.no_memory else _memory_runs(args, impls, shape)
-    rows = _rows(results, memory, shape)
+        memory = {} if args.no_memory else memory_runs(args, impls, shape)
+    rows = table_rows(results, memory, shape)
     for impl, st in peer_status.items():
         if impl in rows:
             rows[impl]["peer"] = st

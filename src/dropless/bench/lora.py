@@ -125,9 +125,9 @@ def run(args) -> int:
     impls = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.quick else SHAPE
-    results = e2e._timing_rounds(args, impls, shape, module="dropless.bench.lora")
-    memory = {} if args.no_memory else e2e._memory_runs(args, impls, shape, "dropless.bench.lora")
-    rows = e2e._rows(results, memory, shape)
+    results = e2e.timing_rounds(args, impls, shape, module="dropless.bench.lora")
+    memory = {} if args.no_memory else e2e.memory_runs(args, impls, shape, "dropless.bench.lora")
+    rows = e2e.table_rows(results, memory, shape)
     lora = [rows[i]["first_loss"] for i in ("peft", "peft_dropless") if i in rows]
     if len(lora) == 2 and abs(lora[0] - lora[1]) > 1e-3 * abs(lora[0]):
         print(f"WARNING: first-step losses of the LoRA rows differ: {lora}")

@@ -20,7 +20,7 @@ trainer shares) is imported from its own module.
 
 from .distributed.expert_parallel import shard_hf_experts
 from .distributed.parallelize import parallel_mesh, parallelize
-from .distributed.peft_save import save_lora_adapter
+from .distributed.peft_save import save_expert_lora_as_peft, save_lora_adapter
 from .distributed.sharded_load import load_sharded_hf
 from .distributed.trainer_checkpoint import trainer_checkpoints
 from .experts.forward import (
@@ -36,7 +36,6 @@ from .lora.expert_lora import (
     experts_to_peft,
     load_peft_into_experts,
     peft_to_experts,
-    save_expert_lora_as_peft,
 )
 from .lora.peft_lora import DroplessLoRAFallbackWarning
 from .patching.patch import patch, patch_model, report, unpatch, unpatch_model

@@ -137,3 +137,18 @@ def route_peft_save(model: nn.Module) -> None:
     through `save_lora_adapter`."""
     if hasattr(model, "peft_config") and hasattr(model, "get_base_model"):
         model.save_pretrained = types.MethodType(_gathered_save_pretrained, model)
+
+
+def save_expert_lora_as_peft(model: nn.Module, out_dir) -> Path:
+    """Write the factors `attach_expert_lora` gave the experts modules of `model` (gathered
+    when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
+    directory (adapter_config.json + adapter_model.safetensors) that
+    `PeftModel.from_pretrained(stock_model, out_dir)` loads: `save_lora_adapter`'s file."""
+    from ..layers import moe_layers
+    from ..lora.expert_lora import LORA_SCALE
+
+    if not any(LORA_SCALE in x.experts.__dict__ for x in moe_layers(model)):
+        raise ValueError(
+            "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
+        )
+    return save_lora_adapter(model, out_dir)

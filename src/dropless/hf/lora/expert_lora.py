@@ -5,7 +5,7 @@ varies fastest). Under `dropless.hf.shard_hf_experts` the factors live instead a
 parameters of the experts module, A [E, r, in] and B [E, out, r] (`attach_expert_lora`),
 sharded with the experts (Shard(0) over "ep"); the dropless experts forward runs them as
 `LowRank` updates (`attached_lowrank`). They are converted to and from PEFT's layout on
-save (`save_expert_lora_as_peft`, a directory `PeftModel.from_pretrained` loads) and load
+save (`hf.save_expert_lora_as_peft`, a directory `PeftModel.from_pretrained` loads) and load
 (`load_peft_into_experts`). PEFT's own adapters on a single process are `dropless.hf.lora.peft_lora`.
 """
 
@@ -119,20 +119,6 @@ def fold_attached(w: torch.Tensor, lowrank: LowRank | None, trans_w: bool) -> to
         return w
     d = lowrank.delta().to(w.dtype)
     return w + (d if trans_w else d.transpose(1, 2))
-
-
-def save_expert_lora_as_peft(model: nn.Module, out_dir) -> None:
-    """Write the factors `attach_expert_lora` gave the experts modules of `model` (gathered
-    when sharded over ep; every rank calls this, rank 0 writes) as a PEFT adapter
-    directory (adapter_config.json + adapter_model.safetensors) that
-    `PeftModel.from_pretrained(stock_model, out_dir)` loads: `save_lora_adapter`'s file."""
-    from ..distributed.peft_save import save_lora_adapter
-
-    if not any(LORA_SCALE in x.experts.__dict__ for x in moe_layers(model)):
-        raise ValueError(
-            "save_expert_lora_as_peft: no experts module carries attach_expert_lora factors"
-        )
-    save_lora_adapter(model, out_dir)
 
 
 def expert_factor_keys(model: nn.Module, where: dict) -> dict[str, tuple[str, str, int]]:

@@ -151,14 +151,8 @@ def run(
     if plan.path == "recipe":
         counts = check_counts(x, gate_up, counts)
         return (plan.recipe_mlp or composed_mlp)(x, counts, prob_S, gate_up, down, **kw)
-    if token_S is None and plan.device_counts and isinstance(counts, torch.Tensor):
-        if counts.dim() != 1 or counts.numel() != gate_up.shape[0] or counts.is_floating_point():
-            raise ValueError(
-                f"counts must be a 1-D integer tensor with one entry per expert "
-                f"({gate_up.shape[0]}), got {counts.dtype} of shape {tuple(counts.shape)}"
-            )
-    elif token_S is None:
-        counts = check_counts(x, gate_up, counts)
+    if token_S is None:
+        counts = _rows_counts(x, gate_up, counts, plan.device_counts)
     prob_S = None if prob_S is None else prob_S.to(x.dtype)
     b1, b2 = kw["gate_up_bias"], kw["down_bias"]
     sv = Saved(x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, act, trans_w, offsets_E)
@@ -167,6 +161,19 @@ def run(
         sv.lora, sv.lora_scales = extra[:4], extra[4:]
     out = engine.routed_mlp(plan, sv, num_out)
     return out if sp is None else (out, sp)
+
+
+def _rows_counts(x, gate_up, counts, device_counts: bool):
+    """The rows form's counts, checked; on a device-counts plan a tensor stays one (no
+    host sync)."""
+    if not (device_counts and isinstance(counts, torch.Tensor)):
+        return check_counts(x, gate_up, counts)
+    if counts.dim() != 1 or counts.numel() != gate_up.shape[0] or counts.is_floating_point():
+        raise ValueError(
+            f"counts must be a 1-D integer tensor with one entry per expert "
+            f"({gate_up.shape[0]}), got {counts.dtype} of shape {tuple(counts.shape)}"
+        )
+    return counts
 
 
 def _checked_lora(lora, gate_up, down, trans_w) -> tuple:

@@ -24,6 +24,10 @@ SECTIONS = {
         "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1 --record",
         "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1 --record",
     ],
+    "e2e_compile": [
+        "dropless bench e2e --impls grouped_mm,dropless --compile --rounds 5 --steps 5 "
+        "--no-memory --no-history --section benchmarks/sections/e2e_compile.md"
+    ],
     "lora": ["dropless bench lora --rounds 3 --steps 2 --record"],
     "memory": ["dropless bench memory --seq-len 8192 32768 --record"],
     "fp8": ["dropless bench fp8 --record"],

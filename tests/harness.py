@@ -171,6 +171,12 @@ def _group_entry(rank, world, port, module, names, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+    # a gloo worker thread may still be dropping a finished collective's work and its
+    # tensors, which takes the GIL: during interpreter shutdown that aborts the process
+    # (std::terminate in ProcessGroupGloo::runLoop, seen after broadcast_object_list);
+    # the results are written, so the process leaves without that shutdown
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def run_group(world: int, module: str, names: list[str]) -> dict[str, str]:

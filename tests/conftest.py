@@ -83,8 +83,8 @@ def _stock_transformers_after_each_test():
 BUDGETS = {
     "ops+nn": 25,
     "triton": 75,  # one interpreted-Triton child per folder
-    "hf": 120,  # ~75 s of it: the compile check of every family and the exports (test_compile_like_stock)
-    "parallel": 340,  # gloo process groups of 2 and 4 processes, torchrun runs
+    "hf": 130,  # target 120; 142-167 s in the suite (~60% of it the compile checks, exports)
+    "parallel": 330,  # gloo process groups of 2 and 4 processes, torchrun runs
     "quant": 55,
     "train": 245,  # ~35 s of it: the plan calibration on two gloo processes
     "faults": 155,  # the checkpoint-integrity, run-lock and run-file fault tests

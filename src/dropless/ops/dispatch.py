@@ -8,6 +8,7 @@ carries its quantized GEMM and MLP as methods.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -60,6 +61,17 @@ def reset_recipe(token: contextvars.Token) -> None:
     """Restore the recipe active before `set_recipe` returned `token`."""
     _ACTIVE_RECIPE.reset(token)
     _COMPILED_RECIPE[0] = _ACTIVE_RECIPE.get()
+
+
+@contextlib.contextmanager
+def recipe_active(recipe):
+    """`recipe` the active one inside the block (None: full precision), the one before it
+    again after (`dropless.autocast` is this with its checks)."""
+    token = set_recipe(recipe)
+    try:
+        yield
+    finally:
+        reset_recipe(token)
 
 
 def register_recipe_gemm(kind: str, fn: Callable) -> None:

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from ..ops.activation.eager import act_forward
-from ..ops.dispatch import reset_recipe, set_recipe
+from ..ops.dispatch import recipe_active
 from ..ops.expert_mlp.eager import composed_mlp
 from ..ops.expert_mlp.engine import add_bias, routed_mlp
 from ..ops.expert_mlp.plan import RecipeMLP, Saved, Schedule
@@ -335,11 +335,8 @@ def quantized_grouped_mlp(
         x_SD = x if token_S is None else permute(x, sp)
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         kw = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, trans_w=trans_w, activation=act)
-        token = set_recipe(recipe)  # its grouped GEMMs read the active recipe: this one
-        try:
+        with recipe_active(recipe):  # its grouped GEMMs read the active recipe: this one
             y = composed_mlp(x_SD, counts, prob_S, gate_up, down, **kw)
-        finally:
-            reset_recipe(token)
         return y if token_S is None else unpermute(y, sp)
     b1, b2, tw = gate_up_bias, down_bias, bool(trans_w)
     sv = Saved(x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, act, tw)

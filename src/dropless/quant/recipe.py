@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops.dispatch import get_recipe, reset_recipe, set_recipe
+from ..ops.dispatch import get_recipe, recipe_active
 from .formats import SCALE_RULES
 from .gemm import quantized_grouped_gemm
 from .mlp import quantized_grouped_mlp
@@ -184,11 +184,8 @@ def autocast(enabled: bool = True, recipe=None):
         raise TypeError(
             f"recipe must be a dropless recipe (DelayedScaling, ...), got {type(recipe).__name__}"
         )
-    token = set_recipe(recipe if enabled else None)
-    try:
+    with recipe_active(recipe if enabled else None):
         yield recipe if enabled else None
-    finally:
-        reset_recipe(token)
 
 
 def active_recipe():

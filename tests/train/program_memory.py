@@ -18,8 +18,11 @@ before and after the op). Tensors that first appear inside `Work.wait` are gloo'
 scratch: only Python references to them count. Before each op, a recorded storage whose
 remaining references are only those of the Work and of this record is taken off the
 tracker's count, and its later real free is not counted again. A reference the Work
-takes only when it completes (gloo's all-reduce and all-gather inputs) looks like the
-program's, so such a tensor counts until its Work is gone, as in the plain tracker.
+takes only when it completes (the future's on gloo's all-reduce input and all-to-all
+output) is counted as the Work's when `Work.wait` follows the op with nothing in between
+(every blocking collective, as expert parallelism's dispatch): the counts are taken
+again around that wait. Otherwise such a tensor counts until its Work is gone, as in the
+plain tracker.
 """
 
 from __future__ import annotations
@@ -48,9 +51,19 @@ class _Recorded:
         if before is None:
             self.work_refs = [(_ANY, _ANY)] * len(tensors)
         else:
-            self.work_refs = [
-                (t._use_count() - b[0], _storage_refs(t) - b[1]) for t, b in zip(tensors, before)
-            ]
+            self.work_refs = self._gained(before)
+
+    def counts(self) -> list[tuple[int, int]]:
+        return [(t._use_count(), _storage_refs(t)) for t in self.tensors]
+
+    def _gained(self, before: list) -> list[tuple[int, int]]:
+        return [(n - b[0], s - b[1]) for (n, s), b in zip(self.counts(), before)]
+
+    def add_work_refs(self, before: dict) -> None:
+        """Count as the Work's what each tensor gained since `before` ({id: counts} when its
+        Work's wait began)."""
+        gained = self._gained([before[id(t)] for t in self.tensors])
+        self.work_refs = [(w[0] + g[0], w[1] + g[1]) for w, g in zip(self.work_refs, gained)]
 
 
 class ProgramMemTracker(FSDPMemTracker):
@@ -61,6 +74,7 @@ class ProgramMemTracker(FSDPMemTracker):
         super().__init__(*args, **kwargs)
         self._recorded: list[_Recorded] = []
         self._waiting = 0
+        self._last_op: _Recorded | None = None  # the collective just run, if nothing ran since
 
     def __enter__(self):
         from torch.distributed.distributed_c10d import Work
@@ -68,11 +82,16 @@ class ProgramMemTracker(FSDPMemTracker):
         self._work_wait = Work.wait
 
         def wait(work, *args, **kwargs):
+            op, self._last_op = self._last_op, None
+            if op is not None:
+                before = dict(zip(map(id, op.tensors), op.counts()))
             self._waiting += 1
             try:
                 return self._work_wait(work, *args, **kwargs)
             finally:
                 self._waiting -= 1
+                if op is not None:  # its Work, now complete, holds all it will
+                    op.add_work_refs(before)
 
         Work.wait = wait
         return super().__enter__()
@@ -132,6 +151,7 @@ class ProgramMemTracker(FSDPMemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self._count_let_go()
         if func.namespace != "c10d" and not self._waiting:
+            self._last_op = None
             return super().__torch_dispatch__(func, types, args, kwargs)
         leaves = [t for t in tree_leaves((args, kwargs)) if type(t) is torch.Tensor]
         if func.namespace == "c10d":
@@ -139,7 +159,8 @@ class ProgramMemTracker(FSDPMemTracker):
             before = [(t._use_count(), _storage_refs(t)) for t in tensors]
             res = super().__torch_dispatch__(func, types, args, kwargs)
             if any(isinstance(w, torch.ScriptObject) for w in tree_leaves(res)):
-                self._recorded.append(_Recorded(tensors, before))
+                self._last_op = _Recorded(tensors, before)
+                self._recorded.append(self._last_op)
             return res
         # inside Work.wait: a storage not seen before is gloo's scratch
         new = [t for t in leaves if t.untyped_storage() not in self._WINFO]

@@ -27,6 +27,7 @@ pytest.importorskip("transformers")
 from dropless.train.config.load import load_config  # noqa: E402
 from dropless.train.data.corpus import micro_batch_size  # noqa: E402
 from dropless.train.plan import trace as P  # noqa: E402
+from harness import run_group  # noqa: E402
 
 
 def _peak_bytes(tracker, run) -> int:
@@ -284,5 +285,16 @@ def test_a_collective_tensor_counts_as_freed_when_the_program_lets_go(tmp_path):
 
         assert peak(FSDPMemTracker) == 4 * 4 * n  # x, out and the new 2n
         assert peak(ProgramMemTracker) == 3 * 4 * n  # out and the new 2n
+
     finally:
         dist.destroy_process_group()
+
+
+def test_a_collective_completed_late_counts_as_freed_when_the_program_lets_go():
+    """The reference gloo's Work takes when an all-to-all completes is the Work's, not the
+    program's, when the collective completes after its op returned (rank 1 joins it late):
+    two gloo processes (`_checks_program_memory`)."""
+    from _checks_program_memory import CHECKS
+
+    results = run_group(2, "_checks_program_memory", CHECKS)
+    assert all(v == "ok" for v in results.values()), results

@@ -64,6 +64,24 @@ def test_loss_and_grads_equal_stock(backend):
     torch.testing.assert_close(fused[0].aux_loss, stock[2][0].aux_loss)
 
 
+def test_on_loss_is_called_with_each_cross_entropy():
+    model = build("qwen3_moe")
+    ids, labels = _batch(seed=3)
+    kw = dict(input_ids=ids, labels=labels, output_router_logits=False)
+    with torch.no_grad():
+        stock = model(**kw).loss
+        seen = []
+        enable_fused_cross_entropy(model, on_loss=seen.append)
+        model(**kw)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], stock, rtol=1e-5, atol=1e-6)
+    later = []
+    enable_fused_cross_entropy(model, on_loss=later.append)  # enabled: sets the callback
+    with torch.no_grad():
+        model(**kw)
+    assert len(seen) == 1 and len(later) == 1
+
+
 def test_without_labels_tuple_output_and_disable():
     model = build("qwen3_moe")
     ids, labels = _batch(seed=2)

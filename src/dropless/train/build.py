@@ -12,16 +12,20 @@ state (fresh or resumed), the step, the evaluation and the log.
 from __future__ import annotations
 
 import functools
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .checkpoint import store as ckpt
 from .checkpoint.async_save import CheckpointSaver
 from .checkpoint.resume import check_run_dir, latest_run
 from .config.load import Config, dump_config
-from .data.corpus import micro_batch_size
+from .data.corpus import RunData, micro_batch_size, text_data
+from .data.tokenizer import build_tokenizer
 from .data.tokenizer import resolve as resolve_tokenizer
 from .evaluation import Evaluator
 from .model.build import build_training_model
@@ -35,7 +39,7 @@ from .run.hooks import TrainHooks
 from .run.lazy import hf
 from .run.rundir import claim, discard_new_run, new_run_dir
 from .run.setup import Env, broadcast, on_rank0, rank0_only
-from .state import TrainState, optimizer_and_schedule, prepare_data
+from .state import TrainState, optimizer_and_schedule
 from .step import StepParts, StepRunner
 
 
@@ -85,6 +89,47 @@ def resolve_run_dir(run_dir: str | None, resume: bool, env: Env) -> Path:
     return Path(run_dir)
 
 
+def seed_host_rngs(seed: int) -> None:
+    """Seed Python's `random` and NumPy's global RNG from `seed` (any int in [0, 2**63)),
+    as torch's is seeded: with the states a checkpoint saves and restores, a resumed run's
+    equal an uninterrupted one's."""
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+
+
+def rank0_first(fn, env: Env):
+    """`fn()` on rank 0, then (once it succeeded) on the other ranks, which read the cache
+    it filled. The wait is a collective bounded by parallel.timeout_s."""
+    result = rank0_only(fn, env)
+    return result if env.main else fn()
+
+
+def prepare_data(cfg, run_dir: Path, env) -> RunData:
+    """The run's data, prepared on rank 0 first, then on the other ranks (which read the
+    tokenizer and token streams rank 0 cached in the run directory): text through
+    `corpus.text_data`, supervised records (messages, prompt/completion) as padded rows
+    (`data/sft.py`)."""
+    from .data.sft import prepare_sft, sft_kind
+
+    kind = sft_kind(cfg.data.path) if cfg.data.path else None
+    if kind is None:
+        return rank0_first(functools.partial(text_data, cfg, run_dir, env.main), env)
+
+    def make_tokenizer(texts):
+        return rank0_first(
+            lambda: build_tokenizer(
+                cfg.data.tokenizer, run_dir / "tokenizer", lambda: texts, cfg.data.bpe_vocab_size
+            ),
+            env,
+        )
+
+    d = prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
+    return RunData(
+        tokenizer=d.tok, sampler=d.sampler, eval_BL1=d.eval_rows, eval_bytes=d.eval_bytes,
+        unigram_bpb=d.unigram_bpb, train_tokens=d.train_tokens, eval_targets=d.eval_targets,
+    )  # fmt: skip
+
+
 def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, beat):
     """-> (RunParts, the run directory's claim, to release when the run ends). The folder
     is locked first, then checked (rank 0; every rank gets the verdict): no other run changes
@@ -117,7 +162,8 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     hf_config = preflight(cfg, env, run_dir, vocab)
     t_start, cpu_start, tc = time.perf_counter(), time.process_time(), cfg.train
     # torch's RNG is seeded where the model is built; a resume restores all three
-    ckpt.seed_host_rngs(tc.seed)
+    seed_host_rngs(tc.seed)
+    ckpt.remove_partial(run_dir)  # leftovers of a write this run's folder saw interrupted
     beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
     data = prepare_data(cfg, run_dir, env)
     beat.doing("building the model" + (f" from {cfg.model.path}" if cfg.model.path else ""))

@@ -1,21 +1,13 @@
 """What a run holds besides the model: its position (`TrainState`, saved in every
-checkpoint), its data (`RunData`), the optimizer and the learning-rate schedule."""
-
-# B sequences, L sequence length, N tokens
+checkpoint), the optimizer and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-from .data.corpus import RunData, text_data
-from .data.tokenizer import build_tokenizer
-from .run.setup import rank0_first
 
 
 @dataclass
@@ -39,32 +31,6 @@ class TrainState:
     def from_dict(cls, d: dict) -> TrainState:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
-
-
-def prepare_data(cfg, run_dir: Path, env) -> RunData:
-    """The run's data, prepared on rank 0 first, then on the other ranks (which read the
-    tokenizer and token streams rank 0 cached in the run directory): text through
-    `corpus.text_data`, supervised records (messages, prompt/completion) as padded rows
-    (`data/sft.py`)."""
-    from .data.sft import prepare_sft, sft_kind
-
-    kind = sft_kind(cfg.data.path) if cfg.data.path else None
-    if kind is None:
-        return rank0_first(functools.partial(text_data, cfg, run_dir, env.main), env)
-
-    def make_tokenizer(texts):
-        return rank0_first(
-            lambda: build_tokenizer(
-                cfg.data.tokenizer, run_dir / "tokenizer", lambda: texts, cfg.data.bpe_vocab_size
-            ),
-            env,
-        )
-
-    d = prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
-    return RunData(
-        tokenizer=d.tok, sampler=d.sampler, eval_BL1=d.eval_rows, eval_bytes=d.eval_bytes,
-        unigram_bpb=d.unigram_bpb, train_tokens=d.train_tokens, eval_targets=d.eval_targets,
-    )  # fmt: skip
 
 
 def lr_factor(step: int, total: int, ocfg) -> float:
@@ -141,11 +107,9 @@ def optimizer_and_schedule(params: list[torch.nn.Parameter], ocfg, total: int) -
 
 
 __all__ = [
-    "RunData",
     "adamw_kernel",
     "TrainState",
     "build_optimizer",
     "lr_factor",
     "optimizer_and_schedule",
-    "prepare_data",
 ]

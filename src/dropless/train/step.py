@@ -44,20 +44,13 @@ def fuse_cross_entropy(model) -> list:
     (read there: `out.loss` may include an aux loss the family adds)."""
     from ..hf.fusions.fused_loss import enable_fused_cross_entropy
 
+    seen = []
     try:
-        enable_fused_cross_entropy(model)
+        enable_fused_cross_entropy(model, on_loss=seen.append)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"train.fused_cross_entropy=true: {e}; set train.fused_cross_entropy=false"
         ) from None
-    fused_loss, seen = model.loss_function, []
-
-    def loss_function(*args, **kwargs):
-        loss = fused_loss(*args, **kwargs)
-        seen.append(loss)
-        return loss
-
-    model.loss_function = loss_function
     return seen
 
 

@@ -89,7 +89,6 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, env, total = self.cfg, self.env, self.cfg.train.steps
-        ckpt.remove_partial(self.run_dir)
         self.progress = self.log.progress
         if self.state.step == 0:
             self.beat.doing("evaluating the held-out set before step 1")

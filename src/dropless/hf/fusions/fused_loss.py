@@ -49,6 +49,7 @@ class _State:
     call: dict | None = None  # labels and loss kwargs of the call in flight
     stand_in: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    on_loss: Any = None  # called with each loss `loss_function` returns
     sig: inspect.Signature | None = field(default=None, repr=False)
 
 
@@ -58,16 +59,21 @@ def is_fused_cross_entropy_enabled(model: nn.Module) -> bool:
 
 
 def enable_fused_cross_entropy(
-    model: nn.Module, *, chunk_size: int | None = None, backend: str = "auto"
+    model: nn.Module, *, chunk_size: int | None = None, backend: str = "auto", on_loss=None
 ) -> nn.Module:
     """Make this causal-LM instance compute its loss without materializing the logits.
 
     Given `labels`, the model returns the same loss (and gradients) as stock with
     `logits=None`; without labels it is unchanged. `chunk_size` and `backend` are passed to
-    `dropless.ops.linear_cross_entropy`. Idempotent; returns the model. Raises ValueError
-    for a model whose loss is not Transformers' causal-LM loss on its head's logits.
+    `dropless.ops.linear_cross_entropy`. `on_loss(loss)` is called with each cross-entropy
+    the model's loss function computes (`out.loss` may add what the family adds, such as a
+    router auxiliary loss). Idempotent (a second call sets `on_loss`); returns the model.
+    Raises ValueError for a model whose loss is not Transformers' causal-LM loss on its
+    head's logits.
     """
     if is_fused_cross_entropy_enabled(model):
+        if on_loss is not None:
+            vars(model)[_STATE_ATTR].on_loss = on_loss
         return model
     head = _check_model(model)
     state = _State(
@@ -75,6 +81,7 @@ def enable_fused_cross_entropy(
         stock_loss_fn=model.loss_function,
         chunk_size=chunk_size,
         backend=backend,
+        on_loss=on_loss,
         # the class's signature: an instance-level wrapper may take (*args, **kwargs)
         sig=inspect.signature(type(model).forward),
         own_forwards=(vars(model).get("forward"), vars(head).get("forward")),
@@ -128,14 +135,18 @@ def _loss_function(model: nn.Module, state: _State):
 
     def loss_function(logits, labels, vocab_size, **kwargs):
         if state.stand_in is None:
-            return state.stock_loss_fn(logits, labels, vocab_size, **kwargs)
-        if not _from_stand_in(logits, state.stand_in, getattr(model, "config", None)):
+            loss = state.stock_loss_fn(logits, labels, vocab_size, **kwargs)
+        elif not _from_stand_in(logits, state.stand_in, getattr(model, "config", None)):
             raise ValueError(
                 f"{type(model).__name__} transforms its logits between the output head and "
                 "the loss, which the fused cross-entropy cannot reproduce; call "
                 "disable_fused_cross_entropy(model)"
             )
-        return state.loss
+        else:
+            loss = state.loss
+        if state.on_loss is not None:
+            state.on_loss(loss)
+        return loss
 
     return loss_function
 

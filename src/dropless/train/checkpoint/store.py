@@ -92,14 +92,6 @@ def write_synced(path: Path, data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def seed_host_rngs(seed: int) -> None:
-    """Seed Python's `random` and NumPy's global RNG from `seed` (any int in [0, 2**63)),
-    as torch's is seeded: with the states a checkpoint saves and restores, a resumed run's
-    equal an uninterrupted one's."""
-    random.seed(seed)
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-
-
 def _rng_tensors() -> tuple[dict, dict]:
     """This process's RNG states as tensors and JSON strings (for safetensors, no pickle)."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -457,6 +449,6 @@ __all__ = [
     "DIRNAME", "MANIFEST", "SaveJob", "SaveRequest", "begin_save", "build_manifest", "commit_save",
     "damaged_checkpoints", "default_file_mode", "hold", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "pick_checkpoint", "read_trainer_state", "release", "remove_partial",
-    "save_checkpoint", "seed_host_rngs", "shard_digests", "shard_error", "step_dir",
+    "save_checkpoint", "shard_digests", "shard_error", "step_dir",
     "verify_checkpoint", "write_synced",
 ]  # fmt: skip

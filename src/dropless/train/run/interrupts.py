@@ -7,17 +7,19 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+@dataclass
 class StopRequests:
-    """While active, records the first SIGINT/SIGTERM in `signum` instead of dying."""
+    """While active, records the first SIGINT/SIGTERM in `signum` instead of dying
+    (`announce`: says so on stderr)."""
 
-    def __init__(self, announce: bool = True):
-        self.signum: int | None = None
-        self.announce = announce
-        self._previous: dict = {}
+    announce: bool = True
+    signum: int | None = field(default=None, init=False)
+    _previous: dict = field(default_factory=dict, init=False, repr=False)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:

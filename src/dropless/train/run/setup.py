@@ -133,10 +133,3 @@ def rank0_only(fn, env: Env):
 def on_rank0(fn, env: Env):
     """`fn()` on rank 0, its result on every rank (see `rank0_only`)."""
     return broadcast(rank0_only(fn, env), env)
-
-
-def rank0_first(fn, env: Env):
-    """`fn()` on rank 0, then (once it succeeded) on the other ranks, which read the cache
-    it filled. The wait is a collective bounded by parallel.timeout_s."""
-    result = rank0_only(fn, env)
-    return result if env.main else fn()

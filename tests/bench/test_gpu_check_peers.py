@@ -87,7 +87,7 @@ def test_carried_wheels_are_installed_for_the_children(tmp_path):
 
 
 def test_gpu_report_renders_peers_rate_and_kernel_tables():
-    from tools.gpu_check import report
+    from tools import gpu_report as report
 
     kernels = {"what": "CUDA kernels, device time", "total_ms": 9.5, "rows": [
         {"name": "nvjet_tst_128x256|x", "calls": 6, "total_ms": 6.2, "share": 0.653}]}  # fmt: skip

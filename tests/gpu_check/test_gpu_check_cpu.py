@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from tools.gpu_check import report
+from tools import gpu_report as report
 from tools.gpu_check import run as gpu_run
 from tools.gpu_check import train as gpu_train
 

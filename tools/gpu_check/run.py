@@ -1,9 +1,6 @@
 """One command for the day a GPU is lent: `pytest -m gpu`, then the timed tables.
 
-    python -m tools.gpu_check           # on the GPU machine, in the checkout
-    python scripts/gpu_check.py         # the same where nothing is installed
-    python -m tools.gpu_check --cpu     # the smoke: the same steps on CPU, tiny
-    python -m tools.gpu_check --only timing,e2e
+    python scripts/gpu_check.py [--cpu] [--only timing,e2e]   # --cpu: the smoke, tiny shapes
 
 The steps (`STEPS`), each a child process: `pytest` (`pytest -m gpu`), `timing` (the
 layer table of `dropless bench layer` and the JAX row), `e2e` (the step table of
@@ -26,9 +23,9 @@ import time
 from pathlib import Path
 
 from dropless.bench.child import run_child_process
-from tools.gpu_check import CHECKOUT, report
+from tools import gpu_report
+from tools.gpu_check import CHECKOUT as ROOT
 
-ROOT = CHECKOUT
 # (step, rough seconds on a GPU machine including the child's start-up; not yet measured for
 # the routing, gathered-GEMM and FP8 kernel checks and the peer rows: each compiles its kernels)
 STEPS = [("pytest", 150), ("timing", 90), ("e2e", 100), ("train", 200)]
@@ -174,10 +171,7 @@ def layer_table(record: dict) -> dict:
     uniform = [(r["impl"], r) for r in f["rows"] if r["routing"] == "uniform"]
     dims = dict(f["dims"])
     dtype = {"bfloat16": "bf16", "float32": "fp32"}.get(dims.pop("dtype"), "?")
-    bound = (
-        "bench/layer.py's dense bound: exactly the six GEMMs with M = T*K rows as dense "
-        "torch.mm (input grad included), no routing, gather, SwiGLU or combine"
-    )
+    bound = "bench/layer.py's: the six GEMMs, M = T*K rows, as dense torch.mm (input grad too)"
     rates = {k: dict(n=v["n"], tflops=round_or_none(v["tflops"]), how=v["how"])
              for k, v in f.get("matmul", {}).items()}  # fmt: skip
     return dict(shape=dims | {"T": f["rows"][0]["T"]}, dtype=dtype, bound=bound, matmul=rates) | (
@@ -241,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="the smoke: CPU, tiny shapes")
     ap.add_argument("--budget", type=float, default=440.0, help="seconds for all steps")
     ap.add_argument("--only", default="", help=f"comma-separated steps of {NAMES}")
-    ap.add_argument(
-        "--peers", type=Path, default=PEERS_DIR,
-        help="folder of the peers' wheels to install for the bench rows (default ./peers)",
-    )  # fmt: skip
+    ap.add_argument("--peers", type=Path, default=PEERS_DIR, help="the peers' wheels (./peers)")
     args = ap.parse_args(argv)
     only = [g for g in args.only.split(",") if g]
     unknown = sorted(set(only) - set(NAMES))
@@ -274,6 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         summary["groups"][name] = res | {"seconds": round(time.perf_counter() - t0, 1)}
     failed = [n for n, g in summary["groups"].items() if g["status"] in ("fail", "timeout")]
     summary |= dict(failed=failed, elapsed_s=round(time.perf_counter() - t_start, 1), ok=not failed)
-    print("\n".join(report.tables(summary)), flush=True)  # the tables BENCHMARKS.md shows
+    print("\n".join(gpu_report.tables(summary)), flush=True)  # the tables BENCHMARKS.md shows
     print(json.dumps({"gpu_check": summary}), flush=True)
     return 0 if not failed else 1

@@ -30,10 +30,9 @@ from pathlib import Path
 from dropless.bench.common import step_times
 from dropless.train.report.metrics import read_metrics
 from dropless.train.run.hooks import TrainHooks
-from tools.gpu_check import CHECKOUT
+from tools.gpu_check import CHECKOUT as ROOT
 from tools.gpu_check.run import round_or_none
 
-ROOT = CHECKOUT
 MODULE = "tools.gpu_check.train"  # what the torchrun children run
 TOML = ROOT / "examples" / "qwen3-30b-a3b-2layers.toml"
 SYNC_STEPS = (2, 3)
@@ -71,12 +70,9 @@ class FinalSaveSkipped(Exception):
 
 
 class CheckHooks(TrainHooks):
-    """Counts host syncs per decoder layer in `count_steps`: in forward (the layer's own
-    hooks) and in the recompute of activation checkpointing (Transformers checkpoints the
-    layer's `forward`, inside its hooks: its submodules' hooks fire again in backward), by
-    `sync_counter` (the calls dropless makes that read the device, as the host-sync tests
-    count them) and, on CUDA, by the device's own count (its sync debug mode, torch's own
-    ops included). Stops the run at its last checkpoint."""
+    """Counts host syncs per decoder layer in `count_steps`, in forward and in the recompute
+    (its submodules' hooks fire again in backward), by `sync_counter` (dropless's reads of
+    the device) and, on CUDA, the sync debug mode. Stops the run at its last checkpoint."""
 
     def __init__(self, last_step: int, count_steps=()):
         self.last_step, self.count_steps = last_step, tuple(count_steps)

@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 
 from tools.bench_sections import replace_block
-from tools.gpu_check import CHECKOUT
 
-ROOT = CHECKOUT
+ROOT = Path(__file__).resolve().parents[1]  # the checkout
 TITLE = """## GPU check (`scripts/gpu_check.py`)
 
 Command: `python scripts/gpu_report.py --run LOG SHA`, once per run below, from the log of

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dropless.ops.expert_mlp import loop as loop_mlp
+from dropless.ops.expert_mlp import engine
 from dropless.ops.replay import _frame_class, checkpoint_state
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -52,7 +52,7 @@ def test_the_checkpoint_frame_is_found_in_forward_and_recompute(device):
 def test_the_graph_task_says_whether_the_graph_is_kept(device):
     assert hasattr(torch._C._autograd, "_get_current_graph_task_keep_graph"), (
         "torch removed _get_current_graph_task_keep_graph: the loop MLP no longer frees "
-        "each expert's kept h early (peak backward memory grows; see ops/expert_mlp/loop.py)"
+        "each expert's kept h early (peak backward memory grows; see ops/expert_mlp/engine.py)"
     )
     seen = []
 
@@ -63,7 +63,7 @@ def test_the_graph_task_says_whether_the_graph_is_kept(device):
 
         @staticmethod
         def backward(ctx, g):
-            seen.append(loop_mlp.graph_released())
+            seen.append(engine.graph_released())
             return g
 
     x = torch.randn(3, device=device, requires_grad=True)

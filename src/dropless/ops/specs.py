@@ -145,6 +145,10 @@ class ActivationConfig:
             raise ValueError(
                 "activation.interleaved=True needs gated=True (only gate/up columns interleave)"
             )
+        if self.kind in ("gpt_oss", "swiglu_clamp") and not self.gated:
+            raise ValueError(
+                f"activation.kind={self.kind!r} needs gated=True (it uses gate and up)"
+            )
 
 
 def as_routing(

@@ -25,8 +25,8 @@ import torch
 from ..ops.activation.eager import act_forward
 from ..ops.dispatch import recipe_active
 from ..ops.expert_mlp.eager import composed_mlp
-from ..ops.expert_mlp.engine import add_bias, routed_mlp
-from ..ops.expert_mlp.plan import RecipeMLP, Saved, Schedule
+from ..ops.expert_mlp.engine import RecipeMLP, Saved, add_bias, routed_mlp
+from ..ops.expert_mlp.plan import Schedule
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
 from ..ops.registry import triton_importable
@@ -209,8 +209,8 @@ def _forward(recipe, sv: Saved):
     """The engine's recipe slot, forward: (y_SD before the down bias, what backward
     keeps). x is x_SD (rows in expert order) or, with token_S, x_TD, its rows gathered
     here (and again in backward, so only x_TD, which the caller holds anyway, is kept)."""
-    x, prob_S, gate_up, down, b1, _, token_S, slot_TK = sv.tensors()[:8]
-    counts, trans_w = sv.counts, sv.trans_w
+    x, prob_S, gate_up, down, b1 = sv.x, sv.prob_S, sv.gate_up, sv.down, sv.gu_bias
+    token_S, slot_TK, counts, trans_w = sv.token_S, sv.slot_TK, sv.counts, sv.trans_w
     be = pick_backend(recipe, x, gate_up, down)
     mm, _ = BACKENDS[be]
     tensor_mode = gemm.scaling_mode(recipe) == "tensor"
@@ -255,7 +255,7 @@ def _backward(recipe, sv: Saved, g_out, g_SD, need):
     x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
     # per-tensor scales are reused; other modes requantize (no scale)
     x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
-    _, prob, gate_up, down, _, _, token_S, slot_TK = sv.tensors()[:8]
+    prob, gate_up, down, token_S, slot_TK = sv.prob_S, sv.gate_up, sv.down, sv.token_S, sv.slot_TK
     counts, trans_w = sv.counts, sv.trans_w
     gathered = token_S is not None
     bwd_red = 1 if trans_w else 2

@@ -3,10 +3,11 @@
 - `reference.py`: `expert_mlp_reference`, the specification (a loop over tokens);
 - `eager.py`: the entries (`expert_mlp`, `grouped_mlp`) and the custom op they become
   under `torch.compile` / `torch.export`;
-- `plan.py`: what a call runs (`Schedule`, kept per layer shape) and what its backward
-  reads (`Saved`), the gathered path's tuning and the registration of its kernels;
-- `engine.py`: the one autograd Function and the grouped schedule; `loop.py`: the
-  per-expert loop schedule (the CPU default), spread over threads by `threads.py`;
+- `plan.py`: what a call runs (`Schedule`, kept per layer shape), the gathered path's
+  tuning and the registration of its kernels;
+- `engine.py`: the one autograd Function, what its backward reads (`Saved`) and the
+  grouped schedule; `loop.py`: the per-expert loop schedule (the CPU default), spread
+  over threads by `threads.py`;
 - `gather_gemm_kernels.py`: the Triton GEMMs that gather their rows.
 """
 

@@ -37,7 +37,8 @@ from ..lora import LowRank, check_lowrank, lora_inputs
 from ..permute.eager import SortedPairs, permute, unpermute
 from ..specs import ActivationConfig, as_activation
 from . import engine
-from .plan import Needs, Saved, Schedule, plan_expert_mlp
+from .engine import Needs, Saved
+from .plan import Schedule, plan_expert_mlp
 
 
 def composed_mlp(

@@ -23,51 +23,133 @@ without biases or factors only.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import contextlib
+from collections import namedtuple
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..activation.eager import act_forward, act_input_grad, act_parts
-from ..compute_dtype import autocast_off
 from ..grouped_gemm.eager import bind_offsets, group_offsets
 from ..lora import grouped_lowrank_bwd, grouped_lowrank_dx, grouped_lowrank_fwd, lowranks
+from ..specs import ActivationConfig
 from . import loop
-from .loop import free_storage, graph_released
-from .plan import Needs, Saved, Schedule
+from .plan import Schedule
 from .threads import python_modes_active
 
-_LORA_AT = 10  # where the low-rank factors start in Saved.tensors()
+
+@dataclass
+class Saved:
+    """A call's operands and what the backward reads of them, by name: the forward fills
+    in h (the gate/up output [S, N]; the loop keeps one tensor per expert) and u1 / u2
+    (the low-rank intermediates [S, r]). x is x_TD with token_S / slot_TK, else the sorted
+    rows x_SD; lora: the factors (a1, b1, a2, b2) and their scales. Under a recipe h holds
+    its saved-activation format's tensors, meta what they are, and x may be None."""
+
+    x: torch.Tensor | None
+    prob_S: torch.Tensor | None
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gu_bias: torch.Tensor | None
+    d_bias: torch.Tensor | None
+    token_S: torch.Tensor | None
+    slot_TK: torch.Tensor | None
+    counts: list[int] | torch.Tensor
+    act: ActivationConfig = ActivationConfig()
+    trans_w: bool = True
+    offs: torch.Tensor | None = None
+    lora: tuple = ()
+    lora_scales: tuple = ()
+    h: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+    u1: torch.Tensor | None = None
+    u2: torch.Tensor | None = None
+    meta: object = None
+
+
+# which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
+Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")
+Needs.__new__.__defaults__ = (False,) * 4
+# A recipe's slot (`quant/mlp.py::RECIPE_MLP`): forward(recipe, sv) -> (y_SD, sv with h its
+# saved format's tensors); backward(recipe, sv, g_out, g_SD, need) -> (dx_SD, dh, d prob,
+# d gate_up, d down). The engine adds the biases, their gradients and the combines.
+RecipeMLP = namedtuple("RecipeMLP", "forward backward")
+
+# Saved's tensors in the order autograd sees them, then lora and h flattened
+_TENSORS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_S", "slot_TK", "u1")
+_TENSORS += ("u2",)
+_LORA_AT = len(_TENSORS)
+
+
+def _split(sv: Saved) -> tuple[Saved, list]:
+    """(sv without its tensors, its tensors); `_join` is the inverse."""
+    many = isinstance(sv.h, tuple)
+    h = sv.h if many else (sv.h,)
+    ts = [*(getattr(sv, n) for n in _TENSORS), *sv.lora, *h]
+    meta = replace(sv, **dict.fromkeys(_TENSORS), h=len(h) if many else None, lora=len(sv.lora))
+    return meta, ts
+
+
+def _join(meta: Saved, ts) -> Saved:
+    n = _LORA_AT + meta.lora
+    lora, hs = tuple(ts[_LORA_AT:n]), tuple(ts[n:])
+    h = hs if meta.h is not None else hs[0]
+    return replace(meta, **dict(zip(_TENSORS, ts)), lora=lora, h=h)
+
+
+def _autocast_off(t: torch.Tensor):
+    """Autocast off on t's device: the operands are in the compute dtype already and the
+    `out=` buffers must not meet GEMMs autocast would switch (a backward may run inside the
+    caller's autocast region); a compiled graph carries its own autocast state."""
+    dev = t.device.type
+    on = dev in ("cpu", "cuda") and not torch.compiler.is_compiling()
+    if on and torch.is_autocast_enabled(dev):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
+
+
+def graph_released() -> bool:
+    """True inside a backward that frees the graph as it goes (retain_graph and
+    create_graph off): only then may a saved tensor be freed before its node ends, as
+    autograd would free it right after. False when torch cannot tell: the flag is private
+    (torch's AOTAutograd reads it too), pinned by tests/ops/test_torch_internals.py."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return keep is not None and not keep()
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Give a tensor's memory back now; its storage is its own."""
+    t.untyped_storage().resize_(0)
 
 
 class RoutedMLP(torch.autograd.Function):
     """The routed MLP of `forward` as one autograd node: apply(sched, num_out, meta,
-    *tensors), the call's operands as a `Saved` split into its tensors and the rest
-    (`routed_mlp` does it); saves what `forward` kept, the same way."""
+    *tensors), the call's `Saved` split into its tensors and the rest (`routed_mlp`)."""
 
     @staticmethod
-    @autocast_off
     def forward(ctx, sched, num_out, meta: Saved, *tensors):
-        out, sv = forward(sched, meta.with_tensors(tensors), num_out)
-        ctx.save_for_backward(*sv.tensors())
-        ctx.sched, ctx.saved = sched, sv.without_tensors()
+        with _autocast_off(tensors[2]):
+            out, sv = forward(sched, _join(meta, tensors), num_out)
+        ctx.saved, ts = _split(sv)
+        ctx.save_for_backward(*ts)
+        ctx.sched = sched
         return out
 
     @staticmethod
-    @autocast_off
     def backward(ctx, g_out):
-        sv = ctx.saved.with_tensors(ctx.saved_tensors)
-        n = ctx.needs_input_grad[3:]  # in the order of Saved.tensors()
-        lora_need = n[_LORA_AT : _LORA_AT + 4] if sv.lora else ()
-        need = Needs(*n[:6], *lora_need)
+        sv = _join(ctx.saved, ctx.saved_tensors)
+        n = ctx.needs_input_grad[3:]  # in the order of _TENSORS
+        need = Needs(*n[:6], *(n[_LORA_AT : _LORA_AT + 4] if sv.lora else ()))
         release = graph_released() and not python_modes_active()
-        grads = backward(ctx.sched, sv, g_out, need, release)
+        with _autocast_off(g_out):
+            grads = backward(ctx.sched, sv, g_out, need, release)
         lora = grads[6:] if sv.lora else ()
         return (None,) * 3 + grads[:6] + (None,) * (_LORA_AT - 6) + lora + (None,)
 
 
 def routed_mlp(sched: Schedule, sv: Saved, num_out) -> torch.Tensor:
     """`RoutedMLP` on a call's operands (`sv` before its forward: no h)."""
-    return RoutedMLP.apply(sched, num_out, sv.without_tensors(), *sv.tensors())
+    meta, ts = _split(sv)
+    return RoutedMLP.apply(sched, num_out, meta, *ts)
 
 
 def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:

@@ -20,8 +20,7 @@ import torch
 
 from ..activation.eager import act_forward, act_input_grad, act_parts
 from ..lora import lowrank_bwd, lowrank_fwd
-from .plan import Needs, Saved
-from .threads import python_modes_active, run_experts
+from .threads import run_experts
 
 # Below this many forward FLOPs per expert (on average), handing experts to worker
 # threads costs more than it saves (a hand-off is tens of microseconds).
@@ -33,27 +32,11 @@ MIN_EXPERTS_PER_THREAD = 4
 
 
 def _num_workers(x: torch.Tensor, counts, flops_per_row: int) -> int:
-    # a Python mode (a FLOP counter, a debug mode) is per thread: `run_experts` keeps
-    # the items in this thread then, so none is planned for
-    if x.device.type != "cpu" or python_modes_active():
+    if x.device.type != "cpu":
         return 1
     busy, threads = sum(1 for n in counts if n), torch.get_num_threads()
     few = busy < MIN_EXPERTS_PER_THREAD * threads
     return 1 if few or sum(counts) * flops_per_row < MIN_THREADED_FLOPS * busy else threads
-
-
-def graph_released() -> bool:
-    """True inside a backward that frees the graph as it goes (retain_graph and
-    create_graph off): only then may a saved tensor be freed before its node ends, as
-    autograd would free it right after. False when torch cannot tell: the flag is private
-    (torch's AOTAutograd reads it too), pinned by tests/ops/test_torch_internals.py."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return keep is not None and not keep()
-
-
-def free_storage(t: torch.Tensor) -> None:
-    """Give a tensor's memory back now; its storage is its own (allocated by the loop)."""
-    t.untyped_storage().resize_(0)
 
 
 def _at(g_E, e):
@@ -103,22 +86,29 @@ def _to_acc(bufs, n: int) -> None:
 
 
 def _run(st, expert, flops_per_row: int, scratch, total) -> None:
-    """`run_experts` over the experts of `st` (expert(st, item, scratch, bufs)), each one's
-    rows summed into `total` at its tokens in expert order (None: written in place).
-    Autocast is off: the loop writes into buffers of its inputs' dtype (`out=` ops, which
-    autocast leaves alone), so its few autocast-eligible GEMMs must not switch dtype under
-    it; the caller chooses the precision by the dtype of what it passes in."""
+    """expert(st, item, scratch, bufs) for every expert of `st`, on worker threads
+    (`threads.run_experts`) or here, each one's rows summed into `total` at its tokens in
+    expert order (None: written in place). Autocast is off: the loop writes into buffers
+    of its inputs' dtype (`out=` ops, which autocast leaves alone), so its few
+    autocast-eligible GEMMs must not switch dtype under it."""
     x, counts = st.x, st.counts
+    items, new_out = list(bounds(counts)), _row_buffers(x, max(counts, default=0), x.shape[1])
 
     def commit(item, bufs):
         _, lo, hi = item
         _sum_into(total, st.token_S[lo:hi], bufs, hi - lo)
 
-    kw = dict(make_scratch=scratch, commit=None if total is None else commit)
-    kw.update(new_out=_row_buffers(x, max(counts, default=0), x.shape[1]))
+    commit = None if total is None else commit
     with torch.autocast("cpu", enabled=False):
         workers = _num_workers(x, counts, flops_per_row)
-        run_experts(list(bounds(counts)), partial(expert, st), workers=workers, **kw)
+        kw = dict(make_scratch=scratch, commit=commit, new_out=new_out, workers=workers)
+        if workers > 1 and run_experts(items, partial(expert, st), **kw):
+            return
+        s, bufs = scratch(), None if commit is None else new_out()
+        for item in items:
+            expert(st, item, s, bufs)
+            if commit is not None:
+                commit(item, bufs)
 
 
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
@@ -129,7 +119,7 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     return g
 
 
-def forward(sv: Saved, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
+def forward(sv, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
     """(out_TD with sv.token_S, else y_SD; sv with h, u1, u2 filled in). one_h: keep every
     expert's h as rows of one [S, N] tensor (the custom op's output), else one tensor per
     expert (freed one by one in backward)."""
@@ -157,7 +147,7 @@ def forward(sv: Saved, num_out, lr1=None, lr2=None, one_h: bool = False) -> tupl
     return out.to(x.dtype), sv
 
 
-def backward(sv: Saved, g_out, need: Needs, release: bool, lr1=None, lr2=None) -> tuple:
+def backward(sv, g_out, need, release: bool, lr1=None, lr2=None) -> tuple:
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2);
     release: free each expert's h once read (a backward that frees the graph)."""
     x, gate_up, counts, act, trans_w = sv.x, sv.gate_up, sv.counts, sv.act, sv.trans_w
@@ -208,7 +198,7 @@ def _forward_expert(st, item, s, bufs) -> None:
         _to_acc(bufs, n)
 
 
-def _grad_buffers(need, gathered, sv: Saved) -> dict:
+def _grad_buffers(need, gathered, sv) -> dict:
     """The gradients the backward fills, allocated once (None where none is wanted)."""
     # weight gradients: every expert's slice is written by an mm(out=) below; only
     # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
@@ -289,7 +279,7 @@ def _backward_expert(st, item, s, bufs) -> None:
     act_bufs = [b[:n] for b in s["act"]]
     a0, d_gate, d_up = act_parts(st.hs[e], st.act, act_bufs)
     if st.release:
-        free_storage(st.hs[e])
+        st.hs[e].untyped_storage().resize_(0)  # h is this call's own
     da = _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, s["da"][:n])
     if st.gp is not None:
         gpe = st.gp[lo:hi]

@@ -1,5 +1,5 @@
-"""What one call of the routed expert MLP runs (`Schedule`) and what its backward reads
-(`Saved`), decided once per layer shape and kept (`plan_expert_mlp`).
+"""What one call of the routed expert MLP runs (`Schedule`), decided once per layer shape
+and kept (`plan_expert_mlp`).
 
 The decisions, in order: a low-precision recipe (`dropless.autocast`) runs its GEMMs;
 else `expert_path` (`dropless.patch(expert_path=)`, `set_expert_path`): "auto" is the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..activation.eager import ACTIVATIONS, check_supported
+from ..activation.eager import ACTIVATIONS
 from ..dispatch import get_recipe, recipe_mlp
 from ..grouped_gemm.backends import GEMM_BACKENDS, GemmBackend, pick_gemm_backend
 from ..grouped_gemm.gpu import supports_triton_gemm
@@ -115,65 +115,6 @@ class Schedule:
 
     def describe(self) -> str:
         return " ".join(f"{g}={FUSED if b is None else b.name}" for g, b in zip(GEMMS, self.gemms))
-
-
-@dataclass
-class Saved:
-    """A call's operands and what the engine's backward reads of them, by name: the
-    forward fills in h (the gate/up output [S, N]; the loop keeps one tensor per expert)
-    and u1 / u2 (the low-rank intermediates [S, r]). x is x_TD with token_S / slot_TK,
-    else the sorted rows x_SD; lora: the factors (a1, b1, a2, b2) and their scales. Under
-    a recipe h holds its saved-activation format's tensors and x may be None (not kept)."""
-
-    x: torch.Tensor | None
-    prob_S: torch.Tensor | None
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    gu_bias: torch.Tensor | None
-    d_bias: torch.Tensor | None
-    token_S: torch.Tensor | None
-    slot_TK: torch.Tensor | None
-    counts: list[int] | torch.Tensor
-    act: ActivationConfig = ActivationConfig()
-    trans_w: bool = True
-    offs: torch.Tensor | None = None
-    lora: tuple = ()
-    lora_scales: tuple = ()
-    h: torch.Tensor | tuple[torch.Tensor, ...] | None = None
-    u1: torch.Tensor | None = None
-    u2: torch.Tensor | None = None
-    meta: object = None  # a recipe's saved-activation format (what its tensors in h are)
-
-    def tensors(self) -> list:
-        """The tensors of `_TENSOR_FIELDS`, then lora and h flattened."""
-        h = self.h if isinstance(self.h, tuple) else (self.h,)
-        return [*(getattr(self, n) for n in _TENSOR_FIELDS), *self.lora, *h]
-
-    def without_tensors(self) -> Saved:
-        many = isinstance(self.h, tuple)
-        h = len(self.h) if many else None
-        return replace(self, **dict.fromkeys(_TENSOR_FIELDS), h=h, lora=len(self.lora))
-
-    def with_tensors(self, ts) -> Saved:
-        """The inverse of (tensors(), without_tensors())."""
-        n = len(_TENSOR_FIELDS)
-        lora, hs = tuple(ts[n : n + self.lora]), tuple(ts[n + self.lora :])
-        vals = dict(zip(_TENSOR_FIELDS, ts))
-        return replace(self, **vals, lora=lora, h=hs if self.h is not None else hs[0])
-
-
-_TENSOR_FIELDS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_S", "slot_TK")
-_TENSOR_FIELDS += ("u1", "u2")
-
-
-# A recipe's slot of the engine (`quant/mlp.py::RECIPE_MLP`: GEMMs, saved format), whose
-# engine adds the biases, their gradients and the combines: forward(recipe, sv) -> (y_SD,
-# sv with h that format's tensors, meta what they are); backward(recipe, sv, g_out, g_SD,
-# need) -> (dx_SD, dh, d prob, d gate_up, d down).
-RecipeMLP = namedtuple("RecipeMLP", "forward backward")
-# which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
-Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")
-Needs.__new__.__defaults__ = (False,) * 4
 
 
 # --- the plan ---------------------------------------------------------------------------
@@ -270,7 +211,7 @@ def _registered() -> tuple:
 
 
 def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
-    backend, path, act = req.backend, req.path, check_supported(req.act)
+    backend, path, act = req.backend, req.path, req.act
     cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
     sort = sort_for(x)
     if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):

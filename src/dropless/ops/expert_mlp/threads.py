@@ -190,14 +190,15 @@ def run_experts(
     make_scratch: Callable = dict,
     commit: Callable | None = None,
     new_out: Callable | None = None,
-) -> None:
-    """compute(item, scratch, out_buf) for every item; then, if given, commit(item,
-    out_buf) in item order, one at a time. `scratch` is one object per thread (from
-    make_scratch); out_buf comes from new_out() (None without commit) and is reused
-    once its item is committed. workers <= 1: a plain loop in the calling thread,
-    with its own torch thread count; so is a call under a Python mode (see above)."""
+) -> bool:
+    """compute(item, scratch, out_buf) for every item on `workers` threads; then, if
+    given, commit(item, out_buf) in item order, one at a time. `scratch` is one object
+    per thread (from make_scratch); out_buf comes from new_out() (None without commit) and
+    is reused once its item is committed. False, with nothing run, for one worker, fewer
+    than two items or modes the workers cannot carry (see above): the caller runs the
+    items in its own thread."""
     if workers <= 1 or len(items) < 2 or python_modes_active():
-        return _run_here(items, compute, make_scratch, commit, new_out)
+        return False
     n = min(workers, len(items))
     run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1, active=n)
     for w in _workers(n):
@@ -210,14 +211,6 @@ def run_experts(
     if run.uncarried:
         # every worker applies the same modes, so none claimed an item
         assert run.next_claim == 0, "expert items ran under different thread-local modes"
-        return _run_here(items, compute, make_scratch, commit, new_out)
+        return False
     assert commit is None or run.next_commit == len(items), "uncommitted expert results"
-
-
-def _run_here(items, compute, make_scratch, commit, new_out) -> None:
-    scratch = make_scratch()
-    buf = new_out() if commit is not None else None
-    for item in items:
-        compute(item, scratch, buf)
-        if commit is not None:
-            commit(item, buf)
+    return True

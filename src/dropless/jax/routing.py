@@ -22,30 +22,19 @@ def route(
     routing: RoutingConfig | None = None,
     *,
     expert_bias_E: jax.Array | None = None,
-    score_func: str | None = None,
-    renormalize: bool | None = None,
-    scaling_factor: float | None = None,
-    n_group: int | None = None,
-    topk_group: int | None = None,
+    **routing_fields,
 ):
     """Scores (fp32) -> top-k. Returns (weights_TK fp32, ids_TK int32, scores_TE fp32).
 
-    `routing` (a `RoutingConfig`, or its fields as keywords, not both) says how;
+    `routing` (a `RoutingConfig`, or its fields but expert_bias as keywords, not both) says how;
     `expert_bias_E` shifts the choice, not the weights (required when
     `routing.expert_bias`, refused otherwise).
     """
     if logits_TE.ndim != 2:
         raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
-    routing = as_routing(
-        routing,
-        score_func=score_func,
-        renormalize=renormalize,
-        scaling_factor=scaling_factor,
-        n_group=n_group,
-        topk_group=topk_group,
-        expert_bias=None if routing is not None else expert_bias_E is not None,
-    )
+    bias = None if routing is not None else expert_bias_E is not None
+    routing = as_routing(routing, expert_bias=bias, **routing_fields)
     routing.check(E, top_k)
     routing.check_bias(expert_bias_E is not None)
     score_func, n_group, topk_group = routing.score_func, routing.n_group, routing.topk_group

@@ -60,9 +60,8 @@ class MoE(nn.Module):
 
     Args:
         hidden_size: D. moe_intermediate_size: F (per expert). num_experts: E. top_k: K.
-        routing: a `RoutingConfig`; or its fields as keywords (score_func,
-            renormalize, scaling_factor, n_group, topk_group, expert_bias; not both),
-            see `TopKRouter`.
+        routing: a `RoutingConfig`; or its fields as keywords (`routing_fields`:
+            score_func, renormalize, ..., expert_bias; not both), see `TopKRouter`.
         shared_expert_intermediate_size: width of a shared expert (0: none);
             shared_expert_gate: scale it by sigmoid(x @ w) as Qwen2-MoE does.
         bias: biases on the expert projections (the routing weight scales the down
@@ -83,12 +82,6 @@ class MoE(nn.Module):
         top_k: int,
         *,
         routing: RoutingConfig | None = None,
-        score_func: str | None = None,
-        renormalize: bool | None = None,
-        scaling_factor: float | None = None,
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        expert_bias: bool | None = None,
         shared_expert_intermediate_size: int = 0,
         shared_expert_gate: bool = False,
         bias: bool = False,
@@ -98,6 +91,7 @@ class MoE(nn.Module):
         backend: str | None = None,
         dtype: torch.dtype | None = None,
         device=None,
+        **routing_fields,
     ):
         super().__init__()
         for name, v in (
@@ -111,41 +105,19 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor={capacity_factor!r} must be None (dropless) or > 0")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.capacity_factor = capacity_factor
+        kw = dict(dtype=dtype, device=device)
         self.router = TopKRouter(
-            hidden_size,
-            num_experts,
-            top_k,
-            routing=routing,
-            score_func=score_func,
-            renormalize=renormalize,
-            scaling_factor=scaling_factor,
-            n_group=n_group,
-            topk_group=topk_group,
-            expert_bias=expert_bias,
-            dtype=dtype,
-            device=device,
+            hidden_size, num_experts, top_k, routing=routing, **kw, **routing_fields
         )
         self.experts = GroupedExperts(
-            num_experts,
-            hidden_size,
-            moe_intermediate_size,
-            bias=bias,
-            activation=activation,
-            backend=backend,
-            dtype=dtype,
-            device=device,
-        )
-        self.shared_expert = (
-            SharedExpert(
-                hidden_size,
-                shared_expert_intermediate_size,
-                gate=shared_expert_gate,
-                dtype=dtype,
-                device=device,
+            num_experts, hidden_size, moe_intermediate_size, bias=bias, activation=activation,
+            backend=backend, **kw,
+        )  # fmt: skip
+        self.shared_expert = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SharedExpert(
+                hidden_size, shared_expert_intermediate_size, gate=shared_expert_gate, **kw
             )
-            if shared_expert_intermediate_size
-            else None
-        )
         self.dispatcher = dispatcher if dispatcher is not None else LocalDispatcher()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:

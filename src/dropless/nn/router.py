@@ -34,7 +34,7 @@ class TopKRouter(nn.Module):
     Args:
         hidden_size: D. num_experts: E. top_k: K (1 <= K <= E).
         routing: a `RoutingConfig` (default: renormalize=True); or its fields as keywords
-            (not both). expert_bias: keep an `expert_bias` buffer [E] (updated by
+            (`routing_fields`: score_func, renormalize, ...; not both). expert_bias: keep an `expert_bias` buffer [E] (updated by
             `dropless.ops.update_expert_bias`).
     """
 
@@ -45,26 +45,12 @@ class TopKRouter(nn.Module):
         top_k: int,
         *,
         routing: RoutingConfig | None = None,
-        score_func: str | None = None,
-        renormalize: bool | None = None,
-        scaling_factor: float | None = None,
-        n_group: int | None = None,
-        topk_group: int | None = None,
-        expert_bias: bool | None = None,
         dtype: torch.dtype | None = None,
         device=None,
+        **routing_fields,
     ):
         super().__init__()
-        self.routing = as_routing(
-            routing,
-            DEFAULT_ROUTING,
-            score_func=score_func,
-            renormalize=renormalize,
-            scaling_factor=scaling_factor,
-            n_group=n_group,
-            topk_group=topk_group,
-            expert_bias=expert_bias,
-        )
+        self.routing = as_routing(routing, DEFAULT_ROUTING, **routing_fields)
         self.routing.check(num_experts, top_k)
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.weight = nn.Parameter(

@@ -291,11 +291,11 @@ def _quant_jobs(d: str) -> list[Job]:
         Job(Q.scale_cast_kernel, {"x_ptr": d, "s_ptr": "*fp32", "q_ptr": "*u8"},
             dict(sx1=1, sq1=1, **tile), unaligned=("M",)),
         Job(Q.dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*fp32", "o_ptr": d},
-            dict(sq1=1, so1=1, **tile), unaligned=("M",)),
+            dict(sq1=1, so1=1, MX=False, **tile), unaligned=("M",)),
         Job(Q.mx_quant_kernel, mx, dict(sx1=1, RCEIL=True, BLOCK_M=32), unaligned=("M",)),
         Job(Q.mx_quant_kernel, mx, dict(sx0=1, RCEIL=False, BLOCK_M=32)),  # x_SN.t()
-        Job(Q.mx_dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": d},
-            dict(sq1=1, ss1=1, so1=1, **tile), unaligned=("M",)),
+        Job(Q.dequant_kernel, {"q_ptr": "*u8", "s_ptr": "*u8", "o_ptr": d},
+            dict(sq1=1, ss1=1, so1=1, MX=True, **tile), unaligned=("M",)),
     ]  # fmt: skip
     act = dict(HAS_PROB=True, ACT=True)
     h = {"h_ptr": d, "prob_ptr": "*fp32"}

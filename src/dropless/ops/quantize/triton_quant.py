@@ -55,20 +55,6 @@ def scale_cast_kernel(
 
 
 @triton.jit
-def dequant_kernel(
-    q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    code = tl.load(q_ptr + _offs(rows, cols, sq0, sq1), mask=mask, other=0).to(tl.int32)
-    s = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
-    y = e4m3_value(code) * s
-    tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def mx_quant_kernel(
     x_ptr, q_ptr, s_ptr, M, N, sx0, sx1, sq0, ss0,
     RCEIL: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -86,18 +72,23 @@ def mx_quant_kernel(
 
 
 @triton.jit
-def mx_dequant_kernel(
+def dequant_kernel(
     q_ptr, s_ptr, o_ptr, M, N, sq0, sq1, ss0, ss1, so0, so1,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    # MX: s holds E8M0 bytes, one per block of 32 along a row; else fp32 scales per element
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     code = tl.load(q_ptr + _offs(rows, cols, sq0, sq1), mask=mask, other=0).to(tl.int32)
-    sb = tl.load(s_ptr + _offs(rows, cols // 32, ss0, ss1), mask=mask, other=127).to(tl.int32)
-    # 2**(sb - 127): a normal float for sb >= 1, the subnormal 2**-127 for sb == 0
-    x = tl.where(sb > 0, sb << 23, 0x400000).to(tl.float32, bitcast=True)
-    x = tl.where(sb == 255, float("nan"), x)
+    if MX:
+        sb = tl.load(s_ptr + _offs(rows, cols // 32, ss0, ss1), mask=mask, other=127)
+        sb = sb.to(tl.int32)
+        # 2**(sb - 127): a normal float for sb >= 1, the subnormal 2**-127 for sb == 0
+        x = tl.where(sb > 0, sb << 23, 0x400000).to(tl.float32, bitcast=True)
+        x = tl.where(sb == 255, float("nan"), x)
+    else:
+        x = tl.load(s_ptr + _offs(rows, cols, ss0, ss1), mask=mask, other=1.0)
     y = e4m3_value(code) * x
     tl.store(o_ptr + _offs(rows, cols, so0, so1), y.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -136,7 +127,7 @@ def dequant_scaled(
     if M and N:
         dequant_kernel[_grid(M, N, *block)](
             q.view(torch.uint8), s, out, M, N, *q.stride(), *s.stride(), *out.stride(),
-            BLOCK_M=block[0], BLOCK_N=block[1],
+            MX=False, BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip
     return out
 
@@ -166,8 +157,8 @@ def mx_dequant(
     M = q.shape[0]
     out = torch.empty(M, n, dtype=dtype, device=q.device)
     if M and n:
-        mx_dequant_kernel[_grid(M, n, *block)](
+        dequant_kernel[_grid(M, n, *block)](
             q.view(torch.uint8), s.view(torch.uint8), out, M, n, *q.stride(), *s.stride(),
-            *out.stride(), BLOCK_M=block[0], BLOCK_N=block[1],
+            *out.stride(), MX=True, BLOCK_M=block[0], BLOCK_N=block[1],
         )  # fmt: skip
     return out

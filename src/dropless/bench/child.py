@@ -1,15 +1,9 @@
 """The one way a benchmark runs a child process: `run_child_process`.
 
 Benchmarks time in children (one import of torch per row, a fresh allocator, an
-out-of-memory end that does not take the parent with it). Every child is started here:
-its output is collected while it runs, so a child that is stopped (past its timeout, or
-when the machine's free memory falls under a floor) still gives back what it printed,
-and the caller gets one `ChildRun` whatever happened.
-
-    run = run_child_process([sys.executable, "-m", "dropless.bench.memory", payload],
-                            timeout=600, env=timing_env())
-    if run.ok:
-        record = run.last_json()
+out-of-memory end that does not take the parent with it). Output is collected while a
+child runs, so one that is stopped (timeout, low free memory) still gives back what it
+printed, and the caller gets one `ChildRun` whatever happened.
 """
 
 from __future__ import annotations

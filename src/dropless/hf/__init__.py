@@ -8,14 +8,8 @@
     dropless.hf.save_hf(model, "out")                  # stock-loadable checkpoint
     dropless.unpatch()                                 # stock behaviour, exactly
 
-Every experts class decorated with Transformers' `@use_experts_implementation` is
-covered; what a module computes decides the path (`experts_spec`, `discovery.coverage`).
-Transformers itself is imported on first use; install it with `pip install 'dropless[hf]'`.
-
-The names below are the ones docs/hf.md, docs/lora.md, docs/parallel.md and
-docs/genomics.md tell a user to call, the objects those calls return and the warnings
-they raise; everything else (path counters, the experts forward itself, helpers the
-trainer shares) is imported from its own module.
+Transformers is imported on first use (`pip install 'dropless[hf]'`). The names below are
+the ones the docs tell a user to call; everything else is imported from its own module.
 """
 
 from .distributed.expert_parallel import shard_hf_experts

@@ -5,11 +5,8 @@
     params, state = moe.init(jax.random.key(0))
     out, aux = moe(params, x, state)          # aux.dropped == 0, always
 
-Pure functions (`route`, `sort_by_expert`, `permute`, `combine`, `grouped_gemm`,
-`swiglu`, `moe_apply`) over plain pytrees (dicts of arrays), so params go straight
-into `jax.grad`, optax and orbax without a module framework. Expert parallelism:
-`moe_apply_ep` (shard_map over a mesh axis). Imported only when asked for:
-`import dropless` never imports JAX.
+Pure functions over plain pytrees, so params go straight into `jax.grad`, optax and
+orbax; expert parallelism: `moe_apply_ep`. `import dropless` never imports JAX.
 """
 
 from __future__ import annotations

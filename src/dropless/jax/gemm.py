@@ -1,14 +1,11 @@
 """Grouped GEMM for rows sorted by expert: y[r] = x[r] @ w[e(r)]^T, with a custom VJP.
 
-Backends: "tiled" (the default everywhere), a loop over experts covering each expert's
-rows with chunks of `tile` rows plus the binary decomposition of the remainder (tile/2,
-..., `min_chunk`), forward, dgrad and wgrad alike (`jax.custom_vjp`; nothing of size
-[E, S, N] exists); "ragged_dot", `jax.lax.ragged_dot`, opt-in only: XLA densifies it over
-all experts (measured on CPU: docs/jax.md, "The grouped GEMM").
-
-A last chunk may spill up to `min_chunk - 1` rows past its expert: the next expert
-overwrites them (experts run in order), so the buffer needs `min_chunk` rows of margin
-after the last valid row (`MARGIN`); wgrad masks the spill.
+"tiled" (the default): a loop over experts covering each one's rows with chunks of `tile`
+rows plus the binary decomposition of the remainder, forward, dgrad and wgrad alike
+(nothing of size [E, S, N] exists); "ragged_dot": opt-in, XLA densifies it over all
+experts (docs/jax.md). A last chunk may spill up to `min_chunk - 1` rows past its expert,
+which the next expert overwrites: the buffer needs `MARGIN` rows after the last valid
+row; wgrad masks the spill.
 """
 
 # P rows of the sorted buffer (valid rows + margin), D in features, N out features, E experts

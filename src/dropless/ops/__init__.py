@@ -1,15 +1,7 @@
-"""Functional MoE ops with autograd, one folder per op: `routing/`, `permute/`,
-`grouped_gemm/`, `activation/`, `expert_mlp/`, `linear_cross_entropy/`, `rmsnorm/`,
-`quantize/`. Each holds its pure-torch reference (`reference.py`, the specification;
-`reference.py` here gathers them), its eager form, its Triton kernels beside the torch
-code they replace, its autograd, and its registration into the one generic registry
-of `registry.py`. The Triton entries register on the first pick for a CUDA tensor:
-importing `dropless.ops` imports no triton and registers no GPU backend.
-
-The active low-precision recipe lives in `dispatch.py`; the routing and activation descriptions (`RoutingConfig`,
-`ActivationConfig`) in `specs.py`; the dtype the experts compute in under `torch.autocast`
-in `compute_dtype.py`, and weights converted once per optimizer step (`cached_cast`) in
-`weight_cache.py`.
+"""Functional MoE ops with autograd, one folder per op, each with its pure-torch reference
+(the specification; `reference.py` here gathers them), eager form, Triton kernels,
+autograd and registration into the one registry of `registry.py`. Triton entries register
+on the first pick for a CUDA tensor: importing `dropless.ops` imports no triton.
 """
 
 from .activation.swiglu import expert_activation, swiglu

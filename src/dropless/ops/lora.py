@@ -1,16 +1,10 @@
-"""Low-rank (LoRA) updates of the expert projections, computed beside the base GEMMs.
+"""Low-rank (LoRA) updates of the expert projections, computed beside the base GEMMs:
 
-An adapted projection computes, for the rows x_n of expert e,
+    y = x_n W_e^T + scale * (x_n A_e^T) B_e^T      A [E, r, in], B [E, out, r]
 
-    y = x_n W_e^T + scale * (x_n A_e^T) B_e^T
-
-with A [E, r, in] and B [E, out, r]. The product B_e A_e is never formed: the update
-costs two thin GEMMs per expert ([n, in] x [in, r], [n, r] x [r, out]) and keeps one
-[n, r] intermediate u = x_n A_e^T for backward. The base weight W gets no gradient.
-
-The expert engine (`expert_mlp/engine.py`) takes the factors as optional inputs and calls
-the helpers below: the per-expert ones (`lowrank_fwd`, `lowrank_bwd`) from the loop,
-the whole-S ones (`grouped_lowrank_fwd`, `grouped_lowrank_bwd`) from the grouped path.
+B_e A_e is never formed: two thin GEMMs per expert, one [n, r] intermediate kept for
+backward, no gradient for W. The expert engine calls the per-expert helpers from the loop
+and the whole-S ones (`grouped_lowrank_*`) from the grouped path.
 """
 
 # n rows of one expert, S sorted rows, I in features, O out features, R rank, E experts

@@ -1,19 +1,13 @@
 """Weights converted once per optimizer step: `cached_cast(param, dtype, fn=None)`.
 
-Under autocast the expert path multiplies bf16 copies of fp32 weights; an activation
-checkpoint's recompute and every micro-batch of a gradient-accumulation step would cast
-them again. The cache keeps one detached derived tensor per (weight, dtype, conversion)
-and serves it while the weight's `_version`, its storage address and the count of
-optimizer steps are unchanged (FSDP2 re-gathers into the same tensor and restores its
-version counter, so the version alone cannot see a new step there), and a cast made in
-inference mode only in inference mode. A call that needs the weight's gradient gets the
-cast attached to the weight by a small autograd node, so a cached cast never keeps a
-deleted weight alive. Entries die with their weight (weak keys) and the whole cache is
-dropped at each optimizer step. Only leaf tensors are cached; a write through `.data`
-bypasses the version counter: call `clear()` after one (docs/performance.md).
-
-`fn` makes other derived forms (the FP8 weight and its scale) share the same rules; its
-identity is part of the key, so pass the same function object on every call.
+Under autocast an activation checkpoint's recompute and every micro-batch would cast the
+fp32 weights again. The cache keeps one detached derived tensor per (weight, dtype,
+conversion) while the weight's `_version`, its storage address and the count of optimizer
+steps are unchanged (FSDP2 re-gathers into the same tensor and restores its version, so
+the version alone cannot see a new step). A call that needs the weight's gradient gets
+the cast attached by a small autograd node, so a cached cast never keeps a deleted weight
+alive. Only leaf tensors are cached; after a write through `.data` call `clear()`.
+`fn` (the FP8 weight and its scale) is part of the key: pass the same function object.
 """
 
 from __future__ import annotations

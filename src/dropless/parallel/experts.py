@@ -1,17 +1,8 @@
-"""Expert parallelism, one implementation for `dropless.nn.MoE` and Transformers models.
-
-Expert weights are sharded over the EP axis as DTensor `Shard(0)`, E/ep experts per rank
-(rank r holds experts [r*L, (r+1)*L)). Both front ends go through the same three pieces:
-`shard_expert_params`, `ep_dispatcher` and `LocalExperts` (on `local_view`s of the
-sharded weights).
-
-`shard_moe_experts` applies them to every `dropless.nn.MoE` (its experts become
-`EPGroupedExperts`); `dropless.hf.shard_hf_experts` applies them to every experts module
-of a patched Transformers model and adapts only its names and layouts.
-
-The expert parameters are DTensors `Shard(0)` on the "ep" mesh, not plain local slices,
-so checkpoints reshard and FSDP2 can shard them further (docs/parallel.md, "Why DTensor
-and not plain local slices"); the expert compute runs on `to_local()` views.
+"""Expert parallelism, one implementation for `dropless.nn.MoE` (`shard_moe_experts`) and
+Transformers models (`dropless.hf.shard_hf_experts`): both go through `shard_expert_params`,
+`ep_dispatcher` and `LocalExperts`. Rank r holds experts [r*L, (r+1)*L) as DTensor
+`Shard(0)` parameters, not plain local slices, so checkpoints reshard and FSDP2 can shard
+them further (docs/parallel.md); the expert compute runs on their `to_local()` views.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts (global), L local experts, S rows
@@ -60,12 +51,8 @@ def local_weights(module: nn.Module, names: Iterable[str]) -> tuple:
 def shard_expert_params(
     module: nn.Module, names: Iterable[str], ep_mesh, *, num_experts: int, where: str = ""
 ) -> list[str]:
-    """Shard the expert parameters `names` of `module` over `ep_mesh`, in place.
-
-    Each named `nn.Parameter` becomes a DTensor `Shard(0)` parameter, global shape
-    unchanged, copied from the full tensor every rank holds: no communication. Returns
-    the names sharded.
-    """
+    """Shard the expert parameters `names` of `module` over `ep_mesh`, in place, copied
+    from the full tensor every rank holds (no communication). Returns the names sharded."""
     P, r = ep_mesh.size(), ep_mesh.get_local_rank()
     E = int(num_experts)
     if E % P:
@@ -105,12 +92,8 @@ def ep_dispatcher(pmesh, num_experts: int):
 
 
 class EPGroupedExperts(GroupedExperts):
-    """GroupedExperts whose parameters hold experts [r*L, (r+1)*L) of this EP rank.
-
-    Only `forward_sorted` (called by `ExpertParallelDispatcher` on rows already sent
-    to this rank) is valid; `forward` raises, since the local path would need every
-    expert. A `LocalExperts`.
-    """
+    """GroupedExperts holding experts [r*L, (r+1)*L) of this EP rank: a `LocalExperts`
+    (`forward` raises, since the local path would need every expert)."""
 
     num_global_experts: int
     num_local_experts: int
@@ -166,13 +149,9 @@ class EPGroupedExperts(GroupedExperts):
 
 
 def shard_moe_experts(model: nn.Module, pmesh) -> list[str]:
-    """Expert-parallelise every `dropless.nn.MoE` in `model` in place.
-
-    Each MoE's experts become `EPGroupedExperts` and its dispatcher `ep_dispatcher`'s.
-    With ep == 1 the experts stay whole and the dispatcher only sums the counts over the
-    data-parallel group (so the balancing loss is the global-batch one for every EP
-    size). Returns the names of the MoE modules changed.
-    """
+    """Expert-parallelise every `dropless.nn.MoE` in `model` in place; returns the names of
+    the MoE modules changed. With ep == 1 the experts stay whole and the dispatcher only sums
+    the counts over the data-parallel group (the balancing loss is the global-batch one)."""
     from ..nn.moe import MoE
     from .dispatcher import GlobalCountsDispatcher
 

@@ -1,16 +1,11 @@
 """FSDP2 / HSDP over the mesh, and gradient clipping across mixed DTensor meshes.
 
-Dense parameters: `fully_shard` on dp_shard (HSDP: the 2-D (dp_replicate, dp_shard)
-mesh replicates over dp_replicate). Expert parameters (already DTensor Shard(0) on
-"ep"): their own `fully_shard` on dp_shard_mod_ep (HSDP likewise), FSDP's FSDP x TP
-path, divided by the world size (docs/parallel.md, "Gradient scaling").
-
-One FSDP2 unit takes one dtype of trainable parameters. A submodule whose trainable
-parameters are in another dtype than the rest of its unit (the router Transformers keeps
-in fp32 in a bf16 model, `_keep_in_fp32_modules`: DeepSeek-V3's and Nemotron-H's `gate`)
-becomes its own unit, with no parameter cast: it stays fp32 in compute too. A replicated submodule inside an
-expert module (MuSE-Spark's post-expert norm) is a unit on the dense mesh, so its gradient
-is summed over every rank, not only over the expert mesh.
+Dense parameters: `fully_shard` on dp_shard (HSDP over dp_replicate). Expert parameters
+(DTensor Shard(0) on "ep"): their own `fully_shard` on dp_shard_mod_ep, divided by the
+world size (docs/parallel.md, "Gradient scaling"). One FSDP2 unit takes one dtype of
+trainable parameters, so a submodule in another dtype (the fp32 router of a bf16 model)
+becomes its own unit, uncast; a replicated submodule inside an expert module is a unit on
+the dense mesh, so its gradient is summed over every rank.
 """
 
 from __future__ import annotations

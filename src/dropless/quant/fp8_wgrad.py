@@ -1,12 +1,8 @@
 """FP8 weight-gradient GEMMs: dw[e] = a_e^T b_e as one torch._scaled_grouped_mm 2D x 2D.
 
-The operands are the column-wise quantized E4M3 tensors of the row-wise and per-tensor
-recipes ([S, M] and [S, N], one scale per column or per tensor). The op groups along
-its inner (K) dimension, so a group's slice must start 16-byte aligned: each group's
-rows are placed at a multiple of 32 in transposed FP8 copies (zeros between;
-`formats.padded_rows`, no host read with device counts), a^T [M, K] row-major and b
-[K, N] column-major, as the op takes them, with one fp32 scale per (group, column) and
-int32 ends of the padded groups. An empty group's block is zeroed on the device.
+The op groups along its inner dimension, so each group's rows start 16-byte aligned: they
+are placed at multiples of 32 in transposed FP8 copies of the column-wise quantized
+operands (zeros between, `formats.padded_rows`), with one fp32 scale per (group, column).
 Used on CUDA sm90+ once a one-time probe per device agrees with an fp32 GEMM of the
 dequantized operands (`fp8_wgrad_available`); what has run where: docs/fp8.md.
 """

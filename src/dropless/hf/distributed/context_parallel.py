@@ -1,15 +1,9 @@
-"""Context parallelism inside trainers that feed whole sequences: Transformers' `Trainer`,
-TRL's `SFTTrainer`, accelerate's prepared data loader, or a loop of one's own.
-
-`dropless.parallelize(model, cp=N)` calls `install(model, mesh)`: accelerate's
-`prepare_data_loader` is handed the layout's ("dp_replicate", "dp_shard", "cp") mesh
-(so the ranks of a cp group get the same samples), a forward pre-hook on the model
-(`CPInputs`) gives each rank its load-balanced part of the whole sequences it is given
-(labels shifted over the whole sequence first, `num_items_in_batch` the whole sequences'
-target count / cp), and `Trainer.get_cp_size` says cp. The first forward checks that the
-ranks of each cp group hold the same batch; a batch `shard_batch` split already passes
-unchanged. What holds, what is refused and why: docs/hf.md, "Many GPUs with your own
-trainer".
+"""Context parallelism inside trainers that feed whole sequences (Transformers' `Trainer`,
+TRL, accelerate's prepared data loader, a loop of one's own). `dropless.parallelize(model,
+cp=N)` calls `install(model, mesh)`: accelerate's data loaders get the layout's mesh (the
+ranks of a cp group read the same samples), a forward pre-hook (`CPInputs`) gives each rank
+its part of the whole sequences (labels shifted first), and the first forward checks the
+cp ranks hold the same batch. What holds and what is refused: docs/hf.md.
 """
 
 # B batch, L whole sequence length, S this rank's length (L / cp)

@@ -1,14 +1,8 @@
-"""Expert parallelism for Transformers v5 MoE models patched with `dropless.patch`.
-
-`shard_hf_experts(model, pmesh)` runs the expert parallelism of `dropless.nn.MoE`
-(`dropless.parallel.experts`) on each experts module: `shard_expert_params` turns its
-expert weights (and its own LoRA factors) into DTensors `Shard(0)` over the "ep" axis,
-`ep_dispatcher` builds its `ExpertParallelDispatcher`, and `_LocalExperts` runs the rows
-this rank received. The module keeps its forward (the "dropless" experts implementation
-sends the tokens through its dispatcher) and its names and global shapes, so DCP
-checkpoints reshard; only its names and layouts are adapted here. Which experts run
-expert-parallel and what is refused: docs/parallel.md. A model built on the meta device is
-sharded first and filled afterwards by `load_sharded_hf` (`sharded_load.py`).
+"""Expert parallelism for Transformers v5 MoE models patched with `dropless.patch`: each
+experts module gets `dropless.nn.MoE`'s (`dropless.parallel.experts`): DTensor weights (and
+its own LoRA factors) `Shard(0)` over "ep", an `ExpertParallelDispatcher`, `_LocalExperts`
+for the rows this rank received. It keeps its forward, names and global shapes, so DCP
+checkpoints reshard. What runs expert-parallel and what is refused: docs/parallel.md.
 """
 
 # T tokens, D model dim, E experts (global), L local experts, K top-k, S rows
@@ -60,12 +54,9 @@ class _LocalExperts:
 def shard_hf_experts(model: nn.Module, pmesh) -> list[str]:
     """Expert-parallelise every experts module of a dropless-patched HF model in place.
 
-    Every rank must hold the same full weights first (same seed or the same
-    checkpoint), or the model is on the meta device: then, after FSDP and
-    `to_empty`, `load_sharded_hf` reads each rank's shards from the checkpoint.
-    Returns the names of the MoE blocks changed; no-op when ep == 1 (unless
-    parallel.force_distributed: then the 1-rank expert-parallel path, the node's code).
-    """
+    Every rank must hold the same full weights first, or the model is on the meta device
+    (then `load_sharded_hf` fills each rank's shards). Returns the names of the MoE blocks
+    changed; no-op when ep == 1 unless parallel.force_distributed (the 1-rank EP path)."""
     from ..layers import moe_layers
 
     cfg = pmesh.config

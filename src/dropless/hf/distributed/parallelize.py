@@ -1,22 +1,9 @@
 """`dropless.parallelize`: what `dropless train` applies to a model on several processes, for
-any training loop (a plain torch loop, accelerate, Transformers' `Trainer`, TRL).
-
-    import torch.distributed as dist, dropless
-    dropless.patch()
-    dist.init_process_group("gloo")            # or NCCL; torchrun sets the rank and world
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    dropless.parallelize(model, ep=2, checkpoint="path/to/checkpoint")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ... loss.backward(); dropless.parallel.clip_grad_norm_(model.parameters(), 1.0); opt.step()
-    dropless.hf.save_hf(model, "out")          # every rank calls it; rank 0 writes
-
-In order: checks (a process group, the sizes, a patched model, nothing else sharding it);
-activation checkpointing where asked (routing replay keeps the recompute's routing);
-expert parallelism (`shard_hf_experts`: DTensor experts, the all-to-all dispatcher); FSDP2
-(HSDP with dp_replicate > 1) with a mixed-precision policy, every decoder layer a unit;
-then, for a model on the meta device and a `checkpoint`, each rank allocates and reads its
-own shards (`load_sharded_hf`, block-FP8 and MXFP4 dequantised).
+any training loop (a plain torch loop, accelerate, Transformers' `Trainer`, TRL); usage in
+docs/hf.md. In order: checks; activation checkpointing where asked (routing replay keeps
+the recompute's routing); expert parallelism (`shard_hf_experts`); FSDP2 with a
+mixed-precision policy, every decoder layer a unit; then, for a meta-device model and a
+`checkpoint`, each rank allocates and reads its own shards (`load_sharded_hf`).
 """
 
 from __future__ import annotations
@@ -209,42 +196,20 @@ def parallelize(
     rename=None,
 ) -> nn.Module:
     """Lay a `dropless.patch()`ed Transformers MoE model out over the processes of the
-    default process group, in place (returns it), as `dropless train` does.
+    default process group, in place (returns it), as `dropless train` does; every keyword
+    is described in docs/hf.md, "Many GPUs with your own trainer".
 
-    ep: expert-parallel size: each rank holds num_experts / ep experts of every layer and
-    tokens reach them by all-to-all. It must divide the processes of a replica and the
-    experts. fsdp: wrap with FSDP2 (HSDP over dp_replicate replicas): dense parameters
-    sharded over the data-parallel ranks, experts over the ranks that hold the same ones;
-    gradients come out averaged over every process. False is refused on several processes
-    (nothing else would average the gradients).
-    cp: context-parallel size: each sequence is split over cp consecutive ranks, whose
-    attention runs across them (`dropless.parallel.context`: all-gather-KV causal
-    attention; sliding windows refused); dense parameters are FSDP-sharded over
-    dp_shard x cp and ep may span the cp ranks. The cp ranks of a sequence get the same
-    whole sequences, which the model splits itself (`context_parallel.install`: a forward
-    pre-hook; labels shifted over the whole sequence, the loss over its target count), and
-    accelerate's prepared data loaders (Transformers' Trainer's and TRL's too) shard the
-    data over world / cp groups; the first forward checks the cp ranks hold the same batch.
-    A loop may also split the batch itself (`dropless.parallel.context.shard_batch`;
-    docs/hf.md).
-    mixed_precision: None (compute in the parameters' dtype; autocast still applies), a
-    dtype (FSDP2 gathers parameters in it and reduces fp32 gradients) or a
-    `MixedPrecisionPolicy`. activation_checkpointing: non-reentrant per decoder layer, the
-    experts' routing replayed in the recompute.
-    checkpoint: a safetensors checkpoint directory (`save_pretrained`'s) to fill a model
-    built on the meta device: each rank allocates only its shards on `device` (default: this
-    rank's CUDA device, else CPU) and reads only their slices. rename: maps a state key to
-    its checkpoint key (None: not in the checkpoint, e.g. LoRA adapters).
-    overlap_chunks: split each all-to-all into chunks that overlap the expert compute.
+    ep: experts per layer split over ep ranks (all-to-all); fsdp: FSDP2 (HSDP over
+    dp_replicate replicas), refused False on several processes since nothing else would
+    average the gradients; cp: each sequence split over cp ranks (`context_parallel`);
+    mixed_precision: a dtype or a `MixedPrecisionPolicy`; checkpoint: a safetensors
+    directory each rank reads only its shards of into a meta-device model (on `device`;
+    `rename` maps a state key to its checkpoint key, None: not in it).
 
-    Needs torch.distributed initialised (torchrun). Raises ValueError, saying what to
-    change, for sizes that do not fit, a model not patched, and what cannot compose:
-    DeepSpeed ZeRO-3, Transformers' own tensor/expert parallelism, an already sharded model.
-    With FSDP2 the model is marked as Transformers marks one sharded at load time, so its
-    `Trainer` (and TRL's) trains it without wrapping it again (`_mark_sharded`). A PeftModel
-    (LoRA added before this call; the experts' own factors by `attach_expert_lora`) gets a
-    `save_pretrained` that gathers its adapters and writes PEFT's format on rank 0
-    (`save_lora_adapter`; every rank calls it, as `Trainer.save_model` does).
+    Raises ValueError, saying what to change, for sizes that do not fit, a model not
+    patched, and what cannot compose (DeepSpeed ZeRO-3, Transformers' own tensor/expert
+    parallelism, an already sharded model). Afterwards Transformers' `Trainer` and TRL train
+    the model without wrapping it again, and a PeftModel saves in PEFT's format.
     """
     world = _check_process_group()
     num_experts = _check_model(model)
@@ -363,10 +328,8 @@ def _apply(
 def _mark_sharded(base: nn.Module, pm: ParallelMesh) -> None:
     """Transformers' mark of a model that owns its placement and gradient reduction (as
     `from_pretrained(distributed_config=...)` leaves one): its Trainer then neither moves it
-    nor has accelerate wrap it in DDP (which refuses DTensors), defers FSDP2's reduction to
-    the last micro-batch, and saves from every rank (the gathers are collectives). The
-    DistributedConfig describes the data-parallel layout only; it is not saved. Also
-    Transformers' mark of an FSDP2 model, which its `generate` reads (synced_gpus)."""
+    nor has accelerate wrap it in DDP (which refuses DTensors), and saves from every rank
+    (the gathers are collectives). The DistributedConfig is not saved."""
     from transformers import DistributedConfig
 
     if getattr(base.config, "distributed_config", None) is None:

@@ -1,17 +1,8 @@
-"""Grouped GEMM, y[s] = x[s] @ w[e(s)]^T over contiguous groups of rows: everything about
-the op in one folder.
-
-- `reference.py`: `grouped_gemm_reference`, the specification (a loop over groups);
-- `backends.py`: `GemmBackend` and the registry `GEMM_BACKENDS` of raw grouped products;
-- `eager.py`: the autograd Function, the "loop" and "grouped_mm" (`torch._grouped_mm`)
-  backends and `bind_offsets`;
-- `gemm_kernels.py`: the Triton grouped GEMM and weight gradient; `group_kernels.py`:
-  the zeroing of empty groups' weight-gradient blocks (a "triton" row op);
-- `gpu.py`: the "triton" backend, registered on the first pick for a CUDA operand;
-- `custom_op.py`: `dropless::grouped_gemm` and its backward, what a compiled region or an
-  exported program holds of a call with tensor counts;
-- `grouped_gemm` below: the entry (argument checks, a recipe's GEMM, autocast, the node
-  under a compiler).
+"""Grouped GEMM, y[s] = x[s] @ w[e(s)]^T over contiguous groups of rows: the reference
+(`reference.py`), the backend registry (`backends.py`), the autograd Function with the
+"loop" and "grouped_mm" backends (`eager.py`), the Triton kernels (`gemm_kernels.py`,
+`group_kernels.py`) registered as "triton" on the first CUDA pick (`gpu.py`), the custom
+op a compiled region holds (`custom_op.py`), and the entry `grouped_gemm` below.
 """
 
 # S rows (sorted pairs), D in features, N out features, E groups (experts)

@@ -1,23 +1,16 @@
 """Grouped GEMM over contiguous row groups (one group per expert), forward and wgrad.
 
-Algorithm. Rows [off[e], off[e+1]) of `a` belong to group e, off = exclusive cumsum of
-counts (a device tensor: nothing is read on the host, so a launch never syncs).
+Rows [off[e], off[e+1]) of `a` belong to group e, off the exclusive cumsum of counts, a
+device tensor: a launch never reads it on the host.
 
-- mm: y[rows of e] = a[rows of e] @ B_e, B_e = b[e]^T (trans_b, b [E, N, K]) or b[e]
-  (b [E, K, N]). The M tiles of all groups are numbered group after group (group e has
-  cdiv(count_e, BLOCK_M) of them); program (m, n) loads all counts as one vector, finds
-  its group with a cumsum of the tile counts, and computes one BLOCK_M x BLOCK_N tile
-  walking K. The grid is sized by the bound cdiv(S, BLOCK_M) + E on M tiles, so it needs
-  no host copy of counts; programs past the last tile do nothing. Rows past the group's
-  end are masked, so a tile never mixes experts. Backward's dx = dy @ w[e] is mm with
-  the other trans_b.
-- wgrad: out[e] = a_e^T @ b_e ([E, M, N], the weight grad). Program (e, tile) walks the
-  rows of group e in BLOCK_K steps; an empty group writes zeros.
+- mm: y[rows of e] = a[rows of e] @ (b[e]^T if trans_b else b[e]). The M tiles of all
+  groups are numbered group after group; each program finds its group from a cumsum of
+  the tile counts. The grid takes the bound cdiv(S, BLOCK_M) + E on M tiles (programs past
+  the last tile do nothing), and rows past a group's end are masked.
+- wgrad: out[e] = a_e^T @ b_e; program (e, tile) walks group e's rows in BLOCK_K steps.
 
-Accumulation is fp32 (tl.dot); fp32 inputs use IEEE products unless
-`torch.set_float32_matmul_precision` allows TF32, as torch.mm does. Registered as the
-"triton" grouped-GEMM backend (`gpu.register_gpu`), for CUDA tensors,
-below torch._grouped_mm where that runs (sm90+ bf16) and above the per-expert loop.
+Accumulation is fp32; fp32 inputs use IEEE products unless torch's matmul precision
+allows TF32, as torch.mm does. The "triton" grouped-GEMM backend (`gpu.register_gpu`).
 """
 
 # S rows (sorted pairs), K reduction dim, N output features, M wgrad rows, E groups

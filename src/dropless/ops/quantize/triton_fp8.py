@@ -1,21 +1,10 @@
-"""Triton device functions that encode and decode FP8: E4M3 bytes and MXFP8 blocks.
-
-The one home of the FP8 bit arithmetic the Triton kernels share (the 2-D casts of
-`triton_quant.py`, the fused SwiGLU + quantize of `ops/activation/swiglu_quant_kernels.py`). It imports
-only triton, so a kernel module takes these without importing `formats.py` (which
-imports the cast kernels lazily: an import back would be a loop).
-
-- `e4m3_bits(v)`: fp32 with |v| <= 448, finite -> E4M3 byte, round to nearest even,
-  with integer ops on the fp32 bits (subnormals below 2**-6 by the 1.5 * 2**23 trick),
-  so the interpreter and the GPU give torch's bytes;
-- `e4m3_code(v)`: any fp32 -> E4M3 byte, saturating (|v| > 448 and +-Inf give +-448),
-  NaN keeps its sign bit (0x7F / 0xFF), as torch's clamp-then-cast;
-- `e4m3_value(code)`: E4M3 byte -> fp32, exact; 0x7F / 0xFF are NaN;
-- `mx_encode(a, RCEIL)`: a [rows, 32] fp32 tile, one MX block per row -> (E4M3 bytes,
-  E8M0 scale bytes). The block amax is a row max; the exponent comes from the amax's
-  fp32 bits (floor(log2) = biased exponent - 127; subnormal amaxes clamp to -127 either
-  way) with the "floor" or "rceil" rule; a block holding NaN/Inf gets scale 0xFF and
-  elements 0x7F.
+"""Triton device functions that encode and decode FP8: E4M3 bytes and MXFP8 blocks, the
+one home of the bit arithmetic the FP8 kernels share (`triton_quant.py`,
+`ops/activation/swiglu_quant_kernels.py`). It imports only triton: `formats.py` imports
+the cast kernels lazily, so an import back would be a loop. Integer ops on the fp32 bits
+make the interpreter and the GPU give torch's bytes (round to nearest even, saturating,
+NaN as 0x7F / 0xFF); an MX block's exponent comes from its amax's fp32 bits, "floor" or
+"rceil", and a block holding NaN/Inf gets scale 0xFF and elements 0x7F.
 """
 
 from __future__ import annotations

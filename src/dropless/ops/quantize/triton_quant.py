@@ -1,23 +1,13 @@
 """Triton kernels for the FP8 casts of 2-D tensors on CUDA: one pass each, no fp32 copy.
 
-The torch forms in `formats.py` (the specification, and what CPU runs) make fp32
-temporaries: `(x.float() * scale).clamp_().to(fp8)` reads and writes ~25 bytes per
-element where the cast needs 3 (read bf16, write one byte). These kernels do the same
-arithmetic in registers and give the same bytes:
-
-- `scale_cast`: q = sat_cast_e4m3(x * scale), scale a scalar, a row or a column (and
-  3-D grouped weights [E, M, N] with one scale per expert, row or column: the delayed
-  recipe quantizes its weights at every call);
-- `dequant_scaled`: (q * scale_inv) in fp32, written in the output dtype;
-- `mx_quantize`: MXFP8 blocks of 32 along the last dim (E8M0 scales, "floor" or "rceil",
-  NaN/Inf blocks get scale 0xFF and elements 0x7F, a partial last block zero padded);
-- `mx_dequant`: q * 2**(s - 127), NaN where s is 0xFF.
-
-Every kernel takes arbitrary 2-D strides, so a transposed view (the column-wise
-quantization of a weight gradient's operand) needs no copy. E4M3 only: the E5M2
-gradients of HYBRID recipes take the torch path. Offsets are int64 (tensors past 2**31
-elements). The E4M3/E8M0 bit arithmetic is `triton_fp8.py`'s. Tested bit for bit
-against the torch path under TRITON_INTERPRET=1.
+The torch forms in `formats.py` (the specification, and what CPU runs) read and write
+~25 bytes per element in fp32 temporaries where the cast needs 3; these kernels do the
+same arithmetic in registers and give the same bytes: `scale_cast` (also 3-D grouped
+weights, one scale per expert), `dequant_scaled`, `mx_quantize` (MXFP8 blocks of 32 along
+the last dim, "floor" or "rceil") and `mx_dequant`. Every kernel takes arbitrary 2-D
+strides, so a transposed view needs no copy; offsets are int64. E4M3 only: the E5M2
+gradients of HYBRID recipes take the torch path. Tested bit for bit against the torch
+path under TRITON_INTERPRET=1.
 """
 
 # M rows, N columns, B MX blocks per row

@@ -1,15 +1,10 @@
 """Context-parallel attention as a Transformers attention implementation.
 
-`register()` adds `ATTENTION_NAME` to Transformers' `AttentionInterface` (the function
-every attention layer calls with `(module, query, key, value, attention_mask, scaling=...,
-dropout=..., sliding_window=..., **kwargs)`) and a mask function that hands the attention
-the 2-D padding mask only: the causal mask over the global positions is built inside,
-from the load-balanced layout. `enable(model, group)` registers it, switches the model to
-it and tells its modules the cp process group. Transformers is imported only inside
-`register`, so this layer still imports without it.
-
-Refused, with a ValueError: sliding-window attention (`sliding_window` set, Mixtral
-style), attention sinks (`s_aux`, GPT-OSS), logit soft-capping, and 4-D masks.
+`register()` adds `ATTENTION_NAME` to Transformers' `AttentionInterface`, with a mask
+function that hands the attention the 2-D padding mask only (the causal mask over global
+positions is built inside); `enable(model, group)` registers it, switches the model to it
+and tells its modules the cp group. Refused (ValueError): sliding-window attention,
+attention sinks (`s_aux`), logit soft-capping and 4-D masks.
 """
 
 # B batch, H heads, S local length, D head dim

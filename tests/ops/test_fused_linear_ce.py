@@ -216,9 +216,9 @@ def test_fused_under_autocast_computes_in_the_autocast_dtype():
 def test_cpu_logits_take_the_eager_row_op():
     """The Triton row op registers on the first pick for a CUDA tensor; registered, it is
     never picked for CPU tensors, not even where the interpreter could run it."""
-    from dropless.ops.linear_cross_entropy.rows import CE_ROWS, ce_rows_names, pick_ce_rows
+    from dropless.ops.linear_cross_entropy.rows import CE_ROWS, ce_rows_names
 
-    assert pick_ce_rows(torch.empty(2, 3)).name == "eager"
+    assert CE_ROWS.pick(None, torch.empty(2, 3)).name == "eager"
     CE_ROWS.load_gpu()
     assert ce_rows_names()[:1] == ["triton"] and "eager" in ce_rows_names()
-    assert pick_ce_rows(torch.empty(2, 3)).name == "eager"
+    assert CE_ROWS.pick(None, torch.empty(2, 3)).name == "eager"

@@ -26,7 +26,8 @@ class MoELayer:
     """One MoE block of a Transformers model.
 
     name: module path of the block (e.g. "model.layers.0.mlp"); block, experts, router:
-    the modules (router is None when the block has no `gate`/`router` child).
+    the modules (router is None when the block has no `gate`/`router` child); num_experts:
+    the experts module's (all the model's experts, however they are laid out).
     """
 
     name: str
@@ -35,10 +36,7 @@ class MoELayer:
     router: nn.Module | None
     router_name: str | None
     family: str
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.experts.num_experts)
+    num_experts: int
 
     @property
     def expert_bias(self) -> torch.Tensor | None:
@@ -88,7 +86,11 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
         block = modules[block_name] if block_name else model
         attr, router = _find_router(block)
         router_name = None if attr is None else (f"{block_name}.{attr}" if block_name else attr)
-        layers.append(MoELayer(block_name, block, mod, router, router_name, family_of(mod)))
+        layers.append(
+            MoELayer(
+                block_name, block, mod, router, router_name, family_of(mod), int(mod.num_experts)
+            )
+        )
     return layers
 
 

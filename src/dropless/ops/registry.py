@@ -92,12 +92,15 @@ def _describe(operands: tuple) -> str:
 class Registry:
     """The named implementations of one op (`op` names it in messages)."""
 
-    def __init__(self, op: str) -> None:
+    def __init__(self, op: str, *entries: Any) -> None:
+        """`entries`: registered at once (more with `register`)."""
         self.op = op
         #: name -> entry; tests may add and remove entries here directly
         self.entries: dict[str, Any] = {}
         self._gpu_hook: Callable[[], None] | None = None
         self._gpu_lock = threading.Lock()
+        for entry in entries:
+            self.register(entry)
 
     def register(self, entry: Any) -> None:
         """Add (or replace) `entry` under `entry.name`."""

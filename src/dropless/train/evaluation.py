@@ -6,6 +6,8 @@ over processes."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,36 +17,27 @@ from .data.context_split import ContextSplit
 from .run.collectives import all_reduce
 
 
+@dataclass
 class Evaluator:
-    """Scores the run's held-out windows; `evaluator()` -> {"eval_loss", "eval_bpb"}."""
+    """Scores the run's held-out windows; `evaluator()` -> {"eval_loss", "eval_bpb"}.
+    `split`: which windows this process scores (data/context_split.py): its own, or with
+    parallel.cp > 1 its cp group's, each rank its chunks of every window; `collective`:
+    forwards are collective (FSDP, EP), as many on every rank; `eval_targets`: supervised
+    rows' [B, L] targets, IGNORE (-100) where no loss (prompt, padding)."""
 
-    def __init__(
-        self,
-        model,
-        eval_BL1: np.ndarray,
-        eval_bytes: int,
-        env,
-        micro_batch: int,
-        collective: bool,
-        precision,
-        eval_targets: np.ndarray | None = None,
-        split=None,
-    ):
-        self.model, self.eval_BL1, self.eval_bytes, self.env = model, eval_BL1, eval_bytes, env
-        # supervised rows: [B, L] targets, IGNORE (-100) where no loss (prompt, padding)
-        self.eval_targets = eval_targets
-        # which windows this process scores (data/context_split.py): its own, or with
-        # parallel.cp > 1 its cp group's, each rank its chunks of every window
-        self.split = split if split is not None else ContextSplit(env.rank, env.world)
-        self.micro_batch, self.collective, self.precision = (
-            max(micro_batch, 1),
-            collective,
-            precision,
-        )
+    model: Any
+    eval_BL1: np.ndarray
+    eval_bytes: int
+    env: Any
+    micro_batch: int  # at least 1
+    collective: bool
+    precision: Any
+    split: ContextSplit
+    eval_targets: np.ndarray | None = None
 
     def _forward_count(self, mine: np.ndarray) -> int:
         n = -(-len(mine) // self.micro_batch)
-        if self.collective:  # forwards are collective (FSDP, EP): as many on every rank
+        if self.collective:
             n_t = torch.tensor([n])
             all_reduce(n_t, op="max")
             n = int(n_t)

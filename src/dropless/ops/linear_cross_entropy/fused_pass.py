@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .rows import pick_ce_rows
+from .rows import ce_rows
 
 
 def fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
@@ -37,10 +37,9 @@ def fused_pass(h_TD, weight_VD, bias_V, labels_T, args, needs):
             torch.mm(h_CD, weight_VD.t(), out=x_CV)
         else:
             torch.addmm(bias_V, h_CD, weight_VD.t(), out=x_CV)
-        impl = rows or pick_ce_rows(x_CV)
-        loss_T[s : s + chunk] = impl.run(
+        loss_T[s : s + chunk] = ce_rows(
             x_CV, labels_T[s : s + chunk], scale_T[s : s + chunk],
-            ignore_index=ignore_index, smoothing=smoothing, grad=grad,
+            ignore_index=ignore_index, smoothing=smoothing, grad=grad, impl=rows,
         )  # fmt: skip
         if need_b:
             grad_b.add_(x_CV.sum(0, dtype=acc))

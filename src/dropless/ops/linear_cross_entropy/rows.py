@@ -24,7 +24,7 @@ import torch
 
 from ..registry import Registry
 
-__all__ = ["EAGER_CE_ROWS", "CERows", "ce_rows_eager", "pick_ce_rows", "register_ce_rows"]
+__all__ = ["EAGER_CE_ROWS", "CERows", "ce_rows", "ce_rows_eager", "register_ce_rows"]
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,22 @@ def ce_rows_names() -> list[str]:
     return CE_ROWS.names()
 
 
-def pick_ce_rows(logits: torch.Tensor) -> CERows:
-    """The best registered implementation that runs this logits tensor."""
-    return CE_ROWS.pick(None, logits) or EAGER_CE_ROWS
+def ce_rows(
+    logits_CV: torch.Tensor,
+    labels_C: torch.Tensor,
+    scale_C: torch.Tensor,
+    *,
+    ignore_index: int,
+    smoothing: float,
+    grad: bool,
+    impl: CERows | None = None,
+) -> torch.Tensor:
+    """The row op on one chunk (`CERows.run`'s arguments) by `impl`, or else by the best
+    registered implementation that runs these logits."""
+    impl = impl or CE_ROWS.pick(None, logits_CV) or EAGER_CE_ROWS
+    return impl.run(
+        logits_CV, labels_C, scale_C, ignore_index=ignore_index, smoothing=smoothing, grad=grad
+    )
 
 
 def ce_rows_eager(

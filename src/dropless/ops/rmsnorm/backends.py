@@ -27,5 +27,6 @@ class RMSNormImpl:
     priority: int = 0
 
 
-RMSNORM = Registry("rmsnorm backend")
-RMSNORM.register(RMSNormImpl("torch", lambda x: True, rms_norm_fwd, rms_norm_bwd))
+RMSNORM = Registry(
+    "rmsnorm backend", RMSNormImpl("torch", lambda x: True, rms_norm_fwd, rms_norm_bwd)
+)

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import threading
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -50,18 +52,18 @@ def _quiet_single_process_warning() -> None:
     warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
 
 
+@dataclass
 class CheckpointSaver:
-    """Saves checkpoints in the background (`background=False`: every save synchronous).
-    Use it as a context manager around the training loop so that leaving the loop waits for
-    the save in flight."""
+    """Saves checkpoints in the background (`background=False`: every save synchronous;
+    `timeout_s`: of the background collectives). Use it as a context manager around the
+    training loop so that leaving the loop waits for the save in flight."""
 
-    def __init__(self, background: bool = True, timeout_s: float = 1800.0):
-        self.background = background
-        self.timeout = timedelta(seconds=timeout_s)
-        self._group = None
-        self._thread: threading.Thread | None = None
-        self._job: ckpt.SaveJob | None = None
-        self._error: BaseException | None = None
+    background: bool = True
+    timeout_s: float = 1800.0
+    _group: Any = field(default=None, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _job: ckpt.SaveJob | None = field(default=None, init=False, repr=False)
+    _error: BaseException | None = field(default=None, init=False, repr=False)
 
     @property
     def in_flight(self) -> bool:
@@ -95,7 +97,7 @@ class CheckpointSaver:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         if self._group is None:
-            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
         return self._group
 
     def _write(self, job: ckpt.SaveJob, box: list, writer, fs, group) -> None:

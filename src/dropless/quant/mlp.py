@@ -1,14 +1,12 @@
 """The expert engine's recipe slot (`RECIPE_MLP`): FP8 / MXFP8 GEMMs and saved activations.
 
 Forward: gate/up GEMM -> SwiGLU x prob quantized for the down GEMM in one pass
-(`swiglu_quant`: a Triton kernel on CUDA for every E4M3 recipe, the torch math otherwise)
--> down GEMM. Kept for backward: x and h in full precision, or with
-fp8_saved_activations h in E4M3 (one scale per row) and x as the FP8 operand of its
-weight gradient (on the token path x_TD itself, which the caller holds anyway). The
-backward recomputes the SwiGLU output from h in the same pass as the SwiGLU backward
-(`_swiglu_grads`). With row-wise or MX scales the token path quantizes the T token rows
-once and gathers FP8 bytes and scales (`_operand_rows`). Other activations are composed
-from the recipe's grouped GEMMs.
+(`swiglu_quant`) -> down GEMM. Kept: x and h in full precision, or with
+fp8_saved_activations h in E4M3 (one scale per row) and x as its weight gradient's FP8
+operand (x_TD itself on the token path). Backward recomputes the SwiGLU output in the
+pass of its backward (`_swiglu_grads`). With row or MX scales the token path quantizes
+the T token rows once and gathers the FP8 bytes (`_operand_rows`). Other activations are
+composed from the recipe's grouped GEMMs.
 """
 
 # S rows (sorted pairs), D model dim, F expert hidden dim, E experts
@@ -45,10 +43,8 @@ def _swiglu_f32(h_S2F: torch.Tensor, prob_S) -> torch.Tensor:
 
 def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize_col):
     """(grad_h in `dtype`, grad_prob or None, the recomputed activation quantized for the
-    down weight gradient). With a per-tensor scale known from forward (current per
-    tensor, delayed) on CUDA in E4M3, one Triton pass also writes that activation in FP8
-    (`swiglu_bwd_quant`); otherwise the registered row ops' SwiGLU backward (which also
-    recomputes the activation, in h's dtype), then `quantize_col`."""
+    down weight gradient): one Triton pass with a per-tensor scale from forward on CUDA
+    in E4M3 (`swiglu_bwd_quant`), else the row ops' SwiGLU backward, then `quantize_col`."""
     if scale is not None and h_S2F.is_cuda and recipe.fwd_format == "e4m3" and triton_importable():
         kw = dict(need_prob_grad=want_prob, grad_dtype=dtype)
         return swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw)
@@ -58,9 +54,8 @@ def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize
 
 
 def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
-    """silu(gate) * up * prob quantized row-wise for the down GEMM: written as FP8 (and its
-    scales) by one Triton kernel on CUDA for every E4M3 recipe (`fused_swiglu_quant`), else
-    computed in fp32 and quantized in torch (the specification)."""
+    """silu(gate) * up * prob quantized row-wise for the down GEMM: one Triton kernel on
+    CUDA for E4M3 (`fused_swiglu_quant`), else fp32 math quantized in torch (the spec)."""
     if h_S2F.is_cuda and recipe.fwd_format == "e4m3" and triton_importable():
         return fused_swiglu_quant(h_S2F, prob_S, recipe, key)
     return quantize_operand(recipe, _swiglu_f32(h_S2F, prob_S), "x", 1, key=key)
@@ -102,11 +97,9 @@ def swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw):
 
 
 def fused_swiglu_quant(h_S2F, prob_S, recipe, key, **kw) -> QTensor:
-    """The fused SwiGLU + E4M3 kernels (`ops/activation/swiglu_quant_kernels.py`) by
-    scaling mode: MXFP8 blocks; delayed scaling (the scale known before the pass, the
-    amax recorded after); current scaling per row (two walks over each row in one
-    program) or per tensor (an amax launch, then the cast). `kw` (act=False) is for the
-    bit-exact tests."""
+    """The fused SwiGLU + E4M3 kernels by scaling mode: MX blocks; delayed (the scale known
+    before, the amax recorded after); current per row or per tensor (an amax launch, then
+    the cast). `kw` (act=False) is for the bit-exact tests."""
     from ..ops.activation.swiglu_quant_kernels import amax as swiglu_amax
 
     mode = gemm.scaling_mode(recipe)
@@ -139,13 +132,10 @@ def _gather_q(q: QTensor, index_S: torch.Tensor) -> QTensor:
 
 
 def _operand_rows(recipe, t, token_S, role, key, every_row: bool = False):
-    """The row-wise quantized GEMM operand t[token_S] (t itself when token_S is None).
-    Row and MX scales depend on each row alone, so the T rows of t are quantized once and
-    the FP8 rows with their scales gathered (K x fewer rows quantized, one byte per value
-    gathered: the same bytes as quantizing the gathered rows). A per-tensor scale (and
-    the amax delayed scaling records) is the gathered rows' amax: that of t when
-    `every_row` of t is gathered at least once (dropless), else the rows are gathered
-    first (a capacity limit drops some)."""
+    """The row-wise quantized GEMM operand t[token_S] (t when token_S is None). Row and MX
+    scales depend on each row alone: the T rows are quantized once and the FP8 rows
+    gathered (the same bytes). A per-tensor scale is the gathered rows' amax: t's when
+    `every_row` of t is gathered (dropless), else the rows are gathered first."""
     if token_S is None:
         return quantize_operand(recipe, t, role, 1, key=key)
     if gemm.scaling_mode(recipe) == "tensor" and not every_row:
@@ -162,12 +152,9 @@ def _store_h(h_S2F) -> QTensor:
 def saved_for_backward(
     recipe, x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None
 ):
-    """What `_forward` keeps for backward on the token path (dropless) beside x_TD and
-    the weights (per-tensor scales are scalars): h [R, N] as `_store_h` stores it with
-    fp8_saved_activations, else in x's dtype; prob_S [R], token_S [R] and pair_S [R]
-    (int64; autograd keeps pair_S for the entry's gather of the routing weights). R = T*K
-    unless `rows` says how many rows the experts compute. `dropless plan` allocates this
-    declaration (`train/plan/experts.py`)."""
+    """What `_forward` keeps on the token path (dropless) beside x_TD and the weights: h
+    [R, N] (as `_store_h` stores it with fp8_saved_activations), prob_S, token_S and
+    pair_S [R] (R = T*K unless `rows` says). What `dropless plan` allocates."""
     T, K = ids_TK.shape
     R = T * K if rows is None else rows
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
@@ -179,13 +166,11 @@ def saved_for_backward(
 
 
 def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = True):
-    """What `_forward` keeps for backward on the rows path (the expert-parallel
-    dispatcher's received rows) beside the weights: with fp8_saved_activations the rows
-    x [R, D] in E4M3 with their column-wise scales for the weight gradient (per expert
-    group and column under row scaling, fp32; under MXFP8 per 32-row block of each group
-    padded to whole blocks, E8M0, with the rows' int64 positions in that layout: an upper
-    bound) and h [R, N] as `_store_h` stores it; else x and h in the rows' dtype. like:
-    a tensor of the rows' dtype, device and width D; rows: R."""
+    """What `_forward` keeps on the rows path (expert parallelism's received rows) beside
+    the weights: with fp8_saved_activations x [R, D] in E4M3 with its column-wise scales
+    (per group and column under row scaling; under MXFP8 per 32-row block of each group,
+    with the rows' positions in that padded layout: an upper bound) and h as `_store_h`
+    stores it; else x and h in the rows' dtype. like: a tensor like the rows [., D]."""
     R, D = rows, like.shape[-1]
     E = gate_up.shape[0]
     N = gate_up.shape[1] if trans_w else gate_up.shape[2]
@@ -206,9 +191,8 @@ def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = Tr
 
 
 def _forward(recipe, sv: Saved):
-    """The engine's recipe slot, forward: (y_SD before the down bias, what backward
-    keeps). x is x_SD (rows in expert order) or, with token_S, x_TD, its rows gathered
-    here (and again in backward, so only x_TD, which the caller holds anyway, is kept)."""
+    """The slot's forward: (y_SD before the down bias, what backward keeps). x is x_SD or,
+    with token_S, x_TD, its rows gathered here (and again in backward)."""
     x, prob_S, gate_up, down, b1 = sv.x, sv.prob_S, sv.gate_up, sv.down, sv.gu_bias
     token_S, slot_TK, counts, trans_w = sv.token_S, sv.slot_TK, sv.counts, sv.trans_w
     be = pick_backend(recipe, x, gate_up, down)
@@ -247,9 +231,8 @@ def _forward(recipe, sv: Saved):
 
 
 def _backward(recipe, sv: Saved, g_out, g_SD, need):
-    """The engine's recipe slot, backward, from g_out and its rows g_SD (gathered):
-    (dx_SD, dh, d prob, d gate_up, d down); the engine adds the biases' gradients and
-    combines dx back to tokens."""
+    """The slot's backward from g_out and its rows g_SD: (dx_SD, dh, d prob, d gate_up,
+    d down)."""
     x_meta, h_meta, be, tensor_mode = sv.meta
     t = sv.h
     x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
@@ -317,12 +300,10 @@ def quantized_grouped_mlp(
     slot_TK=None,
     num_out=None,
 ):
-    """`ops.grouped_mlp` under a recipe (the recipes' `grouped_mlp` method): the engine
-    with the recipe's slot. x is x_SD (rows sorted by expert); or, with token_S and
-    slot_TK from SortedPairs, x_TD, and the result is the combined out [T, D] (only x_TD
-    is then kept for the backward). `backend` (a full-precision GEMM backend name) is
-    ignored: the recipe's `backend` chooses. `activation`: the ActivationConfig `ops`
-    resolved (default swiglu); others are composed from the recipe's grouped GEMMs."""
+    """`ops.grouped_mlp` under a recipe (its `grouped_mlp`): the engine with the recipe's
+    slot. x is x_SD, or x_TD with token_S and slot_TK (-> the combined out [T, D]).
+    `backend` is ignored (the recipe's chooses); activations other than swiglu are
+    composed from the recipe's grouped GEMMs."""
     if recipe is None:
         raise ValueError("quantized_grouped_mlp needs recipe=; use dropless.autocast(recipe=...)")
     if (token_S is None) != (slot_TK is None):

@@ -2,15 +2,12 @@
 
 Transformers v5's `@use_experts_implementation` sets layout flags on each experts module
 (`has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`, `_is_expert_parallel`)
-and dispatches `forward(hidden_states, top_k_index, top_k_weights)` by
-`config._experts_implementation`; `dropless_experts_forward` is registered there under
-"dropless". `experts_spec` reads the flags, the gate function and `act_fn` (what the
-module computes, see `gates.py`, never its family name) and picks the fused path
-(`dropless.ops.expert_mlp` with the module's `ActivationConfig`, so every fast path and
-recipe of `ops` applies; with a post-expert norm, the MLP without the prob, the norm, then
-the weighted combine), the generic-gate path (our grouped GEMMs with the module's own
-gate between them under autograd), or the class's own forward for weights not in the v5
-layout.
+and dispatches its forward by `config._experts_implementation`: "dropless" is
+`dropless_experts_forward`. `experts_spec` reads the flags, the gate and `act_fn` (what
+the module computes, `gates.py`, never its family name) and picks the fused path (the
+engine with the module's `ActivationConfig`), the generic path (grouped GEMMs with the
+module's own gate between them), or the class's own forward (weights not in the v5
+layout).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k
@@ -45,9 +42,8 @@ from ..lora.peft_lora import (
     raw_weight,
 )
 
-#: Calls of the dropless experts path per family, and per (family, path) with path
-#: "fused" or "generic": cheap counters tests and users read to see which path ran
-#: (eager calls only: inside a compiled region nothing is counted).
+#: Eager calls of the dropless experts path per family and per (family, "fused" or
+#: "generic"): which path ran.
 CALLS: collections.Counter = collections.Counter()
 PATH_CALLS: collections.Counter = collections.Counter()
 
@@ -66,13 +62,9 @@ class DroplessGenericGateWarning(UserWarning):
 
 @dataclass(frozen=True)
 class ExpertsSpec:
-    """How one experts module computes, read from its v5 flags, gate function and act_fn.
-
-    path "fused": the expert MLP runs as one memory-lean Function computing `activation`
-    (an `ActivationConfig`: kind, gated, interleaved, alpha/limit); "generic":
-    dropless's grouped GEMMs with the module's own `_apply_gate` (or `act_fn`) between
-    them under autograd, `activation` None and `reason` saying why.
-    """
+    """How one experts module computes, read from its v5 flags, gate and act_fn: path
+    "fused" (the engine computing `activation`) or "generic" (the module's own gate
+    between grouped GEMMs, `activation` None, `reason` saying why)."""
 
     family: str
     activation: ActivationConfig | None
@@ -137,16 +129,12 @@ SPEC_ATTR = "_dropless_spec"  # per experts module: its ExpertsSpec (or why not)
 
 
 def module_spec(module: nn.Module) -> ExpertsSpec | str | None:
-    """`experts_spec(module)`, computed once per module and kept on it: when the model is
-    wired (`wire_experts`: patch() at model build and load, patch_model) or at the
-    module's first eager call. Inside a compiled region it is only read (a graph constant):
-    None for a module not computed yet, since the gate probe of `gates.py` makes a
-    Generator and reads values, which a graph cannot hold."""
+    """`experts_spec(module)`, computed once per module (by `wire_experts` or at its first
+    eager call) and kept on it; inside a compiled region only read (None when not there
+    yet: the gate probe reads values, which a graph cannot hold)."""
     spec = module.__dict__.get(SPEC_ATTR)
     if spec is None and not torch.compiler.is_compiling():
-        # the flags, gate and act_fn are fixed at construction; the probe runs on its own
-        # float64 CPU values, whatever the weights' dtype and device (and a model built
-        # under a meta default device, as from_pretrained does)
+        # the probe runs on its own float64 CPU values (also under a meta default device)
         with torch.device("cpu"):
             spec = module.__dict__[SPEC_ATTR] = experts_spec(module)
         _plan_experts(module, spec)
@@ -154,10 +142,8 @@ def module_spec(module: nn.Module) -> ExpertsSpec | str | None:
 
 
 def _plan_experts(module: nn.Module, spec: ExpertsSpec | str) -> None:
-    """Plan the module's expert MLP now for its weights' dtype and device
-    (`plan_expert_mlp` keeps the schedule per layer shape): a forward in that dtype finds
-    the path, the GEMM backends and the sort chosen. Not for weights on the meta device
-    or of a tensor subclass (sharded), which plan at their first call."""
+    """Plan the module's expert MLP now for its weights' dtype and device (not for meta or
+    sharded weights, which plan at their first call)."""
     if not isinstance(spec, ExpertsSpec) or spec.path != "fused" or spec.post_norm:
         return
     w1 = raw_weight(module, "gate_up_proj" if spec.gated else "up_proj")
@@ -170,8 +156,7 @@ def _plan_experts(module: nn.Module, spec: ExpertsSpec | str) -> None:
 
 
 def wire_experts(model: nn.Module) -> int:
-    """Compute and keep the spec of every experts module of `model` (idempotent), so a
-    compiled forward only reads it; returns how many experts modules it holds."""
+    """Compute and keep the spec of every experts module of `model`; returns their number."""
     experts = [m for m in model.modules() if is_experts_module(m)]
     for module in experts:
         module_spec(module)
@@ -202,11 +187,8 @@ def record_counts(module: nn.Module, counts_E: torch.Tensor) -> None:
 
 
 def register_experts_hook(fn) -> SimpleNamespace:
-    """Call `fn(module, top_k_index, top_k_weights)` on every dropless experts call.
-
-    The ids and weights are the router's own choice for that call (e.g. to compute a
-    balancing loss from the experts each layer actually selected). Returns a handle
-    whose `remove()` unregisters it. No cost when no hook is registered."""
+    """Call `fn(module, top_k_index, top_k_weights)` (the router's choice) on every
+    dropless experts call; returns a handle whose `remove()` unregisters it."""
     if not callable(fn):
         raise TypeError(f"register_experts_hook needs a callable, got {type(fn).__name__}")
     key = max(_HOOKS, default=0) + 1
@@ -216,23 +198,20 @@ def register_experts_hook(fn) -> SimpleNamespace:
 
 def _weights(module: nn.Module, spec: ExpertsSpec):
     """(w1, w2, b1, b2, lora): the module's weights, and LoRA factors where it carries
-    some. Whether it does is state the attachment leaves on the module (the scale of
-    `attach_expert_lora`, the parametrization PEFT registers for the forward): without it
-    nothing of `hf.lora` runs."""
+    some (the scale `attach_expert_lora` leaves, or PEFT's parametrization)."""
+    first = "gate_up_proj" if spec.gated else "up_proj"
     if LORA_SCALE in module.__dict__ or "parametrizations" in module._modules:
-        return _lora_weights(module, spec)
-    first = "gate_up_proj" if spec.gated else "up_proj"
+        w1, w2, lora = _lora_weights(module, spec, first)
+    else:
+        w1, w2, lora = getattr(module, first), module.down_proj, None
     if not spec.has_bias:
-        return getattr(module, first), module.down_proj, None, None, None
-    b1, b2 = getattr(module, first + "_bias"), module.down_proj_bias
-    return getattr(module, first), module.down_proj, b1, b2, None
+        return w1, w2, None, None, lora
+    return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias, lora
 
 
-def _lora_weights(module: nn.Module, spec: ExpertsSpec):
-    """`_weights` of a module with LoRA factors: the base weights and PEFT's factors when
-    the fused path can run them, else the weights as read (PEFT folds its update into
-    them) or with the module's own factors folded in."""
-    first = "gate_up_proj" if spec.gated else "up_proj"
+def _lora_weights(module: nn.Module, spec: ExpertsSpec, first: str):
+    """(w1, w2, lora): the base weights and the factors when the engine runs them, else
+    the weights with the update folded in."""
     w1, w2, lora, reason = experts_weights(module, (first, "down_proj"), spec.trans_w)
     own = lora is None and not reason
     if own:
@@ -247,14 +226,12 @@ def _lora_weights(module: nn.Module, spec: ExpertsSpec):
         lora = None
     if reason:
         _warn_once(DroplessLoRAFallbackWarning, spec.family, f"run PEFT's own LoRA fold: {reason}.")
-    if not spec.has_bias:
-        return w1, w2, None, None, lora
-    return w1, w2, getattr(module, first + "_bias"), module.down_proj_bias, lora
+    return w1, w2, lora
 
 
 def _runs_lora(spec: ExpertsSpec) -> bool:
-    """Whether the engine runs low-rank factors as thin GEMMs for this module: the fused
-    path without a post-expert norm, at full precision."""
+    """Whether the engine runs low-rank factors for this module (fused, no post norm, no
+    recipe)."""
     return spec.path == "fused" and not spec.post_norm and get_recipe() is None
 
 
@@ -265,12 +242,10 @@ def _fold(w1, w2, lora, spec: ExpertsSpec):
 def sorted_experts(
     module, spec: ExpertsSpec, x_SD, counts, prob_S, w1, w2, b1, b2, lora=None, offsets_E=None
 ):
-    """The experts on rows sorted by expert (`counts` rows each), every form the dropless
-    path runs: the engine (gated or not), the engine then the module's post-expert norm,
-    or the module's own gate between grouped GEMMs; LoRA factors the engine cannot run
-    folded into the weights. prob_S (None: applied by the caller) scales each row after
-    any norm. What the local path and expert parallelism
-    (`hf.distributed.expert_parallel`, on the rows a rank received) both run."""
+    """The experts on rows sorted by expert (`counts` rows each), every form: the engine,
+    then the module's post-expert norm if any, or its own gate between grouped GEMMs.
+    prob_S (None: applied by the caller) scales each row after any norm. The local path
+    and expert parallelism (`hf.distributed.expert_parallel`) both run it."""
     if lora is not None and not _runs_lora(spec):
         w1, w2 = _fold(w1, w2, lora, spec)
         lora = None
@@ -288,9 +263,8 @@ def sorted_experts(
 
 
 def dropless_experts_forward(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module, via dropless ops;
-    a module sharded over expert parallelism (`shard_hf_experts`) sends its tokens to the
-    ranks holding their experts through its dispatcher."""
+    """out[t] = sum_k w[t,k] * expert_{idx[t,k]}(x[t]) for a v5 experts module; one
+    sharded over expert parallelism sends its tokens through its dispatcher."""
     ep = self.__dict__.get("_dropless_ep")
     if ep is not None:
         return _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights)
@@ -333,8 +307,7 @@ def dropless_experts_forward(self, hidden_states, top_k_index, top_k_weights) ->
 
 
 def _ep_forward(self, ep, hidden_states, top_k_index, top_k_weights):
-    """The expert-parallel form: the dispatcher moves the tokens (cast first: under
-    autocast its dtype crosses the wire) and calls `ep[0].forward_sorted` on each rank."""
+    """The dispatcher moves the tokens (cast first: the autocast dtype crosses the wire)."""
     local, disp = ep
     x_TD = expert_input(hidden_states, local.weights()[0])
     out_TD, tokens_per_expert_E, _, _ = disp(x_TD, top_k_index.long(), top_k_weights, local, None)

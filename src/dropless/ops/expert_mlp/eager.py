@@ -1,20 +1,11 @@
-"""The routed expert MLP's entries: `grouped_mlp` (rows already sorted by expert: the
-expert-parallel dispatcher calls it after its all-to-all) and `expert_mlp` (tokens in,
-tokens out: the local sort and combine around it), both through `run`, and the custom op
-that is their form under `torch.compile` / `torch.export`.
-
-At full precision `run` runs the engine (`engine.py`, one autograd Function following a
-`plan.Schedule`); under a low-precision recipe (`dropless.autocast`) the recipe's MLP,
-else the MLP composed from the recipe's grouped GEMMs (`composed_mlp`). Under
-`torch.autocast` the operands are first cast to the autocast dtype (`compute_dtype.py`).
-
-Inside a compiled region the routed MLP is one `dropless::expert_mlp` node: Dynamo
-neither breaks the graph at the per-expert counts nor specialises it on the routing,
-and `torch.export` records it with its fake rule (S = T*K pairs, dropless). The node
-calls the engine's `forward` and its backward node the engine's `backward`, with what
-that backward reads declared as the node's outputs (`saved_for_backward`), the same
-declaration `dropless plan` allocates. What the node does not take (a recipe, LoRA
-factors, a capacity limit, a named backend) runs outside the graph (one graph break).
+"""The routed expert MLP's entries, both through `run`: `grouped_mlp` (rows sorted by
+expert, as the expert-parallel dispatcher hands them) and `expert_mlp` (tokens in and
+out, sorted and combined here); and the custom op `dropless::expert_mlp`, their form
+inside a compiled region: one node that neither breaks the graph at the per-expert
+counts nor specialises it on the routing, calling the engine's `forward` and `backward`,
+with what that backward reads declared as its outputs (`saved_for_backward`, what
+`dropless plan` allocates). What the node does not take (a recipe, LoRA factors, a
+capacity limit, a named backend) runs outside the graph (one graph break).
 """
 
 # T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, K top-k,
@@ -44,12 +35,10 @@ from .plan import Schedule, plan_expert_mlp
 def composed_mlp(
     x_SD, counts, prob_S, gate_up, down, *, gate_up_bias=None, down_bias=None, gate=None, **act
 ):
-    """The routed MLP on sorted rows composed of autograd ops: two grouped GEMMs (through
-    the active recipe's GEMM under `dropless.autocast`; trans_w, backend, offsets_E as
-    `grouped_gemm` takes them) with the activation (the other keywords: those of
-    `swiglu`) x prob between them, or `gate`, a module's own activation h -> a, with the
-    prob applied after it (the generic path of a gate with no fused form). What a recipe
-    without an MLP of its own runs, and what the engine is tested against."""
+    """The routed MLP on sorted rows of autograd ops: two `grouped_gemm`s (the active
+    recipe's under `dropless.autocast`) with `swiglu` (its keywords in `act`) x prob or
+    `gate`, a module's own h -> a, then the prob, between them. What a recipe without an
+    MLP of its own runs, and what the engine is tested against."""
     kw = {k: act.pop(k) for k in ("trans_w", "backend", "offsets_E") if k in act}
     h = grouped_gemm(x_SD, gate_up, counts, gate_up_bias, **kw)
     if gate is None:
@@ -69,16 +58,10 @@ def grouped_mlp(x_SD, counts, prob_S, gate_up, down, *, gate: Callable | None = 
 
     gate_up [E, 2F, D] and down [E, D, F] when trans_w (nn.Linear layout), else
     [E, D, 2F] and [E, F, D]. The prob scales the whole expert output, the down bias
-    included: y = prob * (act @ down^T + b) = (prob * act) @ down^T + prob * b.
-    counts: host list, or a device tensor (kept on the device, no sync, when the
-    grouped path's backend takes device counts: `GemmBackend.device_counts`).
-    Keywords (`run`): gate_up_bias, down_bias; activation: an ActivationConfig (default
-    swiglu), or a kind name with `interleaved`, `alpha`, `limit`; trans_w; backend;
-    lora: optional low-rank updates (gate_up, down), each a `LowRank` or None, computed
-    as thin GEMMs beside the base ones (full precision only); offsets_E: the int32
-    cumulative ends of counts on x's device (`SortedPairs.offsets_E`), shared by every
-    GEMM of the layer. gate: a module's own activation (h [S, N] -> a [S, F]) in place
-    of `activation`: the generic path, `composed_mlp` (autograd through the gate).
+    included. counts: a host list, or a device tensor (kept there when the backend takes
+    device counts). Keywords: those of `run`; lora: low-rank updates (gate_up, down),
+    each a `LowRank` or None (full precision only); offsets_E: `SortedPairs.offsets_E`.
+    gate: a module's own activation (h [S, N] -> a [S, F]): `composed_mlp`.
     """
     if gate is not None:
         kw.pop("lora", None)  # folded into the weights by the caller
@@ -111,14 +94,14 @@ def run(
     slot_TK: Tensor | None = None,
     num_out: int | None = None,
 ):
-    """The routed MLP, every entry's one keyword list. Rows form: x = x_SD sorted by
-    expert, `counts` rows each -> y_SD. Tokens form: x = x_TD with token_S / slot_TK /
-    num_out from SortedPairs -> the combined out [num_out, D]; or, with ids_TK (prob_S
-    then the [T, K] routing weights, keep_TK: a capacity limit's kept pairs), sorted here
-    -> (out_TD, SortedPairs). path: "loop", "grouped" or "gathered" (default
-    `expert_path()`); plan: the caller's `Schedule`."""
+    """The routed MLP, every entry's one keyword list. x = x_SD sorted by expert ->
+    y_SD; x = x_TD with token_S / slot_TK / num_out from SortedPairs -> out [num_out, D];
+    or x_TD with ids_TK (prob_S the [T, K] weights, keep_TK a capacity limit's kept
+    pairs), sorted here -> (out_TD, SortedPairs). activation: an ActivationConfig or a
+    kind with interleaved / alpha / limit. path: "loop", "grouped" or "gathered"
+    (default `expert_path()`); plan: the caller's `Schedule`."""
     if isinstance(activation, ActivationConfig) and (interleaved, alpha, limit) == (None,) * 3:
-        act = activation  # a config is checked once, when its schedule is planned
+        act = activation
     else:
         act = as_activation(activation, interleaved=interleaved, alpha=alpha, limit=limit)
     trans_w = bool(trans_w)
@@ -165,8 +148,7 @@ def run(
 
 
 def _rows_counts(x, gate_up, counts, device_counts: bool):
-    """The rows form's counts, checked; on a device-counts plan a tensor stays one (no
-    host sync)."""
+    """The rows form's counts, checked; a tensor stays one on a device-counts plan."""
     if not (device_counts and isinstance(counts, torch.Tensor)):
         return check_counts(x, gate_up, counts)
     if counts.dim() != 1 or counts.numel() != gate_up.shape[0] or counts.is_floating_point():
@@ -189,11 +171,9 @@ def _checked_lora(lora, gate_up, down, trans_w) -> tuple:
 def expert_mlp(x_TD, ids_TK, weights_TK, gate_up, down, *, keep_TK=None, **kw):
     """out[t] = sum_k w[t,k] * expert_{ids[t,k]}(x[t]); returns (out_TD, sorted pairs).
 
-    Every pair is computed unless keep_TK (capacity mode) marks it dropped. On the
-    grouped path without keep_TK, with a backend that takes device counts (grouped_mm,
-    triton: CUDA, or under torch.compile) nothing is read on the host and the returned
-    SortedPairs has `counts=None`; elsewhere the counts are read on the host once, in
-    `sort_by_expert`. `kw` are those of `grouped_mlp`.
+    Every pair is computed unless keep_TK (capacity mode) marks it dropped. With a
+    backend that takes device counts and no keep_TK nothing is read on the host (the
+    SortedPairs' `counts` is None). `kw` are those of `grouped_mlp`.
     """
     if not torch.compiler.is_compiling():
         return run(x_TD, weights_TK, gate_up, down, None, ids_TK=ids_TK, keep_TK=keep_TK, **kw)
@@ -204,13 +184,10 @@ def expert_mlp(x_TD, ids_TK, weights_TK, gate_up, down, *, keep_TK=None, **kw):
     return _expert_mlp_eager(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, kw)
 
 
-# torch._disable_dynamo is torch.compiler.disable that imports torch._dynamo (and triton)
-# on its first call, not at `import dropless`; made here, not inside the compiled region,
-# where creating the wrapper would itself break the graph. Under non-strict torch.export
-# `is_compiling()` stays true inside it: `run` is called directly, never `expert_mlp`.
+# torch._disable_dynamo: torch.compiler.disable without importing torch._dynamo at
+# `import dropless`; made here, since making it in a compiled region breaks the graph
 @torch._disable_dynamo
 def _expert_mlp_eager(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, kw):
-    """expert_mlp run outside the compiled graph (what the custom op does not take)."""
     return run(x_TD, weights_TK, gate_up, down, None, ids_TK=ids_TK, keep_TK=keep_TK, **kw)
 
 
@@ -218,13 +195,11 @@ def _expert_mlp_eager(x_TD, ids_TK, weights_TK, gate_up, down, keep_TK, kw):
 
 
 def _needs_grad(*tensors) -> bool:
-    """Whether the call records a backward: the op keeps h for it only then (a constant of
-    the traced graph; Dynamo guards grad mode and requires_grad already)."""
+    """Whether the call records a backward (the op keeps h only then)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _through_custom_op(x_TD, ids_TK, weights_TK, gate_up, down, *, trans_w=True, **kw):
-    """The call as one `dropless::expert_mlp` node (torch.compile, torch.export)."""
     kw.pop("backend", None), kw.pop("lora", None)
     b = {k: kw.pop(k, None) for k in ("gate_up_bias", "down_bias")}
     act = as_activation(kw.pop("activation", None), **kw)
@@ -247,8 +222,7 @@ def _op_plan(x_TD, gate_up, down, act, trans_w):
 
 
 def _op_saved(plan, operands, token_S, pair_S, slot_TK, counts, act, trans_w, offs, h=None):
-    """The engine's `Saved` of a node's operands (x_TD, weights_TK, gate_up, down, the
-    biases) and sort; h: the forward node's output, for the backward node."""
+    """The engine's `Saved` of a node's operands and sort (h: the forward node's)."""
     x_TD, weights_TK, gate_up, down, b1, b2 = operands
     prob_S = weights_TK.reshape(-1).index_select(0, pair_S).to(x_TD.dtype)
     counts = counts.tolist() if plan.path == "loop" else counts  # the loop's bounds
@@ -275,9 +249,8 @@ def expert_mlp_op(
     keep_h: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out_TD, h_SN, pair_S, slot_TK, counts_E): the engine's forward on every pair
-    (dropless) and what its backward reads (`saved_for_backward`). keep_h False (a call
-    that records no backward): h is [0, N], never held as one [S, N] tensor (a fresh
-    allocation of hundreds of MiB per call at 16k tokens: its page faults cost ~5%)."""
+    and what its backward reads (`saved_for_backward`). keep_h False (no backward): h is
+    [0, N] (a fresh [S, N] allocation per call costs ~5% in page faults at 16k tokens)."""
     act = ActivationConfig(kind, gated, interleaved, alpha, limit)
     plan = _op_plan(x_TD, gate_up, down, act, trans_w)
     host = plan.path == "loop" or not plan.device_counts
@@ -292,11 +265,9 @@ def expert_mlp_op(
 
 def saved_for_backward(x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None):
     """(h_RN, pair_R, slot_TK, counts_E): what the engine's backward reads beside the
-    operands the caller holds (x_TD, the routing and expert weights): the gate/up output
-    h in x's dtype and the sort's int64 indices. R = S = T*K (dropless) unless `rows` says
-    how many rows the experts compute (the memory planner's busiest expert-parallel
-    rank). The op's fake rule is this declaration, and `dropless plan` allocates it
-    (`train/plan/experts.py`)."""
+    operands: h in x's dtype and the sort's int64 indices; R = T*K unless `rows` says
+    (the planner's busiest expert-parallel rank). The op's fake rule and what `dropless
+    plan` allocates (`train/plan/experts.py`)."""
     T, K = ids_TK.shape
     R = T * K if rows is None else rows
     index = dict(dtype=torch.int64, device=x_TD.device)
@@ -335,8 +306,8 @@ def expert_mlp_backward_op(
     trans_w: bool,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of (x, weights_TK, gate_up, down, gate_up_bias, down_bias) by the
-    engine's backward; an empty tensor where `needs` (same order) wants none."""
+    """Gradients of (x, weights_TK, gate_up, down, the biases) by the engine's backward;
+    empty where `needs` (same order) wants none."""
     act = ActivationConfig(kind, gated, interleaved, alpha, limit)
     plan = _op_plan(x_TD, gate_up, down, act, trans_w)
     T, K = slot_TK.shape

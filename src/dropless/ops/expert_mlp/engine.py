@@ -1,21 +1,15 @@
 """The expert engine: the routed MLP (gather rows -> gate/up GEMM -> activation x prob ->
-down GEMM -> combine) as ONE autograd Function, `RoutedMLP`, whose schedule is data (a
-`plan.Schedule`), and the `forward` / `backward` it runs, which the custom op
-(`eager.py`) calls directly. Schedules: "loop" (`loop.py`, the CPU default, one pass per
-expert, on worker threads from `threads.py`); "grouped": whole-S gathers and grouped
-GEMMs, each of the six (`plan.GEMMS`) on the backend the schedule names or, where it
-names None, the Triton kernel that gathers its rows and computes the activation (or its
-backward) in its epilogue (`gather_gemm_kernels.py`); "recipe": a low-precision recipe's
-slot (`quant/mlp.py`). With device counts and backends that take them nothing is read
-on the host.
+down GEMM -> combine) as ONE autograd Function, `RoutedMLP`, following a `plan.Schedule`,
+and the `forward` / `backward` it runs (the custom op of `eager.py` calls them directly).
+Schedules: "loop" (`loop.py`, the CPU default); "grouped": whole-S gathers and grouped
+GEMMs, each of `plan.GEMMS` on its backend or, where None, the Triton kernel that
+gathers its rows and fuses the activation (`gather_gemm_kernels.py`); "recipe": a
+low-precision recipe's slot (`quant/mlp.py`) for the GEMMs and the saved format.
 
-Saved for backward (`plan.Saved`), per kept pair: h [N] in the compute dtype, the prob
-and the sort's indices, plus x_TD, which the caller holds anyway; the gathered x and the
-activation are recomputed (768 values per pair at D=1024, F=384, against 2816 for the
-composed autograd graph). Both schedules take biases (the down bias is scaled by the
-prob), every `ActivationConfig`, `trans_w=False`, dropped pairs and low-rank (LoRA)
-factors for either projection (`lora.py`); the row-gathering kernels run gated experts
-without biases or factors only.
+Saved for backward (`Saved`), per kept pair: h [N], the prob and the sort's indices,
+plus x_TD, which the caller holds anyway; the gathered x and the activation are
+recomputed. Biases (the down bias scaled by the prob), every `ActivationConfig`,
+`trans_w=False`, dropped pairs and low-rank (LoRA) factors run on both schedules.
 """
 
 # T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, K top-k,
@@ -117,7 +111,6 @@ def graph_released() -> bool:
 
 
 def free_storage(t: torch.Tensor) -> None:
-    """Give a tensor's memory back now; its storage is its own."""
     t.untyped_storage().resize_(0)
 
 
@@ -147,16 +140,13 @@ class RoutedMLP(torch.autograd.Function):
 
 
 def routed_mlp(sched: Schedule, sv: Saved, num_out) -> torch.Tensor:
-    """`RoutedMLP` on a call's operands (`sv` before its forward: no h)."""
     meta, ts = _split(sv)
     return RoutedMLP.apply(sched, num_out, meta, *ts)
 
 
 def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
-    """(out, sv with h, u1, u2 filled in): out_TD [num_out, D] when sv has token_S /
-    slot_TK, else y_SD. one_h: keep h as one [S, N] tensor (the custom op's output). The
-    recipe path's slot runs the two GEMMs and keeps its saved-activation format; the
-    down bias and the combine are the engine's."""
+    """(out_TD [num_out, D] with sv.token_S, else y_SD; sv with h, u1, u2 filled in).
+    one_h: h as one [S, N] tensor (the custom op's output)."""
     if sched.path == "loop":
         if isinstance(sv.counts, torch.Tensor):
             # host sync: the loop needs the bounds on the host
@@ -189,9 +179,7 @@ def add_bias(t_SN, bias_EN, counts, prob_S=None) -> torch.Tensor:
 
 
 def _up_projection(sched: Schedule, sv: Saved):
-    """(h, the activation x prob, the low-rank intermediate or None) of the gate/up GEMM:
-    the row-gathering kernel (gather in its prologue, activation in its epilogue) or the
-    gather, the backend's GEMM, bias, and the row ops' (or torch's) activation."""
+    """(h, the activation x prob, the low-rank intermediate or None) of the gate/up GEMM."""
     act, counts, prob_S = sv.act, sv.counts, sv.prob_S
     up = _bound(sched, "up", sv.offs)
     kw = (act.interleaved, act.kind, act.alpha, act.limit)
@@ -212,8 +200,7 @@ def _up_projection(sched: Schedule, sv: Saved):
 
 def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> tuple:
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
-    None where `need` wants none; release: free h (and the recomputed activation) once
-    read, in a backward that frees the graph as it goes (h is this call's own)."""
+    None where `need` wants none; release: free h (this call's own) once read."""
     if sched.path == "recipe":  # the slot's GEMMs; the bias gradients and combine here
         g_out, token_S = g_out.contiguous(), sv.token_S
         gy = g_out.index_select(0, token_S) if token_S is not None else g_out
@@ -268,8 +255,7 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
 
 
 def _bias_grads(sv: Saved, gy, dh, gp, need: Needs):
-    """(d gate_up bias, d down bias, gp plus the down bias's term of d prob) from the
-    gathered gy [S, D] and dh [S, N]; None where there is no bias or `need` wants none."""
+    """(d gate_up bias, d down bias, gp plus the down bias's term) from gy and dh."""
     ggb = gdb = None
     if sv.d_bias is not None:
         rows_E = _rows_E(sv.counts, gy)
@@ -308,8 +294,7 @@ def _gate_up_backward(sched, sv, dh, lr1, need):
 
 
 def _act_backward_eager(sv, be, gy, h, p, need, lr2, release):
-    """(dh, d prob, d down, dA, dB of the down update, None) by the torch math of the
-    activation (kinds the row ops lack, or a down update joining the gradient)."""
+    """(dh, d prob, d down, dA, dB of the down update, None) by the torch math."""
     counts, trans_w = sv.counts, sv.trans_w
     a0, d_gate, d_up = act_parts(h, sv.act)
     dh = torch.empty_like(h)
@@ -347,8 +332,7 @@ def _bound(sched: Schedule, gemm: str, offs):
 
 
 def counts_for(sched: Schedule, counts, device):
-    """The counts as the schedule's GEMMs take them: a device tensor (one copy for every
-    GEMM) with `device_counts`, else a host list (a sync for a tensor)."""
+    """The counts as the schedule's GEMMs take them: a device tensor or a host list."""
     if isinstance(counts, torch.Tensor) and not sched.device_counts:
         return counts.tolist()
     if sched.device_counts and not isinstance(counts, torch.Tensor):

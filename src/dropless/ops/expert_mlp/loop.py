@@ -1,11 +1,8 @@
-"""The engine's "loop" schedule (the CPU default): the whole routed MLP as one pass per
-expert (`threads.run_experts`): gather its rows, gate/up GEMM, activation x prob, down GEMM,
-and an `index_add_` into the output committed in expert order; on worker threads with
-single-threaded ops when the experts are many and big enough. Backward writes the weight
-gradients straight into preallocated [E, ...] tensors. Each expert's h is its own saved
-tensor, freed as soon as its activation gradient is formed in a backward that frees the
-graph. Token sums of 16-bit inputs run in fp32 and are rounded once, as the grouped
-path's gathers do.
+"""The engine's "loop" schedule (the CPU default): one pass per expert (gather its rows,
+gate/up GEMM, activation x prob, down GEMM, `index_add_` into the output in expert
+order), on worker threads (`threads.py`) when the experts are many and big enough.
+Backward writes the weight gradients straight into [E, ...] tensors and frees each
+expert's h (its own tensor) once read. Token sums of 16-bit inputs run in fp32.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, S sorted (kept) pairs,
@@ -63,8 +60,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _row_buffers(x: torch.Tensor, nmax: int, D: int):
-    """A factory of (rows in x's dtype, the same in the accumulation dtype or None):
-    one expert's result, converted before its turn to be summed into the tokens."""
+    """A factory of (rows in x's dtype, the same in the accumulation dtype or None)."""
     acc = _acc_dtype(x.dtype)
 
     def new():
@@ -120,9 +116,8 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
 
 
 def forward(sv, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
-    """(out_TD with sv.token_S, else y_SD; sv with h, u1, u2 filled in). one_h: keep every
-    expert's h as rows of one [S, N] tensor (the custom op's output), else one tensor per
-    expert (freed one by one in backward)."""
+    """(out_TD with sv.token_S, else y_SD; sv with h, u1, u2 filled in). h: one tensor
+    per expert, or with one_h rows of one [S, N] tensor (the custom op's output)."""
     x, counts, act = sv.x, sv.counts, sv.act
     S, D = int(sum(counts)), x.shape[1]
     N = sv.gate_up.shape[1] if sv.trans_w else sv.gate_up.shape[2]  # 2F gated, F not
@@ -148,8 +143,7 @@ def forward(sv, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
 
 
 def backward(sv, g_out, need, release: bool, lr1=None, lr2=None) -> tuple:
-    """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2);
-    release: free each expert's h once read (a backward that frees the graph)."""
+    """The grads of `engine.backward`; release: free each expert's h once read."""
     x, gate_up, counts, act, trans_w = sv.x, sv.gate_up, sv.counts, sv.act, sv.trans_w
     hs = sv.h if isinstance(sv.h, tuple) else sv.h.split(counts)
     D = x.shape[1]
@@ -174,8 +168,7 @@ def backward(sv, g_out, need, release: bool, lr1=None, lr2=None) -> tuple:
 
 
 def _forward_expert(st, item, s, bufs) -> None:
-    """One expert's forward: gather its rows, gate/up GEMM (+ update, bias), activation
-    x prob, down GEMM (+ update, bias) into its rows of the output (or `bufs`)."""
+    """One expert's forward, into its rows of the output (or `bufs`)."""
     e, lo, hi = item
     n = hi - lo
     x, lr1, lr2, trans_w = st.x, st.lr1, st.lr2, st.trans_w
@@ -199,9 +192,8 @@ def _forward_expert(st, item, s, bufs) -> None:
 
 
 def _grad_buffers(need, gathered, sv) -> dict:
-    """The gradients the backward fills, allocated once (None where none is wanted)."""
-    # weight gradients: every expert's slice is written by an mm(out=) below; only
-    # experts without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
+    # every expert's slice of a weight gradient is written by an mm(out=): only experts
+    # without tokens need zeros (zero-filling the whole [E, ...] costs ~10%)
     x, prob_S, counts, gu_bias, d_bias = sv.x, sv.prob_S, sv.counts, sv.gu_bias, sv.d_bias
     gate_up, down = sv.gate_up, sv.down
     a1, b1, a2, b2 = sv.lora or (None,) * 4
@@ -223,8 +215,8 @@ def _grad_buffers(need, gathered, sv) -> dict:
 
 
 def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
-    """Through the down projection: its weight, bias and update gradients, and the
-    gradient of the activation output (da, before the prob scaling)."""
+    """The down projection's weight, bias and update gradients; returns da (before the
+    prob scaling)."""
     trans_w, lr2, gd = st.trans_w, st.lr2, st.gd
     if gd is not None or st.g2a is not None:
         ap = a0 if p is None else torch.mul(a0, p.unsqueeze(1), out=act_bufs[0])
@@ -244,7 +236,7 @@ def _down_backward(st, e, lo, hi, gy, p, a0, act_bufs, da_buf):
 
 
 def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
-    """Through the gate/up projection: its weight and update gradients, and dx."""
+    """The gate/up projection's weight and update gradients, and dx."""
     n, trans_w, lr1 = hi - lo, st.trans_w, st.lr1
     if st.ggu is not None or st.g1a is not None:
         x = st.x
@@ -268,8 +260,7 @@ def _gate_up_backward(st, e, lo, hi, dh, s, dx_out):
 
 
 def _backward_expert(st, item, s, bufs) -> None:
-    """One expert's backward: recompute its activation from the kept h, then back
-    through the down projection, the activation and the gate/up projection."""
+    """One expert's backward, its activation recomputed from the kept h."""
     e, lo, hi = item
     n = hi - lo
     gy = st.g_out[lo:hi]

@@ -1,13 +1,12 @@
 """What one call of the routed expert MLP runs (`Schedule`), decided once per layer shape
 and kept (`plan_expert_mlp`).
 
-The decisions, in order: a low-precision recipe (`dropless.autocast`) runs its GEMMs;
-else `expert_path` (`dropless.patch(expert_path=)`, `set_expert_path`): "auto" is the
-loop on CPU and the grouped path elsewhere and under torch.compile; "gathered" (opt-in:
-not yet run on a GPU, docs/performance.md) fuses the gathers of the GEMMs a tuning
-measured faster fused. The tuning (`GemmTuner`) is keyed on the layer's shape (never on
-the rows one rank received), reads a cache that `dropless bench tune` writes, and times
-only where it is asked to: a cached pick allocates nothing.
+A low-precision recipe (`dropless.autocast`) runs its GEMMs; else `expert_path`: "auto"
+is the loop on CPU and the grouped path elsewhere and under torch.compile; "gathered"
+(opt-in, not yet run on a GPU) fuses the gathers of the GEMMs a tuning measured faster
+fused. The tuning (`GemmTuner`) is keyed on the layer's shape (never on the rows one
+rank received), reads the cache `dropless bench tune` writes, and times only where
+asked: a cached pick allocates nothing.
 """
 
 # T tokens, D model dim, F expert hidden dim, N gate/up width, E experts, S sorted pairs
@@ -49,9 +48,8 @@ EXPERT_PATHS = ("auto", "loop", "grouped", "gathered")
 
 @dataclass(frozen=True)
 class GatherKernels:
-    """Kernels that gather their rows: `gather_gemm_kernels.py`'s up_act, down_dact and
-    gathered_wgrad (wgrad); supports(x, w): whether they run these operands; kinds: the
-    activation kinds their epilogues compute."""
+    """Kernels that gather their rows (`gather_gemm_kernels.py`); supports(x, w): whether
+    they run these operands; kinds: the activation kinds their epilogues compute."""
 
     up_act: Callable
     down_dact: Callable
@@ -82,12 +80,10 @@ GATHER_KERNELS.on_first_cuda(register_gpu)
 @dataclass(frozen=True)
 class Schedule:
     """path: "loop", "grouped" or "recipe". gemms: per GEMM of `GEMMS`, its backend, or
-    None where `kernels` run it fused. device_counts: the counts stay on the device (no
-    host sync). recipe / recipe_mlp / takes_tokens: the recipe path's recipe, its MLP
-    (the plan's: the recipe's `grouped_mlp`, None: composed from its GEMMs; the engine's:
-    its `RecipeMLP` slot) and whether it takes x_TD and gathers rows itself.
-    sort: the `sort_by_expert` that runs the call's device (a routing kernel's or the
-    torch sort), picked with the plan and called directly."""
+    None where `kernels` run it fused. device_counts: the counts stay on the device.
+    recipe / recipe_mlp / takes_tokens: the recipe, its MLP (the plan's: its
+    `grouped_mlp` or None, composed; the engine's: its `RecipeMLP` slot) and whether it
+    takes x_TD. sort: the `sort_by_expert` for the call's device."""
 
     path: str
     gemms: tuple[GemmBackend | None, ...] = ()
@@ -124,8 +120,7 @@ _PLANS: dict = {}
 
 
 def set_expert_path(path: str) -> None:
-    """The expert path of every later call: "auto" (default: the loop on CPU, the grouped
-    path elsewhere), "loop", "grouped" or "gathered" (opt-in, unverified on a GPU)."""
+    """The expert path of every later call: one of `EXPERT_PATHS` ("auto" by default)."""
     if path not in EXPERT_PATHS:
         raise ValueError(f"expert_path={path!r}; expected one of {EXPERT_PATHS}")
     _EXPERT_PATH[0] = path
@@ -153,12 +148,11 @@ def plan_expert_mlp(
 ) -> Schedule:
     """The schedule of one call on x (x_TD or sorted rows x_SD), kept per layer shape.
 
-    path: force "loop", "grouped" or "gathered" (default: `expert_path()`); backend: a
-    grouped-GEMM backend name ("loop" forces the loop path); lora: the call's (gate_up,
-    down) low-rank updates or None; capacity: pairs may be dropped; tokens: the T*K pairs
-    of the batch before any dispatch (the gathered path's tuning key; None: the rows form,
-    which reads cached picks only, so that every expert-parallel rank picks the same);
-    tuner: the gathered path's `GemmTuner` (default: the cache file's, timing on CUDA)."""
+    path: default `expert_path()`; backend: a grouped-GEMM backend name ("loop" forces
+    the loop path); lora: the call's (gate_up, down) low-rank updates or None; capacity:
+    pairs may be dropped; tokens: the T*K pairs before any dispatch (None: cached picks
+    only, the same on every expert-parallel rank); tuner: the gathered path's
+    `GemmTuner` (default: the cache file's, timing on CUDA)."""
     if lora is not None and (not isinstance(lora, (tuple, list)) or len(lora) != 2):
         raise TypeError(
             "lora must be a pair (gate_up update, down update), each a LowRank or None; "
@@ -307,9 +301,8 @@ def tune_gathered(
     x, gate_up, down, act, trans_w, tokens, kernels, grouped: Schedule, tuner, timing: bool = True
 ) -> dict[str, str | None]:
     """{GEMM: implementation} for the fusable GEMMs: the tuner's cached pick or, with
-    `timing` and `tokens`, the faster of the fused kernel and the grouped backend's
-    unfused form on stand-ins of `tokens` rows (None where neither). The cache is asked
-    first: stand-in operands are made only when something is timed."""
+    `timing` and `tokens`, the faster of fused and unfused on stand-ins of `tokens` rows
+    (made only when something is timed); None where neither."""
     D, F = _dims(down, trans_w)
     E, names = gate_up.shape[0], (FUSED, grouped.backend.name)
     keys = {g: shape_key(g, x.dtype, E, D, F, trans_w, act.kind) for g in FUSABLE}
@@ -345,9 +338,8 @@ def environment() -> dict:
 def shape_key(
     gemm: str, dtype: torch.dtype, E: int, D: int, F: int, trans_w: bool, kind: str
 ) -> str:
-    """The cache key of one GEMM: the layer's shape only. No device (the file's `env` says
-    where it was measured) and no row count: the rows one rank receives depend on the
-    routing, and every rank must make the same choice."""
+    """The cache key of one GEMM: the layer's shape only (no device, no row count: every
+    rank makes the same choice)."""
     layout = "nt" if trans_w else "nn"
     return f"{gemm}|{str(dtype).removeprefix('torch.')}|E{E}|D{D}|F{F}|{layout}|{kind}"
 
@@ -367,10 +359,9 @@ def cuda_timer(fn: Callable[[], object], reps: int = 10) -> float:
 
 
 class GemmTuner:
-    """Per-key choice among candidates, cached in a JSON file {version, env, choices}: a
-    file made in another environment (`env()`: GPU, torch, Triton) is discarded; writes go
-    through a temporary file and `os.replace`, merged with what another process wrote.
-    timer(fn) -> seconds (default `cuda_timer`)."""
+    """Per-key choice among candidates, cached in a JSON file {version, env, choices}
+    (discarded when made in another `env()`; written atomically, merged with what another
+    process wrote). timer(fn) -> seconds (default `cuda_timer`)."""
 
     def __init__(self, path=None, timer=None, env=None):
         self.path = Path(path) if path is not None else cache_path()
@@ -458,8 +449,7 @@ def default_tuner() -> GemmTuner:
 
 
 def choices_note() -> str:
-    """Markdown lines naming each layer shape's planned GEMM implementations (what
-    `dropless bench layer` prints under its tables)."""
+    """Markdown lines naming each layer shape's planned GEMMs (`dropless bench layer`)."""
     if not _RECORDED:
         return "Expert GEMMs: no gathered plan in this run (expert_path='gathered' is opt-in).  \n"
     lines = [f"Expert GEMMs, {what}: {choice}." for what, choice in _RECORDED.items()]

@@ -1,17 +1,13 @@
-"""Per-expert work of the CPU loop spread over worker threads, each running torch ops
-with one thread: no OpenMP barrier per op (where one descheduled core stalls the whole
-team), work stealing off a shared counter, one expert's rows kept in its core's cache.
-
-Determinism: results several experts add into the same rows are committed in item order,
-one at a time, from a bounded pool of output buffers (a thread takes a buffer before it
+"""Per-expert work of the CPU loop on worker threads, each running torch ops with one
+thread: no OpenMP barrier per op, work stealing off a shared counter, one expert's rows
+kept in its core's cache. Results several experts add into the same rows are committed
+in item order from a bounded pool of output buffers (a thread takes a buffer before it
 claims an item, so the lowest unfinished item always holds one: no deadlock).
 
-Thread-local modes (grad, inference, autocast, the dispatch keys a guard includes or
-excludes) are carried into the workers (`_Modes`); where they cannot be (a Python
-TorchFunctionMode / TorchDispatchMode, a dispatch-key state the worker cannot
-reproduce) the items run in the calling thread, so 1 and N workers give the same bits.
-`torch.set_num_threads(1)` in a worker also sets the process-wide count: the caller's is
-put back once the workers are started.
+Thread-local modes (grad, inference, autocast, a guard's dispatch keys) are carried into
+the workers (`_Modes`); where they cannot be (a Python TorchFunctionMode /
+TorchDispatchMode, dispatch keys a worker cannot reproduce) the caller runs the items
+itself, so 1 and N workers give the same bits.
 """
 
 from __future__ import annotations
@@ -97,9 +93,7 @@ class _Modes:
         stack.enter_context(
             torch.autocast("cpu", dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache)
         )
-        # the caller's key sets as they are, whatever guard left them so (a custom op
-        # runs its implementation with the Autograd keys excluded, as torch.compile's
-        # graphs call it)
+        # the caller's key sets as any guard left them (a custom op excludes Autograd)
         stack.enter_context(torch._C._ForceDispatchKeyGuard(*self.key_sets))
         return _dispatch_keys() == self.keys
 

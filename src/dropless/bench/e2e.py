@@ -2,25 +2,14 @@
 model built from a config object (random weights, no download), stock Transformers v5
 (`grouped_mm`, its default, and `eager`) against the same model after `dropless.patch()`.
 
-Each implementation runs in its own child process, the order rotating every round so that
-load from other processes hits them alike; >= 3 rounds. Timing children run under the
-default allocator (malloc settings removed from their environment, no mallopt): one
-warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s =
-batch*seq / median step time). Memory is measured in separate children, one per
-implementation after the timing rounds, with glibc told before the model is built to
-serve blocks >= 128 KiB with mmap and to trim freed memory (`follow_live_memory`), so the
-resident set follows the live tensors: after a warm-up step, the larger VmHWM of
-forward+backward and of the AdamW step above the steady VmRSS (`measure_memory`). That
-setting changes speed, which is why no timing is taken with it. Every child starts from
-the same seed, so the first-step losses of the rows must agree (printed as a check).
-`--device cuda`: bf16, fused AdamW, the step timed between device synchronizations; peak
-step memory from the caching allocator, in the timing child after its timed steps.
-
-The peer rows (`PEER_ROWS`: the stock `grouped_mm` model with the peer applied) run from a
-checkout (tools/peers.py); one whose package does not import, or that needs CUDA on a CPU
-run, is not timed, the run names it with the version it looked for (`figures.peers`).
-`--profile` (tools/bench_profile.py): a per-kernel table of one more training step of the
-`dropless` row, in its first timing child (`figures.profile`).
+Each row runs in its own child process, the order rotating every round so that load from
+other processes hits them alike. Timing children run under the default allocator: one
+warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s from the
+median). Memory is measured in separate children with glibc told to return freed memory
+(`follow_live_memory`, which changes speed: no timing there), so RSS follows the live
+tensors; on CUDA the timing child reads the caching allocator. Every child starts from the
+same seed, so the first-step losses of the rows must agree. The peer rows run from a
+checkout (tools/peers.py); one that cannot run here is named with the version looked for.
 """
 
 # B batch, L sequence length

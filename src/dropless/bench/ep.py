@@ -1,10 +1,6 @@
-"""Expert-parallel layer benchmark: time split (dispatch / experts / combine) of the
-forward and the forward+backward wall time, with and without chunked overlap.
-
-`dropless bench ep --world 2 --tokens 1024` spawns `world` gloo
-processes on this machine (ep = world), runs one MoE layer per setting side by
-side in the same processes, prints a table and appends the figures to
-benchmarks/history.jsonl.
+"""`dropless bench ep --world 2 --tokens 1024`: one expert-parallel MoE layer in `world`
+gloo processes on this machine (ep = world), with and without chunked overlap: the
+forward's time split (dispatch / experts / combine) and the forward+backward wall time.
 """
 
 # T tokens per rank, D model dim, F expert hidden dim, E experts, K top-k

@@ -1,14 +1,8 @@
-"""`dropless bench jax`: one MoE layer in JAX, forward and forward+backward, side by side.
-
-Rows, each measured in its own child process (so peak memory is its own):
-- dropless: `dropless.jax.moe_apply` (tiled grouped GEMM with custom VJP on CPU);
-- ragged_dot: the same layer with `jax.lax.ragged_dot` as the grouped GEMM (dropless;
-  on XLA:CPU a masked dense matmul over all experts: slow and ~19 GB at the default
-  shape, so it runs last, alone, only when enough memory is free, with a watchdog);
-- capacity_einsum (asked for by name, run from a checkout: tools/jax_capacity.py): the
-  GShard/Switch dispatch-einsum layer with capacity factor 1.25 (drops the overflow; its
-  dispatch/combine einsums cost more than the experts);
-- dense_bound: a dense GEMM chain with the experts' FLOPs (T*K rows, one weight).
+"""`dropless bench jax`: one MoE layer in JAX, forward and forward+backward, each row in its
+own child process (so peak memory is its own): dropless (`moe_apply`), ragged_dot (on
+XLA:CPU a masked dense matmul over all experts, ~19 GB at the default shape: it runs last,
+alone, only with enough free memory, under a watchdog), capacity_einsum (by name, from a
+checkout: tools/jax_capacity.py) and dense_bound (the experts' FLOPs as one GEMM chain).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, C capacity per expert

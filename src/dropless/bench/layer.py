@@ -1,22 +1,13 @@
 """`dropless bench layer`: one MoE layer forward+backward, side by side in one process,
 against the dense-GEMM bound, Hugging Face v5 `Qwen3MoeSparseMoeBlock` and the peers.
 
-Every implementation gets the same input, the same weights and the same routing (the
-router weight is copied; the routes are checked equal). Time: median of `--rounds`
-rounds after a warm-up, the implementations interleaved within each round so that
-load from other processes hits them alike. Memory: each implementation runs once more
-in its own child process (CPU) and reports the step's peak RSS (VmHWM from
-/proc/self/status, reset through /proc/self/clear_refs) minus the RSS once inputs and
-weights are allocated; on CUDA, max_memory_allocated minus memory_allocated.
-
-The dense bound (row `dense`, bench/bound.py) is the layer's six expert GEMMs as dense
-`torch.mm` on operands allocated before the clock starts, 18*T*K*D*F FLOPs, nothing else.
-Every row reports ms, TFLOP/s (those FLOPs over its time), its share of the bound and of
-the machine's dense matmul rate, measured in the same run (`figures.matmul`). The
-experts-path variants (tools/layer_paths.py) and the peer rows (tools/peers.py) run from
-a checkout; a peer row runs when its package imports, otherwise the run names it, with
-the version looked for (`figures.peers`). `--profile` (tools/bench_profile.py): the
-per-kernel table of one bf16 and one FP8 step.
+Every row gets the same input, weights and routing (checked equal). Time: median of
+`--rounds` rounds after a warm-up, the rows interleaved within each round. Memory: each
+row once more in its own child (CPU: VmHWM minus RSS after allocation; CUDA:
+max_memory_allocated minus memory_allocated). The dense bound (bench/bound.py) is the six
+expert GEMMs as dense `torch.mm` on preallocated operands, 18*T*K*D*F FLOPs: every row's
+TFLOP/s and share of the bound use those FLOPs. The experts-path variants and peer rows
+run from a checkout (tools/layer_paths.py, tools/peers.py).
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k, M = T*K rows

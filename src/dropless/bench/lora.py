@@ -1,18 +1,8 @@
-"""`dropless bench lora`: one LoRA fine-tuning step (forward + backward + AdamW on the
-adapters) of the pinned Qwen3-MoE config of `bench e2e`, PEFT LoRA r=16 on the experts
-(`target_parameters`) and the attention projections (`target_modules`):
-
-- `peft`: stock PEFT on stock Transformers v5 (`grouped_mm`, its default): PEFT folds
-  `W + s * B @ A` into each expert weight on every forward;
-- `peft_dropless`: the same PEFT code after `dropless.patch()`: the adapter runs as thin
-  grouped GEMMs inside dropless's expert Function, no fold, no base-weight gradient;
-- `full` / `full_dropless`: full fine-tuning (every weight trained) on stock / patched
-  Transformers, for reference.
-
-Protocol as `bench e2e`: each row in its own child process, the order rotating every
-round; timing children under the default allocator; peak step memory in separate
-children (mallopt so RSS follows live tensors). Every child starts from the same seed,
-so the first-step losses of the LoRA rows (and of the full rows) must agree.
+"""`dropless bench lora`: one LoRA fine-tuning step of `bench e2e`'s pinned Qwen3-MoE, PEFT
+LoRA r=16 on the experts (`target_parameters`) and the attention (`target_modules`): stock
+PEFT (which folds `W + s * B @ A` into each expert weight every forward) against the same
+PEFT code after `dropless.patch()` (thin grouped GEMMs inside the expert Function, no
+fold), and full fine-tuning for reference. Protocol and memory as `bench e2e`.
 """
 
 # B batch, L sequence length

@@ -1,23 +1,13 @@
 """`dropless bench memory`: peak step memory per token of the pinned Qwen3-MoE at long
-sequence lengths (batch 1), stock Transformers v5 against dropless's long-sequence recipe.
+sequence lengths (batch 1), stock Transformers v5 against dropless's long-sequence recipe
+(`LABELS`; `dropless-mxfp8`, opt-in, raises the peak on CPU, where the MXFP8 GEMMs are
+emulated and their temporaries outweigh the smaller saved tensors).
 
-Rows (`LABELS`): stock `grouped_mm`, without and with its activation checkpointing;
-`dropless`, the recipe `dropless train` runs by default (`bench e2e`'s model with
-`patch(fused_cross_entropy=True, fused_rmsnorm=True)` and activation checkpointing); and,
-not run by default, `dropless-mxfp8`, the recipe with MXFP8 saved activations around the
-forward and the backward (where checkpointing recomputes the layers). On CPU the MXFP8
-GEMMs are emulated (both operands dequantized to fp32 per GEMM): their temporaries
-outweigh the smaller saved tensors, so this row raises the peak there.
-
-Every (length, implementation) runs in its own child process, once (`--tiny`: every row in
-one child): AdamW's state is allocated first (`_prime_adamw`), then ONE step (forward,
-backward, AdamW) with no warm-up; its peak is VmHWM above VmRSS before the step, glibc
-serving blocks >= 128 KiB by mmap from the child's start so RSS follows live tensors
-(`follow_live_memory`). The step's time under those settings is an indication, not a
-speed figure. A child whose address space would pass `--max-rss-gib` (RLIMIT_AS, set just
-before the step) fails its allocation; that, a MemoryError, a RuntimeError about memory,
-or a child killed by SIGKILL (the kernel's out-of-memory killer) is recorded as out of
-memory, and not retried.
+Every (length, row) runs in its own child, once (`--tiny`: every row in one child):
+AdamW's state is allocated first, then ONE step; its peak is VmHWM above VmRSS before the
+step, with RSS following live tensors (`follow_live_memory`). A child whose address space
+would pass `--max-rss-gib` (RLIMIT_AS) fails its allocation; that, a memory error or a
+SIGKILL (the OOM killer) is recorded as out of memory, not retried.
 """
 
 # B batch (1), L sequence length

@@ -1,13 +1,11 @@
 """Expert parallelism: experts sharded over a mesh axis, tokens moved by all-to-all.
 
 Inside `jax.shard_map` each device routes its tokens, sorts the pairs by expert and sends
-each peer the rows for the peer's experts (exchange "padded": one fixed-size
-`lax.all_to_all` of [n, C, D] blocks, the XLA:CPU path; "ragged": `lax.ragged_all_to_all`
-into a receive buffer of C rows, unverified on GPU/TPU). The receiver regroups the rows by
-local expert with one gather, runs the single-device layer's grouped expert MLP, and the
-results travel back. Dropless by construction: C is the worst case (capacity=None) or a
-power-of-two bucket `ep_bucket` measured for this batch; `aux.dropped` (psum'd) is 0.
-Sizes, recompiles and what was tested: docs/jax.md, "Expert parallelism".
+each peer the rows for its experts ("padded": one fixed-size `lax.all_to_all`, the XLA:CPU
+path; "ragged": `lax.ragged_all_to_all`, unverified on GPU/TPU); the receiver regroups
+them by local expert, runs the grouped expert MLP, and the results travel back. Dropless
+by construction: the capacity is the worst case or a power-of-two bucket measured for the
+batch (`ep_bucket`). Sizes and recompiles: docs/jax.md, "Expert parallelism".
 """
 
 # T local tokens, D model dim, E experts, El local experts, K top-k, S local pairs (T*K),

@@ -1,11 +1,7 @@
-"""All-to-all with uneven splits that autograd can go through, sync or split in two.
-
-`all_to_all(x, out_splits, in_splits, group)` is the synchronous form. For overlap,
-`a2a_start` returns the receive buffer while the transfer runs and `a2a_wait`
-finishes it; their backward mirrors the pair, so the gradient's all-to-all is
-also started in one node and awaited in the next, leaving the autograd engine
-free to run other chunks' backward in between. The layer of collectives is
-torch.distributed; nothing here is a transport of its own.
+"""All-to-all with uneven splits that autograd can go through, sync or split in two:
+`a2a_start` returns the receive buffer while the transfer runs and `a2a_wait` finishes
+it; their backward mirrors the pair, so the autograd engine can run other chunks'
+backward while a gradient's all-to-all is in flight.
 """
 
 # N rows, D features

@@ -1,24 +1,14 @@
 """Quantized grouped GEMM under a recipe: operand quantization, backends, autograd.
 
-Each of the three GEMMs quantizes its operands along its own reduction dimension:
-forward y = x w^T reduces over D (x row-wise, w along D); dgrad dx = g w reduces over
-N (g row-wise, w along N); wgrad dw[e] = g_e^T x_e reduces over the rows of expert e
-(g and x column-wise; for MXFP8 each expert's rows are padded to a multiple of 32 so
-no block straddles two experts). Per-tensor scales are the same whatever the
-reduction dim, so those quantizations are done once and reused.
-
-Backends: `emulated` (both operands dequantized to fp32, the fp32 grouped GEMM), `torch`
-(row-wise FP8 through torch._scaled_grouped_mm on sm90+, weight gradients too once a
-probe agrees) and `bf16` (MXFP8 on sm90+ as bf16 GEMMs on exact dequantized values).
-What each computes, what ran on a GPU and when: docs/fp8.md.
-
-Counts may be a host list or a device tensor; nothing here reads a device tensor of
-counts on the host unless a GEMM backend that needs a list runs (the CPU loop).
-
-Weights are quantized once per optimizer step where their quantization depends on the
-weight alone (current scaling, MXFP8), in the one weight cache of `ops.weight_cache`; a
-weight the FP8 GEMMs read column-major is stored so once (`dgrad_layout`), not
-transposed per call (docs/fp8.md).
+Each GEMM quantizes its operands along its own reduction dim: forward over D, dgrad over
+N, wgrad over the rows of each expert (column-wise; for MXFP8 each expert's rows padded to
+a multiple of 32). Per-tensor scales do not depend on the dim: quantized once, reused.
+Backends: `emulated` (dequantized to fp32), `torch` (row-wise FP8 through
+torch._scaled_grouped_mm on sm90+) and `bf16` (MXFP8 on sm90+ as bf16 GEMMs on exact
+dequantized values); docs/fp8.md. Device counts are read on the host only by a GEMM
+backend that needs a list (the CPU loop). Weights whose quantization depends on the weight
+alone are quantized once per optimizer step (`ops.weight_cache`), column-major where the
+FP8 GEMMs read them so (`dgrad_layout`).
 """
 
 # S rows (sorted pairs), D in features, N out features, E experts

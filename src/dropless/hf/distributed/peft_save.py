@@ -1,12 +1,10 @@
 """A LoRA adapter of a model laid out by `dropless.parallelize`, written in PEFT's format.
 
-PEFT's own `PeftModel.save_pretrained` cannot write it: the adapters are DTensors, and the
-experts' own factors (`attach_expert_lora`) are not PEFT parameters. `save_lora_adapter`
-gathers every adapter tensor (a collective per tensor), converts the experts' factors to
-PEFT's layout and keys, adds their projections to the config's `target_parameters`, and
-writes on rank 0 the directory `PeftModel.from_pretrained(stock_model, dir)` loads;
-`route_peft_save` makes a PeftModel's `save_pretrained` (what `Trainer.save_model` calls on
-every rank) go through it (docs/hf.md).
+PEFT's `save_pretrained` cannot write it: the adapters are DTensors, and the experts' own
+factors are not PEFT parameters. `save_lora_adapter` gathers every adapter tensor (a
+collective per tensor), converts the experts' factors to PEFT's layout and
+`target_parameters`, and writes on rank 0; `route_peft_save` sends a PeftModel's
+`save_pretrained` (what `Trainer.save_model` calls on every rank) through it.
 """
 
 from __future__ import annotations

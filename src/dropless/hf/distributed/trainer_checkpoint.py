@@ -1,13 +1,11 @@
 """Resuming Transformers' `Trainer` on a model laid out by `dropless.parallelize`.
 
 Trainer cannot checkpoint the optimizer of a model sharded at load time, and its resume
-loads full tensors with `model.load_state_dict`, which cannot fill DTensor parameters nor
-read the per-expert layout `save_pretrained` writes for fused experts. `trainer_checkpoints()`
-is a callback that adds what is missing: the optimizer and scheduler as a sharded
-torch.distributed.checkpoint folder `checkpoint-N/dropless_optimizer/` at every save, and
-on resume the weights read by `load_sharded_hf`, then the optimizer and scheduler;
-`accept_full_state_dicts` gives the model a `load_state_dict` that takes full tensors, so
-Trainer's own load gets through. Why and how to use it: docs/hf.md, "Resuming a Trainer run".
+loads full tensors, which cannot fill DTensor parameters. `trainer_checkpoints()` is a
+callback that saves the optimizer and scheduler as a sharded DCP folder
+`checkpoint-N/dropless_optimizer/` and, on resume, reads the weights with
+`load_sharded_hf`; `accept_full_state_dicts` lets Trainer's own load get through
+(docs/hf.md, "Resuming a Trainer run").
 """
 
 from __future__ import annotations

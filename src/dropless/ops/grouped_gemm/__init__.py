@@ -44,10 +44,8 @@ def grouped_gemm(
     else [E, D, N]. counts: list of ints or 1-D integer tensor (read on the host once).
     offsets_E: their int32 cumulative ends on x's device when the caller has them
     (`SortedPairs.offsets_E`: a layer's GEMMs then share one tensor), else None.
-    Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead.
-    Under `torch.compile` / `torch.export` with tensor counts (no recipe, no named
-    backend) the call is one `dropless::grouped_gemm` node (`custom_op.py`): the counts
-    are read when the node runs, so the graph neither breaks nor specialises on them.
+    Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead; under
+    a compiler with tensor counts the call is one `dropless::grouped_gemm` node.
     """
     if _takes_node(counts, offsets_E, backend):  # torch.compile / export: one node
         return custom_op.run(x_SD, w, counts, bias_EN, trans_w)

@@ -1,11 +1,6 @@
-"""The registry of grouped-GEMM backends (`registry.Registry`).
-
-A backend computes raw (non-autograd) grouped products; the single autograd Function
-of `eager.py` calls it for forward and both backward GEMMs. Backends register under a
-name with a priority; `auto` picks the highest-priority one that supports the operands.
-Naming a backend that cannot run raises; it never silently falls back. `eager.py`
-registers "loop" and "grouped_mm"; `gpu.py` registers "triton" on the first pick for a
-CUDA operand.
+"""The registry of grouped-GEMM backends (`registry.Registry`): raw (non-autograd) grouped
+products that the autograd Function of `eager.py` calls. `auto` picks the highest-priority
+backend that supports the operands; naming one that cannot run raises.
 """
 
 # S rows, N output features, E groups, M / N the dims of a weight gradient

@@ -1,12 +1,8 @@
-"""The grouped GEMM as PyTorch custom ops (`dropless::grouped_gemm` and its backward):
-what `torch.compile` and `torch.export` see of `grouped_gemm` (and so of
-`nn.GroupedLinear`) when the group sizes come as a tensor.
-
-The node reads the counts on the host when it runs (it is opaque to the compiler), so a
-compiled graph neither breaks at `counts.tolist()` nor specialises on the group sizes:
-new sizes reuse the graph. It calls the forward and backward eager code's autograd
-Function calls (`eager.gemm_forward` / `gemm_backward`, on the backend picked when the
-node runs), so the math is that one's. The fake rule gives [S, N] from the operands.
+"""The grouped GEMM as PyTorch custom ops (`dropless::grouped_gemm` and its backward): what
+`torch.compile` and `torch.export` see of `grouped_gemm` when the group sizes come as a
+tensor. The node reads the counts when it runs, so a compiled graph neither breaks at
+`counts.tolist()` nor specialises on the group sizes; it calls the eager Function's
+forward and backward, so the math is that one's.
 """
 
 # S rows, D in features, N out features, E groups

@@ -1,13 +1,9 @@
 """Grouped GEMM: y[s] = x[s] @ w[e(s)]^T for contiguous groups of rows, with autograd.
 
-One autograd Function owns forward and backward (never autograd through per-expert
-slices: that builds a full-size zero gradient per expert, measured 10x slower). The
-raw products come from a registered backend (see `backends.py`):
-
-- `grouped_mm`: torch._grouped_mm where it is correct for this device/dtype/strides;
-- `loop`: a per-expert torch.mm into preallocated outputs (runs everywhere, fp64 too);
-- `triton`: `gemm_kernels.py`, registered by `gpu.py` on the first pick for a CUDA
-  tensor on machines with triton.
+One autograd Function owns forward and backward (autograd through per-expert slices
+builds a full-size zero gradient per expert: measured 10x slower); the raw products come
+from a registered backend: `grouped_mm` (torch._grouped_mm where it is correct), `loop`
+(per-expert torch.mm, everywhere, fp64 too) or `triton` (`gpu.py`).
 """
 
 # S rows (sorted pairs), D in features, N out features, E groups (experts)

@@ -1,12 +1,6 @@
-"""Context parallelism: each sequence split over the cp ranks, attention across them.
-
-- `sharding`: the causal load-balanced layout (rank r holds chunks r and 2*cp-1-r of
-  2*cp), its inverse, and the batch split with global positions;
-- `attention`: all-gather-KV causal attention (autograd Function: all-gather K/V in
-  forward, reduce-scatter dK/dV in backward) and its single-process reference;
-- `hf`: the same as a Transformers attention implementation (`enable(model, group)`).
-
-Tested on gloo/CPU; NCCL/GPU is unverified (not run).
+"""Context parallelism: each sequence split over the cp ranks (`sharding`), all-gather-KV
+causal attention across them (`attention`), as a Transformers attention implementation
+(`hf`). Tested on gloo/CPU; NCCL/GPU is unverified (not run).
 """
 
 from .attention import all_gather_sequence, context_parallel_attention, reference_attention

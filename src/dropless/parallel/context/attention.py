@@ -1,16 +1,12 @@
 """Causal attention across the context-parallel ranks: all-gather K/V.
 
-Each cp rank holds its queries, keys and values for two chunks of the sequence (chunk r
-and chunk 2*cp-1-r, `sharding.py`). `all_gather_sequence` all-gathers K and V over the cp
-group in forward (an autograd Function: its backward reduce-scatters dK / dV) and puts
-them back in sequence order; `context_parallel_attention` then computes attention of the
-local queries against the whole K/V under the causal mask of their global positions
-(`attend_gathered`: on CPU without padding mask or dropout `blockwise.chunked_causal_attention`,
-else SDPA with a bottom-right-aligned causal mask, `_causal_sdpa`). `reference_attention`
-(whole-sequence causal SDPA on one process) is the specification. How each part runs and
-what was tested: docs/parallel.md, "Context parallelism". PyTorch's own
-`torch.distributed.tensor.experimental.context_parallel` (ring attention over SDPA on
-CUDA/NCCL) is not used here: this one works on every backend with all_gather.
+Each cp rank holds chunks r and 2*cp-1-r of the sequence (`sharding.py`).
+`all_gather_sequence` gathers K and V into sequence order (backward: reduce-scatter), then
+the local queries attend to the whole K/V under the causal mask of their global positions
+(`attend_gathered`: blockwise on CPU, else SDPA with a bottom-right causal mask).
+`reference_attention` is the specification (docs/parallel.md, "Context parallelism").
+torch's own experimental context_parallel (ring attention on CUDA/NCCL) is not used: this
+one works on every backend with all_gather.
 """
 
 # B batch, H query heads, G key/value heads, S local length (2 C), C chunk length,

@@ -62,13 +62,3 @@ def say_error(text: str) -> None:
     """On stderr, once: under torchrun every rank has the same message."""
     if os.environ.get("RANK", "0") == "0":
         print(text, file=sys.stderr, flush=True)
-
-
-__all__ = [
-    "EXTRA_OF",
-    "is_missing_extra",
-    "missing_module_line",
-    "one_line_warnings",
-    "say_error",
-    "warning_line",
-]

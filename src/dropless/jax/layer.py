@@ -112,12 +112,8 @@ class MoEAux(NamedTuple):
 
 def init_params(key, cfg: MoEConfig, dtype=jnp.float32) -> dict:
     """Random params with the PyTorch layer's scales."""
-    E, D, F, Fs = (
-        cfg.num_experts,
-        cfg.hidden_size,
-        cfg.moe_intermediate_size,
-        cfg.shared_expert_intermediate_size,
-    )
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    Fs = cfg.shared_expert_intermediate_size
     k = jax.random.split(key, 7)
 
     def normal(key, shape, fan_in):

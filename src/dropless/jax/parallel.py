@@ -143,13 +143,14 @@ def _ep_body(params, state, x_TD, *, cfg: MoEConfig, axis: str, n: int, C: int, 
     return out_TD, aux
 
 
-def _specs(params: dict, axis: str):
-    """Expert weights split by expert over `axis`; everything else replicated."""
+def _in_specs(params: dict, state: dict, axis: str):
+    """(params, state, x_TD): expert weights split by expert over `axis`, the tokens by
+    token; everything else replicated."""
     specs = {}
     for k, v in params.items():
         spec = Ps(axis) if k == "experts" else Ps()
         specs[k] = jax.tree.map(lambda _, s=spec: s, v)
-    return specs
+    return specs, jax.tree.map(lambda _: Ps(), state), Ps(axis)
 
 
 def _check(cfg: MoEConfig, mesh, axis: str, x, exchange):
@@ -195,12 +196,7 @@ def moe_apply_ep(
     state = state or {}
     body = partial(_ep_body, cfg=cfg, axis=axis, n=n, C=int(C), exchange=exchange)
     aux_specs = MoEAux(Ps(), Ps(), Ps(), Ps(), Ps(axis))
-    f = _shard_map(
-        body,
-        mesh,
-        (_specs(params, axis), jax.tree.map(lambda _: Ps(), state), Ps(axis)),
-        (Ps(axis), aux_specs),
-    )
+    f = _shard_map(body, mesh, _in_specs(params, state, axis), (Ps(axis), aux_specs))
     return f(params, state, x_TD)
 
 
@@ -218,8 +214,7 @@ def _need_body(params, state, x_TD, *, cfg, axis, n, exchange):
 def _need(params, state, x_TD, cfg, mesh, axis, exchange):
     n = mesh.shape[axis]
     body = partial(_need_body, cfg=cfg, axis=axis, n=n, exchange=exchange)
-    specs = (_specs(params, axis), jax.tree.map(lambda _: Ps(), state), Ps(axis))
-    return _shard_map(body, mesh, specs, Ps())(params, state, x_TD)
+    return _shard_map(body, mesh, _in_specs(params, state, axis), Ps())(params, state, x_TD)
 
 
 def ep_bucket(

@@ -81,13 +81,9 @@ def ep_dispatcher(pmesh, num_experts: int):
     overlapped as `parallel.overlap_chunks` asks."""
     from .dispatcher import ExpertParallelDispatcher
 
-    chunks = pmesh.config.overlap_chunks
+    c = pmesh.config.overlap_chunks
     return ExpertParallelDispatcher(
-        pmesh.ep_group,
-        pmesh.dp_group,
-        num_experts=num_experts,
-        num_chunks=chunks,
-        overlap=chunks > 1,
+        pmesh.ep_group, pmesh.dp_group, num_experts=num_experts, num_chunks=c, overlap=c > 1
     )
 
 

@@ -153,12 +153,3 @@ def _quantized_bases(key: str) -> list[str]:
         if key.endswith(suffix):
             return [key.removesuffix(suffix)]
     return []
-
-
-__all__ = [
-    "dequantize_block_fp8",
-    "dequantize_mxfp4",
-    "dequantize_state_dict",
-    "fp8_block_size",
-    "quantized_sources",
-]

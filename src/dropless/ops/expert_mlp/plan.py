@@ -32,10 +32,10 @@ from ..activation.eager import ACTIVATIONS
 from ..dispatch import get_recipe, recipe_mlp
 from ..grouped_gemm.backends import GEMM_BACKENDS, GemmBackend, pick_gemm_backend
 from ..grouped_gemm.gpu import supports_triton_gemm
-from ..permute.eager import sort_by_expert, sort_for
+from ..permute.eager import sort_by_expert, torch_sort_by_expert
 from ..permute.row_ops import ROW_OPS, RowOps, pick_row_ops
 from ..registry import Registry, lazy
-from ..routing.backends import ROUTING
+from ..routing.backends import ROUTING, pick_routing_kernels
 from ..specs import KERNEL_KINDS, ActivationConfig
 from .threads import python_modes_active
 
@@ -207,7 +207,8 @@ def _registered() -> tuple:
 def _plan(x, gate_up, down, req: _Request, tuner, compiling: bool) -> Schedule:
     backend, path, act = req.backend, req.path, req.act
     cpu_auto = backend in (None, "auto") and x.device.type == "cpu" and not compiling
-    sort = sort_for(x)
+    routing = pick_routing_kernels(x)  # the sort that runs x's device, called directly
+    sort = torch_sort_by_expert if routing is None else routing.sort_by_expert
     if backend == "loop" or path == "loop" or (path == "auto" and cpu_auto):
         return Schedule("loop", sort=sort)
     down_lora = req.lora is not None and req.lora[1]

@@ -2,9 +2,8 @@
 back: everything about the op in one folder.
 
 - `reference.py`: `permute_reference`, `unpermute_reference`, the specification (loops);
-- `eager.py`: `SortedPairs`, `sort_by_expert` (a routing kernel's sort, or the torch one:
-  `sort_for` picks, `torch_sort_by_expert`),
-  `permute` and `unpermute` with their autograd Functions;
+- `eager.py`: `SortedPairs`, `sort_by_expert` (a routing kernel's sort, or the torch one,
+  `torch_sort_by_expert`), `permute` and `unpermute` with their autograd Functions;
 - `eager_rows.py`: the torch forms of the row ops (gathers, pair dot, empty groups);
 - `row_ops.py`: the registry `ROW_OPS` of row-op implementations (`RowOps`: gathers and
   the gated activations), which every autograd Function of the expert path takes;

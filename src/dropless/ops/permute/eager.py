@@ -9,7 +9,6 @@ same input gives the same bits on every backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +55,7 @@ def sort_by_expert(
     host_counts: bool = True,
 ) -> SortedPairs:
     """Stable sort of the T*K pairs by expert id (ties keep (token, k) order), by the
-    routing kernel that runs ids_TK or the torch sort (`sort_for`).
+    routing kernel that runs ids_TK (none under torch.compile) or the torch sort.
 
     keep_TK (bool) marks pairs kept under a capacity limit; others are left out of the
     slots. The host copy of counts is the one device->host sync of a layer.
@@ -65,15 +64,9 @@ def sort_by_expert(
     torch.compile without graph breaks); consumers then use `counts_E`.
     """
     _check_host_counts(keep_TK, host_counts)
-    return sort_for(ids_TK)(ids_TK, num_experts, keep_TK, host_counts=host_counts)
-
-
-def sort_for(t: torch.Tensor) -> Callable[..., SortedPairs]:
-    """The `sort_by_expert` that runs tensor t's device: the best registered routing
-    kernel's (`ops.routing`; none under torch.compile), else `torch_sort_by_expert`. A
-    caller that plans once (the expert MLP's `Schedule.sort`) keeps it and calls it."""
-    kernels = pick_routing_kernels(t)
-    return torch_sort_by_expert if kernels is None else kernels.sort_by_expert
+    kernels = pick_routing_kernels(ids_TK)
+    sort = torch_sort_by_expert if kernels is None else kernels.sort_by_expert
+    return sort(ids_TK, num_experts, keep_TK, host_counts=host_counts)
 
 
 def _check_host_counts(keep_TK, host_counts: bool) -> None:

@@ -1,8 +1,8 @@
 """The registry of routing implementations besides the torch reference (`registry.Registry`):
 `gpu.py` registers "triton" (`routing_kernels.py`) on the first pick for a CUDA tensor.
-`eager.py` and the custom op (`custom_op.py`) pick from it; `permute.sort_for` takes the
-picked entry's counting sort, once per plan of the expert MLP (`Schedule.sort`) or per
-call of `permute.sort_by_expert`."""
+`eager.py` and the custom op (`custom_op.py`) pick from it; the picked entry's counting
+sort runs once per plan of the expert MLP (`Schedule.sort`) or per call of
+`permute.sort_by_expert`."""
 
 # T tokens, E experts, K top-k
 

@@ -131,7 +131,7 @@ def test_memory_estimate_counts_parameters_and_activations(monkeypatch, tmp_path
 
     cfg = load_config(None, list(TINY))
     config = hf_config(cfg.model, 257)
-    params = memory_fit.parameter_count(config)
+    params = sum(memory_fit.parameter_counts(config).values())
     import transformers
 
     built = transformers.AutoModelForCausalLM.from_config(config)
@@ -170,7 +170,7 @@ def test_memory_estimate_follows_model_dtype_and_master_weights(
 
     cfg = load_config(None, [*TINY, f"model.dtype={dtype}", f"optim.master_weights={master}"])
     config = hf_config(cfg.model, 257)
-    params = memory_fit.parameter_count(config)
+    params = sum(memory_fit.parameter_counts(config).values())
     need = per_param * params + 4 * 32 * 4 * 32 * 2  # the state, one [T, D] per layer
     cpu = torch.device("cpu")
     monkeypatch.setattr(memory_fit, "available_host_bytes", lambda: need)

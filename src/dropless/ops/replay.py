@@ -161,29 +161,12 @@ class _Pick(torch.autograd.Function):
         return g.new_zeros(ctx.shape).scatter(ctx.dim, ids, g), None, None
 
 
-@contextlib.contextmanager
-def routing_replay(owner):
-    """Record the top-k choices made inside (checkpointed forward), or replay them (its
-    recompute). `owner`: the module that routes (one record list per owner and region)."""
-    mode = enter_routing_replay(owner)
-    try:
-        yield
-    finally:
-        exit_routing_replay(mode)
-
-
-def enter_routing_replay(owner) -> TorchFunctionMode | None:
-    """`routing_replay(owner)` entered by hand (forward pre-hook); close it with
-    `exit_routing_replay` (forward hook). None when nothing needs recording."""
+def routing_replay(owner) -> contextlib.AbstractContextManager:
+    """The context that records the top-k choices made inside it (in a checkpointed forward)
+    or replays them (in its recompute); a no-op context elsewhere. `owner`: the module that
+    routes (one record list per owner and region). Entered by hand where a `with` cannot
+    hold the region (a forward pre-hook enters it, the forward hook exits it)."""
     state = checkpoint_state()
     if state is None:
-        return None
-    mode = _TopKMode(state[0], state[1], (id(owner), "topk"))
-    mode.__enter__()
-    return mode
-
-
-def exit_routing_replay(mode: TorchFunctionMode | None) -> None:
-    """Close what `enter_routing_replay` opened (a no-op for None)."""
-    if mode is not None:
-        mode.__exit__(None, None, None)
+        return contextlib.nullcontext()
+    return _TopKMode(state[0], state[1], (id(owner), "topk"))

@@ -45,8 +45,6 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self) -> dict:
-        from .. import hf
-
         self.model.eval()
         acc = torch.zeros(2, dtype=torch.float64)  # nll sum, targets
         b = self.micro_batch
@@ -72,7 +70,6 @@ class Evaluator:
             acc += torch.stack([nll.double().cpu(), n])
         if self.env.world > 1 or self.env.distributed:  # forced at world 1: the node's collective
             all_reduce(acc)
-        hf.tokens_per_expert(self.model, reset=True)
         return {
             "eval_loss": float(acc[0] / acc[1]),
             "eval_bpb": float(acc[0] / math.log(2) / self.eval_bytes),

@@ -225,7 +225,7 @@ class StepRunner:
         # device accumulators: no host read until the step's one reduction below
         sums = torch.zeros(3, dtype=torch.float64, device=dev)
         counts_ME = torch.zeros(M, E, dtype=torch.int64, device=dev)
-        hf().tokens_per_expert(self.model, reset=True)  # drop counts of earlier forwards
+        hf().tokens_per_expert(self.model, reset=True)  # the evaluation's counts dropped
         for a in range(self.grad_accum):
             sp = self.split  # the cp ranks of one group read the same samples
             xy, tg = self.sampler.micro_batch(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...ops.replay import enter_routing_replay, exit_routing_replay
+from ...ops.replay import routing_replay
 from ..layers import moe_layers
 
 _HANDLES = "_dropless_replay_handles"
@@ -28,7 +28,9 @@ _OPEN = "_dropless_replay_open"
 def _pre_hook(router: nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         return
-    router.__dict__.setdefault(_OPEN, []).append(enter_routing_replay(router))
+    replay = routing_replay(router)
+    replay.__enter__()
+    router.__dict__.setdefault(_OPEN, []).append(replay)
 
 
 def _post_hook(router: nn.Module, args, output) -> None:
@@ -36,7 +38,7 @@ def _post_hook(router: nn.Module, args, output) -> None:
         return
     stack = router.__dict__.get(_OPEN)
     if stack:
-        exit_routing_replay(stack.pop())
+        stack.pop().__exit__(None, None, None)
 
 
 def install_routing_replay(model: nn.Module) -> int:

@@ -71,10 +71,6 @@ def parameter_counts(hf_config) -> dict[str, int]:
     return counts
 
 
-def parameter_count(hf_config) -> int:
-    return sum(parameter_counts(hf_config).values())
-
-
 def _meminfo_kib(name: str) -> int | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -60,25 +60,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _row_buffers(x: torch.Tensor, nmax: int, D: int):
-    """A factory of (rows in x's dtype, the same in the accumulation dtype or None)."""
+    """A factory of (rows in x's dtype, the same rows in the accumulation dtype: the one
+    tensor unless x is 16-bit)."""
     acc = _acc_dtype(x.dtype)
 
     def new():
-        return x.new_empty(nmax, D), (x.new_empty(nmax, D, dtype=acc) if acc != x.dtype else None)
+        rows = x.new_empty(nmax, D)
+        return rows, rows if acc == x.dtype else x.new_empty(nmax, D, dtype=acc)
 
     return new
 
 
-def _sum_into(total, idx, bufs, n: int) -> None:
-    """total[idx] += the expert's n rows (already in total's dtype when converted)."""
-    rows, rows_acc = bufs
-    total.index_add_(0, idx, (rows_acc if rows_acc is not None else rows)[:n])
-
-
 def _to_acc(bufs, n: int) -> None:
-    rows, rows_acc = bufs
-    if rows_acc is not None:
-        rows_acc[:n].copy_(rows[:n])
+    if bufs[1] is not bufs[0]:
+        bufs[1][:n].copy_(bufs[0][:n])
 
 
 def _run(st, expert, flops_per_row: int, scratch, total) -> None:
@@ -92,7 +87,7 @@ def _run(st, expert, flops_per_row: int, scratch, total) -> None:
 
     def commit(item, bufs):
         _, lo, hi = item
-        _sum_into(total, st.token_S[lo:hi], bufs, hi - lo)
+        total.index_add_(0, st.token_S[lo:hi], bufs[1][: hi - lo])
 
     commit = None if total is None else commit
     with torch.autocast("cpu", enabled=False):
@@ -107,6 +102,12 @@ def _run(st, expert, flops_per_row: int, scratch, total) -> None:
                 commit(item, bufs)
 
 
+def _dims(sv) -> tuple[int, int, int, int]:
+    """(D, N = 2F gated or F, F, the most rows of one expert)."""
+    N = sv.gate_up.shape[1] if sv.trans_w else sv.gate_up.shape[2]
+    return sv.x.shape[1], N, N // 2 if sv.act.gated else N, max(sv.counts, default=0)
+
+
 def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
     g = torch.empty_like(w, memory_format=torch.contiguous_format)
     for e, n in enumerate(counts):
@@ -118,12 +119,8 @@ def _empty_grad(w: torch.Tensor, counts) -> torch.Tensor:
 def forward(sv, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
     """(out_TD with sv.token_S, else y_SD; sv with h, u1, u2 filled in). h: one tensor
     per expert, or with one_h rows of one [S, N] tensor (the custom op's output)."""
-    x, counts, act = sv.x, sv.counts, sv.act
-    S, D = int(sum(counts)), x.shape[1]
-    N = sv.gate_up.shape[1] if sv.trans_w else sv.gate_up.shape[2]  # 2F gated, F not
-    F = N // 2 if act.gated else N
-    nmax = max(counts, default=0)
-    gathered = sv.token_S is not None
+    x, counts = sv.x, sv.counts
+    S, (D, N, F, nmax), gathered = int(sum(counts)), _dims(sv), sv.token_S is not None
     sv.u1 = x.new_empty(S, lr1.rank) if lr1 is not None else None
     sv.u2 = x.new_empty(S, lr2.rank) if lr2 is not None else None
     out = x.new_zeros(num_out, D, dtype=_acc_dtype(x.dtype)) if gathered else x.new_empty(S, D)
@@ -144,13 +141,9 @@ def forward(sv, num_out, lr1=None, lr2=None, one_h: bool = False) -> tuple:
 
 def backward(sv, g_out, need, release: bool, lr1=None, lr2=None) -> tuple:
     """The grads of `engine.backward`; release: free each expert's h once read."""
-    x, gate_up, counts, act, trans_w = sv.x, sv.gate_up, sv.counts, sv.act, sv.trans_w
+    x, counts = sv.x, sv.counts
     hs = sv.h if isinstance(sv.h, tuple) else sv.h.split(counts)
-    D = x.shape[1]
-    N = gate_up.shape[1] if trans_w else gate_up.shape[2]
-    F = N // 2 if act.gated else N
-    nmax = max(counts, default=0)
-    gathered = sv.token_S is not None
+    (D, N, F, nmax), gathered = _dims(sv), sv.token_S is not None
     grads = _grad_buffers(need, gathered, sv)
     st = SimpleNamespace(**vars(sv), hs=hs, lr1=lr1, lr2=lr2, g_out=g_out.contiguous(), **grads)
     st.gathered, st.release = gathered, release and isinstance(sv.h, tuple)

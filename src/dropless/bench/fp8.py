@@ -56,21 +56,23 @@ def saved_tensor_bytes(fn, exclude: list[torch.Tensor] = ()) -> tuple[int, objec
     return sum(seen.values()), out
 
 
-def _recipe(name: str):
+def _layer(shape: dict, variant: str, device: str = "cpu"):
+    """(a bf16 `dropless.MoE` layer, its input, the variant's recipe), from seed 0."""
+    import dropless
     from dropless.quant import recipe_from_name
 
-    return recipe_from_name(RECIPES[name], fp8_saved_activations=True)
+    torch.manual_seed(0)
+    kw = dict(dtype=torch.bfloat16, device=device)
+    moe = dropless.MoE(shape["D"], shape["F"], shape["E"], shape["K"], **kw)
+    x = torch.randn(shape["T"], shape["D"], **kw, requires_grad=True)
+    return moe, x, recipe_from_name(RECIPES[variant], fp8_saved_activations=True)
 
 
-def measure_memory(shape: dict, variant: str, seed: int = 0, backward: bool = True) -> dict:
-    """Saved-activation bytes of one `dropless.MoE` layer forward (bf16 weights and input);
-    under a recipe its expert MLP is handed x_TD and the token indices (`ops.expert_mlp`)."""
+def measure_memory(shape: dict, variant: str, backward: bool = True) -> dict:
+    """Saved-activation bytes of one `dropless.MoE` layer forward (bf16 weights and input)."""
     import dropless
 
-    torch.manual_seed(seed)
-    moe = dropless.MoE(shape["D"], shape["F"], shape["E"], shape["K"], dtype=torch.bfloat16)
-    x = torch.randn(shape["T"], shape["D"], dtype=torch.bfloat16, requires_grad=True)
-    recipe = _recipe(variant)
+    moe, x, recipe = _layer(shape, variant)
 
     def fwd():
         with dropless.autocast(enabled=recipe is not None, recipe=recipe):
@@ -93,12 +95,7 @@ def measure_step_time(shape: dict, variant: str, steps: int) -> float:
     """Median ms of a MoE layer forward+backward on CUDA (bf16 weights)."""
     import dropless
 
-    torch.manual_seed(0)
-    moe = dropless.MoE(
-        shape["D"], shape["F"], shape["E"], shape["K"], dtype=torch.bfloat16, device="cuda"
-    )
-    x = torch.randn(shape["T"], shape["D"], dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    recipe = _recipe(variant)
+    moe, x, recipe = _layer(shape, variant, "cuda")
 
     def step():
         with dropless.autocast(enabled=recipe is not None, recipe=recipe):
@@ -112,11 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for k, v in SHAPE.items():
         p.add_argument(f"--{k}", type=int, default=v, help=f"{k} (default {v})")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
-    p.add_argument(
-        "--no-backward",
-        action="store_true",
-        help="skip the backward (memory is counted in forward)",
-    )
+    p.add_argument("--no-backward", action="store_true", help="skip the backward (memory: forward)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant on a GPU")
     add_history_arguments(p)
     add_section_argument(p, "fp8")

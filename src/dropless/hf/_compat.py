@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-SUPPORTED_RANGE = (">=5.17", "<6")
+import re
+
 _MIN, _MAX = (5, 17), (6, 0)
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    while len(parts) < 2:
-        parts.append(0)
-    return parts[0], parts[1]
+    """(major, minor) of a version string ("5.24.0.dev0" -> (5, 24))."""
+    m = re.match(r"(\d+)(?:\.(\d+))?", version)
+    return (int(m[1]), int(m[2] or 0)) if m else (0, 0)
 
 
 def check_version(version: str) -> None:

@@ -66,15 +66,8 @@ class GroupedExperts(nn.Module):
         )
 
     def forward(self, x_TD, ids_TK, weights_TK, keep_TK=None):
-        return expert_mlp(
-            x_TD,
-            ids_TK,
-            weights_TK,
-            self.gate_up_proj,
-            self.down_proj,
-            keep_TK=keep_TK,
-            **self._mlp_kwargs(),
-        )
+        w = (self.gate_up_proj, self.down_proj)
+        return expert_mlp(x_TD, ids_TK, weights_TK, *w, keep_TK=keep_TK, **self._mlp_kwargs())
 
     def forward_sorted(self, x_SD, counts, prob_S):
         """Rows already sorted by (local) expert, `counts` per expert, scaled by prob_S."""

@@ -128,17 +128,8 @@ class EPGroupedExperts(GroupedExperts):
     def forward_sorted(self, x_SD, counts, prob_S):
         """Rows sorted by local expert, `counts` [L] rows each, on the local weights."""
         w1, w2, b1, b2 = local_weights(self, PARAM_NAMES)
-        return grouped_mlp(
-            x_SD,
-            counts,
-            prob_S,
-            w1,
-            w2,
-            gate_up_bias=b1,
-            down_bias=b2,
-            activation=self.activation,
-            backend=self.backend,
-        )
+        kw = self._mlp_kwargs() | dict(gate_up_bias=b1, down_bias=b2)
+        return grouped_mlp(x_SD, counts, prob_S, w1, w2, **kw)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", local_experts={self.num_local_experts}"

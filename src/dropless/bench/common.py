@@ -1,11 +1,8 @@
 """What every benchmark shares: the history file and its records (command line, commit,
 dirty flag, machine, load), child processes under the default allocator, peak memory.
-
-    rec = Recorder.start(args)        # resolves the history file (or refuses), samples load
-    ...measure...
-    record = rec.finish("layer", figures)   # samples load again, appends one JSON line
-
-What is written, and where: docs/performance.md, "Benchmark records".
+`Recorder.start(args)` resolves the history file (or refuses) and samples the load;
+`rec.finish(name, figures)` samples it again and appends one JSON line (docs/performance.md,
+"Benchmark records").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`dropless bench tune`: time the expert engine's row-gathering GEMMs against the grouped
-backend at the layer shapes given, ahead of a run, and write the choice to the tuning cache
-that a run with `expert_path="gathered"` reads (`dropless.ops.expert_mlp.plan.GemmTuner`:
-`$XDG_CACHE_HOME/dropless/tuning.json` unless --cache). Keys are the layer's shape only, so
-every rank of an expert-parallel run reads the same picks; a run never times what the
-cache holds. Needs CUDA (the kernels run there only).
+backend at the layer shapes given and write the choice to the tuning cache a run with
+`expert_path="gathered"` reads (`dropless.ops.expert_mlp.plan.GemmTuner`). Keys are the
+layer's shape only, so every expert-parallel rank reads the same picks. Needs CUDA.
 
     dropless bench tune --shape 128,8,2048,768 --tokens 8192 --dtype bf16
 """

@@ -1,11 +1,8 @@
 """Sort (token, k) pairs by expert, gather rows into that order, and combine back.
 
-Every pair is kept (dropless). The sorted buffer has P = T*K + MARGIN rows: the
-grouped GEMM's last chunk may spill a few rows past the valid ones. Pairs of masked
-(padding) tokens get the sentinel expert E, sort after every real pair and are
-never computed. Both directions are gathers, forward and backward (custom VJPs),
-so no scatter-add over [T, D] appears: permute's backward sums K gathered rows per
-token, combine's backward gathers each row's token gradient.
+Every pair is kept (dropless); the sorted buffer has T*K + MARGIN rows (the grouped GEMM's
+spill). Pairs of masked tokens get the sentinel expert E and are never computed. Both
+directions are gathers, backward too (custom VJPs), so no scatter-add over [T, D] appears.
 """
 
 # T tokens, D model dim, N features, E experts, K top-k, P rows of the sorted buffer

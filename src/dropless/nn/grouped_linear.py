@@ -18,9 +18,8 @@ class GroupedLinear(nn.Module):
     weight [num_gemms, out_features, in_features], bias [num_gemms, out_features].
     `forward(x, m_splits)`: m_splits (list of ints or 1-D integer tensor) gives the rows
     of each group and sums to x.shape[0]. Under `dropless.autocast` the GEMM runs in
-    the active recipe's format; under `torch.autocast`, in its dtype. Under
-    `torch.compile` a tensor `m_splits` is read when the `dropless::grouped_gemm` node
-    runs: the graph neither breaks nor recompiles for new sizes.
+    the active recipe's format; under `torch.autocast`, in its dtype; under a compiler a
+    tensor `m_splits` is read when the grouped-GEMM node runs (no recompile for new sizes).
     """
 
     def __init__(
@@ -42,14 +41,9 @@ class GroupedLinear(nn.Module):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive int")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
-        self.weight = nn.Parameter(
-            torch.empty(num_gemms, out_features, in_features, dtype=dtype, device=device)
-        )
-        self.bias = (
-            nn.Parameter(torch.empty(num_gemms, out_features, dtype=dtype, device=device))
-            if bias
-            else None
-        )
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(num_gemms, out_features, **kw)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

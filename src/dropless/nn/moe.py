@@ -58,20 +58,14 @@ class SharedExpert(nn.Module):
 class MoE(nn.Module):
     """A dropless Mixture-of-Experts layer: `out, aux = moe(x)` with x [..., D].
 
-    Args:
-        hidden_size: D. moe_intermediate_size: F (per expert). num_experts: E. top_k: K.
-        routing: a `RoutingConfig`; or its fields as keywords (`routing_fields`:
-            score_func, renormalize, ..., expert_bias; not both), see `TopKRouter`.
-        shared_expert_intermediate_size: width of a shared expert (0: none);
-            shared_expert_gate: scale it by sigmoid(x @ w) as Qwen2-MoE does.
-        bias: biases on the expert projections (the routing weight scales the down
-            bias too). activation: an `ActivationConfig`, or a kind name
-            ("swiglu", the default, or "gpt_oss").
-        capacity_factor: None (default) is dropless; a float > 0 limits each expert to
-            ceil(cf * T * K / E) pairs and drops the lowest-weight overflow (for
-            comparison runs only; counted in `aux.dropped`).
-        dispatcher: moves tokens to experts (default `LocalDispatcher`; the
-            expert-parallel one comes from `dropless.parallel`).
+    routing: a `RoutingConfig`, or its fields as keywords (`routing_fields`; not both).
+    shared_expert_intermediate_size: width of a shared expert (0: none), scaled by
+    sigmoid(x @ w) with shared_expert_gate (Qwen2-MoE). bias: biases on the expert
+    projections (the routing weight scales the down bias too). activation: an
+    `ActivationConfig` or a kind name. capacity_factor: None is dropless; a float > 0 keeps
+    ceil(cf * T * K / E) pairs per expert, dropping the lowest-weight overflow (for
+    comparison runs; counted in `aux.dropped`). dispatcher: moves tokens to experts
+    (default `LocalDispatcher`; the expert-parallel one comes from `dropless.parallel`).
     """
 
     def __init__(

@@ -71,19 +71,12 @@ def _group_size(group) -> int:
 class ExpertParallelDispatcher:
     """Dispatcher (see `dropless.nn.LocalDispatcher`) over an expert-parallel group.
 
-    Args:
-        ep_group: process group of the ranks that split the experts (mesh["ep"]).
-        dp_group: group over which the expert counts are summed for the global
-            balancing loss (every data-parallel rank; default: the whole world).
-        num_experts: global E; default `experts.num_global_experts`, else
-            `experts.num_experts * ep` (a module holding only its local slice).
-        num_chunks: split the tokens into this many chunks (>= 1).
-        overlap: start every chunk's all-to-all before computing (async), so
-            communication of one chunk runs under another chunk's expert compute.
-
-    `stats` accumulates forward wall times (s) of dispatch / experts / combine and the
-    bytes of activations this rank sent to other ranks in the forward (dispatch +
-    combine; the backward moves as many again); `pop_stats()` returns and clears them.
+    ep_group: the ranks that split the experts; dp_group: the ranks whose expert counts
+    are summed for the global balancing loss (default: the world); num_experts: global E
+    (default `experts.num_global_experts`, else `experts.num_experts * ep`); num_chunks:
+    token chunks; overlap: start every chunk's all-to-all first, so one chunk's transfer
+    runs under another's expert compute. `pop_stats()` returns and clears the forward's
+    dispatch / experts / combine seconds and the bytes this rank sent to others.
     """
 
     def __init__(

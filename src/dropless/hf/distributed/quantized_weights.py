@@ -1,18 +1,13 @@
 """Dequantise the quantised weights that published checkpoints ship, one tensor (or one
-rank's slice of it) at a time while loading.
+rank's slice of it) at a time while loading; the product is formed in fp32 and rounded
+once to the target dtype.
 
-- **Block-scaled FP8** (DeepSeek-V3, Qwen3-*-FP8; `quantization_config.quant_method` is
-  "fp8"): a weight `W` [..., N, K] in float8_e4m3fn beside `W_scale_inv` [..., ceil(N/bn),
-  ceil(K/bk)] in fp32, one scale per bn x bk block (`weight_block_size`, 128 x 128 by default).
-  Value = W * scale of its block. Keys: `x.weight` + `x.weight_scale_inv`, and for fused
-  experts `x.gate_up_proj` + `x.gate_up_proj_scale_inv`.
-- **MXFP4** (GPT-OSS; quant_method "mxfp4"): `x_blocks` uint8 [..., N, G, 16] holds 32 E2M1
-  values per group, two a byte, low nibble first; `x_scales` uint8 [..., N, G] is the
-  group's E8M0 exponent (bias 127). Value = fp4 * 2^(scale - 127). The checkpoint stores a
-  projection as [..., out, in]; GPT-OSS's experts module holds [..., in, out], so the
-  result is transposed (as Transformers' own dequantisation does).
-
-The product is formed in fp32 and rounded once to the target dtype.
+- Block-scaled FP8 (DeepSeek-V3, Qwen3-*-FP8; quant_method "fp8"): `W` [..., N, K] in
+  float8_e4m3fn beside `W_scale_inv` [..., ceil(N/bn), ceil(K/bk)] fp32, one scale per
+  `weight_block_size` block (128 x 128 by default).
+- MXFP4 (GPT-OSS; quant_method "mxfp4"): `x_blocks` uint8 [..., N, G, 16], 32 E2M1 values
+  per group, low nibble first; `x_scales` uint8 [..., N, G], the group's E8M0 exponent.
+  Stored [..., out, in], transposed to GPT-OSS's experts layout [..., in, out].
 """
 
 # N output rows, K input columns, G groups of 32 values, R/C a region's rows/columns

@@ -1,9 +1,7 @@
 """Sharded loading: a Transformers safetensors checkpoint into a model built on the meta
-device and sharded (expert parallelism, FSDP2), each rank reading only its own regions.
-
-`load_sharded_hf(model, path)` renames the checkpoint's keys with the model's own
-Transformers conversion mapping, reads per-expert tensors expert by expert, and
-dequantises block-FP8 and MXFP4 weights (`quantized_weights.py`) region by region.
+device and sharded, each rank reading only its own regions: keys renamed with the model's
+own conversion mapping, per-expert tensors read expert by expert, block-FP8 and MXFP4
+weights dequantised region by region (`quantized_weights.py`).
 """
 
 from __future__ import annotations
@@ -202,17 +200,12 @@ def _fill(
 
 @torch.no_grad()
 def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
-    """Fill a model built on the meta device and sharded (expert parallelism, FSDP2) with the
-    weights of the Transformers checkpoint in `path`: each rank materializes only its own
-    shards and reads only their slices from the safetensors files (`safe_open` +
-    `get_slice`), cast to each parameter's dtype. Returns the state keys left unread (the
-    expert biases dropless added, zeroed). Call after `model.to_empty(device=...)`.
-
-    rename: maps a state key to its name in the checkpoint, None for a tensor the checkpoint
-    does not hold (LoRA adapters: the caller sets them; PEFT's `base_layer` names).
-
-    Raises ValueError for a checkpoint layout it cannot slice or a tensor it lacks.
-    """
+    """Fill a model built on the meta device and sharded with the weights of the
+    Transformers checkpoint in `path`, each rank reading only its shards' slices, after
+    `model.to_empty(device=...)`. Returns the state keys left unread (the expert biases
+    dropless added, zeroed). rename: a state key's checkpoint name, None for a tensor the
+    checkpoint does not hold (LoRA adapters). ValueError for a layout it cannot slice or
+    a tensor it lacks."""
     from ..layers import added_state_keys
 
     files = _checkpoint_files(path)

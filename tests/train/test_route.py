@@ -26,11 +26,24 @@ def test_the_design_docs_route_is_the_traced_route(trace):
 def test_the_run_build_enters_each_file_of_train_at_most_3_times(trace):
     """train/ builds a run's parts once, in order, and asks each file in few visits: no
     file of src/dropless/train/ is entered more than 3 times before the first optimizer
-    step. (The whole route's limits, <= 20 re-entries and no file of the package over 3,
-    wait on the expert forward's files: ops/, hf/.)"""
+    step."""
     train = "src/dropless/train/"
     over = [f for f in trace["over_3"] if f.startswith(train)]
     assert not over, f"files of {train} entered more than 3 times: {over}"
+
+
+#: the whole route's limits reached so far (the target: 20 re-entries, no file over 3)
+MAX_RE_ENTRIES, MAX_ENTRIES_PER_FILE = 41, 4
+
+
+def test_the_route_goes_back_into_few_files(trace):
+    """At most MAX_RE_ENTRIES entries into a file already entered and MAX_ENTRIES_PER_FILE
+    entries into one file, over the whole route (ops/ and hf/ included)."""
+    assert trace["re_entries"] <= MAX_RE_ENTRIES, (
+        f"{trace['re_entries']} re-entries (at most {MAX_RE_ENTRIES}): docs/design.md's route "
+        "(python tools/design_route.py) shows where the route goes back"
+    )
+    assert trace["most"] <= MAX_ENTRIES_PER_FILE, trace["over_3"]
 
 
 def test_the_trainer_is_the_loop():

@@ -64,7 +64,7 @@ def test_measuring_the_cpu_rate_leaves_the_global_rng_alone():
     """The MFU peak is re-measured at each log step; drawing its matrices from the global
     generator moved the stream stochastic rounding (and dropout) read, so a resumed run
     drew other numbers than the uninterrupted one."""
-    from dropless.train.report.metrics import measure_cpu_tflops
+    from dropless.train.report.run_log import measure_cpu_tflops
 
     before = torch.get_rng_state()
     measure_cpu_tflops(seconds=0.01, n=16, warmup=0.0)

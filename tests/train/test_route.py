@@ -33,7 +33,7 @@ def test_the_run_build_enters_each_file_of_train_at_most_3_times(trace):
 
 
 #: the whole route's limits reached so far (the target: 20 re-entries, no file over 3)
-MAX_RE_ENTRIES, MAX_ENTRIES_PER_FILE = 41, 4
+MAX_RE_ENTRIES, MAX_ENTRIES_PER_FILE = 39, 4
 
 
 def test_the_route_goes_back_into_few_files(trace):

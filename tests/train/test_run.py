@@ -46,7 +46,7 @@ def test_run_writes_everything_and_learns(finished_run):
 
 
 def test_mfu_without_a_stated_peak_measures_this_cpu():
-    from dropless.train.report.metrics import peak_tflops
+    from dropless.train.report.run_log import peak_tflops
 
     peak, source = peak_tflops(torch.device("cpu"), torch.float32, 0.0)
     assert source == "measured fp32 matmul on this CPU" and 1e-4 < peak < 1e3

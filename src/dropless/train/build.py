@@ -138,7 +138,7 @@ def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, be
     claimed, rdir = None, None
     try:
         rdir = resolve_run_dir(run_dir, resume, env)
-        beat.doing("claiming the run directory and checking what it holds")
+        beat.doing = "claiming the run directory and checking what it holds"
         check = functools.partial(check_run_dir, cfg, rdir, resume, env.world)
         claimed = rank0_only(
             functools.partial(claim, rdir, resume, check, created=run_dir is None), env
@@ -156,7 +156,7 @@ def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, be
 def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     """The parts of a run in a claimed `run_dir`, in order (see the module's docstring)."""
     hooks = hooks or TrainHooks()
-    beat.doing("checking the config and the layout")
+    beat.doing = "checking the config and the layout"
     cfg, vocab = resolve_tokenizer(cfg, run_dir)  # data.tokenizer="auto" made concrete
     precision = Precision(cfg.precision, env.device)  # a bad recipe option is reported here
     hf_config = preflight(cfg, env, run_dir, vocab)
@@ -164,9 +164,9 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     # torch's RNG is seeded where the model is built; a resume restores all three
     seed_host_rngs(tc.seed)
     ckpt.remove_partial(run_dir)  # leftovers of a write this run's folder saw interrupted
-    beat.doing("preparing the data (reading, training the tokenizer, tokenizing)")
+    beat.doing = "preparing the data (reading, training the tokenizer, tokenizing)"
     data = prepare_data(cfg, run_dir, env)
-    beat.doing("building the model" + (f" from {cfg.model.path}" if cfg.model.path else ""))
+    beat.doing = "building the model" + (f" from {cfg.model.path}" if cfg.model.path else "")
     # several processes: FSDP2 / HSDP and, with parallel.ep > 1, expert parallelism
     model, parallel = build_training_model(
         cfg.model, hf_config, cfg.parallel, env.world, expert_bias=tc.expert_bias_rate > 0,
@@ -186,7 +186,7 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     flops = FlopCounter.from_model(model)
     flops.frozen_base = lora
     if resume_from is not None:
-        beat.doing(f"loading the checkpoint {resume_from}")
+        beat.doing = f"loading the checkpoint {resume_from}"
         saved = ckpt.load_checkpoint(resume_from, model, optimizer, scheduler, trainable_only=lora)
         state = TrainState.from_dict({**saved, "world_size": env.world})
         if state.step >= tc.steps:

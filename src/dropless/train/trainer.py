@@ -91,7 +91,7 @@ class Trainer:
         cfg, env, total = self.cfg, self.env, self.cfg.train.steps
         self.progress = self.log.progress
         if self.state.step == 0:
-            self.beat.doing("evaluating the held-out set before step 1")
+            self.beat.doing = "evaluating the held-out set before step 1"
             ev = self.evaluate()
             self.state.initial_eval_loss, self.state.initial_eval_bpb = (
                 ev["eval_loss"],
@@ -108,7 +108,7 @@ class Trainer:
         # leaving the loop, on an error too, waits for the checkpoint being written
         with StopRequests(announce=env.main) as stops, self.saver:
             while self.state.step < total:
-                self.beat.doing(self._doing(total))
+                self.beat.doing = self._doing(total)
                 t0 = time.perf_counter()
                 result = self.stepper.run(self.state, stops)
                 if env.device.type == "cuda":
@@ -123,11 +123,11 @@ class Trainer:
                 self.progress.update(self.state.step, result["loss"], tps, mfu, eta)
                 last = self.state.step == total
                 if self.state.step % cfg.log.every == 0 or last:
-                    self.beat.doing(f"evaluating the held-out set at step {self.state.step}")
+                    self.beat.doing = f"evaluating the held-out set at step {self.state.step}"
                     self._log_step(result)
                 every = cfg.checkpoint.every
                 if (every and self.state.step % every == 0) or last or result["stop"]:
-                    self.beat.doing(f"saving the checkpoint of step {self.state.step}")
+                    self.beat.doing = f"saving the checkpoint of step {self.state.step}"
                     saved = self.save(wait=last or result["stop"])
                 if result["stop"] and not last:
                     signum = stops.signum or signal.SIGTERM

@@ -16,14 +16,15 @@ INTERVAL_S = 30.0
 
 class Heartbeat:
     """`Heartbeat.for_run(...)` starts a daemon thread that prints `dropless train:
-    <beat.doing(...)> (N s since the start)` after each INTERVAL_S of silence, until
-    `beat.close()`; `beat.printed()` tells it that the run printed a line itself. Disabled,
-    it only keeps the state (no thread, no output)."""
+    <beat.doing> (N s since the start)` after each INTERVAL_S of silence, until
+    `beat.close()`; the run sets `beat.doing` to what it is doing, and `beat.printed()`
+    tells it that the run printed a line itself. Disabled, it only keeps the state (no
+    thread, no output)."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.interval_s = INTERVAL_S
-        self.what = "starting"
+        self.doing = "starting"
         self.t0 = self.last = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -39,9 +40,6 @@ class Heartbeat:
             beat._thread.start()
         return beat
 
-    def doing(self, what: str) -> None:
-        self.what = what
-
     def printed(self) -> None:
         self.last = time.monotonic()
 
@@ -51,7 +49,7 @@ class Heartbeat:
             if now - self.last >= self.interval_s:
                 # one write: no output of the main thread lands inside the line
                 sys.stdout.write(
-                    f"dropless train: {self.what} ({now - self.t0:.0f} s since the start)\n"
+                    f"dropless train: {self.doing} ({now - self.t0:.0f} s since the start)\n"
                 )
                 sys.stdout.flush()
                 self.last = now

@@ -1,5 +1,5 @@
-"""Run metrics: peak FLOP/s for MFU, memory, expert-load figures and the JSONL +
-TensorBoard writer (the live display is `progress.py`)."""
+"""Run metrics: memory, expert-load figures and the JSONL + TensorBoard writer (the live
+display is `progress.py`; MFU's peak FLOP/s, `run_log.py`)."""
 
 # L MoE layers, E experts
 
@@ -7,50 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..run.atomic import append_line, refuse_symlink, write_atomic
-
-# Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
-GPU_PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
-
-
-def measure_cpu_tflops(seconds: float = 0.5, n: int = 512, warmup: float = 0.5) -> float:
-    """fp32 matmul rate of this process on this CPU, TFLOP/s: the best single n^3 matmul
-    over `seconds` after `warmup` seconds untimed (a fresh process runs its first second
-    of matmuls several times slower), in short bursts so a busy machine's quiet moments
-    still count."""
-    # its own generator: the global one is the run's (dropout, stochastic rounding), saved
-    # in checkpoints, and a measurement at each log step must not move it
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    end = time.perf_counter() + warmup
-    while time.perf_counter() < end:
-        a @ b
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-    return best / 1e12
-
-
-def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[float, str]:
-    """(peak TFLOP/s of one process, where it came from) for MFU."""
-    if user > 0:
-        return user, "log.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, bf16 in GPU_PEAK_BF16_TFLOPS.items():
-            if key in name:
-                peak = bf16 if dtype == torch.bfloat16 else bf16 / 2
-                return peak, f"{key} dense {'bf16' if dtype == torch.bfloat16 else 'tf32'} spec"
-        return float("nan"), f"unknown GPU {name!r}: set log.peak_tflops"
-    return measure_cpu_tflops(), "measured fp32 matmul on this CPU"
 
 
 def peak_memory_mib(device: torch.device) -> float:

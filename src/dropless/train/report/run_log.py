@@ -1,5 +1,6 @@
-"""What a run reports: the header line, throughput windows between log steps, the
-metrics records (JSONL + TensorBoard), the progress display and the end-of-run summary."""
+"""What a run reports: the header line, throughput windows between log steps and MFU
+against a peak (a GPU's spec, or this CPU's measured rate), the metrics records (JSONL +
+TensorBoard), the progress display and the end-of-run summary."""
 
 # M MoE layers, E experts
 
@@ -12,15 +13,45 @@ import torch
 
 from ..checkpoint import store as ckpt
 from .flops import rate
-from .metrics import (
-    MetricsWriter,
-    load_stats,
-    measure_cpu_tflops,
-    peak_memory_mib,
-    peak_tflops,
-    read_metrics,
-)
+from .metrics import MetricsWriter, load_stats, peak_memory_mib, read_metrics
 from .progress import Progress
+
+# Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
+GPU_PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def measure_cpu_tflops(seconds: float = 0.5, n: int = 512, warmup: float = 0.5) -> float:
+    """fp32 matmul rate of this process on this CPU, TFLOP/s: the best single n^3 matmul
+    over `seconds` after `warmup` seconds untimed (a fresh process runs its first second
+    of matmuls several times slower), in short bursts so a busy machine's quiet moments
+    still count."""
+    # its own generator: the global one is the run's (dropout, stochastic rounding), saved
+    # in checkpoints, and a measurement at each log step must not move it
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    end = time.perf_counter() + warmup
+    while time.perf_counter() < end:
+        a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        a @ b
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
+    return best / 1e12
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, user: float) -> tuple[float, str]:
+    """(peak TFLOP/s of one process, where it came from) for MFU."""
+    if user > 0:
+        return user, "log.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, bf16 in GPU_PEAK_BF16_TFLOPS.items():
+            if key in name:
+                peak = bf16 if dtype == torch.bfloat16 else bf16 / 2
+                return peak, f"{key} dense {'bf16' if dtype == torch.bfloat16 else 'tf32'} spec"
+        return float("nan"), f"unknown GPU {name!r}: set log.peak_tflops"
+    return measure_cpu_tflops(), "measured fp32 matmul on this CPU"
 
 
 def processes(n: int) -> str:

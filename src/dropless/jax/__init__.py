@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         "(or pip install jax for the CPU build)"
     ) from e
 
-from .gemm import BACKENDS, default_backend, grouped_gemm
+from .gemm import BACKENDS, grouped_gemm
 from .layer import MoE, MoEAux, MoEConfig, init_params, init_state, moe_apply, params_from_torch
 from .parallel import ep_bucket, moe_apply_ep
 from .permute import SortedPairs, combine, permute, sort_by_expert
@@ -33,7 +33,6 @@ __all__ = [
     "MoEConfig",
     "SortedPairs",
     "combine",
-    "default_backend",
     "ep_bucket",
     "grouped_gemm",
     "init_params",

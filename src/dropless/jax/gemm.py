@@ -24,14 +24,6 @@ MIN_CHUNK = 8
 MARGIN = MIN_CHUNK  # rows the "tiled" backend needs after the last valid row
 
 
-def default_backend(platform: str | None = None) -> str:
-    """ "tiled" on every platform: `lax.ragged_dot` is densified over all experts by
-    XLA:CPU and XLA:GPU (a [E, S, N]-sized computation); `platform` is accepted for
-    callers that pass it."""
-    del platform
-    return "tiled"
-
-
 def _chunk_sizes(tile: int, min_chunk: int, rows: int) -> list[int]:
     """Chunk sizes tile, tile/2, ..., min_chunk; those longer than the buffer never run."""
     if tile < min_chunk or tile & (tile - 1) or min_chunk & (min_chunk - 1):
@@ -166,9 +158,9 @@ def grouped_gemm(
     row (the layer allocates them) and saves the "tiled" backend a padded copy; the
     rows past sum(counts_E) are then unspecified.
     """
-    backend = default_backend() if backend is None else backend
+    backend = backend or "tiled"  # every platform: XLA densifies ragged_dot over all experts
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS} or None (pick by platform)")
+        raise ValueError(f"backend={backend!r}; allowed: {BACKENDS} or None (tiled)")
     if x_PD.ndim != 2 or w.ndim != 3:
         raise ValueError(f"x must be [rows, in] and w [E, out, in]; got {x_PD.shape} and {w.shape}")
     if x_PD.shape[1] != w.shape[2 if trans_w else 1]:

@@ -36,11 +36,6 @@ from .routing import load_balancing_loss_global, z_loss
 EXCHANGES = ("padded", "ragged")
 
 
-def default_exchange(platform: str | None = None) -> str:
-    """ "padded" on CPU (ragged_all_to_all does not compile on XLA:CPU), else "ragged"."""
-    return "padded" if (platform or jax.default_backend()) == "cpu" else "ragged"
-
-
 def _shard_map(f, mesh, in_specs, out_specs):
     sm = getattr(jax, "shard_map", None)
     if sm is None:  # older JAX
@@ -165,7 +160,8 @@ def _check(cfg: MoEConfig, mesh, axis: str, x, exchange):
         raise ValueError(
             f"tokens x.shape[0]={x.shape[0]} must be divisible by the {axis!r} axis size {n}"
         )
-    exchange = exchange or default_exchange()
+    # ragged_all_to_all does not compile on XLA:CPU
+    exchange = exchange or ("padded" if jax.default_backend() == "cpu" else "ragged")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}; allowed: {EXCHANGES} or None (pick by platform)")
     return n, exchange

@@ -17,8 +17,6 @@ from collections.abc import Callable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["cached_cast", "clear", "generation"]
-
 _CACHE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _GENERATION = [0]
 _HOOK = []

@@ -10,6 +10,8 @@ cp ranks hold the same batch. What holds and what is refused: docs/hf.md.
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -157,8 +159,8 @@ def install(model: nn.Module, mesh) -> None:
     model.register_forward_pre_hook(hook, with_kwargs=True)
     base_model(model).__dict__[_INPUTS] = hook
     _LAYOUT = mesh
-    _patch_accelerate()
-    _patch_trainer()
+    _wrap("accelerate", "Accelerator", "_prepare_device_mesh", _prepare_device_mesh)
+    _wrap("transformers", "Trainer", "get_cp_size", _get_cp_size)
 
 
 def forget() -> None:
@@ -167,41 +169,34 @@ def forget() -> None:
     _LAYOUT = None
 
 
-def _patch_accelerate() -> None:
+def _wrap(module: str, cls: str, method: str, make) -> None:
+    """cls.method = make(original), once; nothing when the library or the method is absent."""
     try:
-        from accelerate import Accelerator
+        owner = getattr(importlib.import_module(module), cls)
     except ImportError:
         return
-    original = getattr(Accelerator, "_prepare_device_mesh", None)
+    original = getattr(owner, method, None)
     if original is None or getattr(original, "_dropless", False):
         return
+    wrapped = make(original)
+    wrapped._dropless = True
+    setattr(owner, method, wrapped)
 
-    def _prepare_device_mesh(self):
+
+def _prepare_device_mesh(original):
+    def wrapped(self):
         mesh = original(self)
         if mesh is None and _LAYOUT is not None and _LAYOUT.config.cp > 1:
             return _LAYOUT.mesh  # ("dp_replicate", "dp_shard", "cp"): same batch per cp group
         return mesh
 
-    _prepare_device_mesh._dropless = True
-    Accelerator._prepare_device_mesh = _prepare_device_mesh
+    return wrapped
 
 
-def _patch_trainer() -> None:
-    try:
-        from transformers import Trainer
-    except ImportError:
-        return
-    original = getattr(Trainer, "get_cp_size", None)
-    if original is None or getattr(original, "_dropless", False):
-        return
-
-    def get_cp_size(self) -> int:
+def _get_cp_size(original):
+    def wrapped(self) -> int:
         n = original(self)
         hook = cp_inputs(self.model) if n == 1 and self.model is not None else None
         return hook.cp if hook is not None else n
 
-    get_cp_size._dropless = True
-    Trainer.get_cp_size = get_cp_size
-
-
-__all__ = ["CPInputs", "cp_inputs", "forget", "install"]
+    return wrapped

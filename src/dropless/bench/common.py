@@ -408,13 +408,15 @@ def step_times(fn, rounds: int, warmup: int = 0, sync=None) -> list[float]:
     return times
 
 
-def rss_mib() -> float:
-    """This process's resident memory now (VmRSS from /proc/self/status), MiB."""
+def vm_kib(field: str) -> int:
+    """A `Vm*` field of /proc/self/status (VmRSS, VmSize, ...), KiB."""
     with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now, MiB."""
+    return vm_kib("VmRSS") / 1024
 
 
 def follow_live_memory() -> bool:

@@ -37,6 +37,7 @@ from .common import (
     reset_peak_rss,
     rss_mib,
     timing_env,
+    vm_kib,
     write_section,
 )
 from .e2e import QUICK, SHAPE, build_row_model
@@ -139,18 +140,13 @@ def _one_malloc_arena() -> bool:
         return False
 
 
-def _vm_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 @contextlib.contextmanager
 def _address_space_limit(max_rss_gib: float):
     """RLIMIT_AS = what is mapped now + (limit - resident now), so that allocations that
     would take RSS past `max_rss_gib` fail; the previous limit is restored on exit.
     Approximate by what is mapped but not yet resident (library pages, untouched stack),
     a few MiB. Yields the limit in bytes."""
-    mapped, resident = _vm_kib("VmSize") * 1024, _vm_kib("VmRSS") * 1024
+    mapped, resident = vm_kib("VmSize") * 1024, vm_kib("VmRSS") * 1024
     limit = mapped + max(int(max_rss_gib * 2**30) - resident, 0)
     previous = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (limit, previous[1]))

@@ -13,10 +13,8 @@ active recipe of `dropless.ops`, so every grouped-GEMM caller follows it.
 from __future__ import annotations
 
 from .formats import (
-    FP8_MAX,
     QTensor,
     cast_fp8,
-    mx_exponent,
     quantize_current,
     quantize_mx,
     quantize_mx_groups,
@@ -25,7 +23,7 @@ from .formats import (
 )
 from .gemm import pick_backend, quantize_operand, quantized_grouped_gemm, torch_fp8_available
 from .linear import Linear, convert_linear
-from .mlp import quantized_grouped_mlp, swiglu_quant
+from .mlp import quantized_grouped_mlp
 from .recipe import (
     DelayedScaling,
     Float8CurrentScaling,
@@ -37,7 +35,6 @@ from .recipe import (
 )
 
 __all__ = [
-    "FP8_MAX",
     "DelayedScaling",
     "Float8CurrentScaling",
     "Format",
@@ -48,7 +45,6 @@ __all__ = [
     "autocast",
     "cast_fp8",
     "convert_linear",
-    "mx_exponent",
     "pick_backend",
     "quantize_current",
     "quantize_mx",
@@ -59,6 +55,5 @@ __all__ = [
     "quantized_grouped_mlp",
     "recipe_from_name",
     "scale_from_amax",
-    "swiglu_quant",
     "torch_fp8_available",
 ]

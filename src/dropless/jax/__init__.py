@@ -20,7 +20,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from .gemm import BACKENDS, grouped_gemm
-from .layer import MoE, MoEAux, MoEConfig, init_params, init_state, moe_apply, params_from_torch
+from .layer import MoE, MoEAux, MoEConfig, init_params, moe_apply, params_from_torch
 from .parallel import ep_bucket, moe_apply_ep
 from .permute import SortedPairs, combine, permute, sort_by_expert
 from .routing import load_balancing_loss_global, route, update_expert_bias, z_loss
@@ -36,7 +36,6 @@ __all__ = [
     "ep_bucket",
     "grouped_gemm",
     "init_params",
-    "init_state",
     "load_balancing_loss_global",
     "moe_apply",
     "moe_apply_ep",

@@ -3,8 +3,8 @@
 from .dispatcher import LocalDispatcher
 from .experts import GroupedExperts
 from .grouped_linear import GroupedLinear
-from .moe import MoE, MoEAux, SharedExpert
-from .router import RouterOutput, TopKRouter
+from .moe import MoE, MoEAux
+from .router import TopKRouter
 
 __all__ = [
     "GroupedExperts",
@@ -12,7 +12,5 @@ __all__ = [
     "LocalDispatcher",
     "MoE",
     "MoEAux",
-    "RouterOutput",
-    "SharedExpert",
     "TopKRouter",
 ]

@@ -1,4 +1,4 @@
-"""The expert engine's recipe slot (`RECIPE_MLP`): FP8 / MXFP8 GEMMs and saved activations.
+"""The expert engine's recipe slot (`RecipeSlot`): FP8 / MXFP8 GEMMs and saved activations.
 
 Forward: gate/up GEMM -> SwiGLU x prob quantized for the down GEMM in one pass
 (`swiglu_quant`) -> down GEMM. Kept: x and h in full precision, or with
@@ -23,7 +23,7 @@ import torch
 from ..ops.activation.eager import act_forward
 from ..ops.dispatch import recipe_active
 from ..ops.expert_mlp.eager import composed_mlp
-from ..ops.expert_mlp.engine import RecipeMLP, Saved, add_bias, routed_mlp
+from ..ops.expert_mlp.engine import Saved, routed_mlp
 from ..ops.expert_mlp.plan import Schedule
 from ..ops.permute import permute, unpermute
 from ..ops.permute.row_ops import pick_row_ops
@@ -50,7 +50,7 @@ def _swiglu_grads(h_S2F, prob_S, g_SF, want_prob, recipe, scale, dtype, quantize
         return swiglu_bwd_quant(g_SF, h_S2F, prob_S, scale, **kw)
     rows = pick_row_ops(h_S2F, activation="swiglu")
     dh, dprob, a = rows.act_bwd(g_SF, h_S2F, prob_S, False, want_prob, True, "swiglu")
-    return dh.to(dtype), dprob, quantize_col(a, scale)
+    return dh.to(dtype), dprob, quantize_col(a, scale=scale)
 
 
 def swiglu_quant(h_S2F, prob_S, recipe, key) -> QTensor:
@@ -152,7 +152,7 @@ def _store_h(h_S2F) -> QTensor:
 def saved_for_backward(
     recipe, x_TD, ids_TK, gate_up, trans_w: bool = True, rows: int | None = None
 ):
-    """What `_forward` keeps on the token path (dropless) beside x_TD and the weights: h
+    """What `RecipeSlot.keep` keeps on the token path (dropless) beside x_TD and the weights: h
     [R, N] (as `_store_h` stores it with fp8_saved_activations), prob_S, token_S and
     pair_S [R] (R = T*K unless `rows` says). What `dropless plan` allocates."""
     T, K = ids_TK.shape
@@ -166,7 +166,7 @@ def saved_for_backward(
 
 
 def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = True):
-    """What `_forward` keeps on the rows path (expert parallelism's received rows) beside
+    """What `RecipeSlot.keep` keeps on the rows path (expert parallelism's received rows) beside
     the weights: with fp8_saved_activations x [R, D] in E4M3 with its column-wise scales
     (per group and column under row scaling; under MXFP8 per 32-row block of each group,
     with the rows' positions in that padded layout: an upper bound) and h as `_store_h`
@@ -190,97 +190,103 @@ def saved_for_backward_rows(recipe, like, rows: int, gate_up, trans_w: bool = Tr
     return (*x, *h)
 
 
-def _forward(recipe, sv: Saved):
-    """The slot's forward: (y_SD before the down bias, what backward keeps). x is x_SD or,
-    with token_S, x_TD, its rows gathered here (and again in backward)."""
-    x, prob_S, gate_up, down, b1 = sv.x, sv.prob_S, sv.gate_up, sv.down, sv.gu_bias
-    token_S, slot_TK, counts, trans_w = sv.token_S, sv.slot_TK, sv.counts, sv.trans_w
-    be = pick_backend(recipe, x, gate_up, down)
-    mm, _ = BACKENDS[be]
-    tensor_mode = gemm.scaling_mode(recipe) == "tensor"
-    fwd_red = 2 if trans_w else 1
-    every_row = token_S is not None and 0 < token_S.numel() == slot_TK.numel()
-    xq = _operand_rows(recipe, x, token_S, "x", gate_up, every_row)
-    w1q = quantize_operand(recipe, gate_up, "w", fwd_red, key=gate_up)
-    h = mm(xq, w1q, counts, trans_w, x.dtype, fast_accum=True)
-    if b1 is not None:
-        add_bias(h, b1, counts)
-    aq = swiglu_quant(h, prob_S, recipe, down)
-    w2q = quantize_operand(recipe, down, "w", fwd_red, key=down)
-    y = mm(aq, w2q, counts, trans_w, x.dtype, fast_accum=True)
-    saved: list = []
-    if not recipe.fp8_saved_activations:
-        x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h)
-    else:
-        if token_S is not None:  # x_TD is the caller's: keep it, re-gather in backward
-            x_meta = save_q(saved, None, x)
-        elif tensor_mode:
-            x_meta = save_q(saved, xq, None)
+class RecipeSlot:
+    """One call's FP8 / MXFP8 quantizers and GEMMs, per projection, and its saved format:
+    what the engine's recipe steps call, in its order (`engine._recipe_forward`). Per-tensor
+    scales of the forward are kept and reused by backward; other modes requantize."""
+
+    def __init__(self, recipe, sv: Saved):
+        self.recipe, self.sv, self.qs = recipe, sv, []
+        n, slot_TK = 0 if sv.token_S is None else sv.token_S.numel(), sv.slot_TK
+        # dropless (backward: slot_TK not kept): every token row is gathered at least once
+        self.every_row = n > 0 and (slot_TK is None or n == slot_TK.numel())
+        if sv.meta is None:  # forward
+            self.be = pick_backend(recipe, sv.x, sv.gate_up, sv.down)
+            self.tensor, self.scale = gemm.scaling_mode(recipe) == "tensor", {}
         else:
-            xc = quantize_operand(recipe, x, "x", 0, key=gate_up, counts=counts)
-            x_meta = save_q(saved, xc, None)
-        h_meta = save_q(saved, _store_h(h), None)
-    if tensor_mode:
-        saved += [xq.scale, w1q.scale, aq.scale, w2q.scale]
-    # dropless (every token has K slots): the engine recomputes the slots of each token
-    # from token_S in backward, so slot_TK need not be kept
-    keep_slots = slot_TK is not None and token_S.numel() != slot_TK.numel()
-    meta = (x_meta, h_meta, be, tensor_mode)
-    kept = replace(sv, x=None, slot_TK=slot_TK if keep_slots else None, h=tuple(saved), meta=meta)
-    return y, kept
+            x_meta, h_meta, self.be, self.tensor = sv.meta
+            self.x, h = load_q(sv.h[0:3], x_meta), load_q(sv.h[3:6], h_meta)
+            self.h = h.dequantize() if isinstance(h, QTensor) else h
+            self.scale = dict(zip(("x", "gate_up", "a", "down"), sv.h[6:10]))
+        self._mm, self._wgrad = BACKENDS[self.be]
 
+    def _q(self, t, role: str, key, dim: int = 1, scale=None):
+        kw = dict(key=key, counts=self.sv.counts, scale=scale) if dim == 0 else dict(key=key)
+        return quantize_operand(self.recipe, t, role, dim, **kw)
 
-def _backward(recipe, sv: Saved, g_out, g_SD, need):
-    """The slot's backward from g_out and its rows g_SD: (dx_SD, dh, d prob, d gate_up,
-    d down)."""
-    x_meta, h_meta, be, tensor_mode = sv.meta
-    t = sv.h
-    x_s, h_s = load_q(t[0:3], x_meta), load_q(t[3:6], h_meta)
-    # per-tensor scales are reused; other modes requantize (no scale)
-    x_scale, w1_scale, a_scale, w2_scale = t[6:10] if tensor_mode else (None,) * 4
-    prob, gate_up, down, token_S, slot_TK = sv.prob_S, sv.gate_up, sv.down, sv.token_S, sv.slot_TK
-    counts, trans_w = sv.counts, sv.trans_w
-    gathered = token_S is not None
-    bwd_red = 1 if trans_w else 2
-    mm, wgrad = BACKENDS[be]
-    x_dtype = x_s.dtype if gathered else g_SD.dtype
-    h = h_s.dequantize() if isinstance(h_s, QTensor) else h_s
+    def _gemm(self, aq, w, dgrad: bool, dtype, name=None):
+        """aq @ w[e]^T (forward, nn.Linear layout) or aq @ w[e] (dgrad), w quantized."""
+        trans_w, scale = self.sv.trans_w, self.scale.get(name)
+        wq = quantize_operand(self.recipe, w, "w", 2 if trans_w != dgrad else 1, key=w, scale=scale)
+        self.qs.append(wq)
+        return self._mm(aq, wq, self.sv.counts, trans_w != dgrad, dtype, fast_accum=not dgrad)
 
-    def wg(gq_S, aq_S, dtype):
-        return wgrad(gq_S, aq_S, counts, dtype) if trans_w else wgrad(aq_S, gq_S, counts, dtype)
+    def _wgrad_of(self, gq, g_S, a_col, w):
+        """d w from the gradient rows (gq itself under per-tensor scales) and the input."""
+        g = gq if self.tensor else self._q(g_S, "g", w, 0)
+        a, b = (g, a_col) if self.sv.trans_w else (a_col, g)
+        return self._wgrad(a, b, self.sv.counts, w.dtype)
 
-    def col(t_, scale, role, key):
-        return quantize_operand(recipe, t_, role, 0, key=key, counts=counts, scale=scale)
+    def up(self, x):
+        """h = x[token_S] @ gate_up (x's rows quantized once, `_operand_rows`)."""
+        xq = _operand_rows(self.recipe, x, self.sv.token_S, "x", self.sv.gate_up, self.every_row)
+        self.qs.append(xq)
+        return self._gemm(xq, self.sv.gate_up, False, x.dtype)
 
-    # down projection; its input (SwiGLU x prob) is recomputed from the kept h
-    # dropless (slot_TK not kept): every token is gathered, the amax is the tokens'
-    every_row = gathered and token_S.numel() > 0 and slot_TK is None
-    if gathered and (every_row or not tensor_mode):
-        gq = _operand_rows(recipe, g_out, token_S, "g", down, every_row)
-    else:
-        gq = quantize_operand(recipe, g_SD, "g", 1, key=down)
-    w2q = quantize_operand(recipe, down, "w", bwd_red, key=down, scale=w2_scale)
-    # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy
-    # of their output would be one more [S, F] pass; the emulation keeps its fp32
-    da = mm(gq, w2q, counts, not trans_w, torch.float32 if be == "emulated" else x_dtype)
+    def down(self, h_S2F):
+        """y = (SwiGLU x prob, quantized in its pass: `swiglu_quant`) @ down."""
+        self.qs.append(swiglu_quant(h_S2F, self.sv.prob_S, self.recipe, self.sv.down))
+        return self._gemm(self.qs[-1], self.sv.down, False, h_S2F.dtype)
 
-    # SwiGLU x prob: its backward and the recomputed a (quantized) in one pass
-    a_col = partial(col, role="x", key=down)
-    dh, dprob, a_S = _swiglu_grads(h, prob, da, need.prob, recipe, a_scale, x_dtype, a_col)
-    d_down = wg(gq if tensor_mode else col(g_SD, None, "g", down), a_S, down.dtype)
-    # gate/up projection
-    dhq = quantize_operand(recipe, dh, "g", 1, key=gate_up)
-    w1q = quantize_operand(recipe, gate_up, "w", bwd_red, key=gate_up, scale=w1_scale)
-    dx = mm(dhq, w1q, counts, not trans_w, x_dtype) if need.x else None
-    if not isinstance(x_s, QTensor):
-        x_SD = x_s.index_select(0, token_S) if gathered else x_s
-        x_s = col(x_SD, x_scale, "x", gate_up)
-    d_gate_up = wg(dhq if tensor_mode else col(dh, None, "g", gate_up), x_s, gate_up.dtype)
-    return dx, dh, dprob, d_gate_up, d_down
+    def down_backward(self, g_out, g_SD, want_prob: bool):
+        """(dh, d prob, d down): dgrad, the SwiGLU backward recomputing the activation from
+        the kept h (quantized for the weight gradient), wgrad."""
+        sv, dtype = self.sv, g_out.dtype
+        gq = _operand_rows(self.recipe, g_out, sv.token_S, "g", sv.down, self.every_row)
+        # the real FP8 GEMMs (and MXFP8's bf16 ones) round to bf16 anyway: an fp32 copy of
+        # their output would be one more [S, F] pass; the emulation keeps its fp32
+        da_dtype = torch.float32 if self.be == "emulated" else dtype
+        da = self._gemm(gq, sv.down, True, da_dtype, "down")
+        col = partial(self._q, role="x", key=sv.down, dim=0)
+        a_scale = self.scale.get("a")
+        dh, gp, a = _swiglu_grads(
+            self.h, sv.prob_S, da, want_prob, self.recipe, a_scale, dtype, col
+        )
+        return dh, gp, self._wgrad_of(gq, g_SD, a, sv.down)
 
+    def up_backward(self, dh, want_x: bool):
+        """(dx_SD or None, d gate_up)."""
+        sv, x = self.sv, self.x
+        dhq = self._q(dh, "g", sv.gate_up)
+        dx = self._gemm(dhq, sv.gate_up, True, dh.dtype, "gate_up") if want_x else None
+        if not isinstance(x, QTensor):
+            x_SD = x.index_select(0, sv.token_S) if sv.token_S is not None else x
+            x = self._q(x_SD, "x", sv.gate_up, 0, self.scale.get("x"))
+        return dx, self._wgrad_of(dhq, dh, x, sv.gate_up)
 
-#: the FP8 / MXFP8 saved-activation format and GEMMs, as the engine's recipe slot
-RECIPE_MLP = RecipeMLP(_forward, _backward)
+    def keep(self, h_S2F) -> Saved:
+        """The call's `Saved` as backward reads it: x and h in full precision, or with
+        fp8_saved_activations h in E4M3 and x as its weight gradient's operand (x_TD, the
+        caller's, as it is); the per-tensor scales; slot_TK only when some pair dropped."""
+        sv, recipe, saved = self.sv, self.recipe, []
+        x, xq = sv.x, self.qs[0]
+        if not recipe.fp8_saved_activations:
+            x_meta, h_meta = save_q(saved, None, x), save_q(saved, None, h_S2F)
+        else:
+            if sv.token_S is not None:
+                x_meta = save_q(saved, None, x)
+            elif self.tensor:
+                x_meta = save_q(saved, xq, None)
+            else:
+                x_meta = save_q(saved, self._q(x, "x", sv.gate_up, 0), None)
+            h_meta = save_q(saved, _store_h(h_S2F), None)
+        if self.tensor:  # x, gate_up, a, down
+            saved += [q.scale for q in self.qs]
+        # dropless: the engine recomputes each token's slots from token_S in backward
+        dropped = sv.token_S is not None and sv.token_S.numel() != sv.slot_TK.numel()
+        slot_TK = sv.slot_TK if dropped else None
+        meta = (x_meta, h_meta, self.be, self.tensor)
+        return replace(sv, x=None, slot_TK=slot_TK, h=tuple(saved), meta=meta)
 
 
 def quantized_grouped_mlp(
@@ -321,7 +327,7 @@ def quantized_grouped_mlp(
         return y if token_S is None else unpermute(y, sp)
     b1, b2, tw = gate_up_bias, down_bias, bool(trans_w)
     sv = Saved(x, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, act, tw)
-    sched = Schedule("recipe", row_ops=pick_row_ops(x), recipe=recipe, recipe_mlp=RECIPE_MLP)
+    sched = Schedule("recipe", row_ops=pick_row_ops(x), recipe=recipe, recipe_mlp=RecipeSlot)
     return routed_mlp(sched, sv, None)  # the combine has slot_TK's rows
 
 

@@ -63,10 +63,6 @@ class Saved:
 # which inputs want a gradient, by name (a1 .. b2: the low-rank factors)
 Needs = namedtuple("Needs", "x prob gate_up down gate_up_bias down_bias a1 b1 a2 b2")
 Needs.__new__.__defaults__ = (False,) * 4
-# A recipe's slot (`quant/mlp.py::RECIPE_MLP`): forward(recipe, sv) -> (y_SD, sv with h its
-# saved format's tensors); backward(recipe, sv, g_out, g_SD, need) -> (dx_SD, dh, d prob,
-# d gate_up, d down). The engine adds the biases, their gradients and the combines.
-RecipeMLP = namedtuple("RecipeMLP", "forward backward")
 
 # Saved's tensors in the order autograd sees them, then lora and h flattened
 _TENSORS = ("x", "prob_S", "gate_up", "down", "gu_bias", "d_bias", "token_S", "slot_TK", "u1")
@@ -153,7 +149,7 @@ def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
             sv = replace(sv, counts=sv.counts.tolist())
         return loop.forward(sv, num_out, *_lowranks(sv), one_h)
     if sched.path == "recipe":
-        y, kept = sched.recipe_mlp.forward(sched.recipe, sv)
+        y, kept = _recipe_forward(sched, sv)
     else:
         counts = counts_for(sched, sv.counts, sv.x.device)
         offs = sv.offs
@@ -201,15 +197,8 @@ def _up_projection(sched: Schedule, sv: Saved):
 def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> tuple:
     """(dx, d prob, d gate_up, d down, d gate_up bias, d down bias, dA1, dB1, dA2, dB2),
     None where `need` wants none; release: free h (this call's own) once read."""
-    if sched.path == "recipe":  # the slot's GEMMs; the bias gradients and combine here
-        g_out, token_S = g_out.contiguous(), sv.token_S
-        gy = g_out.index_select(0, token_S) if token_S is not None else g_out
-        gx, dh, gp, ggu, gd = sched.recipe_mlp.backward(sched.recipe, sv, g_out, gy, need)
-        ggb, gdb, gp = _bias_grads(sv, gy, dh, gp, need)
-        if gx is not None and token_S is not None:  # no slot_TK kept: every token has K
-            slots = sv.slot_TK if sv.slot_TK is not None else token_S.argsort(stable=True)
-            gx = sched.row_ops.gather_sum(gx, slots.reshape(g_out.shape[0], -1))
-        return (gx, gp, ggu, gd, ggb, gdb, None, None, None, None)
+    if sched.path == "recipe":
+        return _recipe_backward(sched, sv, g_out.contiguous(), need)
     lr1, lr2 = _lowranks(sv)
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
@@ -252,6 +241,29 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     del a, gy
     gx, ggu, g1a, g1b = _gate_up_backward(sched, sv, dh, lr1, need)
     return (gx, gp, ggu, gd, ggb, gdb, g1a, g1b, g2a, g2b)
+
+
+def _recipe_forward(sched: Schedule, sv: Saved):
+    """(y_SD, what backward keeps) of a recipe: its slot (`sched.recipe_mlp`, e.g.
+    `quant/mlp.py::RecipeSlot`) quantizes, runs each projection's GEMMs and keeps its
+    saved format; the engine orders them and adds the biases and their gradients."""
+    q = sched.recipe_mlp(sched.recipe, sv)
+    h = q.up(sv.x)
+    if sv.gu_bias is not None:
+        add_bias(h, sv.gu_bias, sv.counts)
+    return q.down(h), q.keep(h)
+
+
+def _recipe_backward(sched: Schedule, sv: Saved, g_out, need: Needs) -> tuple:
+    q, token_S = sched.recipe_mlp(sched.recipe, sv), sv.token_S
+    gy = g_out.index_select(0, token_S) if token_S is not None else g_out
+    dh, gp, gd = q.down_backward(g_out, gy, need.prob)
+    ggb, gdb, gp = _bias_grads(sv, gy, dh, gp, need)
+    gx, ggu = q.up_backward(dh, need.x)
+    if gx is not None and token_S is not None:  # no slot_TK kept: every token has K
+        slots = sv.slot_TK if sv.slot_TK is not None else token_S.argsort(stable=True)
+        gx = sched.row_ops.gather_sum(gx, slots.reshape(g_out.shape[0], -1))
+    return (gx, gp, ggu, gd, ggb, gdb, None, None, None, None)
 
 
 def _bias_grads(sv: Saved, gy, dh, gp, need: Needs):

@@ -82,7 +82,7 @@ class Schedule:
     """path: "loop", "grouped" or "recipe". gemms: per GEMM of `GEMMS`, its backend, or
     None where `kernels` run it fused. device_counts: the counts stay on the device.
     recipe / recipe_mlp / takes_tokens: the recipe, its MLP (the plan's: its
-    `grouped_mlp` or None, composed; the engine's: its `RecipeMLP` slot) and whether it
+    `grouped_mlp` or None, composed; the engine's: its slot class, `RecipeSlot`) and whether it
     takes x_TD. sort: the `sort_by_expert` for the call's device."""
 
     path: str

@@ -213,22 +213,20 @@ def expand_bias(bias_EN: torch.Tensor, counts, S: int | None = None) -> torch.Te
     """bias_EN[e(s)] for every row s; counts a host list, or a device tensor with the
     row count S given (then nothing is read on the host)."""
     if not isinstance(counts, torch.Tensor):
-        S = sum(counts)
-        counts = torch.tensor(counts, device=bias_EN.device)
-    idx = torch.repeat_interleave(
-        torch.arange(counts.numel(), device=bias_EN.device), counts, output_size=S
-    )
-    return bias_EN.index_select(0, idx)
+        S, counts = sum(counts), torch.tensor(counts)
+    return bias_EN.index_select(0, _group_of_rows(counts, S, bias_EN.device))
+
+
+def _group_of_rows(counts: torch.Tensor, S: int, device) -> torch.Tensor:
+    """[S]: the group of each row, on `device` (no host read)."""
+    E = counts.numel()
+    return torch.repeat_interleave(torch.arange(E, device=device), counts.to(device), output_size=S)
 
 
 def group_sum(g_SN: torch.Tensor, counts) -> torch.Tensor:
     """Per-group row sums [E, N]; counts a host list or a device tensor (no sync)."""
     if isinstance(counts, torch.Tensor):
-        e_S = torch.repeat_interleave(
-            torch.arange(counts.numel(), device=g_SN.device),
-            counts.to(g_SN.device),
-            output_size=g_SN.shape[0],
-        )
+        e_S = _group_of_rows(counts, g_SN.shape[0], g_SN.device)
         return g_SN.new_zeros(counts.numel(), g_SN.shape[1]).index_add_(0, e_S, g_SN)
     out = g_SN.new_zeros(len(counts), g_SN.shape[1])
     for e, lo, hi in _bounds(counts):

@@ -87,9 +87,9 @@ def lora_inputs(lora) -> tuple:
 # --- one expert (the per-expert loop) -----------------------------------------------
 
 
-def lowrank_fwd(x_nI, a_RI, b_OR, scale: float, out_nO, u_nR=None):
-    """out += scale * (x A^T) B^T in place; returns u = x A^T (written into u_nR if given)."""
-    u = torch.mm(x_nI, a_RI.t(), out=u_nR) if u_nR is not None else torch.mm(x_nI, a_RI.t())
+def lowrank_fwd(x_nI, a_RI, b_OR, scale: float, out_nO, u_nR):
+    """out += scale * (x A^T) B^T in place; returns u = x A^T, written into u_nR."""
+    u = torch.mm(x_nI, a_RI.t(), out=u_nR)
     out_nO.addmm_(u, b_OR.t(), alpha=scale)
     return u
 

@@ -249,17 +249,8 @@ class MoE:
     a shape, so varying routings never recompile.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        moe_intermediate_size: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        bucket_tokens: bool = False,
-        **kwargs,
-    ):
-        self.config = MoEConfig(hidden_size, moe_intermediate_size, num_experts, top_k, **kwargs)
+    def __init__(self, *args, bucket_tokens: bool = False, **kwargs):
+        self.config = MoEConfig(*args, **kwargs)  # MoEConfig's arguments
         self.bucket_tokens = bucket_tokens
         cfg = self.config
         self._jit = jax.jit(lambda p, x, s, m: moe_apply(p, x, cfg, s, mask=m))
@@ -267,17 +258,15 @@ class MoE:
     @classmethod
     def from_torch(cls, moe, **kwargs) -> tuple[MoE, dict, dict]:
         """(jax MoE, params, state) equal to a PyTorch `dropless.MoE`."""
-        r = moe.router
+        se = moe.shared_expert
         layer = cls(
             moe.hidden_size,
             moe.experts.intermediate_size,
             moe.num_experts,
             moe.top_k,
-            routing=r.routing,
-            shared_expert_intermediate_size=0
-            if moe.shared_expert is None
-            else moe.shared_expert.up_proj.out_features,
-            shared_expert_gate=moe.shared_expert is not None and moe.shared_expert.gate is not None,
+            routing=moe.router.routing,
+            shared_expert_intermediate_size=0 if se is None else se.up_proj.out_features,
+            shared_expert_gate=se is not None and se.gate is not None,
             **kwargs,
         )
         return layer, *params_from_torch(moe)

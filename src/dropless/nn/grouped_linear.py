@@ -12,6 +12,13 @@ from torch import nn
 from ..ops.grouped_gemm import grouped_gemm
 
 
+def check_sizes(**sizes) -> None:
+    """ValueError naming the first of `sizes` that is not a positive int."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive int")
+
+
 class GroupedLinear(nn.Module):
     """`num_gemms` linear layers applied to consecutive row groups of one input.
 
@@ -33,13 +40,7 @@ class GroupedLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        for name, v in (
-            ("num_gemms", num_gemms),
-            ("in_features", in_features),
-            ("out_features", out_features),
-        ):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
+        check_sizes(num_gemms=num_gemms, in_features=in_features, out_features=out_features)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         kw = dict(dtype=dtype, device=device)
         self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, **kw))

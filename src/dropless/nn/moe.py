@@ -16,6 +16,7 @@ from ..ops.routing import capacity_keep_mask, expert_capacity
 from ..ops.specs import ActivationConfig, RoutingConfig
 from .dispatcher import LocalDispatcher
 from .experts import GroupedExperts
+from .grouped_linear import check_sizes
 from .router import TopKRouter
 
 
@@ -88,13 +89,8 @@ class MoE(nn.Module):
         **routing_fields,
     ):
         super().__init__()
-        for name, v in (
-            ("hidden_size", hidden_size),
-            ("moe_intermediate_size", moe_intermediate_size),
-            ("num_experts", num_experts),
-        ):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive int")
+        F = moe_intermediate_size
+        check_sizes(hidden_size=hidden_size, moe_intermediate_size=F, num_experts=num_experts)
         if capacity_factor is not None and not (capacity_factor > 0):
             raise ValueError(f"capacity_factor={capacity_factor!r} must be None (dropless) or > 0")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k

@@ -67,8 +67,9 @@ def from_checkout(module: str, what: str):
     return importlib.import_module(f"tools.{module}")
 
 
-def add_history_arguments(p: argparse.ArgumentParser) -> None:
-    """`--record`, `--history [FILE]` and `--no-history`, the same for every benchmark."""
+def add_history_arguments(p: argparse.ArgumentParser, section: str) -> None:
+    """`--record`, `--history [FILE]`, `--no-history` and `--section FILE`, the same for
+    every benchmark; `section` names its file in the checkout's benchmarks/sections/."""
     p.add_argument(
         "--record", action="store_true",
         help="append the result to the checkout's benchmarks/history.jsonl and rewrite its "
@@ -82,6 +83,11 @@ def add_history_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-history", action="store_true",
         help="append to no history file, even with --record (the default without --record)",
+    )  # fmt: skip
+    p.add_argument(
+        "--section", default=None, metavar="FILE",
+        help=f"markdown file for the table (default: the checkout's benchmarks/sections/{section}.md; "
+        "'' to skip)",
     )  # fmt: skip
 
 
@@ -106,14 +112,6 @@ def history_path(
         "append to. Run from a clone installed with `pip install -e .`, or give a file "
         "(--history FILE)."
     )
-
-
-def add_section_argument(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument(
-        "--section", default=None, metavar="FILE",
-        help=f"markdown file for the table (default: the checkout's benchmarks/sections/{name}.md; "
-        "'' to skip)",
-    )  # fmt: skip
 
 
 def write_section(args, rec: Recorder, name: str, record: dict, *text: str) -> None:

@@ -25,7 +25,6 @@ import sys
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     follow_live_memory,
     from_checkout,
     load_sentence,
@@ -135,8 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--profile", action="store_true",
         help=f"one more step of the {PROFILED} row under torch.profiler: a per-kernel table",
     )  # fmt: skip
-    add_history_arguments(p)
-    add_section_argument(p, "e2e")
+    add_history_arguments(p, "e2e")
 
 
 # --- the child: one implementation, one process -----------------------------------------

@@ -17,7 +17,6 @@ import time
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     require_default_allocator,
     write_section,
 )
@@ -104,8 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    add_history_arguments(p)
-    add_section_argument(p, "parallel")
+    add_history_arguments(p, "parallel")
 
 
 def run(a) -> int:

@@ -22,7 +22,6 @@ import torch
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     require_default_allocator,
     step_times,
     write_section,
@@ -111,8 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
     p.add_argument("--no-backward", action="store_true", help="skip the backward (memory: forward)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant on a GPU")
-    add_history_arguments(p)
-    add_section_argument(p, "fp8")
+    add_history_arguments(p, "fp8")
 
 
 def run(args) -> int:

@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from .common import add_history_arguments, add_section_argument
+from .common import add_history_arguments
 
 MODULE = "dropless.bench.jax_bench"
 IMPLS = ("dropless", "ragged_dot", "capacity_einsum", "dense_bound")
@@ -45,8 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=20.5,
         help="run ragged_dot only if this much memory is available (else: not run)",
     )
-    add_history_arguments(p)
-    add_section_argument(p, "jax")
+    add_history_arguments(p, "jax")
 
 
 # ----------------------------------------------------------------------------- child

@@ -32,7 +32,6 @@ from .bound import BOUND_GEMMS, dense_bound, layer_flops, machine_rates
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     from_checkout,
     peak_rss_mib,
     progress,
@@ -109,8 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"after timing, one step each of {' and '.join(PROFILED)} under torch.profiler: "
         "a per-kernel table (name, calls, total ms, share) in the record and the table",
     )  # fmt: skip
-    add_history_arguments(p)
-    add_section_argument(p, "layer")
+    add_history_arguments(p, "layer")
 
 
 # --- building the implementations ------------------------------------------------------

@@ -17,7 +17,6 @@ from . import e2e
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     load_sentence,
     require_extra,
     write_section,
@@ -43,8 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list from {','.join(IMPLS)}"
     )
-    add_history_arguments(p)
-    add_section_argument(p, "lora")
+    add_history_arguments(p, "lora")
 
 
 def build_model(impl: str, shape: dict, device: str = "cpu", rank: int = RANK, **_):

@@ -28,7 +28,6 @@ from .child import run_child_process
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     follow_live_memory,
     load_sentence,
     peak_rss_mib,
@@ -89,8 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tiny", action="store_true",
         help="a smoke run (not a result): a tiny model, short lengths, every row in one child",
     )  # fmt: skip
-    add_history_arguments(p)
-    add_section_argument(p, "memory")
+    add_history_arguments(p, "memory")
 
 
 # --- the child: one implementation at one length, one process ---------------------------

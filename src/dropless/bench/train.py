@@ -12,7 +12,6 @@ import tempfile
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     require_default_allocator,
     write_section,
 )
@@ -34,8 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--run-dir", default=None, help="keep the run here (default: a temporary directory)"
     )
-    add_history_arguments(p)
-    add_section_argument(p, "train")
+    add_history_arguments(p, "train")
 
 
 def run(args) -> int:

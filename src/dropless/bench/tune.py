@@ -20,7 +20,6 @@ from ..ops.specs import ActivationConfig
 from .common import (
     Recorder,
     add_history_arguments,
-    add_section_argument,
     write_section,
 )
 
@@ -40,8 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default="swiglu", help="a gated activation kind")
     p.add_argument("--cache", type=Path, default=None, help="the cache file (default: the run's)")
     p.add_argument("--device", default="cuda")
-    add_history_arguments(p)
-    add_section_argument(p, "tuning")
+    add_history_arguments(p, "tuning")
 
 
 def tune_shapes(shapes, tokens: int, dtype, device, act: ActivationConfig, tuner) -> dict:

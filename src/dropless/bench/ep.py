@@ -14,12 +14,7 @@ import statistics
 import tempfile
 import time
 
-from .common import (
-    Recorder,
-    add_history_arguments,
-    require_default_allocator,
-    write_section,
-)
+from .common import Recorder, add_history_arguments, require_default_allocator, write_section
 
 SETTINGS = (
     ("no overlap, 1 chunk", 1, False),

@@ -14,13 +14,7 @@ import json
 import sys
 
 from . import e2e
-from .common import (
-    Recorder,
-    add_history_arguments,
-    load_sentence,
-    require_extra,
-    write_section,
-)
+from .common import Recorder, add_history_arguments, load_sentence, require_extra, write_section
 from .e2e import QUICK, SHAPE, build_row_model
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")

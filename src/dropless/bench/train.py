@@ -9,12 +9,7 @@ import argparse
 import math
 import tempfile
 
-from .common import (
-    Recorder,
-    add_history_arguments,
-    require_default_allocator,
-    write_section,
-)
+from .common import Recorder, add_history_arguments, require_default_allocator, write_section
 
 # summary keys that are figures (the rest are paths of the run's files)
 FIGURES = (

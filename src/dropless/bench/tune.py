@@ -17,11 +17,7 @@ import torch
 
 from ..ops.expert_mlp.plan import GemmTuner, plan_expert_mlp
 from ..ops.specs import ActivationConfig
-from .common import (
-    Recorder,
-    add_history_arguments,
-    write_section,
-)
+from .common import Recorder, add_history_arguments, write_section
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

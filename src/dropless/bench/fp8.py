@@ -1,11 +1,7 @@
-"""`dropless bench fp8`: activation memory of a MoE layer with FP8 / MXFP8 saved
-activations vs bf16, and (on a GPU) step time of bf16 vs FP8 / MXFP8.
-
-Memory is the bytes of the tensors autograd keeps from forward to backward, counted
-with `torch.autograd.graph.saved_tensors_hooks` (each storage once; parameters and
-views of them excluded): exact, and independent of the allocator, so it is measured
-on CPU. Step times need a GPU (bf16 matmul on these CPUs runs ~80x slower than fp32)
-and are reported only when one is present.
+"""`dropless bench fp8`: saved-activation memory of a MoE layer with FP8 / MXFP8 saved
+activations vs bf16, and on a GPU the step time of each. Memory is the bytes of the tensors
+autograd keeps for backward (`saved_tensors_hooks`, each storage once, parameters
+excluded): exact and allocator-independent, so it is measured on CPU.
 """
 
 # T tokens, D model dim, F expert hidden dim, E experts, K top-k

@@ -1,12 +1,9 @@
 """The dropless MoE layer in JAX: config, params as a plain pytree, `moe_apply`, `MoE`.
 
-Params are a dict of arrays (no module framework): they go straight into jax.grad,
-optax and orbax, and the layer adds no dependency beyond JAX. The expert bias of
-aux-loss-free balancing lives in a separate `state` dict (it is updated by
-`update_expert_bias`, never by the optimizer).
-
-Layout = the PyTorch layer's (Transformers v5): router weight [E, D],
-gate_up_proj [E, 2F, D] (rows [0, F) gate, [F, 2F) up), down_proj [E, D, F].
+Params are a dict of arrays (no module framework), laid out as the PyTorch layer's
+(router weight [E, D], gate_up_proj [E, 2F, D], down_proj [E, D, F]). The expert bias of
+aux-loss-free balancing lives in a separate `state` dict: `update_expert_bias` updates it,
+never the optimizer.
 """
 
 # T tokens, D model dim, F expert hidden dim, Fs shared expert hidden dim, E experts,

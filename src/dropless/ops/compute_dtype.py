@@ -4,10 +4,11 @@ Under `torch.autocast` the expert GEMMs run in the autocast dtype even when the 
 are fp32: `expert_mlp`, `grouped_mlp` and `grouped_gemm` cast the tokens once and the
 weights once per optimizer step (`weight_cache.cached_cast`) at their entry, before the
 plan picks a backend; callers that move tokens first (the all-to-all) cast them with
-`expert_input`. Inside the fused autograd Functions autocast is off (`autocast_off`, the engine's own):
-their operands are already in the compute dtype, and their `out=` buffers must not meet
-GEMMs that autocast would switch. With any fp64 operand, or without autocast, nothing is
-cast (docs/performance.md, "Under `torch.autocast`").
+`expert_input`. Inside the fused autograd Functions autocast is off (`autocast_off`;
+the expert engine turns it off on its device itself): their operands are already in the
+compute dtype, and their `out=` buffers must not meet GEMMs that autocast would switch.
+With any fp64 operand, or without autocast, nothing is cast (docs/performance.md, "Under
+`torch.autocast`").
 """
 
 from __future__ import annotations

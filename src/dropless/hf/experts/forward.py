@@ -88,15 +88,9 @@ class ExpertsSpec:
                 parts.append(f"limit={act.limit:g}")
             if act.interleaved:
                 parts.append("interleaved")
-        if not self.gated:
-            parts.append("non-gated")
-        if not self.trans_w:
-            parts.append("[E, in, out] layout")
-        if self.has_bias:
-            parts.append("biases")
-        if self.post_norm:
-            parts.append("post-expert norm")
-        return ", ".join(parts)
+        flags = {"non-gated": not self.gated, "[E, in, out] layout": not self.trans_w}
+        flags.update({"biases": self.has_bias, "post-expert norm": self.post_norm})
+        return ", ".join(parts + [name for name, on in flags.items() if on])
 
 
 def experts_spec(module: nn.Module) -> ExpertsSpec | str:

@@ -225,7 +225,6 @@ def _op_saved(plan, operands, token_S, pair_S, slot_TK, counts, act, trans_w, of
     """The engine's `Saved` of a node's operands and sort (h: the forward node's)."""
     x_TD, weights_TK, gate_up, down, b1, b2 = operands
     prob_S = weights_TK.reshape(-1).index_select(0, pair_S).to(x_TD.dtype)
-    counts = counts.tolist() if plan.path == "loop" else counts  # the loop's bounds
     return Saved(
         x_TD, prob_S, gate_up, down, b1, b2, token_S, slot_TK, counts, act, trans_w, offs, h=h
     )

@@ -143,15 +143,12 @@ def routed_mlp(sched: Schedule, sv: Saved, num_out) -> torch.Tensor:
 def forward(sched: Schedule, sv: Saved, num_out, one_h: bool = False) -> tuple:
     """(out_TD [num_out, D] with sv.token_S, else y_SD; sv with h, u1, u2 filled in).
     one_h: h as one [S, N] tensor (the custom op's output)."""
-    if sched.path == "loop":
-        if isinstance(sv.counts, torch.Tensor):
-            # host sync: the loop needs the bounds on the host
-            sv = replace(sv, counts=sv.counts.tolist())
-        return loop.forward(sv, num_out, *_lowranks(sv), one_h)
     if sched.path == "recipe":
         y, kept = _recipe_forward(sched, sv)
     else:
-        counts = counts_for(sched, sv.counts, sv.x.device)
+        counts = counts_for(sched, sv.counts, sv.x.device)  # the loop's: on the host
+        if sched.path == "loop":
+            return loop.forward(replace(sv, counts=counts), num_out, *_lowranks(sv), one_h)
         offs = sv.offs
         if offs is None and sched.offsets:  # one offsets tensor for all six GEMMs
             offs = group_offsets(counts, sv.x.device)
@@ -200,9 +197,9 @@ def backward(sched: Schedule, sv: Saved, g_out, need: Needs, release: bool) -> t
     if sched.path == "recipe":
         return _recipe_backward(sched, sv, g_out.contiguous(), need)
     lr1, lr2 = _lowranks(sv)
+    sv = replace(sv, counts=counts_for(sched, sv.counts, sv.x.device))
     if sched.path == "loop":
         return loop.backward(sv, g_out, need, release, lr1, lr2)
-    sv = replace(sv, counts=counts_for(sched, sv.counts, sv.x.device))
     prob_S, token_S, h, counts = sv.prob_S, sv.token_S, sv.h, sv.counts
     act, trans_w = sv.act, sv.trans_w
     # the compiled backward plans its own memory: storage calls would break it

@@ -163,7 +163,7 @@ def build_run(cfg, env, run_dir: Path, resume_from, hooks, beat) -> RunParts:
     t_start, cpu_start, tc = time.perf_counter(), time.process_time(), cfg.train
     # torch's RNG is seeded where the model is built; a resume restores all three
     seed_host_rngs(tc.seed)
-    ckpt.remove_partial(run_dir)  # leftovers of a write this run's folder saw interrupted
+    ckpt.remove_partial(run_dir)  # leftovers of interrupted checkpoint writes (rank 0)
     beat.doing = "preparing the data (reading, training the tokenizer, tokenizing)"
     data = prepare_data(cfg, run_dir, env)
     beat.doing = "building the model" + (f" from {cfg.model.path}" if cfg.model.path else "")

@@ -221,7 +221,7 @@ def _op_plan(x_TD, gate_up, down, act, trans_w):
     return plan_expert_mlp(x_TD, gate_up, down, act, trans_w=trans_w)
 
 
-def _op_saved(plan, operands, token_S, pair_S, slot_TK, counts, act, trans_w, offs, h=None):
+def _op_saved(operands, token_S, pair_S, slot_TK, counts, act, trans_w, offs, h=None):
     """The engine's `Saved` of a node's operands and sort (h: the forward node's)."""
     x_TD, weights_TK, gate_up, down, b1, b2 = operands
     prob_S = weights_TK.reshape(-1).index_select(0, pair_S).to(x_TD.dtype)
@@ -256,7 +256,7 @@ def expert_mlp_op(
     sp = plan.sort(ids_TK, gate_up.shape[0], host_counts=host)
     operands = (x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias)
     sort = (sp.token_S, sp.pair_S, sp.slot_TK, sp.counts_E)
-    sv = _op_saved(plan, operands, *sort, act, trans_w, sp.offsets_E)
+    sv = _op_saved(operands, *sort, act, trans_w, sp.offsets_E)
     out, sv = engine.forward(plan, sv, x_TD.shape[0], one_h=keep_h)
     h = sv.h if keep_h else x_TD.new_empty(0, gate_up.shape[1 if trans_w else 2])
     return out, h, sp.pair_S.long(), sp.slot_TK.long().contiguous(), sp.counts_E.long()
@@ -313,7 +313,7 @@ def expert_mlp_backward_op(
     offs = counts_E.cumsum(0, dtype=torch.int32) if plan.offsets else None
     operands = (x_TD, weights_TK, gate_up, down, gate_up_bias, down_bias)
     sort = (pair_S // K, pair_S, slot_TK, counts_E)
-    sv = _op_saved(plan, operands, *sort, act, trans_w, offs, h=h_SN)
+    sv = _op_saved(operands, *sort, act, trans_w, offs, h=h_SN)
     # h is this node's input (its storage the forward node's output): never freed here
     gx, gp, *rest = engine.backward(plan, sv, g_out, Needs(*needs), release=False)[:6]
     if gp is not None:  # dropless: pair_S is a permutation of the T*K pairs

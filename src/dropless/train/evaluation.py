@@ -17,7 +17,7 @@ from .data.context_split import ContextSplit
 from .run.collectives import all_reduce
 
 
-@dataclass
+@dataclass(eq=False)  # stateful: compared and hashed by identity
 class Evaluator:
     """Scores the run's held-out windows; `evaluator()` -> {"eval_loss", "eval_bpb"}.
     `split`: which windows this process scores (data/context_split.py): its own, or with

@@ -52,7 +52,7 @@ def _quiet_single_process_warning() -> None:
     warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
 
 
-@dataclass
+@dataclass(eq=False)  # stateful: compared and hashed by identity
 class CheckpointSaver:
     """Saves checkpoints in the background (`background=False`: every save synchronous;
     `timeout_s`: of the background collectives). Use it as a context manager around the

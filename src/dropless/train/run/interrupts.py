@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-@dataclass
+@dataclass(eq=False)  # stateful: compared and hashed by identity
 class StopRequests:
     """While active, records the first SIGINT/SIGTERM in `signum` instead of dying
     (`announce`: says so on stderr)."""

@@ -19,7 +19,7 @@ A function first called from its own file is listed under that file's latest ent
 runs on untraced. `trace.start_at(fn)` records nothing until `fn` itself is called.
 
 Used by tests/train/test_route.py (a tiny run from `train()` to the first optimizer step,
-and docs/design.md's route written from it by scripts/design_route.py) and for the expert
+and docs/design.md's route written from it by tools/design_route.py) and for the expert
 forward's route.
 """
 

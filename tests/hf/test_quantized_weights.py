@@ -9,7 +9,6 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from dropless.hf.distributed.quantized_weights import (
     dequantize_block_fp8,
     dequantize_mxfp4,
-    dequantize_state_dict,
     fp8_block_size,
     quantized_sources,
 )
@@ -73,24 +72,13 @@ def test_mxfp4_refuses_wrong_shapes():
         )
 
 
-def test_a_state_dict_keeps_plain_tensors_and_drops_the_scales():
-    gen = torch.Generator().manual_seed(4)
-    w, s = _fp8_weight((64, 64), (32, 32), gen)
-    blocks = torch.randint(0, 256, (2, 4, 1, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.full((2, 4, 1), 127, dtype=torch.uint8)
-    norm = torch.ones(64)
-    sd = {
-        "a.weight": w,
-        "a.weight_scale_inv": s,
-        "e.gate_up_proj_blocks": blocks,
-        "e.gate_up_proj_scales": scales,
-        "n.weight": norm,
-    }
-    out = dequantize_state_dict(sd, torch.float32, (32, 32))
-    assert sorted(out) == ["a.weight", "e.gate_up_proj", "n.weight"]
-    assert out["n.weight"] is norm
-    assert out["e.gate_up_proj"].shape == (2, 32, 4)
+def test_quantized_sources_names_the_parts_a_weight_is_stored_in():
+    sd = dict.fromkeys(["a.weight", "a.weight_scale_inv", "e.gate_up_proj_blocks", "e.gate_up_proj_scales", "n.weight"])  # fmt: skip
     assert quantized_sources("a.weight", sd) == ("fp8", ["a.weight", "a.weight_scale_inv"])
+    assert quantized_sources("e.gate_up_proj", sd) == (
+        "mxfp4",
+        ["e.gate_up_proj_blocks", "e.gate_up_proj_scales"],
+    )
     assert quantized_sources("n.weight", sd) is None
 
 

@@ -1,22 +1,7 @@
-"""Checkpoint saves that overlap training (`checkpoint.async_save`, on by default).
-
-A save has a short blocking part and a long one. Blocking, in the training thread: the
-temporary folder and RNG files (`checkpoint.begin_save`), then a copy of the model and
-optimizer state into fresh CPU memory (the stager `torch.distributed.checkpoint.async_save`
-uses for a `FileSystemWriter`), so the next optimizer steps cannot change what is written.
-In a background thread: the DCP write of that copy through the hashing writer, then
-`checkpoint.commit_save` (digests, rank 0's trainer.json, config.toml, manifest, rename,
-pruning) exactly as a synchronous save does it. Until the rename the new checkpoint is a
-`.tmp-step_*` folder and the previous one stays the newest complete checkpoint; pruning
-runs only after the rename.
-
-At most one save is in flight: the next save waits for it, and so do the end of the run
-(whose last save, like the one after SIGINT/SIGTERM, is written synchronously), an error
-leaving the loop (the save finishes, then the error goes on; a failure of the save too is
-a warning) and `wait()`. A failure of the background write is raised in the training
-thread, as the exception a synchronous save raises (a full disk's OSError included), after
-the next step or at the next save. A second Ctrl-C does not wait: the thread is a daemon,
-its `.tmp-step_*` folder is left, and the next run removes it.
+"""Checkpoint saves that overlap training (`checkpoint.async_save`): the blocking part
+copies the state into CPU memory, a background thread writes it and commits it as a
+synchronous save does; docs/train.md (*Checkpoints and resume*) says when a save waits
+and how a failure surfaces.
 
 Why not `dcp.async_save` itself: its executor thread is not a daemon, so an interpreter
 leaving on an error or a second Ctrl-C would wait for it (and, with another rank gone, for

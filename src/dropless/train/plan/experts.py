@@ -1,30 +1,11 @@
-"""The experts forward the planner traces in place of the real one.
-
-The dropless expert path cannot run on fake tensors: it counts tokens per expert
-(`bincount`, a data-dependent size), reads the counts on the host to split the grouped
-GEMM, and under expert parallelism exchanges those counts before an all-to-all whose
-split sizes depend on the routing. So the planner swaps each experts module's forward
-(on its own traced copy of the model, never on a training model) for one autograd
-Function that allocates, at the sizes the routing fixes:
-
-- in forward, what the expert MLP keeps for backward, as its own folder declares it:
-  `dropless.ops.expert_mlp.eager.saved_for_backward` (the fake rule of the
-  `dropless::expert_mlp` custom op: h [R, N] in the compute dtype and the sort's
-  indices) or, under a precision recipe, `dropless.quant.mlp.saved_for_backward` (h in
-  E4M3 with one fp32 scale per row when precision.fp8_saved_activations is on, the
-  routing weights and token indices);
-- under expert parallelism (`EP` below, the one part stated here) the all-to-all send
-  buffer [S, D] while it is in flight, what the MLP keeps of the received rows [R, D]
-  (in the compute dtype; under a recipe as `dropless.quant.mlp.saved_for_backward_rows`
-  declares, E4M3 with fp8_saved_activations), the combine's token indices [S] (int64)
-  and, where received rows are reordered, the permutation and its inverse [R] (int64);
-- in backward, what the fused backward holds, in its order: under expert parallelism
-  first the combine's backward (the pairs' output gradient [S, D], then the rows received
-  back [R, D] and their local-order copy [R, D]); the gathered output gradient [R, D],
-  d(activation) and the recomputed activation [R, F], dh [R, N], the recomputed x_SD
-  [R, D], dx_SD [R, D], the weights' gradients at the unsharded weights' shape and dtype;
-  under expert parallelism dx_SD's local-order copy [R, D] and the pairs' input gradient
-  received back [S, D]; and dx [T, D].
+"""The experts forward the planner traces in place of the real one (docs/plan.md, *How
+the memory is found*): the dropless expert path cannot run on fake tensors (a
+data-dependent count per expert, read on the host, exchanged before an all-to-all with
+data-dependent splits), so the planner's own traced copy of the model runs one autograd
+Function that allocates, at the sizes the routing fixes, what the expert MLP declares it
+keeps for backward (`saved_for_backward` of `ops/expert_mlp/eager.py` or `quant/mlp.py`),
+the expert-parallel buffers (`EP` below, the one part stated here) and, in backward, the
+fused backward's live set in its order.
 
 S = T x K pairs of this rank's tokens; R = the rows this rank's experts compute: S on one
 process (every expert is local, whatever the routing), ceil(S x skew) under expert

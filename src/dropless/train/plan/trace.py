@@ -1,30 +1,14 @@
 """`dropless plan`: the memory per GPU and an estimate of tokens/s, before launch, from
-the trainer's own code path.
+the trainer's own code path (docs/plan.md, *How the memory is found*).
 
     p = make_plan(cfg, gpus=8, gpu_memory_gib=80, gpu="h100", skew=1.5)
     p.peak_gib_per_gpu, p.activation_peak_gib, p.fits, p.to_json()
 
-The memory is traced, not computed: the model is built on the meta device as
-`dropless train` builds it (patched experts, activation checkpointing, fused RMSNorm and
-cross-entropy, LoRA), sharded by `parallelize_for_training` (expert parallelism, FSDP2 /
-HSDP, the mixed-precision policy) over a fake process group of the target world size
-(`torch.testing._internal.distributed.fake_pg`, this process as rank 0), materialized as
-fake tensors (`FakeTensorMode`: no memory is used), and the trainer's own micro-batch
-(`train.step.MicroStep`: forward under the precision recipe with the router outputs, the
-loss with router losses, backward) and the optimizer step run under torch's memory
-tracker (FSDPMemTracker under FSDP2, MemTracker on one process), which follows every
-tensor's storage. The experts forward is the one part that cannot run on fake tensors
-(data-dependent counts, the counts exchange, Triton kernels): it is replaced by what the
-expert MLP's own folder declares it keeps for backward (`experts.py`), at the stated
-routing skew under expert parallelism.
-
-Two readings come out: the breakdown at the overall peak (at small micro-batches the
-optimizer step, when no activation is alive), and the activation peak, the most bytes
-activations and the backward's temporaries held at one moment of forward and backward.
-
-The trace runs on CPU fake tensors: CPU autocast stands for CUDA autocast, and the CPU
-torch ops' outputs for the CUDA kernels' (the Triton RMSNorm and SwiGLU row kernels
-return the same shapes).
+The memory is traced, not computed: the model built and sharded as `dropless train` does
+over a fake process group, materialized as fake tensors, and the trainer's own micro-batch
+and optimizer step run under torch's memory tracker; the experts forward, which cannot run
+on fake tensors, is replaced by what its op declares it keeps (`experts.py`). CPU autocast
+and the CPU ops stand for the CUDA ones (the Triton row kernels return the same shapes).
 """
 
 from __future__ import annotations
@@ -110,13 +94,6 @@ def build_traced_model(cfg, hf_config, world: int, cdtype: torch.dtype):
     return model, par, seen
 
 
-def _optimizer(cfg, params):
-    """The optimizer `Trainer` builds (BF16AdamW for bf16 parameters)."""
-    from ..state import build_optimizer
-
-    return build_optimizer(params, cfg.optim)
-
-
 def _category(name: str) -> str:
     """Our breakdown's name for a tracker category."""
     n = name.lower()
@@ -143,14 +120,6 @@ class Traced:
     peak_moment: str  # "forward/backward" or "optimizer step"
 
 
-def planned_precision(cfg):
-    """The trainer's `Precision` for a GPU run (its compute dtype and recipe), with CPU
-    autocast standing for CUDA autocast over the planner's fake CPU tensors."""
-    from ..model.precision import Precision
-
-    return Precision(cfg.precision, torch.device("cuda"), autocast_device="cpu")
-
-
 def trace_step(cfg, model, par, seen, world: int) -> Traced:
     """One micro-batch of the trainer's own step (`train.step.MicroStep`: forward under the
     precision recipe with the router outputs, loss with router losses, backward) then the
@@ -160,6 +129,8 @@ def trace_step(cfg, model, par, seen, world: int) -> Traced:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from ...hf.experts.router_losses import RouterLosses
+    from ..model.precision import Precision
+    from ..state import build_optimizer
     from ..step import MicroStep
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -169,12 +140,13 @@ def trace_step(cfg, model, par, seen, world: int) -> Traced:
 
         retie(model)  # to_empty gives tied weights separate storage
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _optimizer(cfg, params)  # outside the mode: it reads the mesh's rank list
+    opt = build_optimizer(params, cfg.optim)  # outside the mode: it reads the mesh's rank list
     tc = cfg.train
     cp = cfg.parallel.cp  # a group of cp ranks reads one micro-batch; this rank keeps 1/cp
     B, L = micro_batch_size(tc.batch_size, world // cp, tc.grad_accum), tc.seq_len
     V = int(model.config.vocab_size)
-    precision = planned_precision(cfg)  # the compute dtype make_plan builds the model for
+    # the compute dtype make_plan builds the model for; CPU autocast stands for CUDA's
+    precision = Precision(cfg.precision, torch.device("cuda"), autocast_device="cpu")
     split = cp_group = None
     if cp > 1:
         from ..data.context_split import ContextSplit
@@ -311,10 +283,6 @@ class Plan:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-def reserve_gib(world: int, peak_gib: float) -> float:
-    return CONTEXT_GIB + (NCCL_GIB if world > 1 else 0.0) + FRAGMENTATION * peak_gib
-
-
 def _traced(cfg, hf_config, world, cdtype, ep: int, skew: float):
     with fake_world(world, cfg.parallel.force_distributed):
         model, par, seen = build_traced_model(cfg, hf_config, world, cdtype)
@@ -449,7 +417,7 @@ def make_plan(cfg, gpus: int, gpu_memory_gib: float, gpu: str = "h100", skew: fl
         flipped_trace = _traced(flipped, hf_config, gpus, cdtype, ep, skew)[0]
         other = flipped_trace.per["activations"] / GIB
         other_peak = round(flipped_trace.activation_peak / GIB, 9)
-    reserve = reserve_gib(gpus, peak)
+    reserve = CONTEXT_GIB + (NCCL_GIB if gpus > 1 else 0.0) + FRAGMENTATION * peak
     est = step_estimate(work, kind, skew, cfg.train.grad_accum)
     rows = math.ceil(work.tokens * work.top_k * (skew if ep > 1 else 1.0))
     a2a = (work.tokens * work.top_k + rows) * work.hidden * work.act_bytes / GIB if ep > 1 else 0.0

@@ -92,10 +92,8 @@ class CheckpointSaver:
         try:
             try:
                 save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                err = ckpt.shard_error(e, fs)
-                if err is not e:
-                    raise err from None
+            except BaseException:  # DCP's CheckpointException is a BaseException
+                ckpt.raise_os_error(fs)
                 raise
             del staged
             ckpt.commit_save(job, ckpt.shard_digests(fs, job.tmp), group)

@@ -98,10 +98,6 @@ def hashing_writer(path: Path) -> tuple[FileSystemWriter, HashingFileSystem]:
     return writer, fs
 
 
-def first_os_error(fs: HashingFileSystem) -> OSError | None:
-    return fs.errors[0] if fs.errors else None
-
-
 def _allowed(module: str, name: str):
     """The object `module.name` if DCP metadata may contain it, else None."""
     if module == dcp_md.__name__:
@@ -166,4 +162,4 @@ class SafeReader(FileSystemReader):
         return md
 
 
-__all__ = ["HashingFileSystem", "SafeReader", "first_os_error", "hashing_writer", "load_metadata"]
+__all__ = ["HashingFileSystem", "SafeReader", "hashing_writer", "load_metadata"]

@@ -1,24 +1,9 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): model and optimizer (sharded
-models save the same way and reload on another process count), plus our own small files,
-none of them pickled: the trainer state and scheduler (JSON), each process's RNG states
-(safetensors) and the run's config (TOML).
-
-Layout of a run directory:
-
-    checkpoints/step_00000100/   .metadata, __*_0.distcp (DCP), trainer.json, config.toml,
-                                 rng/rank<r>.safetensors, manifest.json (written last)
-    checkpoints/.tmp-step_...    a write in progress; renamed to step_... once complete
-
-Every file is fsynced; `manifest.json` (each file's size and SHA-256, computed while the
-file is written: DCP's shards through a hashing stream) is written and fsynced last, then
-the directory is renamed. A checkpoint is loaded only once every file matches its
-manifest; a run's newest checkpoint that does not is skipped, with a warning naming the
-file, for the previous one that does. DCP's `.metadata` is a pickle: it is read with an
-unpickler that admits only DCP's own metadata classes. A checkpoint is still code you
-trust: whoever can write it can also rewrite its manifest.
-
-Listing, manifests, verification and the readers' hold live in `manifest.py`; pruning
-here skips a checkpoint a reader holds.
+"""Checkpoints with torch.distributed.checkpoint (DCP) plus our own small files, none of
+them pickled (docs/train.md, *Checkpoints and resume*, gives the layout and the order of
+the writes). DCP's `.metadata` is a pickle: it is read with an unpickler that admits only
+DCP's own metadata classes. A checkpoint is still code you trust: whoever can write it can
+also rewrite its manifest. Listing, manifests, verification and the readers' hold live in
+`manifest.py`; pruning here skips a checkpoint a reader holds.
 """
 
 from __future__ import annotations
@@ -41,7 +26,7 @@ import torch.distributed as dist
 from ..run.atomic import fsync_path, naming, run_dir_vanished
 from ..run.collectives import barrier
 from ..run.hooks import TrainHooks
-from .dcp_io import SafeReader, first_os_error, hashing_writer, load_metadata
+from .dcp_io import SafeReader, hashing_writer, load_metadata
 from .manifest import (  # re-exported: callers name them as store.*
     DIRNAME,
     MANIFEST,
@@ -130,10 +115,6 @@ def _dcp():
     return dcp, sd
 
 
-def _scheduler_json(scheduler) -> dict:
-    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
-
-
 def _delete(ck: Path) -> None:
     """Remove checkpoint `ck` unless a reader holds it (then a later save prunes it)."""
     fd = open_locked(ck, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -167,20 +148,11 @@ def _options(sd, trainable_only: bool):
     return sd.StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def _run_dir_present(run_dir) -> Path:
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise run_dir_vanished(root)
-    ckdir = root / DIRNAME
-    ckdir.mkdir(exist_ok=True)  # never its parents: a vanished run is not recreated
-    return ckdir
-
-
-def shard_error(exc: BaseException, fs) -> BaseException:
-    """What a failed DCP write raises: its first OSError (a full disk, a read-only file
-    system) when there is one, not the serializer's message."""
-    cause = first_os_error(fs)
-    return exc if cause is None else cause
+def raise_os_error(fs) -> None:
+    """Raise a failed DCP write's first OSError (a full disk, a read-only file system),
+    when there is one, instead of the serializer's message."""
+    if fs.errors:
+        raise fs.errors[0] from None
 
 
 def shard_digests(fs, tmp: Path) -> dict[str, str]:
@@ -198,10 +170,8 @@ def _write_shards(state: dict, tmp: Path) -> dict[str, str]:
         )
         try:
             dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            err = shard_error(e, fs)
-            if err is not e:
-                raise err from None
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            raise_os_error(fs)
             raise
     return shard_digests(fs, tmp)
 
@@ -255,7 +225,10 @@ def begin_save(req: SaveRequest) -> SaveJob:
     final = step_dir(run_dir, step)
     tmp = final.with_name(".tmp-" + final.name)
     if rank == 0:
-        _run_dir_present(run_dir)
+        if not Path(run_dir).is_dir():
+            raise run_dir_vanished(Path(run_dir))
+        # never its parents: a vanished run is not recreated
+        (Path(run_dir) / DIRNAME).mkdir(exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         (tmp / "rng").mkdir()
@@ -268,7 +241,11 @@ def begin_save(req: SaveRequest) -> SaveJob:
     hooks.on_checkpoint("before_shards", step)
     options = _options(sd, req.trainable_only)
     model_sd, optim_sd = sd.get_state_dict(req.model, req.optimizer, options=options)
-    trainer = {"step": step, **req.trainer_state, "scheduler": _scheduler_json(req.scheduler)}
+    trainer = {
+        "step": step,
+        **req.trainer_state,
+        "scheduler": {k: v for k, v in req.scheduler.state_dict().items() if k != "lr_lambdas"},
+    }
     config = None
     if rank == 0 and config_file is not None and Path(config_file).is_file():
         config = Path(config_file).read_bytes()
@@ -303,17 +280,12 @@ def save_checkpoint(req: SaveRequest) -> Path:
     return commit_save(job, digests)
 
 
-def _rank_digests(tmp: Path) -> dict[str, str]:
-    out = {}
-    for f in sorted((tmp / DIGESTS).glob("rank*.json")):
-        out.update(json.loads(f.read_text()))
-    return out
-
-
 def _finish_write(job: SaveJob) -> None:
     """Rank 0: the small files, fsync everything, the manifest, then the rename."""
     tmp, final, step, hooks = job.tmp, job.final, job.step, job.hooks
-    digests = _rank_digests(tmp)
+    digests = {}
+    for f in sorted((tmp / DIGESTS).glob("rank*.json")):
+        digests.update(json.loads(f.read_text()))
     data = (json.dumps(job.trainer, indent=1) + "\n").encode()
     digests["trainer.json"] = write_synced(tmp / "trainer.json", data)
     if job.config is not None:
@@ -449,6 +421,6 @@ __all__ = [
     "DIRNAME", "MANIFEST", "SaveJob", "SaveRequest", "begin_save", "build_manifest", "commit_save",
     "damaged_checkpoints", "default_file_mode", "hold", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "pick_checkpoint", "read_trainer_state", "release", "remove_partial",
-    "save_checkpoint", "shard_digests", "shard_error", "step_dir",
+    "raise_os_error", "save_checkpoint", "shard_digests", "step_dir",
     "verify_checkpoint", "write_synced",
 ]  # fmt: skip

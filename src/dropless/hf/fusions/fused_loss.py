@@ -1,22 +1,17 @@
-"""Fused language-model head + loss for a Transformers causal LM.
+"""Fused language-model head + loss for a Transformers causal LM (docs/hf.md,
+`fused_cross_entropy=True`).
 
     from dropless.hf import enable_fused_cross_entropy
     enable_fused_cross_entropy(model)
     out = model(input_ids=ids, labels=labels)   # out.loss as stock, out.logits is None
 
-With `labels`, the loss comes from the final hidden states through
-`dropless.ops.linear_cross_entropy`, without the `[B, L, V]` logits, shifted exactly like
-Transformers' `ForCausalLMLoss` (`shift_labels`, `ignore_index`, `num_items_in_batch`); what
-the model adds to the loss afterwards (the router auxiliary loss) is its own code's
-(docs/hf.md, `fused_cross_entropy=True`). Without `labels` the model is untouched.
-
 How: the instance's `forward` records the labels of the call, the output head's `forward`
 (an `nn.Linear`) computes the loss where the full logits would have been computed and
-returns an empty stand-in, and the instance's `loss_function` hands that loss back. A model
-that changes the logits between its head and its loss (soft-capping, scaling) is refused.
-With labels, forward hooks of the head still run around the loss computation but see
-the stand-in, not logits; hooks that act on the head's output in backward get nothing
-(an output head sharded as an FSDP unit of its own is untested).
+returns an empty stand-in, and the instance's `loss_function` hands that loss back, shifted
+exactly like Transformers' `ForCausalLMLoss`. A model that changes the logits between its
+head and its loss (soft-capping, scaling) is refused. With labels, forward hooks of the
+head see the stand-in, not logits; hooks that act on the head's output in backward get
+nothing (an output head sharded as an FSDP unit of its own is untested).
 """
 
 # B sequences, L positions, D hidden, V vocabulary

@@ -1,25 +1,12 @@
-"""RMSNorm modules of a Transformers model on dropless's RMSNorm.
-
-`enable_fused_rmsnorm(model)` gives every RMSNorm module of the model (a class whose name
-ends in "RMSNorm", with a `weight` [D] and an epsilon) an instance forward that, for a
-tensor of the weight's dtype, runs `dropless.ops.rmsnorm.rms_norm`: the Triton kernel
-for CUDA tensors, the lean torch op (`dropless.ops.rmsnorm.eager`) for the others, CPU
-included. Both keep only the input and one fp32 value per row for backward, where the
-stock modules also keep the normalised tensor (one more tensor of the input's size per
-norm). Other calls (another dtype, extra arguments) run the module's own forward.
+"""RMSNorm modules of a Transformers model on dropless's RMSNorm (docs/hf.md,
+`fused_rmsnorm=True`): `enable_fused_rmsnorm(model)` / `disable_fused_rmsnorm(model)`.
 
 Families normalise in different ways (Llama-style `w * x_hat`, Gemma-style `(1 + w) * x_hat`,
-fp32 upcasts), so each module is probed when it is wired (`enable_fused_rmsnorm`, which
-`patch(fused_rmsnorm=True)` runs at model load and `patch_model` at once): dropless's RMSNorm
-and the module's own forward run on a small random input of the weight's dtype and device,
-forward and input gradient; dropless's is kept only if they agree (to a few units of the
-dtype's rounding) and it ran at all (else one warning), otherwise the module stays on its
-own forward. The answer holds for that (dtype, device): a weight moved or cast afterwards
-is probed again at its first eager call; inside a compiled region an unprobed module runs
-its own forward (a probe makes a Generator and reads values, which a graph cannot hold),
-so the forward a compiler traces reads one dict entry and writes nothing. A weight on the
-meta device or a fake tensor is probed at its first real call.
-`disable_fused_rmsnorm(model)` removes the wiring.
+fp32 upcasts), so each module is probed when it is wired, per (dtype, device): dropless's
+RMSNorm is kept only where it agrees with the module's own forward. Inside a compiled
+region an unprobed module runs its own forward (a probe makes a Generator and reads values,
+which a graph cannot hold), so the forward a compiler traces reads one dict entry and
+writes nothing.
 """
 
 # R rows, D normalised dim

@@ -37,7 +37,7 @@ from .report.heartbeat import Heartbeat
 from .report.run_log import RunLog
 from .run.hooks import TrainHooks
 from .run.lazy import hf
-from .run.rundir import claim, discard_new_run, new_run_dir
+from .run.rundir import claim, new_run_dir, remove_if_empty
 from .run.setup import Env, broadcast, on_rank0, rank0_only
 from .state import TrainState, optimizer_and_schedule
 from .step import StepParts, StepRunner
@@ -149,7 +149,7 @@ def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, be
         if claimed is not None:
             claimed.discard()
         elif run_dir is None and rdir is not None and env.main:
-            discard_new_run(rdir, None)  # new_run_dir made it; the claim failed
+            remove_if_empty(rdir)  # new_run_dir made it; the claim failed
         raise
 
 

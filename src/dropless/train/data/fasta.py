@@ -79,7 +79,9 @@ def iter_fasta_pieces(path: str | Path) -> Iterator[tuple[int, str, str]]:
         if line.startswith(">"):
             if header is not None and not has_seq:
                 yield index, header, ""
-            header, has_seq, index = _header(line, p, lineno), False, index + 1
+            header, has_seq, index = line[1:].strip(), False, index + 1
+            if not header:
+                raise ValueError(f"{p}:{lineno}: empty '>' header; a record needs a name after '>'")
             continue
         if header is None:
             raise ValueError(
@@ -99,13 +101,6 @@ def iter_fasta_pieces(path: str | Path) -> Iterator[tuple[int, str, str]]:
         raise ValueError(f"{p}: no FASTA records (no '>' header line) in {lineno} line(s)")
     if not has_seq:
         yield index, header, ""
-
-
-def _header(line: str, path: Path, lineno: int) -> str:
-    text = line[1:].strip()
-    if not text:
-        raise ValueError(f"{path}:{lineno}: empty '>' header; a record needs a name after '>'")
-    return text
 
 
 def read_fasta(path: str | Path) -> Iterator[FastaRecord]:

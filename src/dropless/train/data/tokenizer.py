@@ -93,9 +93,8 @@ class HFTokenizer:
     def __init__(self, tok):
         self.tok = tok
         self.vocab_size = tok.get_vocab_size()
-        eos = tok.token_to_id(EOS)
-        self.eos_id = eos if eos is not None else None
-        self._byte_level = _is_byte_level(tok)
+        self.eos_id = tok.token_to_id(EOS)
+        self._byte_level = '"ByteLevel"' in tok.to_str()
         self.bytes_V = [self._bytes_of(i) for i in range(self.vocab_size)]
         self.nbytes_V = np.array([len(b) for b in self.bytes_V], dtype=np.int64)
 
@@ -146,11 +145,6 @@ class HFTokenizer:
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         write_atomic(Path(directory) / TOKENIZER_FILE, self.tok.to_str(pretty=True))
-
-
-def _is_byte_level(tok) -> bool:
-    text = tok.to_str()
-    return '"ByteLevel"' in text
 
 
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | DNATokenizer:

@@ -142,15 +142,10 @@ def _remove_files(run_dir: Path, names) -> None:
             pass
 
 
-def discard_new_run(run_dir: Path, lock: RunLock | None) -> None:
-    """Remove a run directory this process created when the run failed before training:
-    only our own files, and only while we hold its lock (else only if it is empty)."""
-    run_dir = Path(run_dir)
-    if lock is not None and lock.held:
-        _remove_files(run_dir, _STARTING_FILES)
-        lock.release()
+def remove_if_empty(run_dir: Path) -> None:
+    """Remove `run_dir` unless anything is inside; never raises."""
     try:
-        run_dir.rmdir()  # fails, and keeps it, if anything else is inside
+        Path(run_dir).rmdir()
     except OSError:
         pass
 
@@ -174,11 +169,11 @@ class Claim:
         """The run was refused or failed before training: the folder goes back to what it
         was (a folder this process created is removed; the files a starting run writes are
         removed from one it marked); a run folder it only locked is left as it is."""
-        if self.created:
-            discard_new_run(self.run_dir, self.lock)
-        elif self.marked and self.lock.held:
+        if (self.created or self.marked) and self.lock.held:
             _remove_files(self.run_dir, _STARTING_FILES)
         self.lock.release()
+        if self.created:
+            remove_if_empty(self.run_dir)
 
 
 def _foreign(run_dir: Path, resume: bool) -> ValueError | None:
@@ -282,5 +277,5 @@ def claim(run_dir: Path, resume: bool, check=None, created: bool = False) -> Cla
 
 
 __all__ = [
-    "LOCK", "MARKER", "Claim", "RunLock", "claim", "discard_new_run", "is_run_dir", "new_run_dir",
+    "LOCK", "MARKER", "Claim", "RunLock", "claim", "is_run_dir", "new_run_dir", "remove_if_empty",
 ]  # fmt: skip

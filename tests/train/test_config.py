@@ -201,7 +201,7 @@ def test_examples_load():
 
 
 def test_activation_checkpointing_uses_the_name_transformers_has():
-    from dropless.train.model.build import enable_activation_checkpointing
+    from dropless.hf.distributed.parallelize import enable_activation_checkpointing
 
     calls = []
 

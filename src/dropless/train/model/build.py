@@ -145,24 +145,6 @@ def build_model(mcfg, config, *, expert_bias: bool, seed: int, device) -> nn.Mod
     return _switch_path(model, mcfg, expert_bias)
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Non-reentrant activation checkpointing per decoder layer (the one definition is
-    `dropless.hf.distributed.parallelize`'s, imported on first use: it imports transformers)."""
-    from ...hf.distributed.parallelize import enable_activation_checkpointing as enable
-
-    enable(model)
-
-
-def _without_quantization(config):
-    """A copy of `config` that builds plain (dequantised) modules: the weights are
-    dequantised while loading, and training needs full-precision parameters."""
-    if getattr(config, "quantization_config", None) is None:
-        return config
-    config = copy.deepcopy(config)
-    del config.quantization_config
-    return config
-
-
 def build_training_model(
     mcfg,
     config,
@@ -232,9 +214,12 @@ def meta_model(mcfg, config, expert_bias: bool) -> nn.Module:
     sharded load fills and what the planner traces (a quantised checkpoint's config is
     built unquantised: its weights are dequantised while loading)."""
     transformers = require_transformers()
+    if getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)  # plain modules: the weights are dequantised while loading
+        del config.quantization_config
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(
-            _without_quantization(config), **_from_pretrained_kwargs(mcfg)
+            config, **_from_pretrained_kwargs(mcfg)
         )
     return _switch_path(model, mcfg, expert_bias)
 
@@ -248,7 +233,9 @@ def adapt_and_shard(
     over `world` processes. before_lora(model) runs first where given (the planner's probes)."""
     from .parallelize import parallelize_for_training
 
-    if activation_checkpointing:
+    if activation_checkpointing:  # per decoder layer, non-reentrant
+        from ...hf.distributed.parallelize import enable_activation_checkpointing
+
         enable_activation_checkpointing(model)
     if fused_rmsnorm:
         from ...hf.fusions.rmsnorm import enable_fused_rmsnorm

@@ -1,19 +1,10 @@
-"""LoRA fine-tuning in `dropless train` (`finetune.method = "lora"`).
+"""LoRA fine-tuning in `dropless train` (`finetune.method = "lora"`; docs/lora.md says
+which adapters each module gets, what is saved and how a run ends).
 
-The checkpoint of `model.path` is loaded, switched to the dropless experts path and given
-adapters before it is sharded (`apply_lora`, called by `build_training_model`): on the
-fused expert weights the experts modules own their factors (`dropless.hf.lora.expert_lora`:
-A [E, r, in], B [E, out, r], sharded with their experts under expert parallelism, run as
-thin grouped GEMMs); experts dropless runs otherwise (the stock implementation, the
-generic or post-norm paths) get PEFT's `target_parameters`; the attention projections get
-stock PEFT's `target_modules` (`get_peft_model`). The base stays frozen in `model.dtype`,
-the adapters are fp32, and only they reach the optimizer and the checkpoints
-(`trainable_only`). Their initial values (PEFT's: A uniform in +-1/sqrt(in), B zero) are
-drawn per adapter-file key over the global shape (`init_adapters`), so one process and
-any sharding start from the same adapters. The run ends with the adapter in PEFT's own
-format in `RUN/adapter` (`PeftModel.from_pretrained` loads it on the stock model), the
-same file whatever the number of processes. `dropless convert RUN OUT --merge` folds it
-into the weights and writes a stock Transformers directory.
+Adapters are added before the model is sharded (`apply_lora`, called by
+`build_training_model`): they shard with what they adapt. Their initial values (PEFT's)
+are drawn per adapter-file key over the global shape (`init_adapters`), so one process
+and any sharding start from the same adapters.
 """
 
 from __future__ import annotations
@@ -151,16 +142,13 @@ def apply_lora(model: nn.Module, fcfg, base_path: str = "", world: int = 1) -> n
     return wrapped
 
 
-def _prefix(model: nn.Module) -> str:
-    return "base_model.model." if base_model(model) is not model else ""
-
-
 def _file_keys(model: nn.Module) -> dict[str, tuple]:
     """{trainable parameter name: (adapter-file key, expert layout or None)}, where the
     expert layout is ("A" | "B", num_experts) for the experts' own factors."""
     from ...hf.lora.expert_lora import expert_factor_keys, peft_paths
 
-    inner, prefix = base_model(model), _prefix(model)
+    inner = base_model(model)
+    prefix = "base_model.model." if inner is not model else ""
     out: dict[str, tuple] = {}
     if any(hasattr(layer, "lora_A_first") for layer in inner.modules()):
         where = peft_paths(inner, inner.__dict__[_CONFIG])

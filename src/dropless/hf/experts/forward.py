@@ -38,7 +38,6 @@ from ..lora.expert_lora import LORA_SCALE, attached_lowrank, fold_attached
 from ..lora.peft_lora import (
     DroplessLoRAFallbackWarning,
     experts_weights,
-    folded_weights,
     raw_weight,
 )
 
@@ -216,7 +215,7 @@ def _lora_weights(module: nn.Module, spec: ExpertsSpec, first: str):
         if own:  # no parametrization folds the module's own factors: fold them here
             w1, w2 = _fold(w1, w2, lora, spec)
         else:
-            w1, w2 = folded_weights(module, (first, "down_proj"))
+            w1, w2 = getattr(module, first), module.down_proj  # PEFT folds them as read
         lora = None
     if reason:
         _warn_once(DroplessLoRAFallbackWarning, spec.family, f"run PEFT's own LoRA fold: {reason}.")

@@ -1,22 +1,14 @@
-"""PEFT LoRA on fused experts, run as dropless's low-rank path.
+"""PEFT LoRA on fused experts, run as dropless's low-rank path (docs/lora.md, "How it
+works", gives PEFT's factor layouts and what falls back to PEFT's own fold).
 
 PEFT (0.21) reaches the 3-D expert weights of Transformers v5 (`target_parameters`) with a
 parametrization whose `_LoraFactorsProxy` folds `W + scaling * lhs @ rhs` when the weight
 is read: a weight-sized tensor per projection per step, kept for backward. The dropless
 experts forward never reads the parametrized weight: `experts_weights` takes the base
 weight and the proxy's factors and hands them to the fused expert Function as `LowRank`
-updates (two thin grouped GEMMs per projection).
-
-PEFT's layout (`ParamWrapper.get_delta_factors`): `lora_A.weight [E*r, in]` reshapes to
-(E, r, in); `lora_B.weight [out, r*E]` to (out, r, E), expert index fastest. For
-weights stored [E, out, in] (`is_transposed=False`) the proxy holds lhs = B [E, out, r],
-rhs = A [E, r, in]; for [E, in, out] it holds lhs = A^T, rhs = B^T.
-
-While dropless is patched in, `ParamWrapper._activate_lora` registers the factors with
-`unsafe=True` (torch's check would fold once more) for experts modules on the dropless
-path with one active adapter; anything else runs PEFT's own fold, with one
-`DroplessLoRAFallbackWarning` per family and reason. How it is installed and what falls
-back: docs/lora.md, "How it works".
+updates (two thin grouped GEMMs per projection). For weights stored [E, out, in]
+(`is_transposed=False`) the proxy holds lhs = B [E, out, r], rhs = A [E, r, in]; for
+[E, in, out] it holds lhs = A^T, rhs = B^T.
 """
 
 # E experts, r rank, I in features, O out features
@@ -104,11 +96,6 @@ def experts_weights(
         return getattr(module, names[0]), getattr(module, names[1]), None, reasons[0]
     w1, w2 = (raw_weight(module, n) for n in names)
     return w1, w2, (parts[0], parts[1]), ""
-
-
-def folded_weights(module: nn.Module, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights as PEFT's parametrization produces them (the fold runs here)."""
-    return getattr(module, names[0]), getattr(module, names[1])
 
 
 # --- registration without the fold ------------------------------------------------------

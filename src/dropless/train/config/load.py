@@ -95,19 +95,6 @@ def _unknown(key: str) -> ValueError:
     )
 
 
-def _field_types(section: type) -> dict[str, Any]:
-    return typing.get_type_hints(section)
-
-
-def _parse_cli(text: str) -> Any:
-    """A --set value: a TOML value (list, bool, number, quoted string) or, failing that,
-    the text itself (so `--set data.path=/a/b` needs no quotes)."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
 def _coerce_scalar(key: str, value: Any, kind: type) -> Any:
     if kind is bool:
         if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
@@ -163,18 +150,23 @@ def _apply(raw: dict[str, dict[str, Any]], key: str, value: Any) -> None:
         or name not in {f.name for f in dataclasses.fields(types_[section])}
     ):
         raise _unknown(key)
-    raw.setdefault(section, {})[name] = _coerce(key, value, _field_types(types_[section])[name])
+    raw.setdefault(section, {})[name] = _coerce(
+        key, value, typing.get_type_hints(types_[section])[name]
+    )
 
 
 def _apply_cli(raw: dict[str, dict[str, Any]], key: str, text: str) -> None:
+    """A --set value: a TOML value (list, bool, number, quoted string) or, failing that (or
+    for a string field: a path like 2024 or a name like true), the text itself (so
+    `--set data.path=/a/b` needs no quotes)."""
     section, _, name = key.partition(".")
-    kind = (
-        _field_types(_section_types()[section]).get(name) if section in _section_types() else None
-    )
-    parsed = _parse_cli(text)
-    if kind is str and not isinstance(parsed, str):  # a path like 2024 or a name like true
+    types_ = _section_types()
+    kind = typing.get_type_hints(types_[section]).get(name) if section in types_ else None
+    try:
+        parsed = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
         parsed = text
-    _apply(raw, key, parsed)
+    _apply(raw, key, text if kind is str and not isinstance(parsed, str) else parsed)
 
 
 def load_config(
@@ -206,10 +198,6 @@ def load_config(
     return Config(**{name: types_[name](**raw.get(name, {})) for name in types_})
 
 
-def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(cfg)
-
-
 def dump_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as TOML (every key, defaults included)."""
     try:
@@ -225,7 +213,7 @@ def dump_config(cfg: Config, path: str | Path) -> Path:
         write_atomic,  # temp + fsync + rename: a crash leaves the old file whole
     )
 
-    return write_atomic(path, header + tomli_w.dumps(config_to_dict(cfg)))
+    return write_atomic(path, header + tomli_w.dumps(dataclasses.asdict(cfg)))
 
 
 __all__ = [
@@ -234,5 +222,5 @@ __all__ = [
     "LOSS_ON", "NONFINITE_POLICIES", "PROGRESS", "RECIPE_OPTIONS", "RECIPES",
     "SCHEDULES", "CheckpointConfig", "Config", "DataConfig", "FinetuneConfig", "LogConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "PrecisionConfig", "TrainSection",
-    "config_to_dict", "dump_config", "known_keys", "load_config",
+    "dump_config", "known_keys", "load_config",
 ]  # fmt: skip

@@ -44,11 +44,6 @@ def is_rmsnorm_module(module: nn.Module) -> bool:
     )
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # dropless's output has x's dtype: only where stock returns that dtype too
-    return x.dtype == weight.dtype and x.is_floating_point()
-
-
 def _kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     from ...ops.rmsnorm import rms_norm
 
@@ -132,7 +127,9 @@ def _probe(module: nn.Module) -> bool:
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-    if args or kwargs or not _takes(hidden_states, self.weight):
+    # dropless's output has x's dtype: only where stock returns that dtype too
+    x = hidden_states
+    if args or kwargs or x.dtype != self.weight.dtype or not x.is_floating_point():
         return _run_stock(self, hidden_states, *args, **kwargs)
     state = _decision(self)
     if state is None:

@@ -347,8 +347,13 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 def _restore_model(model: nn.Module) -> None:
     previous = _models.pop(model, None)
-    if previous is None:
-        previous = _stock_default(model)
+    if previous is None:  # the stock default, asked of the stock method
+        from transformers import PreTrainedModel
+
+        original = (
+            _state["original_get_correct"] or PreTrainedModel.get_correct_experts_implementation
+        )
+        previous = original(model, None)
     remove_routing_replay(model)
     disable_fused_rmsnorm(model)
     if model in _fused_ce:
@@ -361,15 +366,6 @@ def _restore_model(model: nn.Module) -> None:
     if "dropless" in model.get_experts_implementation().values():
         # validated through get_correct_...: the stock names it may get here are valid
         model.set_experts_implementation(previous)
-
-
-def _stock_default(model) -> str:
-    original = _state["original_get_correct"]
-    if original is None:
-        from transformers import PreTrainedModel
-
-        original = PreTrainedModel.get_correct_experts_implementation
-    return original(model, None)
 
 
 def unpatch() -> None:

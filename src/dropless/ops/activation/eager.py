@@ -204,11 +204,10 @@ def act_backward(
     *,
     need_prob_grad=True,
     recompute=False,
-    grad_dtype=None,
 ):
     """(grad_h, grad_prob or None, the forward output or None) with the math in fp32
-    (fp64 for fp64). grad_h comes in `grad_dtype` (default h's dtype), the forward output
-    (act * prob, for the down projection's weight grad, with `recompute`) in h's dtype."""
+    (fp64 for fp64); grad_h and the forward output (act * prob, for the down projection's
+    weight grad, with `recompute`) in h's dtype."""
     acc = torch.promote_types(h_S2F.dtype, torch.float32)
     a0, d_gate, d_up = act_parts(h_S2F.to(acc), act)
     g = g_SF.to(acc)
@@ -222,7 +221,7 @@ def act_backward(
             a = (a0 * p).to(h_S2F.dtype)
     elif recompute:
         a = a0.to(h_S2F.dtype)
-    grad_h = h_S2F.new_empty(h_S2F.shape, dtype=grad_dtype or h_S2F.dtype)
+    grad_h = h_S2F.new_empty(h_S2F.shape)
     return act_input_grad(g, d_gate, d_up, act.interleaved, grad_h), grad_p, a
 
 

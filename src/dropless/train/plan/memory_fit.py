@@ -120,13 +120,6 @@ def _model_keys(mcfg, counts: dict[str, int]) -> str:
     return ", ".join(f"model.{n}={getattr(mcfg, n)}" for n in GROUPS[group][1]) + share
 
 
-def _batch_keys(tcfg) -> str:
-    return (
-        f"train.batch_size={tcfg.batch_size}, train.seq_len={tcfg.seq_len} (or raise "
-        f"train.grad_accum={tcfg.grad_accum})"
-    )
-
-
 def _activation_bytes(cfg, hf_config, world: int, value_bytes: int) -> int:
     tc, cp = cfg.train, cfg.parallel.cp
     # parallel.cp: a group of cp processes reads one micro-batch, each keeps 1/cp of its tokens
@@ -148,7 +141,13 @@ def _check(where: str, have: int | None, counts: dict, each: str, state: int, ac
     if have is None or state + acts <= have:
         return
     params = sum(counts.values())
-    keys = _batch_keys(cfg.train) if acts > state else _model_keys(cfg.model, counts)
+    tc = cfg.train
+    keys = (
+        f"train.batch_size={tc.batch_size}, train.seq_len={tc.seq_len} (or raise "
+        f"train.grad_accum={tc.grad_accum})"
+        if acts > state
+        else _model_keys(cfg.model, counts)
+    )
     raise ValueError(
         f"the run needs at least {(state + acts) / GIB:.1f} GiB of {where} memory but {have / GIB:.1f} GiB "
         f"is available: the model has {_count(params)} parameters ({each}: {state / GIB:.1f} GiB) and "

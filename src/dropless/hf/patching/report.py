@@ -10,6 +10,7 @@ fallback, and one for the RMSNorm modules `fused_rmsnorm` wired.
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -102,23 +103,15 @@ class PatchReport:
         """RMSNorm modules `fused_rmsnorm` wired, by what they run: "kernel" (dropless's
         RMSNorm), "stock" (their own forward: the first call's output differed or failed)
         or "unprobed" (not called yet)."""
-        counts: dict[str, int] = {}
-        seen: set = set()
-        for model in self._models():
-            for mod in model.modules():
-                state = None if id(mod) in seen else fused_rmsnorm_state(mod)
-                seen.add(id(mod))
-                if state is not None:
-                    counts[state] = counts.get(state, 0) + 1
-        return counts
+        mods = {id(mod): mod for model in self._models() for mod in model.modules()}
+        states = (fused_rmsnorm_state(mod) for mod in mods.values())
+        return dict(Counter(state for state in states if state is not None))
 
     @property
     def families(self) -> dict[str, str]:
-        paths: dict[str, list[str]] = {}
+        paths: dict[str, set[str]] = {}
         for r in self.records:
-            paths.setdefault(r.family, [])
-            if r.path not in paths[r.family]:
-                paths[r.family].append(r.path)
+            paths.setdefault(r.family, set()).add(r.path)
         return {f: "+".join(sorted(p)) for f, p in sorted(paths.items())}
 
     @property
@@ -141,10 +134,7 @@ class PatchReport:
         for m in self.models:
             path = "dropless" if m.implementation == "dropless" else f"stock {m.implementation!r}"
             lines.append(f"  model {m.model} at {m.address}: runs {path}")
-        by_family: dict[tuple[str, str, str], int] = {}
-        for r in records:
-            key = (r.family, r.path, r.detail)
-            by_family[key] = by_family.get(key, 0) + 1
+        by_family = Counter((r.family, r.path, r.detail) for r in records)
         for (family, path, detail), n in sorted(by_family.items()):
             lines.append(f"  {family}: {n} experts module(s) on the {path} path ({detail})")
         for name, why in self.fallbacks.items():

@@ -19,7 +19,7 @@ from ..data.corpus import data_files, micro_batch_size
 from ..data.tokenizer import vocab_size
 from ..model.build import model_config
 from ..run.setup import Env, on_rank0
-from .trace import GIB, make_plan, resolve_hf_config
+from .trace import GIB, make_plan
 
 
 def warn_all_warmup(cfg) -> None:
@@ -88,8 +88,7 @@ def preflight(cfg, env: Env, run_dir: Path, vocab: int | None = None):
 
 def _suggestions(cfg, gpus: int, gpu_memory_gib: float, hf_config) -> list[str]:
     """The single-key changes that the plan predicts would fit."""
-    tc, found = cfg.train, []
-    cands = []
+    tc, found, cands = cfg.train, [], []
     if not tc.activation_checkpointing:
         cands.append(
             ("train.activation_checkpointing=true", {"train": {"activation_checkpointing": True}})
@@ -130,13 +129,7 @@ def verdict(cfg, hf_config, world: int, gib: float) -> dict:
     # a copy: building the planned model sets its experts implementation on the config
     hf_config = copy.deepcopy(hf_config)
     p = make_plan(cfg, world, gib, hf_config=hf_config, compare_checkpointing=False)
-    fixes = (
-        []
-        if p.fits
-        else _suggestions(
-            cfg, world, gib, hf_config if hf_config is not None else resolve_hf_config(cfg)
-        )
-    )
+    fixes = [] if p.fits else _suggestions(cfg, world, gib, hf_config)
     return {
         "fits": p.fits, "peak": p.peak_gib_per_gpu, "reserve": p.reserve_gib,
         "breakdown": p.breakdown_gib, "fixes": fixes,

@@ -123,11 +123,7 @@ def prepare_data(cfg, run_dir: Path, env) -> RunData:
             env,
         )
 
-    d = prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
-    return RunData(
-        tokenizer=d.tok, sampler=d.sampler, eval_BL1=d.eval_rows, eval_bytes=d.eval_bytes,
-        unigram_bpb=d.unigram_bpb, train_tokens=d.train_tokens, eval_targets=d.eval_targets,
-    )  # fmt: skip
+    return prepare_sft(cfg, kind, make_tokenizer, cfg.train.seq_len, verbose=env.main)
 
 
 def open_run(cfg: Config, run_dir: str | None, resume: bool, env: Env, hooks, beat):

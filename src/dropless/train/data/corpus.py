@@ -263,12 +263,19 @@ def load_corpus(cfg, say: Callable[[str], None] | None = None) -> tuple[list[str
         text = "\n".join(docs)
         cut = int(len(text) * (1 - cfg.eval_fraction))
         return [text[:cut]], [text[cut:]]
+    train, held = split_by_key(docs, cfg.eval_fraction)
+    return _with_rc(cfg, train), held
+
+
+def split_by_key(items: list, eval_fraction: float) -> tuple[list, list]:
+    """(kept, held out): every item whose index hashes below eval_fraction is held out (at
+    least one)."""
     train, held = [], []
-    for i, d in enumerate(docs):
-        (held if split_key(str(i)) < cfg.eval_fraction else train).append(d)
+    for i, d in enumerate(items):
+        (held if split_key(str(i)) < eval_fraction else train).append(d)
     if not held:
         held.append(train.pop())
-    return _with_rc(cfg, train), held
+    return train, held
 
 
 def _with_rc(cfg, train: list[str]) -> list[str]:

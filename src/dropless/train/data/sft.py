@@ -18,12 +18,11 @@ padding (its share is printed when the data is loaded).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .corpus import ShuffledSampler
+from .corpus import RunData, ShuffledSampler, byte_counts, split_by_key, unigram_bits_per_byte
 
 IGNORE = -100  # cross_entropy's ignore_index: targets without loss
 FALLBACK_TEMPLATE = (
@@ -156,41 +155,14 @@ class RowSampler(ShuffledSampler):
         return self.targets_RL[[self._item(i) for i in indices]]
 
 
-def split(recs: list[dict], eval_fraction: float) -> tuple[list[dict], list[dict]]:
-    """Hold out every record whose index hashes below eval_fraction (at least one)."""
-    from .corpus import split_key
-
-    train, held = [], []
-    for i, r in enumerate(recs):
-        (held if split_key(str(i)) < eval_fraction else train).append(r)
-    if not held:
-        held.append(train.pop())
-    return train, held
-
-
-@dataclass
-class SFTData:
-    """What the trainer needs from supervised data (see `prepare_sft`)."""
-
-    tok: object
-    sampler: RowSampler
-    eval_rows: np.ndarray  # [R, L + 1]
-    eval_targets: np.ndarray  # [R, L], IGNORE where no loss
-    eval_bytes: int
-    unigram_bpb: float
-    train_tokens: int
-
-
-def prepare_sft(cfg, kind: str, make_tokenizer, seq_len: int, verbose: bool) -> SFTData:
+def prepare_sft(cfg, kind: str, make_tokenizer, seq_len: int, verbose: bool) -> RunData:
     """Records -> tokenizer (`make_tokenizer(texts)`), padded rows, held-out rows and the
     byte counts the metrics use (loss tokens only)."""
-    from .corpus import byte_counts, unigram_bits_per_byte
-
     recs = read_records(cfg.data.path)
     if cfg.data.eval_path:
         train, held = recs, read_records(cfg.data.eval_path)
     else:
-        train, held = split(recs, cfg.data.eval_fraction)
+        train, held = split_by_key(recs, cfg.data.eval_fraction)
     texts = [
         str(r["prompt"]) + str(r["completion"])
         if kind == "prompt_completion"
@@ -213,10 +185,10 @@ def prepare_sft(cfg, kind: str, make_tokenizer, seq_len: int, verbose: bool) -> 
             f"{train_targets.size} loss tokens, ~{share:.0%} of positions padding",
             flush=True,
         )
-    return SFTData(
-        tok=tok,
+    return RunData(
+        tokenizer=tok,
         sampler=RowSampler(rows, targets, cfg.train.seed),
-        eval_rows=ev_rows,
+        eval_BL1=ev_rows,
         eval_targets=ev_tg,
         eval_bytes=max(1, int(tok.nbytes_V[ev_targets].sum())),
         unigram_bpb=unigram_bits_per_byte(

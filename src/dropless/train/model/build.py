@@ -159,25 +159,15 @@ def build_training_model(
     compute_dtype: torch.dtype = torch.float32,
     finetune=None,
 ):
-    """(model, parallel glue or None) for a run on `world` processes.
-
-    finetune: the `finetune` section; with method "lora" the adapters are added before the
-    model is sharded (they shard with what they adapt) and set after the base is loaded
-    (`dropless.train.model.lora`).
-
-    compute_dtype: the run's autocast dtype; under FSDP2 (several processes) bf16 makes every
-    unit gather bf16 parameters and reduce fp32 gradients.
-
-    activation_checkpointing: per decoder layer (non-reentrant), with routing replay on the
-    dropless path. fused_rmsnorm: RMSNorm modules on dropless's RMSNorm
-    (`dropless.hf.fusions.rmsnorm`: the Triton kernel for CUDA tensors, the lean torch op on CPU).
+    """(model, parallel glue or None) for a run on `world` processes: built, then adapted
+    and sharded by `adapt_and_shard` (compute_dtype: the run's autocast dtype, which FSDP2
+    gathers parameters in).
 
     Fine-tuning a checkpoint (model.path) on several processes (or on one under
-    parallel.force_distributed) builds the model on the meta
-    device, shards it (expert parallelism, FSDP2), then each rank reads only its own shards
-    from the safetensors files (`dropless.hf.load_sharded_hf`), in the parameters'
-    dtype: no rank ever holds the whole model. Otherwise every rank builds the full model
-    (same seed) and shards it.
+    parallel.force_distributed) builds the model on the meta device, shards it, then each
+    rank reads only its own shards from the safetensors files (`dropless.hf.load_sharded_hf`),
+    in the parameters' dtype: no rank ever holds the whole model. Otherwise every rank
+    builds the full model (same seed) and shards it.
     """
     # several processes, or a quantised checkpoint (block-FP8, MXFP4): build on meta, then
     # each rank reads (and dequantises into model.dtype) only its own slices

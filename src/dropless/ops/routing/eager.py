@@ -49,19 +49,10 @@ def route(
     `ops.replay`), "reference", or a name of
     `routing_kernel_names()` (ValueError when it cannot run these logits).
     """
-    if logits_TE.dim() != 2:
-        raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
-    routing = as_routing(
-        routing,
-        score_func=score_func,
-        renormalize=renormalize,
-        scaling_factor=scaling_factor,
-        n_group=n_group,
-        topk_group=topk_group,
-        expert_bias=None if routing is not None else expert_bias_E is not None,
-    )
-    routing.check(logits_TE.shape[1], top_k)
-    check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    routing = _checked(
+        logits_TE, top_k, routing, expert_bias_E, score_func=score_func, renormalize=renormalize,
+        scaling_factor=scaling_factor, n_group=n_group, topk_group=topk_group,
+    )  # fmt: skip
     if backend in (None, "auto") and torch.compiler.is_compiling():  # one node
         return custom_op.run(logits_TE, top_k, routing, expert_bias_E)[:3]
     kernels = route_kernels(logits_TE, backend)
@@ -90,13 +81,7 @@ def route_with_aux(
     the torch ops of `losses`. routing None: the defaults (`expert_bias` set when
     expert_bias_E is given); backend as in `route`.
     """
-    if routing is None:
-        routing = RoutingConfig(expert_bias=expert_bias_E is not None)
-    if logits_TE.dim() != 2:
-        raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
-    routing = as_routing(routing)
-    routing.check(logits_TE.shape[1], top_k)
-    check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    routing = _checked(logits_TE, top_k, routing, expert_bias_E)
     if backend in (None, "auto") and torch.compiler.is_compiling():  # one node
         return custom_op.run(logits_TE, top_k, routing, expert_bias_E)
     kernels = route_kernels(logits_TE, backend)
@@ -106,6 +91,18 @@ def route_with_aux(
         logits_TE, top_k, routing, expert_bias_E=expert_bias_E, backend=backend
     )
     return weights_TK, ids_TK, scores_TE, mean_normalised_scores(scores_TE), z_loss(logits_TE)
+
+
+def _checked(logits_TE, top_k: int, routing, expert_bias_E, **fields) -> RoutingConfig:
+    """The call's RoutingConfig (`routing`, or the keyword `fields`, with expert_bias set
+    from whether expert_bias_E is given), checked against the logits and the bias."""
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got shape {tuple(logits_TE.shape)}")
+    bias = None if routing is not None else expert_bias_E is not None
+    routing = as_routing(routing, expert_bias=bias, **fields)
+    routing.check(logits_TE.shape[1], top_k)
+    check_expert_bias(routing, expert_bias_E, logits_TE.shape[1])
+    return routing
 
 
 def _replayable(fn, logits_TE, top_k, routing, expert_bias_E):

@@ -46,11 +46,6 @@ def changed_fixed_keys(saved: Config, cfg: Config) -> list[str]:
     return out
 
 
-def _fitting_ep(ep: int, world: int, dp_replicate: int) -> int:
-    shard = world // dp_replicate if world % dp_replicate == 0 else world
-    return math.gcd(ep, shard)
-
-
 def check_resume(cfg: Config, ckpt_dir: Path, world: int) -> None:
     """Refuse a resumed config that cannot work with checkpoint `ckpt_dir`, naming each key."""
     saved_file = Path(ckpt_dir) / "config.toml"
@@ -74,9 +69,10 @@ def check_resume(cfg: Config, ckpt_dir: Path, world: int) -> None:
         if cfg.parallel != saved.parallel:
             raise  # the user's own layout: the plain message says what is wrong
         p = cfg.parallel
-        fix = f"--set parallel.ep={_fitting_ep(p.ep, world, p.dp_replicate)}"
         if world % p.dp_replicate or (p.dp_shard != -1 and p.dp_shard * p.dp_replicate != world):
             fix = f"--set parallel.dp_replicate=1 --set parallel.dp_shard=-1 --set parallel.ep={math.gcd(p.ep, world)}"
+        else:
+            fix = f"--set parallel.ep={math.gcd(p.ep, world // p.dp_replicate)}"
         raise ValueError(
             f"--resume: the run was saved with parallel.ep={p.ep}, dp_replicate={p.dp_replicate}, dp_shard={p.dp_shard}, "
             f"which does not fit {world} process{'es' if world != 1 else ''} ({e}); the checkpoint reshards, so add {fix}"

@@ -29,14 +29,6 @@ THREAD_NAME = "dropless-checkpoint"
 _SINGLE_PROCESS = ".*assuming the intent is to save in a single process"
 
 
-def _quiet_single_process_warning() -> None:
-    """DCP warns on every save without a process group that it assumes one process. The
-    synchronous save silences it with `catch_warnings`, which is not thread-safe (it swaps
-    the global filter list), so the background save puts this one filter first (again:
-    adding a filter that is there moves it, nothing is duplicated)."""
-    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-
-
 @dataclass(eq=False)  # stateful: compared and hashed by identity
 class CheckpointSaver:
     """Saves checkpoints in the background (`background=False`: every save synchronous;
@@ -67,7 +59,10 @@ class CheckpointSaver:
         job.state = None  # training may change the live tensors from here on
         group = self._process_group()
         if group is None:
-            _quiet_single_process_warning()
+            # DCP warns on every save without a process group that it assumes one process; the
+            # synchronous save's catch_warnings is not thread-safe (it swaps the global filter
+            # list), so this one filter goes first (again: a filter that is there only moves)
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         self._job, self._error = job, None
         self._thread = threading.Thread(
             target=self._write, args=(job, [staged], writer, fs, group), name=THREAD_NAME,

@@ -28,6 +28,7 @@ BASES = "ACGTN"
 TOKENIZER_FILE = "dna_tokenizer.json"
 _OTHER_IUPAC = "RYSWKMBDHVU"
 _COMPLEMENT = {"A": "T", "C": "G", "G": "C", "T": "A", "N": "N"}
+_SPEC = {"kind": "dna", "specials": list(SPECIALS), "bases": BASES}  # what TOKENIZER_FILE holds
 
 
 def _char_table() -> np.ndarray:
@@ -94,8 +95,7 @@ class DNATokenizer:
         """Write the vocabulary to `directory/dna_tokenizer.json` (a run's tokenizer dir)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        spec = {"kind": self.kind, "specials": list(SPECIALS), "bases": BASES}
-        write_atomic(d / TOKENIZER_FILE, json.dumps(spec, indent=1) + "\n")
+        write_atomic(d / TOKENIZER_FILE, json.dumps(_SPEC, indent=1) + "\n")
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> DNATokenizer:
@@ -104,9 +104,8 @@ class DNATokenizer:
         if not path.is_file():
             raise ValueError(f"{str(directory)!r} has no {TOKENIZER_FILE}: not a DNA tokenizer")
         spec = json.loads(path.read_text())
-        want = {"kind": cls.kind, "specials": list(SPECIALS), "bases": BASES}
-        if spec != want:
-            raise ValueError(f"{path} describes {spec}, not this DNA tokenizer ({want})")
+        if spec != _SPEC:
+            raise ValueError(f"{path} describes {spec}, not this DNA tokenizer ({_SPEC})")
         return cls()
 
     @staticmethod

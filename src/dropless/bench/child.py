@@ -35,11 +35,11 @@ class ChildRun:
         """The last line of stdout as JSON: the record every benchmark child prints last."""
         lines = self.stdout.strip().splitlines()
         if not lines:
-            raise ValueError(f"the child printed nothing on stdout; stderr:\n{self.stderr[-3000:]}")
+            raise ValueError(f"the child printed nothing on stdout; stderr:\n{self.stderr_tail()}")
         return json.loads(lines[-1])
 
-    def stderr_tail(self, chars: int = 3000) -> str:
-        return self.stderr[-chars:]
+    def stderr_tail(self) -> str:
+        return self.stderr[-3000:]
 
 
 def mem_available_gib() -> float:

@@ -217,16 +217,6 @@ def _proc_table() -> dict[int, tuple[int, float, str]]:
     return table
 
 
-def _own_tree(table: dict) -> set[int]:
-    """This process and its descendants (a benchmark's children are not 'other' load)."""
-    mine, grew = {os.getpid()}, True
-    while grew:
-        new = {pid for pid, (ppid, _, _) in table.items() if ppid in mine} - mine
-        mine |= new
-        grew = bool(new)
-    return mine
-
-
 def load_sample(window_s: float = 0.5, busy_share: float = 0.25) -> dict:
     """The load average (1, 5, 15 min) and the other processes that used more than
     `busy_share` of a core over `window_s` seconds (this process and its children excluded)."""
@@ -239,7 +229,10 @@ def load_sample(window_s: float = 0.5, busy_share: float = 0.25) -> dict:
         dt = time.monotonic() - t0
     except OSError:
         return {"loadavg": None, "busy_processes": None, "busy": []}
-    mine = _own_tree(second)
+    mine, grew = {os.getpid()}, True  # this process and its descendants: not 'other' load
+    while grew:
+        new = {pid for pid, (ppid, _, _) in second.items() if ppid in mine} - mine
+        mine, grew = mine | new, bool(new)
     busy = []
     for pid in second.keys() & first.keys() - mine:
         share = (second[pid][1] - first[pid][1]) / dt

@@ -154,12 +154,6 @@ def _address_space_limit(max_rss_gib: float):
         resource.setrlimit(resource.RLIMIT_AS, previous)
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, MemoryError) or (
-        isinstance(e, RuntimeError) and bool(_MEMORY_WORDS.search(str(e).lower()))
-    )
-
-
 def child(args: dict) -> dict:
     """One implementation at one length in this process: one step, its peak memory."""
     import torch
@@ -187,7 +181,7 @@ def child(args: dict) -> dict:
         with _address_space_limit(args["max_rss_gib"]) as out["limit_bytes"]:
             out.update(_step(model, opt, ids_BL, impl, base), status="ok")
     except (MemoryError, RuntimeError) as e:  # the limit is lifted again here
-        if not _is_oom(e):
+        if isinstance(e, RuntimeError) and not _MEMORY_WORDS.search(str(e).lower()):
             raise
         # where the limit strikes decides the words (MemoryError, "can't allocate memory",
         # std::bad_alloc): the record says out of memory in every case

@@ -37,13 +37,6 @@ def _after_step(optimizer, args, kwargs) -> None:
     _CACHE.clear()
 
 
-def _install_hook() -> None:
-    if not _HOOK:  # on first use: `import dropless` does not load torch.optim
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _HOOK.append(register_optimizer_step_post_hook(_after_step))
-
-
 def _cacheable(t: torch.Tensor) -> bool:
     """A plain leaf tensor with real storage (no fake, meta or wrapper tensor), outside
     torch.compile (a compiled graph casts inside itself)."""
@@ -92,7 +85,10 @@ def cached_cast(
         return param
     if not _cacheable(param):
         return fn(param) if fn is not None else param.to(dtype)
-    _install_hook()
+    if not _HOOK:  # on first use: `import dropless` does not load torch.optim
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_after_step))
     inference = torch.is_inference_mode_enabled()
     key = (dtype, fn)
     entries = _CACHE.get(param)

@@ -198,11 +198,6 @@ def mx_exponent(amax_B: torch.Tensor, fmt: str = "e4m3", scale_rule: str = "floo
     return e.clamp(-127, 127)
 
 
-def _e8m0(e: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-    bits = torch.where(bad, torch.full_like(e, E8M0_NAN), e + 127)
-    return bits.to(torch.uint8).view(torch.float8_e8m0fnu)
-
-
 def _mx_blocks_last(x: torch.Tensor, fmt: str, scale_rule: str):
     """Quantize [.., B, 32] blocks: returns (data [.., B, 32] fp8, scale [.., B] e8m0)."""
     xf = x.float()
@@ -214,7 +209,8 @@ def _mx_blocks_last(x: torch.Tensor, fmt: str, scale_rule: str):
     # bits 0x7F are NaN in both E4M3 and E5M2; a select on the device, not a host check
     # of whether any block is bad (that would sync every quantization)
     qb = torch.where(bad.unsqueeze(-1), FP8_NAN, q.view(torch.uint8))
-    return qb.view(q.dtype), _e8m0(e, bad)
+    bits = torch.where(bad, torch.full_like(e, E8M0_NAN), e + 127)
+    return qb.view(q.dtype), bits.to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def _mx_dequant_last(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -44,11 +44,13 @@ def _format(v) -> Format:
 
 class _Recipe:
     kind = ""
+    choices = {}  # option -> its allowed values (backend: every recipe's)
 
-    def _check_common(self) -> None:
+    def __post_init__(self) -> None:
         self.fp8_format = _format(self.fp8_format)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}; allowed: {BACKENDS}")
+        for name, allowed in {"backend": BACKENDS, **self.choices}.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {allowed}")
         if not isinstance(self.fp8_saved_activations, bool):
             raise TypeError("fp8_saved_activations must be a bool")
         margin = getattr(self, "margin", 0)
@@ -97,16 +99,15 @@ class DelayedScaling(_Recipe):
     fp8_saved_activations: bool = False
     backend: str = "auto"
     kind = "delayed"
+    choices = {"amax_compute_algo": AMAX_ALGOS}
     state: WeakIdKeyDictionary = field(
         default_factory=WeakIdKeyDictionary, init=False, repr=False, compare=False
     )
 
     def __post_init__(self):
-        self._check_common()
+        super().__post_init__()
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len={self.amax_history_len!r} must be an int >= 1")
-        if self.amax_compute_algo not in AMAX_ALGOS:
-            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; allowed: {AMAX_ALGOS}")
 
 
 @dataclass
@@ -124,11 +125,7 @@ class Float8CurrentScaling(_Recipe):
     fp8_saved_activations: bool = False
     backend: str = "auto"
     kind = "current"
-
-    def __post_init__(self):
-        self._check_common()
-        if self.granularity not in GRANULARITIES:
-            raise ValueError(f"granularity={self.granularity!r}; allowed: {GRANULARITIES}")
+    choices = {"granularity": GRANULARITIES}
 
 
 @dataclass
@@ -143,11 +140,7 @@ class MXFP8BlockScaling(_Recipe):
     fp8_saved_activations: bool = False
     backend: str = "auto"
     kind = "mxfp8"
-
-    def __post_init__(self):
-        self._check_common()
-        if self.scale_rule not in SCALE_RULES:
-            raise ValueError(f"scale_rule={self.scale_rule!r}; allowed: {SCALE_RULES}")
+    choices = {"scale_rule": SCALE_RULES}
 
 
 RECIPES = {

@@ -68,17 +68,6 @@ def mixed_precision_policy(dtype):
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
-def _check_process_group() -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "dropless.parallelize needs torch.distributed initialised: start the script with "
-            "`torchrun --nproc-per-node N script.py` and call torch.distributed.init_process_group() "
-            "(or create Transformers' TrainingArguments / accelerate's Accelerator, which do) "
-            "before dropless.parallelize"
-        )
-    return dist.get_world_size()
-
-
 def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int, cp: int = 1) -> None:
     """`dropless train`'s check of the layout (`parallel.mesh.resolve_sizes`), its messages
     in `parallelize`'s keywords (its dp_shard is world / (dp_replicate x cp): the data
@@ -211,7 +200,14 @@ def parallelize(
     parallelism, an already sharded model). Afterwards Transformers' `Trainer` and TRL train
     the model without wrapping it again, and a PeftModel saves in PEFT's format.
     """
-    world = _check_process_group()
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "dropless.parallelize needs torch.distributed initialised: start the script with "
+            "`torchrun --nproc-per-node N script.py` and call torch.distributed.init_process_group() "
+            "(or create Transformers' TrainingArguments / accelerate's Accelerator, which do) "
+            "before dropless.parallelize"
+        )
+    world = dist.get_world_size()
     num_experts = _check_model(model)
     check_sizes(ep, dp_replicate, world, num_experts, cp)
     if not fsdp and world > 1:

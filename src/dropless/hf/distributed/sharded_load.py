@@ -212,7 +212,12 @@ def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
     plans = _plans(model, files, rename)
     fp8_block = _fp8_block(path) if _has_fp8(files) else None
     retie(model)
-    _init_non_persistent_buffers(model)  # first: Transformers' init may touch parameters too
+    # rotary inv_freq and the like are not in checkpoints: recomputed as Transformers does,
+    # first (Transformers' init may touch parameters too)
+    init = getattr(model, "_init_weights", None)
+    for mod in model.modules() if init is not None else ():
+        if mod._non_persistent_buffers_set:
+            init(mod)
     added = set(added_state_keys(model))
     done: set[int] = set()
     unread = []
@@ -269,11 +274,3 @@ def retie(model: nn.Module) -> None:
     split = [t for t, src in tied.items() if t in params and params[t] is not params.get(src)]
     if split and hasattr(model, "tie_weights"):
         model.tie_weights()
-
-
-def _init_non_persistent_buffers(model: nn.Module) -> None:
-    # rotary inv_freq and the like are not in checkpoints: recompute them as Transformers does
-    init = getattr(model, "_init_weights", None)
-    for mod in model.modules():
-        if mod._non_persistent_buffers_set and init is not None:
-            init(mod)

@@ -101,18 +101,14 @@ def _copies_in(model: nn.Module) -> dict[int, object]:
     return found
 
 
-def _copy(config):
-    new = copy.deepcopy(config)
-    _copies[id(new)] = new
-    _origins[id(new)] = config
-    return new
-
-
 def give_own_config(model: nn.Module) -> None:
     """Replace `model.config` (and its sub-configs) by copies in every module of `model`."""
     old = model.config
     found = _copies_in(model)
-    new = found.get(id(old)) or _copy(old)
+    new = found.get(id(old))
+    if new is None:
+        new = copy.deepcopy(old)
+        _copies[id(new)], _origins[id(new)] = new, old
     mapping = {id(old): new}
     for key in getattr(old, "sub_configs", {}) or {}:
         sub = getattr(old, key, None)

@@ -38,13 +38,6 @@ class ExpertsClass:
         return self.cls.__name__
 
 
-def _is_decorated(obj, module_name: str, moe_file: str) -> bool:
-    if not inspect.isclass(obj) or obj.__module__ != module_name:
-        return False
-    code = getattr(getattr(obj, "forward", None), "__code__", None)
-    return code is not None and code.co_filename == moe_file
-
-
 def experts_classes() -> list[ExpertsClass]:
     """Every class of the installed transformers decorated with `@use_experts_implementation`,
     sorted by family then class name."""
@@ -66,14 +59,11 @@ def experts_classes() -> list[ExpertsClass]:
             name = f"transformers.models.{info.name}.{fname[:-3]}"
             module = importlib.import_module(name)
             for obj in vars(module).values():
-                if _is_decorated(obj, name, moe.__file__):
-                    found.append(ExpertsClass(info.name, obj))
+                if inspect.isclass(obj) and obj.__module__ == name:
+                    code = getattr(getattr(obj, "forward", None), "__code__", None)
+                    if code is not None and code.co_filename == moe.__file__:
+                        found.append(ExpertsClass(info.name, obj))
     return sorted(found, key=lambda c: (c.family, c.name))
-
-
-def _config_keys(cls: type) -> list[str]:
-    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
-    return sorted(set(re.findall(r"config\.(\w+)", inspect.getsource(init))))
 
 
 def _shrink(config, keys, hidden: int, intermediate: int, experts: int):
@@ -135,7 +125,8 @@ def tiny_config(cls: type, *, hidden: int = 12, intermediate: int = 8, experts: 
     """A config of `cls`'s family, with the sizes `cls` reads shrunk, that builds `cls`.
 
     Raises ValueError listing what was tried when no config of the family builds it."""
-    keys = _config_keys(cls)
+    init = getattr(cls.__init__, "__wrapped__", cls.__init__)
+    keys = sorted(set(re.findall(r"config\.(\w+)", inspect.getsource(init))))
     tried, subs = [], []
     for config_cls in _candidate_configs(cls):
         try:

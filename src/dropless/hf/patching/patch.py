@@ -86,16 +86,6 @@ def _unregister() -> None:
     _state["prior"] = None
 
 
-def _check_family(model) -> None:
-    family = getattr(model.config, "model_type", None)
-    if not type(model)._can_set_experts_implementation():
-        raise ValueError(
-            f"experts_implementation='dropless' asked for {type(model).__name__} ({family}), "
-            "which has no Mixture-of-Experts layers using Transformers' experts interface; "
-            "dropless only changes MoE models. Leave experts_implementation unset for it."
-        )
-
-
 def _install_default() -> None:
     """THE place where dropless becomes the default experts implementation (see module doc)."""
     from transformers import PreTrainedModel
@@ -119,8 +109,14 @@ def _install_default() -> None:
         elif (
             requested_experts == IMPLEMENTATION
             and _defaulted.get(id(self.config)) is not self.config
+            and not type(self)._can_set_experts_implementation()
         ):
-            _check_family(self)
+            family = getattr(self.config, "model_type", None)
+            raise ValueError(
+                f"experts_implementation='dropless' asked for {type(self).__name__} ({family}), "
+                "which has no Mixture-of-Experts layers using Transformers' experts interface; "
+                "dropless only changes MoE models. Leave experts_implementation unset for it."
+            )
         chosen = original(self, requested_experts)
         if chosen == IMPLEMENTATION:
             if self not in _models:
@@ -136,14 +132,6 @@ def _install_default() -> None:
     install_request_marker()
 
 
-def _from_before_patch(model) -> bool:
-    """True for a MoE model built from a config that holds the stock default no one asked
-    for since patch() (a stock model was built from the same config object before)."""
-    return type(model)._can_set_experts_implementation() and is_leftover(
-        model.config, _state["original_get_correct"](model, None)
-    )
-
-
 def _install_post_init(PreTrainedModel) -> None:
     # the experts implementation is resolved in __init__, before the layers exist; the
     # routers get their replay hooks once the model is built (post_init)
@@ -151,7 +139,13 @@ def _install_post_init(PreTrainedModel) -> None:
 
     def post_init(self):
         original(self)
-        if self not in _models and _from_before_patch(self):
+        # a MoE model built from a config that holds the stock default no one asked for
+        # since patch() (a stock model was built from the same config object before)
+        if (
+            self not in _models
+            and type(self)._can_set_experts_implementation()
+            and is_leftover(self.config, _state["original_get_correct"](self, None))
+        ):
             give_own_config(self)  # the models built from the config before keep their path
             _switch(self)
         if self in _models:

@@ -47,7 +47,9 @@ def grouped_gemm(
     Under `dropless.autocast(recipe=...)` the recipe's quantized GEMM runs instead; under
     a compiler with tensor counts the call is one `dropless::grouped_gemm` node.
     """
-    if _takes_node(counts, offsets_E, backend):  # torch.compile / export: one node
+    compiled = torch.compiler.is_compiling() and isinstance(counts, torch.Tensor)
+    # torch.compile / export: one node (a recipe or a named backend keeps the eager path)
+    if compiled and offsets_E is None and backend in (None, "auto") and get_recipe() is None:
         return custom_op.run(x_SD, w, counts, bias_EN, trans_w)
     counts = check_counts(x_SD, w, counts)
     recipe = get_recipe()
@@ -58,14 +60,6 @@ def grouped_gemm(
         x_SD, w = x_SD.to(dt), cached_cast(w, dt)
         bias_EN = None if bias_EN is None else cached_cast(bias_EN, dt)
     return GroupedGemm.apply(x_SD, w, bias_EN, counts, offsets_E, trans_w, backend)
-
-
-def _takes_node(counts, offsets_E, backend) -> bool:
-    """Whether a compiled call runs as the custom op (what it does not take, a recipe or
-    a named backend, keeps the eager path)."""
-    if not torch.compiler.is_compiling() or not isinstance(counts, torch.Tensor):
-        return False
-    return offsets_E is None and backend in (None, "auto") and get_recipe() is None
 
 
 __all__ = [

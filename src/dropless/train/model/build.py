@@ -27,23 +27,16 @@ def require_transformers():
     return transformers
 
 
-def _config_dir(path: str, key: str) -> Path:
-    p = Path(path)
-    if p.is_file() and p.name.endswith(".json"):
-        return p
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise ValueError(
-            f"{key}={path!r}: expected a local Hugging Face directory with config.json (no downloads are made)"
-        )
-    return p
-
-
 def hf_config(mcfg, vocab_size: int):
     """The Transformers config the model will be built from (weights are not read)."""
     transformers = require_transformers()
     if mcfg.path or mcfg.config:
         key, path = ("model.path", mcfg.path) if mcfg.path else ("model.config", mcfg.config)
-        p = _config_dir(path, key)
+        p = Path(path)
+        if not (p.is_file() and p.name.endswith(".json")) and not (p / "config.json").is_file():
+            raise ValueError(
+                f"{key}={path!r}: expected a local Hugging Face directory with config.json (no downloads are made)"
+            )
         if p.is_file():
             d = json.loads(p.read_text())
             return transformers.AutoConfig.for_model(d.pop("model_type"), **d)

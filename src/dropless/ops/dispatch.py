@@ -15,16 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = [
-    "get_recipe",
-    "recipe_gemm",
-    "recipe_mlp",
-    "register_recipe_gemm",
-    "reset_recipe",
-    "set_recipe",
-]
-
-
 # --- the active low-precision recipe ------------------------------------------------
 #
 # A recipe object carries its own GEMM and MLP: `recipe.grouped_gemm(x_SD, w, counts,

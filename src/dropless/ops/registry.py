@@ -30,7 +30,6 @@ import torch
 
 _LOG = logging.getLogger("dropless")
 
-__all__ = ["Registry", "cuda_with_triton", "lazy", "triton_importable"]
 
 _TRITON_OK: list[bool] = []  # the cached answer of triton_importable, once asked
 

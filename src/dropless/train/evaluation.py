@@ -74,6 +74,3 @@ class Evaluator:
             "eval_loss": float(acc[0] / acc[1]),
             "eval_bpb": float(acc[0] / math.log(2) / self.eval_bytes),
         }
-
-
-__all__ = ["Evaluator"]

@@ -104,12 +104,3 @@ def optimizer_and_schedule(params: list[torch.nn.Parameter], ocfg, total: int) -
     optimizer = build_optimizer(params, ocfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, ocfg))
     return optimizer, schedule
-
-
-__all__ = [
-    "adamw_kernel",
-    "TrainState",
-    "build_optimizer",
-    "lr_factor",
-    "optimizer_and_schedule",
-]

@@ -179,6 +179,3 @@ def train(
         if env.distributed:
             trainer = parts = None  # its model and meshes hold the process groups
             close_env()
-
-
-__all__ = ["Trainer", "train"]

@@ -24,8 +24,6 @@ import torch
 
 from ..registry import Registry
 
-__all__ = ["EAGER_CE_ROWS", "CERows", "ce_rows", "ce_rows_eager", "register_ce_rows"]
-
 
 @dataclass(frozen=True)
 class CERows:

@@ -125,6 +125,3 @@ class CheckpointSaver:
                 self.wait()
             except BaseException as e:  # the loop's own error is the one raised
                 warnings.warn(f"the checkpoint of step {step} was not written: {e}", stacklevel=2)
-
-
-__all__ = ["THREAD_NAME", "CheckpointSaver"]

@@ -160,6 +160,3 @@ class SafeReader(FileSystemReader):
             md.storage_meta = dcp_md.StorageMeta()
         md.storage_meta.load_id = self.load_id
         return md
-
-
-__all__ = ["HashingFileSystem", "SafeReader", "hashing_writer", "load_metadata"]

@@ -221,10 +221,3 @@ def pick_checkpoint(path: str | Path) -> tuple[Path, Path] | None:
     for ck, problem in skipped:
         warnings.warn(skipped_warning(ck, problem, found), stacklevel=2)
     return None if found is None else (p, found)
-
-
-__all__ = [
-    "DIRNAME", "MANIFEST", "build_manifest", "checkpoint_files", "damaged_checkpoints", "hold",
-    "latest_checkpoint", "list_checkpoints", "open_locked", "pick_checkpoint", "release",
-    "skipped_warning", "step_dir", "verify_checkpoint",
-]  # fmt: skip

@@ -185,19 +185,6 @@ def with_nonfinite_fix(e: Exception, run_dir: Path, resumed_from, all_nonfinite:
     return type(e)(f"{head}; {nonfinite_fix(run_dir, resumed_from, all_nonfinite, policy)}")
 
 
-__all__ = [
-    "FIXED_KEYS",
-    "changed_fixed_keys",
-    "check_fresh_start",
-    "check_resume",
-    "check_run_dir",
-    "no_resume_point",
-    "nonfinite_fix",
-    "resume_config_file",
-    "with_nonfinite_fix",
-]
-
-
 def latest_run(root: str | Path = "runs") -> Path:
     """The run under `root` whose newest checkpoint was written last."""
     found = [(p, latest_checkpoint(p, verify=False)) for p in Path(root).glob("*") if p.is_dir()]

@@ -55,6 +55,3 @@ class ContextSplit:
         x_BS = shard_sequence(x_BL, self.cp, self.cp_rank)
         y_BS = shard_sequence(y_BL, self.cp, self.cp_rank)
         return x_BS, y_BS, pos_BS
-
-
-__all__ = ["ContextSplit"]

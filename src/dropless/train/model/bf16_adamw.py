@@ -115,6 +115,3 @@ class BF16AdamW(torch.optim.Optimizer):
             target.copy_(stochastic_round_to_bf16(weight))
         elif weight is not target:  # from the fp32 master: round to nearest
             target.copy_(weight)
-
-
-__all__ = ["BF16AdamW", "stochastic_round_to_bf16"]

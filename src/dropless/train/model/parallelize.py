@@ -20,8 +20,6 @@ from ...hf.distributed.parallelize import ModelLayout, parallelize_config
 from ...parallel.mesh import as_parallel_config
 from ..run.collectives import all_reduce
 
-__all__ = ["TrainParallel", "parallelize_for_training"]
-
 
 class TrainParallel:
     """A model spread over the mesh (`hf.distributed.parallelize.ModelLayout`): gradient

@@ -53,6 +53,3 @@ def recipe_context(precision):
     except (TypeError, ValueError) as e:
         raise ValueError(f"precision: {e}") from None
     return lambda: autocast(recipe=recipe)
-
-
-__all__ = ["Precision", "autocast_dtype", "recipe_context"]

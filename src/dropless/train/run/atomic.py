@@ -90,14 +90,3 @@ def append_line(path: str | Path, line: str) -> None:
         raise
     with naming(p), os.fdopen(fd, "a") as f:
         f.write(line if line.endswith("\n") else line + "\n")
-
-
-__all__ = [
-    "append_line",
-    "atomic_file",
-    "fsync_path",
-    "naming",
-    "refuse_symlink",
-    "run_dir_vanished",
-    "write_atomic",
-]

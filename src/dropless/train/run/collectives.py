@@ -76,12 +76,3 @@ def barrier(group=None) -> None:
     """Wait until every process of `group` gets here (no-op without a process group)."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
-
-
-__all__ = [
-    "all_reduce",
-    "backend_device_types",
-    "barrier",
-    "broadcast_object",
-    "collective_device",
-]

@@ -24,6 +24,3 @@ class Interrupted(TrainingStopped):
         super().__init__(message)
         self.signum = signum
         self.exit_code = 128 + signum
-
-
-__all__ = ["DroppedTokensError", "Interrupted", "NonFiniteError", "TrainingStopped"]

@@ -37,6 +37,3 @@ class TrainHooks:
         """A checkpoint write of step `step` reached `phase` (see `CHECKPOINT_PHASES`); in a
         background save (checkpoint.async_save) the phases after "before_shards" are called
         from the save's thread."""
-
-
-__all__ = ["CHECKPOINT_PHASES", "TrainHooks"]

@@ -44,6 +44,3 @@ class StopRequests:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
-
-
-__all__ = ["StopRequests"]

@@ -9,6 +9,3 @@ def hf():
     from ... import hf as module
 
     return module
-
-
-__all__ = ["hf"]

@@ -274,8 +274,3 @@ def claim(run_dir: Path, resume: bool, check=None, created: bool = False) -> Cla
             held.discard()
             raise
     return held
-
-
-__all__ = [
-    "LOCK", "MARKER", "Claim", "RunLock", "claim", "is_run_dir", "new_run_dir", "remove_if_empty",
-]  # fmt: skip

@@ -246,6 +246,7 @@ MAY_CHANGE_ON_RESUME = {
             "steps",
             "grad_accum",
             "aux_loss_coef",
+            "balance_loss",
             "z_loss_coef",
             "activation_checkpointing",
             "fused_cross_entropy",

@@ -121,7 +121,9 @@ class MicroStep:
     positions) and the cross-entropy is this rank's sum over the targets of the whole
     sequences (counted over the cp group) times cp: FSDP averages the gradients over every
     rank, so the group's gradient is that of its sequences' mean, as one process computes.
-    The router losses are this rank's, over its tokens (as a micro-batch's are)."""
+    The router losses are this rank's, over its tokens (as a micro-batch's are), the
+    balancing loss of `balance_loss` (`train.balance_loss`: per layer, the family's own, or
+    sequence-wise) counting the whole sequences' pairs."""
 
     model: torch.nn.Module
     precision: Any  # Precision: .forward() and .recipe() contexts
@@ -132,6 +134,7 @@ class MicroStep:
     grad_accum: int
     split: ContextSplit | None = None  # None: the whole sequences on this process
     cp_group: Any = None  # the process group of this rank's sequences (cp > 1)
+    balance_loss: str = "family"  # train.balance_loss: which balancing loss RouterLosses takes
 
     @classmethod
     def for_run(
@@ -140,7 +143,7 @@ class MicroStep:
         tc = cfg.train
         return cls(
             model, precision, router, ce_seen, tc.aux_loss_coef, tc.z_loss_coef, tc.grad_accum,
-            split, cp_group,
+            split, cp_group, tc.balance_loss,
         )  # fmt: skip
 
     def _split(self, x, y):
@@ -184,7 +187,7 @@ class MicroStep:
                 ce = F.cross_entropy(*flat, reduction="sum") / num_items
             del logits, flat  # flat holds a view of the fp32 logits
         # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
-        rs = self.router.stats(out, x.shape, need_router, self.cp_group)
+        rs = self.router.stats(out, x.shape, need_router, self.cp_group, self.balance_loss)
         del out  # the logits (unfused) are not held through backward
         loss = ce + self.aux_loss_coef * rs.aux + self.z_loss_coef * rs.z
         with self.precision.recipe():  # activation checkpointing recomputes forwards in backward

@@ -6,14 +6,20 @@
     stats = rl.stats(out, x_BL.shape)               # RouterStats: aux, z, counts_ME (tensors)
     rl.remove()
 
-- Families that define a balancing loss (`output_router_logits=True` -> `out.aux_loss`,
-  Transformers' `load_balancing_loss_func` over the layers' pooled counts and
-  probabilities) keep exactly that loss.
-- Families without one (DeepSeek-V3, Nemotron-H, GLM-4-MoE, ...) get DeepSeek-V3's
-  sequence-wise auxiliary loss (`dropless.ops.sequence_aux_loss`) per layer, on the
-  family's own scores (softmax, sigmoid or sqrt-softplus of the recorded router logits,
-  normalised per token) and the experts its router actually selected, as passed to the
-  experts module; averaged over layers.
+The balancing loss (`RouterLosses(model, balance=...)`, one of `BALANCE_LOSSES`):
+- "family" (the default): families that define a balancing loss (`output_router_logits=True`
+  -> `out.aux_loss`, Transformers' `load_balancing_loss_func` over the layers' pooled
+  counts and probabilities) keep exactly that loss; families without one (DeepSeek-V3,
+  Nemotron-H, GLM-4-MoE, ...) get the "sequence" loss.
+- "per_layer": the Switch loss of each MoE layer, E * sum_e f_e * P_e with that layer's
+  share of (token, expert) pairs f_e (the experts its router selected, as passed to the
+  experts module) and mean per-token normalised score P_e, averaged over layers
+  (Megatron-Core's aux loss). Pooling the layers lets one layer's collapse be offset by
+  another's; this form cannot.
+- "sequence": DeepSeek-V3's sequence-wise auxiliary loss (`dropless.ops.sequence_aux_loss`)
+  per layer, averaged over layers.
+"per_layer" and "sequence" read the family's own scores (softmax, sigmoid or sqrt-softplus
+of the recorded router logits, normalised per token).
 - counts_ME: the (token, expert) pairs each expert received per layer, for the aux-loss-free
   expert-bias update; read from the experts call, so it holds for any experts path (ours,
   stock, expert-parallel).
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops import sequence_aux_loss, z_loss
+from ...ops.losses import mean_normalised_scores
 from ..layers import moe_layers
 from .forward import in_backward
 
@@ -41,6 +48,9 @@ from .forward import in_backward
 def _sqrtsoftplus(logits_TE: torch.Tensor) -> torch.Tensor:
     return F.softplus(logits_TE).sqrt()
 
+
+#: The balancing losses `RouterLosses` computes (see the module's docstring).
+BALANCE_LOSSES = ("per_layer", "family", "sequence")
 
 #: Score functions routers apply to their logits (the aux loss normalises them per token).
 SCORE_FUNCS = {
@@ -57,7 +67,7 @@ class RouterStats:
     aux: torch.Tensor
     z: torch.Tensor
     counts_ME: torch.Tensor
-    source: str  # "model" (the family's own aux loss) or "sequence" (sequence-wise, ours)
+    source: str  # "model" (the family's own aux loss), "per_layer" or "sequence" (ours)
 
 
 def identify_score_func(
@@ -102,10 +112,14 @@ def _score_hint(router: nn.Module | None, config) -> str | None:
 class RouterLosses:
     """Captures, per MoE layer and forward, the expert ids and routing weights the experts
     module receives (a forward pre-hook, active only inside `capture()`), and turns them and
-    the model's recorded router logits into `RouterStats`."""
+    the model's recorded router logits into `RouterStats`. `balance`: which balancing loss
+    (`BALANCE_LOSSES`; "family", the default, is what the model computes itself)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, balance: str = "family"):
+        if balance not in BALANCE_LOSSES:
+            raise ValueError(f"balance={balance!r}: must be one of {', '.join(BALANCE_LOSSES)}")
         self.model = model
+        self.balance = balance
         self.layers = moe_layers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no MoE layers to take router losses from")
@@ -154,13 +168,22 @@ class RouterLosses:
         return counts_ME
 
     def stats(
-        self, out, batch_shape: tuple[int, ...], need_losses: bool = True, cp_group=None
+        self,
+        out,
+        batch_shape: tuple[int, ...],
+        need_losses: bool = True,
+        cp_group=None,
+        balance: str | None = None,
     ) -> RouterStats:
         """Losses and counts of the forward that produced `out` (run inside `capture()` with
         output_router_logits=True when `need_losses`). batch_shape: (B, L) of its input ids.
         `cp_group`: the context-parallel group this rank's sequences are split over (None:
         whole sequences here); the balancing loss is then this rank's term of the whole
-        sequences' (`_cp_switch_aux`, `sequence_aux_loss`)."""
+        sequences' (`_cp_switch_aux`, `_per_layer_aux`, `sequence_aux_loss`). `balance`:
+        this call's balancing loss (None: the one given to the constructor)."""
+        balance = self.balance if balance is None else balance
+        if balance not in BALANCE_LOSSES:
+            raise ValueError(f"balance={balance!r}: must be one of {', '.join(BALANCE_LOSSES)}")
         counts_ME = self.counts()
         zero = torch.zeros((), device=counts_ME.device)
         if not need_losses:
@@ -174,10 +197,13 @@ class RouterLosses:
         logits = [x for x in logits if isinstance(x, torch.Tensor)]
         z = torch.stack([z_loss(x.reshape(-1, x.shape[-1])) for x in logits]).mean()
         aux = getattr(out, "aux_loss", None)
-        if isinstance(aux, torch.Tensor):
+        if balance == "family" and isinstance(aux, torch.Tensor):
             if cp_group is not None:
                 aux = self._cp_switch_aux(logits, aux, cp_group)
             return RouterStats(aux.float(), z, counts_ME, "model")
+        if balance == "per_layer":
+            aux = self._per_layer_aux(logits, cp_group)
+            return RouterStats(aux, z, counts_ME, "per_layer")
         aux = self._sequence_aux(logits, batch_shape, cp_group)
         return RouterStats(aux, z, counts_ME, "sequence")
 
@@ -216,18 +242,18 @@ class RouterLosses:
         cp = torch.distributed.get_world_size(group)
         return self.E * (f_E * probs_E / whole[-1]).sum() * cp
 
-    def _sequence_aux(self, logits: list[torch.Tensor], batch_shape, cp_group=None) -> torch.Tensor:
+    def _scored_calls(self, logits: list[torch.Tensor], what: str, B: int = 1):
+        """(scores_TE fp32 with grad, ids_TK) of each captured experts call, its router
+        logits scored by the family's own score function (identified once per layer)."""
         if len(logits) != len(self._calls):
             raise ValueError(
                 f"{type(self.model).__name__}: {len(logits)} router_logits were recorded but the "
-                f"experts ran {len(self._calls)} times; the sequence-wise aux loss needs one per call "
+                f"experts ran {len(self._calls)} times; the {what} needs one per call "
                 "(set train.aux_loss_coef=0 to train this model without it)"
             )
-        B = int(batch_shape[0])
-        losses = []
         for logits_TE, (m, ids_TK, weights_TK) in zip(logits, self._calls):
             logits_TE = logits_TE.reshape(-1, logits_TE.shape[-1]).float()
-            T, K = ids_TK.shape
+            T = ids_TK.shape[0]
             if T != logits_TE.shape[0] or T % B:
                 raise ValueError(
                     f"MoE layer {self.layers[m].name}: router logits for {logits_TE.shape[0]} tokens, "
@@ -238,12 +264,39 @@ class RouterLosses:
                 layer = self.layers[m]
                 hint = _score_hint(layer.router, getattr(layer.experts, "config", None))
                 func = self._score[m] = identify_score_func(logits_TE, weights_TK, ids_TK, hint)
-            scores_TE = SCORE_FUNCS[func](logits_TE)
-            losses.append(
-                sequence_aux_loss(
-                    scores_TE.reshape(B, T // B, -1), ids_TK.reshape(B, T // B, K), cp_group
-                )
+            yield SCORE_FUNCS[func](logits_TE), ids_TK
+
+    def _sequence_aux(self, logits: list[torch.Tensor], batch_shape, cp_group=None) -> torch.Tensor:
+        B = int(batch_shape[0])
+        losses = [
+            sequence_aux_loss(
+                scores_TE.reshape(B, -1, scores_TE.shape[-1]),
+                ids_TK.reshape(B, -1, ids_TK.shape[-1]),
+                cp_group,
             )
+            for scores_TE, ids_TK in self._scored_calls(logits, "sequence-wise aux loss", B)
+        ]
+        return torch.stack(losses).mean()
+
+    def _per_layer_aux(self, logits: list[torch.Tensor], cp_group=None) -> torch.Tensor:
+        """The Switch loss of each layer (E x sum_e f_e P_e, f_e = c_e / T the share of pairs,
+        P_e the mean normalised score), averaged over layers. With `cp_group`, this rank's
+        term of the whole sequences' loss: c and T counted over the group (no gradient), P
+        summed over this rank's tokens, times cp (the cp ranks' mean is the whole loss)."""
+        losses = []
+        for scores_TE, ids_TK in self._scored_calls(logits, "per-layer balancing loss"):
+            T, E = scores_TE.shape
+            whole = torch.zeros(E + 1, device=scores_TE.device)  # counts_E, then T
+            flat = ids_TK.reshape(-1)
+            whole[:E].scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+            whole[E] = T
+            cp = 1
+            if cp_group is not None:
+                torch.distributed.all_reduce(whole, group=cp_group)
+                cp = torch.distributed.get_world_size(cp_group)
+            f_E = whole[:E] / whole[E]  # the whole sequences' share of pairs
+            p_E = mean_normalised_scores(scores_TE) * (T * cp / whole[E])  # this rank's term
+            losses.append(E * (f_E * p_E).sum())
         return torch.stack(losses).mean()
 
     def remove(self) -> None:
@@ -253,4 +306,4 @@ class RouterLosses:
         self._handles = []
 
 
-__all__ = ["SCORE_FUNCS", "RouterLosses", "RouterStats", "identify_score_func"]
+__all__ = ["BALANCE_LOSSES", "SCORE_FUNCS", "RouterLosses", "RouterStats", "identify_score_func"]

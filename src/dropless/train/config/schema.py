@@ -34,6 +34,7 @@ ATTENTION = (
     "flash_attention_4",
 )
 NONFINITE_POLICIES = ("stop", "skip")
+BALANCE_LOSSES = ("per_layer", "family", "sequence")  # dropless.hf RouterLosses(balance=)
 DECODE_ERRORS = ("strict", "replace")
 ADAMW_IMPLEMENTATIONS = ("auto", "fused", "foreach", "loop")
 
@@ -177,6 +178,9 @@ class TrainSection:
     grad_accum: int = 1
     seed: int = 0
     aux_loss_coef: float = 0.01  # Switch load-balancing loss
+    # which one: "per_layer" (each MoE layer's, averaged), "family" (the model's own: pooled
+    # over layers for Transformers' families) or "sequence" (DeepSeek-V3's sequence-wise)
+    balance_loss: str = "per_layer"
     z_loss_coef: float = 0.0  # router z-loss
     expert_bias_rate: float = 0.0  # > 0: aux-loss-free balancing, bias += rate * sign(mean - load)
     activation_checkpointing: bool = False  # per decoder layer, with routing replay
@@ -210,6 +214,7 @@ class TrainSection:
             max_skipped_steps=self.max_skipped_steps,
         )
         _choice("train", "on_nonfinite", self.on_nonfinite, NONFINITE_POLICIES)
+        _choice("train", "balance_loss", self.balance_loss, BALANCE_LOSSES)
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"train.batch_size={self.batch_size} must be divisible by train.grad_accum={self.grad_accum}"

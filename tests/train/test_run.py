@@ -13,6 +13,7 @@ from harness import read_metrics, tiny_args
 FIELDS = (
     "loss", "eval_loss", "eval_bpb", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_process",
     "tflops_per_process", "mfu", "peak_memory_mib", "tokens_per_expert", "max_mean_load", "dropped",
+    "starved_experts",
 )  # fmt: skip
 
 
@@ -43,6 +44,8 @@ def test_run_writes_everything_and_learns(finished_run):
         summary["final_bpb"] == recs[-1]["eval_bpb"]
         and summary["initial_bpb"] == recs[0]["eval_bpb"]
     )
+    assert summary["starved_experts"] == recs[-1]["starved_experts"]
+    assert summary["balancing"] == "per_layer aux loss x0.01"  # the default balancing
 
 
 def test_mfu_without_a_stated_peak_measures_this_cpu():

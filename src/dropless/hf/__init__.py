@@ -23,6 +23,7 @@ from .experts.forward import (
     experts_spec,
     register_experts_hook,
 )
+from .experts.router_losses import RouterLosses, RouterStats
 from .fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from .layers import MoELayer, added_state_keys, moe_layers, save_hf, tokens_per_expert
 from .lora.expert_lora import (
@@ -53,6 +54,8 @@ __all__ = [
     "moe_layers",
     "tokens_per_expert",
     "register_experts_hook",
+    "RouterLosses",
+    "RouterStats",
     "added_state_keys",
     "save_hf",
     # the loss from hidden states (docs/hf.md, docs/genomics.md)

@@ -45,12 +45,32 @@ def reset_peak_rss() -> bool:
         return False
 
 
+#: an expert below this share of its layer's mean load counts as starved
+STARVED = 0.1
+
+
 def load_stats(counts_LE: torch.Tensor) -> dict:
-    """Per-layer max/mean load (1.0 = perfectly balanced) and the worst layer's."""
+    """Per-layer max/mean load (1.0 = perfectly balanced), the worst layer's, and the
+    number of experts (all layers) below `STARVED` x their layer's mean load."""
     c = counts_LE.double()
     mean = c.mean(1).clamp_min(1e-9)
     ratio = (c.max(1).values / mean).tolist()
-    return {"max_mean_load": max(ratio), "max_mean_load_per_layer": ratio}
+    starved = int((c < STARVED * mean[:, None]).sum())
+    return {
+        "max_mean_load": max(ratio),
+        "max_mean_load_per_layer": ratio,
+        "starved_experts": starved,
+    }
+
+
+def balancing(train) -> str:
+    """The run's balancing in words (`train`: the config's train section)."""
+    parts = []
+    if train.aux_loss_coef > 0:
+        parts.append(f"{train.balance_loss} aux loss x{train.aux_loss_coef:g}")
+    if train.expert_bias_rate > 0:
+        parts.append(f"expert bias rate {train.expert_bias_rate:g}")
+    return ", ".join(parts) or "none"
 
 
 class MetricsWriter:

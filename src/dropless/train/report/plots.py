@@ -56,8 +56,9 @@ def plot_losses(records: list[dict], out: Path) -> Path:
     return out
 
 
-def plot_expert_load(records: list[dict], out: Path) -> Path | None:
-    """One heatmap per MoE layer: expert (rows) x logged step (columns), load / mean load."""
+def plot_expert_load(records: list[dict], out: Path, balancing: str | None = None) -> Path | None:
+    """One heatmap per MoE layer: expert (rows) x logged step (columns), load / mean load;
+    the title names the run's `balancing` (`metrics.balancing`)."""
     rows = [
         (r["step"], np.asarray(r["tokens_per_expert"], dtype=np.float64))
         for r in records
@@ -94,7 +95,8 @@ def plot_expert_load(records: list[dict], out: Path) -> Path | None:
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("expert", fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="load / mean load")
-    fig.suptitle("tokens per expert (1.0 = balanced)")
+    how = f"; balancing: {balancing}" if balancing else ""
+    fig.suptitle(f"tokens per expert (1.0 = balanced){how}")
     with atomic_file(out) as f:  # never through a symlink, never half a file
         fig.savefig(f, dpi=110, format="png")
     plt.close(fig)

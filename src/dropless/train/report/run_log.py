@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint import store as ckpt
 from .flops import rate
-from .metrics import MetricsWriter, load_stats, peak_memory_mib, read_metrics
+from .metrics import STARVED, MetricsWriter, balancing, load_stats, peak_memory_mib, read_metrics
 from .progress import Progress
 
 # Dense bf16 tensor-core peaks per GPU, TFLOP/s (SXM parts; fp32 runs use TF32 = half)
@@ -180,7 +180,12 @@ class RunLog:
 
     @staticmethod
     def line(r: dict) -> str:
-        load = f"  max/mean load {r['max_mean_load']:.2f}" if "max_mean_load" in r else ""
+        load = (
+            f"  max/mean load {r['max_mean_load']:.2f} (worst layer), "
+            f"{r.get('starved_experts', 0)} experts < {STARVED:.0%} of mean"
+            if "max_mean_load" in r
+            else ""
+        )
         skipped = f"  skipped {r['skipped_steps']}" if r.get("skipped_steps") else ""
         return (
             f"step {r['step']:>5}  loss {r['loss']:.4f}  held-out {r['eval_loss']:.4f} ({r['eval_bpb']:.3f} bits/{r.get('bpb_unit', 'byte')})  "
@@ -224,6 +229,7 @@ class RunLog:
             "unigram_bpb": unigram_bpb, "bpb_unit": self.bpb_unit,
             "final_loss": final.get("loss"), "final_eval_loss": final.get("eval_loss"),
             "peak_memory_mib": peak_memory_mib(self.env.device), "max_mean_load": final.get("max_mean_load"),
+            "starved_experts": final.get("starved_experts"), "balancing": balancing(tc),
             "dropped": sum(measured) if measured and None not in measured else None,
             "skipped_steps": state.skipped_steps,
             "checkpoint": str(ckpt.latest_checkpoint(self.run_dir)), "metrics": str(self.run_dir / "metrics.jsonl"),

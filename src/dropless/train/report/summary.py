@@ -7,6 +7,7 @@ import math
 
 from ..run.atomic import write_atomic
 from .flops import rate
+from .metrics import STARVED
 
 
 def _fmt(v, spec: str) -> str:
@@ -21,7 +22,7 @@ def write_outputs(cfg, run_dir, summary: dict, records: list[dict]) -> None:
         from .plots import plot_expert_load, plot_losses
 
         summary["plot_loss"] = str(plot_losses(records, run_dir / "loss.png"))
-        load = plot_expert_load(records, run_dir / "expert_load.png")
+        load = plot_expert_load(records, run_dir / "expert_load.png", summary.get("balancing"))
         summary["plot_expert_load"] = str(load) if load else None
     write_atomic(run_dir / "summary.json", json.dumps(summary, indent=1) + "\n")
 
@@ -39,6 +40,16 @@ def _mfu(s: dict) -> str:
         + ("; the highest measured during the run" if measured else "")
         + ")"
     )
+
+
+def _load(s: dict) -> str:
+    """The last log window's balance: the worst layer's max/mean load, starved experts."""
+    starved = s.get("starved_experts")
+    below = (
+        "" if starved is None else f", {starved} experts below {STARVED:.0%} of their layer's mean"
+    )
+    how = f" (balancing: {s['balancing']})" if s.get("balancing") else ""
+    return f"worst layer max/mean {_fmt(s['max_mean_load'], '.2f')}{below}{how}"
 
 
 def summary_rows(s: dict) -> list[tuple[str, str]]:
@@ -72,7 +83,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
             "loss",
             f"train {_fmt(s['final_loss'], '.4f')}, held-out {_fmt(s['final_eval_loss'], '.4f')} nats/token",
         ),
-        ("expert load", f"max/mean {_fmt(s['max_mean_load'], '.2f')}, {dropped}"),
+        ("expert load", _load(s) + f", {dropped}"),
         ("peak memory", f"{s['peak_memory_mib']:,.0f} MiB"),
     ]
 

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops import sequence_aux_loss, z_loss
-from ...ops.losses import mean_normalised_scores
 from ..layers import moe_layers
 from .forward import in_backward
 
@@ -295,7 +294,10 @@ class RouterLosses:
                 torch.distributed.all_reduce(whole, group=cp_group)
                 cp = torch.distributed.get_world_size(cp_group)
             f_E = whole[:E] / whole[E]  # the whole sequences' share of pairs
-            p_E = mean_normalised_scores(scores_TE) * (T * cp / whole[E])  # this rank's term
+            # the scores normalised per token (as ops.losses does), summed over this rank's
+            # tokens, over the whole sequences' count, times cp: this rank's term
+            norm_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
+            p_E = norm_TE.sum(0) * (cp / whole[E])
             losses.append(E * (f_E * p_E).sum())
         return torch.stack(losses).mean()
 

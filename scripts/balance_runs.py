@@ -1,0 +1,151 @@
+"""The README's default `dropless train` run under several balancing settings: each
+layer's expert load at the end and the held-out loss.
+
+    python scripts/balance_runs.py family:train.balance_loss=family per_layer \\
+        per_layer+bias:train.expert_bias_rate=1e-3 --runs-root runs/balance \\
+        --section benchmarks/sections/balance.md
+
+Each SETTING is NAME or NAME:KEY=VALUE[,KEY=VALUE...]: `dropless train --set KEY=VALUE ...`
+with no config file (the default run: 420 steps on this Python's standard library, seed
+0) in a fresh run directory ROOT/NAME, trained from this checkout in a child process.
+A directory that already holds a finished run with the same overrides is read, not
+trained again; the commit it was trained on is the one written beside it
+(`commit.txt`) when it was trained. These are quality figures (load, loss), not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS_SHOWN = (60, 180, 300)  # the load of a few log windows before the last
+
+
+def _setting(text: str) -> tuple[str, list[str]]:
+    name, _, sets = text.partition(":")
+    return name, [s for s in sets.split(",") if s]
+
+
+def _commit() -> str:
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    sha = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    return sha + (" + uncommitted changes" if git("status", "--porcelain", "--", "src") else "")
+
+
+def _overrides(run: Path) -> list[str] | None:
+    p = run / "overrides.json"
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _train(run: Path, sets: list[str]) -> None:
+    if (run / "summary.json").is_file() and _overrides(run) == sets:
+        print(f"{run}: finished run with these overrides, read as it is", flush=True)
+        return
+    if run.exists() and any(run.iterdir()):
+        raise SystemExit(f"{run} holds another run: remove it or choose another --runs-root")
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "commit.txt").write_text(_commit() + "\n")
+    (run / "overrides.json").write_text(json.dumps(sets) + "\n")
+    cmd = [sys.executable, "-m", "dropless", "train", "--run-dir", str(run)]
+    cmd += [a for s in sets for a in ("--set", s)] + ["--set", "log.progress=plain"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    )
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env=env)
+
+
+def _figures(run: Path, sets: list[str]) -> dict:
+    import torch
+
+    from dropless.train.report.metrics import STARVED, load_stats, read_metrics
+
+    recs = [r for r in read_metrics(run) if r.get("tokens_per_expert")]
+    last = recs[-1]
+    stats = load_stats(torch.tensor(last["tokens_per_expert"]))
+    by_step = {
+        r["step"]: load_stats(torch.tensor(r["tokens_per_expert"]))["max_mean_load"] for r in recs
+    }
+    commit = (
+        (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else "unknown"
+    )
+    return {
+        "overrides": sets, "commit": commit, "step": last["step"], "eval_loss": last["eval_loss"],
+        "eval_bpb": last["eval_bpb"], "max_mean_load": stats["max_mean_load"],
+        "max_mean_load_per_layer": stats["max_mean_load_per_layer"],
+        "starved_experts": stats["starved_experts"], "starved_share": STARVED,
+        "max_mean_by_step": {str(s): by_step[s] for s in STEPS_SHOWN if s in by_step},
+        "run_dir": str(run),
+    }  # fmt: skip
+
+
+def _section(record: dict, names: list[str]) -> str:
+    from tools.bench_sections import provenance
+
+    fig = record["figures"]
+    first = fig[names[0]]["eval_loss"]
+    rows = []
+    for name in names:
+        f = fig[name]
+        sets = ", ".join(f"`{s}`" for s in f["overrides"]) or "(none: the default)"
+        layers = " / ".join(f"{r:.2f}" for r in f["max_mean_load_per_layer"])
+        early = " / ".join(
+            f"{f['max_mean_by_step'][s]:.2f}"
+            for s in map(str, STEPS_SHOWN)
+            if s in f["max_mean_by_step"]
+        )
+        rows.append(
+            f"| {name} | {sets} | {f['commit']} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
+            f"| {f['max_mean_load']:.2f} | {layers} | {f['starved_experts']} | {early} |"
+        )  # fmt: skip
+    last = fig[names[0]]["step"]
+    return "\n".join(
+        ["## Expert balance of the default `dropless train` run (`scripts/balance_runs.py`)", "",
+         provenance(record), "",
+         f"The README's default run (no config file: 4 MoE layers x 8 experts top-2, "
+         f"`train.aux_loss_coef=0.01`, 420 steps on this Python's standard library, seed 0), "
+         f"fp32 on CPU, one run per setting. Held-out loss in nats/token at step {last} (against "
+         f"the first row). Load: each layer's max/mean pairs per expert over the last log window "
+         f"(steps {last - 59}-{last}; 1.00 = balanced, 4.00 = the most top-2 of 8 allows); "
+         f"starved: experts, all layers, below {fig[names[0]]['starved_share']:.0%} of their "
+         f"layer's mean; the worst layer's max/mean at earlier log steps after it. Each run's "
+         f"commit is the one it trained on; `family` is Transformers' pooled "
+         f"`load_balancing_loss_func` (the loss of every commit before `train.balance_loss`).", "",
+         "| setting | overrides | commit | held-out loss | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
+         "|---|---|---|---|---|---|---|---|", *rows, ""]
+    )  # fmt: skip
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("settings", nargs="+", help="NAME or NAME:KEY=VALUE[,KEY=VALUE...]")
+    p.add_argument("--runs-root", type=Path, default=Path("runs/balance"))
+    p.add_argument("--section", type=Path, default=None, help="write the markdown table here")
+    args = p.parse_args()
+    sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
+    from dropless.bench.common import Recorder
+
+    rec = Recorder.start(argparse.Namespace(no_history=True))
+    settings = [_setting(s) for s in args.settings]
+    figures = {}
+    for name, sets in settings:
+        run = args.runs_root / name
+        _train(run, sets)
+        figures[name] = _figures(run, sets)
+        print(json.dumps({name: figures[name]}), flush=True)
+    record = rec.finish("balance_runs", figures)
+    if args.section:
+        args.section.write_text(_section(record, [n for n, _ in settings]))
+
+
+if __name__ == "__main__":
+    main()

@@ -222,8 +222,9 @@ def child(args: dict, build=build_row_model) -> dict:
         out.update(measure_memory(fwd_bwd, opt_step, tracked))
     else:
         sync = torch.cuda.synchronize if device == "cuda" else None
-        tokens = shape["batch"] * shape["seq"]
-        out.update(time_steps(fwd_bwd, opt_step, args["steps"], tokens, sync))
+        times = step_times(lambda: (fwd_bwd(), opt_step()), args["steps"], sync=sync)
+        out["step_s"], out["best_step_s"] = statistics.median(times), min(times)
+        out["tokens_per_s"] = shape["batch"] * shape["seq"] / out["step_s"]
         if device == "cuda":
             out.update(_measure_cuda_memory(fwd_bwd, opt_step))
         if args.get("profile"):
@@ -235,13 +236,6 @@ def child(args: dict, build=build_row_model) -> dict:
 
         out["dropless_calls"] = sum(dh.CALLS.values())
     return out
-
-
-def time_steps(fwd_bwd, opt_step, steps: int, tokens_per_step: int, sync=None) -> dict:
-    """`steps` timed training steps: median and best step time, tokens/s from the median."""
-    times = step_times(lambda: (fwd_bwd(), opt_step()), steps, sync=sync)
-    step_s = statistics.median(times)
-    return {"step_s": step_s, "best_step_s": min(times), "tokens_per_s": tokens_per_step / step_s}
 
 
 def measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
 from .subcommands import add_subcommands
 
@@ -44,8 +43,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    try:
-        return int(importlib.import_module(args._bench_module).run(args) or 0)
-    except ValueError as e:  # what the user passed (arguments, environment, checkout)
-        print(f"dropless bench {args.bench}: error: {e}", file=sys.stderr)
-        return 2
+    return int(importlib.import_module(args._bench_module).run(args) or 0)

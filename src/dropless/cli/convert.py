@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,11 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..train.generate import convert
 
-    try:
-        out = convert(args.checkpoint, args.out_dir, merge=args.merge)
-    except ValueError as e:
-        print(f"dropless convert: error: {e}", file=sys.stderr)
-        return 2
+    out = convert(args.checkpoint, args.out_dir, merge=args.merge)
     print(
         f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))"
     )

@@ -30,22 +30,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..train.generate import load_run, sample
 
-    try:
-        cfg, tok, model, ck = load_run(args.run_dir)
-        text = sample(
-            model,
-            tok,
-            args.prompt,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            context=cfg.train.seq_len,
-            seed=args.seed,
-        )
-    except ValueError as e:
-        print(f"dropless generate: error: {e}", file=sys.stderr)
-        return 2
+    cfg, tok, model, ck = load_run(args.run_dir)
+    text = sample(
+        model,
+        tok,
+        args.prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        context=cfg.train.seq_len,
+        seed=args.seed,
+    )
     print(f"# {ck}", file=sys.stderr)
     print(args.prompt + text)
     return 0

@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             say_error(missing_module_line(args.command, e))
             return 2
+        except ValueError as e:  # what the user passed (arguments, files, environment, checkout)
+            if args.debug:
+                raise
+            name = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+            say_error(f"dropless {name}: error: {e}")
+            return 2
 
 
 if __name__ == "__main__":

@@ -24,18 +24,10 @@ from .trainer_checkpoint import accept_full_state_dicts
 _MESH = "_dropless_parallel_mesh"
 
 
-class _QuietRedistribution(logging.Filter):
+def _not_suboptimal(record: logging.LogRecord) -> bool:
     """DTensor warns on every rank that a redistribution over the (dp, ep) mesh takes two
     collectives; the layout is deliberate and the warning says nothing a user can act on."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "suboptimal" not in record.getMessage()
-
-
-def quiet_dtensor_warnings() -> None:
-    log = logging.getLogger("torch.distributed.tensor._redistribute")
-    if not any(isinstance(f, _QuietRedistribution) for f in log.filters):
-        log.addFilter(_QuietRedistribution())
+    return "suboptimal" not in record.getMessage()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -303,7 +295,9 @@ def _apply(
     if activation_checkpointing:
         enable_activation_checkpointing(base)
     layers = moe_layers(base)
-    quiet_dtensor_warnings()
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    if _not_suboptimal not in log.filters:
+        log.addFilter(_not_suboptimal)
     pm = build_mesh(cfg, layers[0].num_experts if layers else None)
     shard_hf_experts(model, pm)
     if fsdp:

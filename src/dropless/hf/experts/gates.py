@@ -56,10 +56,7 @@ def _is_elementwise(act, x: torch.Tensor) -> bool:
         return False
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return False
-    return bool(
-        torch.allclose(y.reshape(-1)[perm], y_perm, rtol=_RTOL, atol=_ATOL)
-        and torch.allclose(y[:1], y_row, rtol=_RTOL, atol=_ATOL)
-    )
+    return _agrees(y_perm, y.reshape(-1)[perm]) and _agrees(y_row, y[:1])
 
 
 def _elementwise_key(act) -> str:

@@ -182,20 +182,17 @@ def load_peft_into_experts(model: nn.Module, adapter_dir) -> int:
             if key not in state:
                 raise ValueError(f"{adapter_dir}: no LoRA factors for {name}")
             t = params[name]
-            local = t.to_local() if hasattr(t, "to_local") else t
-            lo = _shard_offset(t)
+            local, lo = t, 0
+            if hasattr(t, "to_local"):  # this rank's Shard(0) slice: its first expert
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                local = t.to_local()
+                _, offset = compute_local_shape_and_global_offset(
+                    t.shape, t.device_mesh, t.placements
+                )
+                lo = int(offset[0])
             local.copy_(factor_from_peft(kind, state[key], E)[lo : lo + local.shape[0]])
     for x in moe_layers(model):
         if LORA_SCALE in x.experts.__dict__:
             x.experts.__dict__[LORA_SCALE] = float(config.lora_alpha) / config.r
     return len(keys) // 2
-
-
-def _shard_offset(t: torch.Tensor) -> int:
-    """First expert of this rank's Shard(0) slice (0 for a plain tensor)."""
-    if not hasattr(t, "to_local"):
-        return 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return int(offset[0])

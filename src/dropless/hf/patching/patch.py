@@ -72,20 +72,6 @@ def _register() -> None:
     _state["registered"] = True
 
 
-def _unregister() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if not _state["registered"]:
-        return
-    had, value = _state["prior"]
-    if had:
-        ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = value
-    else:
-        del ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION]
-    _state["registered"] = False
-    _state["prior"] = None
-
-
 def _install_default() -> None:
     """THE place where dropless becomes the default experts implementation (see module doc)."""
     from transformers import PreTrainedModel
@@ -180,21 +166,6 @@ def _apply_options(model, *, fused_cross_entropy: bool, fused_rmsnorm: bool) -> 
             )
             return
         _fused_ce.add(model)
-
-
-def _uninstall_default() -> None:
-    from transformers import PreTrainedModel
-
-    original = _state["original_get_correct"]
-    if original is not None:
-        PreTrainedModel.get_correct_experts_implementation = original
-        _state["original_get_correct"] = None
-    post_init = _state["original_post_init"]
-    if post_init is not None:
-        PreTrainedModel.post_init = post_init
-        _state["original_post_init"] = None
-    uninstall_request_marker()
-    _stock.clear()
 
 
 def is_patched() -> bool:
@@ -302,8 +273,15 @@ def patch_model(
         _register()
         _switch(model)
         wire_experts(model)
-        if expert_bias:
-            _add_expert_biases(layers)
+        for layer in layers if expert_bias else ():
+            if layer.expert_bias is not None:  # the router's own, or the block's (AFMoE, LFM2-MoE)
+                continue
+            if layer.router is None:
+                raise ValueError(
+                    f"expert_bias=True: MoE block {layer.name!r} has no router (no `gate`/`router` "
+                    "child with a weight) to add a score bias to; call patch_model without it"
+                )
+            add_expert_bias(layer.router, layer.family, layer.num_experts, layer.block)
         install_routing_replay(model)
         _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
     return model
@@ -318,18 +296,6 @@ def _switch(model) -> None:
         _models[model] = previous
     elif model not in _models:
         _models[model] = None
-
-
-def _add_expert_biases(layers) -> None:
-    for layer in layers:
-        if layer.expert_bias is not None:  # the router's own, or the block's (AFMoE, LFM2-MoE)
-            continue
-        if layer.router is None:
-            raise ValueError(
-                f"expert_bias=True: MoE block {layer.name!r} has no router (no `gate`/`router` "
-                "child with a weight) to add a score bias to; call patch_model without it"
-            )
-        add_expert_bias(layer.router, layer.family, layer.num_experts, layer.block)
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
@@ -371,8 +337,23 @@ def unpatch() -> None:
             return
         for model in list(_models.keys()):
             _restore_model(model)
-        _uninstall_default()
-        _unregister()
+        from transformers import PreTrainedModel
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        if _state["original_get_correct"] is not None:
+            PreTrainedModel.get_correct_experts_implementation = _state["original_get_correct"]
+        if _state["original_post_init"] is not None:
+            PreTrainedModel.post_init = _state["original_post_init"]
+        _state["original_get_correct"] = _state["original_post_init"] = None
+        uninstall_request_marker()
+        _stock.clear()
+        if _state["registered"]:
+            had, value = _state["prior"]
+            if had:
+                ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION] = value
+            else:
+                del ALL_EXPERTS_FUNCTIONS[IMPLEMENTATION]
+        _state["registered"], _state["prior"] = False, None
         uninstall_lean_activation()
         set_expert_path("auto")
         _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}

@@ -157,15 +157,6 @@ def load_tokenizer(directory: str | Path) -> ByteTokenizer | HFTokenizer | DNATo
     return HFTokenizer.from_dir(d)
 
 
-def _is_byte_dir(d: Path) -> bool:
-    """A byte tokenizer saved by `ByteTokenizer.save`, or described by an older `dropless
-    convert` (TOKENIZER.txt only)."""
-    notes = d / "TOKENIZER.txt"
-    return (d / "bytes").is_file() or (
-        notes.is_file() and notes.read_text().startswith("byte tokenizer")
-    )
-
-
 def resolve_spec(spec: str, model_path: str = "") -> str:
     """`data.tokenizer` with "auto" resolved: the tokenizer saved beside the checkpoint of
     `model_path` ("bytes", "dna" or its directory), or "bpe" for a model trained from scratch.
@@ -174,8 +165,11 @@ def resolve_spec(spec: str, model_path: str = "") -> str:
         return spec
     if not model_path:
         return "bpe"
-    d = Path(model_path)
-    if _is_byte_dir(d):
+    d, notes = Path(model_path), Path(model_path) / "TOKENIZER.txt"
+    # saved by `ByteTokenizer.save`, or a `dropless convert` output (its TOKENIZER.txt note)
+    if (d / "bytes").is_file() or (
+        notes.is_file() and notes.read_text().startswith("byte tokenizer")
+    ):
         return "bytes"
     if DNATokenizer.is_saved_in(d):
         return "dna"

@@ -218,17 +218,6 @@ def _step(model, opt, ids_BL, impl: str, base: float) -> dict:
 # --- the parent -------------------------------------------------------------------------
 
 
-def _rows_printed(stdout: str) -> list[dict]:
-    """The records a child printed, one JSON line per row."""
-    out = []
-    for line in stdout.splitlines():
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line)
-            if isinstance(rec, dict) and "impl" in rec:
-                out.append(rec)
-    return out
-
-
 def run_rows(rows: list[dict], timeout: float) -> list[dict]:
     """The rows in one child under the default environment (malloc settings removed), in
     order: one row, or (--tiny) every row with one import of torch and Transformers. An
@@ -237,7 +226,12 @@ def run_rows(rows: list[dict], timeout: float) -> list[dict]:
     they are timeouts too); any other failure raises RuntimeError with its error output."""
     cmd = [sys.executable, "-m", "dropless.bench.memory", json.dumps({"rows": rows})]
     run = run_child_process(cmd, timeout=timeout, env=timing_env())
-    done = _rows_printed(run.stdout)
+    done = []  # the records the child printed, one JSON line per row
+    for line in run.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict) and "impl" in rec:
+                done.append(rec)
     if run.status == "timeout":
         late = rows[len(done) :]
         return done + [{"impl": r["impl"], "seq": r["seq"], "status": "timeout"} for r in late]

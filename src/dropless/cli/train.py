@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .messages import say_error
 
@@ -32,22 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _resumed_config(run_dir: str) -> str | None:
-    """The config a bare --resume continues with: the copy inside the newest checkpoint
-    that verifies (the run directory's own config.toml only for checkpoints older than
-    that copy)."""
-    from pathlib import Path
-
-    from ..train.checkpoint import store as ckpt
-    from ..train.checkpoint.resume import resume_config_file
-
-    saved = resume_config_file(run_dir)
-    if saved is not None:
-        return str(saved)
-    legacy = Path(run_dir) / "config.toml"
-    return str(legacy) if ckpt.list_checkpoints(run_dir) and legacy.is_file() else None
-
-
 def one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         where = f" ({e.filename})" if e.filename else ""
@@ -70,15 +55,20 @@ def run(args) -> int:
     from torch.distributed.checkpoint import CheckpointException
 
     from ..train import trainer
-    from ..train.checkpoint.resume import latest_run
+    from ..train.checkpoint import store as ckpt
+    from ..train.checkpoint.resume import latest_run, resume_config_file
     from ..train.config.load import load_config
     from ..train.run.errors import TrainingStopped
 
     try:
         config, run_dir = args.config, args.run_dir
-        if args.resume and config is None:  # a resumed run keeps its own config
+        if args.resume and config is None:  # a resumed run keeps its own config: the copy
+            # in the newest checkpoint that verifies (the run directory's own config.toml
+            # only for checkpoints older than that copy)
             run_dir = run_dir or str(latest_run())
-            config = _resumed_config(run_dir)
+            config, legacy = resume_config_file(run_dir), Path(run_dir) / "config.toml"
+            if config is None and ckpt.list_checkpoints(run_dir) and legacy.is_file():
+                config = legacy
         cfg = load_config(config, args.overrides)
         trainer.train(cfg, run_dir=run_dir, resume=args.resume)
     except (TrainingStopped, KeyboardInterrupt, ValueError, OSError, CheckpointException) as e:

@@ -6,7 +6,9 @@ weights dequantised region by region (`quantized_weights.py`).
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,9 +24,6 @@ from .quantized_weights import (
 
 def _checkpoint_files(path) -> dict[str, str]:
     """{checkpoint key: safetensors file} of a `save_pretrained` directory."""
-    import json
-    from pathlib import Path
-
     p = Path(path)
     index = p / "model.safetensors.index.json"
     if index.is_file():
@@ -210,7 +209,11 @@ def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
 
     files = _checkpoint_files(path)
     plans = _plans(model, files, rename)
-    fp8_block = _fp8_block(path) if _has_fp8(files) else None
+    fp8_block = None
+    if _has_fp8(files):  # the block size in the checkpoint's own config.json (the model may
+        # have been built from a copy without its quantization_config)
+        quant = json.loads((Path(path) / "config.json").read_text()).get("quantization_config")
+        fp8_block = fp8_block_size(types.SimpleNamespace(quantization_config=quant))
     retie(model)
     # rotary inv_freq and the like are not in checkpoints: recomputed as Transformers does,
     # first (Transformers' init may touch parameters too)
@@ -245,16 +248,6 @@ def load_sharded_hf(model: nn.Module, path, rename=None) -> list[str]:
             _fill(local, plan, files, offset, fp8_block)
         done.add(id(t))
     return unread
-
-
-def _fp8_block(path) -> tuple[int, int]:
-    """The block size in the checkpoint's own config.json (the model may have been built
-    from a copy without its quantization_config)."""
-    import json
-    from pathlib import Path
-
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    return fp8_block_size(types.SimpleNamespace(quantization_config=cfg.get("quantization_config")))
 
 
 def _has_fp8(files: dict[str, str]) -> bool:

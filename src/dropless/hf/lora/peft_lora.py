@@ -105,21 +105,16 @@ _LOCK = threading.RLock()  # the class attribute and the import hook change unde
 _FULL_PRECISION = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _runs_lean(wrapper, adapters: list[str]) -> bool:
-    base = wrapper.get_base_layer()
-    config = getattr(base, "config", None)
-    return (
-        len(adapters) == 1
-        and getattr(wrapper, "num_experts", 1) > 1
-        and getattr(config, "_experts_implementation", None) == "dropless"
-        and wrapper.get_param().dtype in _FULL_PRECISION
-    )
-
-
 @contextlib.contextmanager
 def _activate_lora_lean(self, active_adapters):
     adapters = [a for a in active_adapters or [] if a in self.lora_A]
-    if not _runs_lean(self, adapters):
+    config = getattr(self.get_base_layer(), "config", None)
+    if not (
+        len(adapters) == 1
+        and getattr(self, "num_experts", 1) > 1
+        and getattr(config, "_experts_implementation", None) == "dropless"
+        and self.get_param().dtype in _FULL_PRECISION
+    ):
         with _STATE["original"](self, active_adapters):
             yield
         return

@@ -103,7 +103,7 @@ def _section(record: dict, names: list[str]) -> str:
         )
         rows.append(
             f"| {name} | {sets} | {f['commit']} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
-            f"| {f['max_mean_load']:.2f} | {layers} | {f['starved_experts']} | {early} |"
+            f"| {f['max_mean_load']:.3f} | {layers} | {f['starved_experts']} | {early} |"
         )  # fmt: skip
     last = fig[names[0]]["step"]
     return "\n".join(

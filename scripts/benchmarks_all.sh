@@ -14,5 +14,6 @@ dropless bench fp8 --record
 dropless bench ep --world 2 --tokens 1024 --record
 python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md
 dropless bench train --record
+python scripts/balance_runs.py family:train.balance_loss=family per_layer per_layer+bias:train.expert_bias_rate=1e-3 --section benchmarks/sections/balance.md
 dropless bench jax --impls dropless,ragged_dot,capacity_einsum,dense_bound --record
 python scripts/benchmarks_md.py

@@ -36,6 +36,10 @@ SECTIONS = {
         "python scripts/cp_memory.py 65536 1,2,4 --rounds 3 --section benchmarks/sections/cp.md"
     ],
     "train": ["dropless bench train --record"],
+    "balance": [
+        "python scripts/balance_runs.py family:train.balance_loss=family per_layer "
+        "per_layer+bias:train.expert_bias_rate=1e-3 --section benchmarks/sections/balance.md"
+    ],
     "jax": ["dropless bench jax --impls dropless,ragged_dot,capacity_einsum,dense_bound --record"],
     "expert_mlp_op": [
         "python scripts/bench_expert_mlp_op.py --tokens 1 16384 --rounds 3 "

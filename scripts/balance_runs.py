@@ -51,6 +51,8 @@ def _train(run: Path, sets: list[str]) -> None:
         raise SystemExit(f"{run} holds another run: remove it or choose another --runs-root")
     run.mkdir(parents=True, exist_ok=True)
     (run / "commit.txt").write_text(_commit() + "\n")
+    # torch's threads change the summation order, so the trajectory: recorded with the run
+    (run / "threads.txt").write_text(os.environ.get("OMP_NUM_THREADS", "torch's default") + "\n")
     (run / "overrides.json").write_text(json.dumps(sets) + "\n")
     cmd = [sys.executable, "-m", "dropless", "train", "--run-dir", str(run)]
     cmd += [a for s in sets for a in ("--set", s)] + ["--set", "log.progress=plain"]
@@ -73,11 +75,13 @@ def _figures(run: Path, sets: list[str]) -> dict:
     by_step = {
         r["step"]: load_stats(torch.tensor(r["tokens_per_expert"]))["max_mean_load"] for r in recs
     }
-    commit = (
-        (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else "unknown"
-    )
+
+    def note(name: str) -> str:
+        return (run / name).read_text().strip() if (run / name).is_file() else "unknown"
+
+    commit, threads = note("commit.txt"), note("threads.txt")
     return {
-        "overrides": sets, "commit": commit, "step": last["step"], "eval_loss": last["eval_loss"],
+        "overrides": sets, "commit": commit, "threads": threads, "step": last["step"], "eval_loss": last["eval_loss"],
         "eval_bpb": last["eval_bpb"], "max_mean_load": stats["max_mean_load"],
         "max_mean_load_per_layer": stats["max_mean_load_per_layer"],
         "starved_experts": stats["starved_experts"], "starved_share": STARVED,
@@ -102,7 +106,7 @@ def _section(record: dict, names: list[str]) -> str:
             if s in f["max_mean_by_step"]
         )
         rows.append(
-            f"| {name} | {sets} | {f['commit']} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
+            f"| {name} | {sets} | {f['commit']} | {f.get('threads', 'unknown')} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
             f"| {f['max_mean_load']:.3f} | {layers} | {f['starved_experts']} | {early} |"
         )  # fmt: skip
     last = fig[names[0]]["step"]
@@ -118,8 +122,8 @@ def _section(record: dict, names: list[str]) -> str:
          f"layer's mean; the worst layer's max/mean at earlier log steps after it. Each run's "
          f"commit is the one it trained on; `family` is Transformers' pooled "
          f"`load_balancing_loss_func` (the loss of every commit before `train.balance_loss`).", "",
-         "| setting | overrides | commit | held-out loss | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
-         "|---|---|---|---|---|---|---|---|", *rows, ""]
+         "| setting | overrides | commit | torch threads (OMP_NUM_THREADS) | held-out loss | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
+         "|---|---|---|---|---|---|---|---|---|", *rows, ""]
     )  # fmt: skip
 
 

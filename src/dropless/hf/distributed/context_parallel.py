@@ -61,8 +61,12 @@ class CPInputs:
                 "with cp=1"
             )
         r, pos = self.mesh.cp_rank, kwargs.get("position_ids")
-        if pos is not None and _is_part(pos, self.cp, r):
-            return (args, kwargs) if args else None  # the loop split it (shard_batch)
+        # position_ids [B, S] that are this rank's load-balanced chunks of a cp x S sequence:
+        # the loop split the batch already (shard_batch)
+        if pos is not None and pos.dim() == 2 and pos.shape[-1] % 2 == 0:
+            want = local_positions(pos.shape[-1] * self.cp, self.cp, r, device=pos.device)
+            if bool((pos == want).all()):
+                return (args, kwargs) if args else None
         if not self.checked:
             self._check_same_batch(kwargs, ref)
             self.checked = True
@@ -135,15 +139,6 @@ class CPInputs:
                 "balancing loss with dropless.hf.experts.router_losses.RouterLosses "
                 "(rl.stats(..., cp_group=...), docs/hf.md)"
             )
-
-
-def _is_part(pos: torch.Tensor, cp: int, rank: int) -> bool:
-    """Whether `position_ids` [B, S] are this rank's load-balanced chunks of a sequence of
-    cp x S tokens (a batch `shard_batch` split already)."""
-    S = pos.shape[-1]
-    if S % 2 or pos.dim() != 2:
-        return False
-    return bool((pos == local_positions(S * cp, cp, rank, device=pos.device)).all())
 
 
 def cp_inputs(model: nn.Module) -> CPInputs | None:

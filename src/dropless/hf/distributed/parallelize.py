@@ -48,18 +48,6 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def mixed_precision_policy(dtype):
-    """FSDP2's policy for computing in `dtype`: parameters all-gathered and used in that
-    dtype, gradients reduced in fp32 (None for fp32 or None; a MixedPrecisionPolicy is kept)."""
-    if dtype is None or dtype == torch.float32:
-        return None
-    if not isinstance(dtype, torch.dtype):
-        return dtype
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
 def check_sizes(ep: int, dp_replicate: int, world: int, num_experts: int, cp: int = 1) -> None:
     """`dropless train`'s check of the layout (`parallel.mesh.resolve_sizes`), its messages
     in `parallelize`'s keywords (its dp_shard is world / (dp_replicate x cp): the data
@@ -301,8 +289,13 @@ def _apply(
     pm = build_mesh(cfg, layers[0].num_experts if layers else None)
     shard_hf_experts(model, pm)
     if fsdp:
+        mp = None if mixed_precision == torch.float32 else mixed_precision
+        if isinstance(mp, torch.dtype):  # used in that dtype, gradients reduced in fp32
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
         apply_fsdp(
-            model, pm, blocks=decoder_layers(model), mp_policy=mixed_precision_policy(mixed_precision),
+            model, pm, blocks=decoder_layers(model), mp_policy=mp,
             reshard_after_forward=reshard_after_forward,
         )  # fmt: skip
     base.__dict__[_MESH] = pm

@@ -1,5 +1,5 @@
 """Size limits the project holds itself to (lines as `wc -l` counts them, after `ruff
-format`): what ships for benchmarks and the GPU acceptance runners stay small."""
+format`): what ships, its benchmarks and the GPU acceptance runners stay small."""
 
 from pathlib import Path
 
@@ -19,3 +19,9 @@ def test_the_gpu_check_runners_are_at_most_700_lines():
     """The runner package and its entry script; the report generator
     (`tools/gpu_report.py`) is not a runner."""
     assert _lines(ROOT / "tools" / "gpu_check", ROOT / "scripts" / "gpu_check.py") <= 700
+
+
+def test_what_ships_is_at_most_29000_lines():
+    """src/ (the wheel) with every feature; train/ no larger than 8,017."""
+    assert _lines(ROOT / "src") <= 29000
+    assert _lines(ROOT / "src" / "dropless" / "train") <= 8017

@@ -49,6 +49,18 @@ def _sqrtsoftplus(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 #: The balancing losses `RouterLosses` computes (see the module's docstring).
+def _whole_shares(hits_E: torch.Tensor, rows: int, group) -> tuple:
+    """(f_E, rows, cp) of the whole sequences: each expert's share of the (token, expert)
+    pairs and the token count, `hits_E` and `rows` summed over the context-parallel `group`
+    (this rank's alone when None; no gradient), and the group's size."""
+    whole = torch.cat([hits_E, hits_E.new_tensor([float(rows)])])
+    cp = 1
+    if group is not None:
+        torch.distributed.all_reduce(whole, group=group)
+        cp = torch.distributed.get_world_size(group)
+    return whole[:-1] / whole[-1], whole[-1], cp
+
+
 BALANCE_LOSSES = ("per_layer", "family", "sequence")
 
 #: Score functions routers apply to their logits (the aux loss normalises them per token).
@@ -235,11 +247,8 @@ class RouterLosses:
                     "sequences: set train.aux_loss_coef=0, or parallel.cp=1"
                 )
             self._switch_checked = True
-        whole = torch.cat([hits_E, hits_E.new_tensor([float(rows)])])
-        torch.distributed.all_reduce(whole, group=group)
-        f_E = whole[:-1] / whole[-1]
-        cp = torch.distributed.get_world_size(group)
-        return self.E * (f_E * probs_E / whole[-1]).sum() * cp
+        f_E, whole_rows, cp = _whole_shares(hits_E, rows, group)
+        return self.E * (f_E * probs_E / whole_rows).sum() * cp
 
     def _scored_calls(self, logits: list[torch.Tensor], what: str, B: int = 1):
         """(scores_TE fp32 with grad, ids_TK) of each captured experts call, its router
@@ -285,19 +294,14 @@ class RouterLosses:
         losses = []
         for scores_TE, ids_TK in self._scored_calls(logits, "per-layer balancing loss"):
             T, E = scores_TE.shape
-            whole = torch.zeros(E + 1, device=scores_TE.device)  # counts_E, then T
+            hits_E = torch.zeros(E, device=scores_TE.device)
             flat = ids_TK.reshape(-1)
-            whole[:E].scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
-            whole[E] = T
-            cp = 1
-            if cp_group is not None:
-                torch.distributed.all_reduce(whole, group=cp_group)
-                cp = torch.distributed.get_world_size(cp_group)
-            f_E = whole[:E] / whole[E]  # the whole sequences' share of pairs
+            hits_E.scatter_add_(0, flat, torch.ones(flat.shape, device=flat.device))
+            f_E, whole_rows, cp = _whole_shares(hits_E, T, cp_group)
             # the scores normalised per token (as ops.losses does), summed over this rank's
             # tokens, over the whole sequences' count, times cp: this rank's term
             norm_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
-            p_E = norm_TE.sum(0) * (cp / whole[E])
+            p_E = norm_TE.sum(0) * (cp / whole_rows)
             losses.append(E * (f_E * p_E).sum())
         return torch.stack(losses).mean()
 

@@ -1,21 +1,22 @@
-"""Two commits side by side on this machine: `dropless bench layer` and `bench e2e`
-(the dropless row) run alternately from an old commit's sources and from this checkout,
-in one process tree, so drift of a shared machine falls on both.
+"""Two commits side by side on this machine: one MoE layer forward+backward (`bench
+layer`'s `dropless` row, qwen3 shape, T=2048) and one training step (`bench e2e`'s
+`dropless` row, pinned Qwen3-MoE, fused AdamW), each commit's own code.
 
-    python scripts/bench_commits.py OLD_COMMIT [--layer-rounds 5] [--e2e-rounds 3]
+    python scripts/bench_commits.py OLD [NEW] [--rounds 5] [--steps 5]
         [--section benchmarks/sections/commits.md]
 
-The old sources come from `git worktree add` in a temporary folder; both run with this
-checkout's Python environment, the old one first on PYTHONPATH. Each invocation is a
-whole `dropless bench` run (its own rounds and median); the table gives every
-invocation and the median of them per commit, and new / old.
+Both commits are checked out with `git worktree add` in a temporary folder (NEW defaults
+to HEAD: a committed tree, never the working tree's uncommitted changes) and run with
+this checkout's Python environment, the commit's src/ on PYTHONPATH. Every round runs
+each (commit, benchmark) in a fresh child process (`--warmup` untimed steps, then
+`--steps` timed ones, their median), the commits' order rotated between rounds; new / old
+is the median of the per-round ratios, with their min-max and the best-of-rounds ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
+import json
 import statistics
 import subprocess
 import sys
@@ -27,84 +28,148 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this 
 
 from tools.bench_sections import provenance  # noqa: E402
 
-from dropless.bench.common import Recorder  # noqa: E402
+from dropless.bench.child import run_child_process  # noqa: E402
+from dropless.bench.common import (  # noqa: E402
+    MIN_ROUNDS,
+    MIN_STEPS,
+    Recorder,
+    paired,
+    paired_text,
+    rotated,
+    timing_env,
+    verdict,
+)
+from dropless.bench.e2e import SHAPE  # noqa: E402
 
-LAYER = ["bench", "layer", "--shape", "qwen3", "--rounds", "3", "--impls", "dropless",
-         "--no-skewed", "--no-memory"]  # fmt: skip
-E2E = ["bench", "e2e", "--impls", "dropless", "--rounds", "3", "--steps", "2", "--no-memory"]
-# the dropless row of each table: layer "| T | routing | dropless | ms |", e2e "| ... | tokens/s median (best) |"
-LAYER_ROW = re.compile(r"^\| \d+ \| uniform \| dropless \| ([\d.]+) \|", re.M)
-E2E_ROW = re.compile(r"^\| HF v5 \+ `dropless\.patch\(\)` \| ([\d.]+) \(", re.M)
+# each commit's own build_impl (bench/layer.py) and e2e child (bench/e2e.py): the same
+# calls as far back as these benchmarks go
+LAYER_CHILD = """
+import json, statistics, sys, time
+import torch
+from dropless.bench import layer
+cfg = json.loads(sys.argv[1])
+torch.set_num_threads(cfg["threads"])
+step, params, _ = layer.build_impl("dropless", cfg)
+times = []
+for i in range(cfg["warmup"] + cfg["steps"]):
+    for p in params:
+        p.grad = None
+    t0 = time.perf_counter()
+    step()
+    if i >= cfg["warmup"]:
+        times.append((time.perf_counter() - t0) * 1e3)
+print(json.dumps({"ms": statistics.median(times), "ms_all": times}))
+"""
+E2E_CHILD = """
+import json, sys
+from dropless.bench import e2e
+print(json.dumps(e2e.child(json.loads(sys.argv[1]))))
+"""
+LAYER = dict(E=64, K=8, D=1024, F=384, T=2048, dtype="float32", device="cpu", skewed=False)
+BENCHES = {  # name: (child code, figure, higher is better, unit)
+    "layer": (LAYER_CHILD, "ms", False, "ms, median of the child's steps"),
+    "e2e": (E2E_CHILD, "tokens_per_s", True, "tokens/s, median of the child's steps"),
+}
 
 
-def _run(src: Path, args: list[str], row: re.Pattern) -> float:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run(
-        [sys.executable, "-m", "dropless", *args], env=env, capture_output=True, text=True
-    )
-    found = row.search(out.stdout)
-    if out.returncode or not found:
-        raise RuntimeError(
-            f"dropless {' '.join(args)} from {src} failed:\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
-        )
-    return float(found.group(1))
+def _child(src: Path, bench: str, args: dict) -> float:
+    code, figure, _, _ = BENCHES[bench]
+    cmd = [sys.executable, "-c", code, json.dumps(args)]
+    run = run_child_process(cmd, timeout=1800, env=timing_env() | {"PYTHONPATH": str(src)})
+    if not run.ok:
+        raise RuntimeError(f"{bench} from {src} failed ({run.reason}):\n{run.stderr_tail()}")
+    return float(run.last_json()[figure])
 
 
-def _interleaved(srcs: dict, args, row, rounds: int) -> dict[str, list[float]]:
-    got = {name: [] for name in srcs}
-    for r in range(rounds):
-        order = list(srcs) if r % 2 == 0 else list(srcs)[::-1]  # alternate who goes first
-        for name in order:
-            got[name].append(_run(srcs[name], args, row))
-            print(f"{' '.join(args[:2])} round {r + 1} {name}: {got[name][-1]}", flush=True)
+def measure(srcs: dict, args, rec) -> dict[str, dict[str, dict[int, float]]]:
+    """-> {bench: {commit: {round: figure}}}: each (commit, bench) in a fresh child every
+    round, the commits' order rotated; the load sampled between rounds."""
+    import torch
+
+    threads = torch.get_num_threads()
+    child = {
+        "layer": LAYER | {"threads": threads, "warmup": args.warmup, "steps": args.steps},
+        "e2e": {"shape": SHAPE, "impl": "dropless", "steps": args.steps, "mode": "time",
+                "optimizer": "fused"},
+    }  # fmt: skip
+    got = {b: {name: {} for name in srcs} for b in BENCHES}
+    for r in range(args.rounds):
+        if r:
+            rec.sample_load()
+        for bench in BENCHES:
+            for name in rotated(list(srcs), r):
+                got[bench][name][r] = _child(srcs[name], bench, child[bench])
+                print(f"round {r + 1}/{args.rounds} {bench} {name}: {got[bench][name][r]:.1f}",
+                      flush=True)  # fmt: skip
     return got
 
 
-def _table(title: str, unit: str, got: dict, higher_is_better: bool) -> list[str]:
-    old, new = statistics.median(got["old"]), statistics.median(got["new"])
-    ratio = new / old
-    faster = ratio if higher_is_better else 1 / ratio
-    lines = [f"{title} ({unit}, one value per invocation):", "",
-             "| commit | invocations | median | min-max |", "|---|---|---|---|"]  # fmt: skip
+def table(bench: str, values: dict[str, dict[int, float]]) -> tuple[list[str], dict]:
+    """One benchmark's markdown and new / old (common.paired over speeds)."""
+    _, _, higher, unit = BENCHES[bench]
+    speed = {n: {r: v if higher else 1 / v for r, v in vs.items()} for n, vs in values.items()}
+    ratio = paired(speed["new"], speed["old"])
+    lines = [f"| commit | {unit}, one value per round | median | min-max |", "|---|---|---|---|"]
     for name in ("old", "new"):
-        v = got[name]
-        lines.append(f"| {name} | {', '.join(f'{x:g}' for x in v)} | {statistics.median(v):g} | "
-                     f"{min(v):g}-{max(v):g} |")  # fmt: skip
-    lines += ["", f"new / old: {ratio:.3f} (speed of new relative to old: {faster:.3f}).", ""]
-    return lines
+        v = list(values[name].values())
+        lines.append(f"| {name} | {', '.join(f'{x:.1f}' for x in v)} | "
+                     f"{statistics.median(v):.1f} | {min(v):.1f}-{max(v):.1f} |")  # fmt: skip
+    lines += ["", f"Speed of new relative to old: {paired_text(ratio)} (median of the "
+              "per-round ratios, min-max; best-of-rounds).", ""]  # fmt: skip
+    return lines, ratio
+
+
+def _commit(rev: str) -> str:
+    return subprocess.run(["git", "rev-parse", "--short=12", f"{rev}^{{commit}}"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", help="the old commit")
-    p.add_argument("--layer-rounds", type=int, default=5)
-    p.add_argument("--e2e-rounds", type=int, default=3)
+    p.add_argument("new", nargs="?", default="HEAD", help="the new commit (default HEAD)")
+    p.add_argument("--rounds", type=int, default=MIN_ROUNDS)
+    p.add_argument("--steps", type=int, default=MIN_STEPS, help="timed steps per child")
+    p.add_argument("--warmup", type=int, default=1, help="untimed layer steps per child first")
     p.add_argument("--section", type=Path, default=None, help="write the markdown here")
     args = p.parse_args(argv)
+    if min(args.rounds, args.steps) < 1:
+        p.error("--rounds and --steps must be >= 1")
     rec = Recorder.start(argparse.Namespace(no_history=True))
-    old = subprocess.run(["git", "rev-parse", "--short=12", args.old], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    commits = {"old": _commit(args.old), "new": _commit(args.new)}
     with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "old"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), old], cwd=ROOT,
-                       check=True, capture_output=True)  # fmt: skip
+        srcs = {}
         try:
-            srcs = {"old": tree / "src", "new": ROOT / "src"}
-            layer = _interleaved(srcs, LAYER, LAYER_ROW, args.layer_rounds)
-            e2e = _interleaved(srcs, E2E, E2E_ROW, args.e2e_rounds)
+            for name, commit in commits.items():
+                tree = Path(tmp) / name
+                subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit],
+                               cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+                srcs[name] = tree / "src"
+            got = measure(srcs, args, rec)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           capture_output=True)  # fmt: skip
-    record = rec.finish("commits", {"old": old, "layer": layer, "e2e": e2e})
+            for src in srcs.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(src.parent)],
+                               cwd=ROOT, capture_output=True)  # fmt: skip
+    layer, layer_ratio = table("layer", got["layer"])
+    e2e, e2e_ratio = table("e2e", got["e2e"])
+    result = verdict(args.steps, args.rounds, rec.end_load())
+    figures = {
+        **commits, "rounds": args.rounds, "steps": args.steps, "verdict": result,
+        "layer": {n: list(v.values()) for n, v in got["layer"].items()}, "layer_ratio": layer_ratio,
+        "e2e": {n: list(v.values()) for n, v in got["e2e"].items()}, "e2e_ratio": e2e_ratio,
+    }  # fmt: skip
+    record = rec.finish("commits", figures)
     text = "\n".join(
         ["## Two commits side by side (`scripts/bench_commits.py`)", "",
-         provenance(record) + "  ", f"Old commit {old}; new: the commit above.", "",
-         f"`dropless {' '.join(LAYER)}` (the dropless row, T=2048):", ""]
-        + _table("One MoE layer forward+backward", "ms", layer, higher_is_better=False)
-        + [f"`dropless {' '.join(E2E)}`:", ""]
-        + _table("Qwen3-MoE training step through `dropless.patch()`", "tokens/s median", e2e,
-                 higher_is_better=True)
-        + [""]
+         provenance(record) + "  ", f"Old commit {commits['old']}, new commit {commits['new']} "
+         f"(both committed trees); {args.rounds} rounds, each commit's child fresh each round, "
+         f"{args.steps} timed steps per child.", "",
+         f"One MoE layer forward+backward (`dropless` row, E=64 K=8 D=1024 F=384 T=2048, fp32, "
+         f"{args.warmup} warm-up step(s)):", ""]
+        + layer
+        + ["Qwen3-MoE training step through `dropless.patch()` (`bench e2e`'s pinned model, "
+           "fused AdamW, one warm-up step):", ""]
+        + e2e + [result, ""]
     )  # fmt: skip
     print(text)
     if args.section:

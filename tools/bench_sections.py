@@ -72,8 +72,10 @@ def write(name: str, section: str | None, rec, record: dict, *text: str) -> None
 
 LAYER_TITLE = """## One MoE layer, forward + backward (`dropless bench layer`)
 
-In one process, side by side (implementations interleaved within each round, median of
-the rounds after a warm-up): `dropless.MoE` (`dropless`: the default path for the device;
+Each row in a fresh child process every round, the order rotated between rounds (a row's
+ms: the median over rounds of its child's median step after a warm-up; its ratios: the
+median of the per-round ratios, min-max and best-of-rounds; a table whose command has no
+`--steps` ran the rows interleaved in one process): `dropless.MoE` (`dropless`: the default path for the device;
 `dropless-grouped`: the same fused Function on `torch._grouped_mm`), two experts-path
 variants with the same router, run from a checkout (`composed`: argsort + `grouped_mm` autograd nodes +
 combine; `bmm-padded`: bmm over experts padded to the largest count), Hugging Face v5
@@ -188,9 +190,16 @@ def e2e(path: Path, record: dict, table: str, summary: str) -> None:
             model_line(s) + f"batch {s['batch']} x seq "
             f"{s['seq']}, {where}, {f['threads']} torch thread(s); forward + backward + "
             f"AdamW ({f['optimizer']}).  ",
-            "Timing: each implementation in its own child process under the default allocator, "
-            f"order rotated; rounds per implementation {f['rounds_per_impl']}, {f['steps']} timed "
-            "step(s) each after a warm-up (median over rounds; best = the fastest step seen). "
+            "Timing: each row in a fresh child process every round under the default allocator, "
+            f"order rotated; rounds per row {f['rounds_per_impl']}, {f['steps']} timed "
+            "step(s) each after a warm-up (tokens/s: median over rounds; best = the fastest step "
+            "seen). "
+            + (
+                "Ratios: the median of the per-round ratios against the stock row of the same "
+                "round with the same AdamW, min-max and best-of-rounds beside it. "
+                if "verdict" in f
+                else ""
+            )
             + memory,
             "",
             table,
@@ -255,10 +264,12 @@ def lora(path: Path, record: dict, table: str, summary: str) -> None:
             f"{s['num_hidden_layers']} layers, {s['num_experts']} experts top-{s['num_experts_per_tok']}, "
             f"moe_intermediate_size {s['moe_intermediate_size']}; batch {s['batch']} x seq {s['seq']}, fp32 "
             f"on CPU, {f['threads']} torch thread(s). LoRA r={f['rank']} (alpha {2 * f['rank']}) on the "
-            f"experts (`target_parameters`) and q/k/v/o (`target_modules`); AdamW (fused) on the "
-            "trainable parameters.  ",
-            "Timing: each row in its own child process under the default allocator, order rotated, "
-            f"{f['rounds']} rounds x {f['steps']} timed step(s) after a warm-up (median). Peak step "
+            f"experts (`target_parameters`) and q/k/v/o (`target_modules`); AdamW "
+            f"({f.get('optimizer', 'fused')}) on the trainable parameters.  ",
+            "Timing: each row in a fresh child process every round under the default allocator, "
+            f"order rotated, {f['rounds']} rounds x {f['steps']} timed step(s) after a warm-up "
+            "(median; ratios: the median of the per-round ratios against stock PEFT with the same "
+            "AdamW). Peak step "
             "memory: separate children, VmHWM minus VmRSS before the step, glibc serving blocks "
             ">= 128 KiB by mmap from the child's start.",
             "",

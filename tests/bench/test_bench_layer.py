@@ -19,21 +19,41 @@ GPU_ROWS = [
 ]  # hf-grouped_mm: in the gpu_check --cpu smoke (tests/gpu_check)
 
 
-def test_gpu_table_rows_run_at_the_tiny_shape(tmp_path, capsys):
+def test_gpu_table_rows_run_at_the_tiny_shape(tmp_path, capsys, layer_in_process):
     hist = tmp_path / "h.jsonl"
-    argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed"]
-    argv += ["--no-memory", "--rounds", "3", "--warmup", "0", "--impls", ",".join(GPU_ROWS)]
+    argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]
+    argv += ["--rounds", "2", "--steps", "2", "--warmup", "0", "--impls", ",".join(GPU_ROWS)]
     assert main([*argv, "--history", str(hist)]) == 0
-    err = capsys.readouterr().err
-    assert "T=48 uniform round 3/3: timing dropless-eager-row-ops" in err  # progress on stderr
-    rows = {r["impl"]: r for r in json.loads(hist.read_text())["figures"]["rows"]}
-    assert list(rows) == GPU_ROWS
+    out, err = capsys.readouterr()
+    # progress on stderr; round 2 starts with the second row
+    assert "T=48 uniform round 2/2: timing dropless (its own process)" in err
+    assert err.index("round 2/2: timing dropless ") < err.index("round 2/2: timing dense ")
+    assert "**Not a result**: a tiny smoke shape; 2 timed step(s)" in out
+    record = json.loads(hist.read_text())
+    rows = {r["impl"]: r for r in record["figures"]["rows"]}
+    assert list(rows) == GPU_ROWS and len(record["load"]["during"]) == 1
     assert rows["dense"]["vs_bound"] == 1.0 and all(r["ms"] > 0 for r in rows.values())
+    # the share of the bound: the median of the rounds' dense ms / row ms (two rounds)
+    dense, mine = rows["dense"]["ms_all"], rows["dropless"]["ms_all"]
+    ratios = sorted(d / m for d, m in zip(dense, mine))
+    assert rows["dropless"]["share_of_bound"] == pytest.approx(sum(ratios) / 2)
+    assert rows["dropless"]["paired"]["dense"]["min"] == pytest.approx(ratios[0])
+    assert rows["dropless"]["paired"]["dense"]["best"] == pytest.approx(min(dense) / min(mine))
     # the same weights and routes: the plain grouped_mm write and the eager row ops give
     # dropless's output to fp32 rounding; the FP8 row differs by its quantization only
     for name in ("grouped_mm-plain", "dropless-eager-row-ops"):
         assert rows[name]["max_rel_diff"] < 1e-5, (name, rows[name]["max_rel_diff"])
     assert 1e-4 < rows["dropless-fp8-current-row"]["max_rel_diff"] < 0.1
+
+
+def test_a_row_runs_in_a_child_that_measures_its_memory_first(tmp_path, capsys):
+    hist = tmp_path / "h.jsonl"
+    argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed"]
+    argv += ["--rounds", "1", "--steps", "1", "--warmup", "0", "--impls", "dropless"]
+    assert main([*argv, "--history", str(hist)]) == 0
+    assert "T=48 uniform round 1/1: timing dropless (its own process)" in capsys.readouterr().err
+    (row,) = json.loads(hist.read_text())["figures"]["rows"]
+    assert row["peak_mib"] > 0 and row["memory_how"].startswith("VmHWM") and row["ms"] > 0
 
 
 def test_unknown_impl_is_refused_with_the_list(capsys):

@@ -148,7 +148,7 @@ def test_timed_children_get_no_malloc_settings(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
     assert common.run_child("envprobe", {}) == []
     # in-process timers refuse instead
-    assert main(["bench", "layer", "--no-history"]) == 2
+    assert main(["bench", "ep", "--no-history"]) == 2
     assert "MALLOC_MMAP_THRESHOLD_" in capsys.readouterr().err
 
 
@@ -170,9 +170,18 @@ def test_e2e_times_and_measures_memory_in_separate_children(tmp_path, monkeypatc
     args = p.parse_args(["--quick", "--impls", "grouped_mm,dropless", "--history", str(hist)])
     assert e2e.run(args) == 0
     modes = [c["mode"] for c in calls]
-    assert modes == ["time"] * 6 + ["memory"] * 2  # 3 rounds x 2, then one memory child each
+    # 5 rounds x 2 implementations x 2 AdamW settings, then one memory child per row
+    assert modes == ["time"] * 20 + ["memory"] * 4
+    assert [c["optimizer"] for c in calls[:4]] == ["fused", "fused", "default", "default"]
+    # round 2 rotated by one row: dropless, grouped_mm@default, dropless@default, grouped_mm
+    assert [(c["impl"], c["optimizer"]) for c in calls[4:8]] == [
+        ("dropless", "fused"), ("grouped_mm", "default"), ("dropless", "default"),
+        ("grouped_mm", "fused"),
+    ]  # fmt: skip
     line = json.loads(hist.read_text())
-    assert line["figures"]["rows"]["dropless"]["peak_step_mib"] == 10.0
+    assert line["figures"]["rows"]["dropless@default"]["peak_step_mib"] == 10.0
+    assert line["figures"]["verdict"].startswith("**Not a result**: a tiny smoke shape")
+    assert len(line["load"]["during"]) == 4  # sampled between the rounds
     assert "load" in line and line["figures"]["allocator"].startswith("timing: default")
 
 

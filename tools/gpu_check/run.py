@@ -58,15 +58,16 @@ PEER_SITE: list[str] = []
 LAYER_T = 16384
 # the bench command lines: (GPU, --cpu smoke); the smoke times tiny shapes, no memory
 LAYER_ARGS = (
-    ["--shape", "qwen3-30b", "--tokens", str(LAYER_T), "--device", "cuda", "--rounds", "10",
-     "--warmup", "3", "--profile"],
-    ["--shape", "tiny", "--device", "cpu", "--rounds", "3", "--warmup", "1", "--no-memory",
-     "--profile"],
+    ["--shape", "qwen3-30b", "--tokens", str(LAYER_T), "--device", "cuda", "--rounds", "1",
+     "--steps", "10", "--warmup", "3", "--profile"],
+    ["--shape", "tiny", "--device", "cpu", "--rounds", "1", "--steps", "3", "--warmup", "1",
+     "--no-memory", "--profile"],
 )  # fmt: skip
 E2E_ARGS = (
-    ["--shape", "qwen3-gpu", "--device", "cuda", "--rounds", "1", "--steps", "5", "--profile"],
-    ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--no-memory", "--profile"],
-)
+    ["--shape", "qwen3-gpu", "--device", "cuda", "--rounds", "1", "--steps", "5", "--optimizer",
+     "fused", "--profile"],
+    ["--quick", "--device", "cpu", "--rounds", "1", "--steps", "1", "--optimizer", "fused", "--no-memory", "--profile"],
+)  # fmt: skip
 PYTEST_PATHS = (["tests"], ["tests/gpu_check"])
 JAX_S = 60  # the JAX row's child at most (its compile included): the train step needs the rest
 

@@ -355,7 +355,7 @@ def _bench(bench_step, left) -> dict:
     if left() < MIN_CHILD_S:
         return dict(status="skipped", reason=f"budget: {left():.0f} s left")
     args = ["--shape", "qwen3-30b-2l", "--device", "cuda", "--impls", "dropless-fused-ce",
-            "--rounds", "1", "--steps", "10", "--no-memory"]  # fmt: skip
+            "--rounds", "1", "--steps", "10", "--no-memory", "--optimizer", "fused"]  # fmt: skip
     res, record = bench_step("e2e", args, False, left())
     row = (record or {}).get("figures", {}).get("rows", {}).get("dropless-fused-ce")
     return dict(status=res["status"], tokens_per_s=round(row["tokens_per_s"]) if row else None)

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -246,16 +247,76 @@ def load_sample(window_s: float = 0.5, busy_share: float = 0.25) -> dict:
     }
 
 
+def under_load(load: dict) -> list[str]:
+    """The other processes found busy in any sample of a run's load (before, between
+    rounds, after), each once: a run with any is not a result."""
+    samples = [load.get("before") or {}, *(load.get("during") or []), load.get("after") or {}]
+    names = [b.rsplit(" ", 1)[0] for s in samples for b in s.get("busy") or []]
+    return list(dict.fromkeys(names))
+
+
 def load_sentence(load: dict) -> str:
-    """One line for a table header: the measured load before and after the run."""
+    """One line for a table header: the measured load before and after the run, and
+    "under load: not a result" when another process was busy in a sample."""
     b, a = load.get("before") or {}, load.get("after") or {}
     if not b.get("loadavg") or not a.get("loadavg"):
         return "Machine load: not recorded."
-    return (
+    during = [s["busy_processes"] for s in load.get("during") or [] if s.get("loadavg")]
+    mid = f"at most {max(during)} between rounds, " if during else ""
+    text = (
         f"Machine load: 1-min load average {b['loadavg'][0]:.2f} before, {a['loadavg'][0]:.2f} "
         f"after (the 'after' includes this benchmark); other processes busy (> 25% of a core): "
-        f"{b['busy_processes']} before, {a['busy_processes']} after."
+        f"{b['busy_processes']} before, {mid}{a['busy_processes']} after."
     )
+    busy = under_load(load)
+    return text + (f" **Under load: not a result** (busy: {', '.join(busy[:6])})." if busy else "")
+
+
+# --- paired rounds -----------------------------------------------------------------------------
+
+MIN_STEPS = MIN_ROUNDS = 5  # timed steps per child and rounds of a run that is a result
+
+
+def rotated(names: list, r: int) -> list:
+    """Round r's order of the rows: rotated by r, so each row goes first in turn."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def paired(row: dict, base: dict) -> dict | None:
+    """A row against its baseline from per-round speeds ({round: value}, higher is faster;
+    give 1/ms for times): the median of the ratios of the rounds both ran (the rows of a
+    round ran back to back), their min and max, and the best-of-rounds ratio (the row's
+    fastest round over the baseline's). None when no round has both."""
+    both = sorted(row.keys() & base.keys())
+    if not both:
+        return None
+    ratios = [row[r] / base[r] for r in both]
+    best = max(row.values()) / max(base.values())
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+            "best": best, "rounds": ratios}  # fmt: skip
+
+
+def paired_text(p: dict | None) -> str:
+    """'1.42x (1.30-1.50x; best 1.45x)' for a table cell; '-' for None."""
+    if not p:
+        return "-"
+    return f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}x; best {p['best']:.2f}x)"
+
+
+def verdict(steps: int, rounds: int, load: dict, quick: bool = False) -> str:
+    """The line a run prints under its table: whether it is a result (>= MIN_ROUNDS rounds
+    of >= MIN_STEPS timed steps per child, not --quick, no other busy process) and why not."""
+    busy = under_load(load)
+    why = [text for text, bad in (
+        ("a tiny smoke shape", quick),
+        (f"{steps} timed step(s) per child (fewer than {MIN_STEPS})", steps < MIN_STEPS),
+        (f"{rounds} round(s) (fewer than {MIN_ROUNDS})", rounds < MIN_ROUNDS),
+        (f"under load: other processes busy ({', '.join(busy[:6])})", busy),
+    ) if bad]  # fmt: skip
+    if not why:
+        return f"A result: {rounds} paired rounds of {steps} timed steps per child, no other busy process."
+    return "**Not a result**: " + "; ".join(why) + "."
 
 
 # --- the record ------------------------------------------------------------------------------------
@@ -272,6 +333,8 @@ class Recorder:
     started: str = ""
     package_dir: Path | None = None
     record: bool = False
+    load_during: list = field(default_factory=list)
+    load_after: dict | None = None
 
     @classmethod
     def start(cls, args, package_dir: Path | None = None) -> Recorder:
@@ -296,9 +359,21 @@ class Recorder:
             path, command, argv, before, started=_now(), package_dir=package_dir, record=record
         )
 
+    def sample_load(self) -> None:
+        """One more load sample, between two rounds (no child runs then)."""
+        self.load_during.append(load_sample())
+
+    def end_load(self) -> dict:
+        """The load samples of the run: before, between rounds and (sampled now, once)
+        after the measuring."""
+        if self.load_after is None:
+            self.load_after = load_sample()
+        return {"before": self.load_before, "during": self.load_during, "after": self.load_after}
+
     def finish(self, bench: str, figures: dict) -> dict:
-        """Sample the load again and append the record (unless there is no history file)."""
-        load = {"before": self.load_before, "after": load_sample()}
+        """Sample the load again (unless `end_load` did) and append the record (unless
+        there is no history file)."""
+        load = self.end_load()
         record = {
             "bench": bench,
             "command": self.command,

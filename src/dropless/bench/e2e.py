@@ -2,10 +2,13 @@
 model built from a config object (random weights, no download), stock Transformers v5
 (`grouped_mm`, its default, and `eager`) against the same model after `dropless.patch()`.
 
-Each row runs in its own child process, the order rotating every round so that load from
-other processes hits them alike. Timing children run under the default allocator: one
-warm-up step (AdamW allocates its state), then `--steps` timed steps (tokens/s from the
-median). Memory is measured in separate children with glibc told to return freed memory
+Each row (an implementation with one AdamW setting of `--optimizer`) runs in a fresh child
+process in every round, the order rotated between rounds so that load from other processes
+hits the rows alike. Timing children run under the default allocator: one warm-up step
+(AdamW allocates its state), then `--steps` timed steps (a round's tokens/s from their
+median). Every ratio is the median of the per-round ratios against the stock row of the
+same round with the same AdamW (compiled rows: stock compiled), with their min-max and the
+best-of-rounds ratio beside it (common.paired). Memory is measured in separate children with glibc told to return freed memory
 (`follow_live_memory`, which changes speed: no timing there), so RSS follows the live
 tensors; on CUDA the timing child reads the caching allocator. Every child starts from the
 same seed, so the first-step losses of the rows must agree. The peer rows run from a
@@ -23,18 +26,23 @@ import statistics
 import sys
 
 from .common import (
+    MIN_ROUNDS,
+    MIN_STEPS,
     Recorder,
     add_history_arguments,
     follow_live_memory,
     from_checkout,
     load_sentence,
+    paired,
     peak_rss_mib,
     progress,
     require_extra,
     reset_peak_rss,
+    rotated,
     rss_mib,
     run_child,
     step_times,
+    verdict,
     write_section,
 )
 from .e2e_report import summary as _summary
@@ -78,12 +86,40 @@ IMPLS = (*DEFAULT_IMPLS, *PEER_ROWS)
 COMPILED = ("grouped_mm", "dropless", "dropless-fused-ce")  # rows --compile adds a twin of
 SUFFIX = "+compile"
 PROFILED = "dropless"  # --profile: the row whose step is profiled
+# AdamW settings: fused=True; neither argument (torch picks: the single-tensor loop on CPU,
+# foreach on CUDA); foreach=True
+OPTIMIZERS = {"fused": {"fused": True}, "default": {}, "foreach": {"foreach": True}}
+
+
+def row_key(impl: str, optimizer: str) -> str:
+    """A row's name: the implementation, `@optimizer` added unless AdamW is fused."""
+    return impl if optimizer == "fused" else f"{impl}@{optimizer}"
+
+
+def split_key(key: str) -> tuple[str, str]:
+    impl, _, optimizer = key.partition("@")
+    return impl, optimizer or "fused"
 
 
 def add_child_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the rows' children, `bench e2e`'s and `bench lora`'s."""
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each runs every row once (>= 3)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per child (default 2)")
+    p.add_argument(
+        "--rounds", type=int, default=MIN_ROUNDS,
+        help=f"rounds, each runs every row once in a fresh child, the order rotated "
+        f"(default {MIN_ROUNDS}; fewer is not a result)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, default=MIN_STEPS,
+        help=f"timed steps per child after a warm-up step (default {MIN_STEPS}; fewer is not a result)",
+    )  # fmt: skip
+    p.add_argument(
+        "--optimizer", default="fused,default",
+        help="comma list of AdamW settings, every row once with each, its ratios against the "
+        "stock row with the same: fused (fused=True: torch's fused kernel, the Trainer's "
+        "default), default (torch.optim.AdamW(params) with neither argument: torch picks, on "
+        "CPU the single-tensor loop, on CUDA foreach), foreach (foreach=True, the multi-tensor "
+        "path: parameter-sized temporaries in the step's peak). Default: fused,default",
+    )  # fmt: skip
     p.add_argument(
         "--threads", type=int, default=None,
         help="torch threads in each child (default: torch's default, all cores)",
@@ -97,10 +133,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eager-rounds", type=int, default=None,
         help="rounds that include the slow stock eager row (default: all rounds)",
-    )  # fmt: skip
-    p.add_argument(
-        "--optimizer", choices=("fused", "foreach"), default="fused",
-        help="AdamW implementation for every row (default fused: torch's CPU kernel)",
     )  # fmt: skip
     p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS),
@@ -195,10 +227,7 @@ def child(args: dict, build=build_row_model) -> dict:
         fused_rmsnorm=bool(args.get("fused_rmsnorm")), **{k: args[k] for k in ("rank",) if k in args},
     )  # fmt: skip
     params = [p for p in model.parameters() if p.requires_grad]
-    # fused: torch's AdamW kernel (fastest, no parameter-sized temporaries);
-    # foreach: the default multi-tensor path, whose temporaries are parameter-sized
-    fused = args.get("optimizer", "fused") == "fused"
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused, foreach=not fused)
+    opt = torch.optim.AdamW(params, lr=1e-4, **OPTIMIZERS[args.get("optimizer", "fused")])
     g = torch.Generator().manual_seed(1)
     ids_BL = torch.randint(0, shape["vocab_size"], (shape["batch"], shape["seq"]), generator=g)
     ids_BL = ids_BL.to(device)
@@ -214,10 +243,10 @@ def child(args: dict, build=build_row_model) -> dict:
 
     first_loss = float(fwd_bwd())  # warm-up: AdamW state allocated here
     opt_step()
-    out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss}
-    out["trainable"] = sum(p.numel() for p in params)
-    out["threads"] = torch.get_num_threads()
-    out["malloc_env"] = sorted(k for k in os.environ if k.startswith("MALLOC_"))
+    out = {"impl": impl, "mode": args.get("mode", "time"), "first_loss": first_loss,
+           "optimizer": args.get("optimizer", "fused"), "threads": torch.get_num_threads(),
+           "trainable": sum(p.numel() for p in params),
+           "malloc_env": sorted(k for k in os.environ if k.startswith("MALLOC_"))}  # fmt: skip
     if out["mode"] == "memory":
         out.update(measure_memory(fwd_bwd, opt_step, tracked))
     else:
@@ -226,7 +255,7 @@ def child(args: dict, build=build_row_model) -> dict:
         out["step_s"], out["best_step_s"] = statistics.median(times), min(times)
         out["tokens_per_s"] = shape["batch"] * shape["seq"] / out["step_s"]
         if device == "cuda":
-            out.update(_measure_cuda_memory(fwd_bwd, opt_step))
+            out.update(measure_memory(fwd_bwd, opt_step, True, cuda=True))
         if args.get("profile"):
             prof = from_checkout("bench_profile", "--profile")
             out["profile"] = prof.kernel_table(lambda: (fwd_bwd(), opt_step()), device, warmup=0)
@@ -238,42 +267,29 @@ def child(args: dict, build=build_row_model) -> dict:
     return out
 
 
-def measure_memory(fwd_bwd, opt_step, tracked: bool) -> dict:
-    """Peak RSS above the steady state of one forward+backward and of one AdamW step;
-    `follow_live_memory()` must have been called when the process started."""
-    follow_live_memory()  # trims the heap again: RSS = live memory from here
-    base = rss_mib()
-    reset_peak_rss()
-    fwd_bwd()
-    peak_fb = peak_rss_mib() - base  # activations + gradients
-    reset_peak_rss()
-    opt_step()
-    peak_opt = peak_rss_mib() - base  # gradients + AdamW's temporaries
-    return {
-        "peak_step_mib": max(peak_fb, peak_opt),
-        "peak_fwd_bwd_mib": peak_fb,
-        "peak_optimizer_mib": peak_opt,
-        "steady_rss_mib": base,
-        "memory_tracked": tracked,
-    }
-
-
-def _measure_cuda_memory(fwd_bwd, opt_step) -> dict:
-    """Peak CUDA memory above the steady state (weights, AdamW state; no gradients) of
-    one forward+backward and of one AdamW step, from the caching allocator's counters."""
+def measure_memory(fwd_bwd, opt_step, tracked: bool | None, cuda: bool = False) -> dict:
+    """Peak memory above the steady state (weights, AdamW state; no gradients) of one
+    forward+backward and of one AdamW step: RSS (`follow_live_memory()` called when the
+    process started) or, `cuda`, the caching allocator's counters."""
     import torch
 
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    peaks = []
-    for part in (fwd_bwd, opt_step):
-        torch.cuda.reset_peak_memory_stats()
-        part()
+    if cuda:
         torch.cuda.synchronize()
-        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        follow_live_memory()  # trims the heap again: RSS = live memory from here
+        base = rss_mib()
+    peaks = []
+    for part in (fwd_bwd, opt_step):  # activations + gradients; gradients + AdamW's temporaries
+        torch.cuda.reset_peak_memory_stats() if cuda else reset_peak_rss()
+        part()
+        if cuda:
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mib()
+        peaks.append(peak - base)
     return {
         "peak_step_mib": max(peaks), "peak_fwd_bwd_mib": peaks[0], "peak_optimizer_mib": peaks[1],
-        "steady_mib": base / 2**20, "memory_tracked": True,
+        ("steady_mib" if cuda else "steady_rss_mib"): base, "memory_tracked": cuda or tracked,
     }  # fmt: skip
 
 
@@ -281,6 +297,8 @@ def _measure_cuda_memory(fwd_bwd, opt_step) -> dict:
 
 
 def _check_args(args) -> list[str]:
+    """-> the rows' keys: every implementation (and its compiled twin) with every AdamW
+    setting of `--optimizer`."""
     impls = [s.strip() for s in args.impls.split(",") if s.strip()]
     if getattr(args, "compile", False):
         impls += [i + SUFFIX for i in impls if i in COMPILED and i + SUFFIX not in impls]
@@ -289,189 +307,213 @@ def _check_args(args) -> list[str]:
     if bad or not impls:
         allowed = [*IMPLS, *(i + SUFFIX for i in COMPILED)]
         raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(allowed)}")
-    if args.rounds < 1 or args.steps < 1:
-        raise ValueError("--rounds and --steps must be >= 1 (use --rounds >= 3 for a result)")
-    if args.eager_rounds is not None and args.eager_rounds < 1:
+    if getattr(args, "eager_rounds", None) is not None and args.eager_rounds < 1:
         raise ValueError(
             f"--eager-rounds {args.eager_rounds}: must be >= 1 (or drop eager from --impls)"
         )
-    return impls
+    return row_keys(args, impls)
 
 
-def _common(args, shape: dict, device: str) -> dict:
-    """What every child of a run is given (`bench lora`'s LoRA rank too)."""
-    keys = ("steps", "optimizer", "threads", "checkpointing", "fused_rmsnorm", "rank")
-    return {"shape": shape, "device": device} | {
-        k: getattr(args, k) for k in keys if hasattr(args, k)
+def row_keys(args, impls: list[str]) -> list[str]:
+    """The rows' keys, every implementation with every AdamW setting of `--optimizer`,
+    after checking `--optimizer`, `--rounds` and `--steps`."""
+    opts = [s.strip() for s in args.optimizer.split(",") if s.strip()]
+    if not opts or set(opts) - set(OPTIMIZERS):
+        raise ValueError(f"--optimizer {args.optimizer}: a comma list from {','.join(OPTIMIZERS)}")
+    if args.rounds < 1 or args.steps < 1:
+        raise ValueError(
+            f"--rounds and --steps must be >= 1 (>= {MIN_ROUNDS} and >= {MIN_STEPS} for a result)"
+        )
+    return [row_key(i, o) for o in dict.fromkeys(opts) for i in impls]
+
+
+def _common(args, shape: dict, device: str, key: str) -> dict:
+    """What the child of row `key` is given (`bench lora`'s LoRA rank too)."""
+    impl, opt = split_key(key)
+    given = ("steps", "threads", "checkpointing", "fused_rmsnorm", "rank")
+    return {"shape": shape, "device": device, "impl": impl, "optimizer": opt} | {
+        k: v for k, v in vars(args).items() if k in given
     }
 
 
 def timing_rounds(
-    args, impls, shape, device="cpu", failed=None, module="dropless.bench.e2e"
+    args, keys, shape, device="cpu", failed=None, module="dropless.bench.e2e", rec=None
 ) -> dict[str, list[dict]]:
-    """Timing children only (default allocator), the order rotated every round. A peer
-    row whose child fails is dropped, its error put in `failed`."""
+    """Timing children only (default allocator), each row in a fresh one every round, the
+    order rotated; `rec` samples the machine's load between rounds. A peer row whose
+    child fails is dropped, its error put in `failed`."""
     failed = {} if failed is None else failed
-    results: dict[str, list[dict]] = {i: [] for i in impls}
+    results: dict[str, list[dict]] = {k: [] for k in keys}
     eager_rounds = getattr(args, "eager_rounds", None)
+    profiled = next((k for k in keys if split_key(k)[0] == PROFILED), None)
     for r in range(args.rounds):
-        order = impls[r % len(impls) :] + impls[: r % len(impls)]
+        if r and rec is not None:
+            rec.sample_load()
+        order = rotated(list(keys), r)
         if eager_rounds is not None and r >= eager_rounds:
-            order = [i for i in order if i != "eager"]
-        for impl in order:
-            progress(f"round {r + 1}/{args.rounds}: timing {impl} (its own process)")
-            if impl in failed:
+            order = [k for k in order if split_key(k)[0] != "eager"]
+        for key in order:
+            if key in failed:
                 continue
-            profile = bool(getattr(args, "profile", False)) and impl == PROFILED and r == 0
-            child = _common(args, shape, device) | {"impl": impl, "mode": "time"}
+            progress(f"round {r + 1}/{args.rounds}: timing {key} (its own process)")
+            profile = bool(getattr(args, "profile", False)) and key == profiled and r == 0
+            child = _common(args, shape, device, key)
             try:
-                out = run_child(module, child | {"profile": profile})
+                out = run_child(module, child | {"mode": "time", "profile": profile})
             except RuntimeError as e:
-                if impl not in PEER_ROWS:
+                if child["impl"] not in PEER_ROWS:
                     raise
                 # a peer that breaks on this stack costs its own row, not the table
-                failed[impl] = str(e).strip().splitlines()[-1][:300]
-                print(f"round {r + 1}/{args.rounds} {impl}: failed ({failed[impl]})", flush=True)
+                failed[key] = str(e).strip().splitlines()[-1][:300]
+                print(f"round {r + 1}/{args.rounds} {key}: failed ({failed[key]})", flush=True)
                 continue
-            results[impl].append(out)
-            print(
-                f"round {r + 1}/{args.rounds} {impl:14s} {out['tokens_per_s']:8.0f} tokens/s "
-                f"step {out['step_s']:.2f} s  loss {out['first_loss']:.4f}",
-                flush=True,
-            )
-    return {i: outs for i, outs in results.items() if i not in failed}
+            results[key].append(out | {"round": r})
+            print(f"round {r + 1}/{args.rounds} {key:22s} {out['tokens_per_s']:8.0f} tokens/s "
+                  f"step {out['step_s']:.2f} s  loss {out['first_loss']:.4f}", flush=True)  # fmt: skip
+    return {k: outs for k, outs in results.items() if k not in failed}
 
 
-def memory_runs(args, impls, shape, module="dropless.bench.e2e") -> dict[str, dict]:
-    """One memory child per implementation (mallopt inside it), separate from timing."""
+def memory_runs(args, keys, shape, module="dropless.bench.e2e") -> dict[str, dict]:
+    """One memory child per row (mallopt inside it), separate from timing."""
     out = {}
-    for impl in impls:
-        progress(f"memory: measuring {impl} (its own process)")
-        child = _common(args, shape, "cpu") | {"impl": impl, "mode": "memory", "steps": 0}
-        out[impl] = run_child(module, child)
-        print(f"memory {impl:14s} peak step {out[impl]['peak_step_mib']:.0f} MiB", flush=True)
+    for key in keys:
+        progress(f"memory: measuring {key} (its own process)")
+        child = _common(args, shape, "cpu", key) | {"mode": "memory", "steps": 0}
+        out[key] = run_child(module, child)
+        print(f"memory {key:22s} peak step {out[key]['peak_step_mib']:.0f} MiB", flush=True)
     return out
 
 
 def table_rows(results: dict, memory: dict, shape: dict) -> dict:
     """Each row's speed over its rounds (each a timing child's result): median tokens/s
-    and step time, tokens/s of the best step, the first loss, every round's tokens/s; and
-    its memory (`memory`: the memory child's, or on CUDA the timing child's)."""
+    and step time, tokens/s of the best step, the first loss, every round's tokens/s (and
+    which round it was); and its memory (`memory`: the memory child's, or on CUDA the
+    timing child's)."""
     rows = {}
-    for impl, outs in results.items():
-        rows[impl] = {
+    for key, outs in results.items():
+        impl, opt = split_key(key)
+        rows[key] = {
+            "impl": impl, "optimizer": opt,
             "tokens_per_s": statistics.median(o["tokens_per_s"] for o in outs),
             "step_s": statistics.median(o["step_s"] for o in outs),
-            "best_tokens_per_s": shape["batch"]
-            * shape["seq"]
-            / min(o["best_step_s"] for o in outs),
-            "first_loss": outs[0]["first_loss"],
+            "best_tokens_per_s": shape["batch"] * shape["seq"] / min(o["best_step_s"] for o in outs),
+            "first_loss": outs[0]["first_loss"], "trainable": outs[0].get("trainable"),
             "rounds": [o["tokens_per_s"] for o in outs],
-            "trainable": outs[0].get("trainable"),
-        }
+            "round_ids": [o.get("round", i) for i, o in enumerate(outs)],
+        }  # fmt: skip
         for k in ("peak_step_mib", "peak_fwd_bwd_mib", "peak_optimizer_mib", "memory_tracked"):
-            rows[impl][k] = memory.get(impl, {}).get(k)
+            rows[key][k] = memory.get(key, {}).get(k)
     return rows
+
+
+def ratios_vs(rows: dict, base_impl: str) -> None:
+    """Each row against `base_impl` with the same AdamW (a compiled row: its compiled twin):
+    sets its `vs_BASE` (common.paired over the rounds) and `memory_vs_BASE` (a plain ratio)."""
+    for key, r in rows.items():
+        impl, opt = split_key(key)
+        base = row_key(base_impl + (SUFFIX if impl.endswith(SUFFIX) else ""), opt)
+        if base not in rows:
+            continue
+        b = rows[base]
+        r[f"vs_{base_impl}"] = paired(_speeds(r), _speeds(b))
+        mem = r.get("peak_step_mib") is not None and b.get("peak_step_mib")
+        r[f"memory_vs_{base_impl}"] = r["peak_step_mib"] / b["peak_step_mib"] if mem else None
+
+
+def _speeds(row: dict) -> dict:
+    return dict(zip(row["round_ids"], row["rounds"]))
+
+
+def _ratios(figures: dict, rows: dict) -> None:
+    """Every row's ratios against stock `grouped_mm` (`ratios_vs`); a compiled row's
+    against its own eager row too; the headline figures (AdamW fused) added to `figures`."""
+    ratios_vs(rows, "grouped_mm")
+    for key, r in rows.items():
+        impl, opt = split_key(key)
+        own = row_key(impl.removesuffix(SUFFIX), opt)
+        if impl.endswith(SUFFIX) and own in rows:
+            figures[f"{key}_vs_eager"] = paired(_speeds(r), _speeds(rows[own]))
+            if impl != "grouped_mm" + SUFFIX and r.get("vs_grouped_mm"):
+                figures[f"{key}_vs_grouped_mm{SUFFIX}"] = r["vs_grouped_mm"]
+    for name, key in (("", "dropless"), ("fused_ce_", "dropless-fused-ce")):
+        vs = rows.get(key, {}).get("vs_grouped_mm")
+        if vs:
+            figures[f"{name}speedup_vs_grouped_mm"] = vs["median"]
+            figures[f"best_{name}speedup_vs_grouped_mm"] = vs["best"]
+            if rows[key].get("memory_vs_grouped_mm") is not None:
+                figures[f"{name}memory_vs_grouped_mm"] = rows[key]["memory_vs_grouped_mm"]
 
 
 def run(args) -> int:
     require_extra("e2e", "hf", "transformers")
     import torch
 
-    impls = _check_args(args)
+    keys = _check_args(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device here; use --device cpu")
     rec = Recorder.start(args)
-    asked = [i for i in impls if i in PEER_ROWS]
+    asked = list(dict.fromkeys(split_key(k)[0] for k in keys if split_key(k)[0] in PEER_ROWS))
     peers = from_checkout("peers", f"the rows {', '.join(asked)}") if asked else None
     peer_status = {i: peers.row_status(i, device) for i in asked}
-    impls = [i for i in impls if peer_status.get(i, {"ok": True})["ok"]]
+    keys = [k for k in keys if peer_status.get(split_key(k)[0], {"ok": True})["ok"]]
     for name, st in peer_status.items():
         print(f"peer row {name} ({st['package']} {st['version'] or '-'}): {st['status']}")
-    if not impls:
+    if not keys:
         raise ValueError(f"--impls: no row can run here ({peer_status}); add a dropless row")
     shape = QUICK if args.quick else SHAPES[args.shape]
     failed: dict[str, str] = {}
-    results = timing_rounds(args, impls, shape, device, failed)
-    for impl, err in failed.items():
-        peer_status[impl] |= {"ok": False, "status": f"failed: {err}"}
-    impls = [i for i in impls if i not in failed]
+    results = timing_rounds(args, keys, shape, device, failed, rec=rec)
+    for key, err in failed.items():
+        peer_status[split_key(key)[0]] |= {"ok": False, "status": f"failed: {err}"}
+    keys = [k for k in keys if k not in failed]
     if device == "cuda":  # measured by the timing children (the last round's)
-        memory = {} if args.no_memory else {i: o[-1] for i, o in results.items()}
+        memory = {} if args.no_memory else {k: o[-1] for k, o in results.items()}
     else:
-        memory = {} if args.no_memory else memory_runs(args, impls, shape)
+        memory = {} if args.no_memory else memory_runs(args, keys, shape)
     rows = table_rows(results, memory, shape)
-    for impl, st in peer_status.items():
-        if impl in rows:
-            rows[impl]["peer"] = st
+    for r in rows.values():
+        if r["impl"] in peer_status:
+            r["peer"] = peer_status[r["impl"]]
     losses = [r["first_loss"] for r in rows.values()]
     # fp32: the rows differ by summation order only; bf16: by its rounding of the logits
     tol = 2e-2 if device == "cuda" else 1e-3
     if max(losses) - min(losses) > tol * max(abs(x) for x in losses):
         print(f"WARNING: first-step losses differ between implementations: {losses}")
-    table = _table(rows)
-    first = next(iter(results.values()))[0]
     how = "memory: separate children with mallopt" if device == "cpu" else "memory: CUDA allocator"
     figures = {
-        "rounds_per_impl": {i: len(o) for i, o in results.items()},
+        "rounds_per_impl": {k: len(o) for k, o in results.items()},
         "shape": shape, "rounds": args.rounds, "steps": args.steps, "quick": args.quick,
-        "optimizer": args.optimizer, "threads": first["threads"], "device": device,
+        "optimizer": ",".join(dict.fromkeys(split_key(k)[1] for k in keys)),
+        "threads": next(iter(results.values()))[0]["threads"], "device": device,
         "checkpointing": getattr(args, "checkpointing", False),
         "fused_rmsnorm": getattr(args, "fused_rmsnorm", False),
         "dtype": "bfloat16" if device == "cuda" else "float32",
         "allocator": f"timing: default (no malloc settings); {how}",
         "rows": rows, "peers": peer_status,
     }  # fmt: skip
-    profiled = [o["profile"] for o in results.get(PROFILED, []) if "profile" in o]
+    _ratios(figures, rows)
+    table = _table(rows)
+    profiled = [o["profile"] for outs in results.values() for o in outs if "profile" in o]
     if profiled:
         figures["profile"] = {PROFILED: profiled[0]}
         prof = from_checkout("bench_profile", "--profile")
         table += "\n\n" + prof.markdown(f"`{PROFILED}` training step", profiled[0])
     print(table)
-    _ratios(figures, rows)
-    summary = _summary(figures)
-    print(summary)
-    for name, r in figures.items():
-        if name.endswith("_vs_eager") or name.endswith(f"_vs_grouped_mm{SUFFIX}"):
-            print(f"{name}: {r['median_paired']:.2f}x median of paired rounds "
-                  f"({r['min']:.2f}-{r['max']:.2f}), {r['of_medians']:.2f}x of medians")  # fmt: skip
+    summary = finish_summary(args, rec, figures, _summary(rows, figures))
     record = rec.finish("e2e", figures)
     print(load_sentence(record["load"]))
     write_section(args, rec, "e2e", record, table, summary)
     return 0
 
 
-def _paired(row: dict, base: dict) -> dict:
-    """row / base tokens/s: the median of the per-round ratios (the rows of one round ran
-    back to back) with their spread, and the ratio of the medians."""
-    pairs = [a / b for a, b in zip(row.get("rounds", []), base.get("rounds", []))]
-    return {
-        "median_paired": statistics.median(pairs) if pairs else None,
-        "min": min(pairs, default=None), "max": max(pairs, default=None), "rounds": pairs,
-        "of_medians": row["tokens_per_s"] / base["tokens_per_s"],
-    }  # fmt: skip
-
-
-def _ratios(figures: dict, rows: dict) -> None:
-    """The headline ratios against stock `grouped_mm`, added to `figures`."""
-    d, g = rows.get("dropless"), rows.get("grouped_mm")
-    if d and g:
-        figures["speedup_vs_grouped_mm"] = d["tokens_per_s"] / g["tokens_per_s"]
-        figures["best_speedup_vs_grouped_mm"] = d["best_tokens_per_s"] / g["best_tokens_per_s"]
-        if d["peak_step_mib"] is not None and g["peak_step_mib"]:
-            figures["memory_vs_grouped_mm"] = d["peak_step_mib"] / g["peak_step_mib"]
-    for impl in COMPILED:  # a compiled row against its own eager row and stock compiled
-        c, own, stock = rows.get(impl + SUFFIX), rows.get(impl), rows.get("grouped_mm" + SUFFIX)
-        for name, base in ((f"{impl}{SUFFIX}_vs_eager", own),
-                           (f"{impl}{SUFFIX}_vs_grouped_mm{SUFFIX}", stock)):  # fmt: skip
-            if c and base and base is not c:
-                figures[name] = _paired(c, base)
-    fce = rows.get("dropless-fused-ce")
-    if fce and g:
-        figures["fused_ce_speedup_vs_grouped_mm"] = fce["tokens_per_s"] / g["tokens_per_s"]
-        if fce["peak_step_mib"] is not None and g["peak_step_mib"]:
-            figures["fused_ce_memory_vs_grouped_mm"] = fce["peak_step_mib"] / g["peak_step_mib"]
+def finish_summary(args, rec, figures: dict, summary: str) -> str:
+    """The summary with the run's verdict (common.verdict, from the load sampled now, at
+    the end of the measuring) under it, printed; the verdict goes into `figures`."""
+    figures["verdict"] = verdict(args.steps, args.rounds, rec.end_load(), args.quick)
+    summary = "  \n".join(s for s in (summary, figures["verdict"]) if s)
+    print(summary)
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,31 +1,33 @@
-"""The markdown `dropless bench e2e` prints: the step table and the headline sentence (the
+"""The markdown `dropless bench e2e` prints: the step table and the headline sentences (the
 section block of each shape: tools/bench_sections.py)."""
 
 from __future__ import annotations
 
+from .common import paired_text
 
-def table(rows: dict) -> str:
-    base = rows.get("grouped_mm")
-    nan = float("nan")
+
+def table(rows: dict, base: str = "grouped_mm", name=None, trainable: bool = False) -> str:
+    """Every row with its ratios against the stock row `base` (`ratios_vs`: same round,
+    same AdamW); `name` labels a row's implementation, `trainable` adds its parameters."""
+    name, nan, stock = name or label, float("nan"), "stock" if base == "grouped_mm" else base
     lines = [
-        "| implementation | tokens/s median (best) | step s | peak step MiB | fwd+bwd / AdamW MiB "
-        "| vs grouped_mm tokens/s median (best) | vs grouped_mm peak step memory | first loss |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| implementation | AdamW |{' trainable params |' * trainable} tokens/s median (best "
+        "step) | step s | peak step MiB | fwd+bwd / AdamW MiB | vs "
+        f"{stock} tokens/s: median of rounds (min-max; best-of-rounds) | vs {stock} peak step "
+        "memory | first loss |",
+        "|---" * (9 + trainable) + "|",
     ]
-    for impl, r in rows.items():
+    for key, r in rows.items():
         best = r.get("best_tokens_per_s", r["tokens_per_s"])
-        speed = mem = "-"
-        if base:
-            base_best = base.get("best_tokens_per_s", base["tokens_per_s"])
-            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x ({best / base_best:.2f}x)"
-            if r.get("peak_step_mib") is not None and base.get("peak_step_mib"):
-                mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x"
-        peak = r.get("peak_step_mib")
+        mem, peak = r.get(f"memory_vs_{base}"), r.get("peak_step_mib")
         lines.append(
-            f"| {label(impl)} | {r['tokens_per_s']:.0f} ({best:.0f}) | {r['step_s']:.2f} "
+            f"| {name(key.partition('@')[0])} | {r.get('optimizer', 'fused')} |"
+            + (f" {r['trainable']:,} |" if trainable else "")
+            + f" {r['tokens_per_s']:.0f} ({best:.0f}) | {r['step_s']:.2f} "
             f"| {'-' if peak is None else f'{peak:.1f}'} "
             f"| {r.get('peak_fwd_bwd_mib') or nan:.1f} / {r.get('peak_optimizer_mib') or nan:.1f} "
-            f"| {speed} | {mem} | {r['first_loss']:.4f} |"
+            f"| {paired_text(r.get(f'vs_{base}'))} | {'-' if mem is None else f'{mem:.2f}x'} "
+            f"| {r['first_loss']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -43,20 +45,34 @@ def label(impl: str) -> str:
     }.get(impl, "HF v5 + `dropless.patch()`")
 
 
-def summary(figures: dict) -> str:
-    if "speedup_vs_grouped_mm" not in figures:
+def headline(what: str, r: dict | None, base: str, bold: bool = True) -> str:
+    """'WHAT: **1.42x tokens/s** (median of 5 paired rounds, 1.30-1.50x; best-of-rounds
+    1.45x), **0.61x peak step memory**', from a row's `vs_BASE` ratios; '' without them."""
+    vs, b = (r or {}).get(f"vs_{base}"), "**" if bold else ""
+    if not vs:
         return ""
-    text = (
-        f"dropless vs stock default (`grouped_mm`): **{figures['speedup_vs_grouped_mm']:.2f}x "
-        f"tokens/s** median ({figures['best_speedup_vs_grouped_mm']:.2f}x best-of-rounds)"
-    )
-    if "memory_vs_grouped_mm" in figures:
-        text += f", **{figures['memory_vs_grouped_mm']:.2f}x peak step memory**"
-    if "fused_ce_speedup_vs_grouped_mm" in figures:
-        text += (
-            f"; with `fused_cross_entropy=True`: "
-            f"{figures['fused_ce_speedup_vs_grouped_mm']:.2f}x tokens/s"
-        )
-        if "fused_ce_memory_vs_grouped_mm" in figures:
-            text += f", {figures['fused_ce_memory_vs_grouped_mm']:.2f}x peak step memory"
-    return text + "."
+    text = (f"{what}: {b}{vs['median']:.2f}x tokens/s{b} (median of {len(vs['rounds'])} paired "
+            f"rounds, {vs['min']:.2f}-{vs['max']:.2f}x; best-of-rounds {vs['best']:.2f}x)")  # fmt: skip
+    mem = r.get(f"memory_vs_{base}")
+    return text + ("" if mem is None else f", {b}{mem:.2f}x peak step memory{b}")
+
+
+def summary(rows: dict, figures: dict) -> str:
+    """One line per AdamW setting: dropless (and the fused loss) against stock, and per
+    compiled row its ratios against stock compiled and against its own eager row."""
+    lines = []
+    for opt in dict.fromkeys(r.get("optimizer", "fused") for r in rows.values()):
+        at = "" if opt == "fused" else f"@{opt}"
+        parts = [
+            headline(f"AdamW {opt}: dropless vs stock default (`grouped_mm`)",
+                     rows.get(f"dropless{at}"), "grouped_mm"),
+            headline("with `fused_cross_entropy=True`", rows.get(f"dropless-fused-ce{at}"),
+                     "grouped_mm", bold=False),
+        ]  # fmt: skip
+        for impl in ("dropless+compile", "dropless-fused-ce+compile"):
+            r = rows.get(impl + at)
+            parts.append(headline(f"`{impl}` vs stock compiled", r, "grouped_mm", bold=False))
+            own = figures.get(f"{impl}{at}_vs_eager")
+            parts.append(f"vs its own eager row: {paired_text(own)}" if own else "")
+        lines.append("; ".join(p for p in parts if p))
+    return "  \n".join(line + "." for line in lines if line)

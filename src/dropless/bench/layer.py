@@ -1,9 +1,12 @@
-"""`dropless bench layer`: one MoE layer forward+backward, side by side in one process,
-against the dense-GEMM bound, Hugging Face v5 `Qwen3MoeSparseMoeBlock` and the peers.
+"""`dropless bench layer`: one MoE layer forward+backward against the dense-GEMM bound,
+Hugging Face v5 `Qwen3MoeSparseMoeBlock` and the peers.
 
-Every row gets the same input, weights and routing (checked equal). Time: median of
-`--rounds` rounds after a warm-up, the rows interleaved within each round. Memory: each
-row once more in its own child (CPU: VmHWM minus RSS after allocation; CUDA:
+Every row gets the same input, weights and routing (checked equal). Each row runs in a
+fresh child process in every round (`--warmup` untimed steps, then `--steps` timed ones: the
+round's time is their median), the order rotated between rounds; a row's ms is the median
+over rounds, its ratios (vs the dense bound, vs HF grouped_mm) the median of the per-round
+ratios with their min-max and best-of-rounds (common.paired). Memory: one more step, before
+the warm-up, in the first round's child (CPU: VmHWM minus RSS after allocation; CUDA:
 max_memory_allocated minus memory_allocated). The dense bound (bench/bound.py) is the six
 expert GEMMs as dense `torch.mm` on preallocated operands, 18*T*K*D*F FLOPs: every row's
 TFLOP/s and share of the bound use those FLOPs. The experts-path variants and peer rows
@@ -30,16 +33,21 @@ import torch
 from ..ops.expert_mlp import plan as gemm_tuning
 from .bound import BOUND_GEMMS, dense_bound, layer_flops, machine_rates
 from .common import (
+    MIN_ROUNDS,
+    MIN_STEPS,
     Recorder,
     add_history_arguments,
     from_checkout,
+    load_sentence,
+    paired,
     peak_rss_mib,
     progress,
-    require_default_allocator,
     require_extra,
     reset_peak_rss,
+    rotated,
     rss_mib,
     run_child,
+    verdict,
     write_section,
 )
 from .layer_table import notes as _notes
@@ -52,15 +60,8 @@ SHAPES = {
     "tiny": dict(E=6, K=2, D=64, F=32, T=[48], dtype="float32"),  # a smoke shape, not a result
 }
 # `--impls all`: the rows of the CPU tables
-IMPLS = (
-    "dense",
-    "dropless",
-    "dropless-grouped",
-    "composed",
-    "bmm-padded",
-    "hf-grouped_mm",
-    "hf-eager",
-)
+IMPLS = ("dense", "dropless", "dropless-grouped", "composed", "bmm-padded", "hf-grouped_mm",
+         "hf-eager")  # fmt: skip
 # rows asked for by name, the GPU tables' (`scripts/gpu_check.py`), peers included; the
 # `dropless.MoE` rows under a recipe or with the eager row ops (tools/layer_paths.VARIANTS)
 VARIANTS = ("dropless-fp8-current-row", "dropless-fp8-delayed", "dropless-mxfp8-saved",
@@ -85,8 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape", choices=sorted(SHAPES), default="qwen3", help="layer shape (default qwen3)"
     )
     p.add_argument("--tokens", type=int, nargs="+", help="T, overrides the shape's token counts")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (median; >= 3)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--rounds", type=int, default=MIN_ROUNDS,
+        help=f"rounds, each runs every row in a fresh child, the order rotated (default "
+        f"{MIN_ROUNDS}; fewer is not a result)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, default=MIN_STEPS,
+        help=f"timed steps per child (default {MIN_STEPS}; fewer is not a result)",
+    )  # fmt: skip
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per child first")
     p.add_argument(
         "--impls",
         default=",".join(DEFAULT_IMPLS),
@@ -116,6 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _SETUP_KEYS = ("E", "K", "D", "F", "T", "dtype", "device", "skewed")
 _SETUP_CACHE: dict[tuple, tuple] = {}  # the last case's tensors: generated once per case
+_GEMM_NOTES: list[str] = []  # the rows' children's expert GEMM plans (gemm_tuning)
 
 
 def _setup(cfg: dict):
@@ -227,13 +237,9 @@ def hf_block(cfg, impl, w_router, gate_up, down):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     conf = Qwen3MoeConfig(
-        hidden_size=cfg["D"],
-        moe_intermediate_size=cfg["F"],
-        num_experts=cfg["E"],
-        num_experts_per_tok=cfg["K"],
-        norm_topk_prob=True,
-        experts_implementation=impl,
-    )
+        hidden_size=cfg["D"], moe_intermediate_size=cfg["F"], num_experts=cfg["E"],
+        num_experts_per_tok=cfg["K"], norm_topk_prob=True, experts_implementation=impl,
+    )  # fmt: skip
     with torch.device(w_router.device):  # its own initialization on the device: fast on a GPU
         block = Qwen3MoeSparseMoeBlock(conf).to(dtype=w_router.dtype)
     assert block.experts.config._experts_implementation == impl
@@ -266,36 +272,43 @@ def _time_once(step, params, dev) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _memory_child(cfg: dict) -> dict:
-    """Run in a fresh process: the peak memory of one step above inputs + weights."""
-    torch.set_num_threads(os.cpu_count())
+def _child(cfg: dict) -> dict:
+    """One row in a fresh process: with `memory`, the peak memory of one step above inputs
+    and weights first; then `warmup` untimed and `steps` timed steps -> ms (median), ms_all."""
+    torch.set_num_threads(cfg["threads"])
+    dev = torch.device(cfg["device"])
     step, params, _ = build_impl(cfg["impl"], cfg)
     gc.collect()
-    if cfg["device"] == "cuda":
-        return _cuda_peak(step, params)
-    base = rss_mib()
-    if not reset_peak_rss():
+    out = {"peak_mib": None, "how": "skipped"}
+    if cfg.get("memory"):
+        out = _peak(step, params, dev)
+    for _ in range(cfg["warmup"]):
+        _time_once(step, params, dev)
+    times = [_time_once(step, params, dev) for _ in range(cfg["steps"])]
+    out["gemm_note"] = gemm_tuning.choices_note()
+    return out | {"ms": statistics.median(times), "ms_all": times}
+
+
+def _peak(step, params, dev) -> dict:
+    """One step's peak memory above what is allocated before it, no gradients held (as
+    after zero_grad(set_to_none=True)): on CUDA the caching allocator's counters (exact:
+    it counts every tensor), on CPU VmHWM (reset through clear_refs) minus VmRSS."""
+    _zero(params)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    elif not reset_peak_rss():
         return {"peak_mib": None, "how": "VmHWM reset unavailable"}
+    else:
+        base = rss_mib()
     step()
-    return {
-        "peak_mib": peak_rss_mib() - base,
-        "how": "VmHWM after clear_refs, minus VmRSS before the step",
-    }
-
-
-def _cuda_peak(step, params) -> dict:
-    """One step's peak CUDA memory above what is allocated before it (no gradients
-    held, as after zero_grad(set_to_none=True)): exact in-process, the caching
-    allocator counts every tensor."""
+    _sync(dev)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else peak_rss_mib()
     _zero(params)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    _zero(params)
-    return {"peak_mib": peak, "how": "cuda max_memory_allocated minus memory_allocated"}
+    how = "cuda max_memory_allocated minus" if cuda else "VmHWM after clear_refs, minus VmRSS"
+    return {"peak_mib": peak - base, "how": f"{how} before the step"}
 
 
 def _check_same(cfg, impls) -> dict:
@@ -311,64 +324,54 @@ def _check_same(cfg, impls) -> dict:
     return {k: float((v - ref).abs().max() / ref.abs().max()) for k, v in outs.items()}
 
 
-def _time_impls(cfg: dict, impls, args) -> tuple[dict, dict]:
-    """-> ({impl: [ms per round]}, {impl: memory}): the implementations interleaved within
-    each round; on CUDA the memory step runs here too, on CPU in a child per impl."""
-    dev = torch.device(cfg["device"])
-    built = {name: build_impl(name, cfg)[:2] for name in impls}
+def _time_impls(cfg: dict, impls, args, rec=None) -> tuple[dict, dict]:
+    """-> ({impl: {round: ms}}, {impl: memory}): every row in a fresh child each round, the
+    order rotated, the memory step in round 1's; `rec` samples the load between rounds."""
     label = f"T={cfg['T']} {'skewed' if cfg['skewed'] else 'uniform'}"
-    times = {name: [] for name in impls}
-    for r in range(args.warmup + args.rounds):
-        for name in impls:
-            what = "warm-up" if r < args.warmup else f"round {r - args.warmup + 1}/{args.rounds}"
-            progress(f"{label} {what}: timing {name}")
-            ms = _time_once(*built[name], dev)
-            if r >= args.warmup:
-                times[name].append(ms)
-    memory = {name: {"peak_mib": None, "how": "skipped"} for name in impls}
-    if not args.no_memory and dev.type == "cuda":
-        memory = {name: _cuda_peak(*built[name]) for name in impls}
-    del built
-    gc.collect()
-    if not args.no_memory and dev.type != "cuda":
-        for name in impls:
-            progress(f"{label} memory: measuring {name} (its own process)")
-            memory[name] = run_child("dropless.bench.layer", {**cfg, "impl": name})
+    times: dict[str, dict[int, float]] = {name: {} for name in impls}
+    memory: dict[str, dict] = {}
+    for r in range(args.rounds):
+        if r and rec is not None:
+            rec.sample_load()
+        for name in rotated(list(impls), r):
+            progress(f"{label} round {r + 1}/{args.rounds}: timing {name} (its own process)")
+            child = cfg | {"impl": name, "warmup": args.warmup, "steps": args.steps,
+                           "memory": r == 0 and not args.no_memory}  # fmt: skip
+            out = run_child("dropless.bench.layer", child)
+            times[name][r] = out["ms"]
+            _GEMM_NOTES.append(out.get("gemm_note", ""))
+            if r == 0:
+                memory[name] = {k: out[k] for k in ("peak_mib", "how")}
     return times, memory
 
 
-def _run_case(cfg: dict, impls, args) -> list[dict]:
-    times, memory = _time_impls(cfg, impls, args)
+def _run_case(cfg: dict, impls, args, rec=None) -> list[dict]:
+    times, memory = _time_impls(cfg, impls, args, rec)
     diffs = _check_same(cfg, impls)
     _SETUP_CACHE.clear()
     flops = layer_flops(cfg["T"], cfg["K"], cfg["D"], cfg["F"])
-    med = {n: statistics.median(v) for n, v in times.items()}
+    speed = {n: {r: 1 / ms for r, ms in v.items()} for n, v in times.items()}
     rate = cfg.get("matmul_tflops")  # the machine's dense matmul rate in the shape's dtype
     rows = []
     for name in impls:
-        gflops = flops / med[name] / 1e6
+        ms = statistics.median(times[name].values())
+        gflops = flops / ms / 1e6
         tflops = gflops / 1e3  # from gflops: the record's two rates agree to the last bit
-        share = med["dense"] / med[name] if "dense" in med else None
+        vs = {b: paired(speed[name], speed[b]) for b in ("dense", "hf-grouped_mm") if b in speed}
+        share = vs["dense"]["median"] if "dense" in vs else None
         rows.append(
             {
-                "impl": name,
-                "T": cfg["T"],
-                "routing": "skewed" if cfg["skewed"] else "uniform",
-                "ms": med[name],
-                "ms_all": times[name],
-                "gflops": gflops,
-                "tflops": tflops,
-                "vs_bound": share,
-                "share_of_bound": share,
+                "impl": name, "T": cfg["T"], "routing": "skewed" if cfg["skewed"] else "uniform",
+                "ms": ms, "ms_all": list(times[name].values()), "steps": args.steps,
+                "gflops": gflops, "tflops": tflops,
+                "vs_bound": share, "share_of_bound": share,
                 "share_of_matmul_rate": tflops / rate if rate else None,
-                "vs_hf_grouped_mm": med["hf-grouped_mm"] / med[name]
-                if "hf-grouped_mm" in med
-                else None,
-                "peak_mib": memory[name]["peak_mib"],
-                "memory_how": memory[name]["how"],
+                "vs_hf_grouped_mm": vs["hf-grouped_mm"]["median"] if "hf-grouped_mm" in vs else None,
+                "paired": vs,
+                "peak_mib": memory[name]["peak_mib"], "memory_how": memory[name]["how"],
                 "max_rel_diff": diffs.get(name),
             }
-        )
+        )  # fmt: skip
     hf_mem = next((r["peak_mib"] for r in rows if r["impl"] == "hf-grouped_mm"), None)
     for r in rows:
         r["mem_vs_hf"] = r["peak_mib"] / hf_mem if hf_mem and r["peak_mib"] is not None else None
@@ -382,8 +385,11 @@ def _check_args(args, dev: str) -> list[str]:
             f"--shape {args.shape} is bf16 and meant for a GPU (bf16 matmul on CPU is ~80x "
             "slower than fp32); pick --shape qwen3 or mixtral on CPU"
         )
-    if args.rounds < 3:
-        raise ValueError(f"--rounds {args.rounds}: must be >= 3 (the figure is a median)")
+    if min(args.rounds, args.steps) < 1 or args.warmup < 0:
+        raise ValueError(
+            f"--rounds {args.rounds} --steps {args.steps} --warmup {args.warmup}: rounds and "
+            f"steps must be >= 1 (>= {MIN_ROUNDS} and >= {MIN_STEPS} for a result)"
+        )
     impls = IMPLS if args.impls == "all" else [s.strip() for s in args.impls.split(",")]
     bad = [n for n in impls if n not in IMPLS + EXTRA_IMPLS]
     if bad:
@@ -411,11 +417,10 @@ def start_busy_core(core: int) -> tuple[subprocess.Popen, int]:
 def run(args) -> int:
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     impls = _check_args(args, dev)
-    require_default_allocator("layer")  # timing runs in this process
     rec = Recorder.start(args)
     busy, core = start_busy_core(args.busy_core) if args.busy_core is not None else (None, None)
     try:
-        all_rows, table, extra = _measure(args, dev, impls, core)
+        all_rows, table, extra = _measure(args, dev, impls, core, rec)
     finally:
         if busy is not None:
             busy.kill()
@@ -423,14 +428,18 @@ def run(args) -> int:
     dims = {k: v for k, v in SHAPES[args.shape].items() if k != "T"}
     figures = {
         "shape": args.shape, "dims": dims, "rows": all_rows, "threads": torch.get_num_threads(),
-        "busy_core": core, **extra,
+        "busy_core": core, "rounds": args.rounds, "steps": args.steps, **extra,
     }  # fmt: skip
+    # the verdict from the load sampled now; a spinner of --busy-core is this run's own
+    figures["verdict"] = verdict(args.steps, args.rounds, rec.end_load(), args.shape == "tiny")
+    print(figures["verdict"])
     record = rec.finish("layer", figures)
-    write_section(args, rec, "layer", record, table)
+    print(load_sentence(record["load"]))
+    write_section(args, rec, "layer", record, table + f"\n{figures['verdict']}\n")
     return 0
 
 
-def _measure(args, dev: str, impls: list[str], busy_core: int | None):
+def _measure(args, dev: str, impls: list[str], busy_core: int | None, rec=None):
     """-> (rows, markdown, {matmul, bound, peers[, profile]}): the peer rows that cannot
     run here are left out of the timing and named in `peers`."""
     shape = SHAPES[args.shape]
@@ -453,10 +462,10 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
     for T in args.tokens or shape["T"]:
         cfg = base | {"T": T}
         cfg["matmul_tflops"] = rates[shape["dtype"]]["tflops"]
-        rows = _run_case(cfg, impls, args)
+        rows = _run_case(cfg, impls, args, rec)
         if not args.no_skewed:
             sk = [n for n in impls if n in ("dense", "dropless", "hf-grouped_mm")]
-            rows += _run_case({**cfg, "skewed": True}, sk, args)
+            rows += _run_case({**cfg, "skewed": True}, sk, args, rec)
         for r in rows:
             if r["impl"] in peer_status:
                 r["peer"] = peer_status[r["impl"]]
@@ -469,14 +478,13 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None):
         extra["profile"], tables = prof.layer_steps(build_impl, cfg | {"T": T0}, PROFILED)
         text += tables
         _SETUP_CACHE.clear()
-    text.append(gemm_tuning.choices_note())  # which implementation ran each expert GEMM
+    # which implementation ran each expert GEMM, in the rows' children
+    text.append("".join(dict.fromkeys(_GEMM_NOTES)) or gemm_tuning.choices_note())
     table = "\n".join(text)
     print(table)
     for r in all_rows:  # a recipe's rows differ by its quantization noise
         if r["impl"] not in QUANTIZED and (r["max_rel_diff"] or 0) > 1e-3:
-            print(
-                f"warning: {r['impl']} output differs from the others by {r['max_rel_diff']:.2e} (relative)"
-            )
+            print(f"warning: {r['impl']} output differs by {r['max_rel_diff']:.2e} (relative)")
     return all_rows, table, extra
 
 
@@ -493,5 +501,5 @@ def _probe(name: str, cfg: dict) -> str | None:
     return None
 
 
-if __name__ == "__main__":  # memory child: python -m dropless.bench.layer '{json}'
-    print(json.dumps(_memory_child(json.loads(sys.argv[1]))))
+if __name__ == "__main__":  # a row's child: python -m dropless.bench.layer '{json}'
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

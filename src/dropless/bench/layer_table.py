@@ -4,9 +4,16 @@ matmul rates, each peer row's status)."""
 
 from __future__ import annotations
 
+from .common import paired_text
+
 
 def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
+
+
+def _vs(row: dict, base: str) -> str:
+    """A row's paired ratio against `base` (the base's own row: 1.00x)."""
+    return "1.00x" if row["impl"] == base else paired_text(row.get("paired", {}).get(base))
 
 
 def table(rows, shape, cfg, busy_core: int | None = None) -> str:
@@ -18,16 +25,18 @@ def table(rows, shape, cfg, busy_core: int | None = None) -> str:
         f"### `{shape}`: E={cfg['E']}, K={cfg['K']}, D={cfg['D']}, F={cfg['F']}, {cfg['dtype']}, "
         f"{cfg['device']}, {cfg['threads']} torch thread(s){busy}",
         "",
-        f"| T | routing | implementation | ms (median) | {unit} | vs dense bound "
-        "| vs matmul rate | vs HF grouped_mm | peak MiB | peak vs HF grouped_mm |",
+        f"| T | routing | implementation | ms (median of rounds) | {unit} "
+        "| vs dense bound: median of rounds (min-max; best-of-rounds) | vs matmul rate "
+        "| vs HF grouped_mm: median of rounds (min-max; best-of-rounds) | peak MiB "
+        "| peak vs HF grouped_mm |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         digits = ".0f" if r["ms"] >= 100 else ".2f"  # CPU: hundreds of ms; GPU: a few
         lines.append(
             f"| {r['T']} | {r['routing']} | {r['impl']} | {r['ms']:{digits}} "
-            f"| {r['gflops'] * scale:.1f} | {_fmt(r['vs_bound'], '.2f')} "
-            f"| {_fmt(r['share_of_matmul_rate'], '.2f')} | {_fmt(r['vs_hf_grouped_mm'], '.2f')} "
+            f"| {r['gflops'] * scale:.1f} | {_vs(r, 'dense')} "
+            f"| {_fmt(r['share_of_matmul_rate'], '.2f')} | {_vs(r, 'hf-grouped_mm')} "
             f"| {_fmt(r['peak_mib'], '.0f')} | {_fmt(r['mem_vs_hf'], '.2f')} |"
         )
     return "\n".join(lines) + "\n"

@@ -2,7 +2,9 @@
 LoRA r=16 on the experts (`target_parameters`) and the attention (`target_modules`): stock
 PEFT (which folds `W + s * B @ A` into each expert weight every forward) against the same
 PEFT code after `dropless.patch()` (thin grouped GEMMs inside the expert Function, no
-fold), and full fine-tuning for reference. Protocol and memory as `bench e2e`.
+fold), and full fine-tuning for reference. Protocol (fresh children, rotated rounds, AdamW
+settings, ratios: median of the per-round ratios against stock PEFT with the same AdamW)
+and memory as `bench e2e`.
 """
 
 # B batch, L sequence length
@@ -14,8 +16,15 @@ import json
 import sys
 
 from . import e2e
-from .common import Recorder, add_history_arguments, load_sentence, require_extra, write_section
+from .common import (
+    Recorder,
+    add_history_arguments,
+    load_sentence,
+    require_extra,
+    write_section,
+)
 from .e2e import QUICK, SHAPE, build_row_model
+from .e2e_report import headline, table
 
 IMPLS = ("peft", "peft_dropless", "full", "full_dropless")
 DEFAULT_IMPLS = ("peft", "peft_dropless", "full")
@@ -53,8 +62,7 @@ def build_model(impl: str, shape: dict, device: str = "cpu", rank: int = RANK, *
 
 
 def child(args: dict) -> dict:
-    """One row in this process (`bench e2e`'s child with this bench's model): mode "time"
-    (default allocator) or "memory"."""
+    """One row in this process: `bench e2e`'s child with this bench's model."""
     return e2e.child(args, build=build_model)
 
 
@@ -63,71 +71,52 @@ def _check_args(args) -> list[str]:
     bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
         raise ValueError(f"--impls: unknown {bad}; allowed: {','.join(IMPLS)}")
-    if args.rounds < 1 or args.steps < 1 or args.rank < 1:
-        raise ValueError("--rounds, --steps and --rank must be >= 1 (--rounds >= 3 for a result)")
-    return impls
+    if args.rank < 1:
+        raise ValueError("--rank must be >= 1")
+    return e2e.row_keys(args, impls)
 
 
 def _table(rows: dict) -> str:
-    base = rows.get("peft")
-    lines = [
-        "| row | trainable params | tokens/s median (best) | step s | peak step MiB "
-        "| vs stock PEFT tokens/s | vs stock PEFT peak step memory | first loss |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for impl, r in rows.items():
-        speed = mem = "-"
-        if base:
-            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
-            if r.get("peak_step_mib") is not None and base.get("peak_step_mib"):
-                mem = f"{r['peak_step_mib'] / base['peak_step_mib']:.2f}x"
-        peak = r.get("peak_step_mib")
-        lines.append(
-            f"| {LABELS[impl]} | {r['trainable']:,} | {r['tokens_per_s']:.0f} "
-            f"({r['best_tokens_per_s']:.0f}) | {r['step_s']:.2f} "
-            f"| {'-' if peak is None else f'{peak:.1f}'} | {speed} | {mem} | {r['first_loss']:.4f} |"
-        )
-    return "\n".join(lines)
+    return table(rows, "peft", LABELS.get, trainable=True)
 
 
 def _summary(rows: dict) -> str:
-    d, s = rows.get("peft_dropless"), rows.get("peft")
-    if not (d and s):
-        return ""
-    text = (
-        f"PEFT + dropless vs stock PEFT: **{d['tokens_per_s'] / s['tokens_per_s']:.2f}x tokens/s**"
-    )
-    if d["peak_step_mib"] is not None and s["peak_step_mib"]:
-        text += f", **{d['peak_step_mib'] / s['peak_step_mib']:.2f}x peak step memory**"
-    return text + "."
+    """One line per AdamW setting: PEFT + dropless against stock PEFT."""
+    what = "PEFT + dropless vs stock PEFT"
+    lines = [headline(f"AdamW {r['optimizer']}: {what}", r, "peft") for r in rows.values()
+             if r["impl"] == "peft_dropless"]  # fmt: skip
+    return "  \n".join(line + "." for line in lines if line)
 
 
 def run(args) -> int:
     require_extra("lora", "lora", "transformers", "peft")
-    impls = _check_args(args)
+    keys = _check_args(args)
     rec = Recorder.start(args)
     shape = QUICK if args.quick else SHAPE
-    results = e2e.timing_rounds(args, impls, shape, module="dropless.bench.lora")
-    memory = {} if args.no_memory else e2e.memory_runs(args, impls, shape, "dropless.bench.lora")
+    results = e2e.timing_rounds(args, keys, shape, module="dropless.bench.lora", rec=rec)
+    memory = {} if args.no_memory else e2e.memory_runs(args, keys, shape, "dropless.bench.lora")
     rows = e2e.table_rows(results, memory, shape)
-    lora = [rows[i]["first_loss"] for i in ("peft", "peft_dropless") if i in rows]
-    if len(lora) == 2 and abs(lora[0] - lora[1]) > 1e-3 * abs(lora[0]):
-        print(f"WARNING: first-step losses of the LoRA rows differ: {lora}")
+    e2e.ratios_vs(rows, "peft")
+    for opt in dict.fromkeys(r["optimizer"] for r in rows.values()):
+        lora = [r["first_loss"] for r in rows.values() if r["optimizer"] == opt
+                and r["impl"] in ("peft", "peft_dropless")]  # fmt: skip
+        if len(lora) == 2 and abs(lora[0] - lora[1]) > 1e-3 * abs(lora[0]):
+            print(f"WARNING: first-step losses of the LoRA rows differ: {lora}")
     table = _table(rows)
     print(table)
     figures = {
         "shape": shape, "rank": args.rank, "rounds": args.rounds, "steps": args.steps,
         "quick": args.quick, "threads": next(iter(results.values()))[0]["threads"],
+        "optimizer": ",".join(dict.fromkeys(r["optimizer"] for r in rows.values())),
         "allocator": "timing: default (no malloc settings); memory: separate children with mallopt",
         "rows": rows,
     }  # fmt: skip
-    d, s = rows.get("peft_dropless"), rows.get("peft")
-    if d and s:
-        figures["speedup_vs_peft"] = d["tokens_per_s"] / s["tokens_per_s"]
-        if d["peak_step_mib"] is not None and s["peak_step_mib"]:
-            figures["memory_vs_peft"] = d["peak_step_mib"] / s["peak_step_mib"]
-    summary = _summary(rows)
-    print(summary)
+    vs = rows.get("peft_dropless", {}).get("vs_peft")
+    if vs:
+        figures["speedup_vs_peft"], figures["best_speedup_vs_peft"] = vs["median"], vs["best"]
+        if rows["peft_dropless"]["memory_vs_peft"] is not None:
+            figures["memory_vs_peft"] = rows["peft_dropless"]["memory_vs_peft"]
+    summary = e2e.finish_summary(args, rec, figures, _summary(rows))
     record = rec.finish("lora", figures)
     print(load_sentence(record["load"]))
     write_section(args, rec, "lora", record, table, summary)

@@ -10,7 +10,7 @@ with no config file (the default run: 420 steps on this Python's standard librar
 0) in a fresh run directory ROOT/NAME, trained from this checkout in a child process.
 A directory that already holds a finished run with the same overrides is read, not
 trained again; the commit it was trained on is the one written beside it
-(`commit.txt`) when it was trained. These are quality figures (load, loss), not speed.
+(`commit.txt`) when its training finished. These are quality figures (load, loss), not speed.
 """
 
 from __future__ import annotations
@@ -49,11 +49,8 @@ def _train(run: Path, sets: list[str]) -> None:
         return
     if run.exists() and any(run.iterdir()):
         raise SystemExit(f"{run} holds another run: remove it or choose another --runs-root")
-    run.mkdir(parents=True, exist_ok=True)
-    (run / "commit.txt").write_text(_commit() + "\n")
-    # torch's threads change the summation order, so the trajectory: recorded with the run
-    (run / "threads.txt").write_text(os.environ.get("OMP_NUM_THREADS", "torch's default") + "\n")
-    (run / "overrides.json").write_text(json.dumps(sets) + "\n")
+    run.parent.mkdir(parents=True, exist_ok=True)
+    commit = _commit()
     cmd = [sys.executable, "-m", "dropless", "train", "--run-dir", str(run)]
     cmd += [a for s in sets for a in ("--set", s)] + ["--set", "log.progress=plain"]
     env = dict(
@@ -62,6 +59,11 @@ def _train(run: Path, sets: list[str]) -> None:
     )
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=env)
+    # beside the run once it finished (`dropless train` takes only a new or empty directory)
+    (run / "commit.txt").write_text(commit + "\n")
+    # torch's threads change the summation order, so the trajectory: recorded with the run
+    (run / "threads.txt").write_text(os.environ.get("OMP_NUM_THREADS", "torch's default") + "\n")
+    (run / "overrides.json").write_text(json.dumps(sets) + "\n")
 
 
 def _figures(run: Path, sets: list[str]) -> dict:

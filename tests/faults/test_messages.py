@@ -200,6 +200,7 @@ TABLE = [
     ("config/schema.py", "finetune.method='lora' needs a checkpoint to adapt", f"{HERE}[lora-no-model-path]"),
     ("generate.py", "is a LoRA run: its checkpoints hold the adapters only", f"{HERE}[convert-lora-no-merge]"),
     ("generate.py", "is a full fine-tuning run (finetune.method='full')", f"{HERE}[convert-full-merge]"),
+    ("generate.py", "trained with the aux-loss-free expert bias (train.expert_bias_rate=", "tests/train/test_balance.py::test_convert_refuses_a_bias_the_stock_family_cannot_hold"),
     ("model/lora.py", "no experts module and no attention projection found", f"{HERE}[lora-targets-nothing]"),
     ("model/lora.py", "finetune.method='lora' needs peft", f"{HERE}[no-peft]"),
     ("model/lora.py", "needs every experts module on dropless's fused expert MLP", f"{HERE}[lora-stock-experts-multi-process]"),

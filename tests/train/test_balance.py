@@ -4,6 +4,7 @@ pins "family", the pooled loss Transformers computes)."""
 
 import json
 
+import pytest
 import torch
 
 from dropless.train.config.load import load_config
@@ -11,6 +12,7 @@ from dropless.train.report.metrics import balancing, load_stats
 from dropless.train.report.run_log import RunLog
 from dropless.train.report.summary import summary_rows
 from dropless.train.step import MicroStep
+from harness import finished_run
 
 
 def test_load_stats_counts_starved_experts_per_layer():
@@ -79,3 +81,33 @@ def test_default_run_balances_per_layer(finished_run, monkeypatch):
     )
     assert out.stat().st_size > 0
     assert titles == ["tokens per expert (1.0 = balanced); balancing: per_layer aux loss x0.01"]
+
+
+def test_convert_refuses_a_bias_the_stock_family_cannot_hold(tmp_path):
+    """A Qwen3-MoE run trained with the aux-loss-free expert bias (its routers have no score
+    bias of their own; dropless added one): `dropless convert` refuses to write a stock
+    model that would choose other experts; with --drop-expert-bias it writes the run's
+    weights without the bias, which stock Transformers computes exactly as the run's model
+    with the bias taken off."""
+    from transformers import AutoModelForCausalLM
+
+    from dropless import hf
+    from dropless.cli.main import main
+    from dropless.train.generate import convert, load_run
+
+    run = finished_run(tmp_path, "train.expert_bias_rate=0.003")
+    _, _, ours, _ = load_run(run)
+    bias = [layer.expert_bias for layer in hf.moe_layers(ours)]
+    assert any(bool(b.ne(0).any()) for b in bias)  # trained, not zero
+    with pytest.raises(ValueError, match="trained with the aux-loss-free expert bias") as e:
+        convert(run, tmp_path / "refused")
+    assert "--drop-expert-bias" in str(e.value) and not (tmp_path / "refused").exists()
+    out = tmp_path / "hf"
+    assert main(["convert", str(run), str(out), "--drop-expert-bias"]) == 0
+    stock = AutoModelForCausalLM.from_pretrained(out)
+    x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with_bias = ours(input_ids=x).logits
+        hf.unpatch_model(ours)  # the bias off, the stock code: what the flag writes
+        assert torch.equal(stock(input_ids=x).logits, ours(input_ids=x).logits)
+        assert not torch.equal(with_bias, ours(input_ids=x).logits)  # it routed otherwise

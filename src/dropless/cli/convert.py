@@ -20,12 +20,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a LoRA run: fold the adapters into the base weights and write the merged model",
     )
+    p.add_argument(
+        "--drop-expert-bias",
+        action="store_true",
+        help="a run trained with train.expert_bias_rate > 0 on a family without its own router "
+        "bias: write the model without the bias, which the stock family cannot hold (the "
+        "written model routes differently from the run's; refused without this flag)",
+    )
 
 
 def run(args) -> int:
     from ..train.generate import convert
 
-    out = convert(args.checkpoint, args.out_dir, merge=args.merge)
+    out = convert(
+        args.checkpoint, args.out_dir, merge=args.merge, drop_expert_bias=args.drop_expert_bias
+    )
     print(
         f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))"
     )

@@ -144,11 +144,28 @@ def ship_tokenizer(tok, run_tok_dir: Path, out: Path) -> None:
     (out / "TOKENIZER.txt").write_text(note)
 
 
-def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
+def _added_bias_in_use(model) -> list[str]:
+    """The routers' `expert_bias` buffers dropless added (the family has no score bias of
+    its own) that hold a trained, nonzero bias: a stock model without them routes
+    differently."""
+    from .. import hf
+
+    state = model.state_dict()
+    return [k for k in hf.added_state_keys(model) if bool(state[k].ne(0).any())]
+
+
+def convert(
+    path: str | Path, out_dir: str | Path, merge: bool = False, drop_expert_bias: bool = False
+) -> Path:
     """Write a training checkpoint as a Hugging Face `save_pretrained` directory.
 
     merge: for a LoRA run (finetune.method="lora"), fold the adapters into the weights
-    (PEFT's `merge_and_unload`) and write the merged stock model."""
+    (PEFT's `merge_and_unload`) and write the merged stock model. A run trained with the
+    aux-loss-free expert bias (`train.expert_bias_rate` > 0) on a family whose routers have
+    no score bias of their own (dropless added `expert_bias`) is refused: the stock family
+    cannot hold the bias, so the written model would choose other experts than the run's.
+    drop_expert_bias: write it anyway, without the bias (families with their own bias,
+    DeepSeek-V3's `e_score_correction_bias`, keep it in the written model)."""
     from .. import hf
 
     cfg, tok, model, ck = load_run(path)
@@ -168,9 +185,16 @@ def convert(path: str | Path, out_dir: str | Path, merge: bool = False) -> Path:
         from .model.lora import merge_lora
 
         model = merge_lora(model)
-    if cfg.train.expert_bias_rate > 0:
-        print(
-            "note: the routers' expert_bias (aux-loss-free balancing) is not part of the stock model; stock Transformers routes without it"
+    biased = _added_bias_in_use(model)
+    if biased and not drop_expert_bias:
+        raise ValueError(
+            f"{str(path)!r} trained with the aux-loss-free expert bias (train.expert_bias_rate="
+            f"{cfg.train.expert_bias_rate:g}) on {type(model).__name__}, whose routers have no "
+            f"score bias of their own ({len(biased)} layers' `expert_bias`, added by dropless): "
+            "stock Transformers would choose experts without it, so the written model would not "
+            "compute what the run trained. Pass --drop-expert-bias to write it without the bias "
+            "knowingly (its routing and loss change; docs/train.md, Router losses), or train with "
+            "train.expert_bias_rate=0"
         )
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):

@@ -1,6 +1,7 @@
 """The per-layer balancing loss of `RouterLosses(model, balance="per_layer")`: each MoE
-layer's Switch loss (its own pair counts and mean router probabilities), averaged over
-layers, against a direct computation; and the case it exists for: two layers whose pooled
+layer's Switch loss (its own pair counts and mean router probabilities), summed over
+layers (each layer at the full coefficient, whatever the depth), against a direct
+computation; and the case it exists for: two layers whose pooled
 counts are exactly balanced while each layer is not, where the pooled (family) loss gives
 the router logits no gradient and the per-layer loss does."""
 
@@ -28,14 +29,14 @@ def _router_outputs(model):
 
 
 def _direct(outputs, E: int) -> torch.Tensor:
-    """mean over layers of E * sum_e (c_e / T) * mean_t softmax(logits)[t, e], in float64."""
+    """sum over layers of E * sum_e (c_e / T) * mean_t softmax(logits)[t, e], in float64."""
     per_layer = []
     for logits_TE, _, ids_TK in outputs:
         p_TE = logits_TE.detach().double().softmax(-1)
         T = p_TE.shape[0]
         c_E = torch.bincount(ids_TK.reshape(-1), minlength=E).double()
         per_layer.append(E * ((c_E / T) * p_TE.mean(0)).sum())
-    return torch.stack(per_layer).mean()
+    return torch.stack(per_layer).sum()
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -104,8 +105,8 @@ def test_pooled_balance_hides_unbalanced_layers():
     for x in g_layer:  # each layer's own hot experts are pushed down
         assert float(x.abs().max()) > 1e-3
     assert float(g_layer[0][:, :2].sum()) > 0 and float(g_layer[1][:, 2:].sum()) > 0
-    # each layer's loss: E * (1/2 * (p0 + p1)) * 2 with p0 + p1 close to 1, above K
-    assert float(per_layer.aux) > 1.8 * K
+    # each layer's loss: E * (1/2 * (p0 + p1)) * 2 with p0 + p1 close to 1, above K; summed
+    assert float(per_layer.aux) > 2 * 1.8 * K
 
 
 def test_cp_group_of_one_and_sequence_form(tmp_path):

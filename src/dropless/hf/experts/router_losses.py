@@ -13,9 +13,11 @@ The balancing loss (`RouterLosses(model, balance=...)`, one of `BALANCE_LOSSES`)
   Nemotron-H, GLM-4-MoE, ...) get the "sequence" loss.
 - "per_layer": the Switch loss of each MoE layer, E * sum_e f_e * P_e with that layer's
   share of (token, expert) pairs f_e (the experts its router selected, as passed to the
-  experts module) and mean per-token normalised score P_e, averaged over layers
-  (Megatron-Core's aux loss). Pooling the layers lets one layer's collapse be offset by
-  another's; this form cannot.
+  experts module) and mean per-token normalised score P_e, summed over layers: each layer
+  pays its own loss at the full coefficient, whatever the depth, as Megatron-Core adds
+  each router's aux loss (M x top_k when balanced). Pooling the layers lets one layer's
+  collapse be offset by another's, and a mean would give each layer 1/M of the
+  coefficient; this form does neither.
 - "sequence": DeepSeek-V3's sequence-wise auxiliary loss (`dropless.ops.sequence_aux_loss`)
   per layer, averaged over layers.
 "per_layer" and "sequence" read the family's own scores (softmax, sigmoid or sqrt-softplus
@@ -288,7 +290,7 @@ class RouterLosses:
 
     def _per_layer_aux(self, logits: list[torch.Tensor], cp_group=None) -> torch.Tensor:
         """The Switch loss of each layer (E x sum_e f_e P_e, f_e = c_e / T the share of pairs,
-        P_e the mean normalised score), averaged over layers. With `cp_group`, this rank's
+        P_e the mean normalised score), summed over layers. With `cp_group`, this rank's
         term of the whole sequences' loss: c and T counted over the group (no gradient), P
         summed over this rank's tokens, times cp (the cp ranks' mean is the whole loss)."""
         losses = []
@@ -303,7 +305,7 @@ class RouterLosses:
             norm_TE = scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
             p_E = norm_TE.sum(0) * (cp / whole_rows)
             losses.append(E * (f_E * p_E).sum())
-        return torch.stack(losses).mean()
+        return torch.stack(losses).sum()
 
     def remove(self) -> None:
         """Take the hooks off the model."""

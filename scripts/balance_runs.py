@@ -66,6 +66,49 @@ def _train(run: Path, sets: list[str]) -> None:
     (run / "overrides.json").write_text(json.dumps(sets) + "\n")
 
 
+def _held_out(model, eval_BL1, batch: int) -> float:
+    """Held-out loss in nats/token of `model` on the run's windows, as the trainer's
+    `Evaluator` scores them (one process, fp32, the whole windows)."""
+    import torch
+    import torch.nn.functional as F
+
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(eval_BL1), batch):
+            xy = torch.from_numpy(eval_BL1[i : i + batch])
+            logits = model(input_ids=xy[:, :-1], use_cache=False).logits.float()
+            y = xy[:, 1:].reshape(-1)
+            nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y, reduction="sum"))
+            n += y.numel()
+    return nll / n
+
+
+def _without_bias(run: Path, eval_loss: float) -> float | None:
+    """For a run trained with the aux-loss-free expert bias on a family without one of its
+    own: the held-out loss of what `dropless convert --drop-expert-bias` writes (stock
+    Transformers, routing without the bias). The same scoring of the run's own model (the
+    bias kept) must give the run's last held-out loss. None for a run without the bias."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from dropless.train.config.load import load_config
+    from dropless.train.data.corpus import text_data
+    from dropless.train.generate import convert, load_run
+
+    cfg = load_config(run / "config.toml")
+    if cfg.train.expert_bias_rate <= 0:
+        return None
+    eval_BL1 = text_data(cfg, run, False).eval_BL1
+    kept = _held_out(load_run(run)[2], eval_BL1, cfg.train.batch_size)
+    if abs(kept / eval_loss - 1) > 1e-4:
+        raise SystemExit(f"{run}: the run's model scores {kept:.6f} here, {eval_loss:.6f} in training")
+    with tempfile.TemporaryDirectory() as d:
+        out = convert(run, Path(d) / "hf", drop_expert_bias=True)
+        stock = AutoModelForCausalLM.from_pretrained(out).eval()
+        return _held_out(stock, eval_BL1, cfg.train.batch_size)
+
+
 def _figures(run: Path, sets: list[str]) -> dict:
     import torch
 
@@ -88,6 +131,7 @@ def _figures(run: Path, sets: list[str]) -> dict:
         "max_mean_load_per_layer": stats["max_mean_load_per_layer"],
         "starved_experts": stats["starved_experts"], "starved_share": STARVED,
         "max_mean_by_step": {str(s): by_step[s] for s in STEPS_SHOWN if s in by_step},
+        "eval_loss_without_bias": _without_bias(run, last["eval_loss"]),
         "run_dir": str(run),
     }  # fmt: skip
 

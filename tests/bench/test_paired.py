@@ -47,6 +47,9 @@ def test_verdict_names_each_reason_a_run_is_not_a_result():
     short = common.verdict(2, 3, quiet, quick=True)
     assert short.startswith("**Not a result**: a tiny smoke shape")
     assert "2 timed step(s) per child (fewer than 5)" in short and "3 round(s)" in short
+    assert common.verdict(5, 5, quiet, dirty=True) == (
+        "**Not a result**: uncommitted changes in the measured tree."
+    )
 
 
 def test_a_run_under_load_says_so_in_its_load_line_and_verdict():

@@ -167,8 +167,9 @@ def test_e2e_times_and_measures_memory_in_separate_children(tmp_path, monkeypatc
     p = argparse.ArgumentParser()
     e2e.add_arguments(p)
     hist = tmp_path / "h.jsonl"
-    args = p.parse_args(["--quick", "--impls", "grouped_mm,dropless", "--history", str(hist)])
-    assert e2e.run(args) == 0
+    section = tmp_path / "e2e.md"
+    argv = ["--quick", "--impls", "grouped_mm,dropless", "--history", str(hist)]
+    assert e2e.run(p.parse_args([*argv, "--section", str(section)])) == 0
     modes = [c["mode"] for c in calls]
     # 5 rounds x 2 implementations x 2 AdamW settings, then one memory child per row
     assert modes == ["time"] * 20 + ["memory"] * 4
@@ -182,6 +183,10 @@ def test_e2e_times_and_measures_memory_in_separate_children(tmp_path, monkeypatc
     assert line["figures"]["rows"]["dropless@default"]["peak_step_mib"] == 10.0
     assert line["figures"]["verdict"].startswith("**Not a result**: a tiny smoke shape")
     assert len(line["load"]["during"]) == 4  # sampled between the rounds
+    text = section.read_text()  # the section says how the ratios are made, and the verdict
+    assert "Ratios: the median of the per-round ratios against the stock row" in text
+    assert "AdamW (fused,default)" in text and line["figures"]["verdict"] in text
+    assert "| HF v5 + `dropless.patch()` | default | 64 (71) |" in text
     assert "load" in line and line["figures"]["allocator"].startswith("timing: default")
 
 

@@ -304,15 +304,17 @@ def paired_text(p: dict | None) -> str:
     return f"{p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}x; best {p['best']:.2f}x)"
 
 
-def verdict(steps: int, rounds: int, load: dict, quick: bool = False) -> str:
+def verdict(steps: int, rounds: int, load: dict, quick: bool = False, dirty=False) -> str:
     """The line a run prints under its table: whether it is a result (>= MIN_ROUNDS rounds
-    of >= MIN_STEPS timed steps per child, not --quick, no other busy process) and why not."""
+    of >= MIN_STEPS timed steps per child, not a smoke shape, no other busy process, a
+    committed tree) and why not."""
     busy = under_load(load)
     why = [text for text, bad in (
         ("a tiny smoke shape", quick),
         (f"{steps} timed step(s) per child (fewer than {MIN_STEPS})", steps < MIN_STEPS),
         (f"{rounds} round(s) (fewer than {MIN_ROUNDS})", rounds < MIN_ROUNDS),
         (f"under load: other processes busy ({', '.join(busy[:6])})", busy),
+        ("uncommitted changes in the measured tree", dirty),
     ) if bad]  # fmt: skip
     if not why:
         return f"A result: {rounds} paired rounds of {steps} timed steps per child, no other busy process."
@@ -369,6 +371,11 @@ class Recorder:
         if self.load_after is None:
             self.load_after = load_sample()
         return {"before": self.load_before, "during": self.load_during, "after": self.load_after}
+
+    def verdict(self, steps: int, rounds: int, quick: bool = False) -> str:
+        """`verdict` of this run: its load samples (the one after taken now), its tree."""
+        dirty = git_state(find_checkout(self.package_dir))["dirty"]
+        return verdict(steps, rounds, self.end_load(), quick, bool(dirty))
 
     def finish(self, bench: str, figures: dict) -> dict:
         """Sample the load again (unless `end_load` did) and append the record (unless

@@ -42,7 +42,6 @@ from .common import (
     rss_mib,
     run_child,
     step_times,
-    verdict,
     write_section,
 )
 from .e2e_report import summary as _summary
@@ -510,7 +509,7 @@ def run(args) -> int:
 def finish_summary(args, rec, figures: dict, summary: str) -> str:
     """The summary with the run's verdict (common.verdict, from the load sampled now, at
     the end of the measuring) under it, printed; the verdict goes into `figures`."""
-    figures["verdict"] = verdict(args.steps, args.rounds, rec.end_load(), args.quick)
+    figures["verdict"] = rec.verdict(args.steps, args.rounds, args.quick)
     summary = "  \n".join(s for s in (summary, figures["verdict"]) if s)
     print(summary)
     return summary

@@ -47,7 +47,6 @@ from .common import (
     rotated,
     rss_mib,
     run_child,
-    verdict,
     write_section,
 )
 from .layer_table import notes as _notes
@@ -96,16 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"timed steps per child (default {MIN_STEPS}; fewer is not a result)",
     )  # fmt: skip
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per child first")
-    p.add_argument(
-        "--impls",
-        default=",".join(DEFAULT_IMPLS),
-        help=f"comma list from {','.join(IMPLS + EXTRA_IMPLS)} or 'all' (= {','.join(IMPLS)}; "
-        f"default: {','.join(DEFAULT_IMPLS)})",
-    )
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list from "
+                   f"{','.join(IMPLS + EXTRA_IMPLS)} or 'all' (= {','.join(IMPLS)}; default: "
+                   f"{','.join(DEFAULT_IMPLS)})")  # fmt: skip
     p.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
-    p.add_argument(
-        "--no-memory", action="store_true", help="skip the per-implementation memory children"
-    )
+    p.add_argument("--no-memory", action="store_true", help="skip the memory step")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
         "--busy-core", type=int, nargs="?", const=-1, default=None, metavar="CORE",
@@ -431,7 +425,7 @@ def run(args) -> int:
         "busy_core": core, "rounds": args.rounds, "steps": args.steps, **extra,
     }  # fmt: skip
     # the verdict from the load sampled now; a spinner of --busy-core is this run's own
-    figures["verdict"] = verdict(args.steps, args.rounds, rec.end_load(), args.shape == "tiny")
+    figures["verdict"] = rec.verdict(args.steps, args.rounds, args.shape == "tiny")
     print(figures["verdict"])
     record = rec.finish("layer", figures)
     print(load_sentence(record["load"]))

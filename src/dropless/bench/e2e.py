@@ -129,10 +129,8 @@ def add_child_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_child_arguments(p)
-    p.add_argument(
-        "--eager-rounds", type=int, default=None,
-        help="rounds that include the slow stock eager row (default: all rounds)",
-    )  # fmt: skip
+    p.add_argument("--eager-rounds", type=int, default=None,
+                   help="rounds that include the slow stock eager row (default: all rounds)")  # fmt: skip
     p.add_argument(
         "--impls", default=",".join(DEFAULT_IMPLS),
         help=f"comma list from {','.join(IMPLS)} (the peer rows {','.join(PEER_ROWS)} run from "
@@ -145,26 +143,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "qwen3-30b-2l: two Qwen3-30B-A3B layers (vocab 32768, batch 1 x 4096); "
         "qwen3-gpu-v152k: qwen3-gpu with Qwen3's vocabulary (151,936)",
     )  # fmt: skip
-    p.add_argument(
-        "--device", choices=("cpu", "cuda"), default=None,
-        help="cpu (fp32) or cuda (bf16; default: cuda when available)",
-    )  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cpu (fp32) or cuda (bf16; default: cuda when available)")  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",
         help=f"add a torch.compile twin ('<row>{SUFFIX}', inductor) of the {', '.join(COMPILED)} rows",
     )  # fmt: skip
-    p.add_argument(
-        "--checkpointing", action="store_true",
-        help="every row with gradient checkpointing (non-reentrant)",
-    )  # fmt: skip
-    p.add_argument(
-        "--fused-rmsnorm", action="store_true",
-        help="the dropless rows with patch(fused_rmsnorm=True) too",
-    )  # fmt: skip
-    p.add_argument(
-        "--profile", action="store_true",
-        help=f"one more step of the {PROFILED} row under torch.profiler: a per-kernel table",
-    )  # fmt: skip
+    p.add_argument("--checkpointing", action="store_true",
+                   help="every row with gradient checkpointing (non-reentrant)")  # fmt: skip
+    p.add_argument("--fused-rmsnorm", action="store_true",
+                   help="the dropless rows with patch(fused_rmsnorm=True) too")  # fmt: skip
+    p.add_argument("--profile", action="store_true", help=f"one more step of the {PROFILED} "
+                   "row under torch.profiler: a per-kernel table")  # fmt: skip
     add_history_arguments(p, "e2e")
 
 
@@ -414,13 +404,13 @@ def ratios_vs(rows: dict, base_impl: str) -> None:
         if base not in rows:
             continue
         b = rows[base]
-        r[f"vs_{base_impl}"] = paired(_speeds(r), _speeds(b))
+        r[f"vs_{base_impl}"] = _paired(r, b)
         mem = r.get("peak_step_mib") is not None and b.get("peak_step_mib")
         r[f"memory_vs_{base_impl}"] = r["peak_step_mib"] / b["peak_step_mib"] if mem else None
 
 
-def _speeds(row: dict) -> dict:
-    return dict(zip(row["round_ids"], row["rounds"]))
+def _paired(row: dict, base: dict) -> dict | None:
+    return paired(*(dict(zip(x["round_ids"], x["rounds"])) for x in (row, base)))
 
 
 def _ratios(figures: dict, rows: dict) -> None:
@@ -431,7 +421,7 @@ def _ratios(figures: dict, rows: dict) -> None:
         impl, opt = split_key(key)
         own = row_key(impl.removesuffix(SUFFIX), opt)
         if impl.endswith(SUFFIX) and own in rows:
-            figures[f"{key}_vs_eager"] = paired(_speeds(r), _speeds(rows[own]))
+            figures[f"{key}_vs_eager"] = _paired(r, rows[own])
             if impl != "grouped_mm" + SUFFIX and r.get("vs_grouped_mm"):
                 figures[f"{key}_vs_grouped_mm{SUFFIX}"] = r["vs_grouped_mm"]
     for name, key in (("", "dropless"), ("fused_ce_", "dropless-fused-ce")):

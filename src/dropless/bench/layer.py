@@ -119,7 +119,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _SETUP_KEYS = ("E", "K", "D", "F", "T", "dtype", "device", "skewed")
 _SETUP_CACHE: dict[tuple, tuple] = {}  # the last case's tensors: generated once per case
-_GEMM_NOTES: list[str] = []  # the rows' children's expert GEMM plans (gemm_tuning)
 
 
 def _setup(cfg: dict):
@@ -267,19 +266,18 @@ def _time_once(step, params, dev) -> float:
 
 
 def _child(cfg: dict) -> dict:
-    """One row in a fresh process: with `memory`, the peak memory of one step above inputs
-    and weights first; then `warmup` untimed and `steps` timed steps -> ms (median), ms_all."""
+    """One row in a fresh process: `warmup` + `steps` steps -> ms (median), ms_all, memory."""
     torch.set_num_threads(cfg["threads"])
     dev = torch.device(cfg["device"])
     step, params, _ = build_impl(cfg["impl"], cfg)
     gc.collect()
-    out = {"peak_mib": None, "how": "skipped"}
-    if cfg.get("memory"):
-        out = _peak(step, params, dev)
+    # memory: CPU, a fresh process's first step; CUDA after timing (not the libraries' buffers)
+    memory, cuda = cfg.get("memory"), dev.type == "cuda"
+    out = _peak(step, params, dev) if memory and not cuda else {"peak_mib": None, "how": "skipped"}
     for _ in range(cfg["warmup"]):
         _time_once(step, params, dev)
     times = [_time_once(step, params, dev) for _ in range(cfg["steps"])]
-    out["gemm_note"] = gemm_tuning.choices_note()
+    out = _peak(step, params, dev) if memory and cuda else out
     return out | {"ms": statistics.median(times), "ms_all": times}
 
 
@@ -333,7 +331,6 @@ def _time_impls(cfg: dict, impls, args, rec=None) -> tuple[dict, dict]:
                            "memory": r == 0 and not args.no_memory}  # fmt: skip
             out = run_child("dropless.bench.layer", child)
             times[name][r] = out["ms"]
-            _GEMM_NOTES.append(out.get("gemm_note", ""))
             if r == 0:
                 memory[name] = {k: out[k] for k in ("peak_mib", "how")}
     return times, memory
@@ -472,8 +469,8 @@ def _measure(args, dev: str, impls: list[str], busy_core: int | None, rec=None):
         extra["profile"], tables = prof.layer_steps(build_impl, cfg | {"T": T0}, PROFILED)
         text += tables
         _SETUP_CACHE.clear()
-    # which implementation ran each expert GEMM, in the rows' children
-    text.append("".join(dict.fromkeys(_GEMM_NOTES)) or gemm_tuning.choices_note())
+    # which implementation ran each expert GEMM (planned again by the output check here)
+    text.append(gemm_tuning.choices_note())
     table = "\n".join(text)
     print(table)
     for r in all_rows:  # a recipe's rows differ by its quantization noise

@@ -9,7 +9,7 @@ from .common import paired_text
 def table(rows: dict, base: str = "grouped_mm", name=None, trainable: bool = False) -> str:
     """Every row with its ratios against the stock row `base` (`ratios_vs`: same round,
     same AdamW); `name` labels a row's implementation, `trainable` adds its parameters."""
-    name, nan, stock = name or label, float("nan"), "stock" if base == "grouped_mm" else base
+    name, nan, stock = name or label, float("nan"), {"peft": "stock PEFT"}.get(base, "stock")
     lines = [
         f"| implementation | AdamW |{' trainable params |' * trainable} tokens/s median (best "
         "step) | step s | peak step MiB | fwd+bwd / AdamW MiB | vs "

@@ -4,11 +4,12 @@
 # section records the load average and the other busy processes before and after.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dropless bench layer --shape qwen3 --rounds 5 --impls all --record
-dropless bench layer --shape mixtral --rounds 5 --record
-dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1 --record
-dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1 --record
-dropless bench lora --rounds 3 --steps 2 --record
+dropless bench layer --shape qwen3 --impls all --record
+dropless bench layer --shape mixtral --record
+dropless bench e2e --record
+dropless bench e2e --shape mixtral --record
+dropless bench e2e --impls grouped_mm,dropless --compile --no-memory --no-history --section benchmarks/sections/e2e_compile.md
+dropless bench lora --record
 dropless bench memory --seq-len 8192 32768 --record
 dropless bench fp8 --record
 dropless bench ep --world 2 --tokens 1024 --record

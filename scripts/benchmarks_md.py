@@ -17,18 +17,18 @@ from pathlib import Path
 # section file -> the commands that write it (in the order they are run)
 SECTIONS = {
     "layer": [
-        "dropless bench layer --shape qwen3 --rounds 5 --impls all --record",
-        "dropless bench layer --shape mixtral --rounds 5 --record",
+        "dropless bench layer --shape qwen3 --impls all --record",
+        "dropless bench layer --shape mixtral --record",
     ],
     "e2e": [
-        "dropless bench e2e --rounds 3 --steps 2 --eager-rounds 1 --record",
-        "dropless bench e2e --shape mixtral --rounds 3 --steps 2 --eager-rounds 1 --record",
+        "dropless bench e2e --record",
+        "dropless bench e2e --shape mixtral --record",
     ],
     "e2e_compile": [
-        "dropless bench e2e --impls grouped_mm,dropless --compile --rounds 5 --steps 5 "
-        "--no-memory --no-history --section benchmarks/sections/e2e_compile.md"
+        "dropless bench e2e --impls grouped_mm,dropless --compile --no-memory --no-history "
+        "--section benchmarks/sections/e2e_compile.md"
     ],
-    "lora": ["dropless bench lora --rounds 3 --steps 2 --record"],
+    "lora": ["dropless bench lora --record"],
     "memory": ["dropless bench memory --seq-len 8192 32768 --record"],
     "fp8": ["dropless bench fp8 --record"],
     "parallel": ["dropless bench ep --world 2 --tokens 1024 --record"],

@@ -209,3 +209,154 @@ def test_backends_are_one_registry():
     assert _pick("auto", h, "none", 0.1).name == "chunked"
     with pytest.raises(ValueError, match="'fused' cannot run .*per-token incoming gradient"):
         _pick("fused", h, "none", 0.0)
+
+
+# --- cross_entropy: the row op as an autograd Function on logits the caller has ----------
+
+
+def _ce_rows_module():
+    import sys
+
+    return sys.modules["dropless.ops.linear_cross_entropy.rows"]
+
+
+def _head(dtype, N=2, L=9, D=8, V=37, seed=0):
+    """(h, w, labels): logits = h @ w.T in `dtype` (16-bit from fp32 leaves, as autocast)."""
+    g = torch.Generator().manual_seed(seed)
+    leaf = torch.float64 if dtype == torch.float64 else torch.float32
+    h = torch.randn(N, L, D, generator=g, dtype=leaf).requires_grad_()
+    w = torch.randn(V, D, generator=g, dtype=leaf).requires_grad_()
+    y = torch.randint(0, V, (N, L), generator=g)
+    y[0, -3:] = -100
+    y[1, :2] = -100
+    return h, w, y
+
+
+def _ce_step(loss_of, h, w, y, dtype, keep_logits=False, **backward):
+    h.grad = w.grad = None
+    logits = (h @ w.t()).to(dtype)
+    loss = loss_of(logits, y)
+    if not keep_logits:
+        logits = None
+    (loss * 1.7).backward(**backward)
+    return loss.detach(), h.grad.clone(), w.grad.clone(), logits
+
+
+def _stock(reduction):
+    def run(logits, y):
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        x = logits.to(acc).reshape(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(x, y.reshape(-1), reduction=reduction)
+
+    return run
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cross_entropy_equals_stock(dtype, reduction, monkeypatch):
+    """fp64 within 1e-12 of F.cross_entropy (loss and gradients), fp32 within rounding,
+    bf16 logits (upcast like stock) the same; chunks of 5 rows with a partial last one."""
+    from dropless.ops.linear_cross_entropy.rows import cross_entropy
+
+    monkeypatch.setattr(_ce_rows_module(), "_CHUNK_BYTES", 4 * 37 * 5)
+    h, w, y = _head(dtype)
+    want = _ce_step(_stock(reduction), h, w, y, dtype)
+    got = _ce_step(lambda x, t: cross_entropy(x, t, reduction=reduction), h, w, y, dtype)
+    assert got[0].dtype == want[0].dtype == torch.promote_types(dtype, torch.float32)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-5}[dtype]
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
+def test_cross_entropy_all_ignored_and_argument_checks():
+    from dropless.ops.linear_cross_entropy.rows import cross_entropy
+
+    x = torch.randn(4, 5, requires_grad=True)
+    y = torch.full((4,), -100)
+    loss = cross_entropy(x, y)
+    assert torch.isnan(loss)  # 0 / 0, as stock's mean
+    loss.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(x, y, reduction="none")
+    with pytest.raises(ValueError, match="do not match"):
+        cross_entropy(x, y[:3])
+
+
+def _logits_sized_saved(fn, V, rows):
+    """Bytes of the [rows, V]-sized tensors autograd saves while `fn()` runs, and
+    whether each shares memory with the logits `fn` returns (fn -> (loss, logits))."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss, logits = fn()
+    big = [t for t in saved if t.numel() == rows * V]
+    ptr = logits.untyped_storage().data_ptr()
+    return [(t.untyped_storage().data_ptr() == ptr, t.numel() * t.element_size()) for t in big]
+
+
+def test_cross_entropy_keeps_only_the_logits():
+    """F.cross_entropy saves its [N, V] log-probabilities; cross_entropy saves nothing
+    logits-sized but the logits themselves (the same memory)."""
+    from dropless.ops.linear_cross_entropy.rows import cross_entropy
+
+    h, w, y = _head(torch.float32)
+
+    def run(loss_of):
+        logits = h @ w.t()
+        return loss_of(logits, y), logits
+
+    stock = _logits_sized_saved(lambda: run(_stock("mean")), 37, 18)
+    assert (False, 18 * 37 * 4) in stock  # the log-probabilities: new memory
+    assert _logits_sized_saved(lambda: run(cross_entropy), 37, 18) == [(True, 18 * 37 * 4)]
+
+
+def test_cross_entropy_writes_its_gradient_over_logits_no_one_holds(monkeypatch):
+    """The backward's gradient buffer: the logits' own memory when the caller let them
+    go; a new buffer when the caller holds them (left as they were), when the graph is
+    retained (a second backward gives the same gradients) or saved-tensor hooks run."""
+    from dropless.ops.linear_cross_entropy.rows import cross_entropy
+
+    rows = _ce_rows_module()
+    made = []
+    real = torch.empty
+    monkeypatch.setattr(rows.torch, "empty", lambda *a, **k: made.append(a) or real(*a, **k))
+
+    def new_buffers():
+        n = sum(1 for a in made if a and tuple(a[0]) == (2, 9, 37))
+        made.clear()
+        return n
+
+    h, w, y = _head(torch.float32)
+    want = _ce_step(_stock("mean"), h, w, y, torch.float32)
+    got = _ce_step(cross_entropy, h, w, y, torch.float32)
+    assert new_buffers() == 0
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b)
+    held = _ce_step(cross_entropy, h, w, y, torch.float32, keep_logits=True)
+    assert new_buffers() == 1
+    torch.testing.assert_close(held[3], (h @ w.t()).detach())  # the caller's, untouched
+    grads = []
+    logits = h @ w.t()
+    loss = cross_entropy(logits, y)
+    del logits
+    for _ in range(2):
+        grads.append(torch.autograd.grad(loss, (h, w), retain_graph=True))
+    assert new_buffers() == 2
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        _ce_step(cross_entropy, h, w, y, torch.float32)
+    assert new_buffers() == 1
+
+
+def test_cross_entropy_ownership_reads_torch_storage_counts():
+    """The private count `_owns_memory` reads: a tensor alone on its memory counts as a
+    fresh one; another tensor on the same memory (a detached alias) adds one."""
+    rows = _ce_rows_module()
+    x = torch.randn(3, 4)
+    fresh = rows._use_count(torch.empty(1))
+    assert rows._use_count(x) == fresh
+    alias = x.detach()
+    assert rows._use_count(x) == fresh + 1
+    del alias
+    assert rows._use_count(x) == fresh

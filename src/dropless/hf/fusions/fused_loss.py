@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...ops.linear_cross_entropy import linear_cross_entropy
+from .causal_lm_loss import causal_lm_loss
 
 _STATE_ATTR = "_dropless_fused_ce"
 # config fields through which families transform logits before the loss
@@ -36,7 +37,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
 @dataclass
 class _State:
     head: nn.Linear
-    stock_loss_fn: Any  # Transformers' ForCausalLMLoss, for calls without the fused path
+    stock_loss_fn: Any  # ForCausalLMLoss (or the lean one), for calls without the fused path
     chunk_size: int | None
     backend: str
     # instance-level forwards set before ours (e.g. by accelerate hooks), restored by disable
@@ -165,7 +166,9 @@ def disable_fused_cross_entropy(model: nn.Module) -> nn.Module:
             vars(module).pop("forward", None)
         else:
             module.forward = before
-    vars(model).pop("_loss_function", None)  # enable refuses instances that had their own
+    vars(model).pop("_loss_function", None)
+    if state.stock_loss_fn is causal_lm_loss:  # the lean loss it replaced
+        model.loss_function = causal_lm_loss
     return model
 
 
@@ -179,7 +182,7 @@ def _check_model(model: nn.Module) -> nn.Linear:
         )
     from transformers.loss.loss_utils import LOSS_MAPPING
 
-    if "_loss_function" in vars(model) or model.loss_function is not LOSS_MAPPING["ForCausalLM"]:
+    if model.loss_function not in (LOSS_MAPPING["ForCausalLM"], causal_lm_loss):
         raise ValueError(
             f"{type(model).__name__} does not use Transformers' ForCausalLMLoss "
             "(a custom or non-causal loss is set); the fused cross-entropy only replaces that one"

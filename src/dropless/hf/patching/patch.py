@@ -26,6 +26,7 @@ from ...ops.expert_mlp import set_expert_path
 from .._compat import require_transformers
 from ..experts.forward import SPEC_ATTR, dropless_experts_forward, wire_experts
 from ..experts.replay import install_routing_replay, remove_routing_replay
+from ..fusions.causal_lm_loss import disable_lean_cross_entropy, enable_lean_cross_entropy
 from ..fusions.fused_loss import disable_fused_cross_entropy, enable_fused_cross_entropy
 from ..fusions.rmsnorm import disable_fused_rmsnorm, enable_fused_rmsnorm
 from ..layers import moe_layers
@@ -46,7 +47,7 @@ _state: dict = {
     "original_get_correct": None,
     "original_post_init": None,
     # options of the latest patch() call, applied to models built or loaded afterwards
-    "options": {"fused_cross_entropy": False, "fused_rmsnorm": False},
+    "options": {"fused_cross_entropy": False, "fused_rmsnorm": False, "lean_cross_entropy": True},
 }
 # models whose fused cross-entropy dropless turned on (turned off again on unpatch)
 _fused_ce: weakref.WeakSet = weakref.WeakSet()
@@ -152,9 +153,13 @@ def _is_causal_lm_head(model) -> bool:
     return callable(get_head) and isinstance(get_head(), nn.Linear)
 
 
-def _apply_options(model, *, fused_cross_entropy: bool, fused_rmsnorm: bool) -> None:
+def _apply_options(
+    model, *, fused_cross_entropy: bool, fused_rmsnorm: bool, lean_cross_entropy: bool = True
+) -> None:
     if fused_rmsnorm:
         enable_fused_rmsnorm(model)
+    if lean_cross_entropy:  # under the fused one, for its calls without labels
+        enable_lean_cross_entropy(model)
     if fused_cross_entropy and _is_causal_lm_head(model):
         try:
             enable_fused_cross_entropy(model)
@@ -174,7 +179,11 @@ def is_patched() -> bool:
 
 
 def patch(
-    *, fused_cross_entropy: bool = False, fused_rmsnorm: bool = False, expert_path: str = "auto"
+    *,
+    fused_cross_entropy: bool = False,
+    fused_rmsnorm: bool = False,
+    expert_path: str = "auto",
+    lean_cross_entropy: bool = True,
 ) -> PatchReport:
     """Register the "dropless" experts implementation and make it the default.
 
@@ -188,6 +197,10 @@ def patch(
     fused_cross_entropy: a causal LM given `labels` computes its loss from the hidden
         states in chunks (`dropless.hf.fusions.fused_loss`) and returns `logits=None`; off by
         default because code may read the logits.
+    lean_cross_entropy: a model whose loss is Transformers' `ForCausalLMLoss` gets the same
+        loss computed by `dropless.hf.fusions.causal_lm_loss`, which keeps the logits (still
+        returned) instead of their log-probabilities for backward and writes the gradient
+        over them when the caller has let them go; on by default.
     fused_rmsnorm: RMSNorm modules run dropless's RMSNorm (`dropless.hf.fusions.rmsnorm`): the
         Triton kernel for CUDA tensors, a torch op that keeps less for backward elsewhere.
     expert_path: the expert engine's schedule in this process: "auto" (the per-expert loop
@@ -196,7 +209,10 @@ def patch(
     Every model on the dropless path also gets routing replay for activation
     checkpointing (`dropless.hf.experts.replay`).
     """
-    _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
+    _check_options(
+        fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm,
+        lean_cross_entropy=lean_cross_entropy,
+    )  # fmt: skip
     require_transformers()
     set_expert_path(expert_path)
     with _LOCK:
@@ -205,6 +221,7 @@ def patch(
         _state["options"] = {
             "fused_cross_entropy": fused_cross_entropy,
             "fused_rmsnorm": fused_rmsnorm,
+            "lean_cross_entropy": lean_cross_entropy,
         }
     return report()
 
@@ -249,6 +266,7 @@ def patch_model(
     fused_cross_entropy: bool = False,
     fused_rmsnorm: bool = False,
     expert_path: str | None = None,
+    lean_cross_entropy: bool = True,
 ) -> nn.Module:
     """Switch an already built MoE model to the dropless experts path (in place; returns it).
 
@@ -256,11 +274,15 @@ def patch_model(
     buffer [E] (zeros) that shifts which experts are chosen, not their weights, for
     aux-loss-free balancing (`dropless.ops.update_expert_bias`); DeepSeek-V3 and GLM-4-MoE
     routers keep using their `e_score_correction_bias`, AFMoE and LFM2-MoE blocks their
-    `expert_bias`. `fused_cross_entropy` and
-    `fused_rmsnorm` and `expert_path` (None: unchanged) as in `patch()`. Raises
+    `expert_bias`. `fused_cross_entropy`, `fused_rmsnorm`, `lean_cross_entropy` and
+    `expert_path` (None: unchanged) as in `patch()`. Raises
     TypeError/ValueError for a model that is not a supported MoE model.
     """
-    _check_options(fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
+    options = dict(
+        fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm,
+        lean_cross_entropy=lean_cross_entropy,
+    )  # fmt: skip
+    _check_options(**options)
     layers = _require_moe(model)
     if expert_path is not None:
         set_expert_path(expert_path)
@@ -283,7 +305,7 @@ def patch_model(
                 )
             add_expert_bias(layer.router, layer.family, layer.num_experts, layer.block)
         install_routing_replay(model)
-        _apply_options(model, fused_cross_entropy=fused_cross_entropy, fused_rmsnorm=fused_rmsnorm)
+        _apply_options(model, **options)
     return model
 
 
@@ -319,6 +341,7 @@ def _restore_model(model: nn.Module) -> None:
     if model in _fused_ce:
         _fused_ce.discard(model)
         disable_fused_cross_entropy(model)
+    disable_lean_cross_entropy(model)
     for layer in moe_layers(model):
         if layer.router is not None:
             remove_expert_bias(layer.router)
@@ -356,4 +379,6 @@ def unpatch() -> None:
         _state["registered"], _state["prior"] = False, None
         uninstall_lean_activation()
         set_expert_path("auto")
-        _state["options"] = {"fused_cross_entropy": False, "fused_rmsnorm": False}
+        _state["options"] = {
+            "fused_cross_entropy": False, "fused_rmsnorm": False, "lean_cross_entropy": True,
+        }  # fmt: skip

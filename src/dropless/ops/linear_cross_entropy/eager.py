@@ -4,45 +4,34 @@
 (the loss of a language-model head), through one of the entries of the registry
 `CE_BACKENDS`:
 
-- "fused" (reductions "mean"/"sum"): the gradients are computed in the forward, chunk by
-  chunk of tokens into one reused `[C, V]` logits buffer in the input dtype (`fused_pass.py`,
-  its row op `rows.py`), so the backward only scales them by the incoming gradient (no
-  logits recomputed: three GEMMs per chunk, not four), in place: a second backward through
-  the same graph raises. Kept from forward to backward: O(T*D + V*D), never O(T*V);
-- "chunked" (the reference of "fused"; every reduction): the forward keeps one chunk's
-  fp32 logits at a time and saves the per-token log-sum-exp; the backward recomputes each
-  chunk's logits;
-- "torch": `torch.nn.functional.linear_cross_entropy` with `LinearCrossEntropyOptions`
-  (torch >= 2.13), which chunks too; no label smoothing.
-
-"auto" takes "fused" for "mean" and "sum"; for "none" (whose per-token incoming gradient
-cannot be folded into a weight gradient summed in the forward) "torch" where it runs the
-call and the inputs are fp32 or fp64, else "chunked": for bf16/fp16 inputs torch's op forms
-the logits in fp32 from the low-precision operands, more accurate than (and so not equal
-to) a head that rounds its logits to bf16 before `.float()`, as Transformers models do;
-"fused" and "chunked" round where the stock head does. A named entry that cannot run the
-call raises ValueError with its reason; it never falls back. Chunk sizes, buffers and
-their memory: docs/genomics.md, "Fused linear + cross-entropy".
+"fused" (the one entry today; reductions "mean" and "sum"): the gradients are computed
+in the forward, chunk by chunk of tokens into one reused `[C, V]` logits buffer in the
+input dtype (`fused_pass.py`, its row op `rows.py`), so the backward only scales them by
+the incoming gradient (no logits recomputed: three GEMMs per chunk, not four), in place:
+a second backward through the same graph raises. Kept from forward to backward:
+O(T*D + V*D), never O(T*V). The logits are rounded where a stock head rounds them (in the
+input dtype, then fp32). A named entry that cannot run the call raises ValueError with
+its reason; it never falls back. Chunk sizes, buffers and their memory: docs/genomics.md,
+"Fused linear + cross-entropy". A loss on logits a caller already has:
+`rows.cross_entropy`.
 """
 
 # T tokens, D hidden (in features), V vocabulary (classes), C tokens in one chunk
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..compute_dtype import autocast_dtype
 from ..registry import Registry
 from . import custom_op
-from .fused_pass import fused_pass, mm_into
+from .fused_pass import fused_pass
 from .rows import CERows
 
-REDUCTIONS = ("mean", "sum", "none")
+REDUCTIONS = ("mean", "sum")
 _MIN_CHUNK = 128
 # "fused": one chunk's logits at most this large, and 2,048 rows at most. Each chunk
 # costs one read-modify-write of the [V, D] fp32 weight gradient, so chunks are large;
@@ -50,17 +39,6 @@ _MIN_CHUNK = 128
 # the forward, beside every activation)
 LOGITS_BUFFER_BYTES = 1 << 30
 _MAX_FUSED_CHUNK = 2048
-
-
-def torch_linear_cross_entropy_available() -> bool:
-    """True when this torch has `F.linear_cross_entropy` with chunking options."""
-    return hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
-
-
-def default_chunk_size(num_tokens: int, hidden: int, vocab: int) -> int:
-    """Rows per chunk so a chunk's logits are about as large as the hidden states
-    (at least 128 rows, so each GEMM stays large enough to run near peak)."""
-    return max(1, min(num_tokens, max(_MIN_CHUNK, math.ceil(num_tokens * hidden / max(vocab, 1)))))
 
 
 def fused_chunk_size(num_tokens: int, vocab: int, dtype: torch.dtype) -> int:
@@ -88,18 +66,16 @@ def linear_cross_entropy(
     h is [..., D], labels the matching [...] int64 class ids (`ignore_index` marks
     positions that count for nothing). Same value and gradients as
     `F.cross_entropy(F.linear(h, weight, bias).float(), labels, ...)`, including a
-    NaN mean (and zero gradients) when every label is ignored. Returns a scalar, or
-    per-token losses shaped like `labels` for reduction="none" (fp32, or fp64 for
-    fp64 inputs).
+    NaN mean (and zero gradients) when every label is ignored. Returns a scalar (fp32,
+    or fp64 for fp64 inputs).
     """
     _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_size)
     entry = _pick(backend, h, reduction, label_smoothing)
     h_TD = h.reshape(-1, h.shape[-1])
     labels_T = labels.reshape(-1)
-    loss = entry.run(
+    return entry.run(
         h_TD, weight_VD, labels_T, bias_V, ignore_index, label_smoothing, reduction, chunk_size
     )
-    return loss.reshape(labels.shape) if reduction == "none" else loss
 
 
 @dataclass(frozen=True)
@@ -149,104 +125,6 @@ def _check_args(h, weight_VD, labels, bias_V, label_smoothing, reduction, chunk_
         raise ValueError(
             f"labels {tuple(labels.shape)} must match h without its last dim {tuple(h.shape[:-1])}"
         )
-
-
-def _run_torch(h_TD, weight_VD, labels_T, bias_V, ignore_index, _smoothing, reduction, chunk_size):
-    # chunk_size None: torch's own heuristic (chunking_method="auto")
-    opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_size)
-    # torch's chunked mean gives NaN gradients when every label is ignored; the plain
-    # composition gives zeros. Summing and dividing here keeps the plain behaviour.
-    red = "sum" if reduction == "mean" else reduction
-    loss = F.linear_cross_entropy(
-        h_TD, weight_VD, labels_T, linear_bias=bias_V, reduction=red,
-        ignore_index=ignore_index, options=opts,
-    )  # fmt: skip
-    acc = torch.promote_types(h_TD.dtype, torch.float32)
-    loss = loss.to(acc)
-    if reduction != "mean":
-        return loss
-    n_valid = (labels_T != ignore_index).sum().to(acc)
-    mean = loss / n_valid.clamp_min(1)
-    return torch.where(n_valid > 0, mean, torch.full_like(mean, float("nan")))
-
-
-class _ChunkedLinearCE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h_TD, weight_VD, bias_V, labels_T, ignore_index, smoothing, reduction, chunk):
-        T = h_TD.shape[0]
-        acc = torch.promote_types(h_TD.dtype, torch.float32)
-        loss_T = torch.zeros(T, dtype=acc, device=h_TD.device)
-        lse_T = torch.empty(T, dtype=acc, device=h_TD.device)
-        valid_T = labels_T != ignore_index
-        for s in range(0, T, chunk):
-            logits_CV = _chunk_logits(h_TD[s : s + chunk], weight_VD, bias_V, acc)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            lse_T[s : s + chunk] = lse_C
-            valid_C = valid_T[s : s + chunk]
-            safe_C = torch.where(valid_C, labels_T[s : s + chunk], 0)
-            nll_C = lse_C - logits_CV.gather(1, safe_C.unsqueeze(1)).squeeze(1)
-            if smoothing:
-                nll_C = (1 - smoothing) * nll_C + smoothing * (lse_C - logits_CV.mean(-1))
-            loss_T[s : s + chunk] = torch.where(valid_C, nll_C, 0)
-        n_valid = valid_T.sum().to(acc)
-        ctx.save_for_backward(h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid)
-        ctx.args = (ignore_index, smoothing, reduction, chunk)
-        if reduction == "none":
-            return loss_T
-        total = loss_T.sum()
-        return total / n_valid if reduction == "mean" else total
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        h_TD, weight_VD, bias_V, labels_T, lse_T, n_valid = ctx.saved_tensors
-        ignore_index, smoothing, reduction, chunk = ctx.args
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        acc = lse_T.dtype
-        # per-token factor on d loss / d logits; ignored tokens get exactly zero
-        if reduction == "none":
-            scale_T = grad_out.to(acc)
-        elif reduction == "mean":
-            scale_T = (grad_out.to(acc) / n_valid).expand(lse_T.shape)
-        else:
-            scale_T = grad_out.to(acc).expand(lse_T.shape)
-        scale_T = torch.where(labels_T != ignore_index, scale_T, 0)
-        grad_h = torch.empty_like(h_TD) if need_h else None
-        # low-precision weights: sum the chunks' contributions in fp32, cast once
-        grad_w = torch.zeros(weight_VD.shape, dtype=acc, device=h_TD.device) if need_w else None
-        grad_b = torch.zeros(weight_VD.shape[0], dtype=acc, device=h_TD.device) if need_b else None
-        V = weight_VD.shape[0]
-        for s in range(0, h_TD.shape[0], chunk):
-            h_CD = h_TD[s : s + chunk]
-            logits_CV = _chunk_logits(h_CD, weight_VD, bias_V, acc)
-            # softmax - target distribution, in place on the recomputed logits
-            d_CV = logits_CV.sub_(lse_T[s : s + chunk].unsqueeze(1)).exp_()
-            if smoothing:
-                d_CV.sub_(smoothing / V)
-            safe_C = torch.where(
-                labels_T[s : s + chunk] != ignore_index, labels_T[s : s + chunk], 0
-            )
-            d_CV.scatter_add_(
-                1, safe_C.unsqueeze(1), torch.full_like(d_CV[:, :1], -(1.0 - smoothing))
-            )
-            d_CV.mul_(scale_T[s : s + chunk].unsqueeze(1))
-            if need_b:
-                grad_b.add_(d_CV.sum(0))
-            d_CV = d_CV.to(h_TD.dtype)
-            if need_h:
-                torch.mm(d_CV, weight_VD, out=grad_h[s : s + chunk])
-            if need_w:
-                mm_into(grad_w, d_CV.t(), h_CD, accumulate=True)
-        if need_w:
-            grad_w = grad_w.to(weight_VD.dtype)
-        if need_b:
-            grad_b = grad_b.to(bias_V.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
-
-
-def _chunk_logits(h_CD, weight_VD, bias_V, acc):
-    # the GEMM in the input dtype, then fp32, as a language-model head followed by
-    # `logits.float()` does
-    return F.linear(h_CD, weight_VD, bias_V).to(acc)
 
 
 def fused_linear_cross_entropy(
@@ -318,7 +196,7 @@ class _FusedLinearCE(torch.autograd.Function):
             raise RuntimeError(
                 "linear_cross_entropy(backend='fused') scales its forward-computed gradients "
                 "in place, so its graph cannot be run backward twice (retain_graph=True); "
-                "use backend='chunked' for that"
+                "compute the loss again for a second backward"
             )
         ctx.used = True
         saved = iter(ctx.saved_tensors)
@@ -337,44 +215,6 @@ def _run_fused(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduc
     )  # fmt: skip
 
 
-def _run_chunked(h_TD, weight_VD, labels_T, bias_V, ignore_index, smoothing, reduction, chunk_size):
-    T, D = h_TD.shape
-    chunk = chunk_size or default_chunk_size(T, D, weight_VD.shape[0])
-    return _ChunkedLinearCE.apply(
-        h_TD, weight_VD, bias_V, labels_T, ignore_index, smoothing, reduction, chunk
-    )
-
-
-def _fused_refuses(h, reduction: str, label_smoothing: float) -> str:
-    if reduction == "none":
-        return (
-            "it sums the weight gradient in the forward, which a per-token incoming gradient "
-            "(reduction='none') cannot scale; use reduction='mean' or 'sum', or backend "
-            "'chunked' or 'auto'"
-        )
-    return ""
-
-
-def _torch_refuses(h, reduction: str, label_smoothing: float) -> str:
-    if not torch_linear_cross_entropy_available():
-        return (
-            "it needs torch.nn.functional.linear_cross_entropy with LinearCrossEntropyOptions "
-            f"(torch >= 2.13; this is {torch.__version__}); use backend 'chunked' or 'auto'"
-        )
-    if label_smoothing != 0.0:
-        return "torch's op has no label smoothing; use backend 'chunked' or 'auto'"
-    return ""
-
-
 CE_BACKENDS.register(
-    CEBackend("fused", _run_fused, _fused_refuses, lambda *call: True, priority=30)
-)
-CE_BACKENDS.register(
-    CEBackend(
-        "torch", _run_torch, _torch_refuses,
-        lambda h, reduction, smoothing: h.dtype in (torch.float32, torch.float64), priority=20,
-    )
-)  # fmt: skip
-CE_BACKENDS.register(
-    CEBackend("chunked", _run_chunked, lambda *call: "", lambda *call: True, priority=10)
+    CEBackend("fused", _run_fused, lambda *call: "", lambda *call: True, priority=30)
 )

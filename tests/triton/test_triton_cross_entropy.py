@@ -1,6 +1,6 @@
 """Triton cross-entropy row kernel: alone against the eager row op, and inside
-linear_cross_entropy's "fused" backend against the "chunked" reference, forward and
-backward, fp32.
+linear_cross_entropy's "fused" backend against the reference (the head, then
+F.cross_entropy), forward and backward, fp32.
 
 `check(case, device)` runs under TRITON_INTERPRET=1 in a child process (tests/interpreted.py),
 so nothing here imports triton at module level; on a CUDA machine the same checks also
@@ -62,21 +62,21 @@ def _check_rows(case, device):
 
 
 def check(case, device: str) -> None:
-    from dropless.ops.linear_cross_entropy import (
-        fused_linear_cross_entropy,
-        linear_cross_entropy,
-    )
+    from dropless.ops.linear_cross_entropy import fused_linear_cross_entropy
     from dropless.ops.linear_cross_entropy.cross_entropy_kernels import ce_rows
     from dropless.ops.linear_cross_entropy.rows import CERows
+    from dropless.ops.reference import linear_cross_entropy_reference as reference
 
     _check_rows(case, device)
     T, D, V, chunk, ignored, smoothing, bias, reduction = case
     kernel = CERows("triton-under-test", ce_rows, supports=lambda t: True)
-    kw = dict(label_smoothing=smoothing, reduction=reduction, chunk_size=chunk)
+    kw = dict(label_smoothing=smoothing, reduction=reduction)
     results = []
     for run in (
-        lambda p, y: fused_linear_cross_entropy(p[0], p[1], y, *p[2:], rows=kernel, **kw),
-        lambda p, y: linear_cross_entropy(p[0], p[1], y, *p[2:], backend="chunked", **kw),
+        lambda p, y: fused_linear_cross_entropy(
+            p[0], p[1], y, *p[2:], rows=kernel, chunk_size=chunk, **kw
+        ),
+        lambda p, y: reference(p[0], p[1], y, *p[2:], **kw),
     ):
         leaves, y = _inputs(T, D, V, ignored, bias, device, seed=T + V)
         loss = run(leaves, y)

@@ -2,12 +2,13 @@
 a checkout, not in the wheel: `bench.common.from_checkout`).
 
 `dropless bench layer --profile` profiles one bf16 and one FP8 layer step (`dropless`
-and `dropless-fp8-current-row`) and `dropless bench e2e --profile` one training step of
-the `dropless` row; the tables go to the bench's JSON record (`figures.profile`) and its
-markdown. On CUDA a row is a GPU kernel (its device time; the kernels' names as the
-profiler reports them); on CPU, where there are no kernels, a row is an aten operator
-and its self CPU time (what the operator spent outside the operators it called). The
-shares are of the rows' sum, so on each device they add up to 1.
+and `dropless-fp8-current-row`) and `dropless bench e2e --profile` one training step each of
+the stock `grouped_mm` and the `dropless` rows, side by side (`side_by_side`); the tables go
+to the bench's JSON record (`figures.profile`) and its markdown. On CUDA a row is a GPU
+kernel (its device time; the kernels' names as the profiler reports them); on CPU, where
+there are no kernels, a row is an aten operator and its self CPU time (what the operator
+spent outside the operators it called). The shares are of the rows' sum, so on each device
+they add up to 1.
 """
 
 from __future__ import annotations
@@ -86,6 +87,33 @@ def markdown(title: str, table: dict) -> str:
         if len(name) > 90:
             name = name[:87] + "..."
         lines.append(f"| `{name}` | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def side_by_side(title: str, tables: dict[str, dict]) -> str:
+    """Several rows' tables as one markdown table, an operator per line (the union of
+    each table's kept operators, by their largest time), its ms and share per row."""
+    names = list(tables)
+    by_row = {n: {r["name"]: r for r in t["rows"]} for n, t in tables.items()}
+    ops = sorted(
+        {op for rows in by_row.values() for op in rows},
+        key=lambda op: (
+            op == "(other)",
+            -max(rows.get(op, {"total_ms": 0})["total_ms"] for rows in by_row.values()),
+        ),
+    )
+    what = next(iter(tables.values()))["what"]
+    total = ", ".join(f"`{n}` {t['total_ms']:.1f} ms" for n, t in tables.items())
+    lines = [
+        f"#### {title}, side by side: {what} ({total})",
+        "",
+        "| operator | " + " | ".join(f"`{n}` ms (share)" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for op in ops:
+        cells = [by_row[n].get(op) for n in names]
+        text = [f"{c['total_ms']:.1f} ({c['share']:.3f})" if c else "-" for c in cells]
+        lines.append(f"| `{op.replace('|', chr(92) + '|')[:90]}` | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 
 

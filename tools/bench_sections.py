@@ -118,9 +118,10 @@ Peer rows, on the stock `grouped_mm` model: `liger` (Liger-Kernel 0.8.5's RMSNor
 linear cross-entropy), `liger-moe` (the same and its fused MoE experts), `cce` (Cut
 Cross-Entropy 25.1.1's loss on the final hidden states, plus the router auxiliary loss as
 stock adds it). They run only from a checkout (tools/peers.py), where their package
-imports and CUDA is there; a run names the others with the version it looked for. `--profile`: a per-kernel table (calls, total
-ms, share) of one training step of the `dropless` row. A row absent from a table has not
-run on that device."""
+imports and CUDA is there; a run names the others with the version it looked for.
+`--profile`: one training step each of the stock `grouped_mm` and the `dropless` rows under
+torch.profiler, side by side (per operator or kernel: ms and share). A row absent from a
+table has not run on that device."""
 
 MEMORY_TITLE = """## Long sequences: peak step memory per token (`dropless bench memory`)
 

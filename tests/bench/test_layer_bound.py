@@ -120,6 +120,34 @@ def test_kernel_table_counts_calls_and_keeps_the_top_rows():
     assert text.startswith("#### x: aten operators, self CPU time") and "| `aten::mm` | 3 |" in text
 
 
+def test_side_by_side_puts_each_operator_on_one_line_with_every_rows_time():
+    def table(rows):
+        total = sum(ms for _, ms in rows)
+        return {
+            "what": "aten operators, self CPU time",
+            "total_ms": total,
+            "rows": [
+                {"name": n, "calls": 1, "total_ms": ms, "share": ms / total} for n, ms in rows
+            ],
+        }
+
+    stock = table([("aten::_grouped_mm", 60.0), ("aten::mm", 30.0), ("(other)", 10.0)])
+    patched = table([("aten::mm", 40.0), ("aten::bmm", 10.0), ("(other)", 5.0)])
+    text = profile.side_by_side("step", {"grouped_mm": stock, "dropless": patched})
+    lines = text.splitlines()
+    assert lines[0].startswith("#### step, side by side") and "`grouped_mm` 100.0 ms" in lines[0]
+    body = lines[4:]  # by the largest time over the rows, "(other)" last
+    assert [ln.split("`")[1] for ln in body] == [
+        "aten::_grouped_mm",
+        "aten::mm",
+        "aten::bmm",
+        "(other)",
+    ]
+    assert body[0].endswith("| 60.0 (0.600) | - |") and body[1].endswith(
+        "| 30.0 (0.300) | 40.0 (0.727) |"
+    )
+
+
 @pytest.mark.gpu
 def test_the_bound_on_cuda_runs_gemm_kernels_only_and_the_rate_is_plausible():
     T, K, D, F, E = 1024, 8, 2048, 768, 2

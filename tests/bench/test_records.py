@@ -270,3 +270,29 @@ def test_bench_writes_in_the_checkout_only_with_record(tmp_path, monkeypatch, ca
     assert json.loads(history.read_text())["bench"] == "fp8"
     assert "| bf16 | " in section.read_text()
     assert f"history: appended to {history}" in err and f"section: wrote {section}" in err
+
+
+def test_e2e_profile_puts_the_stock_and_the_patched_step_side_by_side(tmp_path, monkeypatch):
+    profiled = []
+
+    def fake_child(module, args, timeout=1800):
+        out = {"impl": args["impl"], "first_loss": 5.0, "threads": 1, "step_s": 1.0,
+               "best_step_s": 0.9, "tokens_per_s": 64.0}  # fmt: skip
+        if args.get("profile"):
+            profiled.append((args["impl"], args["optimizer"]))
+            ms = {"grouped_mm": 30.0, "dropless": 20.0}[args["impl"]]
+            out["profile"] = {"what": "aten operators, self CPU time", "total_ms": ms,
+                              "rows": [{"name": "aten::mm", "calls": 2, "total_ms": ms, "share": 1.0}]}  # fmt: skip
+        return out
+
+    monkeypatch.setattr(e2e, "run_child", fake_child)
+    p = argparse.ArgumentParser()
+    e2e.add_arguments(p)
+    section = tmp_path / "e2e.md"
+    argv = ["--quick", "--impls", "grouped_mm,dropless", "--no-memory", "--profile"]
+    assert e2e.run(p.parse_args([*argv, "--no-history", "--section", str(section)])) == 0
+    # each implementation once, in round 1, with its first optimizer
+    assert sorted(profiled) == [("dropless", "fused"), ("grouped_mm", "fused")]
+    text = section.read_text()
+    assert "training step, side by side" in text
+    assert "| `aten::mm` | 30.0 (1.000) | 20.0 (1.000) |" in text

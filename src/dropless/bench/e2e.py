@@ -84,7 +84,7 @@ DEFAULT_IMPLS = ("grouped_mm", "eager", "dropless", "dropless-fused-ce")
 IMPLS = (*DEFAULT_IMPLS, *PEER_ROWS)
 COMPILED = ("grouped_mm", "dropless", "dropless-fused-ce")  # rows --compile adds a twin of
 SUFFIX = "+compile"
-PROFILED = "dropless"  # --profile: the row whose step is profiled
+PROFILED = ("grouped_mm", "dropless")  # --profile: the rows whose steps are profiled, side by side
 # AdamW settings: fused=True; neither argument (torch picks: the single-tensor loop on CPU,
 # foreach on CUDA); foreach=True
 OPTIMIZERS = {"fused": {"fused": True}, "default": {}, "foreach": {"foreach": True}}
@@ -153,8 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every row with gradient checkpointing (non-reentrant)")  # fmt: skip
     p.add_argument("--fused-rmsnorm", action="store_true",
                    help="the dropless rows with patch(fused_rmsnorm=True) too")  # fmt: skip
-    p.add_argument("--profile", action="store_true", help=f"one more step of the {PROFILED} "
-                   "row under torch.profiler: a per-kernel table")  # fmt: skip
+    p.add_argument("--profile", action="store_true", help=f"one more step of the {' and '.join(PROFILED)} "
+                   "rows under torch.profiler: their per-operator tables side by side")  # fmt: skip
     add_history_arguments(p, "e2e")
 
 
@@ -334,7 +334,8 @@ def timing_rounds(
     failed = {} if failed is None else failed
     results: dict[str, list[dict]] = {k: [] for k in keys}
     eager_rounds = getattr(args, "eager_rounds", None)
-    profiled = next((k for k in keys if split_key(k)[0] == PROFILED), None)
+    # each profiled implementation's first row (its first optimizer), in round 1
+    profiled = {impl: next((k for k in keys if split_key(k)[0] == impl), None) for impl in PROFILED}
     for r in range(args.rounds):
         if r and rec is not None:
             rec.sample_load()
@@ -345,7 +346,7 @@ def timing_rounds(
             if key in failed:
                 continue
             progress(f"round {r + 1}/{args.rounds}: timing {key} (its own process)")
-            profile = bool(getattr(args, "profile", False)) and key == profiled and r == 0
+            profile = bool(getattr(args, "profile", False)) and key in profiled.values() and r == 0
             child = _common(args, shape, device, key)
             try:
                 out = run_child(module, child | {"mode": "time", "profile": profile})
@@ -483,11 +484,12 @@ def run(args) -> int:
     }  # fmt: skip
     _ratios(figures, rows)
     table = _table(rows)
-    profiled = [o["profile"] for outs in results.values() for o in outs if "profile" in o]
+    profiled = {split_key(k)[0]: o["profile"] for k, outs in results.items() for o in outs
+                if "profile" in o}  # fmt: skip
     if profiled:
-        figures["profile"] = {PROFILED: profiled[0]}
+        figures["profile"] = profiled
         prof = from_checkout("bench_profile", "--profile")
-        table += "\n\n" + prof.markdown(f"`{PROFILED}` training step", profiled[0])
+        table += "\n\n" + prof.side_by_side("training step", profiled)
     print(table)
     summary = finish_summary(args, rec, figures, _summary(rows, figures))
     record = rec.finish("e2e", figures)

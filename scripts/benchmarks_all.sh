@@ -9,6 +9,7 @@ dropless bench layer --shape mixtral --record
 dropless bench e2e --record
 dropless bench e2e --shape mixtral --record
 dropless bench e2e --impls grouped_mm,dropless --compile --no-memory --no-history --section benchmarks/sections/e2e_compile.md
+python scripts/bench_optimizer_step.py --section benchmarks/sections/optimizer_step.md
 dropless bench lora --record
 dropless bench memory --seq-len 8192 32768 --record
 dropless bench fp8 --record

@@ -28,6 +28,9 @@ SECTIONS = {
         "dropless bench e2e --impls grouped_mm,dropless --compile --no-memory --no-history "
         "--section benchmarks/sections/e2e_compile.md"
     ],
+    "optimizer_step": [
+        "python scripts/bench_optimizer_step.py --section benchmarks/sections/optimizer_step.md"
+    ],
     "lora": ["dropless bench lora --record"],
     "memory": ["dropless bench memory --seq-len 8192 32768 --record"],
     "fp8": ["dropless bench fp8 --record"],

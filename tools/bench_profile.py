@@ -7,16 +7,19 @@ the stock `grouped_mm` and the `dropless` rows, side by side (`side_by_side`); t
 to the bench's JSON record (`figures.profile`) and its markdown. On CUDA a row is a GPU
 kernel (its device time; the kernels' names as the profiler reports them); on CPU, where
 there are no kernels, a row is an aten operator and its self CPU time (what the operator
-spent outside the operators it called). The shares are of the rows' sum, so on each device
-they add up to 1.
+spent outside the operators it called), on every thread: the expert loop's worker threads
+run at once, so on CPU the rows can add up to more than the step's wall time (`wall_ms`,
+beside them). The shares are of the rows' sum, so on each device they add up to 1.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 
 TOP = 25  # rows kept; the rest are summed into one "(other)" row
 
@@ -32,14 +35,16 @@ def kernel_table(step: Callable[[], object], device: str, warmup: int = 1, top: 
         step()
     sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
+    # every thread's operators: on CPU the expert loop runs on worker threads
+    config = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=acts, experimental_config=config) as prof:
+        start = time.perf_counter()
         step()
         sync()
+        wall_ms = (time.perf_counter() - start) * 1e3
     rows = _rows(prof.key_averages(), cuda)
-    return _table(rows, top) | {
-        "device": device,
-        "what": "CUDA kernels, device time" if cuda else "aten operators, self CPU time",
-    }
+    what = "CUDA kernels, device time" if cuda else "aten operators, self CPU time of every thread"
+    return _table(rows, top) | {"device": device, "what": what, "wall_ms": round(wall_ms, 1)}
 
 
 def _rows(averages, cuda: bool) -> list[tuple[str, int, float]]:
@@ -103,7 +108,8 @@ def side_by_side(title: str, tables: dict[str, dict]) -> str:
         ),
     )
     what = next(iter(tables.values()))["what"]
-    total = ", ".join(f"`{n}` {t['total_ms']:.1f} ms" for n, t in tables.items())
+    total = ", ".join(f"`{n}` {t['total_ms']:.1f} ms in all, step {t.get('wall_ms', '-')} ms wall"
+                      for n, t in tables.items())  # fmt: skip
     lines = [
         f"#### {title}, side by side: {what} ({total})",
         "",

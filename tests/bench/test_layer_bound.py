@@ -120,6 +120,19 @@ def test_kernel_table_counts_calls_and_keeps_the_top_rows():
     assert text.startswith("#### x: aten operators, self CPU time") and "| `aten::mm` | 3 |" in text
 
 
+def test_kernel_table_sees_the_expert_worker_threads_ops():
+    from dropless.ops.expert_mlp.threads import run_experts
+
+    a = torch.randn(64, 64)
+
+    def step():  # 6 items of one mm each on 2 worker threads (the caller runs none)
+        assert run_experts(range(6), lambda item, scratch, buf: torch.mm(a, a), workers=2)
+
+    t = profile.kernel_table(step, "cpu", warmup=1)
+    mm = next(r for r in t["rows"] if r["name"] == "aten::mm")
+    assert mm["calls"] == 6 and t["wall_ms"] > 0
+
+
 def test_side_by_side_puts_each_operator_on_one_line_with_every_rows_time():
     def table(rows):
         total = sum(ms for _, ms in rows)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_SHOWN = (60, 180, 300)  # the load of a few log windows before the last
+SUM_SINCE = "bcd70c9"  # the commit from which `per_layer` sums the layers' losses
 
 
 def _setting(text: str) -> tuple[str, list[str]]:
@@ -102,7 +103,9 @@ def _without_bias(run: Path, eval_loss: float) -> float | None:
     eval_BL1 = text_data(cfg, run, False).eval_BL1
     kept = _held_out(load_run(run)[2], eval_BL1, cfg.train.batch_size)
     if abs(kept / eval_loss - 1) > 1e-4:
-        raise SystemExit(f"{run}: the run's model scores {kept:.6f} here, {eval_loss:.6f} in training")
+        raise SystemExit(
+            f"{run}: the run's model scores {kept:.6f} here, {eval_loss:.6f} in training"
+        )
     with tempfile.TemporaryDirectory() as d:
         out = convert(run, Path(d) / "hf", drop_expert_bias=True)
         stock = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -144,7 +147,9 @@ def _section(record: dict, names: list[str]) -> str:
     rows = []
     for name in names:
         f = fig[name]
-        sets = ", ".join(f"`{s}`" for s in f["overrides"]) or "(none: the default)"
+        sets = ", ".join(f"`{s}`" for s in f["overrides"]) or "(none: the default at its commit)"
+        kept = f.get("eval_loss_without_bias")
+        dropped = "" if kept is None else f"{kept:.4f} ({kept / f['eval_loss'] - 1:+.2%})"
         layers = " / ".join(f"{r:.2f}" for r in f["max_mean_load_per_layer"])
         early = " / ".join(
             f"{f['max_mean_by_step'][s]:.2f}"
@@ -153,7 +158,7 @@ def _section(record: dict, names: list[str]) -> str:
         )
         rows.append(
             f"| {name} | {sets} | {f['commit']} | {f.get('threads', 'unknown')} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
-            f"| {f['max_mean_load']:.3f} | {layers} | {f['starved_experts']} | {early} |"
+            f"| {dropped} | {f['max_mean_load']:.3f} | {layers} | {f['starved_experts']} | {early} |"
         )  # fmt: skip
     last = fig[names[0]]["step"]
     return "\n".join(
@@ -167,9 +172,14 @@ def _section(record: dict, names: list[str]) -> str:
          f"starved: experts, all layers, below {fig[names[0]]['starved_share']:.0%} of their "
          f"layer's mean; the worst layer's max/mean at earlier log steps after it. Each run's "
          f"commit is the one it trained on; `family` is Transformers' pooled "
-         f"`load_balancing_loss_func` (the loss of every commit before `train.balance_loss`).", "",
-         "| setting | overrides | commit | torch threads (OMP_NUM_THREADS) | held-out loss | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
-         "|---|---|---|---|---|---|---|---|---|", *rows, ""]
+         f"`load_balancing_loss_func` (the loss of every commit before `train.balance_loss`); "
+         f"`per_layer` averaged the layers' Switch losses before commit {SUM_SINCE} and sums "
+         f"them from it (each layer at the full coefficient): the settings named `-mean` ran "
+         f"before it. Bias dropped: for a run with the aux-loss-free expert bias, the held-out "
+         f"loss of the stock model `dropless convert --drop-expert-bias` writes (against the "
+         f"run's own).", "",
+         "| setting | overrides | commit | torch threads (OMP_NUM_THREADS) | held-out loss | bias dropped | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
+         "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     )  # fmt: skip
 
 

@@ -130,8 +130,9 @@ LAYOUTS[2]["tiny-cp2"] = (TINY[0], ["train.activation_checkpointing=true", *LONG
 
 def _calibration_config(config, sets):
     # the family's pooled balancing loss, which the plan was calibrated against: with the
-    # per-layer loss (the default) default-ep2 measures 132,794,376 bytes against a plan of
-    # 129,658,928 (2.4% under), not yet understood
+    # per-layer loss (the default; measured when it still averaged the layers' losses)
+    # default-ep2 measured 132,794,376 bytes against a plan of 129,658,928 (2.4% under),
+    # not yet understood
     return load_config(config, ["precision.dtype=fp32", "train.balance_loss=family", *sets])
 
 

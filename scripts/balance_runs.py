@@ -100,6 +100,9 @@ def _without_bias(run: Path, eval_loss: float) -> float | None:
     cfg = load_config(run / "config.toml")
     if cfg.train.expert_bias_rate <= 0:
         return None
+    cache = run / "without_bias.json"  # measured once per finished run
+    if cache.is_file():
+        return json.loads(cache.read_text())["eval_loss_without_bias"]
     eval_BL1 = text_data(cfg, run, False).eval_BL1
     kept = _held_out(load_run(run)[2], eval_BL1, cfg.train.batch_size)
     if abs(kept / eval_loss - 1) > 1e-4:
@@ -109,7 +112,9 @@ def _without_bias(run: Path, eval_loss: float) -> float | None:
     with tempfile.TemporaryDirectory() as d:
         out = convert(run, Path(d) / "hf", drop_expert_bias=True)
         stock = AutoModelForCausalLM.from_pretrained(out).eval()
-        return _held_out(stock, eval_BL1, cfg.train.batch_size)
+        loss = _held_out(stock, eval_BL1, cfg.train.batch_size)
+    cache.write_text(json.dumps({"eval_loss_without_bias": loss, "eval_loss": kept}) + "\n")
+    return loss
 
 
 def _figures(run: Path, sets: list[str]) -> dict:

@@ -40,8 +40,11 @@ SECTIONS = {
     ],
     "train": ["dropless bench train --record"],
     "balance": [
+        "OMP_NUM_THREADS=1 python scripts/balance_runs.py per_layer-1thread "
+        "per_layer+bias-1thread:train.expert_bias_rate=1e-3",
         "python scripts/balance_runs.py family:train.balance_loss=family per_layer "
-        "per_layer+bias:train.expert_bias_rate=1e-3 --section benchmarks/sections/balance.md"
+        "per_layer-1thread per_layer+bias:train.expert_bias_rate=1e-3 "
+        "per_layer+bias-1thread:train.expert_bias_rate=1e-3 --section benchmarks/sections/balance.md",
     ],
     "jax": ["dropless bench jax --impls dropless,ragged_dot,capacity_einsum,dense_bound --record"],
     "expert_mlp_op": [

@@ -8,11 +8,9 @@ minor page faults of the optimizer step (`ru_minflt`) and glibc's heap after the
 (`mallinfo2`: bytes held in the arenas, and of them free). `--optimizer default` is what
 `torch.optim.AdamW(params)` picks on CPU (the single-tensor loop, which allocates two
 parameter-sized temporaries per parameter); `fused` is torch's fused kernel. Allocator
-settings: `default` (none), `hugetlb` (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: glibc
-asks for transparent huge pages for its mmapped blocks, so a fresh 50 MB temporary takes
-tens of page faults instead of ~12,000) and `heap` (`MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=2**40`: no block is mmapped and the heap is never trimmed, so a
-temporary reuses the pages its predecessor freed; the process keeps its peak). The ratio
+settings: `default` (none) and `heap` (`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2**40`:
+glibc maps no block and never trims its heap, so a temporary reuses the pages its
+predecessor freed; the process keeps its peak mapped). The ratio
 is the median of the per-round ratios patched / stock of the optimizer step's time, with
 their min-max.
 
@@ -37,7 +35,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this 
 ROWS = ("grouped_mm", "dropless")  # stock Transformers v5 and the same model patched
 SETTINGS = {
     "default": {},
-    "hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"},
     # no mmap: every block from the heap, which is never trimmed: a freed block stays mapped
     "heap": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)},
 }
@@ -122,9 +119,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=5, help="timed steps per child after a warm-up")
     p.add_argument("--optimizer", choices=("default", "fused"), default="default")
-    p.add_argument(
-        "--settings", default="default,hugetlb,heap", help="comma list of allocator settings"
-    )
+    p.add_argument("--settings", default="default,heap", help="comma list of allocator settings")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--section", type=Path, default=None, help="also write the markdown here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

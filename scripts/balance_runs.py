@@ -137,6 +137,8 @@ def _figures(run: Path, sets: list[str]) -> dict:
         "overrides": sets, "commit": commit, "threads": threads, "step": last["step"], "eval_loss": last["eval_loss"],
         "eval_bpb": last["eval_bpb"], "max_mean_load": stats["max_mean_load"],
         "max_mean_load_per_layer": stats["max_mean_load_per_layer"],
+        # the load plot's other end: each layer's lightest expert against its layer's mean
+        "min_mean_load_per_layer": [min(row) / (sum(row) / len(row)) for row in last["tokens_per_expert"]],
         "starved_experts": stats["starved_experts"], "starved_share": STARVED,
         "max_mean_by_step": {str(s): by_step[s] for s in STEPS_SHOWN if s in by_step},
         "eval_loss_without_bias": _without_bias(run, last["eval_loss"]),
@@ -156,6 +158,7 @@ def _section(record: dict, names: list[str]) -> str:
         kept = f.get("eval_loss_without_bias")
         dropped = "" if kept is None else f"{kept:.4f} ({kept / f['eval_loss'] - 1:+.2%})"
         layers = " / ".join(f"{r:.2f}" for r in f["max_mean_load_per_layer"])
+        lightest = " / ".join(f"{r:.2f}" for r in f["min_mean_load_per_layer"])
         early = " / ".join(
             f"{f['max_mean_by_step'][s]:.2f}"
             for s in map(str, STEPS_SHOWN)
@@ -163,7 +166,7 @@ def _section(record: dict, names: list[str]) -> str:
         )
         rows.append(
             f"| {name} | {sets} | {f['commit']} | {f.get('threads', 'unknown')} | {f['eval_loss']:.4f} ({f['eval_loss'] / first - 1:+.2%}) "
-            f"| {dropped} | {f['max_mean_load']:.3f} | {layers} | {f['starved_experts']} | {early} |"
+            f"| {dropped} | {f['max_mean_load']:.3f} | {layers} | {lightest} | {f['starved_experts']} | {early} |"
         )  # fmt: skip
     last = fig[names[0]]["step"]
     return "\n".join(
@@ -175,7 +178,10 @@ def _section(record: dict, names: list[str]) -> str:
          f"the first row). Load: each layer's max/mean pairs per expert over the last log window "
          f"(steps {last - 59}-{last}; 1.00 = balanced, 4.00 = the most top-2 of 8 allows); "
          f"starved: experts, all layers, below {fig[names[0]]['starved_share']:.0%} of their "
-         f"layer's mean; the worst layer's max/mean at earlier log steps after it. Each run's "
+         f"layer's mean; lightest: each layer's min/mean in that window (the last column of "
+         f"each layer's panel in the run's expert-load plot, `expert_load.png`, whose title "
+         f"names the balancing, spans from it to the layer's max/mean); the worst layer's "
+         f"max/mean at earlier log steps after it. Each run's "
          f"commit is the one it trained on; `family` is Transformers' pooled "
          f"`load_balancing_loss_func` (the loss of every commit before `train.balance_loss`); "
          f"`per_layer` averaged the layers' Switch losses before commit {SUM_SINCE} and sums "
@@ -183,8 +189,8 @@ def _section(record: dict, names: list[str]) -> str:
          f"before it. Bias dropped: for a run with the aux-loss-free expert bias, the held-out "
          f"loss of the stock model `dropless convert --drop-expert-bias` writes (against the "
          f"run's own).", "",
-         "| setting | overrides | commit | torch threads (OMP_NUM_THREADS) | held-out loss | bias dropped | worst layer max/mean | per layer | starved | worst at steps 60 / 180 / 300 |",
-         "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
+         "| setting | overrides | commit | torch threads (OMP_NUM_THREADS) | held-out loss | bias dropped | worst layer max/mean | per layer | lightest per layer | starved | worst at steps 60 / 180 / 300 |",
+         "|---|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
     )  # fmt: skip
 
 

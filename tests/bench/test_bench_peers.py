@@ -137,7 +137,13 @@ def _layer_record(tmp_path, impls: str) -> dict:
 
     hist = tmp_path / "h.jsonl"
     argv = ["bench", "layer", "--shape", "tiny", "--device", "cpu", "--no-skewed", "--no-memory"]
-    assert main([*argv, "--rounds", "3", "--impls", impls, "--history", str(hist)]) == 0
+    argv += [
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+    ]  # one child per row: what is asked is the peer's status
+    assert main([*argv, "--impls", impls, "--history", str(hist)]) == 0
     return json.loads(hist.read_text().splitlines()[-1])["figures"]
 
 

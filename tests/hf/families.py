@@ -319,3 +319,23 @@ def clone_into(src, implementation: str | None):
     model = auto_class(cfg).from_config(cfg, **kwargs).float()
     model.load_state_dict(src.state_dict())
     return model
+
+
+def labelled_batch(seed=1, B=2, L=9):
+    """Token ids and labels with ignored positions: right padding in row 0, a masked
+    prompt in row 1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 96, (B, L), generator=g)
+    labels = ids.clone()
+    labels[0, -3:] = -100  # right padding
+    labels[1, :2] = -100  # a masked prompt
+    return ids, labels
+
+
+def loss_step(model, **kw):
+    """model(**kw) and its loss's backward from zeroed gradients -> (output, gradients)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from families import FAMILIES, MORE_FAMILIES, build
+from families import FAMILIES, MORE_FAMILIES, build, labelled_batch, loss_step
 
 import dropless.hf as dh
 from dropless.hf.fusions.causal_lm_loss import (
@@ -31,20 +31,8 @@ def _fp64_stock_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-def _batch(seed=1, B=2, L=9):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 96, (B, L), generator=g)
-    labels = ids.clone()
-    labels[0, -3:] = -100  # right padding
-    labels[1, :2] = -100  # a masked prompt
-    return ids, labels
-
-
 def _step(model, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**kw)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out, grads = loss_step(model, **kw)
     return out.loss.detach(), out.logits, grads
 
 
@@ -60,7 +48,7 @@ def _assert_same(got, want, rtol, atol=None):
 @pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
 def test_every_family_equals_fp64_cross_entropy(family):
     model = build(family).double()
-    ids, labels = _batch()
+    ids, labels = labelled_batch()
     model.loss_function = _fp64_stock_loss
     want = _step(model, input_ids=ids, labels=labels)
     del vars(model)["_loss_function"]
@@ -73,7 +61,7 @@ def test_every_family_equals_fp64_cross_entropy(family):
 
 def test_num_items_and_shift_labels_equal_stock_in_fp64():
     model = build("qwen3_moe").double()
-    ids, labels = _batch(seed=2)
+    ids, labels = labelled_batch(seed=2)
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].clone()
     shifted[0, 0] = -100
     calls = [
@@ -90,7 +78,7 @@ def test_num_items_and_shift_labels_equal_stock_in_fp64():
 
 def test_autocast_upcasts_the_bf16_logits_as_stock():
     model = build("qwen3_moe")
-    ids, labels = _batch(seed=3)
+    ids, labels = labelled_batch(seed=3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = _step(model, input_ids=ids, labels=labels)  # stock ForCausalLMLoss
         enable_lean_cross_entropy(model)
@@ -112,7 +100,7 @@ def _logits_sized_saved(model, ids):
 def test_patch_installs_it_by_default_and_keeps_no_log_probabilities():
     """patch(): the loss keeps the logits it returns, nothing else [B*L, V]-sized (stock
     keeps its log-probabilities); `lean_cross_entropy=False` and unpatch() give stock's."""
-    ids, _ = _batch()
+    ids, _ = labelled_batch()
     stock = build("qwen3_moe")
     assert False in _logits_sized_saved(stock, ids)  # stock's log-probabilities
     dh.patch()

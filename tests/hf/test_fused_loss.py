@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from families import FAMILIES, build
+from families import FAMILIES, build, labelled_batch, loss_step
 
 from dropless.hf.fusions.fused_loss import (
     disable_fused_cross_entropy,
@@ -14,23 +14,6 @@ from dropless.hf.fusions.fused_loss import (
 )
 
 BACKENDS = ["fused"]
-
-
-def _batch(seed=1, B=2, L=9):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 96, (B, L), generator=g)
-    labels = ids.clone()
-    labels[0, -3:] = -100  # right padding
-    labels[1, :2] = -100  # a masked prompt
-    return ids, labels
-
-
-def _run(model, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**kw)
-    out.loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out, grads
 
 
 def _assert_same(a, b):
@@ -45,18 +28,18 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loss_and_grads_equal_stock(backend):
     model = build("qwen3_moe")
-    ids, labels = _batch()
+    ids, labels = labelled_batch()
     calls = [
         dict(input_ids=ids, labels=labels),
         dict(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(11)),
         dict(input_ids=ids, labels=labels, output_router_logits=True),
     ]
-    stock = [_run(model, **kw) for kw in calls]
+    stock = [loss_step(model, **kw) for kw in calls]
     assert all(s[0].logits.shape == (2, 9, 96) for s in stock)
     enable_fused_cross_entropy(model, chunk_size=5, backend=backend)
     assert is_fused_cross_entropy_enabled(model)
     for kw, ref in zip(calls, stock):
-        fused = _run(model, **kw)
+        fused = loss_step(model, **kw)
         assert fused[0].logits is None
         _assert_same(ref, fused)
     assert stock[2][0].aux_loss is not None
@@ -65,7 +48,7 @@ def test_loss_and_grads_equal_stock(backend):
 
 def test_on_loss_is_called_with_each_cross_entropy():
     model = build("qwen3_moe")
-    ids, labels = _batch(seed=3)
+    ids, labels = labelled_batch(seed=3)
     kw = dict(input_ids=ids, labels=labels, output_router_logits=False)
     with torch.no_grad():
         stock = model(**kw).loss
@@ -83,7 +66,7 @@ def test_on_loss_is_called_with_each_cross_entropy():
 
 def test_without_labels_tuple_output_and_disable():
     model = build("qwen3_moe")
-    ids, labels = _batch(seed=2)
+    ids, labels = labelled_batch(seed=2)
     with torch.no_grad():
         stock_logits = model(input_ids=ids).logits
         stock_tuple = model(input_ids=ids, labels=labels, return_dict=False)
@@ -126,7 +109,7 @@ def test_logits_changed_after_the_head_is_an_error():
     enable_fused_cross_entropy(model)
     head_forward = model.lm_head.forward
     model.lm_head.forward = lambda h: head_forward(h) * 2.0  # a family-style logit scaling
-    ids, labels = _batch()
+    ids, labels = labelled_batch()
     with pytest.raises(ValueError, match="transforms its logits"):
         model(input_ids=ids, labels=labels)
 
@@ -135,7 +118,7 @@ def test_logits_changed_after_the_head_is_an_error():
 def test_no_full_logits_kept_for_backward(backend):
     """Stock keeps the [B, L, V] logits for backward; the fused head keeps none."""
     model = build("qwen3_moe")
-    ids, labels = _batch()
+    ids, labels = labelled_batch()
     B, L, V = *ids.shape, model.config.vocab_size
 
     def logits_sized_saved(m):
@@ -169,7 +152,7 @@ def test_disable_restores_forwards_set_on_the_instance():
 
     model.forward, model.lm_head.forward = traced_forward, traced_head
     enable_fused_cross_entropy(model)
-    ids, labels = _batch()
+    ids, labels = labelled_batch()
     with torch.no_grad():
         assert model(input_ids=ids).logits is not None
         fused = model(input_ids=ids, labels=labels)
@@ -187,10 +170,10 @@ def test_disable_restores_forwards_set_on_the_instance():
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_moe"] + ["granitemoe"])
 def test_other_families_equal_stock(family):
     model = build(family)
-    ids, labels = _batch(seed=3)
+    ids, labels = labelled_batch(seed=3)
     kw = dict(input_ids=ids, labels=labels, output_router_logits=True)
-    stock = _run(model, **kw)
+    stock = loss_step(model, **kw)
     enable_fused_cross_entropy(model, chunk_size=7)
-    fused = _run(model, **kw)
+    fused = loss_step(model, **kw)
     assert fused[0].logits is None
     _assert_same(stock, fused)

@@ -30,9 +30,8 @@ from tools.bench_sections import provenance  # noqa: E402
 
 from dropless.bench.child import run_child_process  # noqa: E402
 from dropless.bench.common import (  # noqa: E402
-    MIN_ROUNDS,
-    MIN_STEPS,
     Recorder,
+    add_round_arguments,
     paired,
     paired_text,
     rotated,
@@ -128,8 +127,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("old", help="the old commit")
     p.add_argument("new", nargs="?", default="HEAD", help="the new commit (default HEAD)")
-    p.add_argument("--rounds", type=int, default=MIN_ROUNDS)
-    p.add_argument("--steps", type=int, default=MIN_STEPS, help="timed steps per child")
+    add_round_arguments(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed layer steps per child first")
     p.add_argument("--section", type=Path, default=None, help="write the markdown here")
     args = p.parse_args(argv)

@@ -277,6 +277,19 @@ def load_sentence(load: dict) -> str:
 MIN_STEPS = MIN_ROUNDS = 5  # timed steps per child and rounds of a run that is a result
 
 
+def add_round_arguments(p, steps: str = "timed steps per child") -> None:
+    """`--rounds` and `--steps` of a paired-rounds bench, their defaults what a result needs."""
+    p.add_argument(
+        "--rounds", type=int, default=MIN_ROUNDS,
+        help=f"rounds, each runs every row once in a fresh child, the order rotated "
+        f"(default {MIN_ROUNDS}; fewer is not a result)",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps", type=int, default=MIN_STEPS,
+        help=f"{steps} (default {MIN_STEPS}; fewer is not a result)",
+    )  # fmt: skip
+
+
 def rotated(names: list, r: int) -> list:
     """Round r's order of the rows: rotated by r, so each row goes first in turn."""
     k = r % len(names) if names else 0

@@ -30,6 +30,7 @@ from .common import (
     MIN_STEPS,
     Recorder,
     add_history_arguments,
+    add_round_arguments,
     follow_live_memory,
     from_checkout,
     load_sentence,
@@ -102,15 +103,7 @@ def split_key(key: str) -> tuple[str, str]:
 
 def add_child_arguments(p: argparse.ArgumentParser) -> None:
     """The options of the rows' children, `bench e2e`'s and `bench lora`'s."""
-    p.add_argument(
-        "--rounds", type=int, default=MIN_ROUNDS,
-        help=f"rounds, each runs every row once in a fresh child, the order rotated "
-        f"(default {MIN_ROUNDS}; fewer is not a result)",
-    )  # fmt: skip
-    p.add_argument(
-        "--steps", type=int, default=MIN_STEPS,
-        help=f"timed steps per child after a warm-up step (default {MIN_STEPS}; fewer is not a result)",
-    )  # fmt: skip
+    add_round_arguments(p, "timed steps per child after a warm-up step")
     p.add_argument(
         "--optimizer", default="fused,default",
         help="comma list of AdamW settings, every row once with each, its ratios against the "

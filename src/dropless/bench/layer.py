@@ -37,6 +37,7 @@ from .common import (
     MIN_STEPS,
     Recorder,
     add_history_arguments,
+    add_round_arguments,
     from_checkout,
     load_sentence,
     paired,
@@ -85,15 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--shape", choices=sorted(SHAPES), default="qwen3", help="layer shape (default qwen3)"
     )
     p.add_argument("--tokens", type=int, nargs="+", help="T, overrides the shape's token counts")
-    p.add_argument(
-        "--rounds", type=int, default=MIN_ROUNDS,
-        help=f"rounds, each runs every row in a fresh child, the order rotated (default "
-        f"{MIN_ROUNDS}; fewer is not a result)",
-    )  # fmt: skip
-    p.add_argument(
-        "--steps", type=int, default=MIN_STEPS,
-        help=f"timed steps per child (default {MIN_STEPS}; fewer is not a result)",
-    )  # fmt: skip
+    add_round_arguments(p)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per child first")
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma list from "
                    f"{','.join(IMPLS + EXTRA_IMPLS)} or 'all' (= {','.join(IMPLS)}; default: "

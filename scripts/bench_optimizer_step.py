@@ -24,13 +24,21 @@ import ctypes
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
+
+from dropless.bench.child import run_child_process  # noqa: E402
+from dropless.bench.common import (  # noqa: E402
+    Recorder,
+    add_round_arguments,
+    paired,
+    rotated,
+    timing_env,
+)
 
 ROWS = ("grouped_mm", "dropless")  # stock Transformers v5 and the same model patched
 SETTINGS = {
@@ -103,21 +111,19 @@ def child(args: dict) -> dict:
 
 
 def _run_child(impl: str, setting: str, args) -> dict:
-    from dropless.bench.common import timing_env
-
     env = {**timing_env(), **SETTINGS[setting]}
     spec = {"impl": impl, "optimizer": args.optimizer, "steps": args.steps, "threads": args.threads}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"child {impl}/{setting} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    run = run_child_process(cmd, timeout=1800, env=env)
+    if not run.ok:
+        why = run.reason or f"exit status {run.returncode}"
+        raise RuntimeError(f"child {impl}/{setting} failed ({why}):\n{run.stderr_tail()}")
+    return run.last_json()
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per child after a warm-up")
+    add_round_arguments(p, "timed steps per child after a warm-up step")
     p.add_argument("--optimizer", choices=("default", "fused"), default="default")
     p.add_argument("--settings", default="default,heap", help="comma list of allocator settings")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -128,8 +134,6 @@ def main(argv=None) -> None:
         print(json.dumps(child(json.loads(args.child))))
         return
     from tools.bench_sections import provenance
-
-    from dropless.bench.common import Recorder, paired, rotated
 
     settings = [s for s in args.settings.split(",") if s]
     unknown = [s for s in settings if s not in SETTINGS]
@@ -147,7 +151,7 @@ def main(argv=None) -> None:
                   f"{out['opt_faults']:.0f} faults; fwd+bwd {out['fwd_bwd_s']:.3f} s", flush=True)  # fmt: skip
         rec.sample_load()
     verdict = rec.verdict(args.steps, args.rounds)
-    lines = _table(res, rows, settings, paired)
+    lines = _table(res, rows, settings)
     record = rec.finish("optimizer_step", {"rows": {f"{i}/{s}": v for (i, s), v in res.items()}})
     lines += ["", verdict]
     print("\n".join(lines))
@@ -158,7 +162,7 @@ def main(argv=None) -> None:
         args.section.write_text("\n".join(head + lines) + "\n")
 
 
-def _table(res: dict, rows: list, settings: list, paired) -> list[str]:
+def _table(res: dict, rows: list, settings: list) -> list[str]:
     def med(row, key):
         return statistics.median(o[key] for o in res[row].values())
 

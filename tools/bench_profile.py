@@ -88,11 +88,16 @@ def markdown(title: str, table: dict) -> str:
         "|---|---|---|---|",
     ]
     for r in table["rows"]:
-        name = r["name"].replace("|", "\\|")
-        if len(name) > 90:
-            name = name[:87] + "..."
-        lines.append(f"| `{name}` | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |")
+        lines.append(
+            f"| `{_op_name(r['name'])}` | {r['calls']} | {r['total_ms']:.3f} | {r['share']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def _op_name(name: str) -> str:
+    """An operator's name for a markdown cell: pipes escaped, at most 90 characters."""
+    name = name.replace("|", "\\|")
+    return name[:87] + "..." if len(name) > 90 else name
 
 
 def side_by_side(title: str, tables: dict[str, dict]) -> str:
@@ -119,7 +124,7 @@ def side_by_side(title: str, tables: dict[str, dict]) -> str:
     for op in ops:
         cells = [by_row[n].get(op) for n in names]
         text = [f"{c['total_ms']:.1f} ({c['share']:.3f})" if c else "-" for c in cells]
-        lines.append(f"| `{op.replace('|', chr(92) + '|')[:90]}` | " + " | ".join(text) + " |")
+        lines.append(f"| `{_op_name(op)}` | " + " | ".join(text) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -156,6 +156,27 @@ def test_worker_error_reaches_the_caller_and_the_pool_survives():
     assert torch.get_num_threads() == keep  # starting workers left the caller's count alone
 
 
+def test_a_script_that_ends_after_a_threaded_backward_exits_cleanly(tmp_path):
+    """A user's script whose last line is the backward exits with status 0 (it aborted
+    with 'terminate called without an active exception' when a worker still held the
+    run's tensors at interpreter exit)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "last_line_backward.py"
+    script.write_text(
+        "import torch\n"
+        "from dropless import nn as dnn\n"
+        "torch.set_num_threads(2)\n"
+        "moe = dnn.MoE(256, 96, 32, 4, renormalize=True)\n"
+        "x = torch.randn(1024, 256, requires_grad=True)\n"
+        "moe(x)[0].sum().backward()\n"
+    )
+    for _ in range(3):
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_threads_under_inference_mode(threads):
     """Tensors made under inference mode may only be written in inference mode: the
     workers run in the caller's mode."""

@@ -38,7 +38,16 @@ class _Worker(threading.Thread):
         torch.set_num_threads(1)
         self.ready.set()
         while True:
-            self.tasks.get()()
+            task, done = self.tasks.get()
+            try:
+                task()  # never raises: _Run.work keeps its error for the caller
+            finally:
+                # the caller goes on once every worker is done: by then no worker may
+                # hold the run (its tensors), or the last reference would be dropped
+                # here, later, and at interpreter exit a thread that frees a tensor is
+                # killed mid-C++ (std::terminate: the process aborts)
+                del task
+                done.release()
 
 
 def _workers(n: int) -> list[_Worker]:
@@ -101,7 +110,7 @@ class _Modes:
 class _Run:
     """One call's shared state: the claim counter, the commit turn, the buffer pool."""
 
-    def __init__(self, items, compute, commit, new_out, make_scratch, max_out, active):
+    def __init__(self, items, compute, commit, new_out, make_scratch, max_out):
         self.items, self.compute, self.commit = items, compute, commit
         self.new_out, self.make_scratch, self.max_out = new_out, make_scratch, max_out
         self.cond = threading.Condition()
@@ -110,7 +119,6 @@ class _Run:
         self.free: list = []
         self.committing = False
         self.error: BaseException | None = None
-        self.active = active
         self.modes = _Modes()  # the caller's thread-local modes, carried into the workers
         self.uncarried = False  # a worker could not reproduce them: the caller runs all
 
@@ -170,10 +178,7 @@ class _Run:
         except BaseException as e:  # re-raised in the calling thread
             with self.cond:
                 self.error = self.error or e
-        finally:
-            with self.cond:
-                self.active -= 1
-                self.cond.notify_all()
+                self.cond.notify_all()  # a worker waiting for a buffer stops claiming
 
 
 def run_experts(
@@ -194,12 +199,12 @@ def run_experts(
     if workers <= 1 or len(items) < 2 or python_modes_active():
         return False
     n = min(workers, len(items))
-    run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1, active=n)
+    run = _Run(items, compute, commit, new_out, make_scratch, max_out=2 * n + 1)
+    done = threading.Semaphore(0)
     for w in _workers(n):
-        w.tasks.put(run.work)
-    with run.cond:
-        while run.active:
-            run.cond.wait()
+        w.tasks.put((run.work, done))
+    for _ in range(n):
+        done.acquire()
     if run.error is not None:
         raise run.error
     if run.uncarried:

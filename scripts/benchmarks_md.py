@@ -28,6 +28,9 @@ SECTIONS = {
         "dropless bench e2e --impls grouped_mm,dropless --compile --no-memory --no-history "
         "--section benchmarks/sections/e2e_compile.md"
     ],
+    "step_bound": [
+        "python scripts/bench_step_bound.py --section benchmarks/sections/step_bound.md"
+    ],
     "optimizer_step": [
         "python scripts/bench_optimizer_step.py --section benchmarks/sections/optimizer_step.md"
     ],

@@ -8,9 +8,10 @@ M = batch x seq rows, the LM head too; the experts' gate/up and down with M = ba
 x top-k rows, the dense bound of `dropless bench layer`); causal SDPA forward + backward at
 the step's [batch, heads, seq, head_dim] (torch's CPU kernel, which stock and patched both
 run); and the AdamW step over tensors of the model's parameter shapes. Nothing else counts
-(embedding, norms, rotary, SiLU, routing, gathers, the loss, zeroing gradients), so every
-step takes longer than its floor, and stock step / floor is the most any implementation
-that runs these parts no faster than torch can gain over stock. Each round runs the floor
+(embedding, norms, rotary, SiLU, routing, gathers, the loss, zeroing gradients), so a
+step that ran every part at torch's speed would still take longer than its floor, and
+stock step / floor is the most such an implementation gains over stock (per-expert GEMMs
+that each fit one core can beat the dense bound: docs/performance.md). Each round runs the floor
 and the stock and patched steps (`dropless bench e2e`'s timing child, default allocator)
 in fresh children, the order rotated; a ratio is the median of the per-round ratios,
 min-max beside it.

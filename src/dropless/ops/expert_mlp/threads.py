@@ -166,6 +166,7 @@ class _Run:
                 if not self.modes.enter(stack):
                     with self.cond:
                         self.uncarried = True
+                        self.cond.notify_all()  # as for an error: no worker claims more
                     return
                 scratch = self.make_scratch()
                 while True:

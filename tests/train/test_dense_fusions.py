@@ -31,6 +31,19 @@ def test_fused_cross_entropy_trains_the_same_loss(tmp_path):
     assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
 
 
+def test_the_unfused_loss_writes_its_gradient_over_the_logits(tmp_path, monkeypatch):
+    """train.fused_cross_entropy=false: the step lets go of the logits it handed to the lean
+    loss, so its backward finds them on memory no one else holds and writes the gradient
+    there (no second logits-sized buffer)."""
+    import importlib
+
+    rows = importlib.import_module("dropless.ops.linear_cross_entropy.rows")
+    real, owned = rows._owns_memory, []
+    monkeypatch.setattr(rows, "_owns_memory", lambda x: owned.append(real(x)) or owned[-1])
+    _first_step(tmp_path, "plain", "train.fused_cross_entropy=false")
+    assert owned and all(owned), owned
+
+
 def test_adamw_kernel_choice():
     o = load_config().optim
     assert o.implementation == "auto"

@@ -215,16 +215,17 @@ def test_trainer_and_planner_run_the_same_micro_step(tmp_path, monkeypatch):
     assert calls and all(kind == "Tensor" for kind, _ in calls)
 
 
-def test_the_unfused_loss_lets_go_of_the_fp32_logits_before_backward(monkeypatch):
-    """With train.fused_cross_entropy=false the step's fp32 copy of the logits [B, L, V]
-    is not alive in backward (it was, through a view, until the step returned: a
-    logits-sized tensor on top of the backward's peak, 8 GiB per GPU in the Nemotron
-    verdict of docs/parallel.md)."""
+def test_the_unfused_loss_lets_go_of_the_logits_before_backward(monkeypatch):
+    """With train.fused_cross_entropy=false the step hands the model's logits to the lean
+    loss, which keeps them (no copy) for backward, and drops its own references before
+    backward, so the loss can write its gradient over them. (It once kept an fp32 copy alive
+    until the step returned: a logits-sized tensor on top of the backward's peak, 8 GiB per
+    GPU in the Nemotron verdict of docs/parallel.md; then F.cross_entropy's log-probabilities.)"""
     import weakref
 
-    import torch.nn.functional as F
+    from dropless.train import step as train_step
 
-    real, alive = F.cross_entropy, []
+    real, alive = train_step.cross_entropy, []
 
     def spy(logits, *args, **kwargs):
         ref = weakref.ref(logits)
@@ -232,7 +233,7 @@ def test_the_unfused_loss_lets_go_of_the_fp32_logits_before_backward(monkeypatch
         loss.register_hook(lambda g: alive.append(ref() is not None))
         return loss
 
-    monkeypatch.setattr(F, "cross_entropy", spy)
+    monkeypatch.setattr(train_step, "cross_entropy", spy)
     cfg = load_config("examples/tiny.toml", ["train.fused_cross_entropy=false"])
     P.make_plan(cfg, 1, 80, compare_checkpointing=False)
     assert alive and not any(alive), alive

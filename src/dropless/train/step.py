@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ..ops.linear_cross_entropy.rows import cross_entropy
 from .data.context_split import ContextSplit
 from .data.sft import IGNORE
 from .model.lora import base_model
@@ -128,7 +128,7 @@ class MicroStep:
     model: torch.nn.Module
     precision: Any  # Precision: .forward() and .recipe() contexts
     router: Any  # dropless.hf.experts.router_losses.RouterLosses
-    ce_seen: list | None  # fuse_cross_entropy's list, or None: logits and F.cross_entropy
+    ce_seen: list | None  # fuse_cross_entropy's list, or None: logits and the lean loss
     aux_loss_coef: float
     z_loss_coef: float
     grad_accum: int
@@ -178,14 +178,10 @@ class MicroStep:
         if self.ce_seen is not None:
             assert len(self.ce_seen) == 1, "the fused loss ran once per forward"
             ce = self.ce_seen.pop()
-        else:
-            logits = out.logits.float()
-            flat = logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
-            if num_items is None:
-                ce = F.cross_entropy(*flat)
-            else:
-                ce = F.cross_entropy(*flat, reduction="sum") / num_items
-            del logits, flat  # flat holds a view of the fp32 logits
+        else:  # the lean loss: sums in fp32, the logits (no copy) all it keeps for backward
+            reduction = "mean" if num_items is None else "sum"
+            ce = cross_entropy(out.logits, y, ignore_index=IGNORE, reduction=reduction)
+            ce = ce if num_items is None else ce / num_items
         # the model's own router outputs and selected experts (dropless.hf.experts.router_losses)
         rs = self.router.stats(out, x.shape, need_router, self.cp_group, self.balance_loss)
         del out  # the logits (unfused) are not held through backward

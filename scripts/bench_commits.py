@@ -16,7 +16,6 @@ is the median of the per-round ratios, with their min-max and the best-of-rounds
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this 
 
 from tools.bench_sections import provenance  # noqa: E402
 
-from dropless.bench.child import run_child_process  # noqa: E402
 from dropless.bench.common import (  # noqa: E402
     Recorder,
     add_round_arguments,
     paired,
     paired_text,
     rotated,
-    timing_env,
+    run_json_child,
     verdict,
 )
 from dropless.bench.e2e import SHAPE  # noqa: E402
@@ -73,11 +71,8 @@ BENCHES = {  # name: (child code, figure, higher is better, unit)
 
 def _child(src: Path, bench: str, args: dict) -> float:
     code, figure, _, _ = BENCHES[bench]
-    cmd = [sys.executable, "-c", code, json.dumps(args)]
-    run = run_child_process(cmd, timeout=1800, env=timing_env() | {"PYTHONPATH": str(src)})
-    if not run.ok:
-        raise RuntimeError(f"{bench} from {src} failed ({run.reason}):\n{run.stderr_tail()}")
-    return float(run.last_json()[figure])
+    out = run_json_child(["-c", code], args, f"{bench} from {src}", env={"PYTHONPATH": str(src)})
+    return float(out[figure])
 
 
 def measure(srcs: dict, args, rec) -> dict[str, dict[str, dict[int, float]]]:

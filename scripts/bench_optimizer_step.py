@@ -31,13 +31,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
 
-from dropless.bench.child import run_child_process  # noqa: E402
 from dropless.bench.common import (  # noqa: E402
     Recorder,
     add_round_arguments,
     paired,
     rotated,
-    timing_env,
+    run_json_child,
 )
 
 ROWS = ("grouped_mm", "dropless")  # stock Transformers v5 and the same model patched
@@ -111,14 +110,9 @@ def child(args: dict) -> dict:
 
 
 def _run_child(impl: str, setting: str, args) -> dict:
-    env = {**timing_env(), **SETTINGS[setting]}
     spec = {"impl": impl, "optimizer": args.optimizer, "steps": args.steps, "threads": args.threads}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    run = run_child_process(cmd, timeout=1800, env=env)
-    if not run.ok:
-        why = run.reason or f"exit status {run.returncode}"
-        raise RuntimeError(f"child {impl}/{setting} failed ({why}):\n{run.stderr_tail()}")
-    return run.last_json()
+    script = [str(Path(__file__).resolve()), "--child"]
+    return run_json_child(script, spec, f"child {impl}/{setting}", env=SETTINGS[setting])
 
 
 def main(argv=None) -> None:

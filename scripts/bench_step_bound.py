@@ -30,15 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # tools/ and the package of this checkout
 
-from dropless.bench.child import run_child_process  # noqa: E402
 from dropless.bench.common import (  # noqa: E402
     Recorder,
     add_round_arguments,
     paired,
     rotated,
     run_child,
+    run_json_child,
     step_times,
-    timing_env,
 )
 from dropless.bench.e2e import OPTIMIZERS, SHAPE  # noqa: E402
 
@@ -127,12 +126,7 @@ def floor_child(args: dict) -> dict:
 
 def _floor_run(args) -> dict:
     spec = {"steps": args.steps, "threads": args.threads, "optimizers": args.optimizers}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    run = run_child_process(cmd, timeout=1800, env=timing_env())
-    if not run.ok:
-        why = run.reason or f"exit status {run.returncode}"
-        raise RuntimeError(f"the floor's child failed ({why}):\n{run.stderr_tail()}")
-    return run.last_json()
+    return run_json_child([str(Path(__file__).resolve()), "--child"], spec, "the floor's child")
 
 
 def _step_run(impl: str, optimizer: str, args) -> float:

@@ -464,18 +464,25 @@ def require_extra(bench: str, extra: str, *modules: str) -> None:
             )
 
 
-def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
-    """Run `python -m module` with a JSON argument under the default allocator (malloc
-    settings removed from its environment); it prints one JSON line last."""
+def run_json_child(
+    argv: list[str], args: dict, what: str, env: dict | None = None, timeout: float = 1800
+) -> dict:
+    """Run `python *argv JSON(args)` under the default allocator (malloc settings removed
+    from its environment, then `env` added); it prints one JSON line last, returned. A
+    failure raises with `what`, the reason and the end of its stderr."""
     from dropless.bench.child import run_child_process
 
-    run = run_child_process(
-        [sys.executable, "-m", module, json.dumps(args)], timeout=timeout, env=timing_env()
-    )
+    cmd = [sys.executable, *argv, json.dumps(args)]
+    run = run_child_process(cmd, timeout=timeout, env=timing_env() | (env or {}))
     if not run.ok:
         why = run.reason or f"exit status {run.returncode}"
-        raise RuntimeError(f"benchmark child {module} failed ({why}):\n{run.stderr_tail()}")
+        raise RuntimeError(f"{what} failed ({why}):\n{run.stderr_tail()}")
     return run.last_json()
+
+
+def run_child(module: str, args: dict, timeout: float = 1800) -> dict:
+    """`python -m module` with a JSON argument (`run_json_child`)."""
+    return run_json_child(["-m", module], args, f"benchmark child {module}", timeout=timeout)
 
 
 def step_times(fn, rounds: int, warmup: int = 0, sync=None) -> list[float]:

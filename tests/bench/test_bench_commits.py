@@ -4,20 +4,14 @@ commits' order rotated, new / old as the median of the per-round ratios."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_commits.py"
-
 
 @pytest.fixture
-def bench_commits():
-    spec = importlib.util.spec_from_file_location("bench_commits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench_commits(load_script):
+    return load_script("bench_commits")
 
 
 def test_rounds_rotate_the_commits_and_pair_their_ratios(bench_commits, monkeypatch, capsys):

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location(
-        "benchmarks_md", ROOT / "scripts" / "benchmarks_md.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_sections_without_a_command_are_refused(tmp_path):
-    md = _script()
+def test_sections_without_a_command_are_refused(tmp_path, load_script):
+    md = load_script("benchmarks_md")
     sections = tmp_path / "benchmarks" / "sections"
     sections.mkdir(parents=True)
     (sections / "fp8.md").write_text("## FP8\n\nCommand: `dropless bench fp8`  \n| a |\n")
@@ -32,5 +18,7 @@ def test_sections_without_a_command_are_refused(tmp_path):
         md.build(tmp_path)
 
 
-def test_benchmarks_md_is_assembled_from_the_sections():
-    assert _script().main(["--check"]) == 0, "run: python scripts/benchmarks_md.py"
+def test_benchmarks_md_is_assembled_from_the_sections(load_script):
+    assert load_script("benchmarks_md").main(["--check"]) == 0, (
+        "run: python scripts/benchmarks_md.py"
+    )

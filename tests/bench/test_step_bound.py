@@ -3,20 +3,12 @@ AdamW's step, and each ratio is the median of the per-round ratios of step times
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step_bound.py"
 
 
 @pytest.fixture
-def bound():
-    spec = importlib.util.spec_from_file_location("bench_step_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bound(load_script):
+    return load_script("bench_step_bound")
 
 
 def _parts(bound, scale: float) -> dict:
